@@ -1,0 +1,191 @@
+"""Cutting one GEMM ``C = A @ B`` into independent tiles, and putting the results back.
+
+Pure math: no I/O, no clock. A tile owns a box ``rows x cols x ks`` of the iteration space;
+its inputs are the A block ``A[rows, ks]`` and the B block ``B[ks, cols]`` and its output is
+the ``C[rows, cols]`` contribution of that k-range.
+
+* Output-tiled GEMMs (forward ``Y = X W^T`` and ``dX = dY W``) keep the full reduction in
+  every tile: each C element is computed by exactly one tile.
+* Split-K GEMMs (``dW = dY^T X``, a reduction over all tokens) cut the reduction; the
+  coordinator sums the partial blocks in a fixed order, so the result does not depend on
+  which device answered first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable, Sequence
+
+import torch
+
+
+class GemmKind(str, Enum):
+    FORWARD = "fwd"  # Y = X W^T: output tiles
+    GRAD_INPUT = "dx"  # dX = dY W: output tiles
+    GRAD_WEIGHT = "dw"  # dW = dY^T X: split along tokens (k)
+    PLAIN = "mm"  # any other product: output tiles
+
+    @property
+    def split_k(self) -> bool:
+        return self is GemmKind.GRAD_WEIGHT
+
+
+@dataclass(frozen=True)
+class TilingPolicy:
+    """Knobs of the tile planner. The cost model (a later issue) picks these per GEMM."""
+
+    max_edge: int = 512  # largest row/col extent of an output tile
+    min_edge: int = 64  # never cut an output dimension below this to make more tiles
+    min_k: int = 256  # smallest reduction chunk of a split-K tile
+    tiles_per_device: int = 2  # enough tiles that every device can keep its prefetch full
+    min_tile_flops: float = 2e6  # below this, one more tile costs more than it saves
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.min_edge <= self.max_edge):
+            raise ValueError("need 1 <= min_edge <= max_edge")
+        if self.min_k < 1 or self.tiles_per_device < 1:
+            raise ValueError("min_k and tiles_per_device must be >= 1")
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One work unit: index ``(i, j, p)`` in the tile grid and its index ranges."""
+
+    index: int
+    i: int
+    j: int
+    p: int
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    k0: int
+    k1: int
+
+    @property
+    def flops(self) -> int:
+        return 2 * (self.r1 - self.r0) * (self.c1 - self.c0) * (self.k1 - self.k0)
+
+    def a_key(self, gemm_id: int) -> str:
+        return f"{gemm_id}.a.{self.i}.{self.p}"
+
+    def b_key(self, gemm_id: int) -> str:
+        return f"{gemm_id}.b.{self.p}.{self.j}"
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    m: int
+    n: int
+    k: int
+    row_cuts: tuple[int, ...]
+    col_cuts: tuple[int, ...]
+    k_cuts: tuple[int, ...]
+
+    @property
+    def tiles(self) -> list[Tile]:
+        out = []
+        for i in range(len(self.row_cuts) - 1):
+            for j in range(len(self.col_cuts) - 1):
+                for p in range(len(self.k_cuts) - 1):
+                    out.append(
+                        Tile(
+                            len(out), i, j, p,
+                            self.row_cuts[i], self.row_cuts[i + 1],
+                            self.col_cuts[j], self.col_cuts[j + 1],
+                            self.k_cuts[p], self.k_cuts[p + 1],
+                        )
+                    )
+        return out
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.row_cuts) - 1, len(self.col_cuts) - 1, len(self.k_cuts) - 1
+
+
+def even_cuts(size: int, parts: int) -> tuple[int, ...]:
+    """``parts`` near-equal ranges covering ``[0, size)``; never an empty range unless size is 0."""
+    parts = max(1, min(parts, size)) if size else 1
+    return tuple((size * i) // parts for i in range(parts + 1))
+
+
+def plan_gemm(m: int, n: int, k: int, kind: GemmKind, devices: int, policy: TilingPolicy) -> TilePlan:
+    """Choose the tile grid of an ``(m x k) @ (k x n)`` GEMM for ``devices`` workers."""
+    if min(m, n, k) < 0:
+        raise ValueError(f"negative GEMM shape {(m, n, k)}")
+    devices = max(1, devices)
+    total_flops = 2.0 * m * n * k
+    # Never cut so fine that a tile is below the useful minimum of work.
+    flop_cap = max(1, int(total_flops // policy.min_tile_flops)) if total_flops else 1
+    want = min(devices * policy.tiles_per_device, flop_cap)
+    gr = max(1, math.ceil(m / policy.max_edge))
+    gc = max(1, math.ceil(n / policy.max_edge))
+    gk = 1
+    if kind.split_k:
+        # dW: one partial sum per device (at least), each over >= min_k tokens.
+        gk = max(1, min(math.ceil(want / (gr * gc)), k // policy.min_k))
+    # Output tiles: cut the larger block edge in two until there is enough work to go around.
+    while gr * gc * gk < want:
+        rows, cols = m / gr, n / gc
+        if max(rows, cols) < 2 * policy.min_edge:
+            break
+        if rows >= cols:
+            gr += 1
+        else:
+            gc += 1
+    return TilePlan(m, n, k, even_cuts(m, gr), even_cuts(n, gc), even_cuts(k, gk))
+
+
+def a_block(a: torch.Tensor, t: Tile) -> torch.Tensor:
+    return a[t.r0 : t.r1, t.k0 : t.k1]
+
+
+def b_block(b: torch.Tensor, t: Tile) -> torch.Tensor:
+    return b[t.k0 : t.k1, t.c0 : t.c1]
+
+
+def wire_view(block: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The cheapest contiguous tensor that carries ``block``, and whether it is transposed.
+
+    Forward passes use ``W^T`` and weight gradients ``dY^T``: their blocks are contiguous once
+    transposed back, so they travel without a copy and the client views them with ``.t()``.
+    """
+    if block.is_contiguous():
+        return block, False
+    if block.t().is_contiguous():
+        return block.t(), True
+    return block.contiguous(), False
+
+
+def assemble(plan: TilePlan, parts: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Put the tiles' C blocks back together; split-K partials summed in tile order."""
+    out = torch.zeros(plan.m, plan.n, dtype=dtype)
+    for t in plan.tiles:  # fixed order => deterministic sums whatever the arrival order
+        block = parts[t.index]
+        if t.p == 0:
+            out[t.r0 : t.r1, t.c0 : t.c1] = block
+        else:
+            out[t.r0 : t.r1, t.c0 : t.c1] += block
+    return out
+
+
+def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tiles: Iterable[Tile], plan: TilePlan) -> torch.Tensor:
+    """Reference: compute every tile locally and assemble (what the network does, minus the network)."""
+    parts = {t.index: a_block(a, t) @ b_block(b, t) for t in tiles}
+    return assemble(plan, parts, dtype=torch.result_type(a, b))
+
+
+def check_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"GEMM operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"GEMM shapes do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
+    return a.shape[0], b.shape[1], a.shape[1]
+
+
+def covers_exactly(plan: TilePlan, tiles: Sequence[Tile]) -> bool:
+    """Invariant used by tests: the tiles partition the (m, n, k) iteration space."""
+    volume = sum((t.r1 - t.r0) * (t.c1 - t.c0) * (t.k1 - t.k0) for t in tiles)
+    return volume == plan.m * plan.n * plan.k and len({(t.i, t.j, t.p) for t in tiles}) == len(tiles)

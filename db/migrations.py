@@ -1,0 +1,69 @@
+"""Schema migrations: named functions, applied once each, recorded in ``_migrations``."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import sqlite_utils
+
+Migration = Callable[[sqlite_utils.Database], None]
+MIGRATIONS: list[tuple[str, Migration]] = []
+
+
+def migration(fn: Migration) -> Migration:
+    MIGRATIONS.append((fn.__name__, fn))
+    return fn
+
+
+@migration
+def m001_initial(db: sqlite_utils.Database) -> None:
+    db["jobs"].create(
+        {"id": int, "name": str, "config": str, "state": str, "step": int, "steps": int,
+         "created_at": float, "finished_at": float},
+        pk="id", not_null={"name", "config", "state"},
+    )
+    db["steps"].create(
+        {"job_id": int, "step": int, "loss": float, "tokens": int, "seconds": float, "at": float, "extra": str},
+        pk=("job_id", "step"), foreign_keys=[("job_id", "jobs", "id")],
+    )
+    db["devices"].create(
+        {"id": int, "name": str, "platform": str, "cores": int, "memory_bytes": int, "device": str,
+         "gflops": float, "state": str, "joined_at": float, "last_seen": float, "tiles_done": int,
+         "tiles_rejected": int, "gflop_verified": float, "reason": str},
+        pk="id", defaults={"tiles_done": 0, "tiles_rejected": 0, "gflop_verified": 0.0, "reason": ""},
+    )
+    db["gemms"].create(
+        {"id": int, "job_id": int, "step": int, "kind": str, "m": int, "n": int, "k": int, "tiles": int,
+         "created_at": float, "done_at": float},
+        pk="id", foreign_keys=[("job_id", "jobs", "id")],
+    )
+    db["tiles"].create(
+        {"id": int, "gemm_id": int, "idx": int, "a_key": str, "b_key": str, "flops": int, "state": str,
+         "device_id": int, "attempts": int, "barred": str, "queued_at": float, "done_at": float},
+        pk="id", foreign_keys=[("gemm_id", "gemms", "id")], defaults={"attempts": 0, "barred": "[]"},
+    )
+    db["tiles"].create_index(["state", "id"])
+    db["tiles"].create_index(["device_id"])
+    db["leases"].create(
+        {"id": int, "tile_id": int, "device_id": int, "leased_at": float, "ended_at": float,
+         "outcome": str, "reason": str},
+        pk="id", foreign_keys=[("tile_id", "tiles", "id")], defaults={"reason": ""},
+    )
+    db["leases"].create_index(["tile_id"])
+
+
+def migrate(db: sqlite_utils.Database) -> list[str]:
+    """Apply pending migrations; returns the names applied."""
+    if "_migrations" not in db.table_names():
+        db["_migrations"].create({"name": str, "applied_at": float}, pk="name")
+    done = {r["name"] for r in db["_migrations"].rows}
+    applied = []
+    for name, fn in MIGRATIONS:
+        if name in done:
+            continue
+        with db.conn:
+            fn(db)
+            db["_migrations"].insert({"name": name, "applied_at": time.time()})
+        applied.append(name)
+    return applied
