@@ -1,0 +1,253 @@
+"""A volunteer device's work loop: connect, pull tiles, compute, return, reconnect.
+
+Two tasks share one websocket: the receiver decodes ``Work`` as it arrives (caching input blocks
+and queueing tiles: the coordinator keeps ``slots`` tiles in flight, so the next tile is already
+here while this one computes), and the computer runs each matmul in a worker thread so the
+connection keeps answering pings. Every network failure becomes a reconnect with back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
+from client import kernels, sysinfo
+from coordinator.protocol import (
+    Error, Finished, Hello, Leave, ProtocolError, Result, Welcome, Work, decode, encode,
+)
+
+log = logging.getLogger("cleave.client")
+
+CLOSE_AUTH, CLOSE_BANNED = 4001, 4003  # mirrors coordinator.core; the client imports no server code
+MAX_FRAME = 256 << 20
+VERSION = "0.1.0"
+
+# Exit codes of ``cleave join``.
+EXIT_OK, EXIT_ERROR, EXIT_AUTH, EXIT_BANNED = 0, 1, 2, 3
+
+Compute = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, float]"]
+
+
+class ClientError(RuntimeError):
+    """A failure the client cannot retry its way out of (bad URL, wrong token, banned)."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    url: str
+    token: str
+    name: str = field(default_factory=sysinfo.machine_name)
+    device: str = "auto"
+    threads: int | None = None
+    slots: int = 2
+    once: bool = False
+    backoff_max: float = 30.0
+    benchmark_seconds: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("ws://", "wss://")):
+            raise ClientError(f"coordinator URL must start with ws:// or wss://, got {self.url!r}")
+        if self.threads is not None and not (1 <= self.threads <= 1024):
+            raise ClientError(f"--threads must be between 1 and 1024, got {self.threads}")
+        if not (1 <= self.slots <= 8):
+            raise ClientError(f"--slots must be between 1 and 8, got {self.slots}")
+
+
+@dataclass
+class WorkerStats:
+    state: str = "starting"
+    device: str = ""
+    device_id: int | None = None
+    job: str = ""
+    benchmark_gflops: float = 0.0
+    tiles: int = 0
+    rejected: int = 0
+    flops: float = 0.0
+    compute_seconds: float = 0.0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    started: float = field(default_factory=time.monotonic)
+    last_error: str = ""
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.compute_seconds / 1e9 if self.compute_seconds else 0.0
+
+
+class Worker:
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        *,
+        compute: Compute | None = None,
+        on_update: Callable[[WorkerStats], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = kernels.pick_device(cfg.device)
+        kernels.configure(self.device, cfg.threads)
+        self._compute_fn = compute or (lambda a, b: kernels.matmul(a, b, self.device))
+        self._on_update = on_update or (lambda stats: None)
+        self.stats = WorkerStats(device=str(self.device))
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-compute")
+        self._stopping = False
+        self._stop_event: asyncio.Event | None = None
+        self._ws: ClientConnection | None = None
+
+    def _set(self, state: str, error: str = "") -> None:
+        self.stats.state = state
+        if error:
+            self.stats.last_error = error
+        self._on_update(self.stats)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_stop(self) -> None:
+        """Leave gracefully: tell the coordinator (its tiles are re-queued at once), then close."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._set("leaving")
+        if self._stop_event is not None:
+            self._stop_event.set()
+        if self._ws is not None:
+            asyncio.ensure_future(self._leave(self._ws))
+
+    async def _leave(self, ws: ClientConnection) -> None:
+        try:
+            await ws.send(encode(Leave("user stopped the client")))
+            await ws.close(1000, "leaving")
+        except ConnectionClosed:
+            pass
+
+    async def run(self) -> int:
+        """Work until the job finishes (with ``once``) or ``request_stop``; returns an exit code."""
+        self._stop_event = asyncio.Event()
+        if self.stats.benchmark_gflops == 0.0 and self.cfg.benchmark_seconds > 0:
+            self._set("benchmarking")
+            self.stats.benchmark_gflops = await asyncio.get_running_loop().run_in_executor(
+                self._pool, kernels.gemm_gflops, self.device, 512, self.cfg.benchmark_seconds
+            )
+        delay = 0.5
+        try:
+            while not self._stopping:
+                self._set("connecting")
+                try:
+                    async with connect(
+                        self.cfg.url, compression=None, max_size=MAX_FRAME, open_timeout=10,
+                        ping_interval=20, ping_timeout=120, proxy=None,
+                    ) as ws:
+                        self._ws = ws
+                        delay = 0.5
+                        outcome = await self._session(ws)
+                except InvalidURI as exc:
+                    raise ClientError(f"bad coordinator URL: {exc}") from None
+                except (OSError, InvalidHandshake, ConnectionClosed, TimeoutError, asyncio.TimeoutError) as exc:
+                    outcome = f"coordinator unavailable ({type(exc).__name__}: {exc})".strip()
+                finally:
+                    self._ws = None
+                if outcome == "finished":
+                    if self.cfg.once:
+                        self._set("finished")
+                        return EXIT_OK
+                    outcome = "job finished; waiting for the next one"
+                if self._stopping:
+                    break
+                wait = delay * random.uniform(0.8, 1.2)
+                self._set("reconnecting", f"{outcome}; retrying in {wait:.1f} s")
+                try:
+                    await asyncio.wait_for(self._stop_event.wait(), wait)
+                except (TimeoutError, asyncio.TimeoutError):
+                    pass
+                delay = min(self.cfg.backoff_max, delay * 2)
+            self._set("stopped")
+            return EXIT_OK
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ one connection
+
+    async def _session(self, ws: ClientConnection) -> str:
+        hello = Hello(
+            token=self.cfg.token, name=self.cfg.name, platform=sysinfo.describe_platform(),
+            cores=sysinfo.cores(), memory_bytes=sysinfo.memory_bytes(), device=self.device.type,
+            gflops=round(self.stats.benchmark_gflops, 3), slots=self.cfg.slots, client_version=VERSION,
+        )
+        await self._send(ws, encode(hello))
+        queue: asyncio.Queue[Work] = asyncio.Queue()
+        blocks: dict[str, torch.Tensor] = {}
+        computer = asyncio.create_task(self._compute_loop(ws, queue, blocks))
+        try:
+            async for frame in ws:
+                self.stats.bytes_down += len(frame)
+                try:
+                    msg = decode(frame)
+                except ProtocolError as exc:
+                    log.error("coordinator sent a bad frame: %s", exc)
+                    continue
+                if isinstance(msg, Work):
+                    for gemm_id in msg.forget:
+                        prefix = f"{gemm_id}."
+                        for key in [k for k in blocks if k.startswith(prefix)]:
+                            del blocks[key]
+                    for block in msg.blocks:
+                        blocks[block.key] = kernels.to_device(block.logical(), self.device)
+                    queue.put_nowait(msg)
+                elif isinstance(msg, Welcome):
+                    self.stats.device_id, self.stats.job = msg.device_id, msg.job
+                    self._set("waiting for work")
+                elif isinstance(msg, Finished):
+                    return "finished"
+                elif isinstance(msg, Error):
+                    if msg.code == "rejected":
+                        self.stats.rejected += 1
+                    log.warning("coordinator: %s (%s)", msg.message, msg.code)
+                    self._set(self.stats.state, msg.message)
+        except ConnectionClosed:
+            pass
+        finally:
+            computer.cancel()
+            await asyncio.gather(computer, return_exceptions=True)
+        code, reason = ws.close_code, ws.close_reason or ""
+        if self._stopping:
+            return "stopped"
+        if code == CLOSE_AUTH:
+            raise ClientError(f"the coordinator refused the join token ({reason})", EXIT_AUTH)
+        if code == CLOSE_BANNED:
+            raise ClientError(f"the coordinator banned this device: {reason}", EXIT_BANNED)
+        return f"connection closed ({code} {reason})".strip()
+
+    async def _send(self, ws: ClientConnection, frame: bytes) -> None:
+        await ws.send(frame)
+        self.stats.bytes_up += len(frame)
+
+    async def _compute_loop(self, ws: ClientConnection, queue: asyncio.Queue[Work], blocks: dict[str, torch.Tensor]) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            work = await queue.get()
+            a, b = blocks.get(work.a), blocks.get(work.b)
+            if a is None or b is None:
+                log.error("tile %d names a block this device does not hold; skipped", work.tile_id)
+                continue
+            self._set("working")
+            c, seconds = await loop.run_in_executor(self._pool, self._compute_fn, a, b)
+            await self._send(ws, encode(Result(work.tile_id, c, seconds)))
+            self.stats.tiles += 1
+            self.stats.flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+            self.stats.compute_seconds += seconds
+            if queue.empty():
+                self._set("waiting for work")
+            else:
+                self._on_update(self.stats)

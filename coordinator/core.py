@@ -1,0 +1,339 @@
+"""The coordinator's brain, free of any network: messages and ``now`` in, messages out.
+
+The websocket server (coordinator/server.py) decodes frames, calls these methods and sends what
+they return; a simulator can drive the very same object with a virtual clock.
+
+Flow of one GEMM: ``submit`` plans its tiles and queues them in the store; ``_dispatch`` leases
+queued tiles to devices with free slots (preferring tiles whose input blocks the device already
+holds) and emits ``Work`` messages carrying only the blocks that device lacks; ``handle(Result)``
+verifies the C block with Freivalds' check before it is kept; once every tile is verified the
+GEMM is assembled and ``on_done`` receives ``A @ B``.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from coordinator.protocol import (
+    Block, Error, Finished, Hello, Leave, Message, Result, StatusReply, StatusRequest, Welcome, Work,
+)
+from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm, wire_view
+from coordinator.verify import freivalds
+from db.store import DeviceInfo, NewTile, Store
+
+# Application close codes (4000-4999 are free for applications in RFC 6455).
+CLOSE_PROTOCOL = 4000  # malformed frame or unknown message
+CLOSE_AUTH = 4001  # wrong token
+CLOSE_BANNED = 4003  # too many rejected results
+CLOSE_FINISHED = 1000  # normal closure once the job is over
+
+MAX_SLOTS = 8
+EMA = 0.2  # weight of a new tile's throughput in the device's running GFLOP/s estimate
+
+
+@dataclass(frozen=True)
+class Send:
+    device: int
+    message: Message
+
+
+@dataclass(frozen=True)
+class Close:
+    device: int
+    code: int
+    reason: str
+
+
+Outbound = Send | Close
+
+
+class AuthError(Exception):
+    pass
+
+
+@dataclass
+class GemmState:
+    id: int
+    kind: GemmKind
+    a: torch.Tensor
+    b: torch.Tensor
+    plan: TilePlan
+    tiles: dict[int, Tile]  # tile id -> tile
+    on_done: Callable[[torch.Tensor], None]
+    parts: dict[int, torch.Tensor] = field(default_factory=dict)  # tile index -> verified C block
+    holders: set[int] = field(default_factory=set)  # devices that cached blocks of this GEMM
+
+    @property
+    def done(self) -> bool:
+        return len(self.parts) == len(self.tiles)
+
+
+@dataclass
+class DeviceState:
+    id: int
+    name: str
+    slots: int
+    gflops: float  # benchmark at join, then a running estimate from verified tiles
+    device: str
+    inflight: set[int] = field(default_factory=set)
+    blocks: set[str] = field(default_factory=set)
+    forget: set[int] = field(default_factory=set)
+    bytes_down: int = 0
+    bytes_up: int = 0
+    tiles_done: int = 0
+    tiles_rejected: int = 0
+    consecutive_rejects: int = 0
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    steps: int = 0
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+    state: str = "starting"
+
+
+class Core:
+    def __init__(
+        self,
+        store: Store,
+        job_id: int,
+        *,
+        token: str,
+        rng: np.random.Generator,
+        policy: TilingPolicy | None = None,
+        max_consecutive_rejects: int = 3,
+        job_name: str = "",
+    ) -> None:
+        self.store = store
+        self.job_id = job_id
+        self.token = token
+        self.rng = rng
+        self.policy = policy or TilingPolicy()
+        self.max_consecutive_rejects = max_consecutive_rejects
+        self.job_name = job_name or f"job {job_id}"
+        self.devices: dict[int, DeviceState] = {}
+        self.gemms: dict[int, GemmState] = {}
+        self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
+        self._queued = 0  # mirror of the store's queued count, so idle dispatches cost no query
+        self.progress = Progress(steps=store.job(job_id).steps)
+        self.finished = False
+        self.verify_seconds = 0.0
+        self.verify_worst_honest = 0.0  # largest residual/tolerance accepted: the check's margin
+        self.bytes_down = 0
+        self.bytes_up = 0
+
+    # ------------------------------------------------------------------ devices
+
+    def check_token(self, token: str) -> None:
+        if not hmac.compare_digest(token.encode(), self.token.encode()):
+            raise AuthError("wrong join token")
+
+    def connect(self, hello: Hello, now: float) -> tuple[int, list[Outbound]]:
+        """Register a device. Raises AuthError on a wrong token (the server closes with 4001)."""
+        self.check_token(hello.token)
+        info = DeviceInfo(
+            name=hello.name[:64] or "device", platform=hello.platform[:128], cores=max(1, hello.cores),
+            memory_bytes=max(0, hello.memory_bytes), device=hello.device[:16], gflops=max(0.0, hello.gflops),
+        )
+        device_id = self.store.add_device(info, now)
+        slots = min(MAX_SLOTS, max(1, hello.slots))
+        self.devices[device_id] = DeviceState(device_id, info.name, slots, info.gflops, info.device)
+        out: list[Outbound] = [Send(device_id, Welcome(device_id, self.job_name, slots))]
+        if self.finished:
+            out.append(Send(device_id, Finished()))
+            return device_id, out
+        return device_id, out + self._dispatch(now)
+
+    def disconnect(self, device_id: int, now: float, reason: str = "connection closed") -> list[Outbound]:
+        """A device is gone: its outstanding tiles go straight back to the queue and to others."""
+        dev = self.devices.pop(device_id, None)
+        if dev is None:
+            return []
+        requeued = self.store.release_device(device_id, "lost" if reason != "left" else "released", now, reason)
+        self._queued += len(requeued)
+        state = "banned" if dev.consecutive_rejects >= self.max_consecutive_rejects else "offline"
+        self.store.set_device_state(device_id, state, now, reason)
+        for g in self.gemms.values():
+            g.holders.discard(device_id)
+        return self._dispatch(now)
+
+    # ------------------------------------------------------------------ messages
+
+    def handle(self, device_id: int, msg: Message, now: float) -> list[Outbound]:
+        dev = self.devices.get(device_id)
+        if dev is None:
+            return []
+        if isinstance(msg, Result):
+            return self._on_result(dev, msg, now)
+        if isinstance(msg, Leave):
+            out = self.disconnect(device_id, now, "left")
+            return out
+        if isinstance(msg, StatusRequest):
+            return [Send(device_id, StatusReply(self.status(now)))]
+        return [Send(device_id, Error("unexpected", f"{type(msg).__name__} is not a message a device may send now"))]
+
+    def _on_result(self, dev: DeviceState, msg: Result, now: float) -> list[Outbound]:
+        if msg.tile_id not in dev.inflight:
+            return [Send(dev.id, Error("not_leased", f"tile {msg.tile_id} is not leased to you; result ignored"))]
+        dev.inflight.discard(msg.tile_id)
+        nbytes = msg.c.numel() * msg.c.element_size()
+        dev.bytes_up += nbytes
+        self.bytes_up += nbytes
+        gemm = self.gemms[self._tile_gemm[msg.tile_id]]
+        tile = gemm.tiles[msg.tile_id]
+        a, b = a_block(gemm.a, tile), b_block(gemm.b, tile)
+        started = _clock()
+        verdict = freivalds(a, b, msg.c, self.rng)
+        self.verify_seconds += _clock() - started
+        if verdict.ok:
+            self.verify_worst_honest = max(self.verify_worst_honest, verdict.worst_ratio)
+        out: list[Outbound] = []
+        if not verdict.ok:
+            self.store.end_lease(msg.tile_id, dev.id, "rejected", now, verdict.reason)
+            self.store.credit_device(dev.id, verified=0, rejected=1, gflop=0.0, now=now)
+            self._queued += 1
+            dev.tiles_rejected += 1
+            dev.consecutive_rejects += 1
+            out.append(Send(dev.id, Error("rejected", f"tile {msg.tile_id} failed verification: {verdict.reason}")))
+            if dev.consecutive_rejects >= self.max_consecutive_rejects:
+                out.append(Close(dev.id, CLOSE_BANNED, f"{dev.consecutive_rejects} results in a row failed verification"))
+                out.extend(self.disconnect(dev.id, now, "banned: results failed verification"))
+                return out
+            return out + self._dispatch(now)
+        self.store.end_lease(msg.tile_id, dev.id, "verified", now)
+        self.store.credit_device(dev.id, verified=1, rejected=0, gflop=tile.flops / 1e9, now=now)
+        dev.tiles_done += 1
+        dev.consecutive_rejects = 0
+        if msg.seconds > 0:
+            dev.gflops = (1 - EMA) * dev.gflops + EMA * (tile.flops / 1e9 / msg.seconds) if dev.gflops else tile.flops / 1e9 / msg.seconds
+        gemm.parts[tile.index] = msg.c
+        if gemm.done:
+            self._complete(gemm, now)
+        return out + self._dispatch(now)
+
+    def _complete(self, gemm: GemmState, now: float) -> None:
+        result = assemble(gemm.plan, gemm.parts, gemm.a.dtype)
+        self.store.finish_gemm(gemm.id, now)
+        for tid in gemm.tiles:
+            self._tile_gemm.pop(tid, None)
+        for device_id in gemm.holders:
+            if device_id in self.devices:
+                self.devices[device_id].forget.add(gemm.id)
+                self.devices[device_id].blocks = {k for k in self.devices[device_id].blocks if not k.startswith(f"{gemm.id}.")}
+        del self.gemms[gemm.id]
+        gemm.on_done(result)
+
+    # ------------------------------------------------------------------ GEMMs
+
+    def submit(
+        self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, now: float, on_done: Callable[[torch.Tensor], None]
+    ) -> tuple[int, list[Outbound]]:
+        """Queue ``a @ b`` as tiles; ``on_done(result)`` is called once every tile is verified."""
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+            raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
+        if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"unsupported GEMM dtypes {a.dtype}, {b.dtype}")
+        m, k = a.shape
+        n = b.shape[1]
+        plan = plan_gemm(m, n, k, kind, len(self.devices), self.policy)
+        tiles = plan.tiles
+        new = [NewTile(t.index, f"a.{t.i}.{t.p}", f"b.{t.p}.{t.j}", t.flops) for t in tiles]
+        gemm_id, ids = self.store.add_gemm(self.job_id, self.progress.step, kind.value, (m, n, k), new, now)
+        gemm = GemmState(gemm_id, kind, a.detach(), b.detach(), plan, dict(zip(ids, tiles)), on_done)
+        self.gemms[gemm_id] = gemm
+        for tid in ids:
+            self._tile_gemm[tid] = gemm_id
+        self._queued += len(ids)
+        return gemm_id, self._dispatch(now)
+
+    def _dispatch(self, now: float) -> list[Outbound]:
+        """Lease queued tiles to devices with free slots, one tile per device per round."""
+        out: list[Outbound] = []
+        hungry = [d for d in self.devices.values() if len(d.inflight) < d.slots]
+        while self._queued > 0 and hungry:
+            hungry.sort(key=lambda d: len(d.inflight) / d.slots)
+            still = []
+            for dev in hungry:
+                if self._queued <= 0:
+                    break
+                claimed = self.store.claim_tile(dev.id, sorted(dev.blocks), now)
+                if claimed is None:
+                    continue  # everything queued is barred for this device
+                self._queued -= 1
+                out.append(Send(dev.id, self._work(dev, claimed.id)))
+                if len(dev.inflight) < dev.slots:
+                    still.append(dev)
+            hungry = still
+        return out
+
+    def _work(self, dev: DeviceState, tile_id: int) -> Work:
+        gemm = self.gemms[self._tile_gemm[tile_id]]
+        tile = gemm.tiles[tile_id]
+        a_key, b_key = f"{gemm.id}.a.{tile.i}.{tile.p}", f"{gemm.id}.b.{tile.p}.{tile.j}"
+        blocks = []
+        for key, block in ((a_key, a_block(gemm.a, tile)), (b_key, b_block(gemm.b, tile))):
+            if key not in dev.blocks:
+                data, transposed = wire_view(block)
+                blocks.append(Block(key, data, transposed))
+                dev.blocks.add(key)
+                nbytes = data.numel() * data.element_size()
+                dev.bytes_down += nbytes
+                self.bytes_down += nbytes
+        gemm.holders.add(dev.id)
+        dev.inflight.add(tile_id)
+        forget = tuple(sorted(dev.forget))
+        dev.forget.clear()
+        return Work(tile_id, a_key, b_key, tuple(blocks), forget)
+
+    # ------------------------------------------------------------------ job
+
+    def finish(self, now: float, reason: str = "job complete") -> list[Outbound]:
+        """The job is over: tell every device. The server then closes their sockets."""
+        self.finished = True
+        self.progress.state = "finished"
+        return [Send(d, Finished(reason)) for d in self.devices]
+
+    def status(self, now: float) -> dict[str, Any]:
+        """The snapshot ``cleave status`` renders (its --json keys are a contract)."""
+        counts = self.store.tile_counts(self.job_id)
+        rows = []
+        for row in self.store.devices():
+            live = self.devices.get(row.id)
+            if live is not None:
+                state = "working" if live.inflight else "idle"
+            else:
+                state = row.state
+            rows.append({
+                "id": row.id, "name": row.name, "state": state, "device": row.device,
+                "tiles_done": row.tiles_done, "tiles_rejected": row.tiles_rejected,
+                "gflops": round(live.gflops if live else row.gflops, 2),
+                "gflop_verified": round(row.gflop_verified, 3), "reason": row.reason,
+                "inflight": len(live.inflight) if live else 0,
+                "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
+                "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
+            })
+        p = self.progress
+        return {
+            "job": {"name": self.job_name, "step": p.step, "steps": p.steps, "loss": p.loss,
+                    "state": p.state, "tokens_per_s": round(p.tokens_per_s, 1)},
+            "devices": rows,
+            "tiles": {"queued": counts["queued"], "leased": counts["leased"],
+                      "verified": counts["verified"], "rejected": counts["rejected"]},
+            "queue_depth": counts["queued"],
+            "gemms_in_flight": len(self.gemms),
+            "time": now,
+        }
+
+
+def _clock() -> float:
+    # Only for measuring verification cost; decisions never read it.
+    import time
+
+    return time.perf_counter()

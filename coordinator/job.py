@@ -1,0 +1,145 @@
+"""One training job on a coordinator: store + core + websocket server + trainer thread.
+
+``run_job`` is what ``cleave coordinator start`` calls. It serves until every step is done and
+every device has been told the job is finished, then returns the step results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+from websockets.asyncio.server import serve
+
+from coordinator.core import Core
+from coordinator.server import MAX_FRAME, RemoteEngine, Server
+from coordinator.tiles import TilingPolicy
+from coordinator.training.data import load_corpus
+from coordinator.training.loop import StepResult, TrainConfig, Trainer
+from db.sqlite import SQLiteStore
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    train: TrainConfig = field(default_factory=TrainConfig)
+    host: str = "127.0.0.1"
+    port: int = 8765
+    db: str = "cleave.db"
+    token: str | None = None
+    metrics: str | None = None
+    min_devices: int = 1
+    policy: TilingPolicy = field(default_factory=TilingPolicy)
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port <= 65535):
+            raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
+        if not (0 <= self.min_devices <= 100_000):
+            raise ValueError(f"--min-devices must be between 0 and 100000, got {self.min_devices}")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("--token must not be empty")
+
+
+class Reporter(Protocol):
+    """What the job tells its operator; the CLI renders it."""
+
+    def listening(self, url: str, token: str, generated: bool) -> None: ...
+    def waiting(self, have: int, want: int) -> None: ...
+    def step(self, result: StepResult, status: dict) -> None: ...
+    def finished(self, results: list[StepResult], status: dict) -> None: ...
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(16)
+
+
+class _Metrics:
+    def __init__(self, path: str | None) -> None:
+        self.file = open(path, "w", encoding="utf-8") if path else None  # noqa: SIM115 - closed in close()
+
+    def write(self, row: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(row, sort_keys=True) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+async def serve_job(
+    cfg: CoordinatorConfig,
+    reporter: Reporter,
+    *,
+    clock: Callable[[], float] = time.time,
+    ready: Callable[[str], None] | None = None,
+) -> list[StepResult]:
+    loop = asyncio.get_running_loop()
+    token, generated = (cfg.token, False) if cfg.token else (new_token(), True)
+    store = SQLiteStore(cfg.db)
+    corpus = await asyncio.to_thread(load_corpus, cfg.train.data)  # fail fast on bad --data
+    job_id = store.create_job(f"{cfg.train.model} x {cfg.train.steps} steps", cfg.train.to_dict(), cfg.train.steps, clock())
+    core = Core(store, job_id, token=token, rng=np.random.default_rng(cfg.train.seed + 1), policy=cfg.policy,
+                job_name=f"{cfg.train.model}, {cfg.train.steps} steps")
+    server = Server(core, clock)
+    metrics = _Metrics(cfg.metrics)
+    results: list[StepResult] = []
+    started = time.perf_counter()
+
+    def record(result: StepResult) -> None:  # on the loop: the single writer
+        store.record_step(job_id, result.step, result.loss, result.tokens, result.seconds, clock(), result.extra)
+        elapsed = time.perf_counter() - started
+        core.progress.step, core.progress.loss = result.step, result.loss
+        core.progress.tokens_per_s = sum(r.tokens for r in results) / elapsed if elapsed else 0.0
+        reporter.step(result, server.status())
+
+    def on_step(result: StepResult) -> None:  # in the trainer thread
+        t = server.traffic
+        extra = {"devices": len(core.devices), "mb_down": round(t.bytes_down / 1e6, 3), "mb_up": round(t.bytes_up / 1e6, 3)}
+        result = StepResult(result.step, result.loss, result.tokens, result.seconds, result.lr, extra)
+        results.append(result)
+        metrics.write(result.metrics())
+        loop.call_soon_threadsafe(record, result)
+
+    def train() -> None:
+        trainer = Trainer(cfg.train, RemoteEngine(server, loop), corpus=corpus)
+        trainer.run(on_step)
+
+    try:
+        async with serve(
+            server.handler, cfg.host, cfg.port, compression=None, max_size=MAX_FRAME,
+            ping_interval=20, ping_timeout=120,
+        ) as ws_server:
+            port = ws_server.sockets[0].getsockname()[1] if ws_server.sockets else cfg.port
+            url = f"ws://{cfg.host}:{port}"
+            reporter.listening(url, token, generated)
+            if ready is not None:
+                ready(url)
+            core.progress.state = "waiting for devices"
+            await server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
+            core.progress.state = "training"
+            try:
+                await asyncio.to_thread(train)
+            except BaseException:
+                server.abort("coordinator stopped")
+                raise
+            store.set_job_state(job_id, "finished", clock())
+            server.deliver(core.finish(clock()))
+            await server.close_all("job finished")
+            reporter.finished(results, server.status())
+    except BaseException:
+        store.set_job_state(job_id, "failed", clock())
+        raise
+    finally:
+        metrics.close()
+        store.close()
+    return results
+
+
+def run_job(cfg: CoordinatorConfig, reporter: Reporter) -> list[StepResult]:
+    return asyncio.run(serve_job(cfg, reporter))
+

@@ -1,0 +1,232 @@
+"""The websocket layer: accepts peers, decodes frames, calls the Core, sends what it returns.
+
+Everything here runs on one asyncio event loop, and so does every Core call: the Core and the
+store have a single writer and need no locks. The trainer runs in its own thread and reaches the
+Core only through ``RemoteEngine``, which hops onto the loop with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from coordinator.core import CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, AuthError, Close, Core, Outbound, Send
+from coordinator.protocol import Hello, Leave, ProtocolError, Result, StatusReply, StatusRequest, decode, encode
+from coordinator.training.linear import GemmRequest
+
+log = logging.getLogger("cleave.server")
+
+HELLO_TIMEOUT = 10.0  # a peer must introduce itself this fast
+MAX_FRAME = 256 << 20  # results of big split-K tiles are tens of MB; anything past this is refused
+_CLIENT_MESSAGES = (Result, Leave, StatusRequest)
+
+
+class JobAborted(RuntimeError):
+    """The coordinator is shutting down; GEMMs still in flight will never complete."""
+
+
+@dataclass
+class _Conn:
+    ws: ServerConnection
+    queue: asyncio.Queue[bytes | tuple[int, str]] = field(default_factory=asyncio.Queue)
+    writer: asyncio.Task[None] | None = None
+
+
+@dataclass
+class Traffic:
+    frames_down: int = 0
+    frames_up: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+def _reason(text: str) -> str:
+    # A close reason must fit in 123 UTF-8 bytes.
+    return text.encode()[:120].decode(errors="ignore")
+
+
+class Server:
+    def __init__(self, core: Core, clock: Callable[[], float] = time.time) -> None:
+        self.core = core
+        self.clock = clock
+        self.conns: dict[int, _Conn] = {}
+        self.traffic = Traffic()
+        self._pending: set[concurrent.futures.Future[torch.Tensor]] = set()
+        self._devices_changed = asyncio.Event()
+
+    # ------------------------------------------------------------------ peers
+
+    async def handler(self, ws: ServerConnection) -> None:
+        try:
+            first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
+        except (TimeoutError, asyncio.TimeoutError):
+            await ws.close(CLOSE_PROTOCOL, "no hello within 10 s")
+            return
+        except ConnectionClosed:
+            return
+        self.traffic.frames_up += 1
+        self.traffic.bytes_up += len(first)
+        try:
+            msg = decode(first)
+        except ProtocolError as exc:
+            await ws.close(CLOSE_PROTOCOL, _reason(f"{exc.code}: {exc}"))
+            return
+        if isinstance(msg, StatusRequest):
+            await self._observe(ws, msg)
+            return
+        if not isinstance(msg, Hello):
+            await ws.close(CLOSE_PROTOCOL, "first message must be hello or status_request")
+            return
+        try:
+            device_id, out = self.core.connect(msg, self.clock())
+        except AuthError:
+            log.warning("refused %s: wrong token", ws.remote_address)
+            await ws.close(CLOSE_AUTH, "wrong token")
+            return
+        conn = _Conn(ws)
+        conn.writer = asyncio.create_task(self._write(conn))
+        self.conns[device_id] = conn
+        self._devices_changed.set()
+        log.info("device %d (%s) joined from %s", device_id, msg.name, ws.remote_address)
+        self.deliver(out)
+        reason = "connection closed"
+        try:
+            async for frame in ws:
+                self.traffic.frames_up += 1
+                self.traffic.bytes_up += len(frame)
+                try:
+                    msg = decode(frame)
+                    if not isinstance(msg, _CLIENT_MESSAGES):
+                        raise ProtocolError(f"{msg.TYPE} is not a message a device may send", "unexpected")
+                except ProtocolError as exc:
+                    reason = f"{exc.code}: {exc}"
+                    conn.queue.put_nowait((CLOSE_PROTOCOL, _reason(reason)))
+                    break
+                self.deliver(self.core.handle(device_id, msg, self.clock()))
+                if isinstance(msg, Leave):
+                    reason = "left"
+                    break
+        except ConnectionClosed:
+            pass
+        finally:
+            self.conns.pop(device_id, None)
+            self.deliver(self.core.disconnect(device_id, self.clock(), reason))
+            self._devices_changed.set()
+            log.info("device %d left: %s", device_id, reason)
+            await self._finish_writer(conn)
+
+    async def _observe(self, ws: ServerConnection, first: StatusRequest) -> None:
+        """A ``cleave status`` peer: one reply per request, until it hangs up."""
+        request: object = first
+        try:
+            while True:
+                if not isinstance(request, StatusRequest):
+                    await ws.close(CLOSE_PROTOCOL, "observers may only send status_request")
+                    return
+                try:
+                    self.core.check_token(request.token)
+                except AuthError:
+                    await ws.close(CLOSE_AUTH, "wrong token")
+                    return
+                await ws.send(encode(StatusReply(self.status())))
+                try:
+                    request = decode(await ws.recv())
+                except ProtocolError as exc:
+                    await ws.close(CLOSE_PROTOCOL, _reason(f"{exc.code}: {exc}"))
+                    return
+        except ConnectionClosed:
+            return
+
+    def status(self) -> dict:
+        snapshot = self.core.status(self.clock())
+        t = self.traffic
+        snapshot["traffic"] = {"mb_down": round(t.bytes_down / 1e6, 2), "mb_up": round(t.bytes_up / 1e6, 2)}
+        return snapshot
+
+    async def _write(self, conn: _Conn) -> None:
+        while True:
+            item = await conn.queue.get()
+            if isinstance(item, tuple):
+                await conn.ws.close(*item)
+                return
+            try:
+                await conn.ws.send(item)
+            except ConnectionClosed:
+                return
+
+    async def _finish_writer(self, conn: _Conn) -> None:
+        if conn.writer is None:
+            return
+        if not conn.writer.done():
+            conn.queue.put_nowait((CLOSE_FINISHED, "bye"))
+            try:
+                await asyncio.wait_for(conn.writer, 5.0)
+            except (TimeoutError, asyncio.TimeoutError):
+                conn.writer.cancel()
+
+    def deliver(self, outbound: Sequence[Outbound]) -> None:
+        """Queue the Core's messages on their sockets (never blocks the loop)."""
+        for item in outbound:
+            conn = self.conns.get(item.device)
+            if conn is None:
+                continue
+            if isinstance(item, Send):
+                frame = encode(item.message)
+                self.traffic.frames_down += 1
+                self.traffic.bytes_down += len(frame)
+                conn.queue.put_nowait(frame)
+            elif isinstance(item, Close):
+                conn.queue.put_nowait((item.code, _reason(item.reason)))
+
+    async def wait_for_devices(self, count: int, on_wait: Callable[[int], None] | None = None) -> None:
+        while len(self.core.devices) < count:
+            if on_wait is not None:
+                on_wait(len(self.core.devices))
+            self._devices_changed.clear()
+            await self._devices_changed.wait()
+
+    async def close_all(self, reason: str = "job finished") -> None:
+        conns = list(self.conns.values())
+        for conn in conns:
+            conn.queue.put_nowait((CLOSE_FINISHED, reason))
+        await asyncio.gather(*(c.writer for c in conns if c.writer is not None), return_exceptions=True)
+
+    # ------------------------------------------------------------------ GEMMs from the trainer thread
+
+    def submit(self, requests: Sequence[GemmRequest], futures: Sequence[concurrent.futures.Future[torch.Tensor]]) -> None:
+        """Runs on the loop: queue each GEMM; its future resolves when all its tiles are verified."""
+        for request, future in zip(requests, futures):
+            self._pending.add(future)
+            future.add_done_callback(self._pending.discard)
+            try:
+                _, out = self.core.submit(request.a, request.b, request.kind, self.clock(), future.set_result)
+            except Exception as exc:  # surfaced in the trainer thread, not swallowed here
+                future.set_exception(exc)
+                continue
+            self.deliver(out)
+
+    def abort(self, reason: str) -> None:
+        for future in list(self._pending):
+            if not future.done():
+                future.set_exception(JobAborted(reason))
+
+
+class RemoteEngine:
+    """The MatmulEngine the trainer sees: GEMMs become tiles on volunteers."""
+
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+
+    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        futures: list[concurrent.futures.Future[torch.Tensor]] = [concurrent.futures.Future() for _ in requests]
+        self.loop.call_soon_threadsafe(self.server.submit, list(requests), futures)
+        return [f.result() for f in futures]

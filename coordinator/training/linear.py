@@ -1,0 +1,100 @@
+"""The one seam between a model and the network: Linear layers that call an injected matmul.
+
+``offload_linears(model, engine)`` swaps every ``nn.Linear`` of *any* torch model for a
+``TiledLinear`` that shares its parameters. Forward and backward then run their three GEMMs
+
+    forward   Y  = X  @ W^T      (tokens x out)      output tiles
+    backward  dX = dY @ W        (tokens x in)       output tiles
+              dW = dY^T @ X      (out x in)          split along tokens, partial sums at the PS
+
+through ``engine.run``, which may compute them locally or as tiles on volunteers. Bias, reshapes
+and everything else stay here, on the parameter server. The model never knows about the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+from torch import nn
+
+from coordinator.tiles import GemmKind
+
+
+@dataclass(frozen=True)
+class GemmRequest:
+    a: torch.Tensor
+    b: torch.Tensor
+    kind: GemmKind = GemmKind.PLAIN
+
+
+class MatmulEngine(Protocol):
+    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        """Return ``[r.a @ r.b for r in requests]``; independent GEMMs may run concurrently."""
+        ...
+
+
+class LocalEngine:
+    """Plain torch matmul: the reference every other engine must agree with."""
+
+    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        return [r.a @ r.b for r in requests]
+
+
+class _TiledLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, engine: MatmulEngine) -> torch.Tensor:
+        ctx.save_for_backward(x2d, weight)
+        ctx.engine = engine
+        (y,) = engine.run([GemmRequest(x2d, weight.t(), GemmKind.FORWARD)])
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x2d, weight = ctx.saved_tensors
+        grad_y = grad_y.contiguous()
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        requests = []
+        if want_x:
+            requests.append(GemmRequest(grad_y, weight, GemmKind.GRAD_INPUT))
+        if want_w:
+            requests.append(GemmRequest(grad_y.t(), x2d, GemmKind.GRAD_WEIGHT))
+        # dX and dW are independent: submitted together, they are tiled and computed together.
+        results = iter(ctx.engine.run(requests))
+        grad_x = next(results) if want_x else None
+        grad_w = next(results) if want_w else None
+        return grad_x, grad_w, None
+
+
+class TiledLinear(nn.Module):
+    """Drop-in ``nn.Linear`` whose GEMMs go through ``engine``."""
+
+    def __init__(self, linear: nn.Linear, engine: MatmulEngine) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.engine = engine
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features).contiguous()  # (tokens, in)
+        y = _TiledLinearFn.apply(x2d, self.weight, self.engine)  # (tokens, out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def offload_linears(model: nn.Module, engine: MatmulEngine) -> int:
+    """Replace every ``nn.Linear`` in ``model`` (in place, parameters shared); returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, TiledLinear(child, engine))
+                count += 1
+    return count

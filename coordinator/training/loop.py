@@ -1,0 +1,130 @@
+"""The training loop, shared by the local baseline and the coordinator.
+
+Only the matmul engine differs: ``Trainer(cfg)`` is plain torch; ``Trainer(cfg, engine)`` sends
+every Linear GEMM through ``engine`` (tiles on volunteers). Same seed, same init, same batches,
+same optimizer: the same losses up to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from coordinator.training.data import ByteBatches, load_corpus
+from coordinator.training.linear import MatmulEngine, offload_linears
+from coordinator.training.model import Transformer, preset
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "tiny"
+    steps: int = 20
+    batch_size: int = 8
+    seq_len: int = 64
+    lr: float = 3e-3
+    seed: int = 1337
+    data: str | None = None
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    warmup: int = 10
+
+    def __post_init__(self) -> None:
+        try:
+            cfg = preset(self.model)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        checks = [
+            (1 <= self.steps <= 10_000_000, f"--steps must be between 1 and 10,000,000, got {self.steps}"),
+            (1 <= self.batch_size <= 4096, f"--batch-size must be between 1 and 4096, got {self.batch_size}"),
+            (2 <= self.seq_len <= cfg.max_seq_len,
+             f"--seq-len must be between 2 and {cfg.max_seq_len} for model {self.model}, got {self.seq_len}"),
+            (math.isfinite(self.lr) and 0 < self.lr <= 1, f"--lr must be in (0, 1], got {self.lr}"),
+            (0 <= self.seed < 2**63, f"--seed must be a non-negative 64-bit integer, got {self.seed}"),
+            (self.weight_decay >= 0 and self.grad_clip >= 0 and self.warmup >= 0, "negative optimizer setting"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+    lr: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, Any]:
+        out = {"step": self.step, "loss": self.loss, "tokens": self.tokens, "seconds": self.seconds, "lr": self.lr}
+        out.update(self.extra)
+        return out
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, engine: MatmulEngine | None = None, corpus: bytes | None = None) -> None:
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(preset(cfg.model))
+        self.offloaded = offload_linears(self.model, engine) if engine is not None else 0
+        decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr, betas=(0.9, 0.95), foreach=False,
+        )
+        data = corpus if corpus is not None else load_corpus(cfg.data)
+        self.batches = ByteBatches(data, cfg.seq_len, cfg.batch_size, np.random.default_rng(cfg.seed))
+        self.step = 0
+        self.tokens_seen = 0
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to 10% over the run."""
+        cfg = self.cfg
+        if cfg.warmup and step <= cfg.warmup:
+            return cfg.lr * step / cfg.warmup
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+    def train_step(self) -> StepResult:
+        started = time.perf_counter()
+        self.step += 1
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.batches.next()  # (B, T)
+        _, loss = self.model(x, y)
+        assert loss is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=False)
+        self.optimizer.step()
+        self.tokens_seen += x.numel()
+        return StepResult(self.step, float(loss.item()), x.numel(), time.perf_counter() - started, lr)
+
+    def run(self, on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
+        results = []
+        while self.step < self.cfg.steps:
+            result = self.train_step()
+            results.append(result)
+            if on_step is not None:
+                on_step(result)
+        return results
