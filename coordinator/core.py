@@ -88,6 +88,7 @@ class DeviceState:
     tiles_done: int = 0
     tiles_rejected: int = 0
     consecutive_rejects: int = 0
+    compute_seconds: float = 0.0  # as reported by the device, verified tiles only
 
 
 @dataclass
@@ -211,6 +212,7 @@ class Core:
         self.store.credit_device(dev.id, verified=1, rejected=0, gflop=tile.flops / 1e9, now=now)
         dev.tiles_done += 1
         dev.consecutive_rejects = 0
+        dev.compute_seconds += msg.seconds
         if msg.seconds > 0:
             dev.gflops = (1 - EMA) * dev.gflops + EMA * (tile.flops / 1e9 / msg.seconds) if dev.gflops else tile.flops / 1e9 / msg.seconds
         gemm.parts[tile.index] = msg.c
@@ -318,6 +320,7 @@ class Core:
                 "inflight": len(live.inflight) if live else 0,
                 "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
                 "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
+                "compute_s": round(live.compute_seconds, 4) if live else None,
             })
         p = self.progress
         return {
@@ -328,6 +331,7 @@ class Core:
                       "verified": counts["verified"], "rejected": counts["rejected"]},
             "queue_depth": counts["queued"],
             "gemms_in_flight": len(self.gemms),
+            "verify": {"seconds": round(self.verify_seconds, 4), "worst_honest_ratio": round(self.verify_worst_honest, 4)},
             "time": now,
         }
 

@@ -44,6 +44,13 @@ class CoordinatorConfig:
             raise ValueError("--token must not be empty")
 
 
+@dataclass
+class JobOutcome:
+    results: list[StepResult]
+    status: dict  # the final status snapshot: tiles, devices, traffic, verification cost
+    url: str = ""
+
+
 class Reporter(Protocol):
     """What the job tells its operator; the CLI renders it."""
 
@@ -77,7 +84,7 @@ async def serve_job(
     *,
     clock: Callable[[], float] = time.time,
     ready: Callable[[str], None] | None = None,
-) -> list[StepResult]:
+) -> JobOutcome:
     loop = asyncio.get_running_loop()
     token, generated = (cfg.token, False) if cfg.token else (new_token(), True)
     store = SQLiteStore(cfg.db)
@@ -88,6 +95,8 @@ async def serve_job(
     server = Server(core, clock)
     metrics = _Metrics(cfg.metrics)
     results: list[StepResult] = []
+    final: dict = {}
+    url = ""
     started = time.perf_counter()
 
     def record(result: StepResult) -> None:  # on the loop: the single writer
@@ -128,18 +137,20 @@ async def serve_job(
                 server.abort("coordinator stopped")
                 raise
             store.set_job_state(job_id, "finished", clock())
+            final = server.status()  # before the devices disconnect: their live counters
             server.deliver(core.finish(clock()))
             await server.close_all("job finished")
-            reporter.finished(results, server.status())
+            final["job"]["state"] = "finished"
+            reporter.finished(results, final)
     except BaseException:
         store.set_job_state(job_id, "failed", clock())
         raise
     finally:
         metrics.close()
         store.close()
-    return results
+    return JobOutcome(results, final, url)
 
 
-def run_job(cfg: CoordinatorConfig, reporter: Reporter) -> list[StepResult]:
+def run_job(cfg: CoordinatorConfig, reporter: Reporter) -> JobOutcome:
     return asyncio.run(serve_job(cfg, reporter))
 

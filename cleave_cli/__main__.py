@@ -1,0 +1,3 @@
+from cleave_cli.app import main
+
+main()

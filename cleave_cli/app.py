@@ -1,0 +1,24 @@
+"""The ``cleave`` command: a thin typer app; each command lives in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from cleave_cli import coordinator, demo, join, status, train
+
+app = typer.Typer(
+    name="cleave",
+    help="Cleave: train foundation models on volunteers' idle machines, one verified GEMM tile at a time.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(coordinator.app, name="coordinator")
+app.command("join")(join.join)
+app.command("status")(status.status)
+app.command("train")(train.train)
+app.command("demo")(demo.demo)
+
+
+def main() -> None:
+    app()

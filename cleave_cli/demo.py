@@ -1,0 +1,98 @@
+"""``cleave demo``: the quick start. A coordinator and local clients train the default model,
+then the same job runs in plain torch and the losses are compared."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from cleave_cli import options as opt
+from cleave_cli import render
+from cleave_cli.errors import CleaveError, friendly, is_terminal
+from cleave_cli.progress import ConsoleReporter
+from coordinator.job import CoordinatorConfig, JobOutcome, new_token, serve_job
+from coordinator.training.loop import TrainConfig, Trainer
+
+MATCH_TOLERANCE = 1e-4  # relative, per step
+
+
+def max_relative_diff(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+async def _distributed(cfg: CoordinatorConfig, clients: int, threads: int, reporter: ConsoleReporter) -> JobOutcome:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[str] = loop.create_future()
+    job = asyncio.create_task(serve_job(cfg, reporter, ready=ready.set_result))
+    done, _ = await asyncio.wait({job, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if job in done:  # failed before listening
+        return job.result()
+    url = ready.result()
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "cleave_cli", "join", url, "--token", str(cfg.token), "--once", "--quiet",
+            "--threads", str(threads), "--name", f"laptop-{i + 1}", "--device", "cpu",
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        for i in range(clients)
+    ]
+    try:
+        outcome = await job
+        codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), 30)
+        if any(codes):
+            raise CleaveError(f"a client exited with {codes}")
+        return outcome
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+
+
+@friendly
+def demo(
+    steps: opt.Steps = 100,
+    clients: Annotated[int, typer.Option(help="Local client processes to start.")] = 2,
+    model: opt.Model = "tiny",
+    batch_size: opt.BatchSize = 8,
+    seq_len: opt.SeqLen = 64,
+    seed: opt.Seed = TrainConfig().seed,
+    threads: Annotated[int, typer.Option(help="CPU threads per client.")] = 1,
+) -> None:
+    """Train the default model on a coordinator with local clients, then compare with plain torch."""
+    if not 1 <= clients <= 16:
+        raise CleaveError(f"--clients must be between 1 and 16, got {clients}", 2)
+    console = Console(highlight=False)
+    train = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    console.rule(f"[bold]cleave demo: {model} model, {steps} steps, {clients} clients, text = Python's stdlib")
+    with tempfile.TemporaryDirectory(prefix="cleave-demo-") as tmp:
+        cfg = CoordinatorConfig(train=train, port=0, db=str(Path(tmp) / "cleave.db"), token=new_token(),
+                                min_devices=clients)
+        reporter = ConsoleReporter(console, live=is_terminal())
+        started = time.perf_counter()
+        try:
+            dist = asyncio.run(_distributed(cfg, clients, threads, reporter)).results
+        finally:
+            reporter.close()
+        dist_seconds = time.perf_counter() - started
+    console.print("running the same job in plain torch for comparison ...", style="dim")
+    started = time.perf_counter()
+    local = Trainer(train).run()
+    local_seconds = time.perf_counter() - started
+    d, l = [r.loss for r in dist], [r.loss for r in local]
+    diff = max_relative_diff(d, l)
+    console.print(render.comparison(
+        [("first loss", d[0], l[0]), ("final loss", d[-1], l[-1]),
+         ("wall time", f"{dist_seconds:.1f} s", f"{local_seconds:.1f} s")],
+        diff, MATCH_TOLERANCE,
+    ))
+    if diff > MATCH_TOLERANCE:
+        raise CleaveError(f"losses differ by {diff:.2e} (relative), more than {MATCH_TOLERANCE:g}")
+

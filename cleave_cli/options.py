@@ -1,0 +1,34 @@
+"""Options shared by the commands that train (names are a contract: scripts and tests use them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from coordinator.training.loop import TrainConfig
+
+_D = TrainConfig()
+
+Model = Annotated[str, typer.Option("--model", help="Model preset: tiny (seconds on a CPU), small (~11M params), base (~45M).")]
+Steps = Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
+SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens (bytes) per sequence.")]
+Lr = Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate (warm-up, then cosine decay).")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of weights and batches: the same seed gives the same losses.")]
+Data = Annotated[
+    Optional[Path],
+    typer.Option("--data", help="UTF-8 text file or folder to train on. Default: this Python's standard library sources."),
+]
+Metrics = Annotated[
+    Optional[Path], typer.Option("--metrics", help="Write one JSON object per step (step, loss, tokens, seconds, ...).")
+]
+
+
+def train_config(model: str, steps: int, batch_size: int, seq_len: int, lr: float, seed: int, data: Path | None) -> TrainConfig:
+    return TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
+                       data=str(data) if data is not None else None)
+
+
+DEFAULTS = _D

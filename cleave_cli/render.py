@@ -1,0 +1,121 @@
+"""Rich renderables for every screen Cleave shows. Nothing here prints: callers hand the
+result to a Console (tests render into ``Console(file=io.StringIO())``)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+
+def _num(value: float | None, fmt: str = "{:.4f}", missing: str = "-") -> str:
+    return missing if value is None else fmt.format(value)
+
+
+def _mb(value: float) -> str:
+    return f"{value:,.1f} MB"
+
+
+def step_line(step: int, steps: int, loss: float, seconds: float, status: dict[str, Any] | None, tokens_per_s: float = 0.0) -> Text:
+    """One line per step; ``status`` is the coordinator's snapshot, or None for a local run."""
+    text = Text()
+    text.append(f"step {step:>{len(str(steps))}}/{steps}", style="bold")
+    text.append(f"  loss {loss:.4f}", style="cyan")
+    text.append(f"  {seconds * 1000:7.1f} ms")
+    if status is None:
+        text.append(f"  {tokens_per_s:,.0f} tok/s  (local torch)")
+        return text
+    tiles = status.get("tiles", {})
+    devices = sum(1 for d in status.get("devices", []) if d.get("state") in ("idle", "working"))
+    text.append(f"  {status.get('job', {}).get('tokens_per_s', 0):,.0f} tok/s")
+    text.append(f"  {devices} device{'s' if devices != 1 else ''}")
+    text.append(f"  tiles {tiles.get('verified', 0):,} verified")
+    if tiles.get("rejected"):
+        text.append(f", {tiles['rejected']:,} rejected", style="bold red")
+    return text
+
+
+def listening(url: str, token: str, generated: bool) -> Text:
+    text = Text()
+    text.append("cleave coordinator listening on ", style="bold")
+    text.append(url, style="bold green")
+    text.append("\njoin with: ")
+    text.append(f"cleave join {url} --token {token}", style="yellow")
+    if generated:
+        text.append("\n(token generated for this run; pass --token to choose one)", style="dim")
+    return text
+
+
+def dashboard(status: dict[str, Any]) -> Group:
+    """``cleave status``: the job, its tiles and its devices."""
+    job = status.get("job", {})
+    tiles = status.get("tiles", {})
+    steps = job.get("steps") or 0
+    step = job.get("step") or 0
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("job", f"{job.get('name', '')}  [{job.get('state', '')}]")
+    summary.add_row("step", f"{step}/{steps}" + (f"  ({100 * step / steps:.0f}%)" if steps else ""))
+    summary.add_row("loss", _num(job.get("loss")))
+    summary.add_row("throughput", f"{job.get('tokens_per_s', 0):,.0f} tokens/s")
+    summary.add_row(
+        "tiles",
+        f"{tiles.get('verified', 0):,} verified, {tiles.get('leased', 0):,} leased, "
+        f"{tiles.get('queued', 0):,} queued, {tiles.get('rejected', 0):,} rejected",
+    )
+    summary.add_row("queue depth", str(status.get("queue_depth", tiles.get("queued", 0))))
+    traffic = status.get("traffic")
+    if traffic:
+        summary.add_row("traffic", f"{_mb(traffic.get('mb_down', 0))} down, {_mb(traffic.get('mb_up', 0))} up")
+    devices = Table(title="devices", expand=True)
+    for col, justify in [("name", "left"), ("state", "left"), ("device", "left"), ("GFLOP/s", "right"),
+                         ("tiles done", "right"), ("rejected", "right"), ("verified GFLOP", "right")]:
+        devices.add_column(col, justify=justify)  # type: ignore[arg-type]
+    style = {"working": "green", "idle": "cyan", "offline": "dim", "banned": "bold red"}
+    for d in status.get("devices", []):
+        state = d.get("state", "")
+        reason = f" ({d['reason']})" if d.get("reason") and state not in ("working", "idle") else ""
+        devices.add_row(
+            str(d.get("name", "")), Text(state + reason, style=style.get(state, "")), str(d.get("device", "")),
+            f"{d.get('gflops', 0):.1f}", f"{d.get('tiles_done', 0):,}",
+            Text(f"{d.get('tiles_rejected', 0):,}", style="red" if d.get("tiles_rejected") else ""),
+            f"{d.get('gflop_verified', 0):,.2f}",
+        )
+    if not status.get("devices"):
+        devices.add_row("(no devices yet)", "", "", "", "", "", "")
+    return Group(Panel(summary, title="cleave", border_style="blue"), devices)
+
+
+def client_line(stats: Any, url: str) -> Text:
+    """The live line of ``cleave join``."""
+    text = Text()
+    text.append(f"{stats.state:<16}", style="bold green" if stats.state == "working" else "bold")
+    text.append(f" tiles {stats.tiles:,}")
+    if stats.rejected:
+        text.append(f" ({stats.rejected} rejected)", style="red")
+    text.append(f"  {stats.gflops:6.1f} GFLOP/s")
+    text.append(f"  {stats.bytes_down / 1e6:,.1f} MB in / {stats.bytes_up / 1e6:,.1f} MB out")
+    text.append(f"  {stats.device}  {url}", style="dim")
+    if stats.last_error and stats.state in ("reconnecting", "connecting"):
+        text.append(f"  {stats.last_error}", style="yellow")
+    return text
+
+
+def comparison(rows: Sequence[tuple[str, float, float]], max_rel_diff: float, tolerance: float) -> Table:
+    """Final losses side by side: distributed run against the local baseline."""
+    table = Table(title="distributed vs local baseline")
+    table.add_column("")
+    table.add_column("cleave (tiles on clients)", justify="right")
+    table.add_column("local torch", justify="right")
+    for label, dist, local in rows:
+        table.add_row(label, f"{dist:.6f}" if isinstance(dist, float) else str(dist),
+                      f"{local:.6f}" if isinstance(local, float) else str(local))
+    verdict = Text(f"max relative loss difference over all steps: {max_rel_diff:.2e} ", style="bold")
+    verdict.append("(match)" if max_rel_diff <= tolerance else "(MISMATCH)",
+                   style="bold green" if max_rel_diff <= tolerance else "bold red")
+    table.caption = verdict.plain
+    return table

@@ -1,0 +1,54 @@
+"""``cleave train --local``: the same job in plain torch, the baseline to compare against."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from cleave_cli import options as opt
+from cleave_cli import render
+from cleave_cli.errors import CleaveError, friendly
+from coordinator.training.loop import Trainer
+
+D = opt.DEFAULTS
+
+
+@friendly
+def train(
+    local: Annotated[bool, typer.Option("--local", help="Train in this process with plain torch (the baseline).")] = False,
+    model: opt.Model = D.model,
+    steps: opt.Steps = D.steps,
+    batch_size: opt.BatchSize = D.batch_size,
+    seq_len: opt.SeqLen = D.seq_len,
+    lr: opt.Lr = D.lr,
+    seed: opt.Seed = D.seed,
+    data: opt.Data = None,
+    metrics: opt.Metrics = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final loss.")] = False,
+) -> None:
+    """Train locally with the coordinator's exact options, for a side-by-side comparison."""
+    if not local:
+        raise CleaveError("distributed training runs with `cleave coordinator start`; use --local for the baseline", 2)
+    cfg = opt.train_config(model, steps, batch_size, seq_len, lr, seed, data)
+    console = Console(highlight=False)
+    trainer = Trainer(cfg)
+    out = open(metrics, "w", encoding="utf-8") if metrics else None  # noqa: SIM115
+    tokens = 0.0
+    elapsed = 0.0
+    try:
+        for _ in range(cfg.steps):
+            result = trainer.train_step()
+            tokens += result.tokens
+            elapsed += result.seconds
+            if out is not None:
+                out.write(json.dumps(result.metrics(), sort_keys=True) + "\n")
+                out.flush()
+            if not quiet:
+                console.print(render.step_line(result.step, cfg.steps, result.loss, result.seconds, None, tokens / elapsed), soft_wrap=True)
+    finally:
+        if out is not None:
+            out.close()
+    console.print(f"done: {cfg.steps} steps, final loss {result.loss:.4f}", style="bold green")
