@@ -1,0 +1,20 @@
+"""Shared fixtures. Time-outs in tests are multiples of one constant, TIMEOUT."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # several torch processes share 2 cores
+
+TIMEOUT = 60.0  # seconds; every wait in the tests is a multiple of this
+
+
+@pytest.fixture
+def tmp_db(tmp_path: Path) -> Path:
+    return tmp_path / "cleave.db"

@@ -1,0 +1,265 @@
+"""The network-free coordinator brain, driven directly with messages and a fake clock."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.core import CLOSE_BANNED, AuthError, Close, Core, Outbound, Send
+from coordinator.protocol import Error, Finished, Hello, Leave, Result, StatusReply, StatusRequest, Welcome, Work
+from coordinator.tiles import GemmKind, TilingPolicy
+from db.memory import MemoryStore
+
+Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def honest(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+def corrupt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    c = a @ b
+    c[0, 0] += 1.0
+    return c
+
+
+class Fleet:
+    """Fake devices: they cache blocks as real clients do and answer Work with a compute function."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.blocks: dict[int, dict[str, torch.Tensor]] = {}
+        self.inbox: dict[int, list[object]] = {}
+        self.pending: list[Send] = []
+        self.compute: dict[int, Compute] = {}
+        self.blocks_received: dict[int, list[str]] = {}
+        self.closed: dict[int, int] = {}
+        self.now = 100.0
+
+    def join(self, name: str, compute: Compute = honest, slots: int = 2) -> int:
+        device, out = self.core.connect(Hello(token="tok", name=name, slots=slots), self.now)
+        self.blocks[device], self.inbox[device], self.blocks_received[device] = {}, [], []
+        self.compute[device] = compute
+        self.route(out)
+        return device
+
+    def route(self, out: list[Outbound]) -> None:
+        for item in out:
+            if isinstance(item, Close):
+                self.closed[item.device] = item.code
+            elif isinstance(item.message, Work):
+                work = item.message
+                for g in work.forget:
+                    self.blocks[item.device] = {k: v for k, v in self.blocks[item.device].items() if not k.startswith(f"{g}.")}
+                for blk in work.blocks:
+                    self.blocks[item.device][blk.key] = blk.logical()
+                    self.blocks_received[item.device].append(blk.key)
+                self.pending.append(item)
+            else:
+                self.inbox[item.device].append(item.message)
+
+    def step(self, only: int | None = None) -> bool:
+        for i, item in enumerate(self.pending):
+            if only is None or item.device == only:
+                self.pending.pop(i)
+                work = item.message
+                assert isinstance(work, Work)
+                blocks = self.blocks[item.device]
+                c = self.compute[item.device](blocks[work.a], blocks[work.b])
+                self.now += 0.01
+                self.route(self.core.handle(item.device, Result(work.tile_id, c, 0.001), self.now))
+                return True
+        return False
+
+    def drain(self) -> None:
+        while self.step():
+            pass
+
+
+@pytest.fixture
+def core() -> Core:
+    store = MemoryStore()
+    job = store.create_job("test", {}, 10, 0.0)
+    policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
+    return Core(store, job, token="tok", rng=np.random.default_rng(0), policy=policy)
+
+
+def submit(core: Core, fleet: Fleet, a: torch.Tensor, b: torch.Tensor, kind: GemmKind = GemmKind.FORWARD) -> dict:
+    box: dict = {}
+    _, out = core.submit(a, b, kind, fleet.now, lambda r: box.setdefault("result", r))
+    fleet.route(out)
+    return box
+
+
+def test_two_devices_compute_a_gemm_exactly(core: Core) -> None:
+    fleet = Fleet(core)
+    d1, d2 = fleet.join("a"), fleet.join("b")
+    assert isinstance(fleet.inbox[d1][0], Welcome)
+    a, b = torch.randn(150, 70), torch.randn(70, 130)
+    box = submit(core, fleet, a, b)
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    status = core.status(fleet.now)
+    assert all(d["tiles_done"] > 0 for d in status["devices"])  # the work was shared
+    assert status["tiles"]["verified"] == sum(d["tiles_done"] for d in status["devices"])
+
+
+def test_each_block_goes_to_a_device_once_and_is_forgotten_after_the_gemm(core: Core) -> None:
+    fleet = Fleet(core)
+    d = fleet.join("solo", slots=4)
+    a, b = torch.randn(200, 40), torch.randn(40, 200)
+    first = submit(core, fleet, a, b)
+    fleet.drain()
+    assert "result" in first
+    keys = fleet.blocks_received[d]
+    assert len(keys) == len(set(keys))  # never sent twice
+    submit(core, fleet, a, b)
+    # The next GEMM's first Work tells the device to drop the finished GEMM's blocks.
+    assert fleet.pending and fleet.pending[0].message.forget == (1,)
+    fleet.drain()
+    assert all(k.startswith("2.") for k in fleet.blocks[d])
+
+
+def test_split_k_weight_gradient_is_exact(core: Core) -> None:
+    fleet = Fleet(core)
+    fleet.join("a")
+    fleet.join("b")
+    dy, x = torch.randn(256, 48), torch.randn(256, 40)
+    box = submit(core, fleet, dy.t(), x, GemmKind.GRAD_WEIGHT)
+    assert len(core.gemms[1].plan.k_cuts) > 2  # really split along tokens
+    fleet.drain()
+    torch.testing.assert_close(box["result"], dy.t() @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_devices_never_hold_more_tiles_than_their_slots(core: Core) -> None:
+    fleet = Fleet(core)
+    d = fleet.join("a", slots=3)
+    submit(core, fleet, torch.randn(256, 64), torch.randn(64, 256))
+    assert len(core.devices[d].inflight) == 3
+    assert core.status(fleet.now)["tiles"]["queued"] > 0
+
+
+def test_corrupted_results_are_rejected_and_recomputed_elsewhere(core: Core) -> None:
+    fleet = Fleet(core)
+    bad = fleet.join("bad", compute=corrupt)
+    good = fleet.join("good")
+    a, b = torch.randn(128, 64), torch.randn(64, 128)
+    box = submit(core, fleet, a, b)
+    assert fleet.step(only=bad)
+    errors = [m for m in fleet.inbox[bad] if isinstance(m, Error)]
+    assert errors and errors[0].code == "rejected"
+    fleet.compute[bad] = honest  # it behaves from now on; the rejected tile must still go elsewhere
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    status = core.status(fleet.now)
+    rows = {d["name"]: d for d in status["devices"]}
+    assert rows["bad"]["tiles_rejected"] == 1 and status["tiles"]["rejected"] == 1
+    histories = [core.store.leases(t) for t in range(1, status["tiles"]["verified"] + 1)]
+    (history,) = [h for h in histories if any(lease.outcome == "rejected" for lease in h)]
+    assert [(lease.device_id, lease.outcome) for lease in history] == [(bad, "rejected"), (good, "verified")]
+
+
+def test_a_device_that_keeps_failing_verification_is_banned(core: Core) -> None:
+    fleet = Fleet(core)
+    bad = fleet.join("bad", compute=corrupt, slots=4)
+    fleet.join("good")
+    a, b = torch.randn(256, 64), torch.randn(64, 256)
+    box = submit(core, fleet, a, b)
+    for _ in range(3):
+        assert fleet.step(only=bad)
+    assert fleet.closed.get(bad) == CLOSE_BANNED
+    assert bad not in core.devices
+    fleet.pending = [p for p in fleet.pending if p.device != bad]  # its socket is gone
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    assert {d["name"]: d["state"] for d in core.status(fleet.now)["devices"]}["bad"] == "banned"
+
+
+def test_a_lost_device_loses_only_its_outstanding_tiles(core: Core) -> None:
+    fleet = Fleet(core)
+    d1, d2 = fleet.join("a"), fleet.join("b")
+    a, b = torch.randn(256, 64), torch.randn(64, 256)
+    box = submit(core, fleet, a, b)
+    fleet.step(only=d1)
+    held = set(core.devices[d1].inflight)
+    assert held
+    fleet.pending = [p for p in fleet.pending if p.device != d1]
+    fleet.route(core.disconnect(d1, fleet.now, "connection closed"))
+    assert core.store.leased_to(d1) == []
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    for tile in held:
+        assert [lease.outcome for lease in core.store.leases(tile)] == ["lost", "verified"]
+
+
+def test_graceful_leave_releases_tiles(core: Core) -> None:
+    fleet = Fleet(core)
+    d1 = fleet.join("a")
+    fleet.join("b")
+    submit(core, fleet, torch.randn(256, 64), torch.randn(64, 256))
+    held = sorted(core.devices[d1].inflight)
+    fleet.route(core.handle(d1, Leave("owner is back"), fleet.now))
+    assert d1 not in core.devices
+    assert core.store.leases(held[0])[0].outcome == "released"
+
+
+def test_results_for_tiles_never_leased_are_refused_without_harm(core: Core) -> None:
+    fleet = Fleet(core)
+    d = fleet.join("a")
+    out = core.handle(d, Result(tile_id=999, c=torch.zeros(2, 2)), fleet.now)
+    assert len(out) == 1 and isinstance(out[0].message, Error) and out[0].message.code == "not_leased"
+    other = fleet.join("b")
+    submit(core, fleet, torch.randn(64, 32), torch.randn(32, 64))
+    stolen = next(iter(core.devices[other].inflight))
+    out = core.handle(d, Result(tile_id=stolen, c=torch.zeros(2, 2)), fleet.now)
+    assert out[0].message.code == "not_leased"
+    assert core.store.tile_state(stolen) == "leased"
+
+
+def test_wrong_shape_or_dtype_results_are_rejected(core: Core) -> None:
+    fleet = Fleet(core)
+    d = fleet.join("a", slots=2)
+    fleet.join("b")
+    submit(core, fleet, torch.randn(128, 32), torch.randn(32, 128))
+    t1, t2 = sorted(core.devices[d].inflight)
+    for tile, c in ((t1, torch.zeros(3, 3)), (t2, torch.zeros(64, 64, dtype=torch.float16))):
+        out = core.handle(d, Result(tile, c), fleet.now)
+        assert any(isinstance(o, Send) and isinstance(o.message, Error) and o.message.code == "rejected" for o in out)
+        assert core.store.tile_state(tile) in ("queued", "leased")
+        assert core.store.leases(tile)[0].outcome == "rejected"
+
+
+def test_wrong_token_is_refused(core: Core) -> None:
+    with pytest.raises(AuthError):
+        core.connect(Hello(token="nope", name="x"), 0.0)
+    assert core.devices == {}
+
+
+def test_finish_tells_every_device_and_late_joiners(core: Core) -> None:
+    fleet = Fleet(core)
+    d = fleet.join("a")
+    out = core.finish(fleet.now)
+    assert [(o.device, type(o.message)) for o in out] == [(d, Finished)]
+    late, out = core.connect(Hello(token="tok", name="late"), fleet.now)
+    assert isinstance(out[-1].message, Finished)
+
+
+def test_status_has_the_documented_keys(core: Core) -> None:
+    fleet = Fleet(core)
+    d = fleet.join("a")
+    (reply,) = core.handle(d, StatusRequest("tok"), fleet.now)
+    assert isinstance(reply.message, StatusReply)
+    status = reply.message.status
+    assert {"step", "steps", "loss"} <= set(status["job"])
+    assert {"queued", "leased", "verified", "rejected"} <= set(status["tiles"])
+    assert {"name", "state", "tiles_done", "tiles_rejected", "gflops"} <= set(status["devices"][0])
+
+
+def test_submit_refuses_operands_that_do_not_chain(core: Core) -> None:
+    with pytest.raises(ValueError):
+        core.submit(torch.randn(3, 4), torch.randn(5, 6), GemmKind.FORWARD, 0.0, lambda r: None)
+    with pytest.raises(ValueError):
+        core.submit(torch.randn(3, 4).double(), torch.randn(4, 6).double(), GemmKind.FORWARD, 0.0, lambda r: None)

@@ -1,0 +1,164 @@
+"""Wire messages: round trips, pinned golden bytes, and malformed frames."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from coordinator.protocol import (
+    MAGIC, PROTOCOL_VERSION, Block, Error, Finished, Hello, Leave, ProtocolError, Result, StatusReply,
+    StatusRequest, Welcome, Work, decode, encode,
+)
+
+PLAIN = [
+    Hello(token="t", name="n", platform="Linux", cores=4, memory_bytes=8 << 30, device="cpu", gflops=12.5, slots=3,
+          client_version="0.1.0"),
+    StatusRequest(token="secret"),
+    Leave(reason="owner is back"),
+    Welcome(device_id=3, job="tiny, 20 steps", slots=2),
+    StatusReply(status={"job": {"step": 1, "loss": 2.5}, "devices": []}),
+    Finished(reason="job complete"),
+    Error(code="not_leased", message="tile 9 is not leased to you"),
+]
+
+
+@pytest.mark.parametrize("msg", PLAIN, ids=lambda m: type(m).__name__)
+def test_plain_messages_round_trip(msg: object) -> None:
+    assert decode(encode(msg)) == msg  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_work_round_trips_blocks_bit_exact(dtype: torch.dtype) -> None:
+    a = torch.randn(5, 3).to(dtype)
+    b = torch.randn(4, 3).to(dtype)  # travels transposed: logical block is 3 x 4
+    msg = Work(tile_id=11, a="2.a.0.0", b="2.b.0.1", blocks=(Block("2.a.0.0", a), Block("2.b.0.1", b, True)), forget=(1, 2))
+    out = decode(encode(msg))
+    assert isinstance(out, Work)
+    assert (out.tile_id, out.a, out.b, out.forget) == (11, "2.a.0.0", "2.b.0.1", (1, 2))
+    assert [blk.key for blk in out.blocks] == ["2.a.0.0", "2.b.0.1"]
+    assert torch.equal(out.blocks[0].data, a) and out.blocks[0].data.dtype == dtype
+    assert out.blocks[1].transposed and torch.equal(out.blocks[1].logical(), b.t())
+
+
+def test_result_round_trips_and_decoded_tensor_is_writable() -> None:
+    c = torch.randn(7, 2)
+    out = decode(encode(Result(tile_id=4, c=c, seconds=0.125)))
+    assert isinstance(out, Result) and out.tile_id == 4 and out.seconds == 0.125
+    assert torch.equal(out.c, c)
+    out.c.add_(1)  # decoded tensors own writable memory (no read-only buffer warnings)
+
+
+def test_empty_and_size_one_tensors_round_trip() -> None:
+    for shape in [(0, 3), (1, 1), (3, 0)]:
+        c = torch.ones(shape)
+        out = decode(encode(Result(1, c)))
+        assert isinstance(out, Result) and out.c.shape == c.shape
+
+
+def test_non_contiguous_tensors_are_sent_by_value() -> None:
+    base = torch.arange(12.0).view(3, 4)
+    out = decode(encode(Result(1, base[:, 1:3])))
+    assert isinstance(out, Result) and torch.equal(out.c, base[:, 1:3])
+
+
+GOLDEN = {
+    "hello": (
+        Hello(token="t", name="n", platform="p", cores=2, memory_bytes=4, device="cpu", gflops=1.5, slots=2,
+              client_version="0.1.0"),
+        b'CLV\x01\x9d\x00\x00\x00{"client_version":"0.1.0","cores":2,"device":"cpu","gflops":1.5,"memory_bytes":4,'
+        b'"name":"n","platform":"p","slots":2,"tensors":[],"token":"t","type":"hello"}',
+    ),
+    "work": (
+        Work(tile_id=7, a="1.a.0.0", b="1.b.0.0", blocks=(Block("1.a.0.0", torch.tensor([[1.0, 2.0]])),), forget=(3,)),
+        bytes.fromhex(
+            "434c56019e0000007b2261223a22312e612e302e30222c2262223a22312e622e302e30222c22626c6f636b73223a5b7b22"
+            "6b6579223a22312e612e302e30222c227472616e73706f736564223a66616c73657d5d2c22666f72676574223a5b335d2c"
+            "2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964"
+            "223a372c2274797065223a22776f726b227d0000803f00000040"
+        ),
+    ),
+    "result": (
+        Result(tile_id=7, c=torch.tensor([[0.5]]), seconds=0.25),
+        bytes.fromhex(
+            "434c5601560000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
+            "227368617065223a5b312c315d7d5d2c2274696c655f6964223a372c2274797065223a22726573756c74227d0000003f"
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_bytes_are_stable(name: str) -> None:
+    msg, frame = GOLDEN[name]
+    assert encode(msg) == frame
+    again = decode(frame)
+    assert type(again) is type(msg)
+
+
+def _frame(header: dict, payload: bytes = b"", version: int = PROTOCOL_VERSION) -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<3sBI", MAGIC, version, len(head)) + head + payload
+
+
+MALFORMED = {
+    "garbage": (b"\x00\xffhello there, not a frame at all", "bad_frame"),
+    "empty": (b"", "truncated"),
+    "short prefix": (b"CLV\x01", "truncated"),
+    "bad version": (_frame({"type": "leave"}, version=99), "bad_version"),
+    "header past end": (struct.pack("<3sBI", MAGIC, PROTOCOL_VERSION, 1000) + b"{}", "truncated"),
+    "header not json": (struct.pack("<3sBI", MAGIC, PROTOCOL_VERSION, 3) + b"{x}", "bad_frame"),
+    "header not object": (_frame([1, 2]), "bad_frame"),  # type: ignore[arg-type]
+    "unknown type": (_frame({"type": "launch_missiles"}), "unknown_type"),
+    "missing field": (_frame({"type": "welcome", "job": "j", "slots": 1}), "bad_frame"),
+    "wrong field type": (_frame({"type": "error", "code": 3, "message": "m"}), "bad_frame"),
+    "bool is not int": (_frame({"type": "welcome", "device_id": True, "job": "j", "slots": 1}), "bad_frame"),
+    "nan float": (_frame({"type": "result", "tile_id": 1, "seconds": 1e999,
+                          "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4), "bad_frame"),
+    "truncated tensor": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [2, 2]}]},
+                                b"\0" * 12), "truncated"),
+    "stray bytes": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [1]}]},
+                           b"\0" * 8), "bad_frame"),
+    "bad dtype": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f64", "shape": [1]}]},
+                         b"\0" * 8), "bad_tensor"),
+    "negative shape": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [-1]}]}),
+                       "bad_tensor"),
+    "two tensors in result": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [1]}] * 2},
+                                     b"\0" * 8), "bad_tensor"),
+    "tensor on plain message": (_frame({"type": "leave", "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4),
+                                "bad_tensor"),
+    "work block count mismatch": (_frame({"type": "work", "tile_id": 1, "a": "x", "b": "y", "blocks": [],
+                                          "tensors": [{"dtype": "f32", "shape": [1, 1]}]}, b"\0" * 4), "bad_frame"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_frames_raise_protocol_error_with_code(name: str) -> None:
+    frame, code = MALFORMED[name]
+    with pytest.raises(ProtocolError) as info:
+        decode(frame)
+    assert info.value.code == code
+    assert str(info.value)  # a message a human can read
+
+
+def test_text_frames_are_refused() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode('{"type": "hello"}')
+    assert info.value.code == "text_frame"
+
+
+def test_random_bytes_never_raise_anything_but_protocol_error() -> None:
+    rng = torch.Generator().manual_seed(0)
+    good = encode(Result(tile_id=1, c=torch.ones(2, 2)))
+    for i in range(300):
+        n = int(torch.randint(0, len(good) + 8, (1,), generator=rng))
+        junk = bytes(torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).tolist())
+        mutated = bytearray(good)
+        mutated[i % len(good)] ^= 0xFF
+        for frame in (junk, bytes(mutated), good[: i % len(good)]):
+            try:
+                decode(frame)
+            except ProtocolError:
+                pass

@@ -1,0 +1,137 @@
+"""The model, the Linear seam and the training loop, against plain torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+from torch import nn
+
+from coordinator.tiles import TilingPolicy, plan_gemm, tiled_matmul
+from coordinator.training.data import ByteBatches, DataError, load_corpus
+from coordinator.training.linear import GemmRequest, LocalEngine, TiledLinear, offload_linears
+from coordinator.training.loop import ConfigError, TrainConfig, Trainer
+from coordinator.training.model import PRESETS, Transformer
+
+
+class TiledLocalEngine:
+    """Every GEMM cut into tiles exactly as the coordinator would, computed in-process."""
+
+    def __init__(self, devices: int = 3) -> None:
+        self.devices = devices
+        self.kinds: list[str] = []
+        self.policy = TilingPolicy(max_edge=48, min_edge=16, min_k=32, min_tile_flops=1)
+
+    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        out = []
+        for r in requests:
+            self.kinds.append(r.kind.value)
+            plan = plan_gemm(r.a.shape[0], r.b.shape[1], r.a.shape[1], r.kind, self.devices, self.policy)
+            out.append(tiled_matmul(r.a, r.b, plan.tiles, plan))
+        return out
+
+
+def test_offloaded_linear_matches_nn_linear_forward_and_backward() -> None:
+    torch.manual_seed(0)
+    ref = nn.Linear(37, 53, bias=True)
+    tiled = TiledLinear(nn.Linear(37, 53), TiledLocalEngine())
+    tiled.load_state_dict(ref.state_dict())
+    x1 = torch.randn(3, 5, 37, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    ref(x1).square().sum().backward()
+    tiled(x2).square().sum().backward()
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiled.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiled.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_offload_works_on_any_model_and_routes_all_three_gemms() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 4)))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Sequential(nn.Linear(16, 4)))
+    ref.load_state_dict(model.state_dict())
+    engine = TiledLocalEngine()
+    assert offload_linears(model, engine) == 2
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    x = torch.randn(10, 8)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    assert set(engine.kinds) == {"fwd", "dx", "dw"}
+
+
+def test_transformer_step_with_tiled_engine_equals_plain_step() -> None:
+    cfg = TrainConfig(steps=3, seq_len=32, batch_size=4)
+    plain = [r.loss for r in Trainer(cfg).run()]
+    tiled = [r.loss for r in Trainer(cfg, TiledLocalEngine()).run()]
+    local = [r.loss for r in Trainer(cfg, LocalEngine()).run()]
+    assert local == pytest.approx(plain, rel=1e-6)
+    assert tiled == pytest.approx(plain, rel=1e-5)
+
+
+def test_training_is_deterministic_and_the_loss_falls() -> None:
+    cfg = TrainConfig(steps=20)
+    a = [r.loss for r in Trainer(cfg).run()]
+    b = [r.loss for r in Trainer(cfg).run()]
+    assert a == b
+    assert sum(a[-5:]) / 5 < sum(a[:5]) / 5 - 0.5
+    other = [r.loss for r in Trainer(TrainConfig(steps=2, seed=7)).run()]
+    assert other != a[:2]
+
+
+def test_presets_have_the_advertised_sizes() -> None:
+    assert Transformer(PRESETS["tiny"]).num_params() < 1_000_000
+    assert 10_000_000 <= Transformer(PRESETS["small"]).num_params() <= 20_000_000
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"model": "huge"}, "unknown model preset"),
+        ({"steps": 0}, "--steps"),
+        ({"batch_size": 0}, "--batch-size"),
+        ({"seq_len": 1}, "--seq-len"),
+        ({"seq_len": 100_000}, "--seq-len"),
+        ({"lr": float("nan")}, "--lr"),
+        ({"lr": -1.0}, "--lr"),
+        ({"seed": -3}, "--seed"),
+    ],
+)
+def test_absurd_options_are_refused_with_the_option_name(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**kwargs)
+
+
+def test_default_corpus_is_the_standard_library() -> None:
+    data = load_corpus(max_bytes=200_000)
+    assert len(data) == 200_000
+    assert b"def " in data and b"import " in data
+    assert load_corpus(max_bytes=200_000) == data  # same Python, same bytes
+
+
+def test_data_option_takes_a_file_or_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("hello world " * 50)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.md").write_text("more text " * 50)
+    (tmp_path / "blob.bin").write_bytes(b"\xff\xfe\x00" * 10)  # skipped inside a folder
+    assert load_corpus(tmp_path / "a.txt").startswith(b"hello world")
+    folder = load_corpus(tmp_path)
+    assert b"hello world" in folder and b"more text" in folder and b"\xff\xfe" not in folder
+    with pytest.raises(DataError, match="no such file"):
+        load_corpus(tmp_path / "missing.txt")
+    with pytest.raises(DataError, match="UTF-8"):
+        load_corpus(tmp_path / "blob.bin")
+
+
+def test_batches_are_shifted_windows() -> None:
+    import numpy as np
+
+    batches = ByteBatches(b"abcdefghijklmnopqrstuvwxyz" * 4, seq_len=8, batch_size=3, rng=np.random.default_rng(0))
+    x, y = batches.next()
+    assert x.shape == y.shape == (3, 8)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(DataError, match="shorter"):
+        ByteBatches(b"tiny", seq_len=8, batch_size=1, rng=np.random.default_rng(0))
