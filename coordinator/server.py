@@ -54,8 +54,9 @@ def _reason(text: str) -> str:
 
 
 class Server:
-    def __init__(self, core: Core, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, core: Core, clock: Callable[[], float] = time.time, hello_timeout: float = HELLO_TIMEOUT) -> None:
         self.core = core
+        self.hello_timeout = hello_timeout
         self.clock = clock
         self.conns: dict[int, _Conn] = {}
         self.traffic = Traffic()
@@ -66,9 +67,9 @@ class Server:
 
     async def handler(self, ws: ServerConnection) -> None:
         try:
-            first = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT)
+            first = await asyncio.wait_for(ws.recv(), self.hello_timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            await ws.close(CLOSE_PROTOCOL, "no hello within 10 s")
+            await ws.close(CLOSE_PROTOCOL, f"no hello within {self.hello_timeout:g} s")
             return
         except ConnectionClosed:
             return

@@ -18,3 +18,12 @@ TIMEOUT = 60.0  # seconds; every wait in the tests is a multiple of this
 @pytest.fixture
 def tmp_db(tmp_path: Path) -> Path:
     return tmp_path / "cleave.db"
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_processes():  # noqa: ANN202
+    yield
+    from procs import Proc
+
+    while Proc.running:
+        Proc.running.pop().kill()

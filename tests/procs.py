@@ -1,0 +1,131 @@
+"""Real processes for end-to-end tests: a coordinator, clients, test doubles, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from conftest import ROOT, TIMEOUT
+
+TOKEN = "test-token"
+_URL = re.compile(r"listening on (ws://\S+)")
+
+
+def cleave_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cleave_cli", *args]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_WAIT_POLICY"] = "PASSIVE"
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+class Proc:
+    """A child process whose output is collected by a thread (so its pipe never fills)."""
+
+    running: list["Proc"] = []  # killed after each test by conftest, whatever happened
+
+    def __init__(self, cmd: list[str], name: str) -> None:
+        Proc.running.append(self)
+        self.name = name
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     text=True, env=env(), cwd=ROOT)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait(self, timeout: float = 2 * TIMEOUT) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"{self.name} did not finish in {timeout} s; output:\n{self.output}") from None
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Coordinator(Proc):
+    def __init__(self, tmp: Path, *args: str, steps: int = 20, token: str = TOKEN) -> None:
+        self.db = tmp / "cleave.db"
+        self.metrics_path = tmp / "metrics.jsonl"
+        super().__init__(
+            cleave_cmd("coordinator", "start", "--port", "0", "--db", str(self.db), "--token", token,
+                       "--steps", str(steps), "--metrics", str(self.metrics_path), *args),
+            "coordinator",
+        )
+        self.url = self._await_url()
+
+    def _await_url(self) -> str:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := _URL.search(line):
+                    return m.group(1)
+            if self.proc.poll() is not None:
+                raise AssertionError(f"coordinator exited early:\n{self.output}")
+            time.sleep(0.05)
+        raise AssertionError(f"coordinator never listened:\n{self.output}")
+
+    def losses(self) -> list[float]:
+        return [row["loss"] for row in metrics(self.metrics_path)]
+
+    def steps_done(self) -> int:
+        return len(metrics(self.metrics_path)) if self.metrics_path.exists() else 0
+
+    def wait_for_step(self, step: int) -> None:
+        deadline = time.monotonic() + 2 * TIMEOUT
+        while self.steps_done() < step:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"step {step} never came:\n{self.output}")
+            time.sleep(0.05)
+
+    def query(self, sql: str, *params: object) -> list[tuple]:
+        with sqlite3.connect(self.db) as conn:
+            return conn.execute(sql, params).fetchall()
+
+
+def join(url: str, name: str, *args: str, token: str = TOKEN) -> Proc:
+    return Proc(cleave_cmd("join", url, "--token", token, "--once", "--quiet", "--threads", "1", "--name", name,
+                           "--device", "cpu", *args), name)
+
+
+def double(mode: str, url: str, name: str, *args: str) -> Proc:
+    """A misbehaving client from tests/doubles.py."""
+    return Proc([sys.executable, str(ROOT / "tests" / "doubles.py"), mode, url, TOKEN, name, *args], name)
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_until(predicate, timeout: float = TIMEOUT, what: str = "condition") -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -1,0 +1,153 @@
+"""End to end, with real processes on 127.0.0.1: a coordinator, `cleave join` clients,
+misbehaving test doubles, SIGKILL, SIGINT, and a peer that sends garbage."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TIMEOUT
+from procs import Coordinator, Proc, cleave_cmd, double, env, join, metrics, wait_until
+
+STEPS = 20
+REL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def local_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The baseline: `cleave train --local` with the same options."""
+    path = tmp_path_factory.mktemp("local") / "local.jsonl"
+    run = subprocess.run(cleave_cmd("train", "--local", "--steps", str(STEPS), "--metrics", str(path), "--quiet"),
+                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=2 * TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    losses = [row["loss"] for row in metrics(path)]
+    assert len(losses) == STEPS
+    return losses
+
+
+def assert_same_losses(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert abs(g - w) <= REL * abs(w), f"step {step}: {g} vs local {w}"
+
+
+def test_two_clients_train_exactly_like_local_torch(tmp_path: Path, local_losses: list[float]) -> None:
+    coord = Coordinator(tmp_path, "--min-devices", "2", steps=STEPS)
+    clients = [join(coord.url, f"laptop-{i}") for i in range(2)]
+    assert coord.wait() == 0, coord.output
+    assert [c.wait() for c in clients] == [0, 0], [c.output for c in clients]
+    losses = coord.losses()
+    assert_same_losses(losses, local_losses)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5  # it learns
+    rows = metrics(coord.metrics_path)
+    assert all({"step", "loss", "tokens", "seconds"} <= set(r) for r in rows)
+    # The database tells the same story: every tile verified, shared by both devices.
+    assert coord.query("SELECT state, COUNT(*) FROM tiles GROUP BY state")[0][0] == "verified"
+    assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
+    done = dict(coord.query("SELECT name, tiles_done FROM devices"))
+    assert set(done) == {"laptop-0", "laptop-1"} and all(n > 0 for n in done.values())
+    assert coord.query("SELECT state FROM jobs") == [("finished",)]
+    assert [r[0] for r in coord.query("SELECT loss FROM steps ORDER BY step")] == losses
+
+
+def test_corrupted_results_are_always_caught_and_never_used(tmp_path: Path, local_losses: list[float]) -> None:
+    coord = Coordinator(tmp_path, "--min-devices", "2", steps=STEPS)
+    liar = double("corrupt", coord.url, "liar")
+    honest = join(coord.url, "honest")
+    assert coord.wait() == 0, coord.output
+    assert honest.wait() == 0
+    assert liar.wait() == 3, liar.output  # banned after repeated failures
+    assert_same_losses(coord.losses(), local_losses)
+    (liar_id,) = coord.query("SELECT id FROM devices WHERE name = 'liar'")[0]
+    outcomes = dict(coord.query("SELECT outcome, COUNT(*) FROM leases WHERE device_id = ? GROUP BY outcome", liar_id))
+    assert outcomes.get("rejected", 0) >= 1, outcomes
+    assert "verified" not in outcomes  # not one corrupted block entered training
+    assert coord.query("SELECT state, reason FROM devices WHERE id = ?", liar_id)[0][0] == "banned"
+
+
+def test_a_client_killed_mid_step_costs_only_its_tiles(tmp_path: Path, local_losses: list[float]) -> None:
+    coord = Coordinator(tmp_path, "--min-devices", "2", steps=STEPS)
+    flag = tmp_path / "holding"
+    victim = double("hold", coord.url, "victim", "40", str(flag))
+    survivor = join(coord.url, "survivor")
+    wait_until(flag.exists, 2 * TIMEOUT, "the victim to hold a tile")
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert coord.wait() == 0, coord.output
+    assert survivor.wait() == 0
+    assert_same_losses(coord.losses(), local_losses)
+    (victim_id,) = coord.query("SELECT id FROM devices WHERE name = 'victim'")[0]
+    lost = coord.query("SELECT tile_id FROM leases WHERE device_id = ? AND outcome = 'lost'", victim_id)
+    assert lost, "the victim held tiles when it died"
+    for (tile,) in lost:  # each lost tile was then computed by the survivor and verified
+        history = coord.query("SELECT outcome FROM leases WHERE tile_id = ? ORDER BY id", tile)
+        assert history[-1] == ("verified",)
+
+
+def test_ctrl_c_leaves_gracefully(tmp_path: Path, local_losses: list[float]) -> None:
+    coord = Coordinator(tmp_path, "--min-devices", "2", steps=STEPS)
+    leaver = join(coord.url, "leaver")
+    stayer = join(coord.url, "stayer")
+    coord.wait_for_step(3)
+    leaver.proc.send_signal(signal.SIGINT)
+    assert leaver.wait() == 0, leaver.output
+    assert coord.wait() == 0, coord.output
+    assert stayer.wait() == 0
+    assert_same_losses(coord.losses(), local_losses)
+    state, reason = coord.query("SELECT state, reason FROM devices WHERE name = 'leaver'")[0]
+    assert (state, reason) == ("offline", "left")
+    assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+                       "WHERE d.name = 'leaver' AND l.outcome = 'lost'") == [(0,)]
+
+
+def test_status_reports_the_job_as_json_and_a_dashboard(tmp_path: Path) -> None:
+    coord = Coordinator(tmp_path, "--min-devices", "2", steps=5)
+    first = join(coord.url, "first")
+    wait_until(lambda: "first" in _status(coord.url).get("names", []), TIMEOUT, "the first device")
+    run = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", "test-token", "--json"),
+                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    assert {"step", "steps", "loss"} <= set(status["job"]) and status["job"]["steps"] == 5
+    assert {"queued", "leased", "verified", "rejected"} <= set(status["tiles"])
+    (device,) = status["devices"]
+    assert {"name", "state", "tiles_done", "tiles_rejected", "gflops"} <= set(device)
+    assert device["name"] == "first" and device["gflops"] > 0
+    board = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", "test-token", "--once"),
+                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
+    assert board.returncode == 0 and "first" in board.stdout and "devices" in board.stdout
+    wrong = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", "nope", "--json"),
+                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
+    assert wrong.returncode == 2 and "refused the token" in wrong.stderr
+    assert len(wrong.stderr.strip().splitlines()) == 1
+    second = join(coord.url, "second")
+    assert coord.wait() == 0, coord.output
+    assert first.wait() == 0 and second.wait() == 0
+
+
+def _status(url: str) -> dict:
+    from cleave_cli.status import fetch_status
+
+    status = fetch_status(url, "test-token")
+    status["names"] = [d["name"] for d in status["devices"]]
+    return status
+
+
+def test_wrong_token_client_exits_with_a_clear_error(tmp_path: Path) -> None:
+    coord = Coordinator(tmp_path, "--min-devices", "1", steps=2)
+    intruder = join(coord.url, "intruder", token="wrong")
+    assert intruder.wait() == 2
+    assert "refused the join token" in intruder.output
+    good = join(coord.url, "good")
+    assert coord.wait() == 0 and good.wait() == 0
+
+
+def test_unreachable_coordinator_is_retried_until_stopped(tmp_path: Path) -> None:
+    client = Proc(cleave_cmd("join", "ws://127.0.0.1:9", "--token", "t", "--threads", "1"), "lonely")
+    wait_until(lambda: "retrying" in client.output, TIMEOUT, "a retry message")
+    client.proc.send_signal(signal.SIGINT)
+    assert client.wait() == 0
