@@ -175,7 +175,7 @@ class BenchReporter:
         self._task: TaskID | None = None
         self._started = False
 
-    def listening(self, url: str, token: str, generated: bool) -> None:
+    def listening(self, url: str, token: str, generated: bool, join_url: str = "") -> None:
         self.ui.note(f"coordinator listening on {url}")
 
     def waiting(self, have: int, want: int) -> None:

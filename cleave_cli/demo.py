@@ -45,7 +45,10 @@ async def _distributed(cfg: CoordinatorConfig, clients: int, threads: int, repor
     ]
     try:
         outcome = await job
-        codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), 30)
+        try:
+            codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), 30)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise CleaveError("the clients did not exit within 30 s of the job's end") from None
         if any(codes):
             raise CleaveError(f"a client exited with {codes}")
         return outcome

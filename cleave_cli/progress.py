@@ -23,9 +23,9 @@ class ConsoleReporter:
         self._live: Live | None = None
         self._task = None
 
-    def listening(self, url: str, token: str, generated: bool) -> None:
+    def listening(self, url: str, token: str, generated: bool, join_url: str) -> None:
         # Always printed, plainly: scripts and tests read the URL and token from this.
-        self.console.print(render.listening(url, token, generated), soft_wrap=True)
+        self.console.print(render.listening(url, token, generated, join_url), soft_wrap=True)
 
     def waiting(self, have: int, want: int) -> None:
         if not self.quiet:

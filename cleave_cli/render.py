@@ -38,12 +38,12 @@ def step_line(step: int, steps: int, loss: float, seconds: float, status: dict[s
     return text
 
 
-def listening(url: str, token: str, generated: bool) -> Text:
+def listening(url: str, token: str, generated: bool, join_url: str | None = None) -> Text:
     text = Text()
     text.append("cleave coordinator listening on ", style="bold")
     text.append(url, style="bold green")
     text.append("\njoin with: ")
-    text.append(f"cleave join {url} --token {token}", style="yellow")
+    text.append(f"cleave join {join_url or url} --token {token}", style="yellow")
     if generated:
         text.append("\n(token generated for this run; pass --token to choose one)", style="dim")
     return text

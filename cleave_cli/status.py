@@ -52,8 +52,8 @@ def _open(url: str) -> ClientConnection:
 
 @friendly
 def status(
+    token: Annotated[str, typer.Option("--token", help="The coordinator's join secret (required).")],
     url: Annotated[str, typer.Option("--url", help="Coordinator address.")] = "ws://127.0.0.1:8765",
-    token: Annotated[str, typer.Option("--token", help="The coordinator's join secret.")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (job, devices, tiles) and exit.")] = False,
     watch: Annotated[bool, typer.Option("--watch/--once", help="Keep the dashboard live (default on a terminal).")] = True,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 1.0,
@@ -72,8 +72,10 @@ def status(
         while True:
             try:
                 snapshot = _ask(ws, token)
-            except CleaveError:
-                live.console.print("coordinator went away", style="yellow")
+            except CleaveError as exc:
+                if exc.exit_code != 1:  # a refused token is an error, not the end of a job
+                    raise
+                live.console.print("the coordinator went away (job over?)", style="yellow")
                 return
             live.update(render.dashboard(snapshot))
             if snapshot.get("job", {}).get("state") == "finished":

@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client import kernels, sysinfo
 from coordinator.protocol import (
-    Error, Finished, Hello, Leave, ProtocolError, Result, Welcome, Work, decode, encode,
+    Error, Finished, Hello, Leave, ProtocolError, Release, Result, Welcome, Work, decode, encode,
 )
 
 log = logging.getLogger("cleave.client")
@@ -31,8 +31,9 @@ CLOSE_AUTH, CLOSE_BANNED = 4001, 4003  # mirrors coordinator.core; the client im
 MAX_FRAME = 256 << 20
 VERSION = "0.1.0"
 
-# Exit codes of ``cleave join``.
-EXIT_OK, EXIT_ERROR, EXIT_AUTH, EXIT_BANNED = 0, 1, 2, 3
+# Exit codes of ``cleave join``: bad options and a refused token are both usage errors (2).
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BANNED = 0, 1, 2, 3
+EXIT_AUTH = EXIT_USAGE
 
 Compute = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, float]"]
 
@@ -59,11 +60,13 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
-            raise ClientError(f"coordinator URL must start with ws:// or wss://, got {self.url!r}")
+            raise ClientError(f"coordinator URL must start with ws:// or wss://, got {self.url!r}", EXIT_USAGE)
         if self.threads is not None and not (1 <= self.threads <= 1024):
-            raise ClientError(f"--threads must be between 1 and 1024, got {self.threads}")
+            raise ClientError(f"--threads must be between 1 and 1024, got {self.threads}", EXIT_USAGE)
         if not (1 <= self.slots <= 8):
-            raise ClientError(f"--slots must be between 1 and 8, got {self.slots}")
+            raise ClientError(f"--slots must be between 1 and 8, got {self.slots}", EXIT_USAGE)
+        if not self.token:
+            raise ClientError("--token must not be empty", EXIT_USAGE)
 
 
 @dataclass
@@ -153,7 +156,7 @@ class Worker:
                         delay = 0.5
                         outcome = await self._session(ws)
                 except InvalidURI as exc:
-                    raise ClientError(f"bad coordinator URL: {exc}") from None
+                    raise ClientError(f"bad coordinator URL: {exc}", EXIT_USAGE) from None
                 except (OSError, InvalidHandshake, ConnectionClosed, TimeoutError, asyncio.TimeoutError) as exc:
                     outcome = f"coordinator unavailable ({type(exc).__name__}: {exc})".strip()
                 finally:
@@ -239,7 +242,9 @@ class Worker:
             work = await queue.get()
             a, b = blocks.get(work.a), blocks.get(work.b)
             if a is None or b is None:
-                log.error("tile %d names a block this device does not hold; skipped", work.tile_id)
+                # Never sit on a tile we cannot compute: give it back so the GEMM is not stalled.
+                log.error("tile %d names a block this device does not hold; releasing it", work.tile_id)
+                await self._send(ws, encode(Release((work.tile_id,), "missing input block")))
                 continue
             self._set("working")
             c, seconds = await loop.run_in_executor(self._pool, self._compute_fn, a, b)

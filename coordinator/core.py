@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from coordinator.protocol import (
-    Block, Error, Finished, Hello, Leave, Message, Result, StatusReply, StatusRequest, Welcome, Work,
+    Block, Error, Finished, Hello, Leave, Message, Release, Result, StatusReply, StatusRequest, Welcome, Work,
 )
 from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm, wire_view
 from coordinator.verify import freivalds
@@ -93,7 +93,8 @@ class DeviceState:
 
 @dataclass
 class Progress:
-    step: int = 0
+    step: int = 0  # last finished step
+    current: int = 0  # step whose GEMMs are being submitted
     steps: int = 0
     loss: float | None = None
     tokens_per_s: float = 0.0
@@ -143,7 +144,7 @@ class Core:
             name=hello.name[:64] or "device", platform=hello.platform[:128], cores=max(1, hello.cores),
             memory_bytes=max(0, hello.memory_bytes), device=hello.device[:16], gflops=max(0.0, hello.gflops),
         )
-        device_id = self.store.add_device(info, now)
+        device_id = self.store.add_device(self.job_id, info, now)
         slots = min(MAX_SLOTS, max(1, hello.slots))
         self.devices[device_id] = DeviceState(device_id, info.name, slots, info.gflops, info.device)
         out: list[Outbound] = [Send(device_id, Welcome(device_id, self.job_name, slots))]
@@ -173,9 +174,10 @@ class Core:
             return []
         if isinstance(msg, Result):
             return self._on_result(dev, msg, now)
+        if isinstance(msg, Release):
+            return self._on_release(dev, msg, now)
         if isinstance(msg, Leave):
-            out = self.disconnect(device_id, now, "left")
-            return out
+            return self.disconnect(device_id, now, "left")
         if isinstance(msg, StatusRequest):
             return [Send(device_id, StatusReply(self.status(now)))]
         return [Send(device_id, Error("unexpected", f"{type(msg).__name__} is not a message a device may send now"))]
@@ -191,7 +193,7 @@ class Core:
         tile = gemm.tiles[msg.tile_id]
         a, b = a_block(gemm.a, tile), b_block(gemm.b, tile)
         started = _clock()
-        verdict = freivalds(a, b, msg.c, self.rng)
+        verdict = freivalds(a, b, msg.c, self.rng, compute_dtype=a.dtype)
         self.verify_seconds += _clock() - started
         if verdict.ok:
             self.verify_worst_honest = max(self.verify_worst_honest, verdict.worst_ratio)
@@ -220,6 +222,19 @@ class Core:
             self._complete(gemm, now)
         return out + self._dispatch(now)
 
+    def _on_release(self, dev: DeviceState, msg: Release, now: float) -> list[Outbound]:
+        for tile_id in msg.tile_ids:
+            if tile_id not in dev.inflight:
+                continue  # already finished or re-issued: nothing to give back
+            dev.inflight.discard(tile_id)
+            self.store.end_lease(tile_id, dev.id, "released", now, msg.reason[:200])
+            self._queued += 1
+            gemm = self.gemms[self._tile_gemm[tile_id]]
+            tile = gemm.tiles[tile_id]
+            # The device may have lost these blocks: send them again if it gets the tile back.
+            dev.blocks -= {tile.a_key(gemm.id), tile.b_key(gemm.id)}
+        return self._dispatch(now)
+
     def _complete(self, gemm: GemmState, now: float) -> None:
         result = assemble(gemm.plan, gemm.parts, gemm.a.dtype)
         self.store.finish_gemm(gemm.id, now)
@@ -247,7 +262,7 @@ class Core:
         plan = plan_gemm(m, n, k, kind, len(self.devices), self.policy)
         tiles = plan.tiles
         new = [NewTile(t.index, f"a.{t.i}.{t.p}", f"b.{t.p}.{t.j}", t.flops) for t in tiles]
-        gemm_id, ids = self.store.add_gemm(self.job_id, self.progress.step, kind.value, (m, n, k), new, now)
+        gemm_id, ids = self.store.add_gemm(self.job_id, self.progress.current, kind.value, (m, n, k), new, now)
         gemm = GemmState(gemm_id, kind, a.detach(), b.detach(), plan, dict(zip(ids, tiles)), on_done)
         self.gemms[gemm_id] = gemm
         for tid in ids:
@@ -278,7 +293,7 @@ class Core:
     def _work(self, dev: DeviceState, tile_id: int) -> Work:
         gemm = self.gemms[self._tile_gemm[tile_id]]
         tile = gemm.tiles[tile_id]
-        a_key, b_key = f"{gemm.id}.a.{tile.i}.{tile.p}", f"{gemm.id}.b.{tile.p}.{tile.j}"
+        a_key, b_key = tile.a_key(gemm.id), tile.b_key(gemm.id)
         blocks = []
         for key, block in ((a_key, a_block(gemm.a, tile)), (b_key, b_block(gemm.b, tile))):
             if key not in dev.blocks:
@@ -306,7 +321,7 @@ class Core:
         """The snapshot ``cleave status`` renders (its --json keys are a contract)."""
         counts = self.store.tile_counts(self.job_id)
         rows = []
-        for row in self.store.devices():
+        for row in self.store.devices(self.job_id):
             live = self.devices.get(row.id)
             if live is not None:
                 state = "working" if live.inflight else "idle"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -54,10 +56,17 @@ class JobOutcome:
 class Reporter(Protocol):
     """What the job tells its operator; the CLI renders it."""
 
-    def listening(self, url: str, token: str, generated: bool) -> None: ...
+    def listening(self, url: str, token: str, generated: bool, join_url: str) -> None: ...
     def waiting(self, have: int, want: int) -> None: ...
     def step(self, result: StepResult, status: dict) -> None: ...
     def finished(self, results: list[StepResult], status: dict) -> None: ...
+
+
+def _public_url(host: str, port: int) -> str:
+    """The address other machines should join: a wildcard bind is no address to connect to."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"ws://{host}:{port}"
 
 
 def new_token() -> str:
@@ -70,7 +79,8 @@ class _Metrics:
 
     def write(self, row: dict) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(row, sort_keys=True) + "\n")
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+            self.file.write(json.dumps(clean, sort_keys=True) + "\n")  # strict JSON: a NaN loss is null
             self.file.flush()
 
     def close(self) -> None:
@@ -90,28 +100,34 @@ async def serve_job(
     store = SQLiteStore(cfg.db)
     corpus = await asyncio.to_thread(load_corpus, cfg.train.data)  # fail fast on bad --data
     job_id = store.create_job(f"{cfg.train.model} x {cfg.train.steps} steps", cfg.train.to_dict(), cfg.train.steps, clock())
-    core = Core(store, job_id, token=token, rng=np.random.default_rng(cfg.train.seed + 1), policy=cfg.policy,
+    # Verification vectors must be unpredictable to clients: OS entropy, never the public seed.
+    core = Core(store, job_id, token=token, rng=np.random.default_rng(), policy=cfg.policy,
                 job_name=f"{cfg.train.model}, {cfg.train.steps} steps")
     server = Server(core, clock)
     metrics = _Metrics(cfg.metrics)
     results: list[StepResult] = []
     final: dict = {}
     url = ""
-    started = time.perf_counter()
+    started = 0.0  # set when step 1 starts: waiting for devices is not training time
+    tokens = 0
 
-    def record(result: StepResult) -> None:  # on the loop: the single writer
-        store.record_step(job_id, result.step, result.loss, result.tokens, result.seconds, clock(), result.extra)
-        elapsed = time.perf_counter() - started
-        core.progress.step, core.progress.loss = result.step, result.loss
-        core.progress.tokens_per_s = sum(r.tokens for r in results) / elapsed if elapsed else 0.0
-        reporter.step(result, server.status())
-
-    def on_step(result: StepResult) -> None:  # in the trainer thread
+    def record(result: StepResult) -> None:  # on the loop: the single writer of store and metrics
+        nonlocal tokens
         t = server.traffic
         extra = {"devices": len(core.devices), "mb_down": round(t.bytes_down / 1e6, 3), "mb_up": round(t.bytes_up / 1e6, 3)}
         result = StepResult(result.step, result.loss, result.tokens, result.seconds, result.lr, extra)
         results.append(result)
         metrics.write(result.metrics())
+        loss = result.loss if math.isfinite(result.loss) else None
+        store.record_step(job_id, result.step, result.loss, result.tokens, result.seconds, clock(), extra)
+        tokens += result.tokens
+        elapsed = time.perf_counter() - started
+        core.progress.loss = loss
+        core.progress.step = result.step
+        core.progress.tokens_per_s = tokens / elapsed if elapsed > 0 else 0.0
+        reporter.step(result, server.status())
+
+    def on_step(result: StepResult) -> None:  # in the trainer thread: hand over to the loop
         loop.call_soon_threadsafe(record, result)
 
     def train() -> None:
@@ -125,12 +141,13 @@ async def serve_job(
         ) as ws_server:
             port = ws_server.sockets[0].getsockname()[1] if ws_server.sockets else cfg.port
             url = f"ws://{cfg.host}:{port}"
-            reporter.listening(url, token, generated)
+            reporter.listening(url, token, generated, _public_url(cfg.host, port))
             if ready is not None:
                 ready(url)
             core.progress.state = "waiting for devices"
             await server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
             core.progress.state = "training"
+            started = time.perf_counter()
             try:
                 await asyncio.to_thread(train)
             except BaseException:

@@ -109,6 +109,16 @@ class Leave:
 
 
 @dataclass(frozen=True)
+class Release:
+    """Client -> coordinator: give these leased tiles back (e.g. a block went missing); they are
+    re-queued at once and their blocks are sent again with the next Work."""
+
+    TYPE: ClassVar[str] = "release"
+    tile_ids: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Welcome:
     """Coordinator -> client, answer to Hello."""
 
@@ -159,9 +169,9 @@ class Error:
     message: str
 
 
-Message = Union[Hello, StatusRequest, Result, Leave, Welcome, Work, StatusReply, Finished, Error]
+Message = Union[Hello, StatusRequest, Result, Leave, Release, Welcome, Work, StatusReply, Finished, Error]
 _PLAIN: dict[str, type] = {
-    cls.TYPE: cls for cls in (Hello, StatusRequest, Leave, Welcome, StatusReply, Finished, Error)
+    cls.TYPE: cls for cls in (Hello, StatusRequest, Leave, Release, Welcome, StatusReply, Finished, Error)
 }
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int), "str": (str,)}
 
@@ -200,6 +210,7 @@ def encode(msg: Message) -> bytes:
         tensors = [msg.c]
     elif type(msg) in _PLAIN.values():
         header = {f.name: getattr(msg, f.name) for f in fields(msg)}
+        header = {k: list(v) if isinstance(v, tuple) else v for k, v in header.items()}
     else:
         raise TypeError(f"not a Cleave message: {msg!r}")
     header["type"] = msg.TYPE
@@ -232,6 +243,12 @@ def _decode_plain(cls: type, header: dict[str, Any]) -> Message:
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
         kind = {"str": "str", "int": "int", "float": "float"}.get(str(f.type))
+        if str(f.type) == "tuple[int, ...]":
+            value = header.get(f.name)
+            if not isinstance(value, list) or len(value) > 1024 or not all(type(v) is int for v in value):
+                raise ProtocolError(f"field {f.name!r} must be a list of at most 1024 ints")
+            kwargs[f.name] = tuple(value)
+            continue
         if kind is None:  # StatusReply.status: any JSON object
             value = header.get(f.name, {})
             if not isinstance(value, dict):

@@ -19,14 +19,14 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.core import CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, AuthError, Close, Core, Outbound, Send
-from coordinator.protocol import Hello, Leave, ProtocolError, Result, StatusReply, StatusRequest, decode, encode
+from coordinator.protocol import Hello, Leave, ProtocolError, Release, Result, StatusReply, StatusRequest, decode, encode
 from coordinator.training.linear import GemmRequest
 
 log = logging.getLogger("cleave.server")
 
 HELLO_TIMEOUT = 10.0  # a peer must introduce itself this fast
 MAX_FRAME = 256 << 20  # results of big split-K tiles are tens of MB; anything past this is refused
-_CLIENT_MESSAGES = (Result, Leave, StatusRequest)
+_CLIENT_MESSAGES = (Result, Release, Leave, StatusRequest)
 
 
 class JobAborted(RuntimeError):
@@ -226,6 +226,10 @@ class RemoteEngine:
     def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
         self.server = server
         self.loop = loop
+
+    def begin_step(self, step: int) -> None:
+        # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
+        self.loop.call_soon_threadsafe(setattr, self.server.core.progress, "current", step)
 
     def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
         futures: list[concurrent.futures.Future[torch.Tensor]] = [concurrent.futures.Future() for _ in requests]

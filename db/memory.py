@@ -31,6 +31,7 @@ class MemoryStore:
         self._jobs: dict[int, JobRow] = {}
         self._steps: dict[int, list[StepRow]] = {}
         self._devices: dict[int, DeviceRow] = {}
+        self._device_job: dict[int, int] = {}
         self._gemms: dict[int, dict[str, Any]] = {}
         self._tiles: dict[int, _Tile] = {}
         self._queued: dict[int, None] = {}  # insertion-ordered set of queued tile ids
@@ -70,8 +71,9 @@ class MemoryStore:
         return sorted(copy.deepcopy(self._steps.get(job_id, [])), key=lambda s: s.step)
 
     # --- devices
-    def add_device(self, info: DeviceInfo, now: float) -> int:
+    def add_device(self, job_id: int, info: DeviceInfo, now: float) -> int:
         did = self._id("device")
+        self._device_job[did] = job_id
         self._devices[did] = DeviceRow(
             did, info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops,
             "online", now, now,
@@ -94,8 +96,8 @@ class MemoryStore:
         d.gflop_verified += gflop
         d.last_seen = now
 
-    def devices(self) -> list[DeviceRow]:
-        return [copy.copy(d) for d in self._devices.values()]
+    def devices(self, job_id: int) -> list[DeviceRow]:
+        return [copy.copy(d) for d in self._devices.values() if self._device_job[d.id] == job_id]
 
     # --- GEMMs and tiles
     def add_gemm(

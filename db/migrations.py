@@ -28,10 +28,11 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         pk=("job_id", "step"), foreign_keys=[("job_id", "jobs", "id")],
     )
     db["devices"].create(
-        {"id": int, "name": str, "platform": str, "cores": int, "memory_bytes": int, "device": str,
+        {"id": int, "job_id": int, "name": str, "platform": str, "cores": int, "memory_bytes": int, "device": str,
          "gflops": float, "state": str, "joined_at": float, "last_seen": float, "tiles_done": int,
          "tiles_rejected": int, "gflop_verified": float, "reason": str},
         pk="id", defaults={"tiles_done": 0, "tiles_rejected": 0, "gflop_verified": 0.0, "reason": ""},
+        foreign_keys=[("job_id", "jobs", "id")],
     )
     db["gemms"].create(
         {"id": int, "job_id": int, "step": int, "kind": str, "m": int, "n": int, "k": int, "tiles": int,

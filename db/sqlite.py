@@ -75,6 +75,10 @@ class SQLiteStore:
 
     # --- job and steps
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
+        # Devices of earlier jobs in this file are gone whatever their last recorded state.
+        self.conn.execute(
+            "UPDATE devices SET state = 'offline', reason = 'coordinator restarted' WHERE state = 'online'"
+        )
         cur = self.conn.execute(
             "INSERT INTO jobs (name, config, state, step, steps, created_at) VALUES (?, ?, 'running', 0, ?, ?)",
             (name, json.dumps(config, sort_keys=True), steps, now),
@@ -113,11 +117,11 @@ class SQLiteStore:
         return [StepRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
     # --- devices
-    def add_device(self, info: DeviceInfo, now: float) -> int:
+    def add_device(self, job_id: int, info: DeviceInfo, now: float) -> int:
         cur = self.conn.execute(
-            "INSERT INTO devices (name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen)"
-            " VALUES (?, ?, ?, ?, ?, ?, 'online', ?, ?)",
-            (info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops, now, now),
+            "INSERT INTO devices (job_id, name, platform, cores, memory_bytes, device, gflops, state, joined_at,"
+            " last_seen) VALUES (?, ?, ?, ?, ?, ?, ?, 'online', ?, ?)",
+            (job_id, info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops, now, now),
         )
         return int(cur.lastrowid)
 
@@ -137,10 +141,12 @@ class SQLiteStore:
         if cur.rowcount != 1:
             raise StoreError(f"no device {device_id}")
 
-    def devices(self) -> list[DeviceRow]:
+    def devices(self, job_id: int) -> list[DeviceRow]:
         cols = "id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen," \
                " tiles_done, tiles_rejected, gflop_verified, reason"
-        return [DeviceRow(*r) for r in self.conn.execute(f"SELECT {cols} FROM devices ORDER BY id")]
+        return [DeviceRow(*r) for r in self.conn.execute(
+            f"SELECT {cols} FROM devices WHERE job_id = ? ORDER BY id", (job_id,)
+        )]
 
     # --- GEMMs and tiles
     def add_gemm(

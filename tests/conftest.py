@@ -27,3 +27,10 @@ def _no_stray_processes():  # noqa: ANN202
 
     while Proc.running:
         Proc.running.pop().kill()
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    import torch
+
+    torch.manual_seed(0)

@@ -131,7 +131,7 @@ def test_split_k_weight_gradient_is_exact(core: Core) -> None:
     box = submit(core, fleet, dy.t(), x, GemmKind.GRAD_WEIGHT)
     assert len(core.gemms[1].plan.k_cuts) > 2  # really split along tokens
     fleet.drain()
-    torch.testing.assert_close(box["result"], dy.t() @ x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(box["result"], dy.t() @ x, rtol=1e-5, atol=1e-4)  # sums of 256 terms ~16
 
 
 def test_devices_never_hold_more_tiles_than_their_slots(core: Core) -> None:
@@ -263,3 +263,21 @@ def test_submit_refuses_operands_that_do_not_chain(core: Core) -> None:
         core.submit(torch.randn(3, 4), torch.randn(5, 6), GemmKind.FORWARD, 0.0, lambda r: None)
     with pytest.raises(ValueError):
         core.submit(torch.randn(3, 4).double(), torch.randn(4, 6).double(), GemmKind.FORWARD, 0.0, lambda r: None)
+
+
+def test_released_tiles_are_requeued_and_their_blocks_sent_again(core: Core) -> None:
+    from coordinator.protocol import Release
+
+    fleet = Fleet(core)
+    d = fleet.join("a", slots=1)
+    a, b = torch.randn(64, 32), torch.randn(32, 64)
+    box = submit(core, fleet, a, b)
+    (held,) = core.devices[d].inflight
+    fleet.pending.clear()
+    fleet.blocks[d].clear()  # the device lost its cache
+    fleet.route(core.handle(d, Release((held, 12345), "missing input block"), fleet.now))
+    assert core.store.leases(held)[0].outcome == "released"
+    again = fleet.pending[0].message
+    assert again.tile_id == held and {blk.key for blk in again.blocks} == {again.a, again.b}
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.protocol import (
-    MAGIC, PROTOCOL_VERSION, Block, Error, Finished, Hello, Leave, ProtocolError, Result, StatusReply,
+    MAGIC, PROTOCOL_VERSION, Block, Error, Finished, Hello, Leave, ProtocolError, Release, Result, StatusReply,
     StatusRequest, Welcome, Work, decode, encode,
 )
 
@@ -18,6 +18,7 @@ PLAIN = [
           client_version="0.1.0"),
     StatusRequest(token="secret"),
     Leave(reason="owner is back"),
+    Release(tile_ids=(3, 4), reason="missing input block"),
     Welcome(device_id=3, job="tiny, 20 steps", slots=2),
     StatusReply(status={"job": {"step": 1, "loss": 2.5}, "devices": []}),
     Finished(reason="job complete"),
@@ -129,6 +130,7 @@ MALFORMED = {
                                      b"\0" * 8), "bad_tensor"),
     "tensor on plain message": (_frame({"type": "leave", "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4),
                                 "bad_tensor"),
+    "release ids not ints": (_frame({"type": "release", "tile_ids": [1, "x"]}), "bad_frame"),
     "work block count mismatch": (_frame({"type": "work", "tile_id": 1, "a": "x", "b": "y", "blocks": [],
                                           "tensors": [{"dtype": "f32", "shape": [1, 1]}]}, b"\0" * 4), "bad_frame"),
 }

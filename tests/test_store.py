@@ -40,10 +40,12 @@ def test_job_and_steps(store: Store) -> None:
 
 
 def test_devices_are_credited(store: Store) -> None:
-    d = store.add_device(DeviceInfo("laptop", "Linux", 4, 1 << 30, "cpu", 50.0), now=1.0)
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("laptop", "Linux", 4, 1 << 30, "cpu", 50.0), now=1.0)
     store.credit_device(d, verified=2, rejected=1, gflop=0.5, now=2.0)
     store.set_device_state(d, "offline", now=3.0, reason="left")
-    (row,) = store.devices()
+    (row,) = store.devices(job)
+    assert store.devices(store.create_job("next", {}, 1, 5.0)) == []
     assert (row.name, row.tiles_done, row.tiles_rejected, row.gflop_verified) == ("laptop", 2, 1, 0.5)
     assert (row.state, row.reason, row.last_seen) == ("offline", "left", 3.0)
     with pytest.raises(StoreError):
@@ -52,7 +54,7 @@ def test_devices_are_credited(store: Store) -> None:
 
 def test_claims_oldest_tile_first_and_each_tile_once(store: Store) -> None:
     job = store.create_job("j", {}, 1, 0.0)
-    d = store.add_device(DeviceInfo("a"), 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
     gid, ids = _gemm(store, job)
     claimed = [store.claim_tile(d, [], now=11.0) for _ in range(4)]
     assert [c.id for c in claimed[:3] if c] == ids
@@ -63,7 +65,7 @@ def test_claims_oldest_tile_first_and_each_tile_once(store: Store) -> None:
 
 def test_claim_prefers_tiles_whose_blocks_the_device_holds(store: Store) -> None:
     job = store.create_job("j", {}, 1, 0.0)
-    d = store.add_device(DeviceInfo("a"), 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
     gid, ids = _gemm(store, job, n=4)
     c = store.claim_tile(d, [f"{gid}.a.2.0", f"{gid}.b.0.0"], now=11.0)
     assert c is not None and c.id == ids[2]
@@ -71,7 +73,7 @@ def test_claim_prefers_tiles_whose_blocks_the_device_holds(store: Store) -> None
 
 def test_verified_lease_finishes_tile_and_records_history(store: Store) -> None:
     job = store.create_job("j", {}, 1, 0.0)
-    d = store.add_device(DeviceInfo("a"), 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
     _, ids = _gemm(store, job, n=1)
     store.claim_tile(d, [], now=11.0)
     store.end_lease(ids[0], d, "verified", now=12.0)
@@ -84,7 +86,7 @@ def test_verified_lease_finishes_tile_and_records_history(store: Store) -> None:
 
 def test_rejected_tile_is_requeued_and_barred_from_that_device(store: Store) -> None:
     job = store.create_job("j", {}, 1, 0.0)
-    bad, good = store.add_device(DeviceInfo("bad"), 0.0), store.add_device(DeviceInfo("good"), 0.0)
+    bad, good = store.add_device(job, DeviceInfo("bad"), 0.0), store.add_device(job, DeviceInfo("good"), 0.0)
     _, ids = _gemm(store, job, n=1)
     store.claim_tile(bad, [], now=11.0)
     store.end_lease(ids[0], bad, "rejected", now=12.0, reason="Freivalds")
@@ -98,7 +100,7 @@ def test_rejected_tile_is_requeued_and_barred_from_that_device(store: Store) -> 
 
 def test_release_device_requeues_all_its_tiles(store: Store) -> None:
     job = store.create_job("j", {}, 1, 0.0)
-    d, other = store.add_device(DeviceInfo("a"), 0.0), store.add_device(DeviceInfo("b"), 0.0)
+    d, other = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
     _, ids = _gemm(store, job, n=3)
     store.claim_tile(d, [], now=11.0)
     store.claim_tile(d, [], now=11.0)
@@ -114,7 +116,7 @@ def test_release_device_requeues_all_its_tiles(store: Store) -> None:
 
 def test_end_lease_checks_ownership_and_outcome(store: Store) -> None:
     job = store.create_job("j", {}, 1, 0.0)
-    d, other = store.add_device(DeviceInfo("a"), 0.0), store.add_device(DeviceInfo("b"), 0.0)
+    d, other = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
     _, ids = _gemm(store, job, n=1)
     store.claim_tile(d, [], now=11.0)
     with pytest.raises(StoreError):

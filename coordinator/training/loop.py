@@ -84,6 +84,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model = Transformer(preset(cfg.model))
         self.offloaded = offload_linears(self.model, engine) if engine is not None else 0
+        # Engines that label their GEMMs by step (the coordinator's) hear when each step starts.
+        self.begin_step: Callable[[int], None] | None = getattr(engine, "begin_step", None)
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -106,6 +108,8 @@ class Trainer:
     def train_step(self) -> StepResult:
         started = time.perf_counter()
         self.step += 1
+        if self.begin_step is not None:
+            self.begin_step(self.step)
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -1,0 +1,53 @@
+"""The command line: every command and option has help text and an entry in docs/cli.md."""
+
+from __future__ import annotations
+
+import re
+
+from typing import Any
+
+import typer.main
+
+from cleave_cli.app import app
+from conftest import ROOT
+
+
+def _commands() -> dict[str, Any]:
+    root = typer.main.get_command(app)  # typer's own (vendored) click command objects
+    out: dict[str, Any] = {}
+
+    def walk(cmd: Any, path: str) -> None:
+        if hasattr(cmd, "commands"):
+            for name, sub in cmd.commands.items():
+                walk(sub, f"{path} {name}")
+        else:
+            out[path] = cmd
+
+    walk(root, "cleave")
+    return out
+
+
+def test_every_command_has_help_and_a_docs_section() -> None:
+    docs = (ROOT / "docs" / "cli.md").read_text()
+    sections = dict(re.findall(r"^## (cleave [^\n]+)\n(.*?)(?=^## |\Z)", docs, flags=re.M | re.S))
+    commands = _commands()
+    assert set(commands) == {"cleave coordinator start", "cleave join", "cleave status", "cleave train", "cleave demo"}
+    for path, cmd in commands.items():
+        assert cmd.help and cmd.help.strip(), f"{path} has no help"
+        assert path in sections, f"docs/cli.md lacks a '## {path}' section"
+        for param in cmd.params:
+            if param.param_type_name == "option":
+                assert param.help, f"{path} {param.opts[0]} has no help"
+                for opt in param.opts:
+                    assert f"`{opt}" in sections[path], f"docs/cli.md: {path} does not document {opt}"
+
+
+def test_readme_quick_start_names_real_commands() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "bash scripts/setup.sh && .venv/bin/cleave demo" in readme
+    assert "bash scripts/setup.sh && .venv/bin/python -m pytest -q" in readme
+    assert "cleave demo" in _commands_text()
+
+
+def _commands_text() -> str:
+    return " ".join(_commands())
