@@ -81,13 +81,13 @@ async def _attack(url: str) -> dict[str, object]:
         seen["never leased"] = await inbox.next(Error)
         work = await inbox.next(Work)
         assert isinstance(work, Work)
+        blocks = {b.key: b.logical() for b in work.blocks}  # cached across Works, as a real client does
         await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(3, 3))))
         seen["wrong shape"] = await inbox.next(Error)
         work = await inbox.next(Work)
         assert isinstance(work, Work)
-        blocks = {b.key: b.logical() for b in work.blocks}
-        rows = blocks[work.a].shape[0] if work.a in blocks else 1
-        cols = blocks[work.b].shape[1] if work.b in blocks else 1
+        blocks.update({b.key: b.logical() for b in work.blocks})
+        rows, cols = blocks[work.a].shape[0], blocks[work.b].shape[1]
         await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(rows, cols, dtype=torch.float16))))
         seen["wrong dtype"] = await inbox.next(Error)
         await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(1, 1))))  # already refused: not leased now
