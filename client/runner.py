@@ -206,7 +206,7 @@ class Worker:
                         for key in [k for k in blocks if k.startswith(prefix)]:
                             del blocks[key]
                     for block in msg.blocks:
-                        blocks[block.key] = kernels.to_device(block.logical(), self.device)
+                        blocks[block.key] = kernels.to_device(block.data, self.device)
                     queue.put_nowait(msg)
                 elif isinstance(msg, Welcome):
                     self.stats.device_id, self.stats.job = msg.device_id, msg.job
@@ -240,12 +240,13 @@ class Worker:
         loop = asyncio.get_running_loop()
         while True:
             work = await queue.get()
-            a, b = blocks.get(work.a), blocks.get(work.b)
-            if a is None or b is None:
+            operands = work.operands(blocks)
+            if operands is None:
                 # Never sit on a tile we cannot compute: give it back so the GEMM is not stalled.
                 log.error("tile %d names a block this device does not hold; releasing it", work.tile_id)
                 await self._send(ws, encode(Release((work.tile_id,), "missing input block")))
                 continue
+            a, b = operands
             self._set("working")
             c, seconds = await loop.run_in_executor(self._pool, self._compute_fn, a, b)
             await self._send(ws, encode(Result(work.tile_id, c, seconds)))

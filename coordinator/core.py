@@ -22,7 +22,8 @@ import torch
 from coordinator.protocol import (
     Block, Error, Finished, Hello, Leave, Message, Release, Result, StatusReply, StatusRequest, Welcome, Work,
 )
-from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm, wire_view
+from coordinator.blocks import BlockRef, Source, Sources, block_ref
+from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm
 from coordinator.verify import freivalds
 from db.store import DeviceInfo, NewTile, Store
 
@@ -65,8 +66,13 @@ class GemmState:
     plan: TilePlan
     tiles: dict[int, Tile]  # tile id -> tile
     on_done: Callable[[torch.Tensor], None]
+    sources: tuple[Source, Source]
+    a_blocks: dict[tuple[int, int], BlockRef]  # (i, p) -> A[rows i, ks p]
+    b_blocks: dict[tuple[int, int], BlockRef]  # (p, j) -> B[ks p, cols j]
     parts: dict[int, torch.Tensor] = field(default_factory=dict)  # tile index -> verified C block
-    holders: set[int] = field(default_factory=set)  # devices that cached blocks of this GEMM
+
+    def blocks_of(self, tile: Tile) -> tuple[BlockRef, BlockRef]:
+        return self.a_blocks[(tile.i, tile.p)], self.b_blocks[(tile.p, tile.j)]
 
     @property
     def done(self) -> bool:
@@ -81,8 +87,23 @@ class DeviceState:
     gflops: float  # benchmark at join, then a running estimate from verified tiles
     device: str
     inflight: set[int] = field(default_factory=set)
-    blocks: set[str] = field(default_factory=set)
-    forget: set[int] = field(default_factory=set)
+    blocks: set[str] = field(default_factory=set)  # keys of the blocks the device holds
+    namespaces: dict[int, set[str]] = field(default_factory=dict)  # source id -> its keys held
+    forget: set[int] = field(default_factory=set)  # namespaces to drop, sent with the next Work
+
+    def hold(self, ref: BlockRef) -> None:
+        self.blocks.add(ref.key)
+        self.namespaces.setdefault(ref.namespace, set()).add(ref.key)
+
+    def drop(self, namespace: int) -> None:
+        keys = self.namespaces.pop(namespace, None)
+        if keys is not None:
+            self.blocks -= keys
+            self.forget.add(namespace)
+
+    def lose(self, ref: BlockRef) -> None:
+        self.blocks.discard(ref.key)
+        self.namespaces.get(ref.namespace, set()).discard(ref.key)
     bytes_down: int = 0
     bytes_up: int = 0
     tiles_done: int = 0
@@ -122,6 +143,7 @@ class Core:
         self.job_name = job_name or f"job {job_id}"
         self.devices: dict[int, DeviceState] = {}
         self.gemms: dict[int, GemmState] = {}
+        self.sources = Sources()
         self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
         self._queued = 0  # mirror of the store's queued count, so idle dispatches cost no query
         self.progress = Progress(steps=store.job(job_id).steps)
@@ -162,8 +184,6 @@ class Core:
         self._queued += len(requeued)
         state = "banned" if dev.consecutive_rejects >= self.max_consecutive_rejects else "offline"
         self.store.set_device_state(device_id, state, now, reason)
-        for g in self.gemms.values():
-            g.holders.discard(device_id)
         return self._dispatch(now)
 
     # ------------------------------------------------------------------ messages
@@ -191,9 +211,10 @@ class Core:
         self.bytes_up += nbytes
         gemm = self.gemms[self._tile_gemm[msg.tile_id]]
         tile = gemm.tiles[msg.tile_id]
-        a, b = a_block(gemm.a, tile), b_block(gemm.b, tile)
+        ra, rb = gemm.blocks_of(tile)
         started = _clock()
-        verdict = freivalds(a, b, msg.c, self.rng, compute_dtype=a.dtype)
+        verdict = freivalds(ra.logical, rb.logical, msg.c, self.rng, compute_dtype=gemm.a.dtype,
+                            a_row_norms=ra.row_norms(), b_norm=rb.norm())
         self.verify_seconds += _clock() - started
         if verdict.ok:
             self.verify_worst_honest = max(self.verify_worst_honest, verdict.worst_ratio)
@@ -230,9 +251,9 @@ class Core:
             self.store.end_lease(tile_id, dev.id, "released", now, msg.reason[:200])
             self._queued += 1
             gemm = self.gemms[self._tile_gemm[tile_id]]
-            tile = gemm.tiles[tile_id]
             # The device may have lost these blocks: send them again if it gets the tile back.
-            dev.blocks -= {tile.a_key(gemm.id), tile.b_key(gemm.id)}
+            for ref in gemm.blocks_of(gemm.tiles[tile_id]):
+                dev.lose(ref)
         return self._dispatch(now)
 
     def _complete(self, gemm: GemmState, now: float) -> None:
@@ -240,12 +261,23 @@ class Core:
         self.store.finish_gemm(gemm.id, now)
         for tid in gemm.tiles:
             self._tile_gemm.pop(tid, None)
-        for device_id in gemm.holders:
-            if device_id in self.devices:
-                self.devices[device_id].forget.add(gemm.id)
-                self.devices[device_id].blocks = {k for k in self.devices[device_id].blocks if not k.startswith(f"{gemm.id}.")}
+        # dW is the last reader of its X and dY: their cached pieces can go everywhere.
+        last_use = gemm.kind is GemmKind.GRAD_WEIGHT
+        for src in gemm.sources:
+            if self.sources.release(src, last_use=last_use):
+                self._forget(src.id)
         del self.gemms[gemm.id]
         gemm.on_done(result)
+
+    def _forget(self, namespace: int) -> None:
+        for dev in self.devices.values():
+            dev.drop(namespace)
+
+    def begin_step(self, step: int) -> None:
+        """A training step starts: blocks still kept from the last one will not be read again."""
+        self.progress.current = step
+        for namespace in self.sources.sweep():
+            self._forget(namespace)
 
     # ------------------------------------------------------------------ GEMMs
 
@@ -261,9 +293,16 @@ class Core:
         n = b.shape[1]
         plan = plan_gemm(m, n, k, kind, len(self.devices), self.policy)
         tiles = plan.tiles
-        new = [NewTile(t.index, f"a.{t.i}.{t.p}", f"b.{t.p}.{t.j}", t.flops) for t in tiles]
-        gemm_id, ids = self.store.add_gemm(self.job_id, self.progress.current, kind.value, (m, n, k), new, now)
-        gemm = GemmState(gemm_id, kind, a.detach(), b.detach(), plan, dict(zip(ids, tiles)), on_done)
+        a, b = a.detach(), b.detach()
+        # Forward's X and dX's dY are read again by the dW that follows: keep them on devices.
+        sources = (self.sources.acquire(a, retain=kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)),
+                   self.sources.acquire(b, retain=False))
+        gemm_id = self.store.next_gemm_id()
+        a_blocks = {(t.i, t.p): block_ref(sources[0], gemm_id, f"a{t.i}.{t.p}", a_block(a, t)) for t in tiles}
+        b_blocks = {(t.p, t.j): block_ref(sources[1], gemm_id, f"b{t.p}.{t.j}", b_block(b, t)) for t in tiles}
+        new = [NewTile(t.index, a_blocks[(t.i, t.p)].key, b_blocks[(t.p, t.j)].key, t.flops) for t in tiles]
+        ids = self.store.add_gemm(gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, now)
+        gemm = GemmState(gemm_id, kind, a, b, plan, dict(zip(ids, tiles)), on_done, sources, a_blocks, b_blocks)
         self.gemms[gemm_id] = gemm
         for tid in ids:
             self._tile_gemm[tid] = gemm_id
@@ -292,22 +331,19 @@ class Core:
 
     def _work(self, dev: DeviceState, tile_id: int) -> Work:
         gemm = self.gemms[self._tile_gemm[tile_id]]
-        tile = gemm.tiles[tile_id]
-        a_key, b_key = tile.a_key(gemm.id), tile.b_key(gemm.id)
-        blocks = []
-        for key, block in ((a_key, a_block(gemm.a, tile)), (b_key, b_block(gemm.b, tile))):
-            if key not in dev.blocks:
-                data, transposed = wire_view(block)
-                blocks.append(Block(key, data, transposed))
-                dev.blocks.add(key)
-                nbytes = data.numel() * data.element_size()
-                dev.bytes_down += nbytes
-                self.bytes_down += nbytes
-        gemm.holders.add(dev.id)
-        dev.inflight.add(tile_id)
+        ra, rb = gemm.blocks_of(gemm.tiles[tile_id])
+        # Forget first: a namespace dropped and a block of a new one may share this message.
         forget = tuple(sorted(dev.forget))
         dev.forget.clear()
-        return Work(tile_id, a_key, b_key, tuple(blocks), forget)
+        blocks = []
+        for ref in (ra, rb) if ra is not rb else (ra,):
+            if ref.key not in dev.blocks:
+                blocks.append(Block(ref.key, ref.wire()))
+                dev.hold(ref)
+                dev.bytes_down += ref.nbytes
+                self.bytes_down += ref.nbytes
+        dev.inflight.add(tile_id)
+        return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget)
 
     # ------------------------------------------------------------------ job
 

@@ -52,18 +52,15 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class Block:
-    """An input block of a tile, sent once per device and cached there under ``key``.
+    """An input block, sent once to a device and cached there under ``key``.
 
-    With ``transposed`` the logical block is ``data.T``: the coordinator sends a contiguous
-    slice of the stored tensor instead of copying a transposed view.
+    Keys look like ``"<namespace>.<rest>"``; ``Work.forget`` drops whole namespaces. One block
+    may serve many tiles and several GEMMs (a forward pass's ``X`` rows are the weight
+    gradient's token pieces), used as it is or transposed, as each tile says.
     """
 
     key: str
     data: torch.Tensor
-    transposed: bool = False
-
-    def logical(self) -> torch.Tensor:
-        return self.data.t() if self.transposed else self.data
 
 
 @dataclass(frozen=True)
@@ -132,16 +129,25 @@ class Welcome:
 class Work:
     """Coordinator -> client: compute ``C = A @ B`` for one tile.
 
-    ``blocks`` carries the input blocks this device does not hold yet; ``forget`` lists GEMMs
-    whose cached blocks the device may drop.
+    ``A`` is the cached block ``a`` (transposed when ``a_t``), ``B`` likewise. ``blocks`` carries
+    the blocks this device does not hold yet; ``forget`` lists key namespaces it may drop.
     """
 
     TYPE: ClassVar[str] = "work"
     tile_id: int
     a: str
     b: str
+    a_t: bool = False
+    b_t: bool = False
     blocks: tuple[Block, ...] = ()
     forget: tuple[int, ...] = ()
+
+    def operands(self, cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(A, B)`` from a device's block cache, or None when a block is missing."""
+        a, b = cache.get(self.a), cache.get(self.b)
+        if a is None or b is None:
+            return None
+        return (a.t() if self.a_t else a), (b.t() if self.b_t else b)
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,9 @@ def encode(msg: Message) -> bytes:
             "tile_id": msg.tile_id,
             "a": msg.a,
             "b": msg.b,
-            "blocks": [{"key": b.key, "transposed": b.transposed} for b in msg.blocks],
+            "a_t": msg.a_t,
+            "b_t": msg.b_t,
+            "blocks": [b.key for b in msg.blocks],
             "forget": list(msg.forget),
         }
         tensors = [b.data for b in msg.blocks]
@@ -318,16 +326,21 @@ def decode(frame: bytes | bytearray | memoryview | str) -> Message:
         if not isinstance(forget, list) or not all(type(g) is int for g in forget):
             raise ProtocolError("work: 'forget' must be a list of ints")
         parsed = []
-        for desc, t in zip(blocks, tensors):
-            if not isinstance(desc, dict) or not isinstance(desc.get("key"), str):
-                raise ProtocolError("work: block descriptor needs a string 'key'")
+        for key, t in zip(blocks, tensors):
+            if not isinstance(key, str):
+                raise ProtocolError("work: block keys must be strings")
             if t.dim() != 2:
                 raise ProtocolError("work: blocks must be 2-D", "bad_tensor")
-            parsed.append(Block(desc["key"], t, bool(desc.get("transposed", False))))
+            parsed.append(Block(key, t))
+        flags = [header.get(f, False) for f in ("a_t", "b_t")]
+        if not all(isinstance(f, bool) for f in flags):
+            raise ProtocolError("work: 'a_t' and 'b_t' must be booleans")
         return Work(
             tile_id=_field(header, "tile_id", "int"),
             a=_field(header, "a", "str"),
             b=_field(header, "b", "str"),
+            a_t=flags[0],
+            b_t=flags[1],
             blocks=tuple(parsed),
             forget=tuple(forget),
         )

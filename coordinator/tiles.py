@@ -41,6 +41,7 @@ class TilingPolicy:
     min_k: int = 256  # smallest reduction chunk of a split-K tile
     tiles_per_device: int = 2  # enough tiles that every device can keep its prefetch full
     min_tile_flops: float = 2e6  # below this, one more tile costs more than it saves
+    max_partial_elems: int = 4 << 20  # largest dW partial block (16 MiB of float32)
 
     def __post_init__(self) -> None:
         if not (1 <= self.min_edge <= self.max_edge):
@@ -67,12 +68,6 @@ class Tile:
     @property
     def flops(self) -> int:
         return 2 * (self.r1 - self.r0) * (self.c1 - self.c0) * (self.k1 - self.k0)
-
-    def a_key(self, gemm_id: int) -> str:
-        return f"{gemm_id}.a.{self.i}.{self.p}"
-
-    def b_key(self, gemm_id: int) -> str:
-        return f"{gemm_id}.b.{self.p}.{self.j}"
 
 
 @dataclass(frozen=True)
@@ -112,7 +107,14 @@ def even_cuts(size: int, parts: int) -> tuple[int, ...]:
 
 
 def plan_gemm(m: int, n: int, k: int, kind: GemmKind, devices: int, policy: TilingPolicy) -> TilePlan:
-    """Choose the tile grid of an ``(m x k) @ (k x n)`` GEMM for ``devices`` workers."""
+    """Choose the tile grid of an ``(m x k) @ (k x n)`` GEMM for ``devices`` workers.
+
+    Tokens are cut the same way in every GEMM of a Linear layer: the rows of ``Y = X W^T`` and
+    ``dX = dY W`` and the reduction of ``dW = dY^T X`` all use ``ceil(tokens / max_edge)`` even
+    pieces. A device that computed rows ``i`` of the forward pass (and so holds ``X[i]``) or of
+    dX (``dY[i]``) therefore already holds both inputs of the dW tile for token piece ``i``.
+    Extra parallelism comes from cutting output columns first, rows only as a last resort.
+    """
     if min(m, n, k) < 0:
         raise ValueError(f"negative GEMM shape {(m, n, k)}")
     devices = max(1, devices)
@@ -120,22 +122,27 @@ def plan_gemm(m: int, n: int, k: int, kind: GemmKind, devices: int, policy: Tili
     # Never cut so fine that a tile is below the useful minimum of work.
     flop_cap = max(1, int(total_flops // policy.min_tile_flops)) if total_flops else 1
     want = min(devices * policy.tiles_per_device, flop_cap)
+    if kind.split_k:
+        # dW (out x in) partials of the whole weight, over token pieces aligned with forward/dX rows;
+        # more, smaller pieces only when there are too few tokens to go around.
+        gk = max(1, math.ceil(k / policy.max_edge), min(want, k // policy.min_k))
+        gr = gc = 1
+        while (m / gr) * (n / gc) > policy.max_partial_elems:  # a partial must fit a device
+            if m / gr >= n / gc:
+                gr += 1
+            else:
+                gc += 1
+        return TilePlan(m, n, k, even_cuts(m, gr), even_cuts(n, gc), even_cuts(k, gk))
     gr = max(1, math.ceil(m / policy.max_edge))
     gc = max(1, math.ceil(n / policy.max_edge))
-    gk = 1
-    if kind.split_k:
-        # dW: one partial sum per device (at least), each over >= min_k tokens.
-        gk = max(1, min(math.ceil(want / (gr * gc)), k // policy.min_k))
-    # Output tiles: cut the larger block edge in two until there is enough work to go around.
-    while gr * gc * gk < want:
-        rows, cols = m / gr, n / gc
-        if max(rows, cols) < 2 * policy.min_edge:
-            break
-        if rows >= cols:
+    while gr * gc < want:
+        if n / gc >= 2 * policy.min_edge:
+            gc += 1
+        elif m / gr >= 2 * policy.min_edge:
             gr += 1
         else:
-            gc += 1
-    return TilePlan(m, n, k, even_cuts(m, gr), even_cuts(n, gc), even_cuts(k, gk))
+            break
+    return TilePlan(m, n, k, even_cuts(m, gr), even_cuts(n, gc), (0, k))
 
 
 def a_block(a: torch.Tensor, t: Tile) -> torch.Tensor:
@@ -146,17 +153,14 @@ def b_block(b: torch.Tensor, t: Tile) -> torch.Tensor:
     return b[t.k0 : t.k1, t.c0 : t.c1]
 
 
-def wire_view(block: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The cheapest contiguous tensor that carries ``block``, and whether it is transposed.
-
-    Forward passes use ``W^T`` and weight gradients ``dY^T``: their blocks are contiguous once
-    transposed back, so they travel without a copy and the client views them with ``.t()``.
-    """
+def wire_layout(block: torch.Tensor) -> str:
+    """How ``block`` travels: ``"plain"`` (already contiguous), ``"t"`` (contiguous once
+    transposed back: blocks of ``W^T`` and ``dY^T``) or ``"copy"`` (a strided slice)."""
     if block.is_contiguous():
-        return block, False
+        return "plain"
     if block.t().is_contiguous():
-        return block.t(), True
-    return block.contiguous(), False
+        return "t"
+    return "copy"
 
 
 def assemble(plan: TilePlan, parts: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:

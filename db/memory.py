@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from db.store import (
     LEASED, OUTCOMES, QUEUED, VERIFIED, ClaimedTile, DeviceInfo, DeviceRow, JobRow, LeaseRow,
-    NewTile, StepRow, StoreError, full_key,
+    NewTile, StepRow, StoreError,
 )
 
 
@@ -100,19 +100,25 @@ class MemoryStore:
         return [copy.copy(d) for d in self._devices.values() if self._device_job[d.id] == job_id]
 
     # --- GEMMs and tiles
+    def next_gemm_id(self) -> int:
+        return self._next["gemm"]
+
     def add_gemm(
-        self, job_id: int, step: int, kind: str, shape: tuple[int, int, int], tiles: Sequence[NewTile], now: float
-    ) -> tuple[int, list[int]]:
+        self, gemm_id: int, job_id: int, step: int, kind: str, shape: tuple[int, int, int],
+        tiles: Sequence[NewTile], now: float,
+    ) -> list[int]:
+        if gemm_id != self._next["gemm"]:
+            raise StoreError(f"GEMM id {gemm_id} is not the next id {self._next['gemm']}")
         gid = self._id("gemm")
         self._gemms[gid] = {"job_id": job_id, "step": step, "kind": kind, "shape": shape, "done": None}
         ids = []
         for t in tiles:
             tid = self._id("tile")
-            self._tiles[tid] = _Tile(tid, gid, t.index, full_key(gid, t.a_key), full_key(gid, t.b_key), t.flops)
+            self._tiles[tid] = _Tile(tid, gid, t.index, t.a_key, t.b_key, t.flops)
             self._queued[tid] = None
             self._leases[tid] = []
             ids.append(tid)
-        return gid, ids
+        return ids
 
     def finish_gemm(self, gemm_id: int, now: float) -> None:
         self._gemms[gemm_id]["done"] = now

@@ -19,7 +19,7 @@ import sqlite_utils
 from db.migrations import migrate
 from db.store import (
     LEASED, OUTCOMES, QUEUED, VERIFIED, ClaimedTile, DeviceInfo, DeviceRow, JobRow, LeaseRow,
-    NewTile, StepRow, StoreError, full_key,
+    NewTile, StepRow, StoreError,
 )
 
 _CLAIM = """
@@ -149,26 +149,31 @@ class SQLiteStore:
         )]
 
     # --- GEMMs and tiles
+    def next_gemm_id(self) -> int:
+        row = self._one("SELECT COALESCE(MAX(id), 0) + 1 FROM gemms")
+        return int(row[0]) if row else 1
+
     def add_gemm(
-        self, job_id: int, step: int, kind: str, shape: tuple[int, int, int], tiles: Sequence[NewTile], now: float
-    ) -> tuple[int, list[int]]:
+        self, gemm_id: int, job_id: int, step: int, kind: str, shape: tuple[int, int, int],
+        tiles: Sequence[NewTile], now: float,
+    ) -> list[int]:
         with self.atomic() as c:
             m, n, k = shape
             gid = int(c.execute(
-                "INSERT INTO gemms (job_id, step, kind, m, n, k, tiles, created_at) VALUES (?,?,?,?,?,?,?,?)",
-                (job_id, step, kind, m, n, k, len(tiles), now),
+                "INSERT INTO gemms (id, job_id, step, kind, m, n, k, tiles, created_at) VALUES (?,?,?,?,?,?,?,?,?)",
+                (gemm_id, job_id, step, kind, m, n, k, len(tiles), now),
             ).lastrowid)
             ids = [
                 int(r[0]) for r in (
                     c.execute(
                         "INSERT INTO tiles (gemm_id, idx, a_key, b_key, flops, state, queued_at) "
                         "VALUES (?,?,?,?,?, 'queued', ?) RETURNING id",
-                        (gid, t.index, full_key(gid, t.a_key), full_key(gid, t.b_key), t.flops, now),
+                        (gid, t.index, t.a_key, t.b_key, t.flops, now),
                     ).fetchone()
                     for t in tiles
                 )
             ]
-        return gid, ids
+        return ids
 
     def finish_gemm(self, gemm_id: int, now: float) -> None:
         self.conn.execute("UPDATE gemms SET done_at = ? WHERE id = ?", (now, gemm_id))

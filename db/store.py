@@ -56,7 +56,7 @@ class DeviceRow:
 
 @dataclass(frozen=True)
 class NewTile:
-    """A tile to queue. Keys name its input blocks within the GEMM (e.g. ``a.0.1``)."""
+    """A tile to queue. Keys name its input blocks as devices cache them."""
 
     index: int
     a_key: str
@@ -69,7 +69,7 @@ class ClaimedTile:
     id: int
     gemm_id: int
     index: int
-    a_key: str  # full keys, unique across GEMMs: "<gemm_id>.<a_key>"
+    a_key: str
     b_key: str
     attempt: int
 
@@ -106,10 +106,6 @@ class StepRow:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def full_key(gemm_id: int, key: str) -> str:
-    return f"{gemm_id}.{key}"
-
-
 class Store(Protocol):
     """Everything the coordinator persists. All writes are atomic per call."""
 
@@ -132,9 +128,15 @@ class Store(Protocol):
         ...
 
     # --- GEMMs and tiles
+    def next_gemm_id(self) -> int:
+        """The id the next ``add_gemm`` must use (block keys are derived from it first)."""
+        ...
     def add_gemm(
-        self, job_id: int, step: int, kind: str, shape: tuple[int, int, int], tiles: Sequence[NewTile], now: float
-    ) -> tuple[int, list[int]]: ...
+        self, gemm_id: int, job_id: int, step: int, kind: str, shape: tuple[int, int, int],
+        tiles: Sequence[NewTile], now: float,
+    ) -> list[int]:
+        """Record a GEMM and queue its tiles; returns the tile ids."""
+        ...
     def finish_gemm(self, gemm_id: int, now: float) -> None: ...
     def claim_tile(self, device_id: int, prefer: Sequence[str], now: float) -> ClaimedTile | None:
         """Lease the best queued tile to ``device_id``: one holding the most of the blocks in

@@ -81,13 +81,15 @@ async def _attack(url: str) -> dict[str, object]:
         seen["never leased"] = await inbox.next(Error)
         work = await inbox.next(Work)
         assert isinstance(work, Work)
-        blocks = {b.key: b.logical() for b in work.blocks}  # cached across Works, as a real client does
+        blocks = {b.key: b.data for b in work.blocks}  # cached across Works, as a real client does
         await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(3, 3))))
         seen["wrong shape"] = await inbox.next(Error)
         work = await inbox.next(Work)
         assert isinstance(work, Work)
-        blocks.update({b.key: b.logical() for b in work.blocks})
-        rows, cols = blocks[work.a].shape[0], blocks[work.b].shape[1]
+        blocks.update({b.key: b.data for b in work.blocks})
+        operands = work.operands(blocks)
+        assert operands is not None
+        rows, cols = operands[0].shape[0], operands[1].shape[1]
         await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(rows, cols, dtype=torch.float16))))
         seen["wrong dtype"] = await inbox.next(Error)
         await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(1, 1))))  # already refused: not leased now

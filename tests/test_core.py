@@ -37,6 +37,7 @@ class Fleet:
         self.compute: dict[int, Compute] = {}
         self.blocks_received: dict[int, list[str]] = {}
         self.closed: dict[int, int] = {}
+        self.forgotten: dict[int, list[int]] = {}
         self.now = 100.0
 
     def join(self, name: str, compute: Compute = honest, slots: int = 2) -> int:
@@ -54,8 +55,9 @@ class Fleet:
                 work = item.message
                 for g in work.forget:
                     self.blocks[item.device] = {k: v for k, v in self.blocks[item.device].items() if not k.startswith(f"{g}.")}
+                    self.forgotten.setdefault(item.device, []).append(g)
                 for blk in work.blocks:
-                    self.blocks[item.device][blk.key] = blk.logical()
+                    self.blocks[item.device][blk.key] = blk.data
                     self.blocks_received[item.device].append(blk.key)
                 self.pending.append(item)
             else:
@@ -67,8 +69,9 @@ class Fleet:
                 self.pending.pop(i)
                 work = item.message
                 assert isinstance(work, Work)
-                blocks = self.blocks[item.device]
-                c = self.compute[item.device](blocks[work.a], blocks[work.b])
+                operands = work.operands(self.blocks[item.device])
+                assert operands is not None, "a Work named a block the device was never sent"
+                c = self.compute[item.device](*operands)
                 self.now += 0.01
                 self.route(self.core.handle(item.device, Result(work.tile_id, c, 0.001), self.now))
                 return True
@@ -111,16 +114,54 @@ def test_each_block_goes_to_a_device_once_and_is_forgotten_after_the_gemm(core: 
     fleet = Fleet(core)
     d = fleet.join("solo", slots=4)
     a, b = torch.randn(200, 40), torch.randn(40, 200)
-    first = submit(core, fleet, a, b)
+    first = submit(core, fleet, a, b, GemmKind.PLAIN)
     fleet.drain()
     assert "result" in first
-    keys = fleet.blocks_received[d]
+    keys = list(fleet.blocks_received[d])
     assert len(keys) == len(set(keys))  # never sent twice
-    submit(core, fleet, a, b)
-    # The next GEMM's first Work tells the device to drop the finished GEMM's blocks.
-    assert fleet.pending and fleet.pending[0].message.forget == (1,)
+    submit(core, fleet, torch.randn(64, 8), torch.randn(8, 64), GemmKind.PLAIN)
+    # The next GEMM's first Work tells the device to drop both sources of the finished one.
+    assert len(fleet.pending[0].message.forget) == 2
     fleet.drain()
-    assert all(k.startswith("2.") for k in fleet.blocks[d])
+    assert not any(k in fleet.blocks[d] for k in keys)
+
+
+def test_dw_reuses_the_forward_and_dx_blocks_already_on_the_device(core: Core) -> None:
+    """A Linear layer's three GEMMs, as the seam submits them: dW needs no new input block."""
+    fleet = Fleet(core)
+    d = fleet.join("solo", slots=4)
+    x, w, dy = torch.randn(256, 40), torch.randn(48, 40), torch.randn(256, 48)
+    y = submit(core, fleet, x, w.t(), GemmKind.FORWARD)
+    fleet.drain()
+    dx = submit(core, fleet, dy, w, GemmKind.GRAD_INPUT)
+    fleet.drain()
+    sent_before_dw = len(fleet.blocks_received[d])
+    dw = submit(core, fleet, dy.t(), x, GemmKind.GRAD_WEIGHT)
+    fleet.drain()
+    assert len(fleet.blocks_received[d]) == sent_before_dw  # X and dY pieces were already there
+    torch.testing.assert_close(y["result"], x @ w.t(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dx["result"], dy @ w, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(dw["result"], dy.t() @ x, rtol=1e-5, atol=1e-4)
+    # dW was their last reader: both namespaces are forgotten with the next Work.
+    submit(core, fleet, torch.randn(64, 8), torch.randn(8, 64), GemmKind.PLAIN)
+    assert len(fleet.pending[0].message.forget) >= 2
+    fleet.drain()
+    assert len(core.sources) == 0
+
+
+def test_a_weight_changed_in_place_is_never_served_from_a_stale_cache(core: Core) -> None:
+    fleet = Fleet(core)
+    fleet.join("solo", slots=4)
+    x, w = torch.randn(128, 32), torch.randn(16, 32)
+    first = submit(core, fleet, x, w.t(), GemmKind.FORWARD)
+    fleet.drain()
+    with torch.no_grad():
+        w.add_(1.0)  # an optimizer step: same memory, new values
+    second = submit(core, fleet, x, w.t(), GemmKind.FORWARD)
+    fleet.drain()
+    torch.testing.assert_close(second["result"], x @ w.t(), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(first["result"], second["result"])
+    assert core.status(fleet.now)["tiles"]["rejected"] == 0
 
 
 def test_split_k_weight_gradient_is_exact(core: Core) -> None:

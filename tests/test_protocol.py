@@ -34,14 +34,18 @@ def test_plain_messages_round_trip(msg: object) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_work_round_trips_blocks_bit_exact(dtype: torch.dtype) -> None:
     a = torch.randn(5, 3).to(dtype)
-    b = torch.randn(4, 3).to(dtype)  # travels transposed: logical block is 3 x 4
-    msg = Work(tile_id=11, a="2.a.0.0", b="2.b.0.1", blocks=(Block("2.a.0.0", a), Block("2.b.0.1", b, True)), forget=(1, 2))
+    b = torch.randn(4, 3).to(dtype)  # used transposed: B is 3 x 4
+    msg = Work(tile_id=11, a="2.0.5x3", b="3.0.4x3", b_t=True, blocks=(Block("2.0.5x3", a), Block("3.0.4x3", b)),
+               forget=(1, 2))
     out = decode(encode(msg))
     assert isinstance(out, Work)
-    assert (out.tile_id, out.a, out.b, out.forget) == (11, "2.a.0.0", "2.b.0.1", (1, 2))
-    assert [blk.key for blk in out.blocks] == ["2.a.0.0", "2.b.0.1"]
+    assert (out.tile_id, out.a, out.b, out.a_t, out.b_t, out.forget) == (11, "2.0.5x3", "3.0.4x3", False, True, (1, 2))
+    assert [blk.key for blk in out.blocks] == ["2.0.5x3", "3.0.4x3"]
     assert torch.equal(out.blocks[0].data, a) and out.blocks[0].data.dtype == dtype
-    assert out.blocks[1].transposed and torch.equal(out.blocks[1].logical(), b.t())
+    cache = {blk.key: blk.data for blk in out.blocks}
+    operands = out.operands(cache)
+    assert operands is not None and torch.equal(operands[0], a) and torch.equal(operands[1], b.t())
+    assert out.operands({}) is None
 
 
 def test_result_round_trips_and_decoded_tensor_is_writable() -> None:
@@ -73,12 +77,13 @@ GOLDEN = {
         b'"name":"n","platform":"p","slots":2,"tensors":[],"token":"t","type":"hello"}',
     ),
     "work": (
-        Work(tile_id=7, a="1.a.0.0", b="1.b.0.0", blocks=(Block("1.a.0.0", torch.tensor([[1.0, 2.0]])),), forget=(3,)),
+        Work(tile_id=7, a="1.0.1x2", b="2.0.2x1", b_t=True, blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),
+             forget=(3,)),
         bytes.fromhex(
-            "434c56019e0000007b2261223a22312e612e302e30222c2262223a22312e622e302e30222c22626c6f636b73223a5b7b22"
-            "6b6579223a22312e612e302e30222c227472616e73706f736564223a66616c73657d5d2c22666f72676574223a5b335d2c"
-            "2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964"
-            "223a372c2274797065223a22776f726b227d0000803f00000040"
+            "434c56019a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
+            "625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274656e736f"
+            "7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964223a372c2274"
+            "797065223a22776f726b227d0000803f00000040"
         ),
     ),
     "result": (
@@ -133,6 +138,7 @@ MALFORMED = {
     "release ids not ints": (_frame({"type": "release", "tile_ids": [1, "x"]}), "bad_frame"),
     "work block count mismatch": (_frame({"type": "work", "tile_id": 1, "a": "x", "b": "y", "blocks": [],
                                           "tensors": [{"dtype": "f32", "shape": [1, 1]}]}, b"\0" * 4), "bad_frame"),
+    "work flag not bool": (_frame({"type": "work", "tile_id": 1, "a": "x", "b": "y", "a_t": 1}), "bad_frame"),
 }
 
 

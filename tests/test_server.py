@@ -61,8 +61,10 @@ def test_gemm_over_real_websockets_equals_dense_product() -> None:
                 for _ in range(tiles):
                     work = decode(await asyncio.wait_for(ws.recv(), TIMEOUT))
                     assert isinstance(work, Work)
-                    blocks.update({blk.key: blk.logical() for blk in work.blocks})
-                    await ws.send(encode(Result(work.tile_id, blocks[work.a] @ blocks[work.b])))
+                    blocks.update({blk.key: blk.data for blk in work.blocks})
+                    operands = work.operands(blocks)
+                    assert operands is not None
+                    await ws.send(encode(Result(work.tile_id, operands[0] @ operands[1])))
                 return await asyncio.wait_for(done, TIMEOUT), a @ b
 
     got, want = asyncio.run(run())

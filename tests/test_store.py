@@ -21,8 +21,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
 
 
 def _gemm(store: Store, job: int, n: int = 3) -> tuple[int, list[int]]:
-    tiles = [NewTile(i, f"a.{i}.0", "b.0.0", 100) for i in range(n)]
-    return store.add_gemm(job, 1, "fwd", (n, 1, 1), tiles, now=10.0)
+    gid = store.next_gemm_id()
+    tiles = [NewTile(i, f"{gid}.a{i}", f"{gid}.b", 100) for i in range(n)]
+    return gid, store.add_gemm(gid, job, 1, "fwd", (n, 1, 1), tiles, now=10.0)
 
 
 def test_job_and_steps(store: Store) -> None:
@@ -59,7 +60,7 @@ def test_claims_oldest_tile_first_and_each_tile_once(store: Store) -> None:
     claimed = [store.claim_tile(d, [], now=11.0) for _ in range(4)]
     assert [c.id for c in claimed[:3] if c] == ids
     assert claimed[3] is None
-    assert claimed[0] is not None and claimed[0].a_key == f"{gid}.a.0.0" and claimed[0].attempt == 1
+    assert claimed[0] is not None and claimed[0].a_key == f"{gid}.a0" and claimed[0].attempt == 1
     assert store.tile_counts(job) == {"queued": 0, "leased": 3, "verified": 0, "rejected": 0}
 
 
@@ -67,7 +68,7 @@ def test_claim_prefers_tiles_whose_blocks_the_device_holds(store: Store) -> None
     job = store.create_job("j", {}, 1, 0.0)
     d = store.add_device(job, DeviceInfo("a"), 0.0)
     gid, ids = _gemm(store, job, n=4)
-    c = store.claim_tile(d, [f"{gid}.a.2.0", f"{gid}.b.0.0"], now=11.0)
+    c = store.claim_tile(d, [f"{gid}.a2", f"{gid}.b"], now=11.0)
     assert c is not None and c.id == ids[2]
 
 
@@ -125,6 +126,14 @@ def test_end_lease_checks_ownership_and_outcome(store: Store) -> None:
         store.end_lease(ids[0], d, "exploded", now=12.0)
     with pytest.raises(StoreError):
         store.tile_state(12345)
+
+
+def test_gemm_ids_are_handed_out_in_order(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    first, _ = _gemm(store, job)
+    assert store.next_gemm_id() == first + 1
+    with pytest.raises(Exception):
+        store.add_gemm(first, job, 1, "fwd", (1, 1, 1), [], now=1.0)  # taken
 
 
 def test_counts_are_per_job(store: Store) -> None:
