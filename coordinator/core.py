@@ -149,7 +149,8 @@ class Core:
         self.progress = Progress(steps=store.job(job_id).steps)
         self.finished = False
         self.verify_seconds = 0.0
-        self.verify_worst_honest = 0.0  # largest residual/tolerance accepted: the check's margin
+        # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
+        self.verify_worst_honest: dict[str, float] = {}
         self.bytes_down = 0
         self.bytes_up = 0
 
@@ -217,7 +218,8 @@ class Core:
                             a_row_norms=ra.row_norms(), b_norm=rb.norm())
         self.verify_seconds += _clock() - started
         if verdict.ok:
-            self.verify_worst_honest = max(self.verify_worst_honest, verdict.worst_ratio)
+            kind = gemm.kind.value
+            self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
         out: list[Outbound] = []
         if not verdict.ok:
             self.store.end_lease(msg.tile_id, dev.id, "rejected", now, verdict.reason)
@@ -382,7 +384,9 @@ class Core:
                       "verified": counts["verified"], "rejected": counts["rejected"]},
             "queue_depth": counts["queued"],
             "gemms_in_flight": len(self.gemms),
-            "verify": {"seconds": round(self.verify_seconds, 4), "worst_honest_ratio": round(self.verify_worst_honest, 4)},
+            "verify": {"seconds": round(self.verify_seconds, 4),
+                       "worst_honest_ratio": round(max(self.verify_worst_honest.values(), default=0.0), 4),
+                       "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(self.verify_worst_honest.items())}},
             "time": now,
         }
 

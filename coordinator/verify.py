@@ -12,9 +12,13 @@ The first term is the error of an honest float32 product (it carries the operand
 and, through ||A_i||, the reduction length k). The second is the rounding of the check itself:
 ``C r`` sums n terms, and when C's entries are correlated (real activations and gradients are)
 that error grows as sqrt(n) ||C_i||. ||C_i|| comes from the untrusted result, so it is capped by
-its honest bound ||A_i|| ||B||_F: inflating C cannot loosen the check. Measured on real tiles of
-a training run (fwd, dX, dW), honest residuals reached 1.1x the bracket; TOL_FACTOR is 8x that
-margin, and a single element off by 1e-2 of C's rms is still caught (tests/test_verify.py).
+its honest bound ||A_i|| ||B||_F: inflating C cannot loosen the check.
+
+Measured with real clients on real training tiles, honest residuals reached 0.40 of an 8x
+bracket (dW tiles: gradient rows are heavy-tailed and correlated with X); TOL_FACTOR = 16 keeps
+a 5x margin, since three false rejects in a row would ban an honest device. It still catches a
+single element off by 2.5e-3 of C's rms or more on every shape tried (tests/test_verify.py
+asserts 1e-2).
 ``eps`` is the unit roundoff of the dtype the device computed in: bf16 work gets its own bound.
 """
 
@@ -26,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# ~8x the largest honest residual measured on real training tiles (see the docstring).
-TOL_FACTOR = 8.0
+# 5x the largest honest residual measured on real training tiles (see the docstring).
+TOL_FACTOR = 16.0
 
 
 @dataclass(frozen=True)
