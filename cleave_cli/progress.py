@@ -48,8 +48,8 @@ class ConsoleReporter:
             if self._live is None:
                 self._start_live(steps)
             assert self._progress is not None and self._task is not None
-            line = render.step_line(result.step, steps, result.loss, result.seconds, status)
-            self._progress.update(self._task, completed=result.step, info=line.plain.split("  ", 1)[1])
+            line = render.step_line(result.step, steps, result.loss, result.seconds, status, show_step=False)
+            self._progress.update(self._task, completed=result.step, info=line.plain)
             return
         now = time.monotonic()
         if result.step in (1, steps) or now - self._last_print >= 1.0:

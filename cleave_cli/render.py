@@ -19,11 +19,15 @@ def _mb(value: float) -> str:
     return f"{value:,.1f} MB"
 
 
-def step_line(step: int, steps: int, loss: float, seconds: float, status: dict[str, Any] | None, tokens_per_s: float = 0.0) -> Text:
+def step_line(
+    step: int, steps: int, loss: float, seconds: float, status: dict[str, Any] | None, tokens_per_s: float = 0.0,
+    *, show_step: bool = True,
+) -> Text:
     """One line per step; ``status`` is the coordinator's snapshot, or None for a local run."""
     text = Text()
-    text.append(f"step {step:>{len(str(steps))}}/{steps}", style="bold")
-    text.append(f"  loss {loss:.4f}", style="cyan")
+    if show_step:
+        text.append(f"step {step:>{len(str(steps))}}/{steps}  ", style="bold")
+    text.append(f"loss {loss:.4f}", style="cyan")
     text.append(f"  {seconds * 1000:7.1f} ms")
     if status is None:
         text.append(f"  {tokens_per_s:,.0f} tok/s  (local torch)")

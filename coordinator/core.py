@@ -230,7 +230,7 @@ class Core:
             out.append(Send(dev.id, Error("rejected", f"tile {msg.tile_id} failed verification: {verdict.reason}")))
             if dev.consecutive_rejects >= self.max_consecutive_rejects:
                 out.append(Close(dev.id, CLOSE_BANNED, f"{dev.consecutive_rejects} results in a row failed verification"))
-                out.extend(self.disconnect(dev.id, now, "banned: results failed verification"))
+                out.extend(self.disconnect(dev.id, now, "results failed verification"))
                 return out
             return out + self._dispatch(now)
         self.store.end_lease(msg.tile_id, dev.id, "verified", now)

@@ -1,0 +1,67 @@
+"""Rendering builds rich objects; rendered into a string console they say the right things."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from cleave_cli import render
+from client.runner import WorkerStats
+
+
+def _text(renderable: object, width: int = 100) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console.print(renderable)
+    return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+STATUS = {
+    "job": {"name": "tiny, 20 steps", "step": 5, "steps": 20, "loss": 4.25, "state": "training", "tokens_per_s": 2500.0},
+    "devices": [
+        {"name": "laptop", "state": "working", "device": "cpu", "gflops": 42.0, "tiles_done": 120, "tiles_rejected": 0,
+         "gflop_verified": 3.5, "reason": ""},
+        {"name": "liar", "state": "banned", "device": "cpu", "gflops": 1.0, "tiles_done": 0, "tiles_rejected": 3,
+         "gflop_verified": 0.0, "reason": "results failed verification"},
+    ],
+    "tiles": {"queued": 4, "leased": 2, "verified": 120, "rejected": 3},
+    "queue_depth": 4,
+    "traffic": {"mb_down": 12.5, "mb_up": 3.25},
+}
+
+
+def test_dashboard_shows_job_tiles_and_every_device() -> None:
+    out = _text(render.dashboard(STATUS), width=140)
+    assert "5/20  (25%)" in out and "4.2500" in out and "2,500 tokens/s" in out
+    assert "120 verified, 2 leased, 4 queued, 3 rejected" in out
+    assert "laptop" in out and "working" in out and "42.0" in out
+    assert "liar" in out and "banned (results failed verification)" in out
+    assert "12.5 MB down" in out
+
+
+def test_dashboard_before_any_device_joined() -> None:
+    out = _text(render.dashboard({"job": {"steps": 3}, "tiles": {}, "devices": []}))
+    assert "(no devices yet)" in out and "0/3" in out and "loss" in out
+
+
+def test_step_lines() -> None:
+    line = render.step_line(3, 20, 4.5, 0.125, STATUS)
+    assert line.plain.startswith("step  3/20  loss 4.5000") and "2 devices" not in line.plain
+    assert "1 device " in line.plain and "3 rejected" in line.plain
+    local = render.step_line(3, 20, 4.5, 0.125, None, tokens_per_s=1000)
+    assert "(local torch)" in local.plain and "1,000 tok/s" in local.plain
+    assert not render.step_line(3, 20, 4.5, 0.1, STATUS, show_step=False).plain.startswith("step")
+
+
+def test_client_line_and_listening_banner() -> None:
+    stats = WorkerStats(state="working", device="cpu", tiles=7, flops=2e9, compute_seconds=0.5, bytes_down=3_000_000)
+    line = render.client_line(stats, "ws://h:1").plain
+    assert "working" in line and "tiles 7" in line and "4.0 GFLOP/s" in line and "3.0 MB in" in line
+    banner = render.listening("ws://0.0.0.0:8765", "tok", True, "ws://box:8765").plain
+    assert "listening on ws://0.0.0.0:8765" in banner and "cleave join ws://box:8765 --token tok" in banner
+
+
+def test_comparison_says_match_or_mismatch() -> None:
+    ok = _text(render.comparison([("final loss", 3.0, 3.0)], 1e-7, 1e-4))
+    bad = _text(render.comparison([("final loss", 3.0, 3.1)], 0.03, 1e-4))
+    assert "(match)" in ok and "MISMATCH" in bad
