@@ -175,6 +175,9 @@ class BenchReporter:
         self._task: TaskID | None = None
         self._started = False
 
+    def note(self, text: str) -> None:
+        pass
+
     def listening(self, url: str, token: str, generated: bool, join_url: str = "") -> None:
         self.ui.note(f"coordinator listening on {url}")
 

@@ -27,6 +27,10 @@ class ConsoleReporter:
         # Always printed, plainly: scripts and tests read the URL and token from this.
         self.console.print(render.listening(url, token, generated, join_url), soft_wrap=True)
 
+    def note(self, text: str) -> None:
+        # Resume decisions and skipped checkpoints: always worth a line, even with --quiet.
+        self.console.print(text, style="yellow", soft_wrap=True)
+
     def waiting(self, have: int, want: int) -> None:
         if not self.quiet:
             self.console.print(f"waiting for devices: {have}/{want} joined", style="dim")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
@@ -11,6 +10,7 @@ from rich.console import Console
 from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import CleaveError, friendly
+from coordinator.job import metrics_line
 from coordinator.training.loop import Trainer
 
 D = opt.DEFAULTS
@@ -44,7 +44,7 @@ def train(
             tokens += result.tokens
             elapsed += result.seconds
             if out is not None:
-                out.write(json.dumps(result.metrics(), sort_keys=True) + "\n")
+                out.write(metrics_line(result.metrics()) + "\n")
                 out.flush()
             if not quiet:
                 console.print(render.step_line(result.step, cfg.steps, result.loss, result.seconds, None, tokens / elapsed), soft_wrap=True)

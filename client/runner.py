@@ -22,7 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client import kernels, sysinfo
 from coordinator.protocol import (
-    Error, Finished, Hello, Leave, ProtocolError, Release, Result, Welcome, Work, decode, encode,
+    Cancel, Error, Finished, Heartbeat, Hello, Leave, ProtocolError, Release, Result, Welcome, Work, decode, encode,
 )
 
 log = logging.getLogger("cleave.client")
@@ -30,6 +30,8 @@ log = logging.getLogger("cleave.client")
 CLOSE_AUTH, CLOSE_BANNED = 4001, 4003  # mirrors coordinator.core; the client imports no server code
 MAX_FRAME = 256 << 20
 VERSION = "0.1.0"
+DEFAULT_HEARTBEAT = 2.0  # until the coordinator's Welcome says otherwise
+SILENCE_FACTOR = 5  # a coordinator silent for this many heartbeats is presumed gone
 
 # Exit codes of ``cleave join``: bad options and a refused token are both usage errors (2).
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BANNED = 0, 1, 2, 3
@@ -191,9 +193,13 @@ class Worker:
         await self._send(ws, encode(hello))
         queue: asyncio.Queue[Work] = asyncio.Queue()
         blocks: dict[str, torch.Tensor] = {}
+        self._cancelled: set[int] = set()
+        self._heard = time.monotonic()
         computer = asyncio.create_task(self._compute_loop(ws, queue, blocks))
+        pulse = asyncio.create_task(self._heartbeat(ws, DEFAULT_HEARTBEAT))
         try:
             async for frame in ws:
+                self._heard = time.monotonic()
                 self.stats.bytes_down += len(frame)
                 try:
                     msg = decode(frame)
@@ -208,8 +214,12 @@ class Worker:
                     for block in msg.blocks:
                         blocks[block.key] = kernels.to_device(block.data, self.device)
                     queue.put_nowait(msg)
+                elif isinstance(msg, Cancel):
+                    self._cancelled.update(msg.tile_ids)  # another copy won: skip, or don't send
                 elif isinstance(msg, Welcome):
                     self.stats.device_id, self.stats.job = msg.device_id, msg.job
+                    pulse.cancel()
+                    pulse = asyncio.create_task(self._heartbeat(ws, msg.heartbeat))
                     self._set("waiting for work")
                 elif isinstance(msg, Finished):
                     return "finished"
@@ -222,7 +232,8 @@ class Worker:
             pass
         finally:
             computer.cancel()
-            await asyncio.gather(computer, return_exceptions=True)
+            pulse.cancel()
+            await asyncio.gather(computer, pulse, return_exceptions=True)
         code, reason = ws.close_code, ws.close_reason or ""
         if self._stopping:
             return "stopped"
@@ -232,6 +243,17 @@ class Worker:
             raise ClientError(f"the coordinator banned this device: {reason}", EXIT_BANNED)
         return f"connection closed ({code} {reason})".strip()
 
+    async def _heartbeat(self, ws: ClientConnection, interval: float) -> None:
+        """Tell the coordinator we are alive; hang up if it has gone silent (then reconnect)."""
+        interval = min(max(interval, 0.1), 60.0)
+        while True:
+            await asyncio.sleep(interval)
+            if time.monotonic() - self._heard > SILENCE_FACTOR * interval:
+                log.warning("coordinator silent for %.0f s; reconnecting", time.monotonic() - self._heard)
+                await ws.close(1001, "coordinator silent")
+                return
+            await self._send(ws, encode(Heartbeat(time.time())))
+
     async def _send(self, ws: ClientConnection, frame: bytes) -> None:
         await ws.send(frame)
         self.stats.bytes_up += len(frame)
@@ -240,6 +262,9 @@ class Worker:
         loop = asyncio.get_running_loop()
         while True:
             work = await queue.get()
+            if work.tile_id in self._cancelled:
+                self._cancelled.discard(work.tile_id)
+                continue
             operands = work.operands(blocks)
             if operands is None:
                 # Never sit on a tile we cannot compute: give it back so the GEMM is not stalled.
@@ -249,6 +274,9 @@ class Worker:
             a, b = operands
             self._set("working")
             c, seconds = await loop.run_in_executor(self._pool, self._compute_fn, a, b)
+            if work.tile_id in self._cancelled:  # cancelled while computing: nobody wants it
+                self._cancelled.discard(work.tile_id)
+                continue
             await self._send(ws, encode(Result(work.tile_id, c, seconds)))
             self.stats.tiles += 1
             self.stats.flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]

@@ -1,40 +1,54 @@
 """The coordinator's brain, free of any network: messages and ``now`` in, messages out.
 
 The websocket server (coordinator/server.py) decodes frames, calls these methods and sends what
-they return; a simulator can drive the very same object with a virtual clock.
+they return, and calls ``tick(now)`` a few times a second; a simulator can drive the very same
+object with a virtual clock.
 
 Flow of one GEMM: ``submit`` plans its tiles and queues them in the store; ``_dispatch`` leases
 queued tiles to devices with free slots (preferring tiles whose input blocks the device already
 holds) and emits ``Work`` messages carrying only the blocks that device lacks; ``handle(Result)``
 verifies the C block with Freivalds' check before it is kept; once every tile is verified the
 GEMM is assembled and ``on_done`` receives ``A @ B``.
+
+Faults cost only outstanding tiles:
+
+* a device that closes its socket, leaves, or stays silent past the heartbeat timeout loses
+  its leases at once, and their tiles go straight to other devices;
+* every lease has a deadline (a few times the device's expected time, plus a floor); when it
+  passes, a copy of the tile goes to another device while the first keeps working;
+* when the queue is empty, idle devices take speculative copies of the oldest outstanding
+  tiles; the first verified result wins and the other copies are cancelled;
+* a late result for a tile that is finished or no longer leased to its sender is ignored.
 """
 
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from coordinator.protocol import (
-    Block, Error, Finished, Hello, Leave, Message, Release, Result, StatusReply, StatusRequest, Welcome, Work,
-)
 from coordinator.blocks import BlockRef, Source, Sources, block_ref
+from coordinator.protocol import (
+    Block, Cancel, Error, Finished, Heartbeat, Hello, Leave, Message, Release, Result, StatusReply, StatusRequest,
+    Welcome, Work,
+)
 from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm
 from coordinator.verify import freivalds
-from db.store import DeviceInfo, NewTile, Store
+from db.store import DEADLINE, SPECULATIVE, DeviceInfo, NewTile, Store
 
 # Application close codes (4000-4999 are free for applications in RFC 6455).
 CLOSE_PROTOCOL = 4000  # malformed frame or unknown message
 CLOSE_AUTH = 4001  # wrong token
 CLOSE_BANNED = 4003  # too many rejected results
+CLOSE_SILENT = 4008  # no heartbeat within the timeout
 CLOSE_FINISHED = 1000  # normal closure once the job is over
 
 MAX_SLOTS = 8
-EMA = 0.2  # weight of a new tile's throughput in the device's running GFLOP/s estimate
+EMA = 0.2  # weight of a new observation in a device's running estimates
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,25 @@ Outbound = Send | Close
 
 class AuthError(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """How long the coordinator waits before it stops trusting a device or a lease."""
+
+    heartbeat: float = 2.0  # seconds between heartbeats each way
+    heartbeat_timeout: float = 10.0  # a device silent this long is presumed frozen
+    lease_floor: float = 2.0  # every lease deadline is at least this long
+    lease_factor: float = 4.0  # ... and this many times the device's expected time for the tile
+    speculate_after: float = 0.05  # a tile out this long (and 2x its expected time) may be copied
+    speculate_factor: float = 2.0
+    max_copies: int = 2  # open leases of one tile: the original and one copy
+
+    def __post_init__(self) -> None:
+        if not (0 < self.heartbeat < self.heartbeat_timeout):
+            raise ValueError("need 0 < heartbeat < heartbeat timeout")
+        if self.lease_floor <= 0 or self.lease_factor < 1 or self.max_copies < 1:
+            raise ValueError("lease floor must be positive, lease factor >= 1, max copies >= 1")
 
 
 @dataclass
@@ -86,10 +119,35 @@ class DeviceState:
     slots: int
     gflops: float  # benchmark at join, then a running estimate from verified tiles
     device: str
-    inflight: set[int] = field(default_factory=set)
+    last_seen: float
+    seconds_per_gflop: float  # running estimate of a lease's turnaround (transfer, queue, compute)
+    inflight: dict[int, float] = field(default_factory=dict)  # tile id -> leased at
+    cancelled: dict[int, None] = field(default_factory=dict)  # recent cancelled tiles (ordered set)
     blocks: set[str] = field(default_factory=set)  # keys of the blocks the device holds
     namespaces: dict[int, set[str]] = field(default_factory=dict)  # source id -> its keys held
     forget: set[int] = field(default_factory=set)  # namespaces to drop, sent with the next Work
+    bytes_down: int = 0
+    bytes_up: int = 0
+    tiles_done: int = 0
+    tiles_rejected: int = 0
+    consecutive_rejects: int = 0
+    compute_seconds: float = 0.0  # as reported by the device, verified tiles only
+    last_sent: float = 0.0
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self.inflight)
+
+    def cancel(self, tile_id: int) -> None:
+        """Its copy lost the race: a late result is expected and ignored. Bounded, since a client
+        that drops a cancelled tile before computing it never answers."""
+        self.inflight.pop(tile_id, None)
+        self.cancelled[tile_id] = None
+        if len(self.cancelled) > 1024:
+            del self.cancelled[next(iter(self.cancelled))]
+
+    def expected(self, flops: int) -> float:
+        return flops / 1e9 * self.seconds_per_gflop
 
     def hold(self, ref: BlockRef) -> None:
         self.blocks.add(ref.key)
@@ -104,12 +162,6 @@ class DeviceState:
     def lose(self, ref: BlockRef) -> None:
         self.blocks.discard(ref.key)
         self.namespaces.get(ref.namespace, set()).discard(ref.key)
-    bytes_down: int = 0
-    bytes_up: int = 0
-    tiles_done: int = 0
-    tiles_rejected: int = 0
-    consecutive_rejects: int = 0
-    compute_seconds: float = 0.0  # as reported by the device, verified tiles only
 
 
 @dataclass
@@ -131,6 +183,7 @@ class Core:
         token: str,
         rng: np.random.Generator,
         policy: TilingPolicy | None = None,
+        faults: FaultPolicy | None = None,
         max_consecutive_rejects: int = 3,
         job_name: str = "",
     ) -> None:
@@ -139,12 +192,14 @@ class Core:
         self.token = token
         self.rng = rng
         self.policy = policy or TilingPolicy()
+        self.faults = faults or FaultPolicy()
         self.max_consecutive_rejects = max_consecutive_rejects
         self.job_name = job_name or f"job {job_id}"
         self.devices: dict[int, DeviceState] = {}
         self.gemms: dict[int, GemmState] = {}
         self.sources = Sources()
         self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
+        self._holders: dict[int, dict[int, float]] = {}  # outstanding tile -> {device: deadline}
         self._queued = 0  # mirror of the store's queued count, so idle dispatches cost no query
         self.progress = Progress(steps=store.job(job_id).steps)
         self.finished = False
@@ -169,10 +224,13 @@ class Core:
         )
         device_id = self.store.add_device(self.job_id, info, now)
         slots = min(MAX_SLOTS, max(1, hello.slots))
-        self.devices[device_id] = DeviceState(device_id, info.name, slots, info.gflops, info.device)
-        out: list[Outbound] = [Send(device_id, Welcome(device_id, self.job_name, slots))]
+        # Until it has returned work, assume a device is 4x slower than its own benchmark.
+        per_gflop = 4.0 / info.gflops if info.gflops > 0 else 1.0
+        self.devices[device_id] = DeviceState(device_id, info.name, slots, info.gflops, info.device, now, per_gflop)
+        welcome = Welcome(device_id, self.job_name, slots, self.faults.heartbeat)
+        out: list[Outbound] = [self._send(device_id, welcome, now)]
         if self.finished:
-            out.append(Send(device_id, Finished()))
+            out.append(self._send(device_id, Finished(), now))
             return device_id, out
         return device_id, out + self._dispatch(now)
 
@@ -181,8 +239,14 @@ class Core:
         dev = self.devices.pop(device_id, None)
         if dev is None:
             return []
-        requeued = self.store.release_device(device_id, "lost" if reason != "left" else "released", now, reason)
+        graceful = reason == "left"
+        held = list(dev.inflight)
+        requeued = self.store.release_device(device_id, "released" if graceful else "lost", now, reason)
         self._queued += len(requeued)
+        for tile_id in held:
+            self._unhold(tile_id, device_id)
+        if held and not graceful:
+            self.store.credit_device(device_id, lost=len(held), now=now)
         state = "banned" if dev.consecutive_rejects >= self.max_consecutive_rejects else "offline"
         self.store.set_device_state(device_id, state, now, reason)
         return self._dispatch(now)
@@ -193,53 +257,87 @@ class Core:
         dev = self.devices.get(device_id)
         if dev is None:
             return []
+        dev.last_seen = now
         if isinstance(msg, Result):
             return self._on_result(dev, msg, now)
+        if isinstance(msg, Heartbeat):
+            return []
         if isinstance(msg, Release):
             return self._on_release(dev, msg, now)
         if isinstance(msg, Leave):
             return self.disconnect(device_id, now, "left")
         if isinstance(msg, StatusRequest):
-            return [Send(device_id, StatusReply(self.status(now)))]
-        return [Send(device_id, Error("unexpected", f"{type(msg).__name__} is not a message a device may send now"))]
+            return [self._send(device_id, StatusReply(self.status(now)), now)]
+        return [self._send(device_id, Error("unexpected", f"{type(msg).__name__} is not a message a device may send"), now)]
+
+    def tick(self, now: float) -> list[Outbound]:
+        """Time passes: drop silent devices, copy tiles whose deadline passed, keep heartbeats."""
+        out: list[Outbound] = []
+        for dev in list(self.devices.values()):
+            if now - dev.last_seen > self.faults.heartbeat_timeout:
+                silence = f"no heartbeat for {now - dev.last_seen:.1f} s"
+                out.append(Close(dev.id, CLOSE_SILENT, silence))
+                out.extend(self.disconnect(dev.id, now, silence))
+            elif now - dev.last_sent >= self.faults.heartbeat:
+                out.append(self._send(dev.id, Heartbeat(now), now))
+        out.extend(self._dispatch(now))
+        return out
+
+    def _send(self, device_id: int, message: Message, now: float) -> Send:
+        dev = self.devices.get(device_id)
+        if dev is not None:
+            dev.last_sent = now
+        return Send(device_id, message)
 
     def _on_result(self, dev: DeviceState, msg: Result, now: float) -> list[Outbound]:
         if msg.tile_id not in dev.inflight:
-            return [Send(dev.id, Error("not_leased", f"tile {msg.tile_id} is not leased to you; result ignored"))]
-        dev.inflight.discard(msg.tile_id)
+            if dev.cancelled.pop(msg.tile_id, False) is None:  # a copy that lost the race: ignored
+                return []
+            return [self._send(dev.id, Error("not_leased", f"tile {msg.tile_id} is not leased to you; result ignored"), now)]
+        leased_at = dev.inflight.pop(msg.tile_id)
+        self._unhold(msg.tile_id, dev.id)
         nbytes = msg.c.numel() * msg.c.element_size()
         dev.bytes_up += nbytes
         self.bytes_up += nbytes
         gemm = self.gemms[self._tile_gemm[msg.tile_id]]
         tile = gemm.tiles[msg.tile_id]
         ra, rb = gemm.blocks_of(tile)
-        started = _clock()
+        started = time.perf_counter()
         verdict = freivalds(ra.logical, rb.logical, msg.c, self.rng, compute_dtype=gemm.a.dtype,
                             a_row_norms=ra.row_norms(), b_norm=rb.norm())
-        self.verify_seconds += _clock() - started
-        if verdict.ok:
-            kind = gemm.kind.value
-            self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
+        self.verify_seconds += time.perf_counter() - started
         out: list[Outbound] = []
         if not verdict.ok:
-            self.store.end_lease(msg.tile_id, dev.id, "rejected", now, verdict.reason)
-            self.store.credit_device(dev.id, verified=0, rejected=1, gflop=0.0, now=now)
-            self._queued += 1
+            end = self.store.end_lease(msg.tile_id, dev.id, "rejected", now, verdict.reason)
+            self.store.credit_device(dev.id, rejected=1, now=now)
+            self._queued += end.requeued
             dev.tiles_rejected += 1
             dev.consecutive_rejects += 1
-            out.append(Send(dev.id, Error("rejected", f"tile {msg.tile_id} failed verification: {verdict.reason}")))
+            out.append(self._send(dev.id, Error("rejected", f"tile {msg.tile_id} failed verification: {verdict.reason}"), now))
             if dev.consecutive_rejects >= self.max_consecutive_rejects:
                 out.append(Close(dev.id, CLOSE_BANNED, f"{dev.consecutive_rejects} results in a row failed verification"))
                 out.extend(self.disconnect(dev.id, now, "results failed verification"))
                 return out
             return out + self._dispatch(now)
-        self.store.end_lease(msg.tile_id, dev.id, "verified", now)
-        self.store.credit_device(dev.id, verified=1, rejected=0, gflop=tile.flops / 1e9, now=now)
+        kind = gemm.kind.value
+        self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
+        end = self.store.end_lease(msg.tile_id, dev.id, "verified", now)
+        self.store.credit_device(dev.id, verified=1, gflop=tile.flops / 1e9, now=now)
         dev.tiles_done += 1
         dev.consecutive_rejects = 0
         dev.compute_seconds += msg.seconds
+        gflop = tile.flops / 1e9
         if msg.seconds > 0:
-            dev.gflops = (1 - EMA) * dev.gflops + EMA * (tile.flops / 1e9 / msg.seconds) if dev.gflops else tile.flops / 1e9 / msg.seconds
+            observed = gflop / msg.seconds
+            dev.gflops = (1 - EMA) * dev.gflops + EMA * observed if dev.gflops else observed
+        if gflop > 0:
+            dev.seconds_per_gflop = (1 - EMA) * dev.seconds_per_gflop + EMA * (now - leased_at) / gflop
+        for loser in end.cancelled:  # other copies lost the race: tell their devices to drop them
+            other = self.devices.get(loser)
+            if other is not None and msg.tile_id in other.inflight:
+                other.cancel(msg.tile_id)
+                out.append(self._send(loser, Cancel((msg.tile_id,), "another copy was verified first"), now))
+        self._holders.pop(msg.tile_id, None)
         gemm.parts[tile.index] = msg.c
         if gemm.done:
             self._complete(gemm, now)
@@ -247,11 +345,10 @@ class Core:
 
     def _on_release(self, dev: DeviceState, msg: Release, now: float) -> list[Outbound]:
         for tile_id in msg.tile_ids:
-            if tile_id not in dev.inflight:
+            if dev.inflight.pop(tile_id, None) is None:
                 continue  # already finished or re-issued: nothing to give back
-            dev.inflight.discard(tile_id)
-            self.store.end_lease(tile_id, dev.id, "released", now, msg.reason[:200])
-            self._queued += 1
+            self._unhold(tile_id, dev.id)
+            self._queued += self.store.end_lease(tile_id, dev.id, "released", now, msg.reason[:200]).requeued
             gemm = self.gemms[self._tile_gemm[tile_id]]
             # The device may have lost these blocks: send them again if it gets the tile back.
             for ref in gemm.blocks_of(gemm.tiles[tile_id]):
@@ -312,9 +409,10 @@ class Core:
         return gemm_id, self._dispatch(now)
 
     def _dispatch(self, now: float) -> list[Outbound]:
-        """Lease queued tiles to devices with free slots, one tile per device per round."""
+        """Lease queued tiles to devices with free slots, one tile per device per round; then
+        copy tiles whose deadline passed, then speculate on stragglers for devices still idle."""
         out: list[Outbound] = []
-        hungry = [d for d in self.devices.values() if len(d.inflight) < d.slots]
+        hungry = [d for d in self.devices.values() if d.free > 0]
         while self._queued > 0 and hungry:
             hungry.sort(key=lambda d: len(d.inflight) / d.slots)
             still = []
@@ -325,14 +423,65 @@ class Core:
                 if claimed is None:
                     continue  # everything queued is barred for this device
                 self._queued -= 1
-                out.append(Send(dev.id, self._work(dev, claimed.id)))
-                if len(dev.inflight) < dev.slots:
+                out.append(self._lease(dev, claimed.id, now))
+                if dev.free > 0:
                     still.append(dev)
             hungry = still
+        if self._holders:
+            out.extend(self._copy_late_tiles(now))
         return out
 
-    def _work(self, dev: DeviceState, tile_id: int) -> Work:
+    def _copy_late_tiles(self, now: float) -> list[Outbound]:
+        out: list[Outbound] = []
+        idle = sorted((d for d in self.devices.values() if d.free > 0), key=lambda d: -d.free)
+        if not idle:
+            return out
+        f = self.faults
+        for tile_id, holders in sorted(self._holders.items()):  # oldest tiles first
+            if not idle:
+                break
+            late = [d for d, deadline in holders.items() if deadline <= now]
+            if late:
+                issued, limit = DEADLINE, f.max_copies + 1  # a passed deadline may exceed max_copies
+            elif self._queued == 0 and len(holders) < f.max_copies:
+                flops = self.gemms[self._tile_gemm[tile_id]].tiles[tile_id].flops
+                oldest = min(self.devices[d].inflight[tile_id] for d in holders)
+                slowest = max(self.devices[d].expected(flops) for d in holders)
+                if now - oldest < max(f.speculate_after, f.speculate_factor * slowest):
+                    continue
+                issued, limit = SPECULATIVE, f.max_copies
+            else:
+                continue
+            if len(holders) >= limit:
+                continue
+            for dev in idle:
+                if dev.id in holders or self.store.claim_copy(tile_id, dev.id, issued, now) is None:
+                    continue
+                out.append(self._lease(dev, tile_id, now))
+                for d in late:  # each passed deadline buys one copy
+                    holders[d] = float("inf")
+                if dev.free <= 0:
+                    idle.remove(dev)
+                break
+        return out
+
+    def _unhold(self, tile_id: int, device_id: int) -> None:
+        holders = self._holders.get(tile_id)
+        if holders is not None:
+            holders.pop(device_id, None)
+            if not holders:
+                del self._holders[tile_id]
+
+    def _lease(self, dev: DeviceState, tile_id: int, now: float) -> Send:
         gemm = self.gemms[self._tile_gemm[tile_id]]
+        flops = gemm.tiles[tile_id].flops
+        # Queued behind its other tiles on the device: the deadline allows for them too.
+        wait = dev.expected(flops) * (len(dev.inflight) + 1)
+        self._holders.setdefault(tile_id, {})[dev.id] = now + self.faults.lease_floor + self.faults.lease_factor * wait
+        dev.inflight[tile_id] = now
+        return self._send(dev.id, self._work(dev, gemm, tile_id), now)
+
+    def _work(self, dev: DeviceState, gemm: GemmState, tile_id: int) -> Work:
         ra, rb = gemm.blocks_of(gemm.tiles[tile_id])
         # Forget first: a namespace dropped and a block of a new one may share this message.
         forget = tuple(sorted(dev.forget))
@@ -344,7 +493,6 @@ class Core:
                 dev.hold(ref)
                 dev.bytes_down += ref.nbytes
                 self.bytes_down += ref.nbytes
-        dev.inflight.add(tile_id)
         return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget)
 
     # ------------------------------------------------------------------ job
@@ -353,7 +501,7 @@ class Core:
         """The job is over: tell every device. The server then closes their sockets."""
         self.finished = True
         self.progress.state = "finished"
-        return [Send(d, Finished(reason)) for d in self.devices]
+        return [self._send(d, Finished(reason), now) for d in list(self.devices)]
 
     def status(self, now: float) -> dict[str, Any]:
         """The snapshot ``cleave status`` renders (its --json keys are a contract)."""
@@ -361,13 +509,11 @@ class Core:
         rows = []
         for row in self.store.devices(self.job_id):
             live = self.devices.get(row.id)
-            if live is not None:
-                state = "working" if live.inflight else "idle"
-            else:
-                state = row.state
+            state = ("working" if live.inflight else "idle") if live is not None else row.state
             rows.append({
                 "id": row.id, "name": row.name, "state": state, "device": row.device,
-                "tiles_done": row.tiles_done, "tiles_rejected": row.tiles_rejected,
+                "tiles_done": row.tiles_done, "tiles_rejected": row.tiles_rejected, "tiles_lost": row.tiles_lost,
+                "reliability": round(row.reliability, 4),
                 "gflops": round(live.gflops if live else row.gflops, 2),
                 "gflop_verified": round(row.gflop_verified, 3), "reason": row.reason,
                 "inflight": len(live.inflight) if live else 0,
@@ -376,12 +522,13 @@ class Core:
                 "compute_s": round(live.compute_seconds, 4) if live else None,
             })
         p = self.progress
+        tiles = {k: counts[k] for k in ("queued", "leased", "verified", "rejected", "requeued", "expired",
+                                        "speculative", "cancelled", "lost")}
         return {
             "job": {"name": self.job_name, "step": p.step, "steps": p.steps, "loss": p.loss,
                     "state": p.state, "tokens_per_s": round(p.tokens_per_s, 1)},
             "devices": rows,
-            "tiles": {"queued": counts["queued"], "leased": counts["leased"],
-                      "verified": counts["verified"], "rejected": counts["rejected"]},
+            "tiles": tiles,
             "queue_depth": counts["queued"],
             "gemms_in_flight": len(self.gemms),
             "verify": {"seconds": round(self.verify_seconds, 4),
@@ -389,10 +536,3 @@ class Core:
                        "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(self.verify_worst_honest.items())}},
             "time": now,
         }
-
-
-def _clock() -> float:
-    # Only for measuring verification cost; decisions never read it.
-    import time
-
-    return time.perf_counter()

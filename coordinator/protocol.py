@@ -116,13 +116,32 @@ class Release:
 
 
 @dataclass(frozen=True)
+class Heartbeat:
+    """Either way, every few seconds: "I am alive". A device silent for too long is presumed
+    frozen and its tiles go to others; a client that hears nothing reconnects."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    sent_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Coordinator -> client: another copy of these tiles was verified first; drop them."""
+
+    TYPE: ClassVar[str] = "cancel"
+    tile_ids: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Welcome:
-    """Coordinator -> client, answer to Hello."""
+    """Coordinator -> client, answer to Hello. ``heartbeat`` is the interval the client must keep."""
 
     TYPE: ClassVar[str] = "welcome"
     device_id: int
     job: str
     slots: int
+    heartbeat: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -175,9 +194,12 @@ class Error:
     message: str
 
 
-Message = Union[Hello, StatusRequest, Result, Leave, Release, Welcome, Work, StatusReply, Finished, Error]
+Message = Union[
+    Hello, StatusRequest, Result, Leave, Release, Heartbeat, Cancel, Welcome, Work, StatusReply, Finished, Error
+]
 _PLAIN: dict[str, type] = {
-    cls.TYPE: cls for cls in (Hello, StatusRequest, Leave, Release, Welcome, StatusReply, Finished, Error)
+    cls.TYPE: cls
+    for cls in (Hello, StatusRequest, Leave, Release, Heartbeat, Cancel, Welcome, StatusReply, Finished, Error)
 }
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int), "str": (str,)}
 

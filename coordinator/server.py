@@ -19,14 +19,17 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.core import CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, AuthError, Close, Core, Outbound, Send
-from coordinator.protocol import Hello, Leave, ProtocolError, Release, Result, StatusReply, StatusRequest, decode, encode
+from coordinator.protocol import (
+    Heartbeat, Hello, Leave, ProtocolError, Release, Result, StatusReply, StatusRequest, decode, encode,
+)
 from coordinator.training.linear import GemmRequest
 
 log = logging.getLogger("cleave.server")
 
 HELLO_TIMEOUT = 10.0  # a peer must introduce itself this fast
 MAX_FRAME = 256 << 20  # results of big split-K tiles are tens of MB; anything past this is refused
-_CLIENT_MESSAGES = (Result, Release, Leave, StatusRequest)
+_CLIENT_MESSAGES = (Result, Release, Heartbeat, Leave, StatusRequest)
+TICK = 0.05  # seconds between Core.tick calls: deadlines, heartbeats, speculation
 
 
 class JobAborted(RuntimeError):
@@ -62,6 +65,7 @@ class Server:
         self.traffic = Traffic()
         self._pending: set[concurrent.futures.Future[torch.Tensor]] = set()
         self._devices_changed = asyncio.Event()
+        self._device_count = 0
 
     # ------------------------------------------------------------------ peers
 
@@ -186,6 +190,15 @@ class Server:
                 conn.queue.put_nowait(frame)
             elif isinstance(item, Close):
                 conn.queue.put_nowait((item.code, _reason(item.reason)))
+
+    async def tick_forever(self, interval: float = TICK) -> None:
+        """Let time pass in the Core: silent devices, passed deadlines, stragglers, heartbeats."""
+        while True:
+            await asyncio.sleep(interval)
+            self.deliver(self.core.tick(self.clock()))
+            if len(self.core.devices) != self._device_count:
+                self._device_count = len(self.core.devices)
+                self._devices_changed.set()
 
     async def wait_for_devices(self, count: int, on_wait: Callable[[int], None] | None = None) -> None:
         while len(self.core.devices) < count:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from db.store import (
-    LEASED, OUTCOMES, QUEUED, VERIFIED, ClaimedTile, DeviceInfo, DeviceRow, JobRow, LeaseRow,
-    NewTile, StepRow, StoreError,
+    ABANDONED, LEASED, OUTCOMES, QUEUED, VERIFIED, CheckpointRow, ClaimedTile, DeviceInfo, DeviceRow, JobRow, LeaseEnd,
+    LeaseRow, NewTile, StepRow, StoreError, DEADLINE, SPECULATIVE,
 )
 
 
@@ -21,21 +21,22 @@ class _Tile:
     b_key: str
     flops: int
     state: str = QUEUED
-    device_id: int | None = None
     attempts: int = 0
     barred: set[int] = field(default_factory=set)
+    requeue_reason: str | None = None
 
 
 class MemoryStore:
     def __init__(self) -> None:
         self._jobs: dict[int, JobRow] = {}
-        self._steps: dict[int, list[StepRow]] = {}
+        self._steps: dict[int, dict[int, StepRow]] = {}
         self._devices: dict[int, DeviceRow] = {}
         self._device_job: dict[int, int] = {}
         self._gemms: dict[int, dict[str, Any]] = {}
         self._tiles: dict[int, _Tile] = {}
         self._queued: dict[int, None] = {}  # insertion-ordered set of queued tile ids
         self._leases: dict[int, list[LeaseRow]] = {}
+        self._checkpoints: list[CheckpointRow] = []
         self._next = {"job": 1, "device": 1, "gemm": 1, "tile": 1}
 
     def _id(self, kind: str) -> int:
@@ -43,10 +44,16 @@ class MemoryStore:
         return self._next[kind] - 1
 
     # --- job and steps
+    def mark_devices_offline(self, reason: str) -> None:
+        for d in self._devices.values():
+            if d.state == "online":
+                d.state, d.reason = "offline", reason
+
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
+        self.mark_devices_offline("coordinator restarted")
         jid = self._id("job")
         self._jobs[jid] = JobRow(jid, name, copy.deepcopy(config), "running", 0, steps, now)
-        self._steps[jid] = []
+        self._steps[jid] = {}
         return jid
 
     def job(self, job_id: int) -> JobRow:
@@ -64,11 +71,15 @@ class MemoryStore:
         self, job_id: int, step: int, loss: float, tokens: int, seconds: float, now: float,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        self._steps[job_id].append(StepRow(step, loss, tokens, seconds, now, dict(extra or {})))
+        self._steps[job_id][step] = StepRow(step, loss, tokens, seconds, now, dict(extra or {}))
         self._jobs[job_id].step = step
 
     def steps(self, job_id: int) -> list[StepRow]:
-        return sorted(copy.deepcopy(self._steps.get(job_id, [])), key=lambda s: s.step)
+        return [copy.deepcopy(s) for _, s in sorted(self._steps.get(job_id, {}).items())]
+
+    def truncate_steps(self, job_id: int, after: int) -> None:
+        self._steps[job_id] = {k: v for k, v in self._steps[job_id].items() if k <= after}
+        self._jobs[job_id].step = min(self._jobs[job_id].step, after)
 
     # --- devices
     def add_device(self, job_id: int, info: DeviceInfo, now: float) -> int:
@@ -89,10 +100,13 @@ class MemoryStore:
         d = self._device(device_id)
         d.state, d.reason, d.last_seen = state, reason, now
 
-    def credit_device(self, device_id: int, *, verified: int, rejected: int, gflop: float, now: float) -> None:
+    def credit_device(
+        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, gflop: float = 0.0, now: float
+    ) -> None:
         d = self._device(device_id)
         d.tiles_done += verified
         d.tiles_rejected += rejected
+        d.tiles_lost += lost
         d.gflop_verified += gflop
         d.last_seen = now
 
@@ -123,6 +137,14 @@ class MemoryStore:
     def finish_gemm(self, gemm_id: int, now: float) -> None:
         self._gemms[gemm_id]["done"] = now
 
+    def _open(self, tile_id: int) -> list[LeaseRow]:
+        return [lease for lease in self._leases[tile_id] if lease.ended_at is None]
+
+    def _lease(self, t: _Tile, device_id: int, issued: str, now: float) -> ClaimedTile:
+        t.attempts += 1
+        self._leases[t.id].append(LeaseRow(t.id, device_id, now, None, None, "", issued))
+        return ClaimedTile(t.id, t.gemm_id, t.index, t.a_key, t.b_key, t.attempts, issued)
+
     def claim_tile(self, device_id: int, prefer: Sequence[str], now: float) -> ClaimedTile | None:
         wanted = set(prefer)
         best: _Tile | None = None
@@ -139,36 +161,49 @@ class MemoryStore:
         if best is None:
             return None
         del self._queued[best.id]
-        best.state, best.device_id = LEASED, device_id
-        best.attempts += 1
-        self._leases[best.id].append(LeaseRow(best.id, device_id, now, None, None))
-        return ClaimedTile(best.id, best.gemm_id, best.index, best.a_key, best.b_key, best.attempts)
+        best.state = LEASED
+        issued = "first" if best.requeue_reason is None else f"requeued after {best.requeue_reason}"
+        return self._lease(best, device_id, issued, now)
 
-    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> None:
-        if outcome not in OUTCOMES:
-            raise StoreError(f"unknown lease outcome {outcome!r}")
+    def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
+        if issued not in (SPECULATIVE, DEADLINE):
+            raise StoreError(f"a copy is issued as {SPECULATIVE!r} or {DEADLINE!r}, not {issued!r}")
         t = self._tiles.get(tile_id)
-        if t is None or t.state != LEASED or t.device_id != device_id:
+        if t is None or t.state != LEASED or device_id in t.barred:
+            return None
+        if any(lease.device_id == device_id for lease in self._open(tile_id)):
+            return None
+        return self._lease(t, device_id, issued, now)
+
+    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> LeaseEnd:
+        if outcome not in OUTCOMES or outcome == "cancelled":
+            raise StoreError(f"a lease cannot be ended as {outcome!r}")
+        t = self._tiles.get(tile_id)
+        mine = [lease for lease in self._open(tile_id) if lease.device_id == device_id] if t else []
+        if t is None or not mine:
             raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
-        lease = self._leases[tile_id][-1]
+        lease = mine[0]
         lease.ended_at, lease.outcome, lease.reason = now, outcome, reason
-        t.device_id = None
         if outcome == "verified":
             t.state = VERIFIED
-            return
+            cancelled = []
+            for other in self._open(tile_id):
+                other.ended_at, other.outcome, other.reason = now, "cancelled", "another copy was verified first"
+                cancelled.append(other.device_id)
+            return LeaseEnd(False, tuple(cancelled))
         if outcome == "rejected":
             t.barred.add(device_id)
-        t.state = QUEUED
+        if self._open(tile_id):
+            return LeaseEnd(False)
+        t.state, t.requeue_reason = QUEUED, outcome
         self._queued[tile_id] = None
+        return LeaseEnd(True)
 
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
-        ids = self.leased_to(device_id)
-        for tid in ids:
-            self.end_lease(tid, device_id, outcome, now, reason)
-        return ids
+        return [tid for tid in self.leased_to(device_id) if self.end_lease(tid, device_id, outcome, now, reason).requeued]
 
     def leased_to(self, device_id: int) -> list[int]:
-        return sorted(t.id for t in self._tiles.values() if t.state == LEASED and t.device_id == device_id)
+        return sorted(tid for tid in self._tiles if any(lease.device_id == device_id for lease in self._open(tid)))
 
     def tile_state(self, tile_id: int) -> str:
         if tile_id not in self._tiles:
@@ -176,15 +211,48 @@ class MemoryStore:
         return self._tiles[tile_id].state
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
-        counts = {QUEUED: 0, LEASED: 0, VERIFIED: 0, "rejected": 0}
+        counts = dict.fromkeys((QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "requeued",
+                                "speculative", "expired"), 0)
         for t in self._tiles.values():
-            if self._gemms[t.gemm_id]["job_id"] == job_id:
-                counts[t.state] += 1
-                counts["rejected"] += sum(1 for lease in self._leases[t.id] if lease.outcome == "rejected")
+            if self._gemms[t.gemm_id]["job_id"] != job_id:
+                continue
+            counts[t.state] += 1
+            for lease in self._leases[t.id]:
+                if lease.outcome in ("rejected", "lost", "cancelled"):
+                    counts[lease.outcome] += 1
+                if lease.issued.startswith("requeued"):
+                    counts["requeued"] += 1
+                elif lease.issued == SPECULATIVE:
+                    counts["speculative"] += 1
+                elif lease.issued == DEADLINE:
+                    counts["expired"] += 1
         return counts
 
     def leases(self, tile_id: int) -> list[LeaseRow]:
         return copy.deepcopy(self._leases.get(tile_id, []))
+
+    # --- checkpoints and resuming
+    def add_checkpoint(self, row: CheckpointRow) -> None:
+        self._checkpoints.append(row)
+
+    def checkpoints(self, job_id: int) -> list[CheckpointRow]:
+        return sorted((c for c in self._checkpoints if c.job_id == job_id), key=lambda c: -c.step)
+
+    def resumable_job(self) -> JobRow | None:
+        open_jobs = [j for j in self._jobs.values() if j.state != "finished"]
+        return copy.deepcopy(max(open_jobs, key=lambda j: j.id)) if open_jobs else None
+
+    def abandon_unfinished(self, job_id: int, now: float) -> int:
+        count = 0
+        for t in self._tiles.values():
+            if self._gemms[t.gemm_id]["job_id"] != job_id or t.state == VERIFIED:
+                continue
+            for lease in self._open(t.id):
+                lease.ended_at, lease.outcome, lease.reason = now, "lost", "coordinator restarted"
+            self._queued.pop(t.id, None)
+            t.state = ABANDONED
+            count += 1
+        return count
 
     def close(self) -> None:
         pass

@@ -30,8 +30,8 @@ def m001_initial(db: sqlite_utils.Database) -> None:
     db["devices"].create(
         {"id": int, "job_id": int, "name": str, "platform": str, "cores": int, "memory_bytes": int, "device": str,
          "gflops": float, "state": str, "joined_at": float, "last_seen": float, "tiles_done": int,
-         "tiles_rejected": int, "gflop_verified": float, "reason": str},
-        pk="id", defaults={"tiles_done": 0, "tiles_rejected": 0, "gflop_verified": 0.0, "reason": ""},
+         "tiles_rejected": int, "tiles_lost": int, "gflop_verified": float, "reason": str},
+        pk="id", defaults={"tiles_done": 0, "tiles_rejected": 0, "tiles_lost": 0, "gflop_verified": 0.0, "reason": ""},
         foreign_keys=[("job_id", "jobs", "id")],
     )
     db["gemms"].create(
@@ -41,17 +41,22 @@ def m001_initial(db: sqlite_utils.Database) -> None:
     )
     db["tiles"].create(
         {"id": int, "gemm_id": int, "idx": int, "a_key": str, "b_key": str, "flops": int, "state": str,
-         "device_id": int, "attempts": int, "barred": str, "queued_at": float, "done_at": float},
-        pk="id", foreign_keys=[("gemm_id", "gemms", "id")], defaults={"attempts": 0, "barred": "[]"},
+         "open_leases": int, "attempts": int, "barred": str, "requeue_reason": str, "queued_at": float,
+         "done_at": float},
+        pk="id", foreign_keys=[("gemm_id", "gemms", "id")], defaults={"attempts": 0, "open_leases": 0, "barred": "[]"},
     )
     db["tiles"].create_index(["state", "id"])
-    db["tiles"].create_index(["device_id"])
     db["leases"].create(
         {"id": int, "tile_id": int, "device_id": int, "leased_at": float, "ended_at": float,
-         "outcome": str, "reason": str},
-        pk="id", foreign_keys=[("tile_id", "tiles", "id")], defaults={"reason": ""},
+         "outcome": str, "reason": str, "issued": str},
+        pk="id", foreign_keys=[("tile_id", "tiles", "id")], defaults={"reason": "", "issued": "first"},
     )
     db["leases"].create_index(["tile_id"])
+    db["leases"].create_index(["device_id", "ended_at"])
+    db["checkpoints"].create(
+        {"id": int, "job_id": int, "step": int, "path": str, "sha256": str, "bytes": int, "created_at": float},
+        pk="id", foreign_keys=[("job_id", "jobs", "id")],
+    )
 
 
 def migrate(db: sqlite_utils.Database) -> list[str]:

@@ -18,12 +18,12 @@ import sqlite_utils
 
 from db.migrations import migrate
 from db.store import (
-    LEASED, OUTCOMES, QUEUED, VERIFIED, ClaimedTile, DeviceInfo, DeviceRow, JobRow, LeaseRow,
-    NewTile, StepRow, StoreError,
+    ABANDONED, DEADLINE, LEASED, OUTCOMES, QUEUED, SPECULATIVE, VERIFIED, CheckpointRow, ClaimedTile, DeviceInfo,
+    DeviceRow, JobRow, LeaseEnd, LeaseRow, NewTile, StepRow, StoreError,
 )
 
 _CLAIM = """
-UPDATE tiles SET state = 'leased', device_id = :device, attempts = attempts + 1
+UPDATE tiles SET state = 'leased', open_leases = 1, attempts = attempts + 1
 WHERE id = (
     SELECT id FROM tiles
     WHERE state = 'queued'
@@ -32,6 +32,15 @@ WHERE id = (
            + (b_key IN (SELECT value FROM json_each(:prefer))) DESC, id
     LIMIT 1
 )
+RETURNING id, gemm_id, idx, a_key, b_key, attempts, requeue_reason
+"""
+
+# One more copy of an outstanding tile, for a device that holds none and never failed it.
+_CLAIM_COPY = """
+UPDATE tiles SET open_leases = open_leases + 1, attempts = attempts + 1
+WHERE id = :tile AND state = 'leased'
+  AND NOT EXISTS (SELECT 1 FROM json_each(tiles.barred) WHERE value = :device)
+  AND NOT EXISTS (SELECT 1 FROM leases WHERE tile_id = :tile AND device_id = :device AND ended_at IS NULL)
 RETURNING id, gemm_id, idx, a_key, b_key, attempts
 """
 
@@ -74,16 +83,18 @@ class SQLiteStore:
         return self.conn.execute(sql, params).fetchone()
 
     # --- job and steps
+    def mark_devices_offline(self, reason: str) -> None:
+        self.conn.execute("UPDATE devices SET state = 'offline', reason = ? WHERE state = 'online'", (reason,))
+
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
-        # Devices of earlier jobs in this file are gone whatever their last recorded state.
-        self.conn.execute(
-            "UPDATE devices SET state = 'offline', reason = 'coordinator restarted' WHERE state = 'online'"
-        )
-        cur = self.conn.execute(
-            "INSERT INTO jobs (name, config, state, step, steps, created_at) VALUES (?, ?, 'running', 0, ?, ?)",
-            (name, json.dumps(config, sort_keys=True), steps, now),
-        )
-        return int(cur.lastrowid)
+        with self.atomic() as c:
+            # Devices of earlier jobs in this file are gone whatever their last recorded state.
+            self.mark_devices_offline("coordinator restarted")
+            cur = c.execute(
+                "INSERT INTO jobs (name, config, state, step, steps, created_at) VALUES (?, ?, 'running', 0, ?, ?)",
+                (name, json.dumps(config, sort_keys=True), steps, now),
+            )
+            return int(cur.lastrowid)
 
     def job(self, job_id: int) -> JobRow:
         row = self._one(
@@ -132,18 +143,20 @@ class SQLiteStore:
         if cur.rowcount != 1:
             raise StoreError(f"no device {device_id}")
 
-    def credit_device(self, device_id: int, *, verified: int, rejected: int, gflop: float, now: float) -> None:
+    def credit_device(
+        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, gflop: float = 0.0, now: float
+    ) -> None:
         cur = self.conn.execute(
             "UPDATE devices SET tiles_done = tiles_done + ?, tiles_rejected = tiles_rejected + ?,"
-            " gflop_verified = gflop_verified + ?, last_seen = ? WHERE id = ?",
-            (verified, rejected, gflop, now, device_id),
+            " tiles_lost = tiles_lost + ?, gflop_verified = gflop_verified + ?, last_seen = ? WHERE id = ?",
+            (verified, rejected, lost, gflop, now, device_id),
         )
         if cur.rowcount != 1:
             raise StoreError(f"no device {device_id}")
 
     def devices(self, job_id: int) -> list[DeviceRow]:
         cols = "id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen," \
-               " tiles_done, tiles_rejected, gflop_verified, reason"
+               " tiles_done, tiles_rejected, gflop_verified, reason, tiles_lost"
         return [DeviceRow(*r) for r in self.conn.execute(
             f"SELECT {cols} FROM devices WHERE job_id = ? ORDER BY id", (job_id,)
         )]
@@ -178,48 +191,64 @@ class SQLiteStore:
     def finish_gemm(self, gemm_id: int, now: float) -> None:
         self.conn.execute("UPDATE gemms SET done_at = ? WHERE id = ?", (now, gemm_id))
 
+    def _lease(self, c: sqlite3.Connection, row: tuple, device_id: int, issued: str, now: float) -> ClaimedTile:
+        c.execute(
+            "INSERT INTO leases (tile_id, device_id, leased_at, issued) VALUES (?, ?, ?, ?)",
+            (row[0], device_id, now, issued),
+        )
+        return ClaimedTile(row[0], row[1], row[2], row[3], row[4], row[5], issued)
+
     def claim_tile(self, device_id: int, prefer: Sequence[str], now: float) -> ClaimedTile | None:
         with self.atomic() as c:
             row = c.execute(_CLAIM, {"device": device_id, "prefer": json.dumps(list(prefer))}).fetchone()
             if row is None:
                 return None
-            c.execute("INSERT INTO leases (tile_id, device_id, leased_at) VALUES (?, ?, ?)", (row[0], device_id, now))
-        return ClaimedTile(row[0], row[1], row[2], row[3], row[4], row[5])
+            issued = "first" if row[6] is None else f"requeued after {row[6]}"
+            return self._lease(c, row, device_id, issued, now)
 
-    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> None:
-        if outcome not in OUTCOMES:
-            raise StoreError(f"unknown lease outcome {outcome!r}")
+    def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
+        if issued not in (SPECULATIVE, DEADLINE):
+            raise StoreError(f"a copy is issued as {SPECULATIVE!r} or {DEADLINE!r}, not {issued!r}")
         with self.atomic() as c:
-            if outcome == "verified":
-                cur = c.execute(
-                    "UPDATE tiles SET state = 'verified', device_id = NULL, done_at = ? "
-                    "WHERE id = ? AND state = 'leased' AND device_id = ?", (now, tile_id, device_id),
-                )
-            else:
-                barred = "json_insert(barred, '$[#]', :device)" if outcome == "rejected" else "barred"
-                cur = c.execute(
-                    f"UPDATE tiles SET state = 'queued', device_id = NULL, barred = {barred} "
-                    "WHERE id = :tile AND state = 'leased' AND device_id = :device",
-                    {"tile": tile_id, "device": device_id},
-                )
-            if cur.rowcount != 1:
-                raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
-            c.execute(
+            row = c.execute(_CLAIM_COPY, {"tile": tile_id, "device": device_id}).fetchone()
+            return None if row is None else self._lease(c, row, device_id, issued, now)
+
+    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> LeaseEnd:
+        if outcome not in OUTCOMES or outcome == "cancelled":
+            raise StoreError(f"a lease cannot be ended as {outcome!r}")
+        with self.atomic() as c:
+            cur = c.execute(
                 "UPDATE leases SET ended_at = ?, outcome = ?, reason = ? "
                 "WHERE tile_id = ? AND device_id = ? AND ended_at IS NULL",
                 (now, outcome, reason, tile_id, device_id),
             )
+            if cur.rowcount != 1:
+                raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
+            if outcome == "verified":
+                c.execute("UPDATE tiles SET state = 'verified', open_leases = 0, done_at = ? WHERE id = ?", (now, tile_id))
+                cancelled = c.execute(
+                    "UPDATE leases SET ended_at = ?, outcome = 'cancelled', reason = 'another copy was verified first' "
+                    "WHERE tile_id = ? AND ended_at IS NULL RETURNING device_id", (now, tile_id),
+                ).fetchall()
+                return LeaseEnd(False, tuple(r[0] for r in cancelled))
+            barred = "json_insert(barred, '$[#]', :device)" if outcome == "rejected" else "barred"
+            (state,) = c.execute(
+                f"UPDATE tiles SET open_leases = open_leases - 1, barred = {barred}, "
+                "state = CASE WHEN open_leases = 1 THEN 'queued' ELSE state END, "
+                "requeue_reason = CASE WHEN open_leases = 1 THEN :outcome ELSE requeue_reason END "
+                "WHERE id = :tile RETURNING state",
+                {"tile": tile_id, "device": device_id, "outcome": outcome},
+            ).fetchone()
+            return LeaseEnd(state == QUEUED)
 
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
         with self.atomic():
-            ids = self.leased_to(device_id)
-            for tid in ids:
-                self.end_lease(tid, device_id, outcome, now, reason)
-        return ids
+            return [tid for tid in self.leased_to(device_id)
+                    if self.end_lease(tid, device_id, outcome, now, reason).requeued]
 
     def leased_to(self, device_id: int) -> list[int]:
         return [r[0] for r in self.conn.execute(
-            "SELECT id FROM tiles WHERE state = 'leased' AND device_id = ? ORDER BY id", (device_id,)
+            "SELECT tile_id FROM leases WHERE device_id = ? AND ended_at IS NULL ORDER BY tile_id", (device_id,)
         )]
 
     def tile_state(self, tile_id: int) -> str:
@@ -229,24 +258,66 @@ class SQLiteStore:
         return str(row[0])
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
-        counts = {QUEUED: 0, LEASED: 0, VERIFIED: 0, "rejected": 0}
+        counts = dict.fromkeys((QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "requeued",
+                                "speculative", "expired"), 0)
         for state, n in self.conn.execute(
             "SELECT t.state, COUNT(*) FROM tiles t JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ? GROUP BY t.state",
             (job_id,),
         ):
             counts[state] = n
         row = self._one(
-            "SELECT COUNT(*) FROM leases l JOIN tiles t ON t.id = l.tile_id JOIN gemms g ON g.id = t.gemm_id "
-            "WHERE g.job_id = ? AND l.outcome = 'rejected'", (job_id,),
+            "SELECT"
+            " COALESCE(SUM(l.outcome = 'rejected'), 0), COALESCE(SUM(l.outcome = 'lost'), 0),"
+            " COALESCE(SUM(l.outcome = 'cancelled'), 0), COALESCE(SUM(l.issued LIKE 'requeued%'), 0),"
+            " COALESCE(SUM(l.issued = :spec), 0), COALESCE(SUM(l.issued = :deadline), 0) "
+            "FROM leases l JOIN tiles t ON t.id = l.tile_id JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = :job",
+            {"job": job_id, "spec": SPECULATIVE, "deadline": DEADLINE},
         )
-        counts["rejected"] = int(row[0]) if row else 0
+        assert row is not None
+        for name, value in zip(("rejected", "lost", "cancelled", "requeued", "speculative", "expired"), row):
+            counts[name] = int(value)
         return counts
 
     def leases(self, tile_id: int) -> list[LeaseRow]:
         return [LeaseRow(*r) for r in self.conn.execute(
-            "SELECT tile_id, device_id, leased_at, ended_at, outcome, reason FROM leases WHERE tile_id = ? ORDER BY id",
-            (tile_id,),
+            "SELECT tile_id, device_id, leased_at, ended_at, outcome, reason, issued FROM leases "
+            "WHERE tile_id = ? ORDER BY id", (tile_id,),
         )]
+
+    # --- checkpoints and resuming
+    def add_checkpoint(self, row: CheckpointRow) -> None:
+        self.conn.execute(
+            "INSERT INTO checkpoints (job_id, step, path, sha256, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            (row.job_id, row.step, row.path, row.sha256, row.bytes, row.created_at),
+        )
+
+    def checkpoints(self, job_id: int) -> list[CheckpointRow]:
+        return [CheckpointRow(*r) for r in self.conn.execute(
+            "SELECT job_id, step, path, sha256, bytes, created_at FROM checkpoints WHERE job_id = ? "
+            "ORDER BY step DESC, id DESC", (job_id,),
+        )]
+
+    def resumable_job(self) -> JobRow | None:
+        row = self._one("SELECT id FROM jobs WHERE state != 'finished' ORDER BY id DESC LIMIT 1")
+        return None if row is None else self.job(int(row[0]))
+
+    def truncate_steps(self, job_id: int, after: int) -> None:
+        with self.atomic() as c:
+            c.execute("DELETE FROM steps WHERE job_id = ? AND step > ?", (job_id, after))
+            c.execute("UPDATE jobs SET step = MIN(step, ?) WHERE id = ?", (after, job_id))
+
+    def abandon_unfinished(self, job_id: int, now: float) -> int:
+        with self.atomic() as c:
+            c.execute(
+                "UPDATE leases SET ended_at = ?, outcome = 'lost', reason = 'coordinator restarted' "
+                "WHERE ended_at IS NULL AND tile_id IN "
+                "(SELECT t.id FROM tiles t JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ?)", (now, job_id),
+            )
+            cur = c.execute(
+                "UPDATE tiles SET state = 'abandoned', open_leases = 0 WHERE state IN ('queued', 'leased') "
+                "AND gemm_id IN (SELECT id FROM gemms WHERE job_id = ?)", (job_id,),
+            )
+            return cur.rowcount
 
     def close(self) -> None:
         self.conn.close()

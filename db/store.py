@@ -3,10 +3,12 @@
 ``MemoryStore`` (db/memory.py) serves the simulator and fast tests; ``SQLiteStore``
 (db/sqlite.py) is production. Both pass one shared test suite (tests/test_store.py).
 
-What lives here: the job, its steps, devices, GEMMs and every tile's lifecycle. Each lease of a
-tile is one row (who, when leased, when it ended, and how: verified, rejected, released, lost),
-so a tile's whole history can be read back. Tensor payloads never come here: they stay in the
-coordinator's memory.
+What lives here: the job, its steps, devices, GEMMs, checkpoints and every tile's lifecycle.
+Each lease of a tile is one row: who, when, why it was issued (first, requeued after a loss,
+speculative copy, deadline passed) and how it ended (verified, rejected, released, lost,
+cancelled), so a tile's whole history can be read back. A tile may have several open leases at
+once (a straggler's and its speculative copy); the first verified result wins and the others are
+cancelled. Tensor payloads never come here: they stay in the coordinator's memory.
 
 Time is always passed in (``now``, seconds since the epoch) so tests can move the clock.
 """
@@ -16,10 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-# Tile states. A rejected, released or lost lease puts its tile back to QUEUED.
+# Tile states. A tile whose last open lease ends other than verified goes back to QUEUED.
 QUEUED, LEASED, VERIFIED = "queued", "leased", "verified"
-# Lease outcomes.
-OUTCOMES = ("verified", "rejected", "released", "lost")
+ABANDONED = "abandoned"  # its coordinator died with the tile's operands; a resumed job recomputes it
+# Lease outcomes. "cancelled": another copy of the tile was verified first.
+OUTCOMES = ("verified", "rejected", "released", "lost", "cancelled")
+# Why a lease was issued, besides "first" and "requeued after <outcome>".
+SPECULATIVE, DEADLINE = "speculative", "deadline passed"
 
 
 class StoreError(RuntimeError):
@@ -52,6 +57,13 @@ class DeviceRow:
     tiles_rejected: int = 0
     gflop_verified: float = 0.0
     reason: str = ""
+    tiles_lost: int = 0
+
+    @property
+    def reliability(self) -> float:
+        """Share of its finished work that came back verified (cancelled copies don't count)."""
+        total = self.tiles_done + self.tiles_rejected + self.tiles_lost
+        return self.tiles_done / total if total else 1.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,7 @@ class ClaimedTile:
     a_key: str
     b_key: str
     attempt: int
+    issued: str = "first"
 
 
 @dataclass
@@ -94,6 +107,23 @@ class LeaseRow:
     ended_at: float | None
     outcome: str | None
     reason: str = ""
+    issued: str = "first"
+
+
+@dataclass(frozen=True)
+class LeaseEnd:
+    requeued: bool  # the tile went back to the queue (no other copy is out)
+    cancelled: tuple[int, ...] = ()  # devices whose copies were cancelled by this verified result
+
+
+@dataclass(frozen=True)
+class CheckpointRow:
+    job_id: int
+    step: int
+    path: str
+    sha256: str
+    bytes: int
+    created_at: float
 
 
 @dataclass
@@ -122,7 +152,9 @@ class Store(Protocol):
     # --- devices
     def add_device(self, job_id: int, info: DeviceInfo, now: float) -> int: ...
     def set_device_state(self, device_id: int, state: str, now: float, reason: str = "") -> None: ...
-    def credit_device(self, device_id: int, *, verified: int, rejected: int, gflop: float, now: float) -> None: ...
+    def credit_device(
+        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, gflop: float = 0.0, now: float
+    ) -> None: ...
     def devices(self, job_id: int) -> list[DeviceRow]:
         """The devices that joined this job (each connection is one device row)."""
         ...
@@ -142,17 +174,43 @@ class Store(Protocol):
         """Lease the best queued tile to ``device_id``: one holding the most of the blocks in
         ``prefer`` (already on the device), then the oldest. Never a tile the device failed."""
         ...
-    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> None:
-        """Close the device's open lease on the tile. ``verified`` finishes the tile; any other
-        outcome queues it again (``rejected`` also bars that device from it)."""
+    def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
+        """Lease one more copy of an outstanding tile (speculation, or its deadline passed), unless
+        the device already holds one or failed it. ``issued`` says why."""
+        ...
+    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> LeaseEnd:
+        """Close the device's open lease on the tile. ``verified`` finishes the tile and cancels
+        its other copies; otherwise the tile is queued again once no copy is out (``rejected``
+        also bars that device from it)."""
         ...
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
-        """End every open lease of a device (it left or was lost); returns the re-queued tile ids."""
+        """End every open lease of a device (it left or was lost); returns the tiles re-queued."""
         ...
     def leased_to(self, device_id: int) -> list[int]: ...
     def tile_state(self, tile_id: int) -> str: ...
     def tile_counts(self, job_id: int) -> dict[str, int]:
-        """A job's ``queued``, ``leased`` and ``verified`` tiles and its ``rejected`` leases."""
+        """A job's ``queued``, ``leased`` and ``verified`` tiles, and its leases that were
+        ``rejected``, ``lost``, ``cancelled``, issued ``requeued``, ``speculative`` or ``expired``
+        (a copy issued because a deadline passed)."""
         ...
     def leases(self, tile_id: int) -> list[LeaseRow]: ...
+
+    # --- checkpoints and resuming
+    def add_checkpoint(self, row: CheckpointRow) -> None: ...
+    def checkpoints(self, job_id: int) -> list[CheckpointRow]:
+        """Newest first."""
+        ...
+    def resumable_job(self) -> JobRow | None:
+        """The newest job that never finished (its coordinator was killed or stopped), if any."""
+        ...
+    def mark_devices_offline(self, reason: str) -> None:
+        """Devices recorded online by a coordinator that is gone are offline, whatever they say."""
+        ...
+    def truncate_steps(self, job_id: int, after: int) -> None:
+        """Forget steps after ``after`` (they are computed again from a checkpoint)."""
+        ...
+    def abandon_unfinished(self, job_id: int, now: float) -> int:
+        """A restarted coordinator: the dead one's unfinished tiles are abandoned (their operands
+        died with it) and their open leases end as lost. Returns how many tiles."""
+        ...
     def close(self) -> None: ...

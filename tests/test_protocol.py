@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.protocol import (
-    MAGIC, PROTOCOL_VERSION, Block, Error, Finished, Hello, Leave, ProtocolError, Release, Result, StatusReply,
+    MAGIC, PROTOCOL_VERSION, Block, Cancel, Error, Finished, Heartbeat, Hello, Leave, ProtocolError, Release, Result, StatusReply,
     StatusRequest, Welcome, Work, decode, encode,
 )
 
@@ -19,7 +19,9 @@ PLAIN = [
     StatusRequest(token="secret"),
     Leave(reason="owner is back"),
     Release(tile_ids=(3, 4), reason="missing input block"),
-    Welcome(device_id=3, job="tiny, 20 steps", slots=2),
+    Heartbeat(sent_at=12.5),
+    Cancel(tile_ids=(9,), reason="another copy was verified first"),
+    Welcome(device_id=3, job="tiny, 20 steps", slots=2, heartbeat=1.5),
     StatusReply(status={"job": {"step": 1, "loss": 2.5}, "devices": []}),
     Finished(reason="job complete"),
     Error(code="not_leased", message="tile 9 is not leased to you"),

@@ -10,7 +10,7 @@ import pytest
 from db.memory import MemoryStore
 from db.migrations import migrate
 from db.sqlite import SQLiteStore
-from db.store import DeviceInfo, NewTile, Store, StoreError
+from db.store import DEADLINE, SPECULATIVE, CheckpointRow, DeviceInfo, NewTile, Store, StoreError
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -18,6 +18,11 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     s: Store = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "s.db")
     yield s
     s.close()
+
+
+def _counts(store: Store, job: int) -> dict[str, int]:
+    counts = store.tile_counts(job)
+    return {k: counts[k] for k in ("queued", "leased", "verified", "rejected")}
 
 
 def _gemm(store: Store, job: int, n: int = 3) -> tuple[int, list[int]]:
@@ -61,7 +66,7 @@ def test_claims_oldest_tile_first_and_each_tile_once(store: Store) -> None:
     assert [c.id for c in claimed[:3] if c] == ids
     assert claimed[3] is None
     assert claimed[0] is not None and claimed[0].a_key == f"{gid}.a0" and claimed[0].attempt == 1
-    assert store.tile_counts(job) == {"queued": 0, "leased": 3, "verified": 0, "rejected": 0}
+    assert _counts(store, job) == {"queued": 0, "leased": 3, "verified": 0, "rejected": 0}
 
 
 def test_claim_prefers_tiles_whose_blocks_the_device_holds(store: Store) -> None:
@@ -96,7 +101,9 @@ def test_rejected_tile_is_requeued_and_barred_from_that_device(store: Store) -> 
     again = store.claim_tile(good, [], now=13.0)
     assert again is not None and again.id == ids[0] and again.attempt == 2
     assert store.tile_counts(job)["rejected"] == 1
-    assert [lease.outcome for lease in store.leases(ids[0])] == ["rejected", None]
+    assert [(lease.outcome, lease.issued) for lease in store.leases(ids[0])] == [
+        ("rejected", "first"), (None, "requeued after rejected")]
+    assert store.tile_counts(job)["requeued"] == 1
 
 
 def test_release_device_requeues_all_its_tiles(store: Store) -> None:
@@ -109,7 +116,7 @@ def test_release_device_requeues_all_its_tiles(store: Store) -> None:
     assert store.leased_to(d) == ids[:2]
     assert store.release_device(d, "lost", now=12.0, reason="socket closed") == ids[:2]
     assert store.leased_to(d) == []
-    assert store.tile_counts(job) == {"queued": 2, "leased": 1, "verified": 0, "rejected": 0}
+    assert _counts(store, job) == {"queued": 2, "leased": 1, "verified": 0, "rejected": 0}
     assert store.leases(ids[0])[0].outcome == "lost"
     # A lost device is not barred: the tile may go back to it if it returns.
     assert store.claim_tile(d, [], now=13.0) is not None
@@ -161,3 +168,94 @@ def test_sqlite_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
     path.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(StoreError, match="cannot open database"):
         SQLiteStore(path)
+
+
+def test_a_copy_of_an_outstanding_tile_and_the_first_verified_result_wins(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    slow, fast, third = (store.add_device(job, DeviceInfo(n), 0.0) for n in ("slow", "fast", "third"))
+    _, (tile,) = _gemm(store, job, n=1)
+    store.claim_tile(slow, [], now=11.0)
+    copy = store.claim_copy(tile, fast, SPECULATIVE, now=12.0)
+    assert copy is not None and copy.id == tile and copy.issued == SPECULATIVE and copy.attempt == 2
+    assert store.claim_copy(tile, fast, SPECULATIVE, now=12.0) is None  # one copy per device
+    assert store.claim_copy(tile, slow, DEADLINE, now=12.0) is None
+    assert store.claim_copy(tile, third, DEADLINE, now=12.5) is not None
+    end = store.end_lease(tile, fast, "verified", now=13.0)
+    assert not end.requeued and sorted(end.cancelled) == sorted([slow, third])
+    assert store.tile_state(tile) == "verified"
+    assert [(lease.device_id, lease.outcome) for lease in store.leases(tile)] == [
+        (slow, "cancelled"), (fast, "verified"), (third, "cancelled")]
+    with pytest.raises(StoreError):  # the straggler's late result finds no open lease
+        store.end_lease(tile, slow, "verified", now=14.0)
+    counts = store.tile_counts(job)
+    assert (counts["speculative"], counts["expired"], counts["cancelled"]) == (1, 1, 2)
+    assert store.claim_copy(tile, slow, SPECULATIVE, now=15.0) is None  # finished tiles get no copies
+
+
+def test_a_tile_is_requeued_only_when_its_last_copy_fails(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    a, b = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
+    _, (tile,) = _gemm(store, job, n=1)
+    store.claim_tile(a, [], now=1.0)
+    store.claim_copy(tile, b, DEADLINE, now=2.0)
+    assert store.end_lease(tile, a, "lost", now=3.0).requeued is False
+    assert store.tile_state(tile) == "leased"
+    assert store.release_device(b, "lost", now=4.0) == [tile]
+    assert store.tile_state(tile) == "queued"
+    with pytest.raises(StoreError):
+        store.claim_copy(tile, a, "because", now=5.0)
+
+
+def test_copies_are_never_issued_for_queued_tiles_or_to_barred_devices(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    a, b = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
+    _, (tile,) = _gemm(store, job, n=1)
+    assert store.claim_copy(tile, a, SPECULATIVE, now=1.0) is None  # queued: claim it instead
+    store.claim_tile(a, [], now=1.0)
+    store.claim_copy(tile, b, SPECULATIVE, now=1.5)
+    store.end_lease(tile, b, "rejected", now=2.0)
+    assert store.claim_copy(tile, b, SPECULATIVE, now=3.0) is None
+
+
+def test_checkpoints_are_listed_newest_first(store: Store) -> None:
+    job = store.create_job("j", {}, 10, 0.0)
+    for step in (5, 10):
+        store.add_checkpoint(CheckpointRow(job, step, f"/c/{step}.pt", "ab" * 32, 100 + step, float(step)))
+    assert [c.step for c in store.checkpoints(job)] == [10, 5]
+    assert store.checkpoints(job + 1) == []
+
+
+def test_a_job_whose_coordinator_died_can_be_resumed(store: Store) -> None:
+    done = store.create_job("done", {}, 1, 0.0)
+    store.set_job_state(done, "finished", 1.0)
+    assert store.resumable_job() is None
+    job = store.create_job("crashed", {"seed": 3}, 10, 2.0)
+    d = store.add_device(job, DeviceInfo("a"), 2.0)
+    for step in range(1, 8):
+        store.record_step(job, step, 5.0 - step / 10, 10, 0.1, 3.0)
+    _, ids = _gemm(store, job, n=3)
+    store.claim_tile(d, [], now=4.0)
+    store.end_lease(ids[0], d, "verified", now=4.5)
+    store.claim_tile(d, [], now=4.6)
+    resumable = store.resumable_job()
+    assert resumable is not None and resumable.id == job and resumable.config == {"seed": 3}
+    store.set_job_state(job, "stopped", 5.0)  # Ctrl-C on the coordinator: still resumable
+    assert store.resumable_job() is not None
+    assert store.abandon_unfinished(job, now=9.0) == 2
+    assert store.claim_tile(d, [], now=9.5) is None  # the dead run's tiles are never handed out
+    assert store.leases(ids[1])[-1].outcome == "lost"
+    assert store.tile_counts(job)["abandoned"] == 2
+    store.truncate_steps(job, after=5)
+    assert [s.step for s in store.steps(job)] == [1, 2, 3, 4, 5] and store.job(job).step == 5
+    store.record_step(job, 6, 4.0, 10, 0.1, 10.0)
+    assert store.steps(job)[-1].loss == 4.0
+
+
+def test_device_reliability_counts_verified_against_failed_work(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    (row,) = store.devices(job)
+    assert row.reliability == 1.0
+    store.credit_device(d, verified=6, rejected=1, lost=1, gflop=1.0, now=1.0)
+    (row,) = store.devices(job)
+    assert row.tiles_lost == 1 and row.reliability == 0.75

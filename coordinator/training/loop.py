@@ -97,6 +97,28 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that decides the next step, for a checkpoint."""
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "data_rng": self.batches.rng.bit_generator.state,
+            "config": self.cfg.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("config") != self.cfg.to_dict():
+            raise ConfigError("the checkpoint was written by a job with other options")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.batches.rng.bit_generator.state = state["data_rng"]
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to 10% over the run."""
         cfg = self.cfg
