@@ -79,8 +79,8 @@ class FaultPolicy:
     heartbeat_timeout: float = 10.0  # a device silent this long is presumed frozen
     lease_floor: float = 2.0  # every lease deadline is at least this long
     lease_factor: float = 4.0  # ... and this many times the device's expected time for the tile
-    speculate_after: float = 0.05  # a tile out this long (and 2x its expected time) may be copied
-    speculate_factor: float = 2.0
+    speculate_after: float = 0.05  # a tile out this long, and 2x what an idle device would need,
+    speculate_factor: float = 2.0  # ... may be copied to that idle device
     max_copies: int = 2  # open leases of one tile: the original and one copy
 
     def __post_init__(self) -> None:
@@ -444,10 +444,12 @@ class Core:
             if late:
                 issued, limit = DEADLINE, f.max_copies + 1  # a passed deadline may exceed max_copies
             elif self._queued == 0 and len(holders) < f.max_copies:
+                # Copy when the tile has been out much longer than an idle device would need:
+                # a device known to be slow earns no extra patience.
                 flops = self.gemms[self._tile_gemm[tile_id]].tiles[tile_id].flops
                 oldest = min(self.devices[d].inflight[tile_id] for d in holders)
-                slowest = max(self.devices[d].expected(flops) for d in holders)
-                if now - oldest < max(f.speculate_after, f.speculate_factor * slowest):
+                fastest = min(d.expected(flops) for d in idle)
+                if now - oldest < max(f.speculate_after, f.speculate_factor * fastest):
                     continue
                 issued, limit = SPECULATIVE, f.max_copies
             else:

@@ -222,7 +222,7 @@ async def serve_job(
 
         async with serve(
             server.handler, cfg.host, cfg.port, compression=None, max_size=MAX_FRAME,
-            ping_interval=20, ping_timeout=120,
+            ping_interval=20, ping_timeout=120, close_timeout=2,  # a frozen peer never answers a close
         ) as ws_server:
             ticker = asyncio.create_task(server.tick_forever())
             try:

@@ -18,7 +18,9 @@ import torch
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from coordinator.core import CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, AuthError, Close, Core, Outbound, Send
+from coordinator.core import (
+    CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, AuthError, Close, Core, Outbound, Send,
+)
 from coordinator.protocol import (
     Heartbeat, Hello, Leave, ProtocolError, Release, Result, StatusReply, StatusRequest, decode, encode,
 )
@@ -188,8 +190,16 @@ class Server:
                 self.traffic.frames_down += 1
                 self.traffic.bytes_down += len(frame)
                 conn.queue.put_nowait(frame)
-            elif isinstance(item, Close):
+            elif item.code == CLOSE_SILENT:
+                self._abort(conn)  # a frozen peer reads nothing: a closing handshake would hang
+            else:
                 conn.queue.put_nowait((item.code, _reason(item.reason)))
+
+    @staticmethod
+    def _abort(conn: _Conn) -> None:
+        if conn.writer is not None:
+            conn.writer.cancel()
+        conn.ws.transport.abort()
 
     async def tick_forever(self, interval: float = TICK) -> None:
         """Let time pass in the Core: silent devices, passed deadlines, stragglers, heartbeats."""
@@ -207,11 +217,17 @@ class Server:
             self._devices_changed.clear()
             await self._devices_changed.wait()
 
-    async def close_all(self, reason: str = "job finished") -> None:
+    async def close_all(self, reason: str = "job finished", timeout: float = 5.0) -> None:
+        """Close every connection after its queued messages; abort any peer that stopped reading."""
         conns = list(self.conns.values())
         for conn in conns:
             conn.queue.put_nowait((CLOSE_FINISHED, reason))
-        await asyncio.gather(*(c.writer for c in conns if c.writer is not None), return_exceptions=True)
+        writers = [c.writer for c in conns if c.writer is not None]
+        if writers:
+            await asyncio.wait(writers, timeout=timeout)
+        for conn in conns:
+            if conn.writer is not None and not conn.writer.done():
+                self._abort(conn)
 
     # ------------------------------------------------------------------ GEMMs from the trainer thread
 

@@ -4,6 +4,7 @@ corrupt  every C block is off by a little (one element +1e-2 of the block's rms)
          must catch each one.
 hold     computes honestly, but on its Nth tile (ARG N) touches the file FILE (next argument)
          and sleeps: a test SIGKILLs it there, with tiles outstanding.
+slow     computes honestly but sleeps ARG seconds per tile: a straggler.
 
 Exit codes are those of ``cleave join`` (3 when the coordinator bans the device).
 """
@@ -40,7 +41,11 @@ def main() -> int:
             time.sleep(600)
         return a @ b, 0.001
 
-    compute = {"corrupt": corrupt, "hold": hold}[mode]
+    def slow(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
+        time.sleep(float(extra[0]))
+        return a @ b, 0.001
+
+    compute = {"corrupt": corrupt, "hold": hold, "slow": slow}[mode]
     worker = Worker(WorkerConfig(url=url, token=token, name=name, device="cpu", threads=1, once=True,
                                  benchmark_seconds=0.05), compute=compute)
     try:

@@ -70,11 +70,11 @@ class Proc:
 
 
 class Coordinator(Proc):
-    def __init__(self, tmp: Path, *args: str, steps: int = 20, token: str = TOKEN) -> None:
+    def __init__(self, tmp: Path, *args: str, steps: int = 20, token: str = TOKEN, port: int = 0) -> None:
         self.db = tmp / "cleave.db"
         self.metrics_path = tmp / "metrics.jsonl"
         super().__init__(
-            cleave_cmd("coordinator", "start", "--port", "0", "--db", str(self.db), "--token", token,
+            cleave_cmd("coordinator", "start", "--port", str(port), "--db", str(self.db), "--token", token,
                        "--steps", str(steps), "--metrics", str(self.metrics_path), *args),
             "coordinator",
         )
@@ -129,3 +129,11 @@ def wait_until(predicate, timeout: float = TIMEOUT, what: str = "condition") -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

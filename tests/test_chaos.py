@@ -1,0 +1,114 @@
+"""Faults with real processes: churn, frozen and slow clients, and a coordinator killed mid-run.
+Whatever happens, every tile is verified exactly once and the losses equal plain torch."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TIMEOUT
+from coordinator.training.loop import TrainConfig, Trainer
+from procs import Coordinator, Proc, double, free_port, join, wait_until
+
+
+def local_losses(steps: int, **options: int) -> list[float]:
+    return [r.loss for r in Trainer(TrainConfig(steps=steps, **options)).run()]
+
+
+def assert_same_losses(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want), start=1):
+        assert abs(g - w) <= 1e-4 * abs(w), f"step {step}: {g} vs undisturbed {w}"
+
+
+def assert_every_tile_verified_once(coord: Coordinator) -> None:
+    assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
+    assert coord.query("SELECT tile_id FROM leases WHERE outcome = 'verified' GROUP BY tile_id "
+                       "HAVING COUNT(*) > 1") == []  # no result used twice
+    assert coord.query("SELECT COUNT(*) FROM leases WHERE ended_at IS NULL") == [(0,)]  # none left hanging
+
+
+def test_chaos_kills_and_freezes_clients_without_changing_a_loss(tmp_path: Path) -> None:
+    options = {"batch_size": 16, "seq_len": 128}
+    coord = Coordinator(tmp_path, "--batch-size", "16", "--seq-len", "128", "--heartbeat-timeout", "3",
+                        "--min-devices", "4", steps=40)
+    clients: list[Proc] = [join(coord.url, f"c{i}") for i in range(4)]
+    frozen: list[Proc] = []
+    rng = random.Random(3)
+    events = []
+    coord.wait_for_step(2)
+    while coord.proc.poll() is None and len(events) < 10:
+        live = [c for c in clients if c.proc.poll() is None and c not in frozen]
+        if live:
+            victim = rng.choice(live)
+            if len(events) % 2 == 0:
+                victim.proc.send_signal(signal.SIGKILL)
+                events.append(("kill", victim.name, coord.steps_done()))
+            else:
+                victim.proc.send_signal(signal.SIGSTOP)  # frozen: connected, silent, holding tiles
+                frozen.append(victim)
+                events.append(("stop", victim.name, coord.steps_done()))
+            clients.append(join(coord.url, f"c{len(clients)}"))
+        time.sleep(1.5)
+    assert coord.wait(4 * TIMEOUT) == 0, coord.output
+    for p in frozen:
+        p.kill()
+    assert {kind for kind, *_ in events} == {"kill", "stop"} and len(events) >= 4, events
+    assert events[1][2] < 40, "the chaos must happen while training"
+    assert_same_losses(coord.losses(), local_losses(40, **options))
+    assert_every_tile_verified_once(coord)
+    counts = dict(coord.query("SELECT outcome, COUNT(*) FROM leases GROUP BY outcome"))
+    assert counts.get("lost", 0) > 0  # tiles really were lost to the faults, and recovered
+    dropped = coord.query("SELECT reason FROM devices WHERE reason LIKE 'no heartbeat%'")
+    assert dropped, "frozen clients are dropped after the heartbeat timeout"
+
+
+def test_a_straggler_does_not_hold_the_steps_back(tmp_path: Path) -> None:
+    coord = Coordinator(tmp_path, "--min-devices", "2", steps=8)
+    snail = double("slow", coord.url, "snail", "2.0")  # 2 s a tile: ~300 s for the run if waited on
+    hare = join(coord.url, "hare")
+    started = time.monotonic()
+    assert coord.wait(2 * TIMEOUT) == 0, coord.output
+    elapsed = time.monotonic() - started
+    assert hare.wait() == 0
+    snail.kill()
+    assert elapsed < 2 * TIMEOUT
+    wins = coord.query("SELECT COUNT(*) FROM leases WHERE issued = 'speculative' AND outcome = 'verified'")[0][0]
+    assert wins > 0
+    snail_cancelled = coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+                                  "WHERE d.name = 'snail' AND l.outcome = 'cancelled'")[0][0]
+    assert snail_cancelled > 0
+    assert_same_losses(coord.losses(), local_losses(8))
+    assert_every_tile_verified_once(coord)
+
+
+@pytest.mark.parametrize("damage", [False, True], ids=["clean", "truncated-checkpoint"])
+def test_a_killed_coordinator_resumes_with_the_same_losses(tmp_path: Path, damage: bool) -> None:
+    port = free_port()
+    args = ("--checkpoint-every", "5", "--min-devices", "2")
+    coord = Coordinator(tmp_path, *args, steps=30, port=port)
+    clients = [join(coord.url, f"c{i}") for i in range(2)]
+    kill_at = random.Random(11 + damage).randint(8, 22)
+    coord.wait_for_step(kill_at)
+    coord.proc.send_signal(signal.SIGKILL)
+    coord.wait()
+    ckpts = sorted((tmp_path / "cleave.db-checkpoints").glob("*.pt"))
+    assert ckpts, "checkpoints were written before the kill"
+    if damage:
+        newest = ckpts[-1]
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    again = Coordinator(tmp_path, *args, steps=30, port=port)
+    assert again.wait(3 * TIMEOUT) == 0, again.output
+    assert [c.wait() for c in clients] == [0, 0], [c.output for c in clients]  # they reconnected by themselves
+    assert "resuming job 1" in again.output
+    if damage:
+        assert "truncated" in again.output and "trying an older one" in again.output
+    losses = [row[0] for row in again.query("SELECT loss FROM steps WHERE job_id = 1 ORDER BY step")]
+    assert_same_losses(losses, local_losses(30))
+    assert_same_losses(again.losses(), local_losses(30))  # the metrics file agrees
+    assert again.query("SELECT state FROM jobs") == [("finished",)]
+    wait_until(lambda: True)
