@@ -71,13 +71,20 @@ def dashboard(status: dict[str, Any]) -> Group:
         f"{tiles.get('verified', 0):,} verified, {tiles.get('leased', 0):,} leased, "
         f"{tiles.get('queued', 0):,} queued, {tiles.get('rejected', 0):,} rejected",
     )
+    summary.add_row(
+        "faults",
+        f"{tiles.get('requeued', 0):,} re-queued, {tiles.get('expired', 0):,} expired, "
+        f"{tiles.get('speculative', 0):,} speculative, {tiles.get('cancelled', 0):,} cancelled, "
+        f"{tiles.get('lost', 0):,} lost",
+    )
     summary.add_row("queue depth", str(status.get("queue_depth", tiles.get("queued", 0))))
     traffic = status.get("traffic")
     if traffic:
         summary.add_row("traffic", f"{_mb(traffic.get('mb_down', 0))} down, {_mb(traffic.get('mb_up', 0))} up")
     devices = Table(title="devices", expand=True)
     for col, justify in [("name", "left"), ("state", "left"), ("device", "left"), ("GFLOP/s", "right"),
-                         ("tiles done", "right"), ("rejected", "right"), ("verified GFLOP", "right")]:
+                         ("tiles done", "right"), ("rejected", "right"), ("lost", "right"),
+                         ("reliability", "right"), ("verified GFLOP", "right")]:
         devices.add_column(col, justify=justify)  # type: ignore[arg-type]
     style = {"working": "green", "idle": "cyan", "offline": "dim", "banned": "bold red"}
     for d in status.get("devices", []):
@@ -87,10 +94,12 @@ def dashboard(status: dict[str, Any]) -> Group:
             str(d.get("name", "")), Text(state + reason, style=style.get(state, "")), str(d.get("device", "")),
             f"{d.get('gflops', 0):.1f}", f"{d.get('tiles_done', 0):,}",
             Text(f"{d.get('tiles_rejected', 0):,}", style="red" if d.get("tiles_rejected") else ""),
+            f"{d.get('tiles_lost', 0):,}",
+            Text(f"{100 * d.get('reliability', 1.0):.1f}%", style="yellow" if d.get("reliability", 1.0) < 0.9 else ""),
             f"{d.get('gflop_verified', 0):,.2f}",
         )
     if not status.get("devices"):
-        devices.add_row("(no devices yet)", "", "", "", "", "", "")
+        devices.add_row("(no devices yet)", *[""] * 8)
     return Group(Panel(summary, title="cleave", border_style="blue"), devices)
 
 

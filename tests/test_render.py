@@ -20,11 +20,12 @@ STATUS = {
     "job": {"name": "tiny, 20 steps", "step": 5, "steps": 20, "loss": 4.25, "state": "training", "tokens_per_s": 2500.0},
     "devices": [
         {"name": "laptop", "state": "working", "device": "cpu", "gflops": 42.0, "tiles_done": 120, "tiles_rejected": 0,
-         "gflop_verified": 3.5, "reason": ""},
+         "gflop_verified": 3.5, "reason": "", "tiles_lost": 2, "reliability": 0.9836},
         {"name": "liar", "state": "banned", "device": "cpu", "gflops": 1.0, "tiles_done": 0, "tiles_rejected": 3,
          "gflop_verified": 0.0, "reason": "results failed verification"},
     ],
-    "tiles": {"queued": 4, "leased": 2, "verified": 120, "rejected": 3},
+    "tiles": {"queued": 4, "leased": 2, "verified": 120, "rejected": 3, "requeued": 5, "expired": 1,
+              "speculative": 7, "cancelled": 6, "lost": 2},
     "queue_depth": 4,
     "traffic": {"mb_down": 12.5, "mb_up": 3.25},
 }
@@ -37,10 +38,12 @@ def test_dashboard_shows_job_tiles_and_every_device() -> None:
     assert "laptop" in out and "working" in out and "42.0" in out
     assert "liar" in out and "banned (results failed verification)" in out
     assert "12.5 MB down" in out
+    assert "5 re-queued, 1 expired, 7 speculative, 6 cancelled, 2 lost" in out
+    assert "98.4%" in out
 
 
 def test_dashboard_before_any_device_joined() -> None:
-    out = _text(render.dashboard({"job": {"steps": 3}, "tiles": {}, "devices": []}))
+    out = _text(render.dashboard({"job": {"steps": 3}, "tiles": {}, "devices": []}), width=140)
     assert "(no devices yet)" in out and "0/3" in out and "loss" in out
 
 
