@@ -163,7 +163,10 @@ async def serve_job(
     *,
     clock: Callable[[], float] = time.time,
     ready: Callable[[str], None] | None = None,
+    on_start: Callable[[Server], None] | None = None,
 ) -> JobOutcome:
+    """Serve one job. ``ready(url)`` fires once listening; ``on_start(server)`` hands benchmarks
+    and tests the live server (read it only from this event loop)."""
     loop = asyncio.get_running_loop()
     token, generated = (cfg.token, False) if cfg.token else (new_token(), True)
     store = SQLiteStore(cfg.db)
@@ -178,6 +181,8 @@ async def serve_job(
         start_step = plan.resume.step if plan.resume else 0
         core.progress.step = start_step
         server = Server(core, clock)
+        if on_start is not None:
+            on_start(server)
         metrics = _Metrics(cfg.metrics, keep_until=start_step if plan.resume else None)
         folder = checkpoint.checkpoint_dir(cfg.db)
         results: list[StepResult] = []

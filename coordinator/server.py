@@ -68,6 +68,7 @@ class Server:
         self._pending: set[concurrent.futures.Future[torch.Tensor]] = set()
         self._devices_changed = asyncio.Event()
         self._device_count = 0
+        self._aborted: str | None = None
 
     # ------------------------------------------------------------------ peers
 
@@ -234,6 +235,9 @@ class Server:
     def submit(self, requests: Sequence[GemmRequest], futures: Sequence[concurrent.futures.Future[torch.Tensor]]) -> None:
         """Runs on the loop: queue each GEMM; its future resolves when all its tiles are verified."""
         for request, future in zip(requests, futures):
+            if self._aborted is not None:  # shutting down: the trainer thread must not wait forever
+                future.set_exception(JobAborted(self._aborted))
+                continue
             self._pending.add(future)
             future.add_done_callback(self._pending.discard)
             try:
@@ -244,6 +248,7 @@ class Server:
             self.deliver(out)
 
     def abort(self, reason: str) -> None:
+        self._aborted = reason
         for future in list(self._pending):
             if not future.done():
                 future.set_exception(JobAborted(reason))
