@@ -33,8 +33,8 @@ import torch
 
 from coordinator.blocks import BlockRef, Source, Sources, block_ref
 from coordinator.protocol import (
-    Block, Cancel, Error, Finished, Heartbeat, Hello, Leave, Message, Release, Result, StatusReply, StatusRequest,
-    Welcome, Work,
+    Block, Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Message, Pause, Release, Result, Resume,
+    StatusReply, StatusRequest, Welcome, Work,
 )
 from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm
 from coordinator.verify import freivalds
@@ -124,7 +124,7 @@ class DeviceState:
     inflight: dict[int, float] = field(default_factory=dict)  # tile id -> leased at
     cancelled: dict[int, None] = field(default_factory=dict)  # recent cancelled tiles (ordered set)
     blocks: set[str] = field(default_factory=set)  # keys of the blocks the device holds
-    namespaces: dict[int, set[str]] = field(default_factory=dict)  # source id -> its keys held
+    namespaces: dict[int, dict[str, int]] = field(default_factory=dict)  # source id -> {key: bytes} held
     forget: set[int] = field(default_factory=set)  # namespaces to drop, sent with the next Work
     bytes_down: int = 0
     bytes_up: int = 0
@@ -133,9 +133,18 @@ class DeviceState:
     consecutive_rejects: int = 0
     compute_seconds: float = 0.0  # as reported by the device, verified tiles only
     last_sent: float = 0.0
+    paused: str | None = None  # the owner's reason, while the device must not get work
+    budget: int = 0  # bytes of cached blocks the device accepts (0: no limit)
+    cached_bytes: int = 0
+    gflop_verified: float = 0.0
+    credit_sent: float = 0.0
 
     @property
     def free(self) -> int:
+        if self.paused is not None:
+            return 0
+        if self.budget and self.cached_bytes >= self.budget and self.inflight:
+            return 0  # over its memory budget: finish what it has first (never starve it though)
         return self.slots - len(self.inflight)
 
     def cancel(self, tile_id: int) -> None:
@@ -151,17 +160,21 @@ class DeviceState:
 
     def hold(self, ref: BlockRef) -> None:
         self.blocks.add(ref.key)
-        self.namespaces.setdefault(ref.namespace, set()).add(ref.key)
+        self.namespaces.setdefault(ref.namespace, {})[ref.key] = ref.nbytes
+        self.cached_bytes += ref.nbytes
 
     def drop(self, namespace: int) -> None:
         keys = self.namespaces.pop(namespace, None)
         if keys is not None:
-            self.blocks -= keys
+            self.blocks -= keys.keys()
+            self.cached_bytes -= sum(keys.values())
             self.forget.add(namespace)
 
     def lose(self, ref: BlockRef) -> None:
         self.blocks.discard(ref.key)
-        self.namespaces.get(ref.namespace, set()).discard(ref.key)
+        held = self.namespaces.get(ref.namespace, {})
+        if ref.key in held:
+            self.cached_bytes -= held.pop(ref.key)
 
 
 @dataclass
@@ -226,7 +239,8 @@ class Core:
         slots = min(MAX_SLOTS, max(1, hello.slots))
         # Until it has returned work, assume a device is 4x slower than its own benchmark.
         per_gflop = 4.0 / info.gflops if info.gflops > 0 else 1.0
-        self.devices[device_id] = DeviceState(device_id, info.name, slots, info.gflops, info.device, now, per_gflop)
+        self.devices[device_id] = DeviceState(device_id, info.name, slots, info.gflops, info.device, now, per_gflop,
+                                              budget=max(0, hello.block_budget))
         welcome = Welcome(device_id, self.job_name, slots, self.faults.heartbeat)
         out: list[Outbound] = [self._send(device_id, welcome, now)]
         if self.finished:
@@ -264,6 +278,12 @@ class Core:
             return []
         if isinstance(msg, Release):
             return self._on_release(dev, msg, now)
+        if isinstance(msg, Pause):
+            return self._on_pause(dev, msg.reason[:200] or "paused by its owner", now)
+        if isinstance(msg, Resume):
+            dev.paused = None
+            self.store.set_device_state(dev.id, "online", now)
+            return self._dispatch(now)
         if isinstance(msg, Leave):
             return self.disconnect(device_id, now, "left")
         if isinstance(msg, StatusRequest):
@@ -278,6 +298,11 @@ class Core:
                 silence = f"no heartbeat for {now - dev.last_seen:.1f} s"
                 out.append(Close(dev.id, CLOSE_SILENT, silence))
                 out.extend(self.disconnect(dev.id, now, silence))
+            elif dev.gflop_verified != dev.credit_sent and now - dev.last_sent >= self.faults.heartbeat / 2:
+                # Credit doubles as the heartbeat while there is news: verified work, never claims.
+                dev.credit_sent = dev.gflop_verified
+                name_total = self.store.credit_by_name().get(dev.name, (0.0, 0))[0]
+                out.append(self._send(dev.id, Credit(round(dev.gflop_verified, 6), round(name_total, 6)), now))
             elif now - dev.last_sent >= self.faults.heartbeat:
                 out.append(self._send(dev.id, Heartbeat(now), now))
         out.extend(self._dispatch(now))
@@ -323,6 +348,7 @@ class Core:
         self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
         end = self.store.end_lease(msg.tile_id, dev.id, "verified", now)
         self.store.credit_device(dev.id, verified=1, gflop=tile.flops / 1e9, now=now)
+        dev.gflop_verified += tile.flops / 1e9
         dev.tiles_done += 1
         dev.consecutive_rejects = 0
         dev.compute_seconds += msg.seconds
@@ -342,6 +368,12 @@ class Core:
         if gemm.done:
             self._complete(gemm, now)
         return out + self._dispatch(now)
+
+    def _on_pause(self, dev: DeviceState, reason: str, now: float) -> list[Outbound]:
+        """The owner needs the machine: its tiles go to others at once; it stays connected."""
+        dev.paused = reason
+        self.store.set_device_state(dev.id, "paused", now, reason)
+        return self._on_release(dev, Release(tuple(dev.inflight), f"paused: {reason}"), now)
 
     def _on_release(self, dev: DeviceState, msg: Release, now: float) -> list[Outbound]:
         for tile_id in msg.tile_ids:
@@ -511,7 +543,12 @@ class Core:
         rows = []
         for row in self.store.devices(self.job_id):
             live = self.devices.get(row.id)
-            state = ("working" if live.inflight else "idle") if live is not None else row.state
+            if live is None:
+                state = row.state
+            elif live.paused is not None:
+                state = "paused"
+            else:
+                state = "working" if live.inflight else "idle"
             rows.append({
                 "id": row.id, "name": row.name, "state": state, "device": row.device,
                 "tiles_done": row.tiles_done, "tiles_rejected": row.tiles_rejected, "tiles_lost": row.tiles_lost,
@@ -533,6 +570,10 @@ class Core:
             "tiles": tiles,
             "queue_depth": counts["queued"],
             "gemms_in_flight": len(self.gemms),
+            "leaderboard": [
+                {"name": name, "gflop": round(gflop, 3), "tiles": tiles}
+                for name, (gflop, tiles) in sorted(self.store.credit_by_name().items(), key=lambda kv: -kv[1][0])[:10]
+            ],
             "verify": {"seconds": round(self.verify_seconds, 4),
                        "worst_honest_ratio": round(max(self.verify_worst_honest.values(), default=0.0), 4),
                        "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(self.verify_worst_honest.items())}},

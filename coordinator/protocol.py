@@ -29,10 +29,13 @@ PROTOCOL_VERSION = 1
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
-MAX_DIM = 1 << 24
+MAX_DIM = 1 << 27  # elements along one dimension (a 1-D speed-test payload reaches 64 Mi)
+MAX_SPEEDTEST_BYTES = 64 << 20
 
 # Wire names of the tensor dtypes a tile may use.
-DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {
+    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "u8": torch.uint8,
+}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
@@ -77,6 +80,7 @@ class Hello:
     gflops: float = 0.0
     slots: int = 2
     client_version: str = ""
+    block_budget: int = 0  # bytes of input blocks the device will cache; 0: no limit
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,42 @@ class Cancel:
     TYPE: ClassVar[str] = "cancel"
     tile_ids: tuple[int, ...]
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Client -> coordinator: the owner needs the machine (``reason``); take my tiles back now,
+    keep me connected, send nothing until Resume."""
+
+    TYPE: ClassVar[str] = "pause"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Client -> coordinator: the machine is free again."""
+
+    TYPE: ClassVar[str] = "resume"
+
+
+@dataclass(frozen=True)
+class Credit:
+    """Coordinator -> client: verified work so far, in GFLOP: this connection's, and everything
+    done under its name in this coordinator's database."""
+
+    TYPE: ClassVar[str] = "credit"
+    device_gflop: float = 0.0
+    name_gflop: float = 0.0
+
+
+@dataclass(frozen=True)
+class SpeedTest:
+    """Observer <-> coordinator link test: the coordinator answers with ``reply_bytes`` of
+    payload (at most 64 MiB); ``data`` carries the upload. Used by ``cleave benchmark --url``."""
+
+    TYPE: ClassVar[str] = "speedtest"
+    reply_bytes: int
+    data: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -195,11 +235,13 @@ class Error:
 
 
 Message = Union[
-    Hello, StatusRequest, Result, Leave, Release, Heartbeat, Cancel, Welcome, Work, StatusReply, Finished, Error
+    Hello, StatusRequest, Result, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit, SpeedTest, Welcome, Work,
+    StatusReply, Finished, Error,
 ]
 _PLAIN: dict[str, type] = {
     cls.TYPE: cls
-    for cls in (Hello, StatusRequest, Leave, Release, Heartbeat, Cancel, Welcome, StatusReply, Finished, Error)
+    for cls in (Hello, StatusRequest, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit, Welcome,
+                StatusReply, Finished, Error)
 }
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int), "str": (str,)}
 
@@ -238,6 +280,9 @@ def encode(msg: Message) -> bytes:
     elif isinstance(msg, Result):
         header = {"tile_id": msg.tile_id, "seconds": msg.seconds}
         tensors = [msg.c]
+    elif isinstance(msg, SpeedTest):
+        header = {"reply_bytes": msg.reply_bytes}
+        tensors = [msg.data.reshape(-1)]
     elif type(msg) in _PLAIN.values():
         header = {f.name: getattr(msg, f.name) for f in fields(msg)}
         header = {k: list(v) if isinstance(v, tuple) else v for k, v in header.items()}
@@ -374,6 +419,13 @@ def decode(frame: bytes | bytearray | memoryview | str) -> Message:
             c=tensors[0],
             seconds=_field(header, "seconds", "float", 0.0),
         )
+    if kind == "speedtest":
+        if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+            raise ProtocolError("speedtest carries one 1-D u8 tensor", "bad_tensor")
+        reply = _field(header, "reply_bytes", "int")
+        if not 0 <= reply <= MAX_SPEEDTEST_BYTES:
+            raise ProtocolError(f"speedtest reply_bytes must be between 0 and {MAX_SPEEDTEST_BYTES}")
+        return SpeedTest(reply, tensors[0])
     cls = _PLAIN.get(kind)
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r}", "unknown_type")

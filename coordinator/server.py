@@ -22,7 +22,8 @@ from coordinator.core import (
     CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, AuthError, Close, Core, Outbound, Send,
 )
 from coordinator.protocol import (
-    Heartbeat, Hello, Leave, ProtocolError, Release, Result, StatusReply, StatusRequest, decode, encode,
+    Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, SpeedTest, StatusReply, StatusRequest,
+    decode, encode,
 )
 from coordinator.training.linear import GemmRequest
 
@@ -30,7 +31,7 @@ log = logging.getLogger("cleave.server")
 
 HELLO_TIMEOUT = 10.0  # a peer must introduce itself this fast
 MAX_FRAME = 256 << 20  # results of big split-K tiles are tens of MB; anything past this is refused
-_CLIENT_MESSAGES = (Result, Release, Heartbeat, Leave, StatusRequest)
+_CLIENT_MESSAGES = (Result, Release, Heartbeat, Pause, Resume, Leave, StatusRequest)
 TICK = 0.05  # seconds between Core.tick calls: deadlines, heartbeats, speculation
 
 
@@ -132,19 +133,30 @@ class Server:
             await self._finish_writer(conn)
 
     async def _observe(self, ws: ServerConnection, first: StatusRequest) -> None:
-        """A ``cleave status`` peer: one reply per request, until it hangs up."""
+        """A ``cleave status`` or ``cleave benchmark --url`` peer: one reply per request.
+
+        Its first message carried the token; after that it may ask for status again or run
+        speed tests (the coordinator echoes the requested number of bytes)."""
         request: object = first
         try:
+            self.core.check_token(first.token)
+        except AuthError:
+            await ws.close(CLOSE_AUTH, "wrong token")
+            return
+        try:
             while True:
-                if not isinstance(request, StatusRequest):
-                    await ws.close(CLOSE_PROTOCOL, "observers may only send status_request")
+                if isinstance(request, SpeedTest):
+                    await ws.send(encode(SpeedTest(0, torch.zeros(request.reply_bytes, dtype=torch.uint8))))
+                elif isinstance(request, StatusRequest):
+                    try:
+                        self.core.check_token(request.token)
+                    except AuthError:
+                        await ws.close(CLOSE_AUTH, "wrong token")
+                        return
+                    await ws.send(encode(StatusReply(self.status())))
+                else:
+                    await ws.close(CLOSE_PROTOCOL, "observers may only send status_request or speedtest")
                     return
-                try:
-                    self.core.check_token(request.token)
-                except AuthError:
-                    await ws.close(CLOSE_AUTH, "wrong token")
-                    return
-                await ws.send(encode(StatusReply(self.status())))
                 try:
                     request = decode(await ws.recv())
                 except ProtocolError as exc:

@@ -110,6 +110,13 @@ class MemoryStore:
         d.gflop_verified += gflop
         d.last_seen = now
 
+    def credit_by_name(self) -> dict[str, tuple[float, int]]:
+        out: dict[str, tuple[float, int]] = {}
+        for d in self._devices.values():
+            gflop, tiles = out.get(d.name, (0.0, 0))
+            out[d.name] = (gflop + d.gflop_verified, tiles + d.tiles_done)
+        return out
+
     def devices(self, job_id: int) -> list[DeviceRow]:
         return [copy.copy(d) for d in self._devices.values() if self._device_job[d.id] == job_id]
 

@@ -154,6 +154,11 @@ class SQLiteStore:
         if cur.rowcount != 1:
             raise StoreError(f"no device {device_id}")
 
+    def credit_by_name(self) -> dict[str, tuple[float, int]]:
+        return {name: (float(gflop), int(tiles)) for name, gflop, tiles in self.conn.execute(
+            "SELECT name, SUM(gflop_verified), SUM(tiles_done) FROM devices GROUP BY name"
+        )}
+
     def devices(self, job_id: int) -> list[DeviceRow]:
         cols = "id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen," \
                " tiles_done, tiles_rejected, gflop_verified, reason, tiles_lost"

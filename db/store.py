@@ -158,6 +158,9 @@ class Store(Protocol):
     def devices(self, job_id: int) -> list[DeviceRow]:
         """The devices that joined this job (each connection is one device row)."""
         ...
+    def credit_by_name(self) -> dict[str, tuple[float, int]]:
+        """Verified GFLOP and tiles per device name, over every job in this store."""
+        ...
 
     # --- GEMMs and tiles
     def next_gemm_id(self) -> int:

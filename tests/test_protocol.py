@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from coordinator.protocol import (
-    MAGIC, PROTOCOL_VERSION, Block, Cancel, Error, Finished, Heartbeat, Hello, Leave, ProtocolError, Release, Result, StatusReply,
+    MAGIC, PROTOCOL_VERSION, Block, Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Pause, ProtocolError, Release,
+    Result, Resume, SpeedTest, StatusReply,
     StatusRequest, Welcome, Work, decode, encode,
 )
 
@@ -20,6 +21,9 @@ PLAIN = [
     Leave(reason="owner is back"),
     Release(tile_ids=(3, 4), reason="missing input block"),
     Heartbeat(sent_at=12.5),
+    Pause(reason="on battery"),
+    Resume(),
+    Credit(device_gflop=1.5, name_gflop=12.25),
     Cancel(tile_ids=(9,), reason="another copy was verified first"),
     Welcome(device_id=3, job="tiny, 20 steps", slots=2, heartbeat=1.5),
     StatusReply(status={"job": {"step": 1, "loss": 2.5}, "devices": []}),
@@ -58,6 +62,16 @@ def test_result_round_trips_and_decoded_tensor_is_writable() -> None:
     out.c.add_(1)  # decoded tensors own writable memory (no read-only buffer warnings)
 
 
+def test_speedtest_carries_bytes_both_ways() -> None:
+    payload = torch.arange(300, dtype=torch.int32).to(torch.uint8)
+    out = decode(encode(SpeedTest(reply_bytes=1 << 20, data=payload)))
+    assert isinstance(out, SpeedTest) and out.reply_bytes == 1 << 20 and torch.equal(out.data, payload)
+    with pytest.raises(ProtocolError):
+        decode(encode(SpeedTest(reply_bytes=1 << 40, data=payload)))
+    with pytest.raises(ProtocolError):  # u8 payloads only
+        decode(_frame({"type": "speedtest", "reply_bytes": 1, "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4))
+
+
 def test_empty_and_size_one_tensors_round_trip() -> None:
     for shape in [(0, 3), (1, 1), (3, 0)]:
         c = torch.ones(shape)
@@ -75,8 +89,8 @@ GOLDEN = {
     "hello": (
         Hello(token="t", name="n", platform="p", cores=2, memory_bytes=4, device="cpu", gflops=1.5, slots=2,
               client_version="0.1.0"),
-        b'CLV\x01\x9d\x00\x00\x00{"client_version":"0.1.0","cores":2,"device":"cpu","gflops":1.5,"memory_bytes":4,'
-        b'"name":"n","platform":"p","slots":2,"tensors":[],"token":"t","type":"hello"}',
+        b'CLV\x01\xae\x00\x00\x00{"block_budget":0,"client_version":"0.1.0","cores":2,"device":"cpu","gflops":1.5,'
+        b'"memory_bytes":4,"name":"n","platform":"p","slots":2,"tensors":[],"token":"t","type":"hello"}',
     ),
     "work": (
         Work(tile_id=7, a="1.0.1x2", b="2.0.2x1", b_t=True, blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),
