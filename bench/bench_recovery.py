@@ -114,8 +114,13 @@ async def client_kills(model: str, kills: int, tmp: Path) -> list[dict]:
 def _steps(metrics: Path) -> int:
     if not metrics.exists():
         return 0
-    lines = [ln for ln in metrics.read_text().splitlines() if ln.strip()]
-    return json.loads(lines[-1])["step"] if lines else 0
+    steps = 0
+    for line in metrics.read_text().splitlines():
+        try:
+            steps = max(steps, json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+            continue  # a line being written right now
+    return steps
 
 
 def _coordinator(tmp: Path, model: str, every: int, port: int) -> subprocess.Popen:
@@ -186,7 +191,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    table = Table(title=f"recovery, {args.model} model, 3 clients x 1 thread (2 cores)")
+    table = Table(title=f"recovery, {args.model} model, clients with 1 thread each (2 cores)")
     table.add_column("what")
     table.add_column("time", justify="right")
     table.add_column("detail")

@@ -40,6 +40,7 @@ def _sha256(path: Path) -> str:
 
 
 def save(folder: Path, job_id: int, step: int, state: dict[str, Any], now: float) -> CheckpointRow:
+    folder = folder.resolve()  # rows must name the file whatever directory a restart runs in
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"job{job_id}-step{step:07d}.pt"
     tmp = folder / f".{final.name}.tmp"
@@ -96,8 +97,11 @@ def newest_good(rows: list[CheckpointRow]) -> Resume:
 
 
 def prune(rows: list[CheckpointRow], keep: int = KEEP, remove: Callable[[Path], None] = Path.unlink) -> None:
-    """Delete the files of all but the ``keep`` newest checkpoints (rows stay, as history)."""
+    """Delete the files of all but the ``keep`` newest checkpoints (rows stay, as history).
+    A step computed again after a resume reuses its file name: never delete a file a kept row
+    names."""
+    kept = {row.path for row in rows[:keep]}
     for row in rows[keep:]:
         path = Path(row.path)
-        if path.exists():
+        if row.path not in kept and path.exists():
             remove(path)

@@ -76,7 +76,10 @@ class FaultPolicy:
     """How long the coordinator waits before it stops trusting a device or a lease."""
 
     heartbeat: float = 2.0  # seconds between heartbeats each way
-    heartbeat_timeout: float = 10.0  # a device silent this long is presumed frozen
+    # A device silent this long is presumed frozen. Generous: a heartbeat queues behind a whole
+    # result frame, and a 16 MB dW partial takes ~15 s on a 1 MB/s home uplink. Frozen devices
+    # cost little meanwhile: their tiles are copied as soon as their deadlines pass.
+    heartbeat_timeout: float = 30.0
     lease_floor: float = 2.0  # every lease deadline is at least this long
     lease_factor: float = 4.0  # ... and this many times the device's expected time for the tile
     speculate_after: float = 0.05  # a tile out this long, and 2x what an idle device would need,

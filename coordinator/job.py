@@ -171,6 +171,8 @@ async def serve_job(
     token, generated = (cfg.token, False) if cfg.token else (new_token(), True)
     store = SQLiteStore(cfg.db)
     metrics: _Metrics | None = None
+    plan: _Plan | None = None
+    results: list[StepResult] = []
     try:
         plan = _plan(cfg, store, reporter, clock())
         job_id, train_cfg = plan.job_id, plan.train
@@ -185,7 +187,6 @@ async def serve_job(
             on_start(server)
         metrics = _Metrics(cfg.metrics, keep_until=start_step if plan.resume else None)
         folder = checkpoint.checkpoint_dir(cfg.db)
-        results: list[StepResult] = []
         final: dict = {}
         url = ""
         started = 0.0  # set when training starts: waiting for devices is not training time
@@ -237,7 +238,8 @@ async def serve_job(
                 if ready is not None:
                     ready(url)
                 core.progress.state = "waiting for devices"
-                await server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
+                if start_step < train_cfg.steps:  # a job killed after its last step has nothing left
+                    await server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
                 core.progress.state = "training"
                 started = time.perf_counter()
                 try:
@@ -254,8 +256,11 @@ async def serve_job(
             finally:
                 ticker.cancel()
     except BaseException:
-        if "job_id" in locals():
-            store.set_job_state(job_id, "stopped", clock())  # resumable: the next start picks it up
+        if plan is not None:
+            # Resumable if it trained at all (or was resumed); a start that failed before its
+            # first step (bad --data, port in use) must not pin its options on the next start.
+            trained = bool(results) or plan.resume is not None
+            store.set_job_state(plan.job_id, "stopped" if trained else "failed", clock())
         raise
     finally:
         if metrics is not None:

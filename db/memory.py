@@ -246,13 +246,15 @@ class MemoryStore:
         return sorted((c for c in self._checkpoints if c.job_id == job_id), key=lambda c: -c.step)
 
     def resumable_job(self) -> JobRow | None:
-        open_jobs = [j for j in self._jobs.values() if j.state != "finished"]
-        return copy.deepcopy(max(open_jobs, key=lambda j: j.id)) if open_jobs else None
+        if not self._jobs:
+            return None
+        newest = self._jobs[max(self._jobs)]
+        return copy.deepcopy(newest) if newest.state in ("running", "stopped") else None
 
     def abandon_unfinished(self, job_id: int, now: float) -> int:
         count = 0
         for t in self._tiles.values():
-            if self._gemms[t.gemm_id]["job_id"] != job_id or t.state == VERIFIED:
+            if self._gemms[t.gemm_id]["job_id"] != job_id or t.state not in (QUEUED, LEASED):
                 continue
             for lease in self._open(t.id):
                 lease.ended_at, lease.outcome, lease.reason = now, "lost", "coordinator restarted"

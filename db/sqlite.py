@@ -303,8 +303,8 @@ class SQLiteStore:
         )]
 
     def resumable_job(self) -> JobRow | None:
-        row = self._one("SELECT id FROM jobs WHERE state != 'finished' ORDER BY id DESC LIMIT 1")
-        return None if row is None else self.job(int(row[0]))
+        row = self._one("SELECT id, state FROM jobs ORDER BY id DESC LIMIT 1")
+        return self.job(int(row[0])) if row is not None and row[1] in ("running", "stopped") else None
 
     def truncate_steps(self, job_id: int, after: int) -> None:
         with self.atomic() as c:

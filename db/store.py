@@ -204,7 +204,8 @@ class Store(Protocol):
         """Newest first."""
         ...
     def resumable_job(self) -> JobRow | None:
-        """The newest job that never finished (its coordinator was killed or stopped), if any."""
+        """The newest job, if its coordinator was killed (``running``) or stopped (``stopped``);
+        a job that finished, or whose start failed before training (``failed``), is not."""
         ...
     def mark_devices_offline(self, reason: str) -> None:
         """Devices recorded online by a coordinator that is gone are offline, whatever they say."""

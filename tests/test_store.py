@@ -241,7 +241,11 @@ def test_a_job_whose_coordinator_died_can_be_resumed(store: Store) -> None:
     assert resumable is not None and resumable.id == job and resumable.config == {"seed": 3}
     store.set_job_state(job, "stopped", 5.0)  # Ctrl-C on the coordinator: still resumable
     assert store.resumable_job() is not None
+    store.set_job_state(job, "failed", 5.0)  # a start that never trained: not resumed
+    assert store.resumable_job() is None
+    store.set_job_state(job, "running", 5.0)
     assert store.abandon_unfinished(job, now=9.0) == 2
+    assert store.abandon_unfinished(job, now=9.5) == 0  # already abandoned
     assert store.claim_tile(d, [], now=9.5) is None  # the dead run's tiles are never handed out
     assert store.leases(ids[1])[-1].outcome == "lost"
     assert store.tile_counts(job)["abandoned"] == 2
@@ -249,6 +253,14 @@ def test_a_job_whose_coordinator_died_can_be_resumed(store: Store) -> None:
     assert [s.step for s in store.steps(job)] == [1, 2, 3, 4, 5] and store.job(job).step == 5
     store.record_step(job, 6, 4.0, 10, 0.1, 10.0)
     assert store.steps(job)[-1].loss == 4.0
+
+
+def test_only_the_newest_job_is_resumed(store: Store) -> None:
+    old = store.create_job("old", {}, 10, 0.0)
+    store.set_job_state(old, "stopped", 1.0)
+    new = store.create_job("new", {}, 10, 2.0)
+    store.set_job_state(new, "finished", 3.0)
+    assert store.resumable_job() is None
 
 
 def test_device_reliability_counts_verified_against_failed_work(store: Store) -> None:
