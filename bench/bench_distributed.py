@@ -215,7 +215,7 @@ async def _serve_with_clients(cfg: CoordinatorConfig, clients: int, threads: int
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable, "-m", "cleave_cli", "join", url, "--token", str(cfg.token), "--once", "--quiet",
-            "--threads", str(threads), "--name", f"bench-{i + 1}", "--device", "cpu",
+            "--threads", str(threads), "--name", f"bench-{i + 1}", "--device", "cpu", "--always",
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
         )
         for i in range(clients)

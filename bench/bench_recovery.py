@@ -48,7 +48,7 @@ def _env() -> dict[str, str]:
 
 def _join(url: str, name: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "cleave_cli", "join", url, "--token", TOKEN, "--once", "--quiet",
-           "--threads", "1", "--device", "cpu", "--name", name]
+           "--threads", "1", "--device", "cpu", "--always", "--name", name]
     return subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cleave_cli import coordinator, demo, join, status, train
+from cleave_cli import benchmark, coordinator, demo, join, status, train
 
 app = typer.Typer(
     name="cleave",
@@ -18,6 +18,7 @@ app.command("join")(join.join)
 app.command("status")(status.status)
 app.command("train")(train.train)
 app.command("demo")(demo.demo)
+app.command("benchmark")(benchmark.benchmark)
 
 
 def main() -> None:

@@ -46,7 +46,8 @@ def start(
     checkpoint_every: Annotated[int, typer.Option(
         "--checkpoint-every", help="Checkpoint the parameter server every N steps (0: only at the end).")] = 50,
     heartbeat_timeout: Annotated[float, typer.Option(
-        "--heartbeat-timeout", help="Seconds of silence after which a device's tiles go to others.")] = 10.0,
+        "--heartbeat-timeout", help="Seconds of silence after which a device is dropped (its tiles are copied "
+        "elsewhere once their deadlines pass, usually sooner).")] = 30.0,
     new_job: Annotated[bool, typer.Option(
         "--new-job", help="Start a new job even if --db holds an unfinished one (default: resume it).")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the URL, token and final result.")] = False,

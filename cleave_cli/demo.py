@@ -38,7 +38,7 @@ async def _distributed(cfg: CoordinatorConfig, clients: int, threads: int, repor
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable, "-m", "cleave_cli", "join", url, "--token", str(cfg.token), "--once", "--quiet",
-            "--threads", str(threads), "--name", f"laptop-{i + 1}", "--device", "cpu",
+            "--threads", str(threads), "--name", f"laptop-{i + 1}", "--device", "cpu", "--always",
             stdin=asyncio.subprocess.DEVNULL,
         )
         for i in range(clients)

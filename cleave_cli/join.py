@@ -1,11 +1,12 @@
-"""``cleave join``: lend this machine's compute to a coordinator."""
+"""``cleave join``: lend this machine's compute to a coordinator, only while its owner allows."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 import time
-from typing import Annotated, Optional
+from pathlib import Path
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -13,12 +14,14 @@ from rich.live import Live
 
 from cleave_cli import render
 from cleave_cli.errors import friendly, is_terminal
+from client.idle import FileProbe, Reading, SystemProbe
+from client.policy import Decision, PolicyConfig, default_config_path, load_config
 from client.runner import Worker, WorkerConfig, WorkerStats
 from client.sysinfo import machine_name
 
 
 class _Display:
-    """A live status line on a terminal; state changes and a periodic summary in logs."""
+    """A live panel on a terminal; state changes and a periodic summary in logs."""
 
     def __init__(self, console: Console, url: str, *, live: bool, quiet: bool) -> None:
         self.console, self.url, self.quiet = console, url, quiet
@@ -29,15 +32,14 @@ class _Display:
     def __call__(self, stats: WorkerStats) -> None:
         if self.quiet:
             return
-        line = render.client_line(stats, self.url)
         if self.live is not None:
-            self.live.update(line)
+            self.live.update(render.client_panel(stats, self.url))
             return
         quiet_states = {"working", "waiting for work"}
         changed = stats.state != self._state and not (stats.state in quiet_states and self._state in quiet_states)
         now = time.monotonic()
         if changed or now - self._last >= 10.0:
-            self.console.print(line, soft_wrap=True)
+            self.console.print(render.client_line(stats, self.url), soft_wrap=True)
             self._last = now
         self._state = stats.state
 
@@ -51,27 +53,76 @@ class _Display:
             self.live.stop()
 
 
+class _Explain:
+    """--verbose: say what each probe reads (or why it cannot) and every change of decision."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._last: tuple[bool, str] | None = None
+        self._notes_shown = False
+
+    def __call__(self, decision: Decision, reading: Any) -> None:
+        if isinstance(reading, Reading) and not self._notes_shown:
+            self._notes_shown = True
+            self.console.print(render.probe_report(reading), soft_wrap=True)
+        key = (decision.run, decision.reason.split(";")[0].split(" resuming in")[0])
+        if key != self._last:
+            self._last = key
+            verdict = "work" if decision.run else "pause"
+            self.console.print(f"policy: {verdict}: {decision.reason}", style="dim", soft_wrap=True)
+
+
 @friendly
 def join(
-    url: Annotated[str, typer.Argument(help="Coordinator address, e.g. ws://192.168.1.10:8765")],
-    token: Annotated[str, typer.Option("--token", help="The coordinator's join secret (it prints it at start).")],
+    url: Annotated[Optional[str], typer.Argument(help="Coordinator address, e.g. ws://192.168.1.10:8765")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's join secret (it prints it at start).")] = None,
     device: Annotated[str, typer.Option(help="Where tiles run: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for tile math. Default: torch's choice.")] = None,
-    name: Annotated[Optional[str], typer.Option(help="Name shown on the coordinator's dashboard. Default: host name.")] = None,
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for tile math. Default: the config's max_threads, else torch's choice.")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Name shown on the coordinator's dashboard and leaderboard. Default: host name.")] = None,
     once: Annotated[bool, typer.Option("--once", help="Exit 0 when the coordinator reports the job finished.")] = False,
     slots: Annotated[int, typer.Option(help="Tiles kept in flight (prefetch), so compute never waits on the network.")] = 2,
+    config: Annotated[Optional[Path], typer.Option("--config", help=f"Policy file (TOML). Default: {default_config_path()} if it exists.")] = None,
+    show_config: Annotated[bool, typer.Option("--show-config", help="Print the policy in force (defaults, file, flags) and exit.")] = False,
+    idle_minutes: Annotated[Optional[float], typer.Option("--idle-minutes", help="Work only after keyboard and mouse were idle this long.")] = None,
+    require_ac: Annotated[Optional[bool], typer.Option("--require-ac/--allow-battery", help="Work only on mains power (default), or on battery too.")] = None,
+    min_battery: Annotated[Optional[float], typer.Option("--min-battery", help="With --allow-battery: stop below this charge (percent).")] = None,
+    max_cpu: Annotated[Optional[float], typer.Option("--max-cpu", help="Pause while other programs use more than this share of the CPU (percent).")] = None,
+    max_temp: Annotated[Optional[float], typer.Option("--max-temp", help="Pause above this temperature (degrees C, hottest sensor).")] = None,
+    hours: Annotated[Optional[str], typer.Option("--hours", help="Work only in these hours, e.g. 22:00-07:00.")] = None,
+    max_memory_mb: Annotated[Optional[int], typer.Option("--max-memory-mb", help="Cap on memory for cached tile blocks (MB).")] = None,
+    always: Annotated[bool, typer.Option("--always", help="Ignore the idle, power, load and heat rules (dedicated machines, demos).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Explain what each probe reads and every policy decision.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live display (for services).")] = False,
+    probe_file: Annotated[Optional[Path], typer.Option("--probe-file", hidden=True, help="Testing: read probe values from this JSON file.")] = None,
 ) -> None:
-    """Join a coordinator: pull tiles, compute them with torch, send them back. Ctrl-C leaves gracefully."""
-    cfg = WorkerConfig(url=url, token=token, name=name or machine_name(), device=device, threads=threads,
-                       slots=slots, once=once)
+    """Join a coordinator: pull tiles, compute them with torch, send them back, only while the
+    machine is idle and plugged in (by default). Ctrl-C leaves gracefully."""
+    overrides: dict[str, Any] = {
+        "idle_minutes": idle_minutes, "require_ac": require_ac, "min_battery": min_battery, "max_other_cpu": max_cpu,
+        "max_temp": max_temp, "hours": hours, "max_memory_mb": max_memory_mb, "max_threads": threads,
+    }
+    if always:
+        rules = PolicyConfig.always()
+        overrides.update({k: getattr(rules, k) for k in ("idle_minutes", "require_ac", "min_battery",
+                                                         "max_other_cpu", "max_temp", "resume_after")}, hours="")
+    policy, used = load_config(config, overrides)
     console = Console(highlight=False)
+    if show_config:
+        source = f"# policy from {used} and flags" if used else f"# defaults and flags ({default_config_path()} not found)"
+        console.out(f"{source}\n{policy.to_toml()}", highlight=False)
+        return
+    if url is None or token is None:
+        raise typer.BadParameter("URL and --token are required (unless --show-config)")
+    cfg = WorkerConfig(url=url, token=token, name=name or machine_name(), device=device, threads=threads,
+                       slots=slots, once=once, policy=policy)
+    probe = FileProbe(probe_file, SystemProbe()) if probe_file is not None else SystemProbe()
     with _Display(console, url, live=is_terminal(), quiet=quiet) as display:
-        worker = Worker(cfg, on_update=display)
+        worker = Worker(cfg, probe=probe, on_update=display, on_decision=_Explain(console) if verbose else None)
         code = asyncio.run(_run(worker))
     if not quiet:
         s = worker.stats
-        console.print(f"left: {s.tiles:,} tiles computed, {s.flops / 1e9:,.1f} GFLOP, {s.rejected} rejected", highlight=False)
+        console.print(f"left: {s.tiles:,} tiles computed, {s.credit_gflop:,.2f} GFLOP verified to your credit "
+                      f"({s.credit_name_gflop:,.2f} under {cfg.name!r}), {s.rejected} rejected", highlight=False)
     raise typer.Exit(code)
 
 

@@ -86,10 +86,10 @@ def dashboard(status: dict[str, Any]) -> Group:
                          ("tiles done", "right"), ("rejected", "right"), ("lost", "right"),
                          ("reliability", "right"), ("verified GFLOP", "right")]:
         devices.add_column(col, justify=justify)  # type: ignore[arg-type]
-    style = {"working": "green", "idle": "cyan", "offline": "dim", "banned": "bold red"}
+    style = {"working": "green", "idle": "cyan", "paused": "yellow", "offline": "dim", "banned": "bold red"}
     for d in status.get("devices", []):
         state = d.get("state", "")
-        reason = f" ({d['reason']})" if d.get("reason") and state not in ("working", "idle") else ""
+        reason = f" ({d['reason']})" if d.get("reason") and state not in ("working", "idle") else ""  # paused: why
         devices.add_row(
             str(d.get("name", "")), Text(state + reason, style=style.get(state, "")), str(d.get("device", "")),
             f"{d.get('gflops', 0):.1f}", f"{d.get('tiles_done', 0):,}",
@@ -100,13 +100,76 @@ def dashboard(status: dict[str, Any]) -> Group:
         )
     if not status.get("devices"):
         devices.add_row("(no devices yet)", *[""] * 8)
-    return Group(Panel(summary, title="cleave", border_style="blue"), devices)
+    parts: list[Any] = [Panel(summary, title="cleave", border_style="blue"), devices]
+    if status.get("leaderboard"):
+        board = Table(title="leaderboard: verified work by name", expand=True)
+        board.add_column("#", justify="right")
+        board.add_column("name")
+        board.add_column("verified GFLOP", justify="right")
+        board.add_column("tiles", justify="right")
+        for rank, row in enumerate(status["leaderboard"], start=1):
+            board.add_row(str(rank), str(row.get("name", "")), f"{row.get('gflop', 0):,.2f}", f"{row.get('tiles', 0):,}")
+        parts.append(board)
+    return Group(*parts)
+
+
+_STATE_STYLE = {"working": "bold green", "paused": "bold yellow", "reconnecting": "bold red", "connecting": "bold"}
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h {rest // 60:02d}m" if hours else f"{rest // 60}m {rest % 60:02d}s"
+
+
+def client_panel(stats: Any, url: str) -> Panel:
+    """The live panel of ``cleave join`` on a terminal."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    state = Text(stats.state, style=_STATE_STYLE.get(stats.state, "bold"))
+    if stats.reason:
+        state.append(f"  ({stats.reason})", style="yellow" if stats.state == "paused" else "dim")
+    grid.add_row("state", state)
+    grid.add_row("coordinator", f"{url}" + (f"  job: {stats.job}" if stats.job else ""))
+    bench = f"{stats.benchmark_gflops:,.1f} GFLOP/s benchmark" + (" (cached)" if stats.benchmark_cached else "")
+    grid.add_row("device", f"{stats.device}  {bench}")
+    tiles = Text(f"{stats.tiles:,} done")
+    if stats.rejected:
+        tiles.append(f", {stats.rejected} rejected", style="red")
+    grid.add_row("tiles", tiles)
+    grid.add_row("speed", f"{stats.gflops:,.1f} GFLOP/s while computing")
+    grid.add_row("credit", f"{stats.credit_gflop:,.2f} GFLOP verified (this session), "
+                           f"{stats.credit_name_gflop:,.2f} under this name")
+    grid.add_row("traffic", f"{stats.bytes_down / 1e6:,.1f} MB down, {stats.bytes_up / 1e6:,.1f} MB up")
+    grid.add_row("uptime", _duration(stats.uptime))
+    if stats.last_error and stats.state in ("reconnecting", "connecting"):
+        grid.add_row("last error", Text(stats.last_error, style="yellow"))
+    return Panel(grid, title="cleave join", subtitle="Ctrl-C leaves (tiles go back at once)", border_style="blue")
+
+
+def probe_report(reading: Any) -> Text:
+    """What ``cleave join --verbose`` can see of the machine, and why not where it cannot."""
+    def show(value: Any, fmt: str) -> str:
+        return "unknown" if value is None else fmt.format(value)
+
+    text = Text("probes: ", style="bold")
+    text.append(f"power {show(reading.on_ac, '{}').replace('True', 'on AC').replace('False', 'on battery')}, ")
+    text.append(f"battery {show(reading.battery_percent, '{:.0f}%')}, ")
+    text.append(f"other programs' CPU {show(reading.other_cpu_percent, '{:.0f}%')}, ")
+    text.append(f"input idle {show(reading.user_idle_seconds, '{:.0f} s')}, ")
+    text.append(f"hottest sensor {show(reading.temperature_c, '{:.0f} C')}")
+    for probe, why in sorted(reading.notes.items()):
+        text.append(f"\n  {probe}: {why}", style="dim")
+    return text
 
 
 def client_line(stats: Any, url: str) -> Text:
-    """The live line of ``cleave join``."""
+    """The log line of ``cleave join`` when not on a terminal."""
     text = Text()
-    text.append(f"{stats.state:<16}", style="bold green" if stats.state == "working" else "bold")
+    text.append(f"{stats.state:<16}", style=_STATE_STYLE.get(stats.state, "bold"))
+    if stats.reason and stats.state == "paused":
+        text.append(f" ({stats.reason})", style="yellow")
     text.append(f" tiles {stats.tiles:,}")
     if stats.rejected:
         text.append(f" ({stats.rejected} rejected)", style="red")
@@ -116,6 +179,22 @@ def client_line(stats: Any, url: str) -> Text:
     if stats.last_error and stats.state in ("reconnecting", "connecting"):
         text.append(f"  {stats.last_error}", style="yellow")
     return text
+
+
+def benchmark_table(result: Any) -> Table:
+    """``cleave benchmark``: GEMM speed per dtype and shape, memory, and the link."""
+    table = Table(title=f"cleave benchmark: {result.device}, {result.threads} threads, torch {result.torch}")
+    table.add_column("what")
+    table.add_column("figure", justify="right")
+    for g in result.gemm:
+        figure = f"{g.gflops:,.1f} GFLOP/s" if g.gflops else Text("not supported", style="dim")
+        table.add_row(f"GEMM {g.dtype} {g.size}x{g.size}x{g.size}", figure)
+    table.add_row("usable memory", f"{result.memory_bytes / 2**30:,.1f} GiB")
+    if result.link is not None:
+        table.add_row("round trip to coordinator", f"{result.link.rtt_ms:,.2f} ms")
+        table.add_row("download from coordinator", f"{result.link.down_mb_s:,.1f} MB/s")
+        table.add_row("upload to coordinator", f"{result.link.up_mb_s:,.1f} MB/s")
+    return table
 
 
 def comparison(rows: Sequence[tuple[str, float, float]], max_rel_diff: float, tolerance: float) -> Table:

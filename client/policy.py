@@ -62,6 +62,12 @@ class PolicyConfig:
                 raise PolicyError(message)
         parse_hours(self.hours)
 
+    @classmethod
+    def always(cls) -> "PolicyConfig":
+        """No rules: dedicated machines, demos and tests (``cleave join --always``)."""
+        return cls(idle_minutes=0.0, require_ac=False, min_battery=0.0, max_other_cpu=100.0, max_temp=120.0,
+                   resume_after=0.0)
+
     def to_toml(self) -> str:
         lines = ["[policy]"]
         for key, value in asdict(self).items():

@@ -1,29 +1,38 @@
-"""A volunteer device's work loop: connect, pull tiles, compute, return, reconnect.
+"""A volunteer device's work loop: connect, pull tiles, compute, return, reconnect, and step
+aside whenever the owner needs the machine.
 
-Two tasks share one websocket: the receiver decodes ``Work`` as it arrives (caching input blocks
-and queueing tiles: the coordinator keeps ``slots`` tiles in flight, so the next tile is already
-here while this one computes), and the computer runs each matmul in a worker thread so the
-connection keeps answering pings. Every network failure becomes a reconnect with back-off.
+Three tasks share one websocket: the receiver decodes ``Work`` as it arrives (caching input
+blocks and queueing tiles: the coordinator keeps ``slots`` tiles in flight, so the next tile is
+already here while this one computes); the computer runs each matmul in a worker thread so the
+connection keeps answering; the warden polls the idle/power probe once a second and, when the
+policy says stop, pauses at once (the coordinator takes the tiles back). Every network failure
+becomes a reconnect with back-off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import datetime as dt
 import logging
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from client import kernels, sysinfo
+from client import benchmark, kernels, sysinfo
+from client.idle import Probe, SystemProbe
+from client.policy import Decision, Policy, PolicyConfig
 from coordinator.protocol import (
-    Cancel, Error, Finished, Heartbeat, Hello, Leave, ProtocolError, Release, Result, Welcome, Work, decode, encode,
+    Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, Welcome,
+    Work, decode, encode,
 )
+from coordinator.verify import freivalds
 
 log = logging.getLogger("cleave.client")
 
@@ -31,7 +40,7 @@ CLOSE_AUTH, CLOSE_BANNED = 4001, 4003  # mirrors coordinator.core; the client im
 MAX_FRAME = 256 << 20
 VERSION = "0.1.0"
 DEFAULT_HEARTBEAT = 2.0  # until the coordinator's Welcome says otherwise
-SILENCE_FACTOR = 5  # a coordinator silent for this many heartbeats is presumed gone
+SILENCE_FACTOR = 15  # a coordinator silent this many heartbeats is gone (a big Work frame takes a while)
 
 # Exit codes of ``cleave join``: bad options and a refused token are both usage errors (2).
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BANNED = 0, 1, 2, 3
@@ -59,6 +68,8 @@ class WorkerConfig:
     once: bool = False
     backoff_max: float = 30.0
     benchmark_seconds: float = 0.3
+    policy: PolicyConfig = field(default_factory=PolicyConfig.always)  # the CLI applies the polite defaults
+    poll_seconds: float = 0.5  # how often the idle/power probe is read: pauses land within a second
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
@@ -69,27 +80,37 @@ class WorkerConfig:
             raise ClientError(f"--slots must be between 1 and 8, got {self.slots}", EXIT_USAGE)
         if not self.token:
             raise ClientError("--token must not be empty", EXIT_USAGE)
+        if not (0.05 <= self.poll_seconds <= 60):
+            raise ClientError("the probe poll interval must be between 0.05 and 60 s", EXIT_USAGE)
 
 
 @dataclass
 class WorkerStats:
     state: str = "starting"
+    reason: str = ""  # why paused, or what it waits for
     device: str = ""
     device_id: int | None = None
     job: str = ""
     benchmark_gflops: float = 0.0
+    benchmark_cached: bool = False
     tiles: int = 0
     rejected: int = 0
     flops: float = 0.0
     compute_seconds: float = 0.0
     bytes_down: int = 0
     bytes_up: int = 0
+    credit_gflop: float = 0.0  # verified work of this connection, as the coordinator counts it
+    credit_name_gflop: float = 0.0  # ... and of every device under this name
     started: float = field(default_factory=time.monotonic)
     last_error: str = ""
 
     @property
     def gflops(self) -> float:
         return self.flops / self.compute_seconds / 1e9 if self.compute_seconds else 0.0
+
+    @property
+    def uptime(self) -> float:
+        return time.monotonic() - self.started
 
 
 class Worker:
@@ -98,21 +119,40 @@ class Worker:
         cfg: WorkerConfig,
         *,
         compute: Compute | None = None,
+        probe: Probe | None = None,
         on_update: Callable[[WorkerStats], None] | None = None,
+        on_decision: Callable[[Decision, object], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = kernels.pick_device(cfg.device)
-        kernels.configure(self.device, cfg.threads)
-        self._compute_fn = compute or (lambda a, b: kernels.matmul(a, b, self.device))
+        threads = cfg.policy.max_threads or cfg.threads
+        if cfg.threads and cfg.policy.max_threads:
+            threads = min(cfg.threads, cfg.policy.max_threads)
+        kernels.configure(self.device, threads)
+        self._custom_compute = compute
         self._on_update = on_update or (lambda stats: None)
+        self._on_decision = on_decision or (lambda decision, reading: None)
         self.stats = WorkerStats(device=str(self.device))
+        self.policy = Policy(cfg.policy)
+        self.probe = probe or SystemProbe()
+        self._allowed = True
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-compute")
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self._ws: ClientConnection | None = None
+        self._cancelled: set[int] = set()
+        self._assigned: set[int] = set()  # received and not yet answered
+        self._heard = time.monotonic()
 
-    def _set(self, state: str, error: str = "") -> None:
+    def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
+        if self._custom_compute is not None:
+            return self._custom_compute(a, b)
+        return kernels.matmul(a, b, self.device)
+
+    def _set(self, state: str, error: str = "", reason: str | None = None) -> None:
         self.stats.state = state
+        if reason is not None:
+            self.stats.reason = reason
         if error:
             self.stats.last_error = error
         self._on_update(self.stats)
@@ -137,14 +177,36 @@ class Worker:
         except ConnectionClosed:
             pass
 
+    def _check_device(self) -> None:
+        """A GPU must compute what the CPU computes; one that does not is not used."""
+        if self.device.type == "cpu" or self._custom_compute is not None:
+            return
+        try:
+            a, b = torch.randn(256, 256), torch.randn(256, 256)
+            c, _ = kernels.matmul(kernels.to_device(a, self.device), kernels.to_device(b, self.device), self.device)
+            verdict = freivalds(a, b, c.cpu(), np.random.default_rng())
+            if not verdict.ok:
+                raise RuntimeError(verdict.reason)
+        except RuntimeError as exc:
+            self._fall_back(f"self-check on {self.device} failed ({exc})")
+
+    def _fall_back(self, why: str) -> None:
+        log.warning("%s; computing on the CPU instead", why)
+        self.device = torch.device("cpu")
+        self.stats.device = "cpu (fallback)"
+        self.stats.last_error = why
+
     async def run(self) -> int:
         """Work until the job finishes (with ``once``) or ``request_stop``; returns an exit code."""
         self._stop_event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._check_device()
         if self.stats.benchmark_gflops == 0.0 and self.cfg.benchmark_seconds > 0:
             self._set("benchmarking")
-            self.stats.benchmark_gflops = await asyncio.get_running_loop().run_in_executor(
-                self._pool, kernels.gemm_gflops, self.device, 512, self.cfg.benchmark_seconds
+            gflops, cached = await loop.run_in_executor(
+                self._pool, benchmark.quick_gflops, self.device, None, self.cfg.benchmark_seconds
             )
+            self.stats.benchmark_gflops, self.stats.benchmark_cached = gflops, cached
         delay = 0.5
         try:
             while not self._stopping:
@@ -165,7 +227,7 @@ class Worker:
                     self._ws = None
                 if outcome == "finished":
                     if self.cfg.once:
-                        self._set("finished")
+                        self._set("finished", reason="the job is complete")
                         return EXIT_OK
                     outcome = "job finished; waiting for the next one"
                 if self._stopping:
@@ -184,18 +246,26 @@ class Worker:
 
     # ------------------------------------------------------------------ one connection
 
+    def _block_budget(self) -> int:
+        cap = self.cfg.policy.max_memory_mb << 20
+        return cap or benchmark.usable_memory(self.device) // 4
+
     async def _session(self, ws: ClientConnection) -> str:
         hello = Hello(
             token=self.cfg.token, name=self.cfg.name, platform=sysinfo.describe_platform(),
             cores=sysinfo.cores(), memory_bytes=sysinfo.memory_bytes(), device=self.device.type,
             gflops=round(self.stats.benchmark_gflops, 3), slots=self.cfg.slots, client_version=VERSION,
+            block_budget=self._block_budget(),
         )
         await self._send(ws, encode(hello))
+        if not self._allowed:  # still paused from before the reconnect
+            await self._send(ws, encode(Pause(self.stats.reason)))
         queue: asyncio.Queue[Work] = asyncio.Queue()
         blocks: dict[str, torch.Tensor] = {}
-        self._cancelled: set[int] = set()
+        self._cancelled, self._assigned = set(), set()
         self._heard = time.monotonic()
-        computer = asyncio.create_task(self._compute_loop(ws, queue, blocks))
+        tasks = [asyncio.create_task(self._compute_loop(ws, queue, blocks)),
+                 asyncio.create_task(self._warden(ws))]
         pulse = asyncio.create_task(self._heartbeat(ws, DEFAULT_HEARTBEAT))
         try:
             async for frame in ws:
@@ -207,20 +277,27 @@ class Worker:
                     log.error("coordinator sent a bad frame: %s", exc)
                     continue
                 if isinstance(msg, Work):
-                    for gemm_id in msg.forget:
-                        prefix = f"{gemm_id}."
+                    for namespace in msg.forget:
+                        prefix = f"{namespace}."
                         for key in [k for k in blocks if k.startswith(prefix)]:
                             del blocks[key]
                     for block in msg.blocks:
                         blocks[block.key] = kernels.to_device(block.data, self.device)
+                    self._assigned.add(msg.tile_id)
                     queue.put_nowait(msg)
                 elif isinstance(msg, Cancel):
-                    self._cancelled.update(msg.tile_ids)  # another copy won: skip, or don't send
+                    # Another copy won: skip it, or drop its result. Cancels for tiles already answered
+                    # need no memory.
+                    self._cancelled.update(t for t in msg.tile_ids if t in self._assigned)
+                elif isinstance(msg, Credit):
+                    self.stats.credit_gflop, self.stats.credit_name_gflop = msg.device_gflop, msg.name_gflop
+                    self._on_update(self.stats)
                 elif isinstance(msg, Welcome):
                     self.stats.device_id, self.stats.job = msg.device_id, msg.job
                     pulse.cancel()
                     pulse = asyncio.create_task(self._heartbeat(ws, msg.heartbeat))
-                    self._set("waiting for work")
+                    if self._allowed:
+                        self._set("waiting for work", reason="")
                 elif isinstance(msg, Finished):
                     return "finished"
                 elif isinstance(msg, Error):
@@ -231,9 +308,9 @@ class Worker:
         except ConnectionClosed:
             pass
         finally:
-            computer.cancel()
-            pulse.cancel()
-            await asyncio.gather(computer, pulse, return_exceptions=True)
+            for task in (*tasks, pulse):
+                task.cancel()
+            await asyncio.gather(*tasks, pulse, return_exceptions=True)
         code, reason = ws.close_code, ws.close_reason or ""
         if self._stopping:
             return "stopped"
@@ -242,6 +319,27 @@ class Worker:
         if code == CLOSE_BANNED:
             raise ClientError(f"the coordinator banned this device: {reason}", EXIT_BANNED)
         return f"connection closed ({code} {reason})".strip()
+
+    async def _warden(self, ws: ClientConnection) -> None:
+        """Keep the owner's rules: pause the moment they say stop, resume when they allow."""
+        loop = asyncio.get_running_loop()
+        while True:
+            reading = await loop.run_in_executor(None, self.probe.read)  # may run a subprocess
+            decision = self.policy.decide(reading, time.monotonic(), dt.datetime.now().time())
+            self._on_decision(decision, reading)
+            if decision.run != self._allowed:
+                self._allowed = decision.run
+                if decision.run:
+                    await self._send(ws, encode(Resume()))
+                    self._set("waiting for work", reason="")
+                else:
+                    # Whatever we hold is the coordinator's again; results computed anyway are dropped.
+                    self._cancelled |= self._assigned
+                    await self._send(ws, encode(Pause(decision.reason)))
+                    self._set("paused", reason=decision.reason)
+            elif not decision.run and decision.reason != self.stats.reason:
+                self._set("paused", reason=decision.reason)
+            await asyncio.sleep(self.cfg.poll_seconds)
 
     async def _heartbeat(self, ws: ClientConnection, interval: float) -> None:
         """Tell the coordinator we are alive; hang up if it has gone silent (then reconnect)."""
@@ -264,24 +362,37 @@ class Worker:
             work = await queue.get()
             if work.tile_id in self._cancelled:
                 self._cancelled.discard(work.tile_id)
+                self._assigned.discard(work.tile_id)
                 continue
             operands = work.operands(blocks)
             if operands is None:
                 # Never sit on a tile we cannot compute: give it back so the GEMM is not stalled.
                 log.error("tile %d names a block this device does not hold; releasing it", work.tile_id)
+                self._assigned.discard(work.tile_id)
                 await self._send(ws, encode(Release((work.tile_id,), "missing input block")))
                 continue
             a, b = operands
             self._set("working")
-            c, seconds = await loop.run_in_executor(self._pool, self._compute_fn, a, b)
-            if work.tile_id in self._cancelled:  # cancelled while computing: nobody wants it
+            try:
+                c, seconds = await loop.run_in_executor(self._pool, self._compute, a, b)
+            except RuntimeError as exc:
+                if self.device.type == "cpu":
+                    raise
+                # The GPU failed (out of memory, driver reset...): carry on with the CPU.
+                self._fall_back(f"{self.device} failed: {exc}")
+                for key in list(blocks):
+                    blocks[key] = blocks[key].cpu()
+                a, b = a.cpu(), b.cpu()
+                c, seconds = await loop.run_in_executor(self._pool, self._compute, a, b)
+            self._assigned.discard(work.tile_id)
+            if work.tile_id in self._cancelled:  # cancelled (or paused) while computing: nobody wants it
                 self._cancelled.discard(work.tile_id)
                 continue
             await self._send(ws, encode(Result(work.tile_id, c, seconds)))
             self.stats.tiles += 1
             self.stats.flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
             self.stats.compute_seconds += seconds
-            if queue.empty():
+            if queue.empty() and self._allowed:
                 self._set("waiting for work")
             else:
                 self._on_update(self.stats)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # several torch processes share 2 cores
+# The benchmark cache and config lookups of every process started by the tests stay out of $HOME.
+_SANDBOX = Path(tempfile.mkdtemp(prefix="cleave-tests-"))
+os.environ["XDG_CACHE_HOME"] = str(_SANDBOX / "cache")
+os.environ["XDG_CONFIG_HOME"] = str(_SANDBOX / "config")
 
 TIMEOUT = 60.0  # seconds; every wait in the tests is a multiple of this
 

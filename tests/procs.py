@@ -111,7 +111,7 @@ class Coordinator(Proc):
 
 def join(url: str, name: str, *args: str, token: str = TOKEN) -> Proc:
     return Proc(cleave_cmd("join", url, "--token", token, "--once", "--quiet", "--threads", "1", "--name", name,
-                           "--device", "cpu", *args), name)
+                           "--device", "cpu", "--always", *args), name)
 
 
 def double(mode: str, url: str, name: str, *args: str) -> Proc:

@@ -31,12 +31,13 @@ def test_every_command_has_help_and_a_docs_section() -> None:
     docs = (ROOT / "docs" / "cli.md").read_text()
     sections = dict(re.findall(r"^## (cleave [^\n]+)\n(.*?)(?=^## |\Z)", docs, flags=re.M | re.S))
     commands = _commands()
-    assert set(commands) == {"cleave coordinator start", "cleave join", "cleave status", "cleave train", "cleave demo"}
+    assert set(commands) == {"cleave coordinator start", "cleave join", "cleave status", "cleave train", "cleave demo",
+                             "cleave benchmark"}
     for path, cmd in commands.items():
         assert cmd.help and cmd.help.strip(), f"{path} has no help"
         assert path in sections, f"docs/cli.md lacks a '## {path}' section"
         for param in cmd.params:
-            if param.param_type_name == "option":
+            if param.param_type_name == "option" and not param.hidden:  # hidden: test-only hooks
                 assert param.help, f"{path} {param.opts[0]} has no help"
                 for opt in param.opts:
                     assert f"`{opt}" in sections[path], f"docs/cli.md: {path} does not document {opt}"

@@ -1,0 +1,56 @@
+"""``cleave benchmark``: how fast this device multiplies, and how fast its link to a coordinator is."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from cleave_cli import render
+from cleave_cli.errors import CleaveError, friendly
+from client import benchmark as bench
+from client import kernels
+
+
+@friendly
+def benchmark(
+    device: Annotated[str, typer.Option(help="Device to measure: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")] = "auto",
+    threads: Annotated[Optional[int], typer.Option(help="CPU threads for the GEMMs. Default: torch's choice.")] = None,
+    url: Annotated[Optional[str], typer.Option("--url", help="Also measure round trip and throughput to this coordinator.")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's join secret (needed with --url).")] = None,
+    seconds: Annotated[float, typer.Option(help="Seconds per GEMM measurement.")] = 0.4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+) -> None:
+    """Measure GEMM GFLOP/s (float32, bfloat16, float16 where supported) at tile-like shapes,
+    usable memory and, with --url, the link to a coordinator. Refreshes the cache `cleave join` uses."""
+    if not 0.05 <= seconds <= 60:
+        raise CleaveError(f"--seconds must be between 0.05 and 60, got {seconds}", 2)
+    if threads is not None and not 1 <= threads <= 1024:
+        raise CleaveError(f"--threads must be between 1 and 1024, got {threads}", 2)
+    if url is not None and not token:
+        raise CleaveError("--url needs --token (the coordinator checks it before answering)", 2)
+    if url is not None and not url.startswith(("ws://", "wss://")):
+        raise CleaveError(f"coordinator URL must start with ws:// or wss://, got {url!r}", 2)
+    dev = kernels.pick_device(device)
+    kernels.configure(dev, threads)
+    err = Console(stderr=True, highlight=False)
+    with err.status(f"measuring GEMMs on {dev} ..."):
+        result = bench.run(dev, seconds=seconds)
+        bench.quick_gflops(dev, seconds=0.3)  # refresh what `cleave join` reports at registration
+    if url is not None:
+        with err.status(f"measuring the link to {url} ..."):
+            try:
+                result.link = asyncio.run(bench.measure_link(url, str(token)))
+            except (OSError, RuntimeError, TimeoutError) as exc:
+                raise CleaveError(f"cannot measure the link to {url}: {exc}") from None
+            except Exception as exc:  # websockets' handshake and close errors
+                raise CleaveError(f"the coordinator at {url} refused the link test: {exc}") from None
+    console = Console(highlight=False)
+    if as_json:
+        console.out(json.dumps(result.to_dict(), sort_keys=True))
+    else:
+        console.print(render.benchmark_table(result))
+
