@@ -149,3 +149,38 @@ def test_policy_validation() -> None:
     with pytest.raises(ValueError):
         FaultPolicy(lease_floor=0.0)
     assert GemmKind.FORWARD.value == "fwd"
+
+
+def test_a_device_over_its_memory_budget_finishes_its_tiles_before_taking_more(core: Core) -> None:
+    from coordinator.protocol import Hello
+
+    fleet = Fleet(core)
+    device, out = core.connect(Hello(token="tok", name="small-memory", slots=4, block_budget=1), fleet.now)
+    fleet.blocks[device], fleet.inbox[device], fleet.blocks_received[device] = {}, [], []
+    fleet.compute[device] = lambda a, b: a @ b
+    fleet.route(out)
+    box = submit(core, fleet, torch.randn(256, 32), torch.randn(32, 64))
+    assert len(core.devices[device].inflight) == 1  # its first blocks already exceed the budget
+    fleet.drain()  # still, one at a time, it gets through all of them
+    assert "result" in box
+
+
+def test_a_paused_device_gets_nothing_and_its_tiles_go_back(core: Core) -> None:
+    from coordinator.protocol import Pause, Resume
+
+    fleet = Fleet(core)
+    laptop, desktop = fleet.join("laptop"), fleet.join("desktop")
+    box = submit(core, fleet, torch.randn(256, 32), torch.randn(32, 64))
+    held = sorted(core.devices[laptop].inflight)
+    assert held
+    fleet.pending = [p for p in fleet.pending if p.device != laptop]
+    fleet.route(core.handle(laptop, Pause("on battery"), fleet.now))
+    assert core.devices[laptop].inflight == {}
+    row = {d["name"]: d for d in core.status(fleet.now)["devices"]}["laptop"]
+    assert (row["state"], row["reason"]) == ("paused", "on battery")
+    assert [lease.outcome for lease in core.store.leases(held[0])][0] == "released"
+    fleet.drain()
+    assert "result" in box and not any(p.device == laptop for p in fleet.pending)
+    fleet.route(core.handle(laptop, Resume(), fleet.now))
+    submit(core, fleet, torch.randn(256, 32), torch.randn(32, 64))
+    assert core.devices[laptop].inflight  # back to work

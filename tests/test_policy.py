@@ -183,3 +183,46 @@ def test_file_probe_overrides_only_what_the_file_says(tmp_path: Path) -> None:
     assert (reading.on_ac, reading.battery_percent, reading.temperature_c) == (False, 50, 40.0)
     path.write_text("{broken")
     assert "probe.json" in FileProbe(path).read().notes["file"]
+
+
+def test_power_probe_reads_the_battery_and_explains_a_desktop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+
+    import psutil
+
+    Battery = collections.namedtuple("Battery", "percent secsleft power_plugged")
+    monkeypatch.setattr(psutil, "sensors_battery", lambda: Battery(37.0, 3600, False))
+    reading = SystemProbe(system="Linux").read()
+    assert (reading.on_ac, reading.battery_percent) == (False, 37.0)
+    monkeypatch.setattr(psutil, "sensors_battery", lambda: None)
+    reading = SystemProbe(system="Linux").read()
+    assert reading.on_ac is None and "no battery" in reading.notes["power"]
+
+
+def test_heat_probe_takes_the_hottest_sensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+
+    import psutil
+
+    Temp = collections.namedtuple("Temp", "label current high critical")
+    monkeypatch.setattr(psutil, "sensors_temperatures",
+                        lambda: {"coretemp": [Temp("a", 55.0, 90, 100), Temp("b", 71.5, 90, 100)], "nvme": []})
+    assert SystemProbe(system="Linux").read().temperature_c == 71.5
+    monkeypatch.setattr(psutil, "sensors_temperatures", lambda: {})
+    reading = SystemProbe(system="Linux").read()
+    assert reading.temperature_c is None and "no temperature sensor" in reading.notes["heat"]
+
+
+def test_cpu_probe_leaves_out_cleaves_own_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    probe = SystemProbe(system="Linux")
+
+    class Own:
+        def cpu_percent(self, interval: object = None) -> float:
+            return 100.0  # one whole core, ours
+
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: 60.0)
+    monkeypatch.setattr(psutil, "cpu_count", lambda: 2)
+    monkeypatch.setattr(probe, "_own_processes", lambda: [Own()])
+    assert probe.read().other_cpu_percent == 10.0  # 60% of the machine, 50% of it Cleave's
