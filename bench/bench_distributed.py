@@ -62,7 +62,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from coordinator.job import CoordinatorConfig, JobOutcome, new_token, serve_job
+from cleave_cli.local import serve_with_local_clients
+from coordinator.job import CoordinatorConfig, JobOutcome, new_token
 from coordinator.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from coordinator.verify import freivalds, rademacher
@@ -204,35 +205,6 @@ class DistributedRun:
     gemms: list[tuple[int, str, int, int, int, int]]  # (step column, kind, m, n, k, tiles)
 
 
-async def _serve_with_clients(cfg: CoordinatorConfig, clients: int, threads: int, reporter: BenchReporter) -> JobOutcome:
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[str] = loop.create_future()
-    job = asyncio.create_task(serve_job(cfg, reporter, ready=ready.set_result))
-    done, _ = await asyncio.wait({job, ready}, return_when=asyncio.FIRST_COMPLETED)
-    if job in done:  # failed before listening
-        return job.result()
-    url = ready.result()
-    procs = [
-        await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "cleave_cli", "join", url, "--token", str(cfg.token), "--once", "--quiet",
-            "--threads", str(threads), "--name", f"bench-{i + 1}", "--device", "cpu", "--always",
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-        )
-        for i in range(clients)
-    ]
-    try:
-        outcome = await job
-        codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), CLIENT_EXIT_TIMEOUT_S)
-        if any(codes):
-            raise RuntimeError(f"a client exited with {codes}")
-        return outcome
-    finally:
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-                await p.wait()
-
-
 def _read_gemms(db: Path) -> list[tuple[int, str, int, int, int, int]]:
     with sqlite3.connect(db) as conn:
         rows = conn.execute("SELECT step, kind, m, n, k, tiles FROM gemms ORDER BY id").fetchall()
@@ -245,7 +217,9 @@ def run_distributed(train: TrainConfig, threads: int, clients: int, client_threa
     with tempfile.TemporaryDirectory(prefix="cleave-bench-") as tmp:
         db = Path(tmp) / "bench.db"
         cfg = CoordinatorConfig(train=train, port=0, db=str(db), token=new_token(), min_devices=clients)
-        outcome = asyncio.run(_serve_with_clients(cfg, clients, client_threads, reporter))
+        outcome = asyncio.run(serve_with_local_clients(cfg, reporter, clients=clients, threads=client_threads,
+                                                       name="bench", exit_timeout=CLIENT_EXIT_TIMEOUT_S,
+                                                       quiet_clients=True))
         gemms = _read_gemms(db)
     return DistributedRun(clients, client_threads, reporter.snapshots, outcome, gemms)
 

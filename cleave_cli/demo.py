@@ -4,7 +4,6 @@ then the same job runs in plain torch and the losses are compared."""
 from __future__ import annotations
 
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +16,8 @@ from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import CleaveError, friendly, is_terminal
 from cleave_cli.progress import ConsoleReporter
-from coordinator.job import CoordinatorConfig, JobOutcome, new_token, serve_job
+from cleave_cli.local import serve_with_local_clients
+from coordinator.job import CoordinatorConfig, new_token
 from coordinator.training.loop import TrainConfig, Trainer
 
 MATCH_TOLERANCE = 1e-4  # relative, per step
@@ -25,38 +25,6 @@ MATCH_TOLERANCE = 1e-4  # relative, per step
 
 def max_relative_diff(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True)), default=0.0)
-
-
-async def _distributed(cfg: CoordinatorConfig, clients: int, threads: int, reporter: ConsoleReporter) -> JobOutcome:
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[str] = loop.create_future()
-    job = asyncio.create_task(serve_job(cfg, reporter, ready=ready.set_result))
-    done, _ = await asyncio.wait({job, ready}, return_when=asyncio.FIRST_COMPLETED)
-    if job in done:  # failed before listening
-        return job.result()
-    url = ready.result()
-    procs = [
-        await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "cleave_cli", "join", url, "--token", str(cfg.token), "--once", "--quiet",
-            "--threads", str(threads), "--name", f"laptop-{i + 1}", "--device", "cpu", "--always",
-            stdin=asyncio.subprocess.DEVNULL,
-        )
-        for i in range(clients)
-    ]
-    try:
-        outcome = await job
-        try:
-            codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), 30)
-        except (TimeoutError, asyncio.TimeoutError):
-            raise CleaveError("the clients did not exit within 30 s of the job's end") from None
-        if any(codes):
-            raise CleaveError(f"a client exited with {codes}")
-        return outcome
-    finally:
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-                await p.wait()
 
 
 @friendly
@@ -81,7 +49,7 @@ def demo(
         reporter = ConsoleReporter(console, live=is_terminal())
         started = time.perf_counter()
         try:
-            dist = asyncio.run(_distributed(cfg, clients, threads, reporter)).results
+            dist = asyncio.run(serve_with_local_clients(cfg, reporter, clients=clients, threads=threads)).results
         finally:
             reporter.close()
         dist_seconds = time.perf_counter() - started

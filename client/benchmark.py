@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from client import kernels
+from client.paths import user_dir
 
 SHAPES = (512, 1024)  # tile-like square GEMMs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,14 +100,7 @@ def run(device: torch.device, *, seconds: float = 0.5, shapes: tuple[int, ...] =
 
 
 def cache_path() -> Path:
-    system = platform.system()
-    if system == "Windows":
-        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
-    elif system == "Darwin":
-        base = Path.home() / "Library" / "Caches"
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "cleave" / "benchmark.json"
+    return user_dir("cache") / "benchmark.json"
 
 
 def cache_key(device: torch.device) -> str:

@@ -11,14 +11,13 @@ time of day are passed in.
 from __future__ import annotations
 
 import datetime as dt
-import os
-import platform
 import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from client.idle import Reading
+from client.paths import user_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -100,14 +99,7 @@ def within(hours: tuple[dt.time, dt.time] | None, now: dt.time) -> bool:
 
 
 def default_config_path() -> Path:
-    system = platform.system()
-    if system == "Windows":
-        base = Path(os.environ.get("APPDATA", Path.home() / "AppData" / "Roaming"))
-    elif system == "Darwin":
-        base = Path.home() / "Library" / "Application Support"
-    else:
-        base = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config"))
-    return base / "cleave" / "client.toml"
+    return user_dir("config") / "client.toml"
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> tuple[PolicyConfig, Path | None]:

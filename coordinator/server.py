@@ -19,7 +19,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.core import (
-    CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, AuthError, Close, Core, Outbound, Send,
+    CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, AuthError, Core, Outbound, Send,
 )
 from coordinator.protocol import (
     Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, SpeedTest, StatusReply, StatusRequest,

@@ -99,7 +99,8 @@ def submit(core: Core, fleet: Fleet, a: torch.Tensor, b: torch.Tensor, kind: Gem
 
 def test_two_devices_compute_a_gemm_exactly(core: Core) -> None:
     fleet = Fleet(core)
-    d1, d2 = fleet.join("a"), fleet.join("b")
+    d1 = fleet.join("a")
+    fleet.join("b")
     assert isinstance(fleet.inbox[d1][0], Welcome)
     a, b = torch.randn(150, 70), torch.randn(70, 130)
     box = submit(core, fleet, a, b)
@@ -221,7 +222,8 @@ def test_a_device_that_keeps_failing_verification_is_banned(core: Core) -> None:
 
 def test_a_lost_device_loses_only_its_outstanding_tiles(core: Core) -> None:
     fleet = Fleet(core)
-    d1, d2 = fleet.join("a"), fleet.join("b")
+    d1 = fleet.join("a")
+    fleet.join("b")
     a, b = torch.randn(256, 64), torch.randn(64, 256)
     box = submit(core, fleet, a, b)
     fleet.step(only=d1)

@@ -169,7 +169,8 @@ def test_a_paused_device_gets_nothing_and_its_tiles_go_back(core: Core) -> None:
     from coordinator.protocol import Pause, Resume
 
     fleet = Fleet(core)
-    laptop, desktop = fleet.join("laptop"), fleet.join("desktop")
+    laptop = fleet.join("laptop")
+    fleet.join("desktop")
     box = submit(core, fleet, torch.randn(256, 32), torch.randn(32, 64))
     held = sorted(core.devices[laptop].inflight)
     assert held

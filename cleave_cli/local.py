@@ -1,0 +1,46 @@
+"""A job served in this process with client processes on this machine (demo and benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from cleave_cli.errors import CleaveError
+from coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
+
+
+async def serve_with_local_clients(
+    cfg: CoordinatorConfig, reporter: Reporter, *, clients: int, threads: int, name: str = "laptop",
+    exit_timeout: float = 30.0, quiet_clients: bool = False,
+) -> JobOutcome:
+    """Serve ``cfg``'s job and start ``clients`` `cleave join --once --always` processes for it."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[str] = loop.create_future()
+    job = asyncio.create_task(serve_job(cfg, reporter, ready=ready.set_result))
+    done, _ = await asyncio.wait({job, ready}, return_when=asyncio.FIRST_COMPLETED)
+    if job in done:  # failed before listening
+        return job.result()
+    url = ready.result()
+    output = asyncio.subprocess.DEVNULL if quiet_clients else None
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "cleave_cli", "join", url, "--token", str(cfg.token), "--once", "--quiet",
+            "--threads", str(threads), "--name", f"{name}-{i + 1}", "--device", "cpu", "--always",
+            stdin=asyncio.subprocess.DEVNULL, stdout=output,
+        )
+        for i in range(clients)
+    ]
+    try:
+        outcome = await job
+        try:
+            codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), exit_timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise CleaveError(f"the clients did not exit within {exit_timeout:g} s of the job's end") from None
+        if any(codes):
+            raise CleaveError(f"a client exited with {codes}")
+        return outcome
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
