@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -21,6 +22,9 @@ from db.store import (
     ABANDONED, DEADLINE, LEASED, OUTCOMES, QUEUED, SPECULATIVE, VERIFIED, CheckpointRow, ClaimedTile, DeviceInfo,
     DeviceRow, JobRow, LeaseEnd, LeaseRow, NewTile, StepRow, StoreError,
 )
+
+_COUNT_KEYS = (QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "requeued", "speculative",
+               "expired")
 
 _CLAIM = """
 UPDATE tiles SET state = 'leased', open_leases = 1, attempts = attempts + 1
@@ -59,6 +63,10 @@ class SQLiteStore:
         self.db = sqlite_utils.Database(conn)
         self.conn = conn
         migrate(self.db)
+        # Tile counts per job, kept current by every write below (this store is the only writer):
+        # the status a dashboard asks for every second must not scan a million rows.
+        self._counts: dict[int, Counter[str]] = {}
+        self._gemm_job: dict[int, int] = {}
 
     @contextmanager
     def atomic(self) -> Iterator[sqlite3.Connection]:
@@ -181,6 +189,8 @@ class SQLiteStore:
                 "INSERT INTO gemms (id, job_id, step, kind, m, n, k, tiles, created_at) VALUES (?,?,?,?,?,?,?,?,?)",
                 (gemm_id, job_id, step, kind, m, n, k, len(tiles), now),
             ).lastrowid)
+            self._gemm_job[gid] = job_id
+            self._count(gid, QUEUED, len(tiles))
             ids = [
                 int(r[0]) for r in (
                     c.execute(
@@ -196,7 +206,24 @@ class SQLiteStore:
     def finish_gemm(self, gemm_id: int, now: float) -> None:
         self.conn.execute("UPDATE gemms SET done_at = ? WHERE id = ?", (now, gemm_id))
 
+    def _job_of(self, gemm_id: int) -> int:
+        if gemm_id not in self._gemm_job:
+            row = self._one("SELECT job_id FROM gemms WHERE id = ?", (gemm_id,))
+            self._gemm_job[gemm_id] = int(row[0]) if row else -1
+        return self._gemm_job[gemm_id]
+
+    def _count(self, gemm_id: int, key: str, delta: int = 1) -> None:
+        counts = self._counts.get(self._job_of(gemm_id))
+        if counts is not None:  # jobs nobody asked about are counted from scratch when asked
+            counts[key] += delta
+
     def _lease(self, c: sqlite3.Connection, row: tuple, device_id: int, issued: str, now: float) -> ClaimedTile:
+        if issued.startswith("requeued"):
+            self._count(row[1], "requeued")
+        elif issued == SPECULATIVE:
+            self._count(row[1], "speculative")
+        elif issued == DEADLINE:
+            self._count(row[1], "expired")
         c.execute(
             "INSERT INTO leases (tile_id, device_id, leased_at, issued) VALUES (?, ?, ?, ?)",
             (row[0], device_id, now, issued),
@@ -209,6 +236,8 @@ class SQLiteStore:
             if row is None:
                 return None
             issued = "first" if row[6] is None else f"requeued after {row[6]}"
+            self._count(row[1], QUEUED, -1)
+            self._count(row[1], LEASED)
             return self._lease(c, row, device_id, issued, now)
 
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
@@ -230,20 +259,31 @@ class SQLiteStore:
             if cur.rowcount != 1:
                 raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
             if outcome == "verified":
-                c.execute("UPDATE tiles SET state = 'verified', open_leases = 0, done_at = ? WHERE id = ?", (now, tile_id))
+                (gemm_id,) = c.execute(
+                    "UPDATE tiles SET state = 'verified', open_leases = 0, done_at = ? WHERE id = ? RETURNING gemm_id",
+                    (now, tile_id),
+                ).fetchone()
                 cancelled = c.execute(
                     "UPDATE leases SET ended_at = ?, outcome = 'cancelled', reason = 'another copy was verified first' "
                     "WHERE tile_id = ? AND ended_at IS NULL RETURNING device_id", (now, tile_id),
                 ).fetchall()
+                self._count(gemm_id, LEASED, -1)
+                self._count(gemm_id, VERIFIED)
+                self._count(gemm_id, "cancelled", len(cancelled))
                 return LeaseEnd(False, tuple(r[0] for r in cancelled))
             barred = "json_insert(barred, '$[#]', :device)" if outcome == "rejected" else "barred"
-            (state,) = c.execute(
+            state, gemm_id = c.execute(
                 f"UPDATE tiles SET open_leases = open_leases - 1, barred = {barred}, "
                 "state = CASE WHEN open_leases = 1 THEN 'queued' ELSE state END, "
                 "requeue_reason = CASE WHEN open_leases = 1 THEN :outcome ELSE requeue_reason END "
-                "WHERE id = :tile RETURNING state",
+                "WHERE id = :tile RETURNING state, gemm_id",
                 {"tile": tile_id, "device": device_id, "outcome": outcome},
             ).fetchone()
+            if outcome in ("rejected", "lost"):
+                self._count(gemm_id, outcome)
+            if state == QUEUED:
+                self._count(gemm_id, LEASED, -1)
+                self._count(gemm_id, QUEUED)
             return LeaseEnd(state == QUEUED)
 
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
@@ -263,6 +303,12 @@ class SQLiteStore:
         return str(row[0])
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
+        if job_id not in self._counts:
+            self._counts[job_id] = Counter(self.recount(job_id))
+        return {key: self._counts[job_id][key] for key in _COUNT_KEYS}
+
+    def recount(self, job_id: int) -> dict[str, int]:
+        """Tile counts from the rows themselves (the running counters must always agree)."""
         counts = dict.fromkeys((QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "requeued",
                                 "speculative", "expired"), 0)
         for state, n in self.conn.execute(
@@ -322,6 +368,7 @@ class SQLiteStore:
                 "UPDATE tiles SET state = 'abandoned', open_leases = 0 WHERE state IN ('queued', 'leased') "
                 "AND gemm_id IN (SELECT id FROM gemms WHERE job_id = ?)", (job_id,),
             )
+            self._counts.pop(job_id, None)  # a bulk change: count again when asked
             return cur.rowcount
 
     def close(self) -> None:

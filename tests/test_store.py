@@ -271,3 +271,45 @@ def test_device_reliability_counts_verified_against_failed_work(store: Store) ->
     store.credit_device(d, verified=6, rejected=1, lost=1, gflop=1.0, now=1.0)
     (row,) = store.devices(job)
     assert row.tiles_lost == 1 and row.reliability == 0.75
+
+
+def test_sqlite_running_counts_always_equal_a_recount(tmp_path: Path) -> None:
+    """Random claims, copies, verdicts, losses and releases: the counters never drift."""
+    import random
+
+    store = SQLiteStore(tmp_path / "counts.db")
+    rng = random.Random(5)
+    job = store.create_job("j", {}, 1, 0.0)
+    devices = [store.add_device(job, DeviceInfo(f"d{i}"), 0.0) for i in range(4)]
+    assert store.tile_counts(job)["queued"] == 0  # counters now live
+    open_leases: list[tuple[int, int]] = []
+    for step in range(400):
+        op = rng.random()
+        now = float(step)
+        if op < 0.15:
+            _gemm(store, job, n=rng.randint(1, 4))
+        elif op < 0.45:
+            dev = rng.choice(devices)
+            claimed = store.claim_tile(dev, [], now)
+            if claimed:
+                open_leases.append((claimed.id, dev))
+        elif op < 0.55 and open_leases:
+            tile, _ = rng.choice(open_leases)
+            dev = rng.choice(devices)
+            copy = store.claim_copy(tile, dev, rng.choice([SPECULATIVE, DEADLINE]), now)
+            if copy:
+                open_leases.append((tile, dev))
+        elif op < 0.9 and open_leases:
+            tile, dev = open_leases.pop(rng.randrange(len(open_leases)))
+            outcome = rng.choice(["verified", "verified", "rejected", "lost", "released"])
+            end = store.end_lease(tile, dev, outcome, now)
+            if outcome == "verified":
+                open_leases = [(t, d) for t, d in open_leases if t != tile]
+        elif open_leases:
+            dev = rng.choice(devices)
+            store.release_device(dev, "lost", now)
+            open_leases = [(t, d) for t, d in open_leases if d != dev]
+        assert store.tile_counts(job) == store.recount(job), f"drift after operation {step}"
+    store.abandon_unfinished(job, 500.0)
+    assert store.tile_counts(job) == store.recount(job)
+    store.close()
