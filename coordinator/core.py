@@ -48,6 +48,7 @@ CLOSE_SILENT = 4008  # no heartbeat within the timeout
 CLOSE_FINISHED = 1000  # normal closure once the job is over
 
 MAX_SLOTS = 8
+CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
 EMA = 0.2  # weight of a new observation in a device's running estimates
 
 
@@ -141,6 +142,7 @@ class DeviceState:
     cached_bytes: int = 0
     gflop_verified: float = 0.0
     credit_sent: float = 0.0
+    credit_at: float = 0.0
 
     @property
     def free(self) -> int:
@@ -301,15 +303,18 @@ class Core:
                 silence = f"no heartbeat for {now - dev.last_seen:.1f} s"
                 out.append(Close(dev.id, CLOSE_SILENT, silence))
                 out.extend(self.disconnect(dev.id, now, silence))
-            elif dev.gflop_verified != dev.credit_sent and now - dev.last_sent >= self.faults.heartbeat / 2:
-                # Credit doubles as the heartbeat while there is news: verified work, never claims.
-                dev.credit_sent = dev.gflop_verified
-                name_total = self.store.credit_by_name().get(dev.name, (0.0, 0))[0]
-                out.append(self._send(dev.id, Credit(round(dev.gflop_verified, 6), round(name_total, 6)), now))
-            elif now - dev.last_sent >= self.faults.heartbeat:
+                continue
+            if dev.gflop_verified != dev.credit_sent and now - dev.credit_at >= CREDIT_INTERVAL:
+                out.append(self._credit(dev, now))  # verified work only, never claims
+            if now - dev.last_sent >= self.faults.heartbeat:
                 out.append(self._send(dev.id, Heartbeat(now), now))
         out.extend(self._dispatch(now))
         return out
+
+    def _credit(self, dev: DeviceState, now: float) -> Send:
+        dev.credit_sent, dev.credit_at = dev.gflop_verified, now
+        name_total = self.store.credit_by_name().get(dev.name, (0.0, 0))[0]
+        return self._send(dev.id, Credit(round(dev.gflop_verified, 6), round(name_total, 6)), now)
 
     def _send(self, device_id: int, message: Message, now: float) -> Send:
         dev = self.devices.get(device_id)
@@ -538,7 +543,11 @@ class Core:
         """The job is over: tell every device. The server then closes their sockets."""
         self.finished = True
         self.progress.state = "finished"
-        return [self._send(d, Finished(reason), now) for d in list(self.devices)]
+        out: list[Outbound] = []
+        for dev in list(self.devices.values()):
+            out.append(self._credit(dev, now))  # the final tally, before goodbye
+            out.append(self._send(dev.id, Finished(reason), now))
+        return out
 
     def status(self, now: float) -> dict[str, Any]:
         """The snapshot ``cleave status`` renders (its --json keys are a contract)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.core import CLOSE_BANNED, AuthError, Close, Core, Outbound, Send
-from coordinator.protocol import Error, Finished, Hello, Leave, Result, StatusReply, StatusRequest, Welcome, Work
+from coordinator.protocol import Credit, Error, Finished, Hello, Leave, Result, StatusReply, StatusRequest, Welcome, Work
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
 
@@ -285,7 +285,7 @@ def test_finish_tells_every_device_and_late_joiners(core: Core) -> None:
     fleet = Fleet(core)
     d = fleet.join("a")
     out = core.finish(fleet.now)
-    assert [(o.device, type(o.message)) for o in out] == [(d, Finished)]
+    assert [(o.device, type(o.message)) for o in out] == [(d, Credit), (d, Finished)]
     late, out = core.connect(Hello(token="tok", name="late"), fleet.now)
     assert isinstance(out[-1].message, Finished)
 

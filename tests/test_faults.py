@@ -185,3 +185,21 @@ def test_a_paused_device_gets_nothing_and_its_tiles_go_back(core: Core) -> None:
     fleet.route(core.handle(laptop, Resume(), fleet.now))
     submit(core, fleet, torch.randn(256, 32), torch.randn(32, 64))
     assert core.devices[laptop].inflight  # back to work
+
+
+def test_credit_reaches_busy_devices_and_a_final_tally_comes_with_finished(core: Core) -> None:
+    from coordinator.protocol import Credit, Finished
+
+    fleet = Fleet(core)
+    d = fleet.join("worker")
+    submit(core, fleet, torch.randn(128, 32), torch.randn(32, 64))
+    fleet.drain()
+    fleet.now += 1.5
+    fleet.route(core.tick(fleet.now))
+    credits = [m for m in fleet.inbox[d] if isinstance(m, Credit)]
+    expected = 2 * 128 * 64 * 32 / 1e9
+    assert credits and abs(credits[-1].device_gflop - expected) < 1e-6 and credits[-1].name_gflop >= expected - 1e-6
+    fleet.route(core.tick(fleet.now + 0.1))
+    assert len([m for m in fleet.inbox[d] if isinstance(m, Credit)]) == len(credits)  # only news is sent
+    out = core.finish(fleet.now + 0.2)
+    assert [type(o.message) for o in out] == [Credit, Finished]

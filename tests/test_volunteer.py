@@ -54,7 +54,10 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
                        "WHERE d.name = 'laptop' AND l.outcome = 'lost'") == [(0,)]
     credit = [line for line in laptop.lines if line.startswith("left:")]
-    assert credit and "GFLOP verified to your credit" in credit[0] and not credit[0].startswith("left: 0 tiles")
+    assert credit and "GFLOP verified to your credit" in credit[0]
+    claimed = float(credit[0].split("tiles computed, ")[1].split(" GFLOP")[0].replace(",", ""))
+    verified = coord.query("SELECT gflop_verified FROM devices WHERE name = 'laptop'")[0][0]
+    assert claimed > 0 and abs(claimed - verified) <= 0.01 * verified  # what the client shows is what was verified
 
 
 def test_benchmark_json_has_stable_keys_and_plausible_numbers(tmp_path: Path) -> None:
