@@ -39,7 +39,7 @@ def benchmark(
     err = Console(stderr=True, highlight=False)
     with err.status(f"measuring GEMMs on {dev} ..."):
         result = bench.run(dev, seconds=seconds)
-        bench.quick_gflops(dev, seconds=0.3)  # refresh what `cleave join` reports at registration
+        bench.quick_gflops(dev, seconds=0.3, refresh=True)  # what `cleave join` reports at registration
     if url is not None:
         with err.status(f"measuring the link to {url} ..."):
             try:

@@ -56,7 +56,7 @@ class BenchmarkResult:
 
     @property
     def gflops(self) -> float:
-        """The float32 figure at the largest shape: what training uses."""
+        """The best float32 figure over the shapes measured: what training uses."""
         figures = [g.gflops for g in self.gemm if g.dtype == "float32" and g.gflops]
         return max(figures, default=0.0)
 
@@ -107,16 +107,18 @@ def cache_key(device: torch.device) -> str:
     return f"{machine_id()}|torch {torch.__version__}|{device}|{torch.get_num_threads()} threads"
 
 
-def quick_gflops(device: torch.device, path: Path | None = None, seconds: float = 0.3) -> tuple[float, bool]:
+def quick_gflops(
+    device: torch.device, path: Path | None = None, seconds: float = 0.3, *, refresh: bool = False
+) -> tuple[float, bool]:
     """float32 GFLOP/s for ``cleave join``: cached, measured again when the machine, torch,
-    device or thread count changes. Returns (gflops, from_cache)."""
+    device or thread count changes (or with ``refresh``). Returns (gflops, from_cache)."""
     path = path or cache_path()
     key = cache_key(device)
     try:
         cached = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         cached = {}
-    if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+    if not refresh and isinstance(cached, dict) and isinstance(cached.get(key), (int, float)) and cached[key] > 0:
         return float(cached[key]), True
     gflops = kernels.gemm_gflops(device, size=512, seconds=seconds)
     try:

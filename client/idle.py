@@ -81,8 +81,7 @@ class SystemProbe:
             self._own_scanned = now
             found = {}
             for proc in psutil.process_iter(["cmdline"]):
-                cmdline = " ".join(proc.info.get("cmdline") or [])
-                if "cleave" in cmdline or proc.pid == os.getpid():
+                if proc.pid == os.getpid() or is_cleave(proc.info.get("cmdline") or []):
                     found[proc.pid] = self._own.get(proc.pid, proc)
             self._own = found
         return list(self._own.values())
@@ -140,6 +139,16 @@ class SystemProbe:
             notes["heat"] = "no temperature sensor readable"
             return None
         return max(temps)
+
+
+def is_cleave(cmdline: list[str]) -> bool:
+    """``cleave ...`` or ``python -m cleave_cli ...``: not an editor that happens to be in a
+    folder called cleave."""
+    if not cmdline:
+        return False
+    if Path(cmdline[0]).name in ("cleave", "cleave.exe"):
+        return True
+    return any(Path(arg).name in ("cleave", "cleave.exe") or arg == "cleave_cli" for arg in cmdline[1:3])
 
 
 def _macos_idle(ioreg: str) -> float:

@@ -95,7 +95,9 @@ def within(hours: tuple[dt.time, dt.time] | None, now: dt.time) -> bool:
     if hours is None:
         return True
     start, end = hours
-    return start <= now < end if start <= end else (now >= start or now < end)
+    if start == end:  # "00:00-00:00": the whole day
+        return True
+    return start <= now < end if start < end else (now >= start or now < end)
 
 
 def default_config_path() -> Path:

@@ -4,7 +4,7 @@ aside whenever the owner needs the machine.
 Three tasks share one websocket: the receiver decodes ``Work`` as it arrives (caching input
 blocks and queueing tiles: the coordinator keeps ``slots`` tiles in flight, so the next tile is
 already here while this one computes); the computer runs each matmul in a worker thread so the
-connection keeps answering; the warden polls the idle/power probe once a second and, when the
+connection keeps answering; the warden polls the idle/power probe twice a second and, when the
 policy says stop, pauses at once (the coordinator takes the tiles back). Every network failure
 becomes a reconnect with back-off.
 """
@@ -143,6 +143,7 @@ class Worker:
         self._cancelled: set[int] = set()
         self._assigned: set[int] = set()  # received and not yet answered
         self._heard = time.monotonic()
+        self._credit_before = 0.0
 
     def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self._custom_compute is not None:
@@ -263,6 +264,7 @@ class Worker:
         queue: asyncio.Queue[Work] = asyncio.Queue()
         blocks: dict[str, torch.Tensor] = {}
         self._cancelled, self._assigned = set(), set()
+        self._credit_before = self.stats.credit_gflop
         self._heard = time.monotonic()
         tasks = [asyncio.create_task(self._compute_loop(ws, queue, blocks)),
                  asyncio.create_task(self._warden(ws))]
@@ -290,7 +292,9 @@ class Worker:
                     # need no memory.
                     self._cancelled.update(t for t in msg.tile_ids if t in self._assigned)
                 elif isinstance(msg, Credit):
-                    self.stats.credit_gflop, self.stats.credit_name_gflop = msg.device_gflop, msg.name_gflop
+                    # Per connection on the coordinator's side; this client's total spans reconnects.
+                    self.stats.credit_gflop = self._credit_before + msg.device_gflop
+                    self.stats.credit_name_gflop = msg.name_gflop
                     self._on_update(self.stats)
                 elif isinstance(msg, Welcome):
                     self.stats.device_id, self.stats.job = msg.device_id, msg.job
@@ -298,6 +302,8 @@ class Worker:
                     pulse = asyncio.create_task(self._heartbeat(ws, msg.heartbeat))
                     if self._allowed:
                         self._set("waiting for work", reason="")
+                    else:
+                        self._set("paused", reason=self.stats.reason)
                 elif isinstance(msg, Finished):
                     return "finished"
                 elif isinstance(msg, Error):
@@ -360,7 +366,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         while True:
             work = await queue.get()
-            if work.tile_id in self._cancelled:
+            if work.tile_id in self._cancelled or not self._allowed:
+                # Cancelled, or sent before the coordinator saw our pause: not ours any more.
                 self._cancelled.discard(work.tile_id)
                 self._assigned.discard(work.tile_id)
                 continue
@@ -374,16 +381,24 @@ class Worker:
             a, b = operands
             self._set("working")
             try:
-                c, seconds = await loop.run_in_executor(self._pool, self._compute, a, b)
-            except RuntimeError as exc:
-                if self.device.type == "cpu":
-                    raise
-                # The GPU failed (out of memory, driver reset...): carry on with the CPU.
-                self._fall_back(f"{self.device} failed: {exc}")
-                for key in list(blocks):
-                    blocks[key] = blocks[key].cpu()
-                a, b = a.cpu(), b.cpu()
-                c, seconds = await loop.run_in_executor(self._pool, self._compute, a, b)
+                try:
+                    c, seconds = await loop.run_in_executor(self._pool, self._compute, a, b)
+                except RuntimeError as exc:
+                    if self.device.type == "cpu":
+                        raise
+                    # The GPU failed (out of memory, driver reset...): carry on with the CPU.
+                    self._fall_back(f"{self.device} failed: {exc}")
+                    for key in list(blocks):
+                        blocks[key] = blocks[key].cpu()
+                    a, b = a.cpu(), b.cpu()
+                    c, seconds = await loop.run_in_executor(self._pool, self._compute, a, b)
+            except (RuntimeError, MemoryError) as exc:
+                # Never die holding a tile: give it back and carry on with the next one.
+                log.error("tile %d failed on %s (%s); releasing it", work.tile_id, self.device, exc)
+                self._assigned.discard(work.tile_id)
+                self.stats.last_error = f"tile failed: {exc}"
+                await self._send(ws, encode(Release((work.tile_id,), f"compute failed: {exc}"[:200])))
+                continue
             self._assigned.discard(work.tile_id)
             if work.tile_id in self._cancelled:  # cancelled (or paused) while computing: nobody wants it
                 self._cancelled.discard(work.tile_id)

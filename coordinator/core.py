@@ -229,6 +229,11 @@ class Core:
 
     # ------------------------------------------------------------------ devices
 
+    @property
+    def active_devices(self) -> int:
+        """Connected and not paused by their owners: the devices that can take work now."""
+        return sum(1 for d in self.devices.values() if d.paused is None)
+
     def check_token(self, token: str) -> None:
         if not hmac.compare_digest(token.encode(), self.token.encode()):
             raise AuthError("wrong join token")
@@ -430,7 +435,7 @@ class Core:
             raise ValueError(f"unsupported GEMM dtypes {a.dtype}, {b.dtype}")
         m, k = a.shape
         n = b.shape[1]
-        plan = plan_gemm(m, n, k, kind, len(self.devices), self.policy)
+        plan = plan_gemm(m, n, k, kind, max(1, self.active_devices), self.policy)
         tiles = plan.tiles
         a, b = a.detach(), b.detach()
         # Forward's X and dX's dY are read again by the dW that follows: keep them on devices.

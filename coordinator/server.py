@@ -219,14 +219,14 @@ class Server:
         while True:
             await asyncio.sleep(interval)
             self.deliver(self.core.tick(self.clock()))
-            if len(self.core.devices) != self._device_count:
-                self._device_count = len(self.core.devices)
+            if self.core.active_devices != self._device_count:  # joins, leaves, pauses, resumes
+                self._device_count = self.core.active_devices
                 self._devices_changed.set()
 
     async def wait_for_devices(self, count: int, on_wait: Callable[[int], None] | None = None) -> None:
-        while len(self.core.devices) < count:
+        while self.core.active_devices < count:
             if on_wait is not None:
-                on_wait(len(self.core.devices))
+                on_wait(self.core.active_devices)
             self._devices_changed.clear()
             await self._devices_changed.wait()
 

@@ -46,7 +46,7 @@ class MemoryStore:
     # --- job and steps
     def mark_devices_offline(self, reason: str) -> None:
         for d in self._devices.values():
-            if d.state == "online":
+            if d.state in ("online", "paused"):
                 d.state, d.reason = "offline", reason
 
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:

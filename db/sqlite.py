@@ -92,7 +92,8 @@ class SQLiteStore:
 
     # --- job and steps
     def mark_devices_offline(self, reason: str) -> None:
-        self.conn.execute("UPDATE devices SET state = 'offline', reason = ? WHERE state = 'online'", (reason,))
+        self.conn.execute("UPDATE devices SET state = 'offline', reason = ? WHERE state IN ('online', 'paused')",
+                          (reason,))
 
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
         with self.atomic() as c:

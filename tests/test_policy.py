@@ -226,3 +226,17 @@ def test_cpu_probe_leaves_out_cleaves_own_processes(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(psutil, "cpu_count", lambda: 2)
     monkeypatch.setattr(probe, "_own_processes", lambda: [Own()])
     assert probe.read().other_cpu_percent == 10.0  # 60% of the machine, 50% of it Cleave's
+
+
+def test_only_real_cleave_processes_are_left_out_of_the_load() -> None:
+    from client.idle import is_cleave
+
+    assert is_cleave(["/home/me/.venv/bin/cleave", "join", "ws://x"])
+    assert is_cleave(["/usr/bin/python3", "-m", "cleave_cli", "coordinator", "start"])
+    assert not is_cleave(["vim", "/home/me/cleave/README.md"])
+    assert not is_cleave(["python3", "train.py", "--out", "/data/cleave"])
+    assert not is_cleave([])
+
+
+def test_equal_hours_mean_the_whole_day() -> None:
+    assert within(parse_hours("00:00-00:00"), NOON) and within(parse_hours("22:00-22:00"), dt.time(3, 0))

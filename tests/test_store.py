@@ -302,7 +302,7 @@ def test_sqlite_running_counts_always_equal_a_recount(tmp_path: Path) -> None:
         elif op < 0.9 and open_leases:
             tile, dev = open_leases.pop(rng.randrange(len(open_leases)))
             outcome = rng.choice(["verified", "verified", "rejected", "lost", "released"])
-            end = store.end_lease(tile, dev, outcome, now)
+            store.end_lease(tile, dev, outcome, now)
             if outcome == "verified":
                 open_leases = [(t, d) for t, d in open_leases if t != tile]
         elif open_leases:
