@@ -386,18 +386,25 @@ class Core:
         """The owner needs the machine: its tiles go to others at once; it stays connected."""
         dev.paused = reason
         self.store.set_device_state(dev.id, "paused", now, reason)
-        return self._on_release(dev, Release(tuple(dev.inflight), f"paused: {reason}"), now)
+        # A paused client keeps its cached blocks: they serve it again once it resumes.
+        return self._give_back(dev, tuple(dev.inflight), f"paused: {reason}", now, blocks_lost=False)
 
     def _on_release(self, dev: DeviceState, msg: Release, now: float) -> list[Outbound]:
-        for tile_id in msg.tile_ids:
+        # A client gives a tile back when it lacks a block: send its blocks again if it gets it back.
+        return self._give_back(dev, msg.tile_ids, msg.reason[:200], now, blocks_lost=True)
+
+    def _give_back(
+        self, dev: DeviceState, tile_ids: tuple[int, ...], reason: str, now: float, *, blocks_lost: bool
+    ) -> list[Outbound]:
+        for tile_id in tile_ids:
             if dev.inflight.pop(tile_id, None) is None:
                 continue  # already finished or re-issued: nothing to give back
             self._unhold(tile_id, dev.id)
-            self._queued += self.store.end_lease(tile_id, dev.id, "released", now, msg.reason[:200]).requeued
-            gemm = self.gemms[self._tile_gemm[tile_id]]
-            # The device may have lost these blocks: send them again if it gets the tile back.
-            for ref in gemm.blocks_of(gemm.tiles[tile_id]):
-                dev.lose(ref)
+            self._queued += self.store.end_lease(tile_id, dev.id, "released", now, reason).requeued
+            if blocks_lost:
+                gemm = self.gemms[self._tile_gemm[tile_id]]
+                for ref in gemm.blocks_of(gemm.tiles[tile_id]):
+                    dev.lose(ref)
         return self._dispatch(now)
 
     def _complete(self, gemm: GemmState, now: float) -> None:
