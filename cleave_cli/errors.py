@@ -49,6 +49,8 @@ def friendly(fn: F) -> F:
             raise fail(str(exc), exc.exit_code) from None
         except USAGE_ERRORS as exc:
             raise fail(str(exc), 2) from None
+        except FloatingPointError as exc:
+            raise fail(str(exc), 1) from None
         except (StoreError, ProtocolError, OSError) as exc:
             raise fail(str(exc) or type(exc).__name__, 1) from None
 

@@ -39,6 +39,7 @@ log = logging.getLogger("cleave.client")
 CLOSE_AUTH, CLOSE_BANNED = 4001, 4003  # mirrors coordinator.core; the client imports no server code
 MAX_FRAME = 256 << 20
 VERSION = "0.1.0"
+MISSING_BLOCK = "missing input block"  # mirrors coordinator.core: the coordinator sends the blocks again
 DEFAULT_HEARTBEAT = 2.0  # until the coordinator's Welcome says otherwise
 SILENCE_FACTOR = 15  # a coordinator silent this many heartbeats is gone (a big Work frame takes a while)
 
@@ -219,6 +220,9 @@ class Worker:
                     ) as ws:
                         self._ws = ws
                         delay = 0.5
+                        if self._stopping:  # Ctrl-C arrived during the handshake
+                            await self._leave(ws)
+                            break
                         outcome = await self._session(ws)
                 except InvalidURI as exc:
                     raise ClientError(f"bad coordinator URL: {exc}", EXIT_USAGE) from None
@@ -284,7 +288,13 @@ class Worker:
                         for key in [k for k in blocks if k.startswith(prefix)]:
                             del blocks[key]
                     for block in msg.blocks:
-                        blocks[block.key] = kernels.to_device(block.data, self.device)
+                        try:
+                            blocks[block.key] = kernels.to_device(block.data, self.device)
+                        except RuntimeError as exc:  # the GPU is full (the owner's programs?): CPU
+                            self._fall_back(f"{self.device} could not hold a block: {exc}")
+                            for key in list(blocks):
+                                blocks[key] = blocks[key].cpu()
+                            blocks[block.key] = block.data
                     self._assigned.add(msg.tile_id)
                     queue.put_nowait(msg)
                 elif isinstance(msg, Cancel):
@@ -376,7 +386,8 @@ class Worker:
                 # Never sit on a tile we cannot compute: give it back so the GEMM is not stalled.
                 log.error("tile %d names a block this device does not hold; releasing it", work.tile_id)
                 self._assigned.discard(work.tile_id)
-                await self._send(ws, encode(Release((work.tile_id,), "missing input block")))
+                self._cancelled.discard(work.tile_id)
+                await self._send(ws, encode(Release((work.tile_id,), MISSING_BLOCK)))
                 continue
             a, b = operands
             self._set("working")
@@ -396,6 +407,7 @@ class Worker:
                 # Never die holding a tile: give it back and carry on with the next one.
                 log.error("tile %d failed on %s (%s); releasing it", work.tile_id, self.device, exc)
                 self._assigned.discard(work.tile_id)
+                self._cancelled.discard(work.tile_id)
                 self.stats.last_error = f"tile failed: {exc}"
                 await self._send(ws, encode(Release((work.tile_id,), f"compute failed: {exc}"[:200])))
                 continue

@@ -48,6 +48,8 @@ CLOSE_SILENT = 4008  # no heartbeat within the timeout
 CLOSE_FINISHED = 1000  # normal closure once the job is over
 
 MAX_SLOTS = 8
+SHUTDOWN = "coordinator stopped"
+MISSING_BLOCK = "missing input block"  # the Release reason that asks for the blocks again
 CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
 EMA = 0.2  # weight of a new observation in a device's running estimates
 
@@ -263,7 +265,7 @@ class Core:
         dev = self.devices.pop(device_id, None)
         if dev is None:
             return []
-        graceful = reason == "left"
+        graceful = reason in ("left", SHUTDOWN)  # neither is the device's fault
         held = list(dev.inflight)
         requeued = self.store.release_device(device_id, "released" if graceful else "lost", now, reason)
         self._queued += len(requeued)
@@ -366,8 +368,8 @@ class Core:
         dev.consecutive_rejects = 0
         dev.compute_seconds += msg.seconds
         gflop = tile.flops / 1e9
-        if msg.seconds > 0:
-            observed = gflop / msg.seconds
+        if msg.seconds >= 1e-6:  # a device's own timing: believed only within physical reason
+            observed = min(gflop / msg.seconds, 1e7)
             dev.gflops = (1 - EMA) * dev.gflops + EMA * observed if dev.gflops else observed
         if gflop > 0:
             dev.seconds_per_gflop = (1 - EMA) * dev.seconds_per_gflop + EMA * (now - leased_at) / gflop
@@ -390,17 +392,20 @@ class Core:
         return self._give_back(dev, tuple(dev.inflight), f"paused: {reason}", now, blocks_lost=False)
 
     def _on_release(self, dev: DeviceState, msg: Release, now: float) -> list[Outbound]:
-        # A client gives a tile back when it lacks a block: send its blocks again if it gets it back.
-        return self._give_back(dev, msg.tile_ids, msg.reason[:200], now, blocks_lost=True)
+        # A missing block: send the blocks again if it gets the tile back. Anything else (its
+        # compute failed): the tile goes to another device, never straight back to this one.
+        missing = msg.reason.startswith(MISSING_BLOCK)
+        return self._give_back(dev, msg.tile_ids, msg.reason[:200], now, blocks_lost=missing, bar=not missing)
 
     def _give_back(
-        self, dev: DeviceState, tile_ids: tuple[int, ...], reason: str, now: float, *, blocks_lost: bool
+        self, dev: DeviceState, tile_ids: tuple[int, ...], reason: str, now: float, *, blocks_lost: bool,
+        bar: bool = False,
     ) -> list[Outbound]:
         for tile_id in tile_ids:
             if dev.inflight.pop(tile_id, None) is None:
                 continue  # already finished or re-issued: nothing to give back
             self._unhold(tile_id, dev.id)
-            self._queued += self.store.end_lease(tile_id, dev.id, "released", now, reason).requeued
+            self._queued += self.store.end_lease(tile_id, dev.id, "released", now, reason, bar=bar).requeued
             if blocks_lost:
                 gemm = self.gemms[self._tile_gemm[tile_id]]
                 for ref in gemm.blocks_of(gemm.tiles[tile_id]):
@@ -440,6 +445,12 @@ class Core:
             raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
         if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"unsupported GEMM dtypes {a.dtype}, {b.dtype}")
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+            # Honest devices would return NaN/Inf, verification would reject them all and ban
+            # innocent volunteers: stop here, where the cause is (training diverged).
+            raise FloatingPointError(
+                f"a {kind.value} GEMM input holds NaN or Inf: training diverged (try a lower --lr)"
+            )
         m, k = a.shape
         n = b.shape[1]
         plan = plan_gemm(m, n, k, kind, max(1, self.active_devices), self.policy)

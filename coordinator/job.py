@@ -134,6 +134,10 @@ class _Plan:
 
 def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: float) -> _Plan:
     unfinished = None if cfg.new_job else store.resumable_job()
+    # No tile in the database can be live now: the coordinator that made it is gone with its
+    # operands. Whatever job runs next must never be handed one.
+    abandoned = store.abandon_unfinished(None, now)
+    store.mark_devices_offline("coordinator restarted")
     if unfinished is None:
         job_id = store.create_job(f"{cfg.train.model} x {cfg.train.steps} steps", cfg.train.to_dict(),
                                   cfg.train.steps, now)
@@ -148,12 +152,10 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
     where = f"its checkpoint of step {resume.step}" if resume.state is not None else "the start (no usable checkpoint)"
     reporter.note(f"resuming job {unfinished.id} ({train.model}, {train.steps} steps, options as first given) "
                   f"from {where}; pass --new-job to start over instead")
-    abandoned = store.abandon_unfinished(unfinished.id, now)
     if abandoned:
         reporter.note(f"{abandoned} tiles in flight when the last coordinator stopped will be recomputed")
     store.truncate_steps(unfinished.id, resume.step)
     store.set_job_state(unfinished.id, "running", now)
-    store.mark_devices_offline("coordinator restarted")
     return _Plan(unfinished.id, train, resume)
 
 
@@ -242,10 +244,15 @@ async def serve_job(
                     await server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
                 core.progress.state = "training"
                 started = time.perf_counter()
+                trainer = asyncio.ensure_future(asyncio.to_thread(train))
                 try:
-                    await asyncio.to_thread(train)
+                    await asyncio.wait({trainer})  # waiting, unlike awaiting, leaves it running if we are cancelled
+                    trainer.result()
                 except BaseException:
                     server.abort("coordinator stopped")
+                    # Let the trainer thread finish what it is doing (a checkpoint, say) and record
+                    # it before the store closes; it stops at its next GEMM.
+                    await asyncio.wait({trainer}, timeout=60)
                     raise
                 store.set_job_state(job_id, "finished", clock())
                 final = server.status()  # before the devices disconnect: their live counters

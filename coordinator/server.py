@@ -19,7 +19,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.core import (
-    CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, AuthError, Core, Outbound, Send,
+    CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, SHUTDOWN, AuthError, Core, Outbound, Send,
 )
 from coordinator.protocol import (
     Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, SpeedTest, StatusReply, StatusRequest,
@@ -70,6 +70,7 @@ class Server:
         self._devices_changed = asyncio.Event()
         self._device_count = 0
         self._aborted: str | None = None
+        self._closing = False
 
     # ------------------------------------------------------------------ peers
 
@@ -119,7 +120,13 @@ class Server:
                     reason = f"{exc.code}: {exc}"
                     conn.queue.put_nowait((CLOSE_PROTOCOL, _reason(reason)))
                     break
-                self.deliver(self.core.handle(device_id, msg, self.clock()))
+                try:
+                    self.deliver(self.core.handle(device_id, msg, self.clock()))
+                except Exception:  # a bug must not pass silently, nor take the server down
+                    log.exception("handling %s from device %d failed", msg.TYPE, device_id)
+                    reason = f"internal error on {msg.TYPE}"
+                    conn.queue.put_nowait((1011, "internal error"))
+                    break
                 if isinstance(msg, Leave):
                     reason = "left"
                     break
@@ -127,6 +134,8 @@ class Server:
             pass
         finally:
             self.conns.pop(device_id, None)
+            if self._aborted is not None or self._closing:
+                reason = SHUTDOWN  # the coordinator is going: not the device's fault
             self.deliver(self.core.disconnect(device_id, self.clock(), reason))
             self._devices_changed.set()
             log.info("device %d left: %s", device_id, reason)
@@ -218,7 +227,12 @@ class Server:
         """Let time pass in the Core: silent devices, passed deadlines, stragglers, heartbeats."""
         while True:
             await asyncio.sleep(interval)
-            self.deliver(self.core.tick(self.clock()))
+            try:
+                self.deliver(self.core.tick(self.clock()))
+            except Exception:  # without ticks, deadlines and heartbeats stop: fail the job loudly
+                log.exception("the coordinator's clock tick failed; stopping the job")
+                self.abort("internal error in the coordinator's tick (see the log)")
+                raise
             if self.core.active_devices != self._device_count:  # joins, leaves, pauses, resumes
                 self._device_count = self.core.active_devices
                 self._devices_changed.set()
@@ -232,6 +246,7 @@ class Server:
 
     async def close_all(self, reason: str = "job finished", timeout: float = 5.0) -> None:
         """Close every connection after its queued messages; abort any peer that stopped reading."""
+        self._closing = True
         conns = list(self.conns.values())
         for conn in conns:
             conn.queue.put_nowait((CLOSE_FINISHED, reason))
@@ -253,9 +268,11 @@ class Server:
             self._pending.add(future)
             future.add_done_callback(self._pending.discard)
             try:
-                _, out = self.core.submit(request.a, request.b, request.kind, self.clock(), future.set_result)
+                _, out = self.core.submit(request.a, request.b, request.kind, self.clock(),
+                                          lambda result, f=future: None if f.done() else f.set_result(result))
             except Exception as exc:  # surfaced in the trainer thread, not swallowed here
-                future.set_exception(exc)
+                if not future.done():
+                    future.set_exception(exc)
                 continue
             self.deliver(out)
 

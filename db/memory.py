@@ -182,7 +182,9 @@ class MemoryStore:
             return None
         return self._lease(t, device_id, issued, now)
 
-    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> LeaseEnd:
+    def end_lease(
+        self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
+    ) -> LeaseEnd:
         if outcome not in OUTCOMES or outcome == "cancelled":
             raise StoreError(f"a lease cannot be ended as {outcome!r}")
         t = self._tiles.get(tile_id)
@@ -198,7 +200,7 @@ class MemoryStore:
                 other.ended_at, other.outcome, other.reason = now, "cancelled", "another copy was verified first"
                 cancelled.append(other.device_id)
             return LeaseEnd(False, tuple(cancelled))
-        if outcome == "rejected":
+        if outcome == "rejected" or bar:
             t.barred.add(device_id)
         if self._open(tile_id):
             return LeaseEnd(False)
@@ -251,10 +253,12 @@ class MemoryStore:
         newest = self._jobs[max(self._jobs)]
         return copy.deepcopy(newest) if newest.state in ("running", "stopped") else None
 
-    def abandon_unfinished(self, job_id: int, now: float) -> int:
+    def abandon_unfinished(self, job_id: int | None, now: float) -> int:
         count = 0
         for t in self._tiles.values():
-            if self._gemms[t.gemm_id]["job_id"] != job_id or t.state not in (QUEUED, LEASED):
+            if job_id is not None and self._gemms[t.gemm_id]["job_id"] != job_id:
+                continue
+            if t.state not in (QUEUED, LEASED):
                 continue
             for lease in self._open(t.id):
                 lease.ended_at, lease.outcome, lease.reason = now, "lost", "coordinator restarted"

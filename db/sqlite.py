@@ -248,7 +248,9 @@ class SQLiteStore:
             row = c.execute(_CLAIM_COPY, {"tile": tile_id, "device": device_id}).fetchone()
             return None if row is None else self._lease(c, row, device_id, issued, now)
 
-    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> LeaseEnd:
+    def end_lease(
+        self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
+    ) -> LeaseEnd:
         if outcome not in OUTCOMES or outcome == "cancelled":
             raise StoreError(f"a lease cannot be ended as {outcome!r}")
         with self.atomic() as c:
@@ -272,7 +274,7 @@ class SQLiteStore:
                 self._count(gemm_id, VERIFIED)
                 self._count(gemm_id, "cancelled", len(cancelled))
                 return LeaseEnd(False, tuple(r[0] for r in cancelled))
-            barred = "json_insert(barred, '$[#]', :device)" if outcome == "rejected" else "barred"
+            barred = "json_insert(barred, '$[#]', :device)" if outcome == "rejected" or bar else "barred"
             state, gemm_id = c.execute(
                 f"UPDATE tiles SET open_leases = open_leases - 1, barred = {barred}, "
                 "state = CASE WHEN open_leases = 1 THEN 'queued' ELSE state END, "
@@ -358,18 +360,19 @@ class SQLiteStore:
             c.execute("DELETE FROM steps WHERE job_id = ? AND step > ?", (job_id, after))
             c.execute("UPDATE jobs SET step = MIN(step, ?) WHERE id = ?", (after, job_id))
 
-    def abandon_unfinished(self, job_id: int, now: float) -> int:
+    def abandon_unfinished(self, job_id: int | None, now: float) -> int:
+        jobs = "(SELECT id FROM gemms WHERE job_id = :job OR :job IS NULL)"
         with self.atomic() as c:
             c.execute(
-                "UPDATE leases SET ended_at = ?, outcome = 'lost', reason = 'coordinator restarted' "
-                "WHERE ended_at IS NULL AND tile_id IN "
-                "(SELECT t.id FROM tiles t JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ?)", (now, job_id),
+                "UPDATE leases SET ended_at = :now, outcome = 'lost', reason = 'coordinator restarted' "
+                f"WHERE ended_at IS NULL AND tile_id IN (SELECT id FROM tiles WHERE gemm_id IN {jobs})",
+                {"now": now, "job": job_id},
             )
             cur = c.execute(
                 "UPDATE tiles SET state = 'abandoned', open_leases = 0 WHERE state IN ('queued', 'leased') "
-                "AND gemm_id IN (SELECT id FROM gemms WHERE job_id = ?)", (job_id,),
+                f"AND gemm_id IN {jobs}", {"job": job_id},
             )
-            self._counts.pop(job_id, None)  # a bulk change: count again when asked
+            self._counts.clear()  # a bulk change: count again when asked
             return cur.rowcount
 
     def close(self) -> None:

@@ -181,10 +181,12 @@ class Store(Protocol):
         """Lease one more copy of an outstanding tile (speculation, or its deadline passed), unless
         the device already holds one or failed it. ``issued`` says why."""
         ...
-    def end_lease(self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "") -> LeaseEnd:
+    def end_lease(
+        self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
+    ) -> LeaseEnd:
         """Close the device's open lease on the tile. ``verified`` finishes the tile and cancels
-        its other copies; otherwise the tile is queued again once no copy is out (``rejected``
-        also bars that device from it)."""
+        its other copies; otherwise the tile is queued again once no copy is out. ``rejected``
+        (or ``bar``) also bars that device from the tile."""
         ...
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
         """End every open lease of a device (it left or was lost); returns the tiles re-queued."""
@@ -213,8 +215,9 @@ class Store(Protocol):
     def truncate_steps(self, job_id: int, after: int) -> None:
         """Forget steps after ``after`` (they are computed again from a checkpoint)."""
         ...
-    def abandon_unfinished(self, job_id: int, now: float) -> int:
-        """A restarted coordinator: the dead one's unfinished tiles are abandoned (their operands
-        died with it) and their open leases end as lost. Returns how many tiles."""
+    def abandon_unfinished(self, job_id: int | None, now: float) -> int:
+        """A (re)started coordinator: unfinished tiles of ``job_id`` (None: of every job) are
+        abandoned, since their operands died with the last coordinator, and their open leases
+        end as lost. Returns how many tiles."""
         ...
     def close(self) -> None: ...

@@ -324,3 +324,27 @@ def test_released_tiles_are_requeued_and_their_blocks_sent_again(core: Core) -> 
     assert again.tile_id == held and {blk.key for blk in again.blocks} == {again.a, again.b}
     fleet.drain()
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_non_finite_inputs_stop_training_instead_of_banning_honest_devices(core: Core) -> None:
+    fleet = Fleet(core)
+    fleet.join("honest")
+    a = torch.randn(64, 32)
+    a[3, 4] = float("inf")
+    with pytest.raises(FloatingPointError, match="diverged"):
+        core.submit(a, torch.randn(32, 64), GemmKind.FORWARD, fleet.now, lambda r: None)
+    assert core.status(fleet.now)["tiles"]["queued"] == 0 and core.gemms == {}
+
+
+def test_an_absurd_timing_cannot_poison_speed_estimates_or_status(core: Core) -> None:
+    from coordinator.protocol import StatusReply, encode
+
+    fleet = Fleet(core)
+    d = fleet.join("liar-about-speed", slots=1)
+    submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))
+    item = fleet.pending.pop(0)
+    a, b = item.message.operands(fleet.blocks[d])
+    fleet.route(core.handle(d, Result(item.message.tile_id, a @ b, 5e-324), fleet.now))
+    status = core.status(fleet.now)
+    assert all(dev["gflops"] < 1e8 for dev in status["devices"])
+    encode(StatusReply(status))  # strict JSON: would raise on inf

@@ -203,3 +203,19 @@ def test_credit_reaches_busy_devices_and_a_final_tally_comes_with_finished(core:
     assert len([m for m in fleet.inbox[d] if isinstance(m, Credit)]) == len(credits)  # only news is sent
     out = core.finish(fleet.now + 0.2)
     assert [type(o.message) for o in out] == [Credit, Finished]
+
+
+def test_a_tile_whose_compute_failed_goes_to_another_device(core: Core) -> None:
+    from coordinator.protocol import Release
+
+    fleet = Fleet(core)
+    broken = fleet.join("broken", slots=1)
+    submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))  # one tile
+    (tile,) = core.devices[broken].inflight
+    fleet.pending.clear()
+    fleet.route(core.handle(broken, Release((tile,), "compute failed: out of memory"), fleet.now))
+    assert tile not in core.devices[broken].inflight  # not straight back to it
+    healthy = fleet.join("healthy", slots=1)
+    assert tile in core.devices[healthy].inflight
+    fleet.drain()
+    assert core.store.tile_state(tile) == "verified"

@@ -313,3 +313,17 @@ def test_sqlite_running_counts_always_equal_a_recount(tmp_path: Path) -> None:
     store.abandon_unfinished(job, 500.0)
     assert store.tile_counts(job) == store.recount(job)
     store.close()
+
+
+def test_a_start_abandons_every_dead_jobs_tiles(store: Store) -> None:
+    """A tile left queued by a killed run must never be handed to the next job."""
+    old = store.create_job("old", {}, 1, 0.0)
+    _gemm(store, old, n=2)
+    store.set_job_state(old, "failed", 1.0)
+    assert store.abandon_unfinished(None, now=2.0) == 2
+    new = store.create_job("new", {}, 1, 3.0)
+    d = store.add_device(new, DeviceInfo("a"), 3.0)
+    assert store.claim_tile(d, [], now=4.0) is None
+    _, (fresh,) = _gemm(store, new, n=1)
+    claimed = store.claim_tile(d, [], now=5.0)
+    assert claimed is not None and claimed.id == fresh
