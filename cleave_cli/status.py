@@ -14,9 +14,8 @@ from websockets.sync.client import ClientConnection, connect
 
 from cleave_cli import render
 from cleave_cli.errors import CleaveError, friendly, is_terminal
-from coordinator.protocol import ProtocolError, StatusReply, StatusRequest, decode, encode
+from coordinator.protocol import CLOSE_AUTH, ProtocolError, StatusReply, StatusRequest, decode, encode
 
-CLOSE_AUTH = 4001
 
 
 def _ask(ws: ClientConnection, token: str) -> dict[str, Any]:

@@ -29,14 +29,13 @@ from client import benchmark, kernels, sysinfo
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
 from coordinator.protocol import (
-    Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, Welcome,
+    CLOSE_AUTH, CLOSE_BANNED, Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, Welcome,
     Work, decode, encode,
 )
 from coordinator.verify import freivalds
 
 log = logging.getLogger("cleave.client")
 
-CLOSE_AUTH, CLOSE_BANNED = 4001, 4003  # mirrors coordinator.core; the client imports no server code
 MAX_FRAME = 256 << 20
 VERSION = "0.1.0"
 MISSING_BLOCK = "missing input block"  # mirrors coordinator.core: the coordinator sends the blocks again

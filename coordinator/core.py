@@ -33,19 +33,13 @@ import torch
 
 from coordinator.blocks import BlockRef, Source, Sources, block_ref
 from coordinator.protocol import (
-    Block, Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Message, Pause, Release, Result, Resume,
+    CLOSE_BANNED, CLOSE_SILENT, Block, Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Message, Pause, Release, Result, Resume,
     StatusReply, StatusRequest, Welcome, Work,
 )
 from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm
 from coordinator.verify import freivalds
 from db.store import DEADLINE, SPECULATIVE, DeviceInfo, NewTile, Store
 
-# Application close codes (4000-4999 are free for applications in RFC 6455).
-CLOSE_PROTOCOL = 4000  # malformed frame or unknown message
-CLOSE_AUTH = 4001  # wrong token
-CLOSE_BANNED = 4003  # too many rejected results
-CLOSE_SILENT = 4008  # no heartbeat within the timeout
-CLOSE_FINISHED = 1000  # normal closure once the job is over
 
 MAX_SLOTS = 8
 SHUTDOWN = "coordinator stopped"
@@ -226,8 +220,6 @@ class Core:
         self.verify_seconds = 0.0
         # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
         self.verify_worst_honest: dict[str, float] = {}
-        self.bytes_down = 0
-        self.bytes_up = 0
 
     # ------------------------------------------------------------------ devices
 
@@ -338,7 +330,6 @@ class Core:
         self._unhold(msg.tile_id, dev.id)
         nbytes = msg.c.numel() * msg.c.element_size()
         dev.bytes_up += nbytes
-        self.bytes_up += nbytes
         gemm = self.gemms[self._tile_gemm[msg.tile_id]]
         tile = gemm.tiles[msg.tile_id]
         ra, rb = gemm.blocks_of(tile)
@@ -557,7 +548,6 @@ class Core:
                 blocks.append(Block(ref.key, ref.wire()))
                 dev.hold(ref)
                 dev.bytes_down += ref.nbytes
-                self.bytes_down += ref.nbytes
         return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget)
 
     # ------------------------------------------------------------------ job

@@ -42,6 +42,14 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships f
     raise ImportError("Cleave's wire format assumes a little-endian machine")
 
 
+# Websocket close codes (4000-4999 are free for applications in RFC 6455).
+CLOSE_FINISHED = 1000  # normal closure once the job is over
+CLOSE_PROTOCOL = 4000  # malformed frame or unknown message
+CLOSE_AUTH = 4001  # wrong token
+CLOSE_BANNED = 4003  # too many rejected results
+CLOSE_SILENT = 4008  # no heartbeat within the timeout
+
+
 class ProtocolError(ValueError):
     """A frame or message that breaks the protocol. ``code`` is sent back to the peer."""
 

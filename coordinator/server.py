@@ -19,10 +19,10 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.core import (
-    CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, SHUTDOWN, AuthError, Core, Outbound, Send,
+    SHUTDOWN, AuthError, Core, Outbound, Send,
 )
 from coordinator.protocol import (
-    Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, SpeedTest, StatusReply, StatusRequest,
+    CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, SpeedTest, StatusReply, StatusRequest,
     decode, encode,
 )
 from coordinator.training.linear import GemmRequest
@@ -48,8 +48,6 @@ class _Conn:
 
 @dataclass
 class Traffic:
-    frames_down: int = 0
-    frames_up: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
 
@@ -82,7 +80,6 @@ class Server:
             return
         except ConnectionClosed:
             return
-        self.traffic.frames_up += 1
         self.traffic.bytes_up += len(first)
         try:
             msg = decode(first)
@@ -110,7 +107,6 @@ class Server:
         reason = "connection closed"
         try:
             async for frame in ws:
-                self.traffic.frames_up += 1
                 self.traffic.bytes_up += len(frame)
                 try:
                     msg = decode(frame)
@@ -209,7 +205,6 @@ class Server:
                 continue
             if isinstance(item, Send):
                 frame = encode(item.message)
-                self.traffic.frames_down += 1
                 self.traffic.bytes_down += len(frame)
                 conn.queue.put_nowait(frame)
             elif item.code == CLOSE_SILENT:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.core import CLOSE_BANNED, AuthError, Close, Core, Outbound, Send
+from coordinator.core import AuthError, Close, Core, Outbound, Send
+from coordinator.protocol import CLOSE_BANNED
 from coordinator.protocol import Credit, Error, Finished, Hello, Leave, Result, StatusReply, StatusRequest, Welcome, Work
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.core import CLOSE_SILENT, Core, FaultPolicy
+from coordinator.core import Core, FaultPolicy
+from coordinator.protocol import CLOSE_SILENT
 from coordinator.protocol import Cancel, Heartbeat, Result, Work
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
