@@ -63,7 +63,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from cleave_cli.local import serve_with_local_clients
-from coordinator.job import CoordinatorConfig, JobOutcome, new_token
+from coordinator.job import CoordinatorConfig, JobOutcome, Listening, new_token
 from coordinator.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from coordinator.verify import freivalds, rademacher
@@ -179,8 +179,8 @@ class BenchReporter:
     def note(self, text: str) -> None:
         pass
 
-    def listening(self, url: str, token: str, generated: bool, join_url: str = "") -> None:
-        self.ui.note(f"coordinator listening on {url}")
+    def listening(self, info: Listening) -> None:
+        self.ui.note(f"coordinator listening on {info.url}")
 
     def waiting(self, have: int, want: int) -> None:
         self.ui.note(f"waiting for clients: {have}/{want} joined")

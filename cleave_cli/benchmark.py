@@ -9,8 +9,10 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import CleaveError, friendly
+from client.connection import URLRefused, check_url
 from client import benchmark as bench
 from client import kernels
 
@@ -20,7 +22,9 @@ def benchmark(
     device: Annotated[str, typer.Option(help="Device to measure: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for the GEMMs. Default: torch's choice.")] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="Also measure round trip and throughput to this coordinator.")] = None,
-    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's join secret (needed with --url).")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's join or operator token (needed with --url).")] = None,
+    cafile: opt.CaFile = None,
+    insecure: opt.Insecure = False,
     seconds: Annotated[float, typer.Option(help="Seconds per GEMM measurement.")] = 0.4,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
 ) -> None:
@@ -32,8 +36,11 @@ def benchmark(
         raise CleaveError(f"--threads must be between 1 and 1024, got {threads}", 2)
     if url is not None and not token:
         raise CleaveError("--url needs --token (the coordinator checks it before answering)", 2)
-    if url is not None and not url.startswith(("ws://", "wss://")):
-        raise CleaveError(f"coordinator URL must start with ws:// or wss://, got {url!r}", 2)
+    if url is not None:
+        try:
+            check_url(url, insecure=insecure)
+        except URLRefused as exc:
+            raise CleaveError(str(exc), 2) from None
     dev = kernels.pick_device(device)
     kernels.configure(dev, threads)
     err = Console(stderr=True, highlight=False)
@@ -43,7 +50,7 @@ def benchmark(
     if url is not None:
         with err.status(f"measuring the link to {url} ..."):
             try:
-                result.link = asyncio.run(bench.measure_link(url, str(token)))
+                result.link = asyncio.run(bench.measure_link(url, str(token), cafile=str(cafile) if cafile else None))
             except (OSError, RuntimeError, TimeoutError) as exc:
                 raise CleaveError(f"cannot measure the link to {url}: {exc}") from None
             except Exception as exc:  # websockets' handshake and close errors

@@ -12,8 +12,10 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
+from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import friendly, is_terminal
+from client.credentials import default_path as default_credentials
 from client.idle import FileProbe, Reading, SystemProbe
 from client.policy import Decision, PolicyConfig, default_config_path, load_config
 from client.runner import Worker, WorkerConfig, WorkerStats
@@ -75,7 +77,7 @@ class _Explain:
 @friendly
 def join(
     url: Annotated[Optional[str], typer.Argument(help="Coordinator address, e.g. ws://192.168.1.10:8765")] = None,
-    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's join secret (it prints it at start).")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's join token: enrols this device once; later runs use the stored credential.")] = None,
     device: Annotated[str, typer.Option(help="Where tiles run: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for tile math. Default: the config's max_threads, else torch's choice.")] = None,
     name: Annotated[Optional[str], typer.Option(help="Name shown on the coordinator's dashboard and leaderboard. Default: host name.")] = None,
@@ -93,6 +95,10 @@ def join(
     always: Annotated[bool, typer.Option("--always", help="Ignore the idle, power, load and heat rules (dedicated machines, demos).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Explain what each probe reads and every policy decision.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live display (for services).")] = False,
+    cafile: opt.CaFile = None,
+    insecure: opt.Insecure = False,
+    credentials: Annotated[Optional[Path], typer.Option("--credentials", help=f"File of this machine's device credentials. Default: {default_credentials()}.")] = None,
+    new_identity: Annotated[bool, typer.Option("--new-identity", help="Enrol again with --token as a new device, replacing the stored credential.")] = False,
     probe_file: Annotated[Optional[Path], typer.Option("--probe-file", hidden=True, help="Testing: read probe values from this JSON file.")] = None,
 ) -> None:
     """Join a coordinator: pull tiles, compute them with torch, send them back, only while the
@@ -111,18 +117,22 @@ def join(
         source = f"# policy from {used} and flags" if used else f"# defaults and flags ({default_config_path()} not found)"
         console.out(f"{source}\n{policy.to_toml()}", highlight=False)
         return
-    if url is None or token is None:
-        raise typer.BadParameter("URL and --token are required (unless --show-config)")
-    cfg = WorkerConfig(url=url, token=token, name=name or machine_name(), device=device, threads=threads,
-                       slots=slots, once=once, policy=policy)
+    if url is None:
+        raise typer.BadParameter("URL is required (unless --show-config)")
+    if new_identity and not token:
+        raise typer.BadParameter("--new-identity needs --token (the join token) to enrol")
+    cfg = WorkerConfig(url=url, token=token or "", name=name or machine_name()[:64], device=device, threads=threads,
+                       slots=slots, once=once, policy=policy, cafile=str(cafile) if cafile else None,
+                       insecure=insecure, credentials=credentials, new_identity=new_identity)
     probe = FileProbe(probe_file, SystemProbe()) if probe_file is not None else SystemProbe()
     with _Display(console, url, live=is_terminal(), quiet=quiet) as display:
         worker = Worker(cfg, probe=probe, on_update=display, on_decision=_Explain(console) if verbose else None)
         code = asyncio.run(_run(worker))
     if not quiet:
         s = worker.stats
+        who = f"device #{s.identity}" if s.identity else repr(cfg.name)
         console.print(f"left: {s.tiles:,} tiles computed, {s.credit_gflop:,.2f} GFLOP verified to your credit "
-                      f"({s.credit_name_gflop:,.2f} under {cfg.name!r}), {s.rejected} rejected", highlight=False)
+                      f"({s.credit_total_gflop:,.2f} in total for {who}), {s.rejected} rejected", highlight=False)
     raise typer.Exit(code)
 
 

@@ -32,3 +32,12 @@ def train_config(model: str, steps: int, batch_size: int, seq_len: int, lr: floa
 
 
 DEFAULTS = _D
+
+CaFile = Annotated[
+    Optional[Path],
+    typer.Option("--cafile", help="Verify the coordinator's wss:// certificate against this CA (PEM) instead of the system's."),
+]
+Insecure = Annotated[
+    bool,
+    typer.Option("--insecure", help="Allow unencrypted ws:// to a host other than this machine (tokens and blocks travel in clear)."),
+]

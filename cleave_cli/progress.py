@@ -10,6 +10,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cleave_cli import render
+from coordinator.job import Listening
 from coordinator.training.loop import StepResult
 
 
@@ -23,9 +24,9 @@ class ConsoleReporter:
         self._live: Live | None = None
         self._task = None
 
-    def listening(self, url: str, token: str, generated: bool, join_url: str) -> None:
-        # Always printed, plainly: scripts and tests read the URL and token from this.
-        self.console.print(render.listening(url, token, generated, join_url), soft_wrap=True)
+    def listening(self, info: Listening) -> None:
+        # Always printed, plainly: scripts and tests read the URL and tokens from this.
+        self.console.print(render.listening(info), soft_wrap=True)
 
     def note(self, text: str) -> None:
         # Resume decisions and skipped checkpoints: always worth a line, even with --quiet.

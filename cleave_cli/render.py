@@ -3,6 +3,7 @@ result to a Console (tests render into ``Console(file=io.StringIO())``)."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any, Sequence
 
 from rich.console import Group
@@ -42,14 +43,32 @@ def step_line(
     return text
 
 
-def listening(url: str, token: str, generated: bool, join_url: str | None = None) -> Text:
+def listening(info: Any) -> Text:
+    """The coordinator's banner: where it listens, and the commands to join and to watch it."""
     text = Text()
     text.append("cleave coordinator listening on ", style="bold")
-    text.append(url, style="bold green")
+    text.append(info.url, style="bold green")
+    insecure = " --insecure" if info.exposed else ""
     text.append("\njoin with: ")
-    text.append(f"cleave join {join_url or url} --token {token}", style="yellow")
-    if generated:
-        text.append("\n(token generated for this run; pass --token to choose one)", style="dim")
+    join_token = info.join_token if info.join_token is not None else "<the join token>"
+    text.append(f"cleave join {info.join_url} --token {join_token}{insecure}", style="yellow")
+    text.append("\nwatch with: ")
+    operator = info.operator_token if info.operator_token is not None else "<the operator token>"
+    text.append(f"cleave status --url {info.join_url} --token {operator}{insecure}", style="yellow")
+    notes = []
+    if "join" in info.generated:
+        notes.append("join token generated (pass --token to choose one)")
+    elif info.join_token is None:
+        notes.append("join token kept from the database")
+    if "operator" in info.generated:
+        notes.append("operator token generated (pass --operator-token to choose one)")
+    elif info.operator_token is None:
+        notes.append("operator token kept from the database")
+    if notes:
+        text.append(f"\n({'; '.join(notes)}; `cleave coordinator token rotate` replaces one)", style="dim")
+    if info.exposed:
+        text.append("\nwarning: unencrypted ws:// on a network address: tokens and blocks travel in clear. "
+                    "Serve wss:// with --certfile and --keyfile.", style="bold yellow")
     return text
 
 
@@ -75,7 +94,7 @@ def dashboard(status: dict[str, Any]) -> Group:
         "faults",
         f"{tiles.get('requeued', 0):,} re-queued, {tiles.get('expired', 0):,} expired, "
         f"{tiles.get('speculative', 0):,} speculative, {tiles.get('cancelled', 0):,} cancelled, "
-        f"{tiles.get('lost', 0):,} lost",
+        f"{tiles.get('lost', 0):,} lost, {tiles.get('revoked', 0):,} taken back",
     )
     summary.add_row("queue depth", str(status.get("queue_depth", tiles.get("queued", 0))))
     traffic = status.get("traffic")
@@ -86,7 +105,8 @@ def dashboard(status: dict[str, Any]) -> Group:
                          ("tiles done", "right"), ("rejected", "right"), ("lost", "right"),
                          ("reliability", "right"), ("verified GFLOP", "right")]:
         devices.add_column(col, justify=justify)  # type: ignore[arg-type]
-    style = {"working": "green", "idle": "cyan", "paused": "yellow", "offline": "dim", "banned": "bold red"}
+    style = {"working": "green", "idle": "cyan", "paused": "yellow", "offline": "dim", "banned": "bold red",
+             "revoked": "red"}
     for d in status.get("devices", []):
         state = d.get("state", "")
         reason = f" ({d['reason']})" if d.get("reason") and state not in ("working", "idle") else ""  # paused: why
@@ -100,15 +120,22 @@ def dashboard(status: dict[str, Any]) -> Group:
         )
     if not status.get("devices"):
         devices.add_row("(no devices yet)", *[""] * 8)
+    counts = status.get("device_counts") or {}
+    listed = len(status.get("devices", []))
+    total = sum(v for k, v in counts.items() if k != "connected")
+    if total > listed:
+        devices.caption = f"{listed} of {total} devices listed: " + ", ".join(
+            f"{v:,} {k}" for k, v in sorted(counts.items()) if k != "connected")
     parts: list[Any] = [Panel(summary, title="cleave", border_style="blue"), devices]
     if status.get("leaderboard"):
-        board = Table(title="leaderboard: verified work by name", expand=True)
+        board = Table(title="leaderboard: verified work by device", expand=True)
         board.add_column("#", justify="right")
-        board.add_column("name")
+        board.add_column("device")
         board.add_column("verified GFLOP", justify="right")
         board.add_column("tiles", justify="right")
         for rank, row in enumerate(status["leaderboard"], start=1):
-            board.add_row(str(rank), str(row.get("name", "")), f"{row.get('gflop', 0):,.2f}", f"{row.get('tiles', 0):,}")
+            who = f"{row.get('name', '')} #{row.get('identity', '')}"
+            board.add_row(str(rank), who, f"{row.get('gflop', 0):,.2f}", f"{row.get('tiles', 0):,}")
         parts.append(board)
     return Group(*parts)
 
@@ -140,7 +167,7 @@ def client_panel(stats: Any, url: str) -> Panel:
     grid.add_row("tiles", tiles)
     grid.add_row("speed", f"{stats.gflops:,.1f} GFLOP/s while computing")
     grid.add_row("credit", f"{stats.credit_gflop:,.2f} GFLOP verified (this session), "
-                           f"{stats.credit_name_gflop:,.2f} under this name")
+                           f"{stats.credit_total_gflop:,.2f} in total for this device")
     grid.add_row("traffic", f"{stats.bytes_down / 1e6:,.1f} MB down, {stats.bytes_up / 1e6:,.1f} MB up")
     grid.add_row("uptime", _duration(stats.uptime))
     if stats.last_error and stats.state in ("reconnecting", "connecting"):
@@ -195,6 +222,30 @@ def benchmark_table(result: Any) -> Table:
         table.add_row("download from coordinator", f"{result.link.down_mb_s:,.1f} MB/s")
         table.add_row("upload to coordinator", f"{result.link.up_mb_s:,.1f} MB/s")
     return table
+
+
+def identities(rows: Sequence[Any]) -> Table:
+    """``cleave coordinator devices list``: enrolled devices, newest first."""
+    table = Table(title="enrolled devices", expand=True)
+    for col, justify in [("#", "right"), ("name", "left"), ("state", "left"), ("enrolled", "left"),
+                         ("last seen", "left"), ("tiles done", "right"), ("rejected", "right"), ("lost", "right"),
+                         ("taken back", "right"), ("reliability", "right"), ("verified GFLOP", "right"),
+                         ("reason", "left")]:
+        table.add_column(col, justify=justify, no_wrap=col != "reason")  # type: ignore[arg-type]
+    style = {"active": "green", "banned": "bold red", "revoked": "red"}
+    for r in rows:
+        table.add_row(str(r.id), r.name, Text(r.state, style=style.get(r.state, "")), _when(r.created_at),
+                      _when(r.last_seen), f"{r.tiles_done:,}", f"{r.tiles_rejected:,}", f"{r.tiles_lost:,}",
+                      f"{r.tiles_revoked:,}", f"{100 * r.reliability:.1f}%", f"{r.gflop_verified:,.2f}", r.reason)
+    if not rows:
+        table.add_row("", "(no device has enrolled yet)", *[""] * 10)
+    return table
+
+
+def _when(epoch: float | None) -> str:
+    if not epoch:
+        return ""
+    return dt.datetime.fromtimestamp(epoch).strftime("%Y-%m-%d %H:%M")
 
 
 def comparison(rows: Sequence[tuple[str, float, float]], max_rel_diff: float, tolerance: float) -> Table:

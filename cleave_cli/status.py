@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import ssl
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Iterator
 
 import typer
 from rich.console import Console
@@ -12,62 +14,82 @@ from rich.live import Live
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.sync.client import ClientConnection, connect
 
+from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import CleaveError, friendly, is_terminal
-from coordinator.protocol import CLOSE_AUTH, ProtocolError, StatusReply, StatusRequest, decode, encode
+from client.connection import URLRefused, check_url, client_tls
+from coordinator.protocol import Challenge, CloseCode, ProtocolError, StatusReply, StatusRequest, decode, encode
 
+TIMEOUT = 10.0  # seconds to wait for any answer
 
 
 def _ask(ws: ClientConnection, token: str) -> dict[str, Any]:
     ws.send(encode(StatusRequest(token)))
     try:
-        reply = decode(ws.recv(timeout=10))
+        reply = decode(ws.recv(timeout=TIMEOUT))
     except ConnectionClosed:
-        if ws.close_code == CLOSE_AUTH:
-            raise CleaveError("the coordinator refused the token", 2) from None
+        if ws.close_code == CloseCode.AUTH:
+            raise CleaveError(f"the coordinator refused the token ({ws.close_reason})", 2) from None
         raise CleaveError(f"the coordinator closed the connection ({ws.close_code} {ws.close_reason})") from None
     except TimeoutError:
-        raise CleaveError("the coordinator did not answer within 10 s") from None
+        raise CleaveError(f"the coordinator did not answer within {TIMEOUT:g} s") from None
     if not isinstance(reply, StatusReply):
         raise ProtocolError(f"expected a status reply, got {reply.TYPE}")
     return reply.status
 
 
-def fetch_status(url: str, token: str) -> dict[str, Any]:
-    with _open(url) as ws:
+def fetch_status(url: str, token: str, *, cafile: str | None = None, insecure: bool = False) -> dict[str, Any]:
+    with _open(url, cafile, insecure) as ws:
         return _ask(ws, token)
 
 
-def _open(url: str) -> ClientConnection:
-    if not url.startswith(("ws://", "wss://")):
-        raise CleaveError(f"coordinator URL must start with ws:// or wss://, got {url!r}", 2)
+@contextlib.contextmanager
+def _open(url: str, cafile: str | None = None, insecure: bool = False) -> Iterator[ClientConnection]:
     try:
-        return connect(url, compression=None, max_size=64 << 20, open_timeout=10, proxy=None)
+        check_url(url, insecure=insecure)
+        tls = client_tls(url, cafile)
+    except URLRefused as exc:
+        raise CleaveError(str(exc), 2) from None
+    try:
+        conn = connect(url, compression=None, max_size=64 << 20, open_timeout=TIMEOUT, proxy=None, ssl=tls)
     except InvalidURI as exc:
         raise CleaveError(f"bad coordinator URL: {exc}", 2) from None
+    except ssl.SSLCertVerificationError as exc:
+        raise CleaveError(f"the coordinator's TLS certificate does not verify: {exc.verify_message}", 2) from None
     except (OSError, InvalidHandshake, TimeoutError) as exc:
         raise CleaveError(f"cannot reach a coordinator at {url}: {exc}") from None
+    with conn as ws:
+        try:  # every connection opens with the coordinator's challenge; observers just read it
+            first = decode(ws.recv(timeout=TIMEOUT))
+        except (ConnectionClosed, TimeoutError, ProtocolError) as exc:
+            raise CleaveError(f"the coordinator at {url} did not greet us ({exc})") from None
+        if not isinstance(first, Challenge):
+            raise CleaveError(f"the coordinator at {url} speaks another protocol version (got {first.TYPE})")
+        yield ws
 
 
 @friendly
 def status(
-    token: Annotated[str, typer.Option("--token", help="The coordinator's join secret (required).")],
+    token: Annotated[str, typer.Option("--token", help="The coordinator's operator token (required; not the join token).")],
     url: Annotated[str, typer.Option("--url", help="Coordinator address.")] = "ws://127.0.0.1:8765",
+    cafile: opt.CaFile = None,
+    insecure: opt.Insecure = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (job, devices, tiles) and exit.")] = False,
     watch: Annotated[bool, typer.Option("--watch/--once", help="Keep the dashboard live (default on a terminal).")] = True,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 1.0,
 ) -> None:
     """Show the job's step and loss, throughput, devices and the tile queue."""
-    if not 0.1 <= interval <= 3600:
-        raise CleaveError(f"--interval must be between 0.1 and 3600 s, got {interval}", 2)
+    if not 0.5 <= interval <= 3600:
+        raise CleaveError(f"--interval must be between 0.5 and 3600 s, got {interval}", 2)
     console = Console(highlight=False)
+    ca = str(cafile) if cafile else None
     if as_json:
-        console.out(json.dumps(fetch_status(url, token), sort_keys=True))
+        console.out(json.dumps(fetch_status(url, token, cafile=ca, insecure=insecure), sort_keys=True))
         return
     if not (watch and is_terminal()):
-        console.print(render.dashboard(fetch_status(url, token)))
+        console.print(render.dashboard(fetch_status(url, token, cafile=ca, insecure=insecure)))
         return
-    with _open(url) as ws, Live(console=console, refresh_per_second=4) as live:
+    with _open(url, ca, insecure) as ws, Live(console=console, refresh_per_second=4) as live:
         while True:
             try:
                 snapshot = _ask(ws, token)

@@ -136,17 +136,23 @@ def quick_gflops(
 # --------------------------------------------------------------------------- link
 
 
-async def measure_link(url: str, token: str, *, rounds: int = 20, nbytes: int = 8 << 20) -> LinkFigure:
-    """Round trip and throughput to a coordinator, as an observer (the token is checked)."""
+async def measure_link(url: str, token: str, *, rounds: int = 20, nbytes: int = 8 << 20,
+                       cafile: str | None = None) -> LinkFigure:
+    """Round trip and throughput to a coordinator, as an observer. ``token`` is the join token
+    or the operator's: the coordinator checks it before it answers."""
     from websockets.asyncio.client import connect
 
-    from coordinator.protocol import SpeedTest, StatusReply, StatusRequest, decode, encode
+    from client.connection import client_tls
+    from coordinator.protocol import Challenge, SpeedTest, decode, encode
 
     empty = torch.zeros(0, dtype=torch.uint8)
-    async with connect(url, compression=None, max_size=None, open_timeout=10, proxy=None) as ws:
-        await ws.send(encode(StatusRequest(token)))
-        if not isinstance(decode(await ws.recv()), StatusReply):
-            raise RuntimeError("the coordinator did not answer the status request")
+    async with connect(url, compression=None, max_size=2 * nbytes, open_timeout=10, proxy=None,
+                       ssl=client_tls(url, cafile)) as ws:
+        if not isinstance(decode(await ws.recv()), Challenge):
+            raise RuntimeError("the coordinator did not greet us with a challenge (another version?)")
+        await ws.send(encode(SpeedTest(0, empty, token=token)))  # the first one authenticates
+        if not isinstance(decode(await ws.recv()), SpeedTest):
+            raise RuntimeError("the coordinator did not answer the link test")
         rtts = []
         for _ in range(rounds):
             started = time.perf_counter()

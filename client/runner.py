@@ -16,8 +16,10 @@ import concurrent.futures
 import datetime as dt
 import logging
 import random
+import ssl
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -26,25 +28,33 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from client import benchmark, kernels, sysinfo
+from client.connection import URLRefused, check_url, client_tls
+from client.credentials import Credential as StoredCredential
+from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
+from coordinator import auth
 from coordinator.protocol import (
-    CLOSE_AUTH, CLOSE_BANNED, Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, Welcome,
-    Work, decode, encode,
+    Cancel, Challenge, CloseCode, Code, Credential, Credit, Error, Finished, Heartbeat, Hello, Leave, Pause,
+    ProtocolError, Release, ReleaseWhy, Result, Resume, Welcome, Work, decode, encode,
 )
 from coordinator.verify import freivalds
 
 log = logging.getLogger("cleave.client")
 
-MAX_FRAME = 256 << 20
-VERSION = "0.1.0"
-MISSING_BLOCK = "missing input block"  # mirrors coordinator.core: the coordinator sends the blocks again
+MAX_FRAME = 256 << 20  # the coordinator is trusted more than its volunteers, but not unboundedly
+VERSION = "0.2.0"
+MAX_NAME = 64  # the coordinator refuses longer names
+CHALLENGE_TIMEOUT = 10.0  # seconds for the coordinator's first frame
 DEFAULT_HEARTBEAT = 2.0  # until the coordinator's Welcome says otherwise
 SILENCE_FACTOR = 15  # a coordinator silent this many heartbeats is gone (a big Work frame takes a while)
 
-# Exit codes of ``cleave join``: bad options and a refused token are both usage errors (2).
+# Exit codes of ``cleave join``: bad options, a refused token and a revoked credential are usage
+# errors (2); a ban is 3. A service manager should not restart on either.
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BANNED = 0, 1, 2, 3
 EXIT_AUTH = EXIT_USAGE
+# Closes after which reconnecting cannot help.
+_PERMANENT = {CloseCode.REVOKED: EXIT_AUTH, CloseCode.BANNED: EXIT_BANNED}
 
 Compute = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, float]"]
 
@@ -60,8 +70,8 @@ class ClientError(RuntimeError):
 @dataclass(frozen=True)
 class WorkerConfig:
     url: str
-    token: str
-    name: str = field(default_factory=sysinfo.machine_name)
+    token: str = ""  # the join token: needed to enrol, not once a credential is stored
+    name: str = field(default_factory=lambda: sysinfo.machine_name()[:MAX_NAME])
     device: str = "auto"
     threads: int | None = None
     slots: int = 2
@@ -70,16 +80,24 @@ class WorkerConfig:
     benchmark_seconds: float = 0.3
     policy: PolicyConfig = field(default_factory=PolicyConfig.always)  # the CLI applies the polite defaults
     poll_seconds: float = 0.5  # how often the idle/power probe is read: pauses land within a second
+    cafile: str | None = None  # verify wss:// against this CA instead of the system's
+    insecure: bool = False  # allow plain ws:// to a host other than this machine
+    credentials: Path | None = None  # the credentials file (default: the user's config folder)
+    new_identity: bool = False  # enrol again with the token, replacing a stored credential
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("ws://", "wss://")):
-            raise ClientError(f"coordinator URL must start with ws:// or wss://, got {self.url!r}", EXIT_USAGE)
+        try:
+            check_url(self.url, insecure=self.insecure)
+        except URLRefused as exc:
+            raise ClientError(str(exc), EXIT_USAGE) from None
+        if not (self.name and len(self.name) <= MAX_NAME and self.name.isprintable()):
+            raise ClientError(f"--name must be 1 to {MAX_NAME} printable characters, got {self.name!r}", EXIT_USAGE)
+        if len(self.token) > 256 or not self.token.isprintable():
+            raise ClientError("--token must be at most 256 printable characters", EXIT_USAGE)
         if self.threads is not None and not (1 <= self.threads <= 1024):
             raise ClientError(f"--threads must be between 1 and 1024, got {self.threads}", EXIT_USAGE)
         if not (1 <= self.slots <= 8):
             raise ClientError(f"--slots must be between 1 and 8, got {self.slots}", EXIT_USAGE)
-        if not self.token:
-            raise ClientError("--token must not be empty", EXIT_USAGE)
         if not (0.05 <= self.poll_seconds <= 60):
             raise ClientError("the probe poll interval must be between 0.05 and 60 s", EXIT_USAGE)
 
@@ -99,8 +117,9 @@ class WorkerStats:
     compute_seconds: float = 0.0
     bytes_down: int = 0
     bytes_up: int = 0
-    credit_gflop: float = 0.0  # verified work of this connection, as the coordinator counts it
-    credit_name_gflop: float = 0.0  # ... and of every device under this name
+    credit_gflop: float = 0.0  # verified work of this client process, as the coordinator counts it
+    credit_total_gflop: float = 0.0  # ... and of this device's identity, over every job
+    identity: int | None = None
     started: float = field(default_factory=time.monotonic)
     last_error: str = ""
 
@@ -144,6 +163,13 @@ class Worker:
         self._assigned: set[int] = set()  # received and not yet answered
         self._heard = time.monotonic()
         self._credit_before = 0.0
+        self._credentials = CredentialStore(cfg.credentials)
+        self._coordinator: str | None = None
+        self._enrolled = False  # this process enrolled an identity (--new-identity applies once)
+        try:
+            self._tls = client_tls(cfg.url, cfg.cafile)
+        except URLRefused as exc:
+            raise ClientError(str(exc), EXIT_USAGE) from None
 
     def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self._custom_compute is not None:
@@ -215,7 +241,7 @@ class Worker:
                 try:
                     async with connect(
                         self.cfg.url, compression=None, max_size=MAX_FRAME, open_timeout=10,
-                        ping_interval=20, ping_timeout=120, proxy=None,
+                        ping_interval=20, ping_timeout=120, proxy=None, ssl=self._tls,
                     ) as ws:
                         self._ws = ws
                         delay = 0.5
@@ -225,6 +251,11 @@ class Worker:
                         outcome = await self._session(ws)
                 except InvalidURI as exc:
                     raise ClientError(f"bad coordinator URL: {exc}", EXIT_USAGE) from None
+                except ssl.SSLCertVerificationError as exc:
+                    # Never retried silently: a certificate that does not verify is a wrong address,
+                    # a missing --cafile, or someone in the middle.
+                    raise ClientError(f"the coordinator's TLS certificate does not verify: {exc.verify_message}",
+                                      EXIT_USAGE) from None
                 except (OSError, InvalidHandshake, ConnectionClosed, TimeoutError, asyncio.TimeoutError) as exc:
                     outcome = f"coordinator unavailable ({type(exc).__name__}: {exc})".strip()
                 finally:
@@ -254,13 +285,37 @@ class Worker:
         cap = self.cfg.policy.max_memory_mb << 20
         return cap or benchmark.usable_memory(self.device) // 4
 
-    async def _session(self, ws: ClientConnection) -> str:
-        hello = Hello(
-            token=self.cfg.token, name=self.cfg.name, platform=sysinfo.describe_platform(),
-            cores=sysinfo.cores(), memory_bytes=sysinfo.memory_bytes(), device=self.device.type,
-            gflops=round(self.stats.benchmark_gflops, 3), slots=self.cfg.slots, client_version=VERSION,
-            block_budget=self._block_budget(),
+    def _hello(self, challenge: Challenge) -> tuple[Hello, bool]:
+        """Our answer to the coordinator's challenge: a proof with the stored credential, or the
+        join token to enrol. Returns (hello, enrolling)."""
+        common = dict(
+            name=self.cfg.name, platform=sysinfo.describe_platform()[:128], cores=min(sysinfo.cores(), 1 << 16),
+            memory_bytes=min(sysinfo.memory_bytes(), 1 << 50), device=self.device.type,
+            gflops=min(round(self.stats.benchmark_gflops, 3), 1e7), slots=self.cfg.slots, client_version=VERSION,
+            block_budget=min(self._block_budget(), 1 << 50),
         )
+        try:
+            credential = None if self.cfg.new_identity and not self._enrolled else \
+                self._credentials.get(challenge.coordinator, self.cfg.name)
+        except CredentialError as exc:
+            raise ClientError(str(exc), EXIT_USAGE) from None
+        if credential is not None:
+            answer = auth.proof(credential.secret, credential.identity, bytes.fromhex(challenge.nonce))
+            return Hello(identity=credential.identity, proof=answer.hex(), **common), False
+        if not self.cfg.token:
+            raise ClientError(f"no credential for this coordinator under the name {self.cfg.name!r} in "
+                              f"{self._credentials.path}; pass --token (the join token) to enrol", EXIT_USAGE)
+        return Hello(token=self.cfg.token, **common), True
+
+    async def _session(self, ws: ClientConnection) -> str:
+        try:
+            challenge = decode(await asyncio.wait_for(ws.recv(), CHALLENGE_TIMEOUT))
+        except ProtocolError as exc:
+            return f"the coordinator's first frame was not understood ({exc})"
+        if not isinstance(challenge, Challenge) or len(challenge.nonce) != 2 * auth.NONCE_BYTES:
+            return "the coordinator did not start with a challenge (an older version?)"
+        self._coordinator = challenge.coordinator
+        hello, enrolling = self._hello(challenge)
         await self._send(ws, encode(hello))
         if not self._allowed:  # still paused from before the reconnect
             await self._send(ws, encode(Pause(self.stats.reason)))
@@ -302,11 +357,13 @@ class Worker:
                     self._cancelled.update(t for t in msg.tile_ids if t in self._assigned)
                 elif isinstance(msg, Credit):
                     # Per connection on the coordinator's side; this client's total spans reconnects.
-                    self.stats.credit_gflop = self._credit_before + msg.device_gflop
-                    self.stats.credit_name_gflop = msg.name_gflop
+                    self.stats.credit_gflop = self._credit_before + msg.session_gflop
+                    self.stats.credit_total_gflop = msg.total_gflop
                     self._on_update(self.stats)
+                elif isinstance(msg, Credential):
+                    self._store_credential(msg)
                 elif isinstance(msg, Welcome):
-                    self.stats.device_id, self.stats.job = msg.device_id, msg.job
+                    self.stats.device_id, self.stats.job, self.stats.identity = msg.device_id, msg.job, msg.identity
                     pulse.cancel()
                     pulse = asyncio.create_task(self._heartbeat(ws, msg.heartbeat))
                     if self._allowed:
@@ -316,7 +373,7 @@ class Worker:
                 elif isinstance(msg, Finished):
                     return "finished"
                 elif isinstance(msg, Error):
-                    if msg.code == "rejected":
+                    if msg.code is Code.REJECTED:
                         self.stats.rejected += 1
                     log.warning("coordinator: %s (%s)", msg.message, msg.code)
                     self._set(self.stats.state, msg.message)
@@ -329,11 +386,38 @@ class Worker:
         code, reason = ws.close_code, ws.close_reason or ""
         if self._stopping:
             return "stopped"
-        if code == CLOSE_AUTH:
-            raise ClientError(f"the coordinator refused the join token ({reason})", EXIT_AUTH)
-        if code == CLOSE_BANNED:
-            raise ClientError(f"the coordinator banned this device: {reason}", EXIT_BANNED)
+        if code == CloseCode.AUTH:
+            if enrolling:
+                raise ClientError(f"the coordinator refused the join token ({reason})", EXIT_AUTH)
+            # Our credential is unknown there (its database was replaced?): enrol again if we can.
+            log.warning("the coordinator refused this device's credential (%s); enrolling again", reason)
+            self._forget_credential()
+            if not self.cfg.token:
+                raise ClientError(f"the coordinator refused this device's credential ({reason}); "
+                                  "pass --token (the join token) to enrol again", EXIT_AUTH)
+            return "credential refused; enrolling again"
+        if code in _PERMANENT:
+            what = "banned this device" if code == CloseCode.BANNED else "refused this device"
+            raise ClientError(f"the coordinator {what}: {reason}", _PERMANENT[CloseCode(code)])
         return f"connection closed ({code} {reason})".strip()
+
+    def _store_credential(self, msg: Credential) -> None:
+        self._enrolled = True
+        if self._coordinator is None:
+            return
+        try:
+            self._credentials.put(self._coordinator, self.cfg.name,
+                                  StoredCredential(msg.identity, bytes.fromhex(msg.secret), self.cfg.url))
+        except CredentialError as exc:  # the session works; the next one enrols again
+            log.warning("%s; this device will enrol again next time", exc)
+            self.stats.last_error = str(exc)
+
+    def _forget_credential(self) -> None:
+        if self._coordinator is not None:
+            try:
+                self._credentials.forget(self._coordinator, self.cfg.name)
+            except CredentialError as exc:
+                log.warning("%s", exc)
 
     async def _warden(self, ws: ClientConnection) -> None:
         """Keep the owner's rules: pause the moment they say stop, resume when they allow."""
@@ -386,7 +470,7 @@ class Worker:
                 log.error("tile %d names a block this device does not hold; releasing it", work.tile_id)
                 self._assigned.discard(work.tile_id)
                 self._cancelled.discard(work.tile_id)
-                await self._send(ws, encode(Release((work.tile_id,), MISSING_BLOCK)))
+                await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.MISSING_BLOCK)))
                 continue
             a, b = operands
             self._set("working")
@@ -408,7 +492,7 @@ class Worker:
                 self._assigned.discard(work.tile_id)
                 self._cancelled.discard(work.tile_id)
                 self.stats.last_error = f"tile failed: {exc}"
-                await self._send(ws, encode(Release((work.tile_id,), f"compute failed: {exc}"[:200])))
+                await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.COMPUTE_FAILED, str(exc)[:200])))
                 continue
             self._assigned.discard(work.tile_id)
             if work.tile_id in self._cancelled:  # cancelled (or paused) while computing: nobody wants it

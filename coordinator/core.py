@@ -2,7 +2,8 @@
 
 The websocket server (coordinator/server.py) decodes frames, calls these methods and sends what
 they return, and calls ``tick(now)`` a few times a second; a simulator can drive the very same
-object with a virtual clock.
+object with a virtual clock. ``now`` is monotonic seconds; records in the store get
+``now + epoch`` (wall-clock time), so a clock step never expires leases.
 
 Flow of one GEMM: ``submit`` plans its tiles and queues them in the store; ``_dispatch`` leases
 queued tiles to devices with free slots (preferring tiles whose input blocks the device already
@@ -10,12 +11,23 @@ holds) and emits ``Work`` messages carrying only the blocks that device lacks; `
 verifies the C block with Freivalds' check before it is kept; once every tile is verified the
 GEMM is assembled and ``on_done`` receives ``A @ B``.
 
+Devices are untrusted (see docs/security.md):
+
+* who connects is decided by the ``Gate`` (join token to enrol, a challenge-response credential
+  after that; banned, revoked and cooling-off identities are refused);
+* how many tiles a device holds is decided here, from its verified record (``Standing``): one
+  on probation, more as it returns verified work, back to one when a lease runs late;
+* every lease has a deadline. Past it, a copy goes to a free device (even when every copy slot is
+  taken: the late holder then loses the tile); past twice the deadline, the tile is taken back.
+  Leases taken back in a row cut the device, and it may not return for a cool-off;
+* rejected results ban an identity (the first one while on probation), and the ban is stored;
+* every message kind a device can send is rate-limited, and what it may send next is capped in
+  size (``Limit``): a device holding no tile may send only small frames.
+
 Faults cost only outstanding tiles:
 
 * a device that closes its socket, leaves, or stays silent past the heartbeat timeout loses
   its leases at once, and their tiles go straight to other devices;
-* every lease has a deadline (a few times the device's expected time, plus a floor); when it
-  passes, a copy of the tile goes to another device while the first keeps working;
 * when the queue is empty, idle devices take speculative copies of the oldest outstanding
   tiles; the first verified result wins and the other copies are cancelled;
 * a late result for a tile that is finished or no longer leased to its sender is ignored.
@@ -23,7 +35,8 @@ Faults cost only outstanding tiles:
 
 from __future__ import annotations
 
-import hmac
+import heapq
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -31,21 +44,27 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from coordinator import auth
 from coordinator.blocks import BlockRef, Source, Sources, block_ref
+from coordinator.identity import Admission, AuthError, Gate, Standing
+from coordinator.limits import Limits, TokenBucket, TrustPolicy
 from coordinator.protocol import (
-    CLOSE_BANNED, CLOSE_SILENT, Block, Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Message, Pause, Release, Result, Resume,
-    StatusReply, StatusRequest, Welcome, Work,
+    Block, Cancel, CloseCode, Code, Credential, Credit, Error, Finished, Heartbeat, Hello, Leave, Message, Pause,
+    Release, ReleaseWhy, Result, Resume, Welcome, Work,
 )
 from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm
 from coordinator.verify import freivalds
-from db.store import DEADLINE, SPECULATIVE, DeviceInfo, NewTile, Store
+from db.store import BANNED, DEADLINE, REVOKED, SPECULATIVE, DeviceInfo, NewTile, Store
 
+__all__ = ["AuthError", "Close", "Core", "FaultPolicy", "Limit", "Outbound", "Send"]
 
-MAX_SLOTS = 8
 SHUTDOWN = "coordinator stopped"
-MISSING_BLOCK = "missing input block"  # the Release reason that asks for the blocks again
 CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
 EMA = 0.2  # weight of a new observation in a device's running estimates
+STANDING_CHECK = 1.0  # seconds between looks for an operator's revocations and token rotations
+# A device's claimed speed only sets its first deadlines, and only within these bounds.
+CLAIM_GFLOPS = (1.0, 1e5)
+MAX_SECONDS_PER_GFLOP = 10.0  # slower turnarounds than this are not waited for any longer
 
 
 @dataclass(frozen=True)
@@ -61,11 +80,15 @@ class Close:
     reason: str
 
 
-Outbound = Send | Close
+@dataclass(frozen=True)
+class Limit:
+    """The largest frame the device may send from now on (the server enforces it)."""
+
+    device: int
+    nbytes: int
 
 
-class AuthError(Exception):
-    pass
+Outbound = Send | Close | Limit
 
 
 @dataclass(frozen=True)
@@ -79,15 +102,20 @@ class FaultPolicy:
     heartbeat_timeout: float = 30.0
     lease_floor: float = 2.0  # every lease deadline is at least this long
     lease_factor: float = 4.0  # ... and this many times the device's expected time for the tile
+    max_wait: float = 120.0  # ... of which the expected part is at most this (deadlines are bounded)
     speculate_after: float = 0.05  # a tile out this long, and 2x what an idle device would need,
     speculate_factor: float = 2.0  # ... may be copied to that idle device
-    max_copies: int = 2  # open leases of one tile: the original and one copy
+    max_copies: int = 2  # open leases of one tile through speculation: the original and one copy
 
     def __post_init__(self) -> None:
         if not (0 < self.heartbeat < self.heartbeat_timeout):
             raise ValueError("need 0 < heartbeat < heartbeat timeout")
-        if self.lease_floor <= 0 or self.lease_factor < 1 or self.max_copies < 1:
-            raise ValueError("lease floor must be positive, lease factor >= 1, max copies >= 1")
+        if self.lease_floor <= 0 or self.lease_factor < 1 or self.max_copies < 1 or self.max_wait <= 0:
+            raise ValueError("lease floor and max wait must be positive, lease factor >= 1, max copies >= 1")
+
+    def window(self, expected: float) -> float:
+        """Seconds from lease to deadline for work expected to take ``expected`` seconds."""
+        return self.lease_floor + self.lease_factor * min(expected, self.max_wait)
 
 
 @dataclass
@@ -107,20 +135,41 @@ class GemmState:
     def blocks_of(self, tile: Tile) -> tuple[BlockRef, BlockRef]:
         return self.a_blocks[(tile.i, tile.p)], self.b_blocks[(tile.p, tile.j)]
 
+    def result_bytes(self, tile: Tile) -> int:
+        return (tile.r1 - tile.r0) * (tile.c1 - tile.c0) * self.a.element_size()
+
     @property
     def done(self) -> bool:
         return len(self.parts) == len(self.tiles)
 
 
+@dataclass(eq=False)
+class Hold:
+    """One open lease: its deadline (``soft``: late, copy it) and ``hard`` (take it back)."""
+
+    leased_at: float
+    soft: float
+    hard: float
+    late: bool = False
+    copied: bool = False  # a copy went out because this one was late
+
+
 @dataclass
 class DeviceState:
     id: int
+    identity: int
     name: str
-    slots: int
+    asked: int  # the most tiles its owner wants in flight
+    slots: int  # the most it may hold now (the coordinator's decision, from its standing)
+    standing: Standing
     gflops: float  # benchmark at join, then a running estimate from verified tiles
     device: str
     last_seen: float
     seconds_per_gflop: float  # running estimate of a lease's turnaround (transfer, queue, compute)
+    messages: TokenBucket
+    releases: TokenBucket
+    pauses: TokenBucket
+    frame_limit: int  # the largest frame it may send now
     inflight: dict[int, float] = field(default_factory=dict)  # tile id -> leased at
     cancelled: dict[int, None] = field(default_factory=dict)  # recent cancelled tiles (ordered set)
     blocks: set[str] = field(default_factory=set)  # keys of the blocks the device holds
@@ -130,7 +179,6 @@ class DeviceState:
     bytes_up: int = 0
     tiles_done: int = 0
     tiles_rejected: int = 0
-    consecutive_rejects: int = 0
     compute_seconds: float = 0.0  # as reported by the device, verified tiles only
     last_sent: float = 0.0
     paused: str | None = None  # the owner's reason, while the device must not get work
@@ -139,6 +187,7 @@ class DeviceState:
     gflop_verified: float = 0.0
     credit_sent: float = 0.0
     credit_at: float = 0.0
+    big_until: float = 0.0  # until then it may still send a result for a tile it lost
 
     @property
     def free(self) -> int:
@@ -149,8 +198,8 @@ class DeviceState:
         return self.slots - len(self.inflight)
 
     def cancel(self, tile_id: int) -> None:
-        """Its copy lost the race: a late result is expected and ignored. Bounded, since a client
-        that drops a cancelled tile before computing it never answers."""
+        """Its copy lost the race or was taken back: a late result is expected and ignored.
+        Bounded, since a client that drops a cancelled tile before computing it never answers."""
         self.inflight.pop(tile_id, None)
         self.cancelled[tile_id] = None
         if len(self.cancelled) > 1024:
@@ -194,32 +243,46 @@ class Core:
         store: Store,
         job_id: int,
         *,
-        token: str,
         rng: np.random.Generator,
+        join_token: str | None = None,
+        operator_token: str | None = None,
         policy: TilingPolicy | None = None,
         faults: FaultPolicy | None = None,
-        max_consecutive_rejects: int = 3,
+        trust: TrustPolicy | None = None,
+        limits: Limits | None = None,
+        randbytes: auth.RandomBytes = secrets.token_bytes,
+        epoch: float = 0.0,
         job_name: str = "",
     ) -> None:
         self.store = store
         self.job_id = job_id
-        self.token = token
         self.rng = rng
         self.policy = policy or TilingPolicy()
         self.faults = faults or FaultPolicy()
-        self.max_consecutive_rejects = max_consecutive_rejects
+        self.trust = trust or TrustPolicy()
+        self.limits = limits or Limits()
+        self.epoch = epoch  # store records get now + epoch: wall-clock time from a monotonic clock
+        self.gate = Gate(store, self.trust, self.limits.enrolments.bucket(), randbytes)
+        if join_token is not None or operator_token is not None:
+            self.gate.set_tokens(join=join_token, operator=operator_token)
         self.job_name = job_name or f"job {job_id}"
         self.devices: dict[int, DeviceState] = {}
+        self._by_identity: dict[int, int] = {}  # identity -> device id, while connected
         self.gemms: dict[int, GemmState] = {}
         self.sources = Sources()
         self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
-        self._holders: dict[int, dict[int, float]] = {}  # outstanding tile -> {device: deadline}
+        self._holders: dict[int, dict[int, Hold]] = {}  # outstanding tile -> {device: its lease}
+        self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, tile, device, id(hold))
         self._queued = 0  # mirror of the store's queued count, so idle dispatches cost no query
+        self._checked_at = -float("inf")
         self.progress = Progress(steps=store.job(job_id).steps)
         self.finished = False
         self.verify_seconds = 0.0
         # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
         self.verify_worst_honest: dict[str, float] = {}
+
+    def _at(self, now: float) -> float:
+        return now + self.epoch
 
     # ------------------------------------------------------------------ devices
 
@@ -228,46 +291,63 @@ class Core:
         """Connected and not paused by their owners: the devices that can take work now."""
         return sum(1 for d in self.devices.values() if d.paused is None)
 
-    def check_token(self, token: str) -> None:
-        if not hmac.compare_digest(token.encode(), self.token.encode()):
-            raise AuthError("wrong join token")
+    def is_operator(self, token: str) -> bool:
+        return self.gate.is_operator(token)
 
-    def connect(self, hello: Hello, now: float) -> tuple[int, list[Outbound]]:
-        """Register a device. Raises AuthError on a wrong token (the server closes with 4001)."""
-        self.check_token(hello.token)
+    def connect(self, hello: Hello, nonce: str, now: float) -> tuple[int, list[Outbound]]:
+        """Admit a device that answered ``nonce`` with ``hello``. Raises AuthError (the server
+        closes with its code): wrong token or credential, banned, revoked, cooling off, in use."""
+        admission: Admission = self.gate.admit(hello, nonce, now, self._at(now))
+        if admission.identity in self._by_identity:
+            raise AuthError(CloseCode.IN_USE, "this identity is already connected")
+        self.gate.check_cooloff(admission.identity, now)
+        standing = self.gate.standing(admission.identity)
         info = DeviceInfo(
-            name=hello.name[:64] or "device", platform=hello.platform[:128], cores=max(1, hello.cores),
-            memory_bytes=max(0, hello.memory_bytes), device=hello.device[:16], gflops=max(0.0, hello.gflops),
+            name=admission.name, platform=hello.platform, cores=max(1, hello.cores),
+            memory_bytes=hello.memory_bytes, device=hello.device, gflops=hello.gflops,
         )
-        device_id = self.store.add_device(self.job_id, info, now)
-        slots = min(MAX_SLOTS, max(1, hello.slots))
-        # Until it has returned work, assume a device is 4x slower than its own benchmark.
-        per_gflop = 4.0 / info.gflops if info.gflops > 0 else 1.0
-        self.devices[device_id] = DeviceState(device_id, info.name, slots, info.gflops, info.device, now, per_gflop,
-                                              budget=max(0, hello.block_budget))
-        welcome = Welcome(device_id, self.job_name, slots, self.faults.heartbeat)
-        out: list[Outbound] = [self._send(device_id, welcome, now)]
+        device_id = self.store.add_device(self.job_id, info, self._at(now), admission.identity)
+        asked = min(hello.slots, self.trust.max_slots)
+        # Until it has returned work, assume a device is 4x slower than its own (bounded) claim.
+        claim = min(max(hello.gflops, CLAIM_GFLOPS[0]), CLAIM_GFLOPS[1])
+        lim = self.limits
+        dev = DeviceState(
+            device_id, admission.identity, admission.name, asked, standing.slots(self.trust, asked), standing,
+            hello.gflops, hello.device, now, 4.0 / claim, lim.messages.bucket(), lim.releases.bucket(),
+            lim.pauses.bucket(), lim.idle_frame, budget=hello.block_budget,
+        )
+        self.devices[device_id] = dev
+        self._by_identity[admission.identity] = device_id
+        out: list[Outbound] = [Limit(device_id, lim.idle_frame)]
+        if admission.secret is not None:
+            out.append(self._send(device_id, Credential(admission.identity, admission.secret.hex()), now))
+        out.append(self._send(device_id, Welcome(device_id, admission.identity, self.job_name, dev.slots,
+                                                 self.faults.heartbeat), now))
         if self.finished:
             out.append(self._send(device_id, Finished(), now))
             return device_id, out
         return device_id, out + self._dispatch(now)
 
-    def disconnect(self, device_id: int, now: float, reason: str = "connection closed") -> list[Outbound]:
+    def disconnect(self, device_id: int, now: float, reason: str = "connection closed",
+                   state: str | None = None) -> list[Outbound]:
         """A device is gone: its outstanding tiles go straight back to the queue and to others."""
         dev = self.devices.pop(device_id, None)
         if dev is None:
             return []
+        self._by_identity.pop(dev.identity, None)
         graceful = reason in ("left", SHUTDOWN)  # neither is the device's fault
         held = list(dev.inflight)
-        requeued = self.store.release_device(device_id, "released" if graceful else "lost", now, reason)
+        requeued = self.store.release_device(device_id, "released" if graceful else "lost", self._at(now), reason)
         self._queued += len(requeued)
         for tile_id in held:
             self._unhold(tile_id, device_id)
         if held and not graceful:
-            self.store.credit_device(device_id, lost=len(held), now=now)
-        state = "banned" if dev.consecutive_rejects >= self.max_consecutive_rejects else "offline"
-        self.store.set_device_state(device_id, state, now, reason)
+            self.store.credit_device(device_id, lost=len(held), now=self._at(now))
+        self.store.set_device_state(device_id, state or "offline", self._at(now), reason)
         return self._dispatch(now)
+
+    def _drop(self, dev: DeviceState, code: CloseCode, reason: str, now: float, state: str | None = None) -> list[Outbound]:
+        return [Close(dev.id, code, reason), *self.disconnect(dev.id, now, reason, state)]
 
     # ------------------------------------------------------------------ messages
 
@@ -276,44 +356,69 @@ class Core:
         if dev is None:
             return []
         dev.last_seen = now
+        if not dev.messages.take(now):
+            return self._drop(dev, CloseCode.RATE_LIMITED, "too many messages", now)
         if isinstance(msg, Result):
             return self._on_result(dev, msg, now)
         if isinstance(msg, Heartbeat):
             return []
         if isinstance(msg, Release):
+            if not dev.releases.take(now, max(1, len(msg.tile_ids))):
+                return self._drop(dev, CloseCode.RATE_LIMITED, "too many tiles given back", now)
             return self._on_release(dev, msg, now)
-        if isinstance(msg, Pause):
-            return self._on_pause(dev, msg.reason[:200] or "paused by its owner", now)
-        if isinstance(msg, Resume):
+        if isinstance(msg, (Pause, Resume)):
+            if not dev.pauses.take(now):
+                return self._drop(dev, CloseCode.RATE_LIMITED, "pausing and resuming too often", now)
+            if isinstance(msg, Pause):
+                return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
-            self.store.set_device_state(dev.id, "online", now)
+            self.store.set_device_state(dev.id, "online", self._at(now))
             return self._dispatch(now)
         if isinstance(msg, Leave):
             return self.disconnect(device_id, now, "left")
-        if isinstance(msg, StatusRequest):
-            return [self._send(device_id, StatusReply(self.status(now)), now)]
-        return [self._send(device_id, Error("unexpected", f"{type(msg).__name__} is not a message a device may send"), now)]
+        return [self._send(device_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a device may send"), now)]
 
     def tick(self, now: float) -> list[Outbound]:
-        """Time passes: drop silent devices, copy tiles whose deadline passed, keep heartbeats."""
+        """Time passes: drop silent devices, take back late tiles, copy them, keep heartbeats."""
         out: list[Outbound] = []
+        if now - self._checked_at >= STANDING_CHECK:
+            self._checked_at = now
+            out.extend(self._check_standings(now))
         for dev in list(self.devices.values()):
             if now - dev.last_seen > self.faults.heartbeat_timeout:
                 silence = f"no heartbeat for {now - dev.last_seen:.1f} s"
-                out.append(Close(dev.id, CLOSE_SILENT, silence))
-                out.extend(self.disconnect(dev.id, now, silence))
+                out.extend(self._drop(dev, CloseCode.SILENT, silence, now))
                 continue
             if dev.gflop_verified != dev.credit_sent and now - dev.credit_at >= CREDIT_INTERVAL:
                 out.append(self._credit(dev, now))  # verified work only, never claims
             if now - dev.last_sent >= self.faults.heartbeat:
-                out.append(self._send(dev.id, Heartbeat(now), now))
+                out.append(self._send(dev.id, Heartbeat(self._at(now)), now))
+            if dev.frame_limit > self.limits.idle_frame and not dev.inflight and now >= dev.big_until:
+                dev.frame_limit = self.limits.idle_frame
+                out.append(Limit(dev.id, dev.frame_limit))
         out.extend(self._dispatch(now))
+        return out
+
+    def _check_standings(self, now: float) -> list[Outbound]:
+        """An operator may have revoked or banned an identity, or rotated a token, from another
+        process: the store says when anything changed, and connected devices are checked then."""
+        if not self.store.changed():
+            return []
+        self.gate.reload()
+        states = self.gate.states([d.identity for d in self.devices.values()])
+        out: list[Outbound] = []
+        for dev in list(self.devices.values()):
+            state = states.get(dev.identity)
+            if state == REVOKED:
+                out.extend(self._drop(dev, CloseCode.REVOKED, "credential revoked by the operator", now, "revoked"))
+            elif state == BANNED:
+                out.extend(self._drop(dev, CloseCode.BANNED, "banned by the operator", now, "banned"))
         return out
 
     def _credit(self, dev: DeviceState, now: float) -> Send:
         dev.credit_sent, dev.credit_at = dev.gflop_verified, now
-        name_total = self.store.credit_by_name().get(dev.name, (0.0, 0))[0]
-        return self._send(dev.id, Credit(round(dev.gflop_verified, 6), round(name_total, 6)), now)
+        total = self.store.identity_total(dev.identity)[0]
+        return self._send(dev.id, Credit(round(dev.gflop_verified, 6), round(total, 6)), now)
 
     def _send(self, device_id: int, message: Message, now: float) -> Send:
         dev = self.devices.get(device_id)
@@ -321,11 +426,18 @@ class Core:
             dev.last_sent = now
         return Send(device_id, message)
 
+    def _regrade(self, dev: DeviceState) -> None:
+        dev.slots = dev.standing.slots(self.trust, dev.asked)
+
+    def _lost_tile(self, dev: DeviceState, now: float) -> None:
+        """A lease of ``dev`` ended without its result: it may still send one for a while."""
+        dev.big_until = now + self.limits.result_grace
+
     def _on_result(self, dev: DeviceState, msg: Result, now: float) -> list[Outbound]:
         if msg.tile_id not in dev.inflight:
             if dev.cancelled.pop(msg.tile_id, False) is None:  # a copy that lost the race: ignored
                 return []
-            return [self._send(dev.id, Error("not_leased", f"tile {msg.tile_id} is not leased to you; result ignored"), now)]
+            return [self._send(dev.id, Error(Code.NOT_LEASED, f"tile {msg.tile_id} is not leased to you; result ignored"), now)]
         leased_at = dev.inflight.pop(msg.tile_id)
         self._unhold(msg.tile_id, dev.id)
         nbytes = msg.c.numel() * msg.c.element_size()
@@ -339,35 +451,37 @@ class Core:
         self.verify_seconds += time.perf_counter() - started
         out: list[Outbound] = []
         if not verdict.ok:
-            end = self.store.end_lease(msg.tile_id, dev.id, "rejected", now, verdict.reason)
-            self.store.credit_device(dev.id, rejected=1, now=now)
+            end = self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
+            self.store.credit_device(dev.id, rejected=1, now=self._at(now))
             self._queued += end.requeued
             dev.tiles_rejected += 1
-            dev.consecutive_rejects += 1
-            out.append(self._send(dev.id, Error("rejected", f"tile {msg.tile_id} failed verification: {verdict.reason}"), now))
-            if dev.consecutive_rejects >= self.max_consecutive_rejects:
-                out.append(Close(dev.id, CLOSE_BANNED, f"{dev.consecutive_rejects} results in a row failed verification"))
-                out.extend(self.disconnect(dev.id, now, "results failed verification"))
-                return out
+            out.append(self._send(dev.id, Error(Code.REJECTED, f"tile {msg.tile_id} failed verification: {verdict.reason}"), now))
+            if dev.standing.rejected(self.trust):
+                reason = "results failed verification"
+                self.gate.ban(dev.identity, reason, self._at(now))
+                return out + self._drop(dev, CloseCode.BANNED, reason, now, "banned")
             return out + self._dispatch(now)
         kind = gemm.kind.value
         self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
-        end = self.store.end_lease(msg.tile_id, dev.id, "verified", now)
-        self.store.credit_device(dev.id, verified=1, gflop=tile.flops / 1e9, now=now)
-        dev.gflop_verified += tile.flops / 1e9
-        dev.tiles_done += 1
-        dev.consecutive_rejects = 0
-        dev.compute_seconds += msg.seconds
+        end = self.store.end_lease(msg.tile_id, dev.id, "verified", self._at(now))
         gflop = tile.flops / 1e9
+        self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self._at(now))
+        dev.gflop_verified += gflop
+        dev.tiles_done += 1
+        dev.standing.verified(self.trust)
+        self._regrade(dev)
+        dev.compute_seconds += msg.seconds
         if msg.seconds >= 1e-6:  # a device's own timing: believed only within physical reason
             observed = min(gflop / msg.seconds, 1e7)
             dev.gflops = (1 - EMA) * dev.gflops + EMA * observed if dev.gflops else observed
         if gflop > 0:
-            dev.seconds_per_gflop = (1 - EMA) * dev.seconds_per_gflop + EMA * (now - leased_at) / gflop
+            turnaround = (1 - EMA) * dev.seconds_per_gflop + EMA * (now - leased_at) / gflop
+            dev.seconds_per_gflop = min(turnaround, MAX_SECONDS_PER_GFLOP)
         for loser in end.cancelled:  # other copies lost the race: tell their devices to drop them
             other = self.devices.get(loser)
             if other is not None and msg.tile_id in other.inflight:
                 other.cancel(msg.tile_id)
+                self._lost_tile(other, now)
                 out.append(self._send(loser, Cancel((msg.tile_id,), "another copy was verified first"), now))
         self._holders.pop(msg.tile_id, None)
         gemm.parts[tile.index] = msg.c
@@ -378,15 +492,16 @@ class Core:
     def _on_pause(self, dev: DeviceState, reason: str, now: float) -> list[Outbound]:
         """The owner needs the machine: its tiles go to others at once; it stays connected."""
         dev.paused = reason
-        self.store.set_device_state(dev.id, "paused", now, reason)
+        self.store.set_device_state(dev.id, "paused", self._at(now), reason)
         # A paused client keeps its cached blocks: they serve it again once it resumes.
         return self._give_back(dev, tuple(dev.inflight), f"paused: {reason}", now, blocks_lost=False)
 
     def _on_release(self, dev: DeviceState, msg: Release, now: float) -> list[Outbound]:
-        # A missing block: send the blocks again if it gets the tile back. Anything else (its
-        # compute failed): the tile goes to another device, never straight back to this one.
-        missing = msg.reason.startswith(MISSING_BLOCK)
-        return self._give_back(dev, msg.tile_ids, msg.reason[:200], now, blocks_lost=missing, bar=not missing)
+        # A missing block: send the blocks again if it gets the tile back. A failed compute: the
+        # tile goes to another device, never straight back to this one.
+        missing = msg.why is ReleaseWhy.MISSING_BLOCK
+        reason = f"{msg.why.value}: {msg.reason}" if msg.reason else msg.why.value
+        return self._give_back(dev, msg.tile_ids, reason, now, blocks_lost=missing, bar=not missing)
 
     def _give_back(
         self, dev: DeviceState, tile_ids: tuple[int, ...], reason: str, now: float, *, blocks_lost: bool,
@@ -396,7 +511,8 @@ class Core:
             if dev.inflight.pop(tile_id, None) is None:
                 continue  # already finished or re-issued: nothing to give back
             self._unhold(tile_id, dev.id)
-            self._queued += self.store.end_lease(tile_id, dev.id, "released", now, reason, bar=bar).requeued
+            self._lost_tile(dev, now)
+            self._queued += self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar).requeued
             if blocks_lost:
                 gemm = self.gemms[self._tile_gemm[tile_id]]
                 for ref in gemm.blocks_of(gemm.tiles[tile_id]):
@@ -405,7 +521,7 @@ class Core:
 
     def _complete(self, gemm: GemmState, now: float) -> None:
         result = assemble(gemm.plan, gemm.parts, gemm.a.dtype)
-        self.store.finish_gemm(gemm.id, now)
+        self.store.finish_gemm(gemm.id, self._at(now))
         for tid in gemm.tiles:
             self._tile_gemm.pop(tid, None)
         # dW is the last reader of its X and dY: their cached pieces can go everywhere.
@@ -454,7 +570,7 @@ class Core:
         a_blocks = {(t.i, t.p): block_ref(sources[0], gemm_id, f"a{t.i}.{t.p}", a_block(a, t)) for t in tiles}
         b_blocks = {(t.p, t.j): block_ref(sources[1], gemm_id, f"b{t.p}.{t.j}", b_block(b, t)) for t in tiles}
         new = [NewTile(t.index, a_blocks[(t.i, t.p)].key, b_blocks[(t.p, t.j)].key, t.flops) for t in tiles]
-        ids = self.store.add_gemm(gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, now)
+        ids = self.store.add_gemm(gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self._at(now))
         gemm = GemmState(gemm_id, kind, a, b, plan, dict(zip(ids, tiles)), on_done, sources, a_blocks, b_blocks)
         self.gemms[gemm_id] = gemm
         for tid in ids:
@@ -463,8 +579,17 @@ class Core:
         return gemm_id, self._dispatch(now)
 
     def _dispatch(self, now: float) -> list[Outbound]:
-        """Lease queued tiles to devices with free slots, one tile per device per round; then
-        copy tiles whose deadline passed, then speculate on stragglers for devices still idle."""
+        """Take back tiles held far past their deadline, lease queued tiles to devices with free
+        slots (one per device per round), then copy late tiles and speculate on stragglers."""
+        out = self._expire(now)
+        out.extend(self._claim(now))
+        if self._holders:
+            out.extend(self._copy_late_tiles(now))
+            if self._queued > 0:  # a late tile was taken back with no copy left out
+                out.extend(self._claim(now))
+        return out
+
+    def _claim(self, now: float) -> list[Outbound]:
         out: list[Outbound] = []
         hungry = [d for d in self.devices.values() if d.free > 0]
         while self._queued > 0 and hungry:
@@ -473,52 +598,100 @@ class Core:
             for dev in hungry:
                 if self._queued <= 0:
                     break
-                claimed = self.store.claim_tile(dev.id, sorted(dev.blocks), now)
+                claimed = self.store.claim_tile(dev.id, sorted(dev.blocks), self._at(now))
                 if claimed is None:
                     continue  # everything queued is barred for this device
                 self._queued -= 1
-                out.append(self._lease(dev, claimed.id, now))
+                out.extend(self._lease(dev, claimed.id, now))
                 if dev.free > 0:
                     still.append(dev)
             hungry = still
-        if self._holders:
-            out.extend(self._copy_late_tiles(now))
+        return out
+
+    def _expire(self, now: float) -> list[Outbound]:
+        """Deadlines that passed, in order (O(log n) each): a late lease sends its device back to
+        one slot; a lease at twice its deadline is taken back."""
+        out: list[Outbound] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, tile_id, device_id, hold_id = heapq.heappop(self._deadlines)
+            hold = self._holders.get(tile_id, {}).get(device_id)
+            dev = self.devices.get(device_id)
+            if hold is None or id(hold) != hold_id or dev is None:
+                continue  # that lease already ended
+            if not hold.late:
+                hold.late = True
+                dev.standing.late()
+                self._regrade(dev)
+                heapq.heappush(self._deadlines, (hold.hard, tile_id, device_id, hold_id))
+            else:
+                out.extend(self._take_back(dev, tile_id, now, "held past twice its deadline"))
+        return out
+
+    def _take_back(self, dev: DeviceState, tile_id: int, now: float, reason: str) -> list[Outbound]:
+        """Revoke ``dev``'s lease on a tile; leases taken back in a row cut the device."""
+        dev.cancel(tile_id)
+        self._unhold(tile_id, dev.id)
+        self._lost_tile(dev, now)
+        # Barred from the tile: it goes to someone else, never straight back to this device.
+        self._queued += self.store.end_lease(tile_id, dev.id, "revoked", self._at(now), reason, bar=True).requeued
+        self.store.credit_device(dev.id, revoked=1, now=self._at(now))
+        out: list[Outbound] = [self._send(dev.id, Cancel((tile_id,), f"lease taken back: {reason}"), now)]
+        if dev.standing.taken_back(self.trust):
+            wait = dev.standing.cut(self.trust, now)
+            why = f"{self.trust.cut_after} leases in a row taken back; come back in {wait:.0f} s"
+            out.extend(self._drop(dev, CloseCode.STALLING, why, now))
+        else:
+            self._regrade(dev)
         return out
 
     def _copy_late_tiles(self, now: float) -> list[Outbound]:
         out: list[Outbound] = []
-        idle = sorted((d for d in self.devices.values() if d.free > 0), key=lambda d: -d.free)
+        # Copies go to the most trusted idle devices first: never hand a straggler's tile to
+        # another newcomer when a proven device is free.
+        idle = sorted((d for d in self.devices.values() if d.free > 0),
+                      key=lambda d: (d.standing.on_probation(self.trust), -d.free))
         if not idle:
             return out
         f = self.faults
-        for tile_id, holders in sorted(self._holders.items()):  # oldest tiles first
-            if not idle:
-                break
-            late = [d for d, deadline in holders.items() if deadline <= now]
-            if late:
-                issued, limit = DEADLINE, f.max_copies + 1  # a passed deadline may exceed max_copies
-            elif self._queued == 0 and len(holders) < f.max_copies:
+        for tile_id in sorted(self._holders):  # oldest tiles first
+            holders = self._holders.get(tile_id)
+            if not idle or not holders:
+                if not idle:
+                    break
+                continue
+            late = [d for d, h in holders.items() if h.late]
+            fresh = [d for d in late if not holders[d].copied]
+            if fresh:  # each passed deadline buys one copy
+                issued = DEADLINE
+                if len(holders) >= f.max_copies + 1:
+                    # Every copy is out, yet another holder ran late while a device is free: the
+                    # most overdue loses the tile, so no set of devices can hold a tile forever.
+                    victim = self.devices[min(late, key=lambda d: holders[d].soft)]
+                    out.extend(self._take_back(victim, tile_id, now, "late while another device was free"))
+                    idle = [d for d in idle if d.free > 0 and d.id in self.devices]
+                    holders = self._holders.get(tile_id)
+                    if not holders:  # nobody else holds it: it is queued again, for _claim
+                        continue
+            elif not late and self._queued == 0 and len(holders) < f.max_copies:
                 # Copy when the tile has been out much longer than an idle device would need:
                 # a device known to be slow earns no extra patience.
                 flops = self.gemms[self._tile_gemm[tile_id]].tiles[tile_id].flops
-                oldest = min(self.devices[d].inflight[tile_id] for d in holders)
+                oldest = min(h.leased_at for h in holders.values())
                 fastest = min(d.expected(flops) for d in idle)
                 if now - oldest < max(f.speculate_after, f.speculate_factor * fastest):
                     continue
-                issued, limit = SPECULATIVE, f.max_copies
+                issued = SPECULATIVE
             else:
                 continue
-            if len(holders) >= limit:
-                continue
             for dev in idle:
-                if dev.id in holders or self.store.claim_copy(tile_id, dev.id, issued, now) is None:
+                if dev.id in holders or self.store.claim_copy(tile_id, dev.id, issued, self._at(now)) is None:
                     continue
-                out.append(self._lease(dev, tile_id, now))
-                for d in late:  # each passed deadline buys one copy
-                    holders[d] = float("inf")
-                if dev.free <= 0:
-                    idle.remove(dev)
+                out.extend(self._lease(dev, tile_id, now))
+                for d in fresh:
+                    if d in holders:
+                        holders[d].copied = True
                 break
+            idle = [d for d in idle if d.free > 0 and d.id in self.devices]
         return out
 
     def _unhold(self, tile_id: int, device_id: int) -> None:
@@ -528,14 +701,22 @@ class Core:
             if not holders:
                 del self._holders[tile_id]
 
-    def _lease(self, dev: DeviceState, tile_id: int, now: float) -> Send:
+    def _lease(self, dev: DeviceState, tile_id: int, now: float) -> list[Outbound]:
         gemm = self.gemms[self._tile_gemm[tile_id]]
-        flops = gemm.tiles[tile_id].flops
+        tile = gemm.tiles[tile_id]
         # Queued behind its other tiles on the device: the deadline allows for them too.
-        wait = dev.expected(flops) * (len(dev.inflight) + 1)
-        self._holders.setdefault(tile_id, {})[dev.id] = now + self.faults.lease_floor + self.faults.lease_factor * wait
+        window = self.faults.window(dev.expected(tile.flops) * (len(dev.inflight) + 1))
+        hold = Hold(now, now + window, now + 2 * window)
+        self._holders.setdefault(tile_id, {})[dev.id] = hold
+        heapq.heappush(self._deadlines, (hold.soft, tile_id, dev.id, id(hold)))
         dev.inflight[tile_id] = now
-        return self._send(dev.id, self._work(dev, gemm, tile_id), now)
+        out: list[Outbound] = []
+        need = gemm.result_bytes(tile) + self.limits.frame_slack
+        if need > dev.frame_limit:  # raised before the device can possibly answer
+            dev.frame_limit = need
+            out.append(Limit(dev.id, need))
+        out.append(self._send(dev.id, self._work(dev, gemm, tile_id), now))
+        return out
 
     def _work(self, dev: DeviceState, gemm: GemmState, tile_id: int) -> Work:
         ra, rb = gemm.blocks_of(gemm.tiles[tile_id])
@@ -563,44 +744,51 @@ class Core:
         return out
 
     def status(self, now: float) -> dict[str, Any]:
-        """The snapshot ``cleave status`` renders (its --json keys are a contract)."""
+        """The snapshot ``cleave status`` renders (its --json keys are a contract). Bounded: at
+        most ``Limits.status_rows`` devices are listed, connected ones first; all are counted."""
         counts = self.store.tile_counts(self.job_id)
-        rows = []
-        for row in self.store.devices(self.job_id):
+        cap = self.limits.status_rows
+        rows = self.store.devices(self.job_id, states=("online", "paused"), limit=cap)
+        if len(rows) < cap:
+            rows += self.store.devices(self.job_id, states=("offline", "banned", "revoked"), limit=cap - len(rows))
+        listed = []
+        for row in rows:
             live = self.devices.get(row.id)
             if live is None:
-                state = row.state
+                state = "offline" if row.state in ("online", "paused") else row.state
             elif live.paused is not None:
                 state = "paused"
             else:
                 state = "working" if live.inflight else "idle"
-            rows.append({
-                "id": row.id, "name": row.name, "state": state, "device": row.device,
+            listed.append({
+                "id": row.id, "identity": row.identity_id, "name": row.name, "state": state, "device": row.device,
                 "tiles_done": row.tiles_done, "tiles_rejected": row.tiles_rejected, "tiles_lost": row.tiles_lost,
-                "reliability": round(row.reliability, 4),
+                "tiles_revoked": row.tiles_revoked, "reliability": round(row.reliability, 4),
                 "gflops": round(live.gflops if live else row.gflops, 2),
                 "gflop_verified": round(row.gflop_verified, 3), "reason": row.reason,
-                "inflight": len(live.inflight) if live else 0,
+                "inflight": len(live.inflight) if live else 0, "slots": live.slots if live else 0,
+                "probation": live.standing.on_probation(self.trust) if live else None,
                 "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
                 "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
                 "compute_s": round(live.compute_seconds, 4) if live else None,
             })
         p = self.progress
         tiles = {k: counts[k] for k in ("queued", "leased", "verified", "rejected", "requeued", "expired",
-                                        "speculative", "cancelled", "lost")}
+                                        "speculative", "cancelled", "lost", "revoked")}
         return {
             "job": {"name": self.job_name, "step": p.step, "steps": p.steps, "loss": p.loss,
                     "state": p.state, "tokens_per_s": round(p.tokens_per_s, 1)},
-            "devices": rows,
+            "devices": listed,
+            "device_counts": {"connected": len(self.devices), **self.store.device_states(self.job_id)},
             "tiles": tiles,
             "queue_depth": counts["queued"],
             "gemms_in_flight": len(self.gemms),
             "leaderboard": [
-                {"name": name, "gflop": round(gflop, 3), "tiles": tiles}
-                for name, (gflop, tiles) in sorted(self.store.credit_by_name().items(), key=lambda kv: -kv[1][0])[:10]
+                {"identity": r.identity_id, "name": r.name, "gflop": round(r.gflop, 3), "tiles": r.tiles}
+                for r in self.store.leaderboard(10)
             ],
             "verify": {"seconds": round(self.verify_seconds, 4),
                        "worst_honest_ratio": round(max(self.verify_worst_honest.values(), default=0.0), 4),
                        "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(self.verify_worst_honest.items())}},
-            "time": now,
+            "time": self._at(now),
         }

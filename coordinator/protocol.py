@@ -9,28 +9,38 @@ One message is one binary websocket frame:
     payload    raw little-endian tensor bytes, back to back, in the order of header["tensors"]
 
 Tensor payloads are never pickled and never compressed (floats barely compress and
-permessage-deflate is 30x slower than the link). Decoding validates everything: a malformed
-frame raises ``ProtocolError`` (with a short code for the peer), never ``KeyError`` or
-``struct.error``.
+permessage-deflate is 30x slower than the link).
+
+Every field declares its limits (a range, a length, a kind of text); ``decode`` checks them all,
+so nothing absurd from a peer reaches the coordinator's state, SQLite or a JSON encoder. A
+malformed frame raises ``ProtocolError`` (with a ``Code`` for the peer), never ``KeyError``,
+``TypeError``, ``RecursionError`` or ``struct.error``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import struct
 import sys
+from urllib.parse import urlsplit
 from dataclasses import MISSING, dataclass, field, fields
+from enum import Enum, IntEnum
 from typing import Any, ClassVar, Union
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
 MAX_DIM = 1 << 27  # elements along one dimension (a 1-D speed-test payload reaches 64 Mi)
-MAX_SPEEDTEST_BYTES = 64 << 20
+MAX_SPEEDTEST_BYTES = 16 << 20
+MAX_IDS = 1024  # tile ids in one release or cancel
+MAX_ID = (1 << 53) - 1  # ids stay exact in JSON and fit SQLite's int64
+NONCE_HEX = 64  # 32 random bytes, hex
+SECRET_HEX = 64
 
 # Wire names of the tensor dtypes a tile may use.
 DTYPES: dict[str, torch.dtype] = {
@@ -42,20 +52,81 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships f
     raise ImportError("Cleave's wire format assumes a little-endian machine")
 
 
-# Websocket close codes (4000-4999 are free for applications in RFC 6455).
-CLOSE_FINISHED = 1000  # normal closure once the job is over
-CLOSE_PROTOCOL = 4000  # malformed frame or unknown message
-CLOSE_AUTH = 4001  # wrong token
-CLOSE_BANNED = 4003  # too many rejected results
-CLOSE_SILENT = 4008  # no heartbeat within the timeout
+class CloseCode(IntEnum):
+    """Websocket close codes (4000-4999 are free for applications in RFC 6455)."""
+
+    FINISHED = 1000  # normal closure once the job is over
+    BUSY = 1013  # "try again later": the coordinator is at its connection cap
+    PROTOCOL = 4000  # malformed frame, unknown or misplaced message, no hello in time
+    AUTH = 4001  # wrong join or operator token, unknown identity or a bad proof
+    REVOKED = 4002  # the operator revoked this identity's credential
+    BANNED = 4003  # results failed verification
+    SILENT = 4008  # no heartbeat within the timeout
+    IN_USE = 4009  # this identity is already connected
+    STALLING = 4010  # its leases kept expiring: cut, may come back after a cool-off
+    SLOW_READER = 4011  # it stopped reading its frames
+    RATE_LIMITED = 4029  # it sent more requests than its allowance
+
+
+class Code(str, Enum):
+    """Short reasons a peer is given: in ``Error`` messages and as the prefix of 4000 closes."""
+
+    BAD_FRAME = "bad_frame"
+    TRUNCATED = "truncated"
+    BAD_VERSION = "bad_version"
+    UNKNOWN_TYPE = "unknown_type"
+    BAD_TENSOR = "bad_tensor"
+    BAD_DTYPE = "bad_dtype"
+    TEXT_FRAME = "text_frame"
+    UNEXPECTED = "unexpected"
+    NOT_LEASED = "not_leased"
+    REJECTED = "rejected"
+
+
+class ReleaseWhy(str, Enum):
+    """Why a device gives tiles back: it decides what the coordinator does next."""
+
+    MISSING_BLOCK = "missing_block"  # send the blocks again with the tile
+    COMPUTE_FAILED = "compute_failed"  # never give this device the tile again
 
 
 class ProtocolError(ValueError):
     """A frame or message that breaks the protocol. ``code`` is sent back to the peer."""
 
-    def __init__(self, message: str, code: str = "bad_frame") -> None:
+    def __init__(self, message: str, code: Code = Code.BAD_FRAME) -> None:
         super().__init__(message)
         self.code = code
+
+
+# --------------------------------------------------------------------------- field limits
+#
+# Each field's metadata says what a peer may put there; ``_check`` enforces it on decode.
+#   int:    {"lo", "hi"}            float: {"lo", "hi"} and finite
+#   text:   {"max_len", "text"}     "free": control characters become spaces (reasons, messages);
+#                                   "name": printable only, else refused (names, keys, tokens);
+#                                   "hex": exactly ``max_len`` lowercase hex digits, or empty
+#   ids:    {"max_items", "lo", "hi"}   a list of ints
+#   enum:   {"enum": EnumClass}
+
+
+def _int(default: Any = MISSING, *, lo: int = 0, hi: int = MAX_ID) -> Any:
+    return field(default=default, metadata={"kind": "int", "lo": lo, "hi": hi})
+
+
+def _float(default: Any = MISSING, *, lo: float = 0.0, hi: float = 1e9) -> Any:
+    return field(default=default, metadata={"kind": "float", "lo": lo, "hi": hi})
+
+
+def _text(default: Any = MISSING, *, max_len: int = 200, text: str = "free") -> Any:
+    return field(default=default, metadata={"kind": "str", "max_len": max_len, "text": text})
+
+
+def _ids(default: Any = MISSING) -> Any:
+    return field(default=default, metadata={"kind": "ids", "max_items": MAX_IDS, "lo": 0, "hi": MAX_ID})
+
+
+def _enum(enum: type[Enum], default: Any = MISSING) -> Any:
+    return field(default=default, metadata={"kind": "enum", "enum": enum})
 
 
 # --------------------------------------------------------------------------- messages
@@ -75,56 +146,84 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Challenge:
+    """Coordinator -> peer, the first frame of every connection. A device with a credential
+    answers with a proof over ``nonce`` (so a recorded hello cannot be replayed); ``coordinator``
+    names this coordinator's database, the key under which clients keep their credential."""
+
+    TYPE: ClassVar[str] = "challenge"
+    nonce: str = _text(max_len=NONCE_HEX, text="hex")
+    coordinator: str = _text(max_len=64, text="name")
+
+
+@dataclass(frozen=True)
 class Hello:
-    """Client -> coordinator, first message of a device: who it is and what it can do."""
+    """Device -> coordinator, answer to the challenge: who it is and what it can do.
+
+    Enrolment: ``token`` is the project's join token, ``identity`` 0. Later connections:
+    ``identity`` and ``proof`` (see coordinator/auth.py), no token."""
 
     TYPE: ClassVar[str] = "hello"
-    token: str
-    name: str
-    platform: str = ""
-    cores: int = 1
-    memory_bytes: int = 0
-    device: str = "cpu"
-    gflops: float = 0.0
-    slots: int = 2
-    client_version: str = ""
-    block_budget: int = 0  # bytes of input blocks the device will cache; 0: no limit
+    name: str = _text(max_len=64, text="name")
+    token: str = _text("", max_len=256, text="name")
+    identity: int = _int(0)
+    proof: str = _text("", max_len=SECRET_HEX, text="hex")
+    platform: str = _text("", max_len=128)
+    cores: int = _int(1, lo=0, hi=1 << 16)
+    memory_bytes: int = _int(0, hi=1 << 50)
+    device: str = _text("cpu", max_len=16, text="name")
+    gflops: float = _float(0.0, hi=1e7)
+    slots: int = _int(2, lo=1, hi=64)  # the most tiles it wants in flight; the coordinator decides
+    client_version: str = _text("", max_len=32)
+    block_budget: int = _int(0, hi=1 << 50)  # bytes of input blocks the device will cache; 0: no limit
+
+
+@dataclass(frozen=True)
+class Credential:
+    """Coordinator -> device, once, when it enrols: keep this secret; later connections prove
+    they hold it instead of presenting the join token."""
+
+    TYPE: ClassVar[str] = "credential"
+    identity: int = _int(lo=1)
+    secret: str = _text(max_len=SECRET_HEX, text="hex")
 
 
 @dataclass(frozen=True)
 class StatusRequest:
-    """Observer -> coordinator: ask for one status snapshot (``cleave status``)."""
+    """Observer -> coordinator: ask for one status snapshot (``cleave status``), with the
+    operator token."""
 
     TYPE: ClassVar[str] = "status_request"
-    token: str
+    token: str = _text(max_len=256, text="name")
 
 
 @dataclass(frozen=True)
 class Result:
-    """Client -> coordinator: the C block of a tile, and how long the matmul took."""
+    """Device -> coordinator: the C block of a tile, and how long the matmul took."""
 
     TYPE: ClassVar[str] = "result"
-    tile_id: int
+    tile_id: int = _int()
     c: torch.Tensor
-    seconds: float = 0.0
+    seconds: float = _float(0.0, hi=86400.0)
 
 
 @dataclass(frozen=True)
 class Leave:
-    """Client -> coordinator: the device is going away; re-queue its tiles now."""
+    """Device -> coordinator: the device is going away; re-queue its tiles now."""
 
     TYPE: ClassVar[str] = "leave"
-    reason: str = ""
+    reason: str = _text("")
 
 
 @dataclass(frozen=True)
 class Release:
-    """Client -> coordinator: give these leased tiles back (e.g. a block went missing); they are
-    re-queued at once and their blocks are sent again with the next Work."""
+    """Device -> coordinator: give these leased tiles back. ``why`` decides what follows: a
+    missing block is sent again with the tile; a failed compute bars the device from it."""
 
     TYPE: ClassVar[str] = "release"
-    tile_ids: tuple[int, ...]
-    reason: str = ""
+    tile_ids: tuple[int, ...] = _ids()
+    why: ReleaseWhy = _enum(ReleaseWhy, ReleaseWhy.MISSING_BLOCK)
+    reason: str = _text("")
 
 
 @dataclass(frozen=True)
@@ -133,77 +232,82 @@ class Heartbeat:
     frozen and its tiles go to others; a client that hears nothing reconnects."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    sent_at: float = 0.0
+    sent_at: float = _float(0.0, lo=-1e12, hi=1e12)
 
 
 @dataclass(frozen=True)
 class Cancel:
-    """Coordinator -> client: another copy of these tiles was verified first; drop them."""
+    """Coordinator -> device: drop these tiles (another copy was verified first, or the lease
+    was taken back)."""
 
     TYPE: ClassVar[str] = "cancel"
-    tile_ids: tuple[int, ...]
-    reason: str = ""
+    tile_ids: tuple[int, ...] = _ids()
+    reason: str = _text("")
 
 
 @dataclass(frozen=True)
 class Pause:
-    """Client -> coordinator: the owner needs the machine (``reason``); take my tiles back now,
+    """Device -> coordinator: the owner needs the machine (``reason``); take my tiles back now,
     keep me connected, send nothing until Resume."""
 
     TYPE: ClassVar[str] = "pause"
-    reason: str = ""
+    reason: str = _text("")
 
 
 @dataclass(frozen=True)
 class Resume:
-    """Client -> coordinator: the machine is free again."""
+    """Device -> coordinator: the machine is free again."""
 
     TYPE: ClassVar[str] = "resume"
 
 
 @dataclass(frozen=True)
 class Credit:
-    """Coordinator -> client: verified work so far, in GFLOP: this connection's, and everything
-    done under its name in this coordinator's database."""
+    """Coordinator -> device: verified work in GFLOP, this connection's and its identity's over
+    every job in the coordinator's database."""
 
     TYPE: ClassVar[str] = "credit"
-    device_gflop: float = 0.0
-    name_gflop: float = 0.0
+    session_gflop: float = _float(0.0, hi=1e15)
+    total_gflop: float = _float(0.0, hi=1e15)
 
 
 @dataclass(frozen=True)
 class SpeedTest:
     """Observer <-> coordinator link test: the coordinator answers with ``reply_bytes`` of
-    payload (at most 64 MiB); ``data`` carries the upload. Used by ``cleave benchmark --url``."""
+    payload; ``data`` carries the upload. The first one of a connection carries a token (the
+    operator's or the join token). Used by ``cleave benchmark --url``."""
 
     TYPE: ClassVar[str] = "speedtest"
-    reply_bytes: int
+    reply_bytes: int = _int(hi=MAX_SPEEDTEST_BYTES)
     data: torch.Tensor
+    token: str = _text("", max_len=256, text="name")
 
 
 @dataclass(frozen=True)
 class Welcome:
-    """Coordinator -> client, answer to Hello. ``heartbeat`` is the interval the client must keep."""
+    """Coordinator -> device, answer to Hello. ``heartbeat`` is the interval the client must keep;
+    ``slots`` the tiles it may hold now (the coordinator raises it as the device earns trust)."""
 
     TYPE: ClassVar[str] = "welcome"
-    device_id: int
-    job: str
-    slots: int
-    heartbeat: float = 2.0
+    device_id: int = _int()
+    identity: int = _int()
+    job: str = _text(max_len=200)
+    slots: int = _int(lo=1, hi=64)
+    heartbeat: float = _float(2.0, lo=0.01, hi=3600.0)
 
 
 @dataclass(frozen=True)
 class Work:
-    """Coordinator -> client: compute ``C = A @ B`` for one tile.
+    """Coordinator -> device: compute ``C = A @ B`` for one tile.
 
     ``A`` is the cached block ``a`` (transposed when ``a_t``), ``B`` likewise. ``blocks`` carries
     the blocks this device does not hold yet; ``forget`` lists key namespaces it may drop.
     """
 
     TYPE: ClassVar[str] = "work"
-    tile_id: int
-    a: str
-    b: str
+    tile_id: int = _int()
+    a: str = _text(max_len=128, text="name")
+    b: str = _text(max_len=128, text="name")
     a_t: bool = False
     b_t: bool = False
     blocks: tuple[Block, ...] = ()
@@ -227,31 +331,33 @@ class StatusReply:
 
 @dataclass(frozen=True)
 class Finished:
-    """Coordinator -> client: the job is over; a client started with --once exits."""
+    """Coordinator -> device: the job is over; a client started with --once exits."""
 
     TYPE: ClassVar[str] = "finished"
-    reason: str = "job complete"
+    reason: str = _text("job complete")
 
 
 @dataclass(frozen=True)
 class Error:
-    """Coordinator -> client: something the peer sent was refused. Never a traceback."""
+    """Coordinator -> device: something the peer sent was refused. Never a traceback."""
 
     TYPE: ClassVar[str] = "error"
-    code: str
-    message: str
+    code: Code = _enum(Code)
+    message: str = _text(max_len=500)
 
 
 Message = Union[
-    Hello, StatusRequest, Result, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit, SpeedTest, Welcome, Work,
-    StatusReply, Finished, Error,
+    Challenge, Hello, Credential, StatusRequest, Result, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit,
+    SpeedTest, Welcome, Work, StatusReply, Finished, Error,
 ]
 _PLAIN: dict[str, type] = {
     cls.TYPE: cls
-    for cls in (Hello, StatusRequest, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit, Welcome,
-                StatusReply, Finished, Error)
+    for cls in (Challenge, Hello, Credential, StatusRequest, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit,
+                Welcome, StatusReply, Finished, Error)
 }
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int), "str": (str,)}
+# What each side may send; the rest of the table is the other side's.
+DEVICE_MESSAGES = (Hello, Result, Release, Heartbeat, Pause, Resume, Leave)
+OBSERVER_MESSAGES = (StatusRequest, SpeedTest)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -259,7 +365,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (float, int
 
 def _tensor_desc(t: torch.Tensor) -> dict[str, Any]:
     if t.dtype not in _DTYPE_NAMES:
-        raise ProtocolError(f"dtype {t.dtype} cannot travel", "bad_dtype")
+        raise ProtocolError(f"dtype {t.dtype} cannot travel", Code.BAD_DTYPE)
     return {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
 
 
@@ -271,8 +377,20 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
 
 
+def _wire_value(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    return list(value) if isinstance(value, tuple) else value
+
+
 def encode(msg: Message) -> bytes:
     """Serialize one message into one binary frame."""
+    return b"".join(encode_parts(msg))
+
+
+def encode_parts(msg: Message) -> list[bytes | memoryview]:
+    """The frame of ``msg`` as its header and zero-copy views of its tensors (``encode`` joins
+    them); a large payload can then go out in fragments without a copy of the whole."""
     tensors: list[torch.Tensor] = []
     if isinstance(msg, Work):
         header: dict[str, Any] = {
@@ -289,76 +407,114 @@ def encode(msg: Message) -> bytes:
         header = {"tile_id": msg.tile_id, "seconds": msg.seconds}
         tensors = [msg.c]
     elif isinstance(msg, SpeedTest):
-        header = {"reply_bytes": msg.reply_bytes}
+        header = {"reply_bytes": msg.reply_bytes, "token": msg.token}
         tensors = [msg.data.reshape(-1)]
     elif type(msg) in _PLAIN.values():
-        header = {f.name: getattr(msg, f.name) for f in fields(msg)}
-        header = {k: list(v) if isinstance(v, tuple) else v for k, v in header.items()}
+        header = {f.name: _wire_value(getattr(msg, f.name)) for f in fields(msg)}
     else:
         raise TypeError(f"not a Cleave message: {msg!r}")
     header["type"] = msg.TYPE
     header["tensors"] = [_tensor_desc(t) for t in tensors]
     head = json.dumps(header, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-    parts: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, PROTOCOL_VERSION, len(head)), head]
+    parts: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, PROTOCOL_VERSION, len(head)) + head]
     parts.extend(_raw(t) for t in tensors)
-    return b"".join(parts)
+    return parts
 
 
 # --------------------------------------------------------------------------- decoding
 
 
-def _field(header: dict[str, Any], name: str, kind: str, default: Any = ...) -> Any:
-    if name not in header:
-        if default is ...:
-            raise ProtocolError(f"{header.get('type')!s} message lacks field {name!r}")
-        return default
-    value = header[name]
-    if isinstance(value, bool) or not isinstance(value, _FIELD_TYPES[kind]):
-        raise ProtocolError(f"field {name!r} must be {kind}, got {type(value).__name__}")
+def _clean(value: str) -> str:
+    return "".join(ch if ch.isprintable() else " " for ch in value)
+
+
+def _check(kind_of: str, name: str, meta: Any, value: Any) -> Any:
+    """One field's value as the peer sent it -> the value the message holds, or ProtocolError."""
+    kind = meta["kind"]
+    where = f"{kind_of}.{name}"
+    if kind == "int":
+        if type(value) is not int:
+            raise ProtocolError(f"{where} must be an integer, got {type(value).__name__}")
+        if not meta["lo"] <= value <= meta["hi"]:
+            raise ProtocolError(f"{where} must be between {meta['lo']} and {meta['hi']}")
+        return value
     if kind == "float":
+        if type(value) not in (int, float):
+            raise ProtocolError(f"{where} must be a number, got {type(value).__name__}")
         value = float(value)
-        if not math.isfinite(value):
-            raise ProtocolError(f"field {name!r} must be finite")
-    return value
+        if not (math.isfinite(value) and meta["lo"] <= value <= meta["hi"]):
+            raise ProtocolError(f"{where} must be a finite number between {meta['lo']:g} and {meta['hi']:g}")
+        return value
+    if kind == "str":
+        if type(value) is not str:
+            raise ProtocolError(f"{where} must be a string, got {type(value).__name__}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ProtocolError(f"{where} is not valid Unicode (a lone surrogate?)") from None
+        text, max_len = meta["text"], meta["max_len"]
+        if text == "hex":
+            if value and (len(value) != max_len or value.strip("0123456789abcdef")):
+                raise ProtocolError(f"{where} must be {max_len} lowercase hex digits")
+            return value
+        if len(value) > max_len:
+            raise ProtocolError(f"{where} is longer than {max_len} characters")
+        if text == "name":
+            if not value.isprintable():
+                raise ProtocolError(f"{where} holds control characters")
+            return value
+        return _clean(value)
+    if kind == "ids":
+        if type(value) is not list or len(value) > meta["max_items"]:
+            raise ProtocolError(f"{where} must be a list of at most {meta['max_items']} integers")
+        for v in value:
+            if type(v) is not int or not meta["lo"] <= v <= meta["hi"]:
+                raise ProtocolError(f"{where} must hold integers between {meta['lo']} and {meta['hi']}")
+        return tuple(value)
+    if kind == "enum":
+        try:
+            return meta["enum"](value)
+        except (ValueError, TypeError):
+            allowed = ", ".join(e.value for e in meta["enum"])
+            raise ProtocolError(f"{where} must be one of {allowed}") from None
+    raise AssertionError(f"unknown field kind {kind}")  # pragma: no cover - a bug in this module
 
 
-def _decode_plain(cls: type, header: dict[str, Any]) -> Message:
+def _fields_of(cls: type, header: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
-        kind = {"str": "str", "int": "int", "float": "float"}.get(str(f.type))
-        if str(f.type) == "tuple[int, ...]":
-            value = header.get(f.name)
-            if not isinstance(value, list) or len(value) > 1024 or not all(type(v) is int for v in value):
-                raise ProtocolError(f"field {f.name!r} must be a list of at most 1024 ints")
-            kwargs[f.name] = tuple(value)
+        if f.name in skip:
             continue
-        if kind is None:  # StatusReply.status: any JSON object
-            value = header.get(f.name, {})
-            if not isinstance(value, dict):
-                raise ProtocolError(f"field {f.name!r} must be an object")
-            kwargs[f.name] = value
+        if f.name not in header:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ProtocolError(f"{cls.TYPE} message lacks field {f.name!r}")
             continue
-        kwargs[f.name] = _field(header, f.name, kind, ... if f.default is MISSING else f.default)
-    return cls(**kwargs)
-
+        if not f.metadata:  # StatusReply.status: any JSON object
+            if not isinstance(header[f.name], dict):
+                raise ProtocolError(f"{cls.TYPE}.{f.name} must be an object")
+            kwargs[f.name] = header[f.name]
+            continue
+        kwargs[f.name] = _check(cls.TYPE, f.name, f.metadata, header[f.name])
+    return kwargs
 
 
 def _tensors(header: dict[str, Any], buf: bytearray, offset: int) -> list[torch.Tensor]:
     descs = header.get("tensors", [])
-    if not isinstance(descs, list):
-        raise ProtocolError("'tensors' must be a list")
+    if not isinstance(descs, list) or len(descs) > 16:
+        raise ProtocolError("'tensors' must be a list of at most 16 descriptors", Code.BAD_TENSOR)
     out: list[torch.Tensor] = []
     for d in descs:
-        if not isinstance(d, dict) or d.get("dtype") not in DTYPES or not isinstance(d.get("shape"), list):
-            raise ProtocolError(f"bad tensor descriptor {d!r}", "bad_tensor")
+        dtype_name = d.get("dtype") if isinstance(d, dict) else None
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES or not isinstance(d.get("shape"), list):
+            raise ProtocolError(f"bad tensor descriptor {str(d)[:80]}", Code.BAD_TENSOR)
         shape = d["shape"]
         if len(shape) > 4 or not all(type(s) is int and 0 <= s <= MAX_DIM for s in shape):
-            raise ProtocolError(f"bad tensor shape {shape!r}", "bad_tensor")
-        dtype = DTYPES[d["dtype"]]
+            raise ProtocolError(f"bad tensor shape {str(shape)[:80]}", Code.BAD_TENSOR)
+        dtype = DTYPES[dtype_name]
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
         if offset + nbytes > len(buf):
-            raise ProtocolError("frame is shorter than its tensors say (truncated?)", "truncated")
+            raise ProtocolError("frame is shorter than its tensors say (truncated?)", Code.TRUNCATED)
         if count:
             t = torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
         else:
@@ -366,77 +522,101 @@ def _tensors(header: dict[str, Any], buf: bytearray, offset: int) -> list[torch.
         out.append(t)
         offset += nbytes
     if offset != len(buf):
-        raise ProtocolError(f"{len(buf) - offset} stray bytes after the tensors", "bad_frame")
+        raise ProtocolError(f"{len(buf) - offset} stray bytes after the tensors", Code.BAD_FRAME)
     return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ProtocolError(f"header holds {name}, which JSON does not allow")
+
+
+def _header(raw: bytes) -> dict[str, Any]:
+    try:
+        header = json.loads(raw, parse_constant=_no_constants)
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError("header is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, an integer of too many digits
+        raise ProtocolError(f"header is not JSON: {str(exc)[:120]}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise ProtocolError("header must be an object with a string 'type'")
+    return header
 
 
 def decode(frame: bytes | bytearray | memoryview | str) -> Message:
     """Parse one frame. Raises ProtocolError with a peer-facing code on any malformation."""
     if isinstance(frame, str):
-        raise ProtocolError("text frames are not part of the protocol; send binary", "text_frame")
+        raise ProtocolError("text frames are not part of the protocol; send binary", Code.TEXT_FRAME)
     if len(frame) < _PREFIX.size:
-        raise ProtocolError(f"frame of {len(frame)} bytes is too short", "truncated")
+        raise ProtocolError(f"frame of {len(frame)} bytes is too short", Code.TRUNCATED)
     magic, version, head_len = _PREFIX.unpack_from(frame, 0)
     if magic != MAGIC:
         raise ProtocolError("not a Cleave frame (bad magic)")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version} is not {PROTOCOL_VERSION}", "bad_version")
+        raise ProtocolError(f"protocol version {version} is not {PROTOCOL_VERSION}", Code.BAD_VERSION)
     if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(frame):
-        raise ProtocolError("header length runs past the frame (truncated?)", "truncated")
-    try:
-        header = json.loads(bytes(frame[_PREFIX.size : _PREFIX.size + head_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"header is not JSON: {exc}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
-        raise ProtocolError("header must be an object with a string 'type'")
+        raise ProtocolError("header length runs past the frame (truncated?)", Code.TRUNCATED)
+    header = _header(bytes(frame[_PREFIX.size : _PREFIX.size + head_len]))
     kind = header["type"]
     # One copy into a writable buffer so tensors are zero-copy views of it.
     buf = bytearray(frame)
     tensors = _tensors(header, buf, _PREFIX.size + head_len)
     if kind == "work":
-        blocks = header.get("blocks", [])
-        forget = header.get("forget", [])
-        if not isinstance(blocks, list) or len(blocks) != len(tensors):
-            raise ProtocolError("work: one block descriptor per tensor expected")
-        if not isinstance(forget, list) or not all(type(g) is int for g in forget):
-            raise ProtocolError("work: 'forget' must be a list of ints")
-        parsed = []
-        for key, t in zip(blocks, tensors):
-            if not isinstance(key, str):
-                raise ProtocolError("work: block keys must be strings")
-            if t.dim() != 2:
-                raise ProtocolError("work: blocks must be 2-D", "bad_tensor")
-            parsed.append(Block(key, t))
-        flags = [header.get(f, False) for f in ("a_t", "b_t")]
-        if not all(isinstance(f, bool) for f in flags):
-            raise ProtocolError("work: 'a_t' and 'b_t' must be booleans")
-        return Work(
-            tile_id=_field(header, "tile_id", "int"),
-            a=_field(header, "a", "str"),
-            b=_field(header, "b", "str"),
-            a_t=flags[0],
-            b_t=flags[1],
-            blocks=tuple(parsed),
-            forget=tuple(forget),
-        )
+        return _decode_work(header, tensors)
     if kind == "result":
         if len(tensors) != 1:
-            raise ProtocolError("result must carry exactly one tensor", "bad_tensor")
-        return Result(
-            tile_id=_field(header, "tile_id", "int"),
-            c=tensors[0],
-            seconds=_field(header, "seconds", "float", 0.0),
-        )
+            raise ProtocolError("result must carry exactly one tensor", Code.BAD_TENSOR)
+        return Result(c=tensors[0], **_fields_of(Result, header, skip=("c",)))
     if kind == "speedtest":
         if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
-            raise ProtocolError("speedtest carries one 1-D u8 tensor", "bad_tensor")
-        reply = _field(header, "reply_bytes", "int")
-        if not 0 <= reply <= MAX_SPEEDTEST_BYTES:
-            raise ProtocolError(f"speedtest reply_bytes must be between 0 and {MAX_SPEEDTEST_BYTES}")
-        return SpeedTest(reply, tensors[0])
+            raise ProtocolError("speedtest carries one 1-D u8 tensor", Code.BAD_TENSOR)
+        return SpeedTest(data=tensors[0], **_fields_of(SpeedTest, header, skip=("data",)))
     cls = _PLAIN.get(kind)
     if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r}", "unknown_type")
+        raise ProtocolError(f"unknown message type {kind[:40]!r}", Code.UNKNOWN_TYPE)
     if tensors:
-        raise ProtocolError(f"{kind} carries no tensors", "bad_tensor")
-    return _decode_plain(cls, header)
+        raise ProtocolError(f"{kind} carries no tensors", Code.BAD_TENSOR)
+    return cls(**_fields_of(cls, header))
+
+
+def _decode_work(header: dict[str, Any], tensors: list[torch.Tensor]) -> Work:
+    blocks = header.get("blocks", [])
+    if not isinstance(blocks, list) or len(blocks) != len(tensors):
+        raise ProtocolError("work: one block descriptor per tensor expected")
+    forget = _check("work", "forget", {"kind": "ids", "max_items": MAX_IDS, "lo": 0, "hi": MAX_ID},
+                    header.get("forget", []))
+    key_meta = {"kind": "str", "max_len": 128, "text": "name"}
+    parsed = []
+    for key, t in zip(blocks, tensors):
+        if t.dim() != 2:
+            raise ProtocolError("work: blocks must be 2-D", Code.BAD_TENSOR)
+        parsed.append(Block(_check("work", "blocks", key_meta, key), t))
+    flags = [header.get(f, False) for f in ("a_t", "b_t")]
+    if not all(isinstance(f, bool) for f in flags):
+        raise ProtocolError("work: 'a_t' and 'b_t' must be booleans")
+    plain = _fields_of(Work, header, skip=("a_t", "b_t", "blocks", "forget"))
+    return Work(a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, **plain)
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach. Names are not resolved, except
+    "localhost"; an unencrypted ws:// URL to anything else needs the peer's explicit consent."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def url_host(url: str) -> str:
+    """The host of a ws:// or wss:// URL ("" if it has none)."""
+    try:
+        return urlsplit(url).hostname or ""
+    except ValueError:
+        return ""

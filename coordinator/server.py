@@ -3,6 +3,17 @@
 Everything here runs on one asyncio event loop, and so does every Core call: the Core and the
 store have a single writer and need no locks. The trainer runs in its own thread and reaches the
 Core only through ``RemoteEngine``, which hops onto the loop with ``call_soon_threadsafe``.
+
+What a peer may cost is bounded (``Limits``; the formula is in docs/security.md):
+
+* connections are counted from the TCP accept: past the cap they are refused (close 1013 after
+  the upgrade, or an abort past a small headroom), and so are connections that have not yet
+  passed their hello past ``max_unauthenticated``;
+* before its hello is accepted a peer may send frames of ``pre_auth_frame`` bytes, and it has
+  ``hello_timeout`` seconds to do it; afterwards the Core says how large a device's frames may
+  be (``Limit``: small unless it holds a tile whose result is large);
+* each connection has a writer task with a byte-counted queue: a peer whose small frames pile up
+  past ``control_queue`` bytes, or that leaves one frame unread for ``write_timeout``, is cut.
 """
 
 from __future__ import annotations
@@ -10,40 +21,48 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import ssl
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from websockets.asyncio.server import ServerConnection
+from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from coordinator.core import (
-    SHUTDOWN, AuthError, Core, Outbound, Send,
-)
+from coordinator.core import SHUTDOWN, AuthError, Close, Core, Limit, Outbound, Send
+from coordinator.limits import HEADROOM
+from coordinator.limits import Limits
 from coordinator.protocol import (
-    CLOSE_AUTH, CLOSE_FINISHED, CLOSE_PROTOCOL, CLOSE_SILENT, Heartbeat, Hello, Leave, Pause, ProtocolError, Release, Result, Resume, SpeedTest, StatusReply, StatusRequest,
-    decode, encode,
+    DEVICE_MESSAGES, MAX_SPEEDTEST_BYTES, CloseCode, Code, Hello, Leave, ProtocolError, SpeedTest, StatusReply,
+    StatusRequest, Work, decode, encode, encode_parts,
 )
 from coordinator.training.linear import GemmRequest
 
 log = logging.getLogger("cleave.server")
 
-HELLO_TIMEOUT = 10.0  # a peer must introduce itself this fast
-MAX_FRAME = 256 << 20  # results of big split-K tiles are tens of MB; anything past this is refused
-_CLIENT_MESSAGES = (Result, Release, Heartbeat, Pause, Resume, Leave, StatusRequest)
 TICK = 0.05  # seconds between Core.tick calls: deadlines, heartbeats, speculation
+CHUNK = 256 << 10  # large replies go out in fragments of this size, so a slow reader costs little
+_zeros: bytearray | None = None  # shared payload of every speed-test reply (never written)
 
 
 class JobAborted(RuntimeError):
     """The coordinator is shutting down; GEMMs still in flight will never complete."""
 
 
+@dataclass(frozen=True)
+class _Frame:
+    data: bytes
+    control: bool  # anything but work: counted against Limits.control_queue
+
+
 @dataclass
 class _Conn:
     ws: ServerConnection
-    queue: asyncio.Queue[bytes | tuple[int, str]] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[_Frame | tuple[int, str]] = field(default_factory=asyncio.Queue)
     writer: asyncio.Task[None] | None = None
+    control_bytes: int = 0  # queued bytes of frames other than work
+    cut: str | None = None  # why the server cut this peer
 
 
 @dataclass
@@ -58,25 +77,64 @@ def _reason(text: str) -> str:
 
 
 class Server:
-    def __init__(self, core: Core, clock: Callable[[], float] = time.time, hello_timeout: float = HELLO_TIMEOUT) -> None:
+    def __init__(self, core: Core, clock: Callable[[], float] = time.monotonic, limits: Limits | None = None) -> None:
         self.core = core
-        self.hello_timeout = hello_timeout
         self.clock = clock
+        self.limits = limits or core.limits
         self.conns: dict[int, _Conn] = {}
         self.traffic = Traffic()
+        self.tcp_open = 0
+        self.pending: set[ServerConnection] = set()  # accepted, not yet past a hello or token
+        self.observers = 0
+        self.refused = 0  # connections refused at a cap
         self._pending: set[concurrent.futures.Future[torch.Tensor]] = set()
         self._devices_changed = asyncio.Event()
         self._device_count = 0
         self._aborted: str | None = None
         self._closing = False
 
+    # ------------------------------------------------------------------ connection counting
+
+    def connection_class(self) -> type[ServerConnection]:
+        """The ``create_connection`` factory for ``serve``: counts peers from the TCP accept on."""
+        server = self
+
+        class Counted(ServerConnection):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                super().connection_made(transport)
+                lim = server.limits
+                if server.tcp_open >= lim.max_connections + HEADROOM or \
+                        len(server.pending) >= lim.max_unauthenticated + HEADROOM:
+                    server.refused += 1
+                    transport.abort()  # far past a cap: not even a close frame
+                    return
+                server.tcp_open += 1
+                server.pending.add(self)
+                self._cleave_counted = True
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                if getattr(self, "_cleave_counted", False):
+                    self._cleave_counted = False
+                    server.tcp_open -= 1
+                    server.pending.discard(self)
+                super().connection_lost(exc)
+
+        return Counted
+
     # ------------------------------------------------------------------ peers
 
     async def handler(self, ws: ServerConnection) -> None:
+        lim = self.limits
+        if self.tcp_open > lim.max_connections or len(self.pending) > lim.max_unauthenticated:
+            self.refused += 1
+            await ws.close(CloseCode.BUSY, "coordinator is at its connection limit; try again later")
+            return
+        challenge = self.core.gate.challenge()
         try:
-            first = await asyncio.wait_for(ws.recv(), self.hello_timeout)
+            await ws.send(encode(challenge))
+            first = await asyncio.wait_for(ws.recv(), lim.hello_timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            await ws.close(CLOSE_PROTOCOL, f"no hello within {self.hello_timeout:g} s")
+            await ws.close(CloseCode.PROTOCOL, f"no hello within {lim.hello_timeout:g} s")
             return
         except ConnectionClosed:
             return
@@ -84,22 +142,23 @@ class Server:
         try:
             msg = decode(first)
         except ProtocolError as exc:
-            await ws.close(CLOSE_PROTOCOL, _reason(f"{exc.code}: {exc}"))
+            await ws.close(CloseCode.PROTOCOL, _reason(f"{exc.code.value}: {exc}"))
             return
-        if isinstance(msg, StatusRequest):
+        if isinstance(msg, (StatusRequest, SpeedTest)):
             await self._observe(ws, msg)
             return
         if not isinstance(msg, Hello):
-            await ws.close(CLOSE_PROTOCOL, "first message must be hello or status_request")
+            await ws.close(CloseCode.PROTOCOL, "first message must be hello, status_request or speedtest")
             return
         try:
-            device_id, out = self.core.connect(msg, self.clock())
-        except AuthError:
-            log.warning("refused %s: wrong token", ws.remote_address)
-            await ws.close(CLOSE_AUTH, "wrong token")
+            device_id, out = self.core.connect(msg, challenge.nonce, self.clock())
+        except AuthError as exc:  # never log what the peer presented: it may be someone's secret
+            log.warning("refused a device from %s: %s", ws.remote_address, exc.reason)
+            await ws.close(exc.code, _reason(exc.reason))
             return
+        self.pending.discard(ws)
         conn = _Conn(ws)
-        conn.writer = asyncio.create_task(self._write(conn))
+        conn.writer = asyncio.create_task(self._write(conn, device_id))
         self.conns[device_id] = conn
         self._devices_changed.set()
         log.info("device %d (%s) joined from %s", device_id, msg.name, ws.remote_address)
@@ -110,11 +169,11 @@ class Server:
                 self.traffic.bytes_up += len(frame)
                 try:
                     msg = decode(frame)
-                    if not isinstance(msg, _CLIENT_MESSAGES):
-                        raise ProtocolError(f"{msg.TYPE} is not a message a device may send", "unexpected")
+                    if not isinstance(msg, DEVICE_MESSAGES) or isinstance(msg, Hello):
+                        raise ProtocolError(f"{msg.TYPE} is not a message a device may send", Code.UNEXPECTED)
                 except ProtocolError as exc:
-                    reason = f"{exc.code}: {exc}"
-                    conn.queue.put_nowait((CLOSE_PROTOCOL, _reason(reason)))
+                    reason = f"{exc.code.value}: {exc}"
+                    conn.queue.put_nowait((CloseCode.PROTOCOL, _reason(reason)))
                     break
                 try:
                     self.deliver(self.core.handle(device_id, msg, self.clock()))
@@ -126,10 +185,15 @@ class Server:
                 if isinstance(msg, Leave):
                     reason = "left"
                     break
+                if device_id not in self.core.devices:  # the Core dropped it (banned, rate-limited...)
+                    break
         except ConnectionClosed:
             pass
         finally:
-            self.conns.pop(device_id, None)
+            if self.conns.get(device_id) is conn:
+                del self.conns[device_id]
+            if conn.cut is not None:
+                reason = conn.cut
             if self._aborted is not None or self._closing:
                 reason = SHUTDOWN  # the coordinator is going: not the device's fault
             self.deliver(self.core.disconnect(device_id, self.clock(), reason))
@@ -137,61 +201,92 @@ class Server:
             log.info("device %d left: %s", device_id, reason)
             await self._finish_writer(conn)
 
-    async def _observe(self, ws: ServerConnection, first: StatusRequest) -> None:
+    async def _observe(self, ws: ServerConnection, first: StatusRequest | SpeedTest) -> None:
         """A ``cleave status`` or ``cleave benchmark --url`` peer: one reply per request.
 
-        Its first message carried the token; after that it may ask for status again or run
-        speed tests (the coordinator echoes the requested number of bytes)."""
+        Status needs the operator token; link tests the operator's or the join token (anyone
+        who holds it could enrol a device and test its link anyway). Both are rate-limited."""
+        lim = self.limits
+        gate = self.core.gate
+        operator = gate.is_operator(first.token)
+        if not (operator or (isinstance(first, SpeedTest) and gate.may_test_link(first.token))):
+            what = "status needs the operator token" if isinstance(first, StatusRequest) else "wrong token"
+            await ws.close(CloseCode.AUTH, what)
+            return
+        if self.observers >= lim.max_observers:
+            self.refused += 1
+            await ws.close(CloseCode.BUSY, "too many observers; try again later")
+            return
+        self.pending.discard(ws)
+        self.observers += 1
+        ws.protocol.max_message_size = MAX_SPEEDTEST_BYTES + lim.frame_slack
+        status, volume = lim.status.bucket(), lim.speedtest_bytes.bucket()
         request: object = first
         try:
-            self.core.check_token(first.token)
-        except AuthError:
-            await ws.close(CLOSE_AUTH, "wrong token")
-            return
-        try:
             while True:
+                now = self.clock()
                 if isinstance(request, SpeedTest):
-                    await ws.send(encode(SpeedTest(0, torch.zeros(request.reply_bytes, dtype=torch.uint8))))
+                    if not volume.take(now, request.reply_bytes + request.data.numel()):
+                        await ws.close(CloseCode.RATE_LIMITED, "link tests over their byte allowance")
+                        return
+                    await ws.send(_speedtest_reply(request.reply_bytes))
                 elif isinstance(request, StatusRequest):
-                    try:
-                        self.core.check_token(request.token)
-                    except AuthError:
-                        await ws.close(CLOSE_AUTH, "wrong token")
+                    if not gate.is_operator(request.token):
+                        await ws.close(CloseCode.AUTH, "status needs the operator token")
+                        return
+                    if not status.take(now):
+                        await ws.close(CloseCode.RATE_LIMITED, "status requests too often")
                         return
                     await ws.send(encode(StatusReply(self.status())))
                 else:
-                    await ws.close(CLOSE_PROTOCOL, "observers may only send status_request or speedtest")
+                    await ws.close(CloseCode.PROTOCOL, "observers may only send status_request or speedtest")
                     return
                 try:
                     request = decode(await ws.recv())
                 except ProtocolError as exc:
-                    await ws.close(CLOSE_PROTOCOL, _reason(f"{exc.code}: {exc}"))
+                    await ws.close(CloseCode.PROTOCOL, _reason(f"{exc.code.value}: {exc}"))
                     return
         except ConnectionClosed:
             return
+        finally:
+            self.observers -= 1
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         snapshot = self.core.status(self.clock())
         t = self.traffic
         snapshot["traffic"] = {"mb_down": round(t.bytes_down / 1e6, 2), "mb_up": round(t.bytes_up / 1e6, 2)}
+        snapshot["connections"] = {"open": self.tcp_open, "unauthenticated": len(self.pending),
+                                   "observers": self.observers, "refused": self.refused}
         return snapshot
 
-    async def _write(self, conn: _Conn) -> None:
+    async def _write(self, conn: _Conn, device_id: int) -> None:
         while True:
             item = await conn.queue.get()
             if isinstance(item, tuple):
                 await conn.ws.close(*item)
                 return
             try:
-                await conn.ws.send(item)
+                # A peer that does not read would hold the frame (and the queue behind it) forever.
+                await asyncio.wait_for(conn.ws.send(item.data), self.limits.write_timeout)
+            except (TimeoutError, asyncio.TimeoutError):
+                self._cut(conn, f"did not read for {self.limits.write_timeout:g} s")
+                return
             except ConnectionClosed:
                 return
+            finally:
+                if item.control:
+                    conn.control_bytes -= len(item.data)
+
+    def _cut(self, conn: _Conn, why: str) -> None:
+        log.warning("cutting a device that stopped reading (%s)", why)
+        conn.cut = why
+        self._abort(conn)
 
     async def _finish_writer(self, conn: _Conn) -> None:
         if conn.writer is None:
             return
         if not conn.writer.done():
-            conn.queue.put_nowait((CLOSE_FINISHED, "bye"))
+            conn.queue.put_nowait((CloseCode.FINISHED, "bye"))
             try:
                 await asyncio.wait_for(conn.writer, 5.0)
             except (TimeoutError, asyncio.TimeoutError):
@@ -201,13 +296,20 @@ class Server:
         """Queue the Core's messages on their sockets (never blocks the loop)."""
         for item in outbound:
             conn = self.conns.get(item.device)
-            if conn is None:
+            if conn is None or conn.cut is not None:
                 continue
             if isinstance(item, Send):
-                frame = encode(item.message)
-                self.traffic.bytes_down += len(frame)
+                frame = _Frame(encode(item.message), not isinstance(item.message, Work))
+                self.traffic.bytes_down += len(frame.data)
+                if frame.control:
+                    conn.control_bytes += len(frame.data)
+                    if conn.control_bytes > self.limits.control_queue:
+                        self._cut(conn, f"{conn.control_bytes} bytes of unread messages")
+                        continue
                 conn.queue.put_nowait(frame)
-            elif item.code == CLOSE_SILENT:
+            elif isinstance(item, Limit):
+                conn.ws.protocol.max_message_size = item.nbytes
+            elif isinstance(item, Close) and item.code == CloseCode.SILENT:
                 self._abort(conn)  # a frozen peer reads nothing: a closing handshake would hang
             else:
                 conn.queue.put_nowait((item.code, _reason(item.reason)))
@@ -244,7 +346,7 @@ class Server:
         self._closing = True
         conns = list(self.conns.values())
         for conn in conns:
-            conn.queue.put_nowait((CLOSE_FINISHED, reason))
+            conn.queue.put_nowait((CloseCode.FINISHED, reason))
         writers = [c.writer for c in conns if c.writer is not None]
         if writers:
             await asyncio.wait(writers, timeout=timeout)
@@ -276,6 +378,29 @@ class Server:
         for future in list(self._pending):
             if not future.done():
                 future.set_exception(JobAborted(reason))
+
+
+def _speedtest_reply(nbytes: int) -> list[bytes | memoryview]:
+    """A speed-test reply in fragments of the shared zero buffer: nothing allocated per request,
+    and a slow reader holds at most one fragment."""
+    global _zeros
+    if _zeros is None:
+        _zeros = bytearray(MAX_SPEEDTEST_BYTES)
+    payload = torch.frombuffer(_zeros, dtype=torch.uint8, count=nbytes) if nbytes else torch.zeros(0, dtype=torch.uint8)
+    head, *rest = encode_parts(SpeedTest(nbytes, payload))
+    return [head, *(view[i : i + CHUNK] for view in rest for i in range(0, len(view), CHUNK))]
+
+
+def listen(server: Server, host: str, port: int, tls: ssl.SSLContext | None = None) -> Any:
+    """The websocket server around ``server`` (an async context manager): no compression, a
+    small frame limit until each peer authenticates, connections counted from the TCP accept."""
+    lim = server.limits
+    return serve(
+        server.handler, host, port, compression=None, ssl=tls,
+        max_size=lim.pre_auth_frame,  # raised per peer once it is authenticated
+        max_queue=lim.max_queue, create_connection=server.connection_class(),
+        ping_interval=20, ping_timeout=120, close_timeout=2,  # a frozen peer never answers a close
+    )
 
 
 class RemoteEngine:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from db.store import (
-    ABANDONED, LEASED, OUTCOMES, QUEUED, VERIFIED, CheckpointRow, ClaimedTile, DeviceInfo, DeviceRow, JobRow, LeaseEnd,
-    LeaseRow, NewTile, StepRow, StoreError, DEADLINE, SPECULATIVE,
+    ABANDONED, ACTIVE, IDENTITY_STATES, LEASED, OUTCOMES, QUEUED, VERIFIED, CheckpointRow, ClaimedTile, DeviceInfo,
+    DeviceRow, IdentityRow, JobRow, LeaderRow, LeaseEnd, LeaseRow, NewTile, StepRow, StoreError, DEADLINE,
+    SPECULATIVE,
 )
 
 
@@ -37,7 +38,9 @@ class MemoryStore:
         self._queued: dict[int, None] = {}  # insertion-ordered set of queued tile ids
         self._leases: dict[int, list[LeaseRow]] = {}
         self._checkpoints: list[CheckpointRow] = []
-        self._next = {"job": 1, "device": 1, "gemm": 1, "tile": 1}
+        self._identities: dict[int, tuple[IdentityRow, bytes]] = {}
+        self._settings: dict[str, str] = {}
+        self._next = {"job": 1, "device": 1, "gemm": 1, "tile": 1, "identity": 1}
 
     def _id(self, kind: str) -> int:
         self._next[kind] += 1
@@ -81,13 +84,83 @@ class MemoryStore:
         self._steps[job_id] = {k: v for k, v in self._steps[job_id].items() if k <= after}
         self._jobs[job_id].step = min(self._jobs[job_id].step, after)
 
+    # --- identities and settings
+    def enrol(self, name: str, key: bytes, now: float) -> int:
+        iid = self._id("identity")
+        self._identities[iid] = (IdentityRow(iid, name, ACTIVE, "", now, now), bytes(key))
+        return iid
+
+    def identity(self, identity_id: int) -> IdentityRow | None:
+        if identity_id not in self._identities:
+            return None
+        row = copy.copy(self._identities[identity_id][0])
+        for d in self._devices.values():
+            if d.identity_id == identity_id:
+                row.tiles_done += d.tiles_done
+                row.tiles_rejected += d.tiles_rejected
+                row.tiles_lost += d.tiles_lost
+                row.tiles_revoked += d.tiles_revoked
+                row.gflop_verified += d.gflop_verified
+        return row
+
+    def identity_key(self, identity_id: int) -> bytes | None:
+        entry = self._identities.get(identity_id)
+        return entry[1] if entry else None
+
+    def identities(self, limit: int = 1000) -> list[IdentityRow]:
+        rows = [self.identity(i) for i in sorted(self._identities, reverse=True)[:limit]]
+        return [r for r in rows if r is not None]
+
+    def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]:
+        return {i: self._identities[i][0].state for i in identity_ids if i in self._identities}
+
+    def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None:
+        if state not in IDENTITY_STATES:
+            raise StoreError(f"an identity cannot be {state!r}")
+        if identity_id not in self._identities:
+            raise StoreError(f"no identity {identity_id}")
+        row = self._identities[identity_id][0]
+        row.state, row.reason, row.last_seen = state, reason, now
+
+    def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
+        totals: dict[int, list[float]] = {}
+        for d in self._devices.values():
+            if d.identity_id is not None and d.identity_id in self._identities:
+                t = totals.setdefault(d.identity_id, [0.0, 0])
+                t[0] += d.gflop_verified
+                t[1] += d.tiles_done
+        best = sorted(((i, t) for i, t in totals.items() if t[0] > 0), key=lambda kv: (-kv[1][0], kv[0]))[:limit]
+        return [LeaderRow(i, self._identities[i][0].name, g, int(n)) for i, (g, n) in best]
+
+    def identity_total(self, identity_id: int) -> tuple[float, int]:
+        row = self.identity(identity_id)
+        return (row.gflop_verified, row.tiles_done) if row else (0.0, 0)
+
+    def setting(self, key: str) -> str | None:
+        return self._settings.get(key)
+
+    def set_setting(self, key: str, value: str) -> None:
+        self._settings[key] = value
+
+    def changed(self) -> bool:
+        return False  # nobody else writes to memory
+
     # --- devices
-    def add_device(self, job_id: int, info: DeviceInfo, now: float) -> int:
+    def add_device(self, job_id: int, info: DeviceInfo, now: float, identity_id: int | None = None) -> int:
+        if identity_id is not None:
+            if identity_id in self._identities:
+                self._identities[identity_id][0].last_seen = now
+            for d in self._devices.values():
+                if d.identity_id == identity_id and self._device_job[d.id] == job_id:
+                    d.name, d.platform, d.cores, d.memory_bytes, d.device, d.gflops = (
+                        info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops)
+                    d.state, d.reason, d.last_seen = "online", "", now
+                    return d.id
         did = self._id("device")
         self._device_job[did] = job_id
         self._devices[did] = DeviceRow(
             did, info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops,
-            "online", now, now,
+            "online", now, now, identity_id=identity_id,
         )
         return did
 
@@ -101,24 +174,28 @@ class MemoryStore:
         d.state, d.reason, d.last_seen = state, reason, now
 
     def credit_device(
-        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, gflop: float = 0.0, now: float
+        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, revoked: int = 0,
+        gflop: float = 0.0, now: float,
     ) -> None:
         d = self._device(device_id)
         d.tiles_done += verified
         d.tiles_rejected += rejected
         d.tiles_lost += lost
+        d.tiles_revoked += revoked
         d.gflop_verified += gflop
         d.last_seen = now
 
-    def credit_by_name(self) -> dict[str, tuple[float, int]]:
-        out: dict[str, tuple[float, int]] = {}
-        for d in self._devices.values():
-            gflop, tiles = out.get(d.name, (0.0, 0))
-            out[d.name] = (gflop + d.gflop_verified, tiles + d.tiles_done)
-        return out
+    def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
+        rows = [copy.copy(d) for _, d in sorted(self._devices.items())
+                if self._device_job[d.id] == job_id and (states is None or d.state in states)]
+        return rows if limit is None else rows[:limit]
 
-    def devices(self, job_id: int) -> list[DeviceRow]:
-        return [copy.copy(d) for d in self._devices.values() if self._device_job[d.id] == job_id]
+    def device_states(self, job_id: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for d in self._devices.values():
+            if self._device_job[d.id] == job_id:
+                out[d.state] = out.get(d.state, 0) + 1
+        return out
 
     # --- GEMMs and tiles
     def next_gemm_id(self) -> int:
@@ -220,14 +297,14 @@ class MemoryStore:
         return self._tiles[tile_id].state
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
-        counts = dict.fromkeys((QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "requeued",
-                                "speculative", "expired"), 0)
+        counts = dict.fromkeys((QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "revoked",
+                                "requeued", "speculative", "expired"), 0)
         for t in self._tiles.values():
             if self._gemms[t.gemm_id]["job_id"] != job_id:
                 continue
             counts[t.state] += 1
             for lease in self._leases[t.id]:
-                if lease.outcome in ("rejected", "lost", "cancelled"):
+                if lease.outcome in ("rejected", "lost", "cancelled", "revoked"):
                     counts[lease.outcome] += 1
                 if lease.issued.startswith("requeued"):
                     counts["requeued"] += 1

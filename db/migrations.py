@@ -59,6 +59,22 @@ def m001_initial(db: sqlite_utils.Database) -> None:
     )
 
 
+@migration
+def m002_identities(db: sqlite_utils.Database) -> None:
+    """Enrolled identities (credit, bans and reliability belong to them), settings such as the
+    token hashes, and one device row per identity per job."""
+    db["identities"].create(
+        {"id": int, "name": str, "key": bytes, "state": str, "reason": str, "created_at": float, "last_seen": float},
+        pk="id", not_null={"name", "key", "state"}, defaults={"state": "active", "reason": ""},
+    )
+    db["settings"].create({"key": str, "value": str}, pk="key", not_null={"value"})
+    db.execute("ALTER TABLE devices ADD COLUMN identity_id INTEGER REFERENCES identities(id)")
+    db.execute("ALTER TABLE devices ADD COLUMN tiles_revoked INTEGER NOT NULL DEFAULT 0")
+    db.execute("CREATE UNIQUE INDEX idx_devices_job_identity ON devices (job_id, identity_id)")
+    db.execute("CREATE INDEX idx_devices_identity ON devices (identity_id)")
+    db.execute("CREATE INDEX idx_devices_job_state ON devices (job_id, state)")
+
+
 def migrate(db: sqlite_utils.Database) -> list[str]:
     """Apply pending migrations; returns the names applied."""
     if "_migrations" not in db.table_names():

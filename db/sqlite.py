@@ -19,12 +19,21 @@ import sqlite_utils
 
 from db.migrations import migrate
 from db.store import (
-    ABANDONED, DEADLINE, LEASED, OUTCOMES, QUEUED, SPECULATIVE, VERIFIED, CheckpointRow, ClaimedTile, DeviceInfo,
-    DeviceRow, JobRow, LeaseEnd, LeaseRow, NewTile, StepRow, StoreError,
+    ABANDONED, ACTIVE, DEADLINE, IDENTITY_STATES, LEASED, OUTCOMES, QUEUED, SPECULATIVE, VERIFIED, CheckpointRow,
+    ClaimedTile, DeviceInfo, DeviceRow, IdentityRow, JobRow, LeaderRow, LeaseEnd, LeaseRow, NewTile, StepRow,
+    StoreError,
 )
 
-_COUNT_KEYS = (QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "requeued", "speculative",
-               "expired")
+_COUNT_KEYS = (QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "revoked", "requeued",
+               "speculative", "expired")
+_DEVICE_COLS = ("id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen, tiles_done,"
+                " tiles_rejected, gflop_verified, reason, tiles_lost, tiles_revoked, identity_id")
+# An identity's totals are summed over its device rows in every job.
+_IDENTITY_SELECT = (
+    "SELECT i.id, i.name, i.state, i.reason, i.created_at, i.last_seen, COALESCE(SUM(d.tiles_done), 0),"
+    " COALESCE(SUM(d.tiles_rejected), 0), COALESCE(SUM(d.tiles_lost), 0), COALESCE(SUM(d.tiles_revoked), 0),"
+    " COALESCE(SUM(d.gflop_verified), 0.0) FROM identities i LEFT JOIN devices d ON d.identity_id = i.id"
+)
 
 _CLAIM = """
 UPDATE tiles SET state = 'leased', open_leases = 1, attempts = attempts + 1
@@ -67,6 +76,7 @@ class SQLiteStore:
         # the status a dashboard asks for every second must not scan a million rows.
         self._counts: dict[int, Counter[str]] = {}
         self._gemm_job: dict[int, int] = {}
+        self._data_version = self._version()
 
     @contextmanager
     def atomic(self) -> Iterator[sqlite3.Connection]:
@@ -136,14 +146,91 @@ class SQLiteStore:
         )
         return [StepRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
-    # --- devices
-    def add_device(self, job_id: int, info: DeviceInfo, now: float) -> int:
+    # --- identities and settings
+    def enrol(self, name: str, key: bytes, now: float) -> int:
         cur = self.conn.execute(
-            "INSERT INTO devices (job_id, name, platform, cores, memory_bytes, device, gflops, state, joined_at,"
-            " last_seen) VALUES (?, ?, ?, ?, ?, ?, ?, 'online', ?, ?)",
-            (job_id, info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops, now, now),
+            "INSERT INTO identities (name, key, state, reason, created_at, last_seen) VALUES (?, ?, ?, '', ?, ?)",
+            (name, key, ACTIVE, now, now),
         )
         return int(cur.lastrowid)
+
+    def identity(self, identity_id: int) -> IdentityRow | None:
+        row = self._one(f"{_IDENTITY_SELECT} WHERE i.id = ? GROUP BY i.id", (identity_id,))
+        return IdentityRow(*row) if row is not None else None
+
+    def identity_key(self, identity_id: int) -> bytes | None:
+        row = self._one("SELECT key FROM identities WHERE id = ?", (identity_id,))
+        return bytes(row[0]) if row is not None else None
+
+    def identities(self, limit: int = 1000) -> list[IdentityRow]:
+        return [IdentityRow(*r) for r in self.conn.execute(
+            f"{_IDENTITY_SELECT} GROUP BY i.id ORDER BY i.id DESC LIMIT ?", (limit,)
+        )]
+
+    def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]:
+        return {int(i): str(state) for i, state in self.conn.execute(
+            "SELECT id, state FROM identities WHERE id IN (SELECT value FROM json_each(?))",
+            (json.dumps(list(identity_ids)),),
+        )}
+
+    def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None:
+        if state not in IDENTITY_STATES:
+            raise StoreError(f"an identity cannot be {state!r}")
+        cur = self.conn.execute("UPDATE identities SET state = ?, reason = ?, last_seen = ? WHERE id = ?",
+                                (state, reason, now, identity_id))
+        if cur.rowcount != 1:
+            raise StoreError(f"no identity {identity_id}")
+
+    def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
+        return [LeaderRow(int(r[0]), r[1], float(r[2]), int(r[3])) for r in self.conn.execute(
+            "SELECT i.id, i.name, SUM(d.gflop_verified) AS g, SUM(d.tiles_done) FROM devices d"
+            " JOIN identities i ON i.id = d.identity_id GROUP BY i.id HAVING g > 0 ORDER BY g DESC, i.id LIMIT ?", (limit,)
+        )]
+
+    def identity_total(self, identity_id: int) -> tuple[float, int]:
+        row = self._one("SELECT COALESCE(SUM(gflop_verified), 0.0), COALESCE(SUM(tiles_done), 0) FROM devices"
+                        " WHERE identity_id = ?", (identity_id,))
+        assert row is not None
+        return float(row[0]), int(row[1])
+
+    def setting(self, key: str) -> str | None:
+        row = self._one("SELECT value FROM settings WHERE key = ?", (key,))
+        return str(row[0]) if row is not None else None
+
+    def set_setting(self, key: str, value: str) -> None:
+        self.conn.execute("INSERT INTO settings (key, value) VALUES (?, ?) "
+                          "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
+
+    def _version(self) -> int:
+        row = self._one("PRAGMA data_version")
+        return int(row[0]) if row is not None else 0
+
+    def changed(self) -> bool:
+        # data_version moves only when another connection commits: our own writes never count.
+        version = self._version()
+        moved, self._data_version = version != self._data_version, version
+        return moved
+
+    # --- devices
+    def add_device(self, job_id: int, info: DeviceInfo, now: float, identity_id: int | None = None) -> int:
+        values = (info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops)
+        with self.atomic() as c:
+            if identity_id is not None:
+                row = c.execute("SELECT id FROM devices WHERE job_id = ? AND identity_id = ?",
+                                (job_id, identity_id)).fetchone()
+                if row is not None:
+                    c.execute("UPDATE devices SET name = ?, platform = ?, cores = ?, memory_bytes = ?, device = ?,"
+                              " gflops = ?, state = 'online', reason = '', last_seen = ? WHERE id = ?",
+                              (*values, now, row[0]))
+                    c.execute("UPDATE identities SET last_seen = ? WHERE id = ?", (now, identity_id))
+                    return int(row[0])
+                c.execute("UPDATE identities SET last_seen = ? WHERE id = ?", (now, identity_id))
+            cur = c.execute(
+                "INSERT INTO devices (job_id, name, platform, cores, memory_bytes, device, gflops, state, joined_at,"
+                " last_seen, identity_id) VALUES (?, ?, ?, ?, ?, ?, ?, 'online', ?, ?, ?)",
+                (job_id, *values, now, now, identity_id),
+            )
+            return int(cur.lastrowid)
 
     def set_device_state(self, device_id: int, state: str, now: float, reason: str = "") -> None:
         cur = self.conn.execute(
@@ -153,27 +240,33 @@ class SQLiteStore:
             raise StoreError(f"no device {device_id}")
 
     def credit_device(
-        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, gflop: float = 0.0, now: float
+        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, revoked: int = 0,
+        gflop: float = 0.0, now: float,
     ) -> None:
         cur = self.conn.execute(
             "UPDATE devices SET tiles_done = tiles_done + ?, tiles_rejected = tiles_rejected + ?,"
-            " tiles_lost = tiles_lost + ?, gflop_verified = gflop_verified + ?, last_seen = ? WHERE id = ?",
-            (verified, rejected, lost, gflop, now, device_id),
+            " tiles_lost = tiles_lost + ?, tiles_revoked = tiles_revoked + ?, gflop_verified = gflop_verified + ?,"
+            " last_seen = ? WHERE id = ?",
+            (verified, rejected, lost, revoked, gflop, now, device_id),
         )
         if cur.rowcount != 1:
             raise StoreError(f"no device {device_id}")
 
-    def credit_by_name(self) -> dict[str, tuple[float, int]]:
-        return {name: (float(gflop), int(tiles)) for name, gflop, tiles in self.conn.execute(
-            "SELECT name, SUM(gflop_verified), SUM(tiles_done) FROM devices GROUP BY name"
-        )}
-
-    def devices(self, job_id: int) -> list[DeviceRow]:
-        cols = "id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen," \
-               " tiles_done, tiles_rejected, gflop_verified, reason, tiles_lost"
+    def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
+        where = "job_id = ?"
+        params: list[Any] = [job_id]
+        if states is not None:
+            where += " AND state IN (SELECT value FROM json_each(?))"
+            params.append(json.dumps(list(states)))
+        params.append(-1 if limit is None else limit)
         return [DeviceRow(*r) for r in self.conn.execute(
-            f"SELECT {cols} FROM devices WHERE job_id = ? ORDER BY id", (job_id,)
+            f"SELECT {_DEVICE_COLS} FROM devices WHERE {where} ORDER BY id LIMIT ?", params
         )]
+
+    def device_states(self, job_id: int) -> dict[str, int]:
+        return {str(state): int(n) for state, n in self.conn.execute(
+            "SELECT state, COUNT(*) FROM devices WHERE job_id = ? GROUP BY state", (job_id,)
+        )}
 
     # --- GEMMs and tiles
     def next_gemm_id(self) -> int:
@@ -282,7 +375,7 @@ class SQLiteStore:
                 "WHERE id = :tile RETURNING state, gemm_id",
                 {"tile": tile_id, "device": device_id, "outcome": outcome},
             ).fetchone()
-            if outcome in ("rejected", "lost"):
+            if outcome in ("rejected", "lost", "revoked"):
                 self._count(gemm_id, outcome)
             if state == QUEUED:
                 self._count(gemm_id, LEASED, -1)
@@ -312,8 +405,7 @@ class SQLiteStore:
 
     def recount(self, job_id: int) -> dict[str, int]:
         """Tile counts from the rows themselves (the running counters must always agree)."""
-        counts = dict.fromkeys((QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "requeued",
-                                "speculative", "expired"), 0)
+        counts = dict.fromkeys(_COUNT_KEYS, 0)
         for state, n in self.conn.execute(
             "SELECT t.state, COUNT(*) FROM tiles t JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ? GROUP BY t.state",
             (job_id,),
@@ -322,13 +414,14 @@ class SQLiteStore:
         row = self._one(
             "SELECT"
             " COALESCE(SUM(l.outcome = 'rejected'), 0), COALESCE(SUM(l.outcome = 'lost'), 0),"
-            " COALESCE(SUM(l.outcome = 'cancelled'), 0), COALESCE(SUM(l.issued LIKE 'requeued%'), 0),"
+            " COALESCE(SUM(l.outcome = 'cancelled'), 0), COALESCE(SUM(l.outcome = 'revoked'), 0),"
+            " COALESCE(SUM(l.issued LIKE 'requeued%'), 0),"
             " COALESCE(SUM(l.issued = :spec), 0), COALESCE(SUM(l.issued = :deadline), 0) "
             "FROM leases l JOIN tiles t ON t.id = l.tile_id JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = :job",
             {"job": job_id, "spec": SPECULATIVE, "deadline": DEADLINE},
         )
         assert row is not None
-        for name, value in zip(("rejected", "lost", "cancelled", "requeued", "speculative", "expired"), row):
+        for name, value in zip(("rejected", "lost", "cancelled", "revoked", "requeued", "speculative", "expired"), row):
             counts[name] = int(value)
         return counts
 

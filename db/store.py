@@ -21,8 +21,12 @@ from typing import Any, Protocol, Sequence
 # Tile states. A tile whose last open lease ends other than verified goes back to QUEUED.
 QUEUED, LEASED, VERIFIED = "queued", "leased", "verified"
 ABANDONED = "abandoned"  # its coordinator died with the tile's operands; a resumed job recomputes it
-# Lease outcomes. "cancelled": another copy of the tile was verified first.
-OUTCOMES = ("verified", "rejected", "released", "lost", "cancelled")
+# Lease outcomes. "cancelled": another copy of the tile was verified first; "revoked": the
+# coordinator took the tile back from a holder long past its deadline.
+OUTCOMES = ("verified", "rejected", "released", "lost", "cancelled", "revoked")
+# Identity states. Only an operator turns a banned or revoked identity active again.
+ACTIVE, BANNED, REVOKED = "active", "banned", "revoked"
+IDENTITY_STATES = (ACTIVE, BANNED, REVOKED)
 # Why a lease was issued, besides "first" and "requeued after <outcome>".
 SPECULATIVE, DEADLINE = "speculative", "deadline passed"
 
@@ -58,12 +62,47 @@ class DeviceRow:
     gflop_verified: float = 0.0
     reason: str = ""
     tiles_lost: int = 0
+    tiles_revoked: int = 0
+    identity_id: int | None = None
 
     @property
     def reliability(self) -> float:
         """Share of its finished work that came back verified (cancelled copies don't count)."""
-        total = self.tiles_done + self.tiles_rejected + self.tiles_lost
-        return self.tiles_done / total if total else 1.0
+        return _reliability(self.tiles_done, self.tiles_rejected + self.tiles_lost + self.tiles_revoked)
+
+
+def _reliability(done: int, failed: int) -> float:
+    return done / (done + failed) if done + failed else 1.0
+
+
+@dataclass
+class IdentityRow:
+    """An enrolled device: its credential's owner. Credit, bans and reliability belong here; its
+    totals are summed over the device rows it had in every job."""
+
+    id: int
+    name: str
+    state: str
+    reason: str
+    created_at: float
+    last_seen: float
+    tiles_done: int = 0
+    tiles_rejected: int = 0
+    tiles_lost: int = 0
+    tiles_revoked: int = 0
+    gflop_verified: float = 0.0
+
+    @property
+    def reliability(self) -> float:
+        return _reliability(self.tiles_done, self.tiles_rejected + self.tiles_lost + self.tiles_revoked)
+
+
+@dataclass(frozen=True)
+class LeaderRow:
+    identity_id: int
+    name: str
+    gflop: float
+    tiles: int
 
 
 @dataclass(frozen=True)
@@ -149,17 +188,45 @@ class Store(Protocol):
     ) -> None: ...
     def steps(self, job_id: int) -> list[StepRow]: ...
 
+    # --- identities and settings
+    def enrol(self, name: str, key: bytes, now: float) -> int:
+        """A new identity, active, holding the stored key of its secret; returns its id."""
+        ...
+    def identity(self, identity_id: int) -> IdentityRow | None: ...
+    def identity_key(self, identity_id: int) -> bytes | None: ...
+    def identities(self, limit: int = 1000) -> list[IdentityRow]:
+        """Newest first."""
+        ...
+    def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]: ...
+    def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None: ...
+    def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
+        """Verified GFLOP and tiles per identity over every job, best first."""
+        ...
+    def identity_total(self, identity_id: int) -> tuple[float, int]:
+        """Verified GFLOP and tiles of one identity over every job."""
+        ...
+    def setting(self, key: str) -> str | None: ...
+    def set_setting(self, key: str, value: str) -> None: ...
+    def changed(self) -> bool:
+        """True when another process wrote to the store since the last call (an operator's
+        revoke, unban or token rotation)."""
+        ...
+
     # --- devices
-    def add_device(self, job_id: int, info: DeviceInfo, now: float) -> int: ...
+    def add_device(self, job_id: int, info: DeviceInfo, now: float, identity_id: int | None = None) -> int:
+        """The device row of ``identity_id`` in this job, created or brought back online (one
+        row per identity per job, however often it reconnects); a new row when no identity."""
+        ...
     def set_device_state(self, device_id: int, state: str, now: float, reason: str = "") -> None: ...
     def credit_device(
-        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, gflop: float = 0.0, now: float
+        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, revoked: int = 0,
+        gflop: float = 0.0, now: float,
     ) -> None: ...
-    def devices(self, job_id: int) -> list[DeviceRow]:
-        """The devices that joined this job (each connection is one device row)."""
+    def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
+        """The devices of this job (in ``states`` if given), by id, at most ``limit``."""
         ...
-    def credit_by_name(self) -> dict[str, tuple[float, int]]:
-        """Verified GFLOP and tiles per device name, over every job in this store."""
+    def device_states(self, job_id: int) -> dict[str, int]:
+        """How many of this job's devices are in each recorded state."""
         ...
 
     # --- GEMMs and tiles
@@ -195,8 +262,8 @@ class Store(Protocol):
     def tile_state(self, tile_id: int) -> str: ...
     def tile_counts(self, job_id: int) -> dict[str, int]:
         """A job's ``queued``, ``leased`` and ``verified`` tiles, and its leases that were
-        ``rejected``, ``lost``, ``cancelled``, issued ``requeued``, ``speculative`` or ``expired``
-        (a copy issued because a deadline passed)."""
+        ``rejected``, ``lost``, ``cancelled``, ``revoked``, issued ``requeued``, ``speculative`` or
+        ``expired`` (a copy issued because a deadline passed)."""
         ...
     def leases(self, tile_id: int) -> list[LeaseRow]: ...
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from conftest import ROOT, TIMEOUT
 
-TOKEN = "test-token"
-_URL = re.compile(r"listening on (ws://\S+)")
+TOKEN = "test-token"  # the join token
+OPERATOR = "test-operator"  # the operator token (cleave status)
+_URL = re.compile(r"listening on (wss?://\S+)")
 
 
 def cleave_cmd(*args: str) -> list[str]:
@@ -70,12 +71,14 @@ class Proc:
 
 
 class Coordinator(Proc):
-    def __init__(self, tmp: Path, *args: str, steps: int = 20, token: str = TOKEN, port: int = 0) -> None:
+    def __init__(self, tmp: Path, *args: str, steps: int = 20, token: str = TOKEN, port: int = 0,
+                 operator: str = OPERATOR) -> None:
         self.db = tmp / "cleave.db"
         self.metrics_path = tmp / "metrics.jsonl"
         super().__init__(
             cleave_cmd("coordinator", "start", "--port", str(port), "--db", str(self.db), "--token", token,
-                       "--steps", str(steps), "--metrics", str(self.metrics_path), *args),
+                       "--operator-token", operator, "--steps", str(steps), "--metrics", str(self.metrics_path),
+                       *args),
             "coordinator",
         )
         self.url = self._await_url()

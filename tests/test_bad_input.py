@@ -16,7 +16,11 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from conftest import TIMEOUT
-from coordinator.protocol import MAGIC, PROTOCOL_VERSION, Error, Hello, Result, StatusRequest, Welcome, Work, decode, encode
+from coordinator import auth
+from coordinator.protocol import (
+    MAGIC, PROTOCOL_VERSION, Challenge, CloseCode, Code, Credential, Error, Hello, Result, StatusRequest, Welcome, Work,
+    decode, encode,
+)
 from coordinator.training.loop import TrainConfig, Trainer
 from procs import TOKEN, Coordinator, join
 
@@ -61,6 +65,41 @@ class Inbox:
             self.held.append(msg)
 
 
+def _raw(head: str) -> bytes:
+    data = head.encode("utf-8", "surrogatepass")
+    return struct.pack("<3sBI", MAGIC, PROTOCOL_VERSION, len(data)) + data
+
+
+async def _rejected_then_banned(url: str, name: str, forge: str) -> tuple[Error, int | None, Credential]:
+    """A new identity returns one bad result: on probation, that bans it at once."""
+    async with connect(url, compression=None, max_size=None) as ws:
+        inbox = Inbox(ws)
+        await inbox.next(Challenge)
+        await ws.send(encode(Hello(token=TOKEN, name=name, slots=1)))
+        credential = await inbox.next(Credential)
+        await inbox.next(Welcome)
+        work = await inbox.next(Work)
+        assert isinstance(work, Work)
+        operands = work.operands({b.key: b.data for b in work.blocks})
+        assert operands is not None
+        rows, cols = operands[0].shape[0], operands[1].shape[1]
+        c = torch.zeros(3, 3) if forge == "shape" else torch.zeros(rows, cols, dtype=torch.float16)
+        await ws.send(encode(Result(tile_id=work.tile_id, c=c)))
+        error = await inbox.next(Error)
+        code, _ = await _closed_with(ws)
+    assert isinstance(error, Error) and isinstance(credential, Credential)
+    return error, code, credential
+
+
+async def _reconnect(url: str, credential: Credential, name: str) -> tuple[int | None, str]:
+    async with connect(url, compression=None, max_size=None) as ws:
+        challenge = decode(await ws.recv())
+        assert isinstance(challenge, Challenge)
+        proof = auth.proof(bytes.fromhex(credential.secret), credential.identity, bytes.fromhex(challenge.nonce))
+        await ws.send(encode(Hello(name=name, identity=credential.identity, proof=proof.hex())))
+        return await _closed_with(ws)
+
+
 async def _attack(url: str) -> dict[str, object]:
     seen: dict[str, object] = {}
     hello = encode(Hello(token=TOKEN, name="attacker", slots=1))
@@ -68,10 +107,17 @@ async def _attack(url: str) -> dict[str, object]:
     seen["text"] = await _send_then_close_code(url, '{"type": "hello"}')
     seen["truncated"] = await _send_then_close_code(url, hello[: len(hello) // 2])
     seen["unknown type"] = await _send_then_close_code(url, _frame({"type": "launch_missiles"}))
+    # Each of these escaped as a traceback from protocol version 1.
+    seen["list as dtype"] = await _send_then_close_code(
+        url, _frame({"type": "speedtest", "reply_bytes": 0, "tensors": [{"dtype": [], "shape": [0]}]}))
+    seen["nested header"] = await _send_then_close_code(url, _raw("[" * 5000 + "]" * 5000))
+    seen["lone surrogate"] = await _send_then_close_code(url, _raw('{"type":"hello","name":"x","token":"\\udc80"}'))
+    seen["huge integer"] = await _send_then_close_code(url, _frame({"type": "hello", "name": "x", "cores": 10**40}))
     seen["wrong token"] = await _send_then_close_code(url, encode(Hello(token="guess", name="intruder")))
     seen["observer wrong token"] = await _send_then_close_code(url, encode(StatusRequest(token="guess")))
-    seen["server message"] = await _send_then_close_code(url, hello, encode(Welcome(1, "j", 1)))
-    seen["garbage after hello"] = await _send_then_close_code(url, hello, b"CLV\x01junk")
+    seen["volunteer reads status"] = await _send_then_close_code(url, encode(StatusRequest(token=TOKEN)))
+    seen["server message"] = await _send_then_close_code(url, hello, encode(Welcome(1, 1, "j", 1)))
+    seen["garbage after hello"] = await _send_then_close_code(url, hello, b"CLV\x02junk")
 
     async with connect(url, compression=None, max_size=None) as ws:
         await ws.send(hello)
@@ -79,21 +125,11 @@ async def _attack(url: str) -> dict[str, object]:
         await inbox.next(Welcome)
         await ws.send(encode(Result(tile_id=10**9, c=torch.zeros(2, 2))))
         seen["never leased"] = await inbox.next(Error)
-        work = await inbox.next(Work)
-        assert isinstance(work, Work)
-        blocks = {b.key: b.data for b in work.blocks}  # cached across Works, as a real client does
-        await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(3, 3))))
-        seen["wrong shape"] = await inbox.next(Error)
-        work = await inbox.next(Work)
-        assert isinstance(work, Work)
-        blocks.update({b.key: b.data for b in work.blocks})
-        operands = work.operands(blocks)
-        assert operands is not None
-        rows, cols = operands[0].shape[0], operands[1].shape[1]
-        await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(rows, cols, dtype=torch.float16))))
-        seen["wrong dtype"] = await inbox.next(Error)
-        await ws.send(encode(Result(tile_id=work.tile_id, c=torch.zeros(1, 1))))  # already refused: not leased now
+        await ws.send(encode(Result(tile_id=10**9 + 1, c=torch.zeros(2, 2), seconds=86400.0)))
         seen["stale tile"] = await inbox.next(Error)
+    seen["wrong shape"] = await _rejected_then_banned(url, "forger-shape", "shape")
+    seen["wrong dtype"] = await _rejected_then_banned(url, "forger-dtype", "dtype")
+    seen["banned comes back"] = await _reconnect(url, seen["wrong shape"][2], "forger-shape")  # type: ignore[index]
     return seen
 
 
@@ -103,18 +139,24 @@ def test_a_hostile_peer_cannot_disturb_training(tmp_path: Path) -> None:
     coord.wait_for_step(1)
     seen = asyncio.run(_attack(coord.url))
 
-    for name in ("garbage", "text", "truncated", "unknown type", "server message", "garbage after hello"):
+    for name in ("garbage", "text", "truncated", "unknown type", "server message", "garbage after hello",
+                 "list as dtype", "nested header", "lone surrogate", "huge integer"):
         code, reason = seen[name]  # type: ignore[misc]
-        assert code == 4000, (name, code, reason)
+        assert code == CloseCode.PROTOCOL, (name, code, reason)
         assert reason, name  # says why
     assert seen["truncated"][1].startswith("truncated")  # type: ignore[index]
     assert seen["unknown type"][1].startswith("unknown_type")  # type: ignore[index]
-    assert seen["wrong token"][0] == 4001 and seen["observer wrong token"][0] == 4001  # type: ignore[index]
-    for name, code in (("never leased", "not_leased"), ("wrong shape", "rejected"), ("wrong dtype", "rejected"),
-                       ("stale tile", "not_leased")):
+    assert seen["lone surrogate"][1].startswith("bad_frame") and "surrogate" in seen["lone surrogate"][1]  # type: ignore[index]
+    for name in ("wrong token", "observer wrong token", "volunteer reads status"):
+        assert seen[name][0] == CloseCode.AUTH, name  # type: ignore[index]
+    for name in ("never leased", "stale tile"):
         error = seen[name]
-        assert isinstance(error, Error) and error.code == code, (name, error)
-    assert "shape" in seen["wrong shape"].message and "dtype" in seen["wrong dtype"].message  # type: ignore[union-attr]
+        assert isinstance(error, Error) and error.code == Code.NOT_LEASED, (name, error)
+    for name, word in (("wrong shape", "shape"), ("wrong dtype", "dtype")):
+        error, code, _ = seen[name]  # type: ignore[misc]
+        assert error.code == Code.REJECTED and word in error.message, (name, error)
+        assert code == CloseCode.BANNED, name  # one forgery on probation is enough
+    assert seen["banned comes back"][0] == CloseCode.BANNED  # type: ignore[index]
 
     assert coord.wait() == 0, coord.output
     assert honest.wait() == 0
@@ -122,6 +164,9 @@ def test_a_hostile_peer_cannot_disturb_training(tmp_path: Path) -> None:
     local = [r.loss for r in Trainer(TrainConfig(steps=STEPS)).run()]
     for got, want in zip(coord.losses(), local, strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
-    # Nothing lost: every tile verified, the attacker's two bad results counted against it.
+    # Nothing lost: every tile verified, each forger's bad result counted against it, both banned.
     assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
-    assert coord.query("SELECT SUM(tiles_rejected) FROM devices WHERE name = 'attacker'") == [(2,)]
+    assert coord.query("SELECT name, tiles_rejected FROM devices WHERE name LIKE 'forger%' ORDER BY name") == [
+        ("forger-dtype", 1), ("forger-shape", 1)]
+    assert coord.query("SELECT name, state FROM identities WHERE name LIKE 'forger%' ORDER BY name") == [
+        ("forger-dtype", "banned"), ("forger-shape", "banned")]

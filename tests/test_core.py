@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.core import AuthError, Close, Core, Outbound, Send
-from coordinator.protocol import CLOSE_BANNED
-from coordinator.protocol import Credit, Error, Finished, Hello, Leave, Result, StatusReply, StatusRequest, Welcome, Work
+from coordinator.core import AuthError, Close, Core, Limit, Outbound, Send
+from coordinator.limits import TrustPolicy
+from coordinator.protocol import CloseCode, Credential, Credit, Error, Finished, Hello, Leave, Result, Welcome, Work
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
 
@@ -41,8 +41,9 @@ class Fleet:
         self.forgotten: dict[int, list[int]] = {}
         self.now = 100.0
 
-    def join(self, name: str, compute: Compute = honest, slots: int = 2) -> int:
-        device, out = self.core.connect(Hello(token="tok", name=name, slots=slots), self.now)
+    def join(self, name: str, compute: Compute = honest, slots: int = 2, **hello: object) -> int:
+        nonce = self.core.gate.challenge().nonce
+        device, out = self.core.connect(Hello(token="tok", name=name, slots=slots, **hello), nonce, self.now)
         self.blocks[device], self.inbox[device], self.blocks_received[device] = {}, [], []
         self.compute[device] = compute
         self.route(out)
@@ -50,6 +51,8 @@ class Fleet:
 
     def route(self, out: list[Outbound]) -> None:
         for item in out:
+            if isinstance(item, Limit):
+                continue
             if isinstance(item, Close):
                 self.closed[item.device] = item.code
             elif isinstance(item.message, Work):
@@ -88,7 +91,9 @@ def core() -> Core:
     store = MemoryStore()
     job = store.create_job("test", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
-    return Core(store, job, token="tok", rng=np.random.default_rng(0), policy=policy)
+    # No probation here: these tests are about tiles; tests/test_trust.py covers how trust is earned.
+    return Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=policy,
+                trust=TrustPolicy(probation_tiles=0, first_slots=8))
 
 
 def submit(core: Core, fleet: Fleet, a: torch.Tensor, b: torch.Tensor, kind: GemmKind = GemmKind.FORWARD) -> dict:
@@ -102,7 +107,7 @@ def test_two_devices_compute_a_gemm_exactly(core: Core) -> None:
     fleet = Fleet(core)
     d1 = fleet.join("a")
     fleet.join("b")
-    assert isinstance(fleet.inbox[d1][0], Welcome)
+    assert isinstance(fleet.inbox[d1][0], Credential) and isinstance(fleet.inbox[d1][1], Welcome)
     a, b = torch.randn(150, 70), torch.randn(70, 130)
     box = submit(core, fleet, a, b)
     fleet.drain()
@@ -213,7 +218,7 @@ def test_a_device_that_keeps_failing_verification_is_banned(core: Core) -> None:
     box = submit(core, fleet, a, b)
     for _ in range(3):
         assert fleet.step(only=bad)
-    assert fleet.closed.get(bad) == CLOSE_BANNED
+    assert fleet.closed.get(bad) == CloseCode.BANNED
     assert bad not in core.devices
     fleet.pending = [p for p in fleet.pending if p.device != bad]  # its socket is gone
     fleet.drain()
@@ -277,9 +282,11 @@ def test_wrong_shape_or_dtype_results_are_rejected(core: Core) -> None:
 
 
 def test_wrong_token_is_refused(core: Core) -> None:
-    with pytest.raises(AuthError):
-        core.connect(Hello(token="nope", name="x"), 0.0)
-    assert core.devices == {}
+    with pytest.raises(AuthError) as info:
+        core.connect(Hello(token="nope", name="x"), core.gate.challenge().nonce, 0.0)
+    assert info.value.code == CloseCode.AUTH and core.devices == {}
+    with pytest.raises(AuthError):  # the operator token is not a join token
+        core.connect(Hello(token="op", name="x"), core.gate.challenge().nonce, 0.0)
 
 
 def test_finish_tells_every_device_and_late_joiners(core: Core) -> None:
@@ -287,19 +294,19 @@ def test_finish_tells_every_device_and_late_joiners(core: Core) -> None:
     d = fleet.join("a")
     out = core.finish(fleet.now)
     assert [(o.device, type(o.message)) for o in out] == [(d, Credit), (d, Finished)]
-    late, out = core.connect(Hello(token="tok", name="late"), fleet.now)
+    late, out = core.connect(Hello(token="tok", name="late"), core.gate.challenge().nonce, fleet.now)
     assert isinstance(out[-1].message, Finished)
 
 
 def test_status_has_the_documented_keys(core: Core) -> None:
     fleet = Fleet(core)
-    d = fleet.join("a")
-    (reply,) = core.handle(d, StatusRequest("tok"), fleet.now)
-    assert isinstance(reply.message, StatusReply)
-    status = reply.message.status
+    fleet.join("a")
+    status = core.status(fleet.now)
     assert {"step", "steps", "loss"} <= set(status["job"])
     assert {"queued", "leased", "verified", "rejected"} <= set(status["tiles"])
-    assert {"name", "state", "tiles_done", "tiles_rejected", "gflops"} <= set(status["devices"][0])
+    assert {"name", "identity", "state", "tiles_done", "tiles_rejected", "gflops", "slots"} <= set(status["devices"][0])
+    assert status["device_counts"] == {"connected": 1, "online": 1}
+    assert status["leaderboard"] == []  # nothing verified yet
 
 
 def test_submit_refuses_operands_that_do_not_chain(core: Core) -> None:
@@ -319,7 +326,7 @@ def test_released_tiles_are_requeued_and_their_blocks_sent_again(core: Core) -> 
     (held,) = core.devices[d].inflight
     fleet.pending.clear()
     fleet.blocks[d].clear()  # the device lost its cache
-    fleet.route(core.handle(d, Release((held, 12345), "missing input block"), fleet.now))
+    fleet.route(core.handle(d, Release((held, 12345)), fleet.now))
     assert core.store.leases(held)[0].outcome == "released"
     again = fleet.pending[0].message
     assert again.tile_id == held and {blk.key for blk in again.blocks} == {again.a, again.b}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TIMEOUT
-from procs import Coordinator, Proc, cleave_cmd, double, env, join, metrics, wait_until
+from procs import OPERATOR, Coordinator, Proc, cleave_cmd, double, env, join, metrics, wait_until
 
 STEPS = 20
 REL = 1e-4
@@ -108,7 +108,7 @@ def test_status_reports_the_job_as_json_and_a_dashboard(tmp_path: Path) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "2", steps=5)
     first = join(coord.url, "first")
     wait_until(lambda: "first" in _status(coord.url).get("names", []), TIMEOUT, "the first device")
-    run = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", "test-token", "--json"),
+    run = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", OPERATOR, "--json"),
                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
     status = json.loads(run.stdout)
@@ -117,7 +117,7 @@ def test_status_reports_the_job_as_json_and_a_dashboard(tmp_path: Path) -> None:
     (device,) = status["devices"]
     assert {"name", "state", "tiles_done", "tiles_rejected", "gflops"} <= set(device)
     assert device["name"] == "first" and device["gflops"] > 0
-    board = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", "test-token", "--once"),
+    board = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", OPERATOR, "--once"),
                            capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
     assert board.returncode == 0 and "first" in board.stdout and "devices" in board.stdout
     wrong = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", "nope", "--json"),
@@ -132,7 +132,7 @@ def test_status_reports_the_job_as_json_and_a_dashboard(tmp_path: Path) -> None:
 def _status(url: str) -> dict:
     from cleave_cli.status import fetch_status
 
-    status = fetch_status(url, "test-token")
+    status = fetch_status(url, OPERATOR)
     status["names"] = [d["name"] for d in status["devices"]]
     return status
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from coordinator.core import Core, FaultPolicy
-from coordinator.protocol import CLOSE_SILENT
-from coordinator.protocol import Cancel, Heartbeat, Result, Work
+from coordinator.limits import TrustPolicy
+from coordinator.protocol import Cancel, CloseCode, Heartbeat, Result, Work
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
 from test_core import Fleet, submit
@@ -22,7 +22,8 @@ def core() -> Core:
     store = MemoryStore()
     job = store.create_job("faults", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
-    return Core(store, job, token="tok", rng=np.random.default_rng(0), policy=policy, faults=FAULTS)
+    return Core(store, job, join_token="tok", rng=np.random.default_rng(0), policy=policy, faults=FAULTS,
+                trust=TrustPolicy(probation_tiles=0, first_slots=8))
 
 
 def _works(fleet: Fleet, device: int) -> list[Work]:
@@ -54,7 +55,7 @@ def test_a_silent_device_is_dropped_after_the_heartbeat_timeout_and_its_tiles_mo
         fleet.route(core.handle(alive, Heartbeat(fleet.now), fleet.now))
         fleet.route(core.tick(fleet.now))
         fleet.drain()
-    assert fleet.closed.get(frozen) == CLOSE_SILENT
+    assert fleet.closed.get(frozen) == CloseCode.SILENT
     assert frozen not in core.devices
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-4)
     for tile in held:
@@ -109,7 +110,8 @@ def test_copies_wait_for_the_speculation_threshold_and_respect_max_copies(core: 
     fleet.route(core.tick(fleet.now))
     copies = [d for d in others if _works(fleet, d)]
     assert len(copies) == 1  # max_copies = 2 open leases: the original and one copy
-    fleet.now += 60.0  # every deadline long past: one more copy per passed deadline, never a flood
+    # The straggler's deadline (lease floor 2 s) passes: one more copy, even past max_copies.
+    fleet.now = 102.5
     for d in [slow, *others]:
         fleet.route(core.handle(d, Heartbeat(fleet.now), fleet.now))
     fleet.route(core.tick(fleet.now))
@@ -117,13 +119,24 @@ def test_copies_wait_for_the_speculation_threshold_and_respect_max_copies(core: 
     holders = [d for d in [slow, *others] if tile in core.devices[d].inflight]
     assert len(holders) == 3
     assert [lease.issued for lease in core.store.leases(tile)] == ["first", "speculative", "deadline passed"]
+    # At twice its deadline the straggler loses the tile: taken back, and never handed to it again.
+    fleet.now = 104.5
+    for d in [slow, *others]:
+        fleet.route(core.handle(d, Heartbeat(fleet.now), fleet.now))
+    fleet.route(core.tick(fleet.now))
+    assert tile not in core.devices[slow].inflight
+    first = core.store.leases(tile)[0]
+    assert (first.device_id, first.outcome) == (slow, "revoked")
+    cancels = [m for m in fleet.inbox[slow] if isinstance(m, Cancel)]
+    assert cancels and cancels[-1].tile_ids == (tile,) and "taken back" in cancels[-1].reason
+    assert core.status(fleet.now)["tiles"]["revoked"] >= 1
 
 
 def test_deadlines_scale_with_the_device_and_its_queue(core: Core) -> None:
     fleet = Fleet(core)
     d = fleet.join("a", slots=2)
     submit(core, fleet, torch.randn(128, 32), torch.randn(32, 64))
-    deadlines = sorted(core._holders[t][d] for t in core.devices[d].inflight)
+    deadlines = sorted(core._holders[t][d].soft for t in core.devices[d].inflight)
     assert all(dl >= fleet.now + FAULTS.lease_floor for dl in deadlines)
     assert deadlines[1] > deadlines[0]  # the second tile waits behind the first
 
@@ -156,10 +169,7 @@ def test_a_device_over_its_memory_budget_finishes_its_tiles_before_taking_more(c
     from coordinator.protocol import Hello
 
     fleet = Fleet(core)
-    device, out = core.connect(Hello(token="tok", name="small-memory", slots=4, block_budget=1), fleet.now)
-    fleet.blocks[device], fleet.inbox[device], fleet.blocks_received[device] = {}, [], []
-    fleet.compute[device] = lambda a, b: a @ b
-    fleet.route(out)
+    device = fleet.join("small-memory", slots=4, block_budget=1)
     box = submit(core, fleet, torch.randn(256, 32), torch.randn(32, 64))
     assert len(core.devices[device].inflight) == 1  # its first blocks already exceed the budget
     fleet.drain()  # still, one at a time, it gets through all of them
@@ -199,7 +209,7 @@ def test_credit_reaches_busy_devices_and_a_final_tally_comes_with_finished(core:
     fleet.route(core.tick(fleet.now))
     credits = [m for m in fleet.inbox[d] if isinstance(m, Credit)]
     expected = 2 * 128 * 64 * 32 / 1e9
-    assert credits and abs(credits[-1].device_gflop - expected) < 1e-6 and credits[-1].name_gflop >= expected - 1e-6
+    assert credits and abs(credits[-1].session_gflop - expected) < 1e-6 and credits[-1].total_gflop >= expected - 1e-6
     fleet.route(core.tick(fleet.now + 0.1))
     assert len([m for m in fleet.inbox[d] if isinstance(m, Credit)]) == len(credits)  # only news is sent
     out = core.finish(fleet.now + 0.2)
@@ -207,14 +217,14 @@ def test_credit_reaches_busy_devices_and_a_final_tally_comes_with_finished(core:
 
 
 def test_a_tile_whose_compute_failed_goes_to_another_device(core: Core) -> None:
-    from coordinator.protocol import Release
+    from coordinator.protocol import Release, ReleaseWhy
 
     fleet = Fleet(core)
     broken = fleet.join("broken", slots=1)
     submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))  # one tile
     (tile,) = core.devices[broken].inflight
     fleet.pending.clear()
-    fleet.route(core.handle(broken, Release((tile,), "compute failed: out of memory"), fleet.now))
+    fleet.route(core.handle(broken, Release((tile,), ReleaseWhy.COMPUTE_FAILED, "out of memory"), fleet.now))
     assert tile not in core.devices[broken].inflight  # not straight back to it
     healthy = fleet.join("healthy", slots=1)
     assert tile in core.devices[healthy].inflight

@@ -9,26 +9,30 @@ import pytest
 import torch
 
 from coordinator.protocol import (
-    MAGIC, PROTOCOL_VERSION, Block, Cancel, Credit, Error, Finished, Heartbeat, Hello, Leave, Pause, ProtocolError, Release,
-    Result, Resume, SpeedTest, StatusReply,
-    StatusRequest, Welcome, Work, decode, encode,
+    MAGIC, PROTOCOL_VERSION, Block, Cancel, Challenge, Code, Credential, Credit, Error, Finished, Heartbeat, Hello,
+    Leave, Pause, ProtocolError, Release, ReleaseWhy, Result, Resume, SpeedTest, StatusReply, StatusRequest, Welcome,
+    Work, decode, encode, is_loopback, url_host,
 )
 
 PLAIN = [
+    Challenge(nonce="0f" * 32, coordinator="4ad726207a9beb99"),
     Hello(token="t", name="n", platform="Linux", cores=4, memory_bytes=8 << 30, device="cpu", gflops=12.5, slots=3,
-          client_version="0.1.0"),
+          client_version="0.2.0"),
+    Hello(name="n", identity=7, proof="ab" * 32),
+    Credential(identity=7, secret="cd" * 32),
     StatusRequest(token="secret"),
     Leave(reason="owner is back"),
-    Release(tile_ids=(3, 4), reason="missing input block"),
+    Release(tile_ids=(3, 4)),
+    Release(tile_ids=(5,), why=ReleaseWhy.COMPUTE_FAILED, reason="out of memory"),
     Heartbeat(sent_at=12.5),
     Pause(reason="on battery"),
     Resume(),
-    Credit(device_gflop=1.5, name_gflop=12.25),
+    Credit(session_gflop=1.5, total_gflop=12.25),
     Cancel(tile_ids=(9,), reason="another copy was verified first"),
-    Welcome(device_id=3, job="tiny, 20 steps", slots=2, heartbeat=1.5),
+    Welcome(device_id=3, identity=7, job="tiny, 20 steps", slots=2, heartbeat=1.5),
     StatusReply(status={"job": {"step": 1, "loss": 2.5}, "devices": []}),
     Finished(reason="job complete"),
-    Error(code="not_leased", message="tile 9 is not leased to you"),
+    Error(code=Code.NOT_LEASED, message="tile 9 is not leased to you"),
 ]
 
 
@@ -68,6 +72,8 @@ def test_speedtest_carries_bytes_both_ways() -> None:
     assert isinstance(out, SpeedTest) and out.reply_bytes == 1 << 20 and torch.equal(out.data, payload)
     with pytest.raises(ProtocolError):
         decode(encode(SpeedTest(reply_bytes=1 << 40, data=payload)))
+    out = decode(encode(SpeedTest(reply_bytes=0, data=payload[:0], token="join")))
+    assert isinstance(out, SpeedTest) and out.token == "join"
     with pytest.raises(ProtocolError):  # u8 payloads only
         decode(_frame({"type": "speedtest", "reply_bytes": 1, "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4))
 
@@ -86,17 +92,22 @@ def test_non_contiguous_tensors_are_sent_by_value() -> None:
 
 
 GOLDEN = {
+    "challenge": (
+        Challenge(nonce="ab" * 32, coordinator="c0ffee"),
+        b'CLV\x02\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"' + b"ab" * 32 + b'","tensors":[],"type":"challenge"}',
+    ),
     "hello": (
-        Hello(token="t", name="n", platform="p", cores=2, memory_bytes=4, device="cpu", gflops=1.5, slots=2,
-              client_version="0.1.0"),
-        b'CLV\x01\xae\x00\x00\x00{"block_budget":0,"client_version":"0.1.0","cores":2,"device":"cpu","gflops":1.5,'
-        b'"memory_bytes":4,"name":"n","platform":"p","slots":2,"tensors":[],"token":"t","type":"hello"}',
+        Hello(name="n", token="t", platform="p", cores=2, memory_bytes=4, device="cpu", gflops=1.5, slots=2,
+              client_version="0.2.0"),
+        b'CLV\x02\xc6\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
+        b'"identity":0,"memory_bytes":4,"name":"n","platform":"p","proof":"","slots":2,"tensors":[],"token":"t",'
+        b'"type":"hello"}',
     ),
     "work": (
         Work(tile_id=7, a="1.0.1x2", b="2.0.2x1", b_t=True, blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),
              forget=(3,)),
         bytes.fromhex(
-            "434c56019a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
+            "434c56029a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
             "625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274656e736f"
             "7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964223a372c2274"
             "797065223a22776f726b227d0000803f00000040"
@@ -105,7 +116,7 @@ GOLDEN = {
     "result": (
         Result(tile_id=7, c=torch.tensor([[0.5]]), seconds=0.25),
         bytes.fromhex(
-            "434c5601560000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
+            "434c5602560000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
             "227368617065223a5b312c315d7d5d2c2274696c655f6964223a372c2274797065223a22726573756c74227d0000003f"
         ),
     ),
@@ -123,6 +134,11 @@ def test_golden_bytes_are_stable(name: str) -> None:
 def _frame(header: dict, payload: bytes = b"", version: int = PROTOCOL_VERSION) -> bytes:
     head = json.dumps(header).encode()
     return struct.pack("<3sBI", MAGIC, version, len(head)) + head + payload
+
+
+def _raw_frame(head: str) -> bytes:
+    data = head.encode()
+    return struct.pack("<3sBI", MAGIC, PROTOCOL_VERSION, len(data)) + data
 
 
 MALFORMED = {
@@ -155,6 +171,27 @@ MALFORMED = {
     "work block count mismatch": (_frame({"type": "work", "tile_id": 1, "a": "x", "b": "y", "blocks": [],
                                           "tensors": [{"dtype": "f32", "shape": [1, 1]}]}, b"\0" * 4), "bad_frame"),
     "work flag not bool": (_frame({"type": "work", "tile_id": 1, "a": "x", "b": "y", "a_t": 1}), "bad_frame"),
+    # Found by an attacker on protocol version 1: each escaped as something other than ProtocolError.
+    "list as dtype": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": ["f32"], "shape": [1]}]},
+                             b"\0" * 4), "bad_tensor"),
+    "deeply nested header": (struct.pack("<3sBI", MAGIC, PROTOCOL_VERSION, 200_001)
+                             + b"[" * 100_000 + b"]" * 100_000 + b"}", "bad_frame"),
+    "lone surrogate in token": (_raw_frame('{"type":"hello","name":"n","token":"\\ud800"}'), "bad_frame"),
+    "huge integer": (_frame({"type": "hello", "name": "n", "cores": 10**30}), "bad_frame"),
+    "integer of 5000 digits": (_raw_frame('{"type":"leave","reason":"x","n":' + "9" * 5000 + "}"), "bad_frame"),
+    "absurd seconds": (_frame({"type": "result", "tile_id": 1, "seconds": 1e308,
+                               "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4), "bad_frame"),
+    "NaN literal": (_raw_frame('{"type":"heartbeat","sent_at":NaN}'), "bad_frame"),
+    "negative tile id": (_frame({"type": "release", "tile_ids": [-1]}), "bad_frame"),
+    "too many tile ids": (_frame({"type": "cancel", "tile_ids": list(range(2000))}), "bad_frame"),
+    "control characters in a name": (_frame({"type": "hello", "name": "evil\x1b[2J"}), "bad_frame"),
+    "name too long": (_frame({"type": "hello", "name": "n" * 65}), "bad_frame"),
+    "proof not hex": (_frame({"type": "hello", "name": "n", "identity": 1, "proof": "zz" * 32}), "bad_frame"),
+    "unknown release reason": (_frame({"type": "release", "tile_ids": [1], "why": "bored"}), "bad_frame"),
+    "unknown error code": (_frame({"type": "error", "code": "teapot", "message": "m"}), "bad_frame"),
+    "slots out of range": (_frame({"type": "hello", "name": "n", "slots": 10_000}), "bad_frame"),
+    "too many tensors": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "u8", "shape": [0]}] * 17}),
+                         "bad_tensor"),
 }
 
 
@@ -170,7 +207,7 @@ def test_malformed_frames_raise_protocol_error_with_code(name: str) -> None:
 def test_text_frames_are_refused() -> None:
     with pytest.raises(ProtocolError) as info:
         decode('{"type": "hello"}')
-    assert info.value.code == "text_frame"
+    assert info.value.code == Code.TEXT_FRAME
 
 
 def test_random_bytes_never_raise_anything_but_protocol_error() -> None:
@@ -186,3 +223,19 @@ def test_random_bytes_never_raise_anything_but_protocol_error() -> None:
                 decode(frame)
             except ProtocolError:
                 pass
+
+
+def test_free_text_loses_control_characters_but_names_keep_theirs_out() -> None:
+    out = decode(_frame({"type": "pause", "reason": "on\nbattery\x1b[31m"}))
+    assert isinstance(out, Pause) and out.reason == "on battery [31m"
+    with pytest.raises(ProtocolError):
+        decode(_frame({"type": "status_request", "token": "tok\nen"}))
+
+
+def test_loopback_addresses_are_recognised_without_resolving_names() -> None:
+    for host in ("127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost", "app.localhost"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "192.168.1.10", "example.org", "10.0.0.1", "", "localhost.example.org"):
+        assert not is_loopback(host), host
+    assert url_host("wss://Example.org:8765/path") == "example.org" and url_host("ws://[::1]:1") == "::1"
+    assert url_host("not a url") == ""

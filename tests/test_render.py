@@ -8,6 +8,8 @@ from rich.console import Console
 
 from cleave_cli import render
 from client.runner import WorkerStats
+from coordinator.job import Listening
+from db.store import IdentityRow
 
 
 def _text(renderable: object, width: int = 100) -> str:
@@ -60,8 +62,22 @@ def test_client_line_and_listening_banner() -> None:
     stats = WorkerStats(state="working", device="cpu", tiles=7, flops=2e9, compute_seconds=0.5, bytes_down=3_000_000)
     line = render.client_line(stats, "ws://h:1").plain
     assert "working" in line and "tiles 7" in line and "4.0 GFLOP/s" in line and "3.0 MB in" in line
-    banner = render.listening("ws://0.0.0.0:8765", "tok", True, "ws://box:8765").plain
-    assert "listening on ws://0.0.0.0:8765" in banner and "cleave join ws://box:8765 --token tok" in banner
+    banner = render.listening(Listening("ws://0.0.0.0:8765", "ws://box:8765", "tok", "op", ("join",),
+                                        exposed=True)).plain
+    assert "listening on ws://0.0.0.0:8765" in banner and "cleave join ws://box:8765 --token tok --insecure" in banner
+    assert "cleave status --url ws://box:8765 --token op --insecure" in banner
+    assert "join token generated" in banner and "unencrypted" in banner
+    kept = render.listening(Listening("wss://h:1", "wss://h:1", None, None, tls=True)).plain
+    assert "--token <the join token>" in kept and "kept from the database" in kept and "--insecure" not in kept
+
+
+def test_enrolled_devices_table() -> None:
+    rows = [IdentityRow(2, "laptop", "banned", "results failed verification", 1.7e9, 1.7e9, 3, 2, 0, 1, 0.5),
+            IdentityRow(1, "desk", "active", "", 1.7e9, 1.7e9, 100, 0, 0, 0, 12.25)]
+    out = _text(render.identities(rows), width=200)
+    assert "banned" in out and "results failed verification" in out and "laptop" in out and "12.25" in out
+    assert "50.0%" in out and "100.0%" in out
+    assert "(no device has enrolled yet)" in _text(render.identities([]), width=200)
 
 
 def test_comparison_says_match_or_mismatch() -> None:

@@ -8,52 +8,63 @@ import sys
 
 import numpy as np
 import torch
-from websockets.asyncio.client import connect
-from websockets.asyncio.server import serve
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from conftest import ROOT, TIMEOUT
 from coordinator.core import Core
-from coordinator.protocol import Hello, Result, Welcome, Work, decode, encode
-from coordinator.server import Server
+from coordinator.limits import Limits, TrustPolicy
+from coordinator.protocol import Challenge, Credential, Hello, Result, Welcome, Work, decode, encode
+from coordinator.server import Server, listen
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
 
 
-def _server(hello_timeout: float = 10.0) -> Server:
+def _server(**limits: object) -> Server:
     store = MemoryStore()
     job = store.create_job("t", {}, 1, 0.0)
-    core = Core(store, job, token="tok", rng=np.random.default_rng(0), policy=TilingPolicy(max_edge=32, min_edge=8, min_tile_flops=1))
-    return Server(core, hello_timeout=hello_timeout)
+    core = Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0),
+                policy=TilingPolicy(max_edge=32, min_edge=8, min_tile_flops=1), limits=Limits(**limits),
+                trust=TrustPolicy(probation_tiles=0, first_slots=2))
+    return Server(core)
+
+
+async def _closed(ws: ClientConnection) -> tuple[int | None, str | None]:
+    try:
+        while True:
+            await asyncio.wait_for(ws.recv(), TIMEOUT)
+    except ConnectionClosed:
+        pass
+    return ws.close_code, ws.close_reason
 
 
 def test_a_peer_that_never_says_hello_is_dropped_with_a_reason() -> None:
-    async def run() -> tuple[int | None, str | None]:
+    async def run() -> tuple[object, tuple[int | None, str | None]]:
         server = _server(hello_timeout=0.2)
-        async with serve(server.handler, "127.0.0.1", 0, compression=None) as ws_server:
+        async with listen(server, "127.0.0.1", 0) as ws_server:
             port = ws_server.sockets[0].getsockname()[1]
             async with connect(f"ws://127.0.0.1:{port}", compression=None) as ws:
-                try:
-                    await asyncio.wait_for(ws.recv(), TIMEOUT)
-                except ConnectionClosed:
-                    pass
-                return ws.close_code, ws.close_reason
+                challenge = decode(await ws.recv())
+                return challenge, await _closed(ws)
 
-    code, reason = asyncio.run(run())
+    challenge, (code, reason) = asyncio.run(run())
+    assert isinstance(challenge, Challenge) and len(challenge.nonce) == 64
     assert code == 4000 and reason == "no hello within 0.2 s"
 
 
 def test_gemm_over_real_websockets_equals_dense_product() -> None:
     async def run() -> tuple[torch.Tensor, torch.Tensor]:
         server = _server()
-        async with serve(server.handler, "127.0.0.1", 0, compression=None, max_size=None) as ws_server:
+        async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
             async with connect(url, compression=None, max_size=None) as ws:
+                assert isinstance(decode(await ws.recv()), Challenge)
                 await ws.send(encode(Hello(token="tok", name="d", slots=2)))
+                assert isinstance(decode(await ws.recv()), Credential)
                 assert isinstance(decode(await ws.recv()), Welcome)
                 a, b = torch.randn(70, 20), torch.randn(20, 45)
                 done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-                gemm_id, out = server.core.submit(a, b, GemmKind.FORWARD, 0.0, done.set_result)
+                gemm_id, out = server.core.submit(a, b, GemmKind.FORWARD, server.clock(), done.set_result)
                 tiles = len(server.core.gemms[gemm_id].tiles)
                 assert tiles > 2
                 server.deliver(out)
@@ -71,11 +82,58 @@ def test_gemm_over_real_websockets_equals_dense_product() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_frame_larger_than_the_peer_may_send_closes_only_that_peer() -> None:
+    """Before its hello a peer may send a few KiB; a device holding no tile a little more."""
+    async def run() -> list[tuple[int | None, str | None]]:
+        server = _server(pre_auth_frame=4096, idle_frame=8192)
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            seen = []
+            async with connect(url, compression=None, max_size=None) as ws:  # unauthenticated, 1 MiB
+                await ws.recv()
+                await ws.send(b"CLV\x02" + bytes(1 << 20))
+                seen.append(await _closed(ws))
+            async with connect(url, compression=None, max_size=None) as ws:  # a device, 64 KiB of junk
+                await ws.recv()
+                await ws.send(encode(Hello(token="tok", name="d", slots=1)))
+                await ws.send(b"CLV\x02" + bytes(64 << 10))
+                seen.append(await _closed(ws))
+            async with connect(url, compression=None, max_size=None) as ws:  # the server still serves
+                assert isinstance(decode(await ws.recv()), Challenge)
+            return seen
+
+    for code, _ in asyncio.run(run()):
+        assert code == 1009  # message too big
+
+
+def test_connections_past_the_caps_are_refused_with_a_close_code() -> None:
+    async def run() -> tuple[list[int | None], dict]:
+        server = _server(max_connections=3, max_unauthenticated=2, max_observers=1)
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            idle = [await connect(url, compression=None) for _ in range(3)]
+            codes = []
+            for ws in idle:  # the first two get a challenge; the third is over the unauthenticated cap
+                try:
+                    assert isinstance(decode(await ws.recv()), Challenge)
+                    codes.append(None)
+                except ConnectionClosed:
+                    codes.append(ws.close_code)
+            status = server.status()
+            for ws in idle:
+                await ws.close()
+            return codes, status
+
+    codes, status = asyncio.run(run())
+    assert codes[:2] == [None, None] and codes[2] == 1013
+    assert status["connections"]["refused"] >= 1
+
+
 def test_importing_the_client_loads_no_server_or_database_code() -> None:
     code = (
         "import sys, client.runner, client.kernels; "
         "bad = [m for m in sys.modules if m.startswith(('coordinator.server', 'coordinator.core', 'coordinator.job', "
-        "'db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
+        "'coordinator.identity', 'db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
         "assert not bad, bad"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)

@@ -327,3 +327,78 @@ def test_a_start_abandons_every_dead_jobs_tiles(store: Store) -> None:
     _, (fresh,) = _gemm(store, new, n=1)
     claimed = store.claim_tile(d, [], now=5.0)
     assert claimed is not None and claimed.id == fresh
+
+
+def test_identities_own_their_device_rows_credit_and_state(store: Store) -> None:
+    alice = store.enrol("alice", b"k" * 32, now=1.0)
+    mallory = store.enrol("alice", b"m" * 32, now=1.5)  # same name, another identity
+    assert alice != mallory and store.identity_key(alice) == b"k" * 32 and store.identity_key(999) is None
+    first = store.create_job("first", {}, 1, 2.0)
+    d1 = store.add_device(first, DeviceInfo("alice"), 2.0, identity_id=alice)
+    assert store.add_device(first, DeviceInfo("alice-laptop"), 3.0, identity_id=alice) == d1  # a reconnect
+    store.credit_device(d1, verified=3, rejected=1, gflop=1.5, now=3.0)
+    second = store.create_job("second", {}, 1, 4.0)
+    d2 = store.add_device(second, DeviceInfo("alice"), 4.0, identity_id=alice)
+    assert d2 != d1
+    store.credit_device(d2, verified=1, revoked=2, gflop=0.5, now=5.0)
+    m = store.add_device(second, DeviceInfo("alice"), 4.0, identity_id=mallory)
+    store.credit_device(m, verified=1, gflop=0.25, now=5.0)
+
+    row = store.identity(alice)
+    assert row is not None
+    assert (row.name, row.state, row.tiles_done, row.tiles_rejected, row.tiles_revoked, row.gflop_verified) == (
+        "alice", "active", 4, 1, 2, 2.0)
+    assert row.reliability == 4 / 7
+    assert store.identity_total(alice) == (2.0, 4)
+    board = store.leaderboard()
+    assert [(r.identity_id, r.name, r.gflop, r.tiles) for r in board] == [(alice, "alice", 2.0, 4),
+                                                                        (mallory, "alice", 0.25, 1)]
+    assert [d.name for d in store.devices(first)] == ["alice-laptop"]  # the row keeps the latest hello
+    assert store.identity(999) is None
+
+    store.set_identity_state(alice, "banned", "results failed verification", now=6.0)
+    assert store.identity_states([alice, mallory, 999]) == {alice: "banned", mallory: "active"}
+    assert [i.id for i in store.identities()] == [mallory, alice]  # newest first
+    with pytest.raises(StoreError):
+        store.set_identity_state(alice, "sleepy", "", now=6.0)
+    with pytest.raises(StoreError):
+        store.set_identity_state(999, "active", "", now=6.0)
+
+
+def test_device_listing_is_filtered_and_bounded(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    ids = [store.add_device(job, DeviceInfo(f"d{i}"), 0.0) for i in range(5)]
+    for d in ids[:3]:
+        store.set_device_state(d, "offline", 1.0, "left")
+    assert store.device_states(job) == {"offline": 3, "online": 2}
+    assert [d.id for d in store.devices(job, states=["online"])] == ids[3:]
+    assert [d.id for d in store.devices(job, limit=2)] == ids[:2]
+
+
+def test_settings_are_upserted(store: Store) -> None:
+    assert store.setting("join") is None
+    store.set_setting("join", "a")
+    store.set_setting("join", "b")
+    assert store.setting("join") == "b"
+
+
+def test_sqlite_notices_writes_from_other_processes_only(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "s.db")
+    store.set_setting("x", "1")
+    assert not store.changed()  # its own writes
+    other = SQLiteStore(tmp_path / "s.db")
+    other.set_setting("x", "2")
+    other.close()
+    assert store.changed() and not store.changed()
+    assert store.setting("x") == "2"
+    store.close()
+
+
+def test_revoked_leases_are_counted(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _, (tile, *_) = _gemm(store, job)
+    store.claim_tile(d, [], 1.0)
+    assert store.end_lease(tile, d, "revoked", 2.0, "held past its deadline").requeued
+    counts = store.tile_counts(job)
+    assert counts["revoked"] == 1 and counts["queued"] == 3

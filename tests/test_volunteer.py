@@ -14,11 +14,11 @@ import pytest
 from cleave_cli.status import fetch_status
 from conftest import ROOT, TIMEOUT
 from coordinator.training.loop import TrainConfig, Trainer
-from procs import TOKEN, Coordinator, Proc, cleave_cmd, env, join, wait_until
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, wait_until
 
 
 def _device(url: str, name: str) -> dict:
-    return next((d for d in fetch_status(url, TOKEN)["devices"] if d["name"] == name), {})
+    return next((d for d in fetch_status(url, OPERATOR)["devices"] if d["name"] == name), {})
 
 
 def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path: Path) -> None:

@@ -1,0 +1,76 @@
+"""Identities and tokens: how a device proves who it is without ever sending its secret again.
+
+Pure functions over bytes (hashlib and hmac, no I/O); the client imports this module too.
+
+Enrolment: a device presents the project's join token once and receives an identity number and
+a 32-byte random secret ``S``. The coordinator keeps only ``K = H(S)`` (``stored_key``).
+
+Every later connection is a challenge-response in the manner of SCRAM (RFC 5802):
+
+    coordinator -> device   nonce N (32 random bytes, fresh per connection)
+    device                  M = "cleave-auth-v1|<identity>|" + N
+                            proof = S xor HMAC(K, M)          (K = H(S), computed from S)
+    coordinator             S' = proof xor HMAC(K, M); accept iff H(S') == K (constant time)
+
+* The secret never travels after enrolment, and a recorded hello is useless on another
+  connection: its proof is bound to that connection's nonce.
+* The database holds ``K`` only: a copy of it does not let anyone connect as a device (that needs
+  ``S``, a preimage of ``K``). Someone holding both a copy of the database and a recording of one
+  connection can recover ``S``: the reason to serve ``wss://`` and guard the database.
+* Tokens (the join token, the operator token) are kept as salted-by-purpose SHA-256 hashes and
+  compared hash to hash with ``hmac.compare_digest``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Callable
+
+SECRET_BYTES = 32
+NONCE_BYTES = 32
+_IDENTITY = b"cleave-identity-v1|"
+_AUTH = "cleave-auth-v1|{identity}|"
+_TOKEN = b"cleave-token-v1|"
+
+RandomBytes = Callable[[int], bytes]
+
+
+def stored_key(secret: bytes) -> bytes:
+    """What the coordinator keeps of a device's secret."""
+    return hashlib.sha256(_IDENTITY + secret).digest()
+
+
+def _signature(key: bytes, identity: int, nonce: bytes) -> bytes:
+    return hmac.new(key, _AUTH.format(identity=identity).encode() + nonce, hashlib.sha256).digest()
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return bytes(x ^ y for x, y in zip(a, b, strict=True))
+
+
+def proof(secret: bytes, identity: int, nonce: bytes) -> bytes:
+    """The device's answer to a challenge."""
+    if len(secret) != SECRET_BYTES:
+        raise ValueError(f"a secret has {SECRET_BYTES} bytes, not {len(secret)}")
+    return _xor(secret, _signature(stored_key(secret), identity, nonce))
+
+
+def verify_proof(key: bytes, identity: int, nonce: bytes, answer: bytes) -> bool:
+    """True iff ``answer`` proves knowledge of the secret whose stored key is ``key``."""
+    if len(answer) != SECRET_BYTES or len(key) != SECRET_BYTES:
+        return False
+    candidate = _xor(answer, _signature(key, identity, nonce))
+    return hmac.compare_digest(stored_key(candidate), key)
+
+
+def token_hash(token: str) -> bytes:
+    """What the coordinator keeps of a token (tokens never reach the database or a log)."""
+    return hashlib.sha256(_TOKEN + token.encode("utf-8", "surrogatepass")).digest()
+
+
+def token_matches(token: str, stored: bytes | None) -> bool:
+    """Constant-time comparison of a presented token with a stored hash (False when none is set)."""
+    if stored is None or not token:
+        return False
+    return hmac.compare_digest(token_hash(token), stored)

@@ -1,0 +1,152 @@
+"""Every limit the coordinator enforces, in one place, and the worst-case memory they imply.
+
+Nothing here does I/O. ``TokenBucket`` takes ``now`` (a monotonic clock), so tests and the
+simulator move time by hand. ``memory_bound`` is the formula docs/security.md states; a test
+holds a real coordinator to it under attack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenBucket:
+    """``rate`` events per second on average, ``burst`` at once. ``take`` is O(1)."""
+
+    rate: float
+    burst: float
+    _level: float = field(default=-1.0, repr=False)
+    _at: float = field(default=0.0, repr=False)
+
+    def take(self, now: float, amount: float = 1.0) -> bool:
+        if self._level < 0:  # full on first use
+            self._level, self._at = self.burst, now
+        self._level = min(self.burst, self._level + max(0.0, now - self._at) * self.rate)
+        self._at = now
+        if amount > self._level:
+            return False
+        self._level -= amount
+        return True
+
+
+@dataclass(frozen=True)
+class Rate:
+    per_second: float
+    burst: float
+
+    def bucket(self) -> TokenBucket:
+        return TokenBucket(self.per_second, self.burst)
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """How an identity earns tiles, and loses them.
+
+    New identities are on probation: one tile at a time, and the first rejected result bans
+    them. After ``probation_tiles`` verified tiles (over every job) a device earns one more slot
+    for every ``grow_every`` verified results, up to ``max_slots`` (and never more than it asked
+    for). A lease that passes its deadline sends it back to one slot; ``cut_after`` leases taken
+    back in a row (no verified result between) cut it, and it may not reconnect for a cool-off
+    that doubles with every cut. ``ban_rejects`` rejected results among its last ``window`` ban it.
+    """
+
+    probation_tiles: int = 20
+    first_slots: int = 1  # slots off probation before any growth (verified results on probation count)
+    window: int = 50
+    ban_rejects: int = 2
+    max_slots: int = 8
+    grow_every: int = 4
+    cut_after: int = 3
+    cooloff: float = 10.0
+    cooloff_max: float = 600.0
+    standings: int = 65536  # identities whose record this process remembers (least recent forgotten)
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.ban_rejects <= self.window and 1 <= self.first_slots <= self.max_slots <= 64
+                and self.grow_every >= 1):
+            raise ValueError("need 1 <= ban_rejects <= window, 1 <= first_slots <= max_slots <= 64, grow_every >= 1")
+        if self.cut_after < 1 or not 0 < self.cooloff <= self.cooloff_max or self.standings < 1:
+            raise ValueError("need cut_after >= 1, 0 < cooloff <= cooloff_max, standings >= 1")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one peer may cost the coordinator. See docs/security.md for the memory formula."""
+
+    max_connections: int = 2048  # every open websocket, authenticated or not (--max-connections)
+    max_unauthenticated: int = 256  # connections that have not yet passed their hello
+    max_observers: int = 16  # cleave status and link-test connections (operator tools)
+    hello_timeout: float = 10.0  # seconds from the upgrade to an accepted hello
+    pre_auth_frame: int = 16 << 10  # bytes of one frame before the hello is accepted
+    idle_frame: int = 64 << 10  # ... from a device that holds no tile, or an observer
+    frame_slack: int = 16 << 10  # header room on top of the largest result a device may send
+    result_grace: float = 60.0  # seconds a device may still send a result for a tile it lost
+    max_queue: int = 2  # websocket frames buffered per connection before reading pauses
+    control_queue: int = 1 << 20  # bytes of queued small frames before a peer counts as not reading
+    write_timeout: float = 60.0  # seconds a peer may leave a frame unread before it is cut
+    status_rows: int = 100  # devices listed in one status reply (the rest are counted)
+    messages: Rate = Rate(200.0, 400.0)  # any frame from a device
+    releases: Rate = Rate(16.0, 64.0)  # tile ids given back (each may make the coordinator resend blocks)
+    pauses: Rate = Rate(0.5, 4.0)  # pause and resume
+    status: Rate = Rate(2.0, 5.0)  # status requests of an observer
+    speedtest_bytes: Rate = Rate(16 << 20, 32 << 20)  # bytes an observer may ask the coordinator to send
+    enrolments: Rate = Rate(5.0, 20.0)  # new identities, for the whole coordinator
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.max_unauthenticated <= self.max_connections):
+            raise ValueError("need 1 <= max_unauthenticated <= max_connections")
+        if self.pre_auth_frame < 4096 or self.idle_frame < self.pre_auth_frame or self.max_queue < 1:
+            raise ValueError("frame limits too small")
+
+
+HEADROOM = 16  # connections past a cap that still get a close code rather than an abort
+READ_CHUNK = 256 << 10  # asyncio reads at most this much from a socket at once
+CONNECTION_OVERHEAD = 96 << 10  # measured per idle websocket: objects, tasks, buffers (bench_hostile)
+
+
+def inbound_per_connection(frame: int, limits: Limits) -> int:
+    """Bytes one connection can make the coordinator hold on the way in with frames of at most
+    ``frame`` bytes: ``max_queue`` complete frames buffered, one being received, one being
+    decoded (its writable copy), and a socket read."""
+    return (limits.max_queue + 2) * frame + frame + READ_CHUNK
+
+
+def memory_bound(limits: Limits, *, devices_holding: int, largest_result: int, largest_work: int) -> dict[str, int]:
+    """The worst case, term by term, in bytes, beyond the job itself (weights, optimizer state,
+    activations, the GEMM operands in flight) and the Python process.
+
+    ``devices_holding`` is how many devices hold tiles at once (at most the tiles in flight);
+    they may send frames of ``largest_result`` plus slack and have at most
+    ``TrustPolicy.max_slots`` ``work`` frames of ``largest_work`` bytes queued. Every other
+    authenticated device is held to ``idle_frame``; observers to a speed-test upload;
+    connections that have not passed their hello (and those still in the websocket handshake,
+    whose request is at most ``handshake`` bytes) to ``pre_auth_frame``.
+    """
+    from coordinator.protocol import MAX_SPEEDTEST_BYTES
+
+    unauth = limits.max_unauthenticated + HEADROOM
+    observers = limits.max_observers
+    devices = max(0, limits.max_connections + HEADROOM - unauth - observers)
+    holding = min(devices_holding, devices)
+    big = largest_result + limits.frame_slack
+    per_unauth = max(inbound_per_connection(limits.pre_auth_frame, limits), handshake_bytes())
+    terms = {
+        "unauthenticated": unauth * (per_unauth + CONNECTION_OVERHEAD),
+        "observers": observers * (inbound_per_connection(MAX_SPEEDTEST_BYTES + limits.frame_slack, limits)
+                                  + CONNECTION_OVERHEAD) + MAX_SPEEDTEST_BYTES,
+        "idle_devices": (devices - holding) * (inbound_per_connection(limits.idle_frame, limits)
+                                               + limits.control_queue + CONNECTION_OVERHEAD),
+        "working_devices": holding * (inbound_per_connection(big, limits) + limits.control_queue
+                                      + TrustPolicy().max_slots * largest_work + CONNECTION_OVERHEAD),
+    }
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+
+def handshake_bytes() -> int:
+    """The largest websocket upgrade request the library reads (its header limits)."""
+    from websockets import http11
+
+    return http11.MAX_NUM_HEADERS * http11.MAX_LINE_LENGTH
