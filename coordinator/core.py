@@ -409,10 +409,14 @@ class Core:
         out: list[Outbound] = []
         for dev in list(self.devices.values()):
             state = states.get(dev.identity)
+            if state not in (REVOKED, BANNED):
+                continue
+            row = self.store.identity(dev.identity)
+            why = f": {row.reason}" if row is not None and row.reason else ""
             if state == REVOKED:
-                out.extend(self._drop(dev, CloseCode.REVOKED, "credential revoked by the operator", now, "revoked"))
-            elif state == BANNED:
-                out.extend(self._drop(dev, CloseCode.BANNED, "banned by the operator", now, "banned"))
+                out.extend(self._drop(dev, CloseCode.REVOKED, f"credential revoked by the operator{why}", now, "revoked"))
+            else:
+                out.extend(self._drop(dev, CloseCode.BANNED, f"banned by the operator{why}", now, "banned"))
         return out
 
     def _credit(self, dev: DeviceState, now: float) -> Send:
@@ -483,6 +487,9 @@ class Core:
                 other.cancel(msg.tile_id)
                 self._lost_tile(other, now)
                 out.append(self._send(loser, Cancel((msg.tile_id,), "another copy was verified first"), now))
+                if other.standing.overtaken(self.trust):  # a newcomer that never answers: a staller
+                    out.extend(self._cut(other, f"{other.standing.unanswered} tiles in a row went to other "
+                                                f"devices without a result from it", now))
         self._holders.pop(msg.tile_id, None)
         gemm.parts[tile.index] = msg.c
         if gemm.done:
@@ -637,12 +644,16 @@ class Core:
         self.store.credit_device(dev.id, revoked=1, now=self._at(now))
         out: list[Outbound] = [self._send(dev.id, Cancel((tile_id,), f"lease taken back: {reason}"), now)]
         if dev.standing.taken_back(self.trust):
-            wait = dev.standing.cut(self.trust, now)
-            why = f"{self.trust.cut_after} leases in a row taken back; come back in {wait:.0f} s"
-            out.extend(self._drop(dev, CloseCode.STALLING, why, now))
+            out.extend(self._cut(dev, "its tiles kept running past their deadlines", now))
         else:
             self._regrade(dev)
         return out
+
+    def _cut(self, dev: DeviceState, why: str, now: float) -> list[Outbound]:
+        """Disconnect a device that holds tiles without returning them; it may come back after a
+        cool-off (doubling with every cut)."""
+        wait = dev.standing.cut(self.trust, now)
+        return self._drop(dev, CloseCode.STALLING, f"{why}; come back in {wait:.0f} s", now)
 
     def _copy_late_tiles(self, now: float) -> list[Outbound]:
         out: list[Outbound] = []

@@ -45,6 +45,7 @@ class Standing:
     recent: deque[bool] = field(default_factory=deque)  # its last results: True verified, False rejected
     grown: int = 0  # verified results since it was last sent back to one slot
     taken_in_a_row: int = 0  # leases taken back since its last verified result
+    unanswered: int = 0  # leases that ended without its result (lost to a copy, taken back) since then
     cuts: int = 0
     cooloff_until: float = 0.0
 
@@ -62,6 +63,7 @@ class Standing:
         self.verified_total += 1
         self.grown += 1
         self.taken_in_a_row = 0
+        self.unanswered = 0
 
     def rejected(self, trust: TrustPolicy) -> bool:
         """Counts a failed result; True when the identity must be banned."""
@@ -78,12 +80,17 @@ class Standing:
         """A lease was revoked; True when the identity must be cut."""
         self.grown = 0
         self.taken_in_a_row += 1
-        return self.taken_in_a_row >= trust.cut_after
+        return self.taken_in_a_row >= trust.cut_after or self.overtaken(trust)
+
+    def overtaken(self, trust: TrustPolicy) -> bool:
+        """A lease ended without its result; True when a device on probation must be cut."""
+        self.unanswered += 1
+        return self.on_probation(trust) and self.unanswered >= trust.cut_unanswered
 
     def cut(self, trust: TrustPolicy, now: float) -> float:
         """Cut it: it may come back after the returned number of seconds (doubling each time)."""
         self.cuts += 1
-        self.taken_in_a_row = 0
+        self.taken_in_a_row = self.unanswered = 0
         wait = min(trust.cooloff_max, trust.cooloff * 2 ** (self.cuts - 1))
         self.cooloff_until = now + wait
         return wait

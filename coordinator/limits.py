@@ -48,7 +48,10 @@ class TrustPolicy:
     for every ``grow_every`` verified results, up to ``max_slots`` (and never more than it asked
     for). A lease that passes its deadline sends it back to one slot; ``cut_after`` leases taken
     back in a row (no verified result between) cut it, and it may not reconnect for a cool-off
-    that doubles with every cut. ``ban_rejects`` rejected results among its last ``window`` ban it.
+    that doubles with every cut. A device on probation that lets ``cut_unanswered`` leases in a
+    row go to other copies without ever answering is cut the same way (a staller loses its tiles
+    to speculation before their deadlines pass; this finds it anyway). ``ban_rejects`` rejected
+    results among its last ``window`` ban it.
     """
 
     probation_tiles: int = 20
@@ -58,6 +61,7 @@ class TrustPolicy:
     max_slots: int = 8
     grow_every: int = 4
     cut_after: int = 3
+    cut_unanswered: int = 8  # on probation: leases lost to other copies in a row, with no result of its own
     cooloff: float = 10.0
     cooloff_max: float = 600.0
     standings: int = 65536  # identities whose record this process remembers (least recent forgotten)
@@ -66,8 +70,9 @@ class TrustPolicy:
         if not (1 <= self.ban_rejects <= self.window and 1 <= self.first_slots <= self.max_slots <= 64
                 and self.grow_every >= 1):
             raise ValueError("need 1 <= ban_rejects <= window, 1 <= first_slots <= max_slots <= 64, grow_every >= 1")
-        if self.cut_after < 1 or not 0 < self.cooloff <= self.cooloff_max or self.standings < 1:
-            raise ValueError("need cut_after >= 1, 0 < cooloff <= cooloff_max, standings >= 1")
+        if self.cut_after < 1 or self.cut_unanswered < 1 or not 0 < self.cooloff <= self.cooloff_max \
+                or self.standings < 1:
+            raise ValueError("need cut_after, cut_unanswered >= 1, 0 < cooloff <= cooloff_max, standings >= 1")
 
 
 @dataclass(frozen=True)
@@ -145,8 +150,14 @@ def memory_bound(limits: Limits, *, devices_holding: int, largest_result: int, l
 
 
 
-def handshake_bytes() -> int:
-    """The largest websocket upgrade request the library reads (its header limits)."""
-    from websockets import http11
+# The websocket library reads an upgrade request of up to this many header lines of this many
+# bytes before Cleave sees the peer (its defaults, 128 x 8 KiB, allow 1 MiB). A client or a
+# reverse proxy sends about 10 short lines. The ``cleave`` command sets them through the
+# library's environment variables before it is imported (cleave_cli/__init__.py).
+HANDSHAKE_HEADERS = 64
+HANDSHAKE_LINE = 4096
 
-    return http11.MAX_NUM_HEADERS * http11.MAX_LINE_LENGTH
+
+def handshake_bytes() -> int:
+    """The largest websocket upgrade request the coordinator reads."""
+    return HANDSHAKE_HEADERS * HANDSHAKE_LINE

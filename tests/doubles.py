@@ -5,6 +5,7 @@ corrupt  every C block is off by a little (one element +1e-2 of the block's rms)
 hold     computes honestly, but on its Nth tile (ARG N) touches the file FILE (next argument)
          and sleeps: a test SIGKILLs it there, with tiles outstanding.
 slow     computes honestly but sleeps ARG seconds per tile: a straggler.
+stall    takes tiles, keeps heartbeating and never returns a result (its compute never ends).
 
 Exit codes are those of ``cleave join`` (3 when the coordinator bans the device).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +47,11 @@ def main() -> int:
         time.sleep(float(extra[0]))
         return a @ b, 0.001
 
-    compute = {"corrupt": corrupt, "hold": hold, "slow": slow}[mode]
+    def stall(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
+        threading.Event().wait()  # forever: the connection stays alive, the tile never comes back
+        raise AssertionError("unreachable")
+
+    compute = {"corrupt": corrupt, "hold": hold, "slow": slow, "stall": stall}[mode]
     worker = Worker(WorkerConfig(url=url, token=token, name=name, device="cpu", threads=1, once=True,
                                  benchmark_seconds=0.05), compute=compute)
     try:

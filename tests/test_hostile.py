@@ -1,0 +1,219 @@
+"""Hostile volunteers against a real coordinator process on 127.0.0.1: devices that hold work
+and never return it, floods of unauthenticated connections and oversized frames, stolen or
+revoked credentials, TLS. Every job still trains exactly like plain torch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import TIMEOUT
+from coordinator.limits import Limits, memory_bound
+from coordinator.training.loop import TrainConfig, Trainer
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, double, env, join, wait_until
+
+
+def _exact(coord: Coordinator, steps: int) -> None:
+    local = [r.loss for r in Trainer(TrainConfig(steps=steps)).run()]
+    for got, want in zip(coord.losses(), local, strict=True):
+        assert abs(got - want) <= 1e-4 * abs(want)
+
+
+def test_three_stalling_clients_cannot_stop_an_honest_one(tmp_path: Path) -> None:
+    """They take tiles, keep heartbeating and never answer: the honest client finishes the job."""
+    steps = 6
+    coord = Coordinator(tmp_path, "--min-devices", "4", steps=steps)
+    stallers = [double("stall", coord.url, f"staller{i}") for i in range(3)]
+    wait_until(lambda: coord.query("SELECT COUNT(*) FROM devices")[0][0] == 3, TIMEOUT, "the stallers")
+    started = time.monotonic()
+    honest = join(coord.url, "honest")
+    assert coord.wait() == 0, coord.output
+    elapsed = time.monotonic() - started
+    assert honest.wait() == 0, honest.output
+    _exact(coord, steps)
+    # Bounded by the deadlines: far less than one lease floor per tile the stallers took.
+    taken = coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+                        "WHERE d.name LIKE 'staller%'")[0][0]
+    assert taken > 0 and elapsed < 60, (taken, elapsed)
+    assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+                       "WHERE d.name LIKE 'staller%' AND l.outcome = 'verified'") == [(0,)]
+    # Found out: cut after their tiles kept going to others, and cooling off.
+    reasons = [r for (r,) in coord.query("SELECT reason FROM devices WHERE name LIKE 'staller%'")]
+    assert any("come back in" in r for r in reasons), reasons
+    for s in stallers:
+        s.kill()
+
+
+def _upgrade(port: int) -> socket.socket:
+    """A raw websocket upgrade: the attacker needs no token to get this far."""
+    import base64
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    try:
+        key = base64.b64encode(os.urandom(16))
+        s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                  b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = s.recv(4096)
+            if not chunk:
+                raise ConnectionError("closed during the upgrade")
+            head += chunk
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def _huge_frame(port: int, nbytes: int) -> int:
+    """Declare one binary frame of ``nbytes`` and stream it; returns the bytes the server took."""
+    import struct
+
+    try:
+        s = _upgrade(port)
+    except OSError:
+        return 0  # refused at a cap
+    sent = 0
+    try:
+        s.sendall(b"\x82\xff" + struct.pack(">Q", nbytes) + os.urandom(4))
+        chunk = bytes(1 << 20)
+        while sent < nbytes:
+            s.sendall(chunk)
+            sent += len(chunk)
+    except OSError:
+        pass  # the coordinator closed it
+    finally:
+        s.close()
+    return sent
+
+
+def test_unauthenticated_floods_stay_within_the_stated_memory_bound(tmp_path: Path) -> None:
+    """Huge frames and hundreds of connections before any token: memory stays inside the bound
+    of docs/security.md, and a job training meanwhile is exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    steps, max_connections = 40, 300
+    coord = Coordinator(tmp_path, "--min-devices", "1", "--max-connections", str(max_connections), steps=steps)
+    port = int(coord.url.rsplit(":", 1)[1])
+    honest = join(coord.url, "honest")
+    coord.wait_for_step(3)
+    proc = psutil.Process(coord.proc.pid)
+    baseline = max(proc.memory_info().rss for _ in range(5) if time.sleep(0.02) is None)
+    peak = baseline
+    with ThreadPoolExecutor(48) as pool:
+        idle = list(pool.map(lambda _: _try(lambda: _upgrade(port)), range(400)))  # never say hello
+        floods = [pool.submit(_huge_frame, port, 96 << 20) for _ in range(32)]
+        while not all(f.done() for f in floods):
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.02)
+        taken = [f.result() for f in floods]
+        for _ in range(20):
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.02)
+    opened = [s for s in idle if s is not None]
+    for s in opened:
+        s.close()
+    limits = Limits(max_connections=max_connections)
+    bound = memory_bound(limits, devices_holding=0, largest_result=0, largest_work=0)["unauthenticated"]
+    assert peak - baseline <= bound, (peak - baseline, bound)
+    assert max(taken) < 96 << 20  # nobody got to send a 96 MiB frame
+    assert coord.wait() == 0, coord.output
+    assert honest.wait() == 0
+    _exact(coord, steps)
+    assert "Traceback" not in coord.output
+    print(f"rss growth {(peak - baseline) / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB, "
+          f"{len(opened)} of 400 idle connections accepted")
+
+
+def _try(fn):  # noqa: ANN001, ANN202
+    try:
+        return fn()
+    except OSError:
+        return None
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cleave_cmd(*args), capture_output=True, text=True, env=env(), timeout=2 * TIMEOUT)
+
+
+def _identities(coord: Coordinator) -> dict[str, dict]:
+    run = _cli("coordinator", "devices", "list", "--db", str(coord.db), "--json")
+    assert run.returncode == 0, run.stderr
+    return {row["name"]: row for row in json.loads(run.stdout)}
+
+
+def test_credentials_revocation_rotation_and_the_operator_token(tmp_path: Path) -> None:
+    coord = Coordinator(tmp_path, "--min-devices", "1", steps=100_000)
+    first = join(coord.url, "alice")
+    wait_until(lambda: coord.query("SELECT COALESCE(SUM(tiles_done), 0) FROM devices")[0][0] > 0, TIMEOUT, "work")
+    first.kill()
+    again = join(coord.url, "alice", token="not-needed-any-more")  # the stored credential, not the token
+    wait_until(lambda: coord.query("SELECT COUNT(*) FROM devices WHERE state = 'online'") == [(1,)], TIMEOUT,
+               "alice back")
+    alice = _identities(coord)["alice"]
+    assert coord.query("SELECT COUNT(*) FROM identities") == [(1,)] and alice["state"] == "active"
+
+    # Volunteers cannot read the dashboard; the operator can.
+    assert _cli("status", "--url", coord.url, "--token", TOKEN, "--json").returncode == 2
+    assert json.loads(_cli("status", "--url", coord.url, "--token", OPERATOR, "--json").stdout)["job"]
+
+    # A new join token: enrolled devices carry on, the old token enrols nobody.
+    rotated = _cli("coordinator", "token", "rotate", "--db", str(coord.db))
+    new_token = rotated.stdout.strip().rsplit(" ", 1)[1]
+    time.sleep(1.5)
+    late = join(coord.url, "bob")
+    assert late.wait() == 2 and "refused the join token" in late.output
+    bob = join(coord.url, "bob", token=new_token)
+    wait_until(lambda: "bob" in _identities(coord), TIMEOUT, "bob enrolled")
+
+    # Revoked: cut at once, and refused from then on (no silent re-enrolment).
+    assert _cli("coordinator", "devices", "revoke", str(alice["id"]), "--db", str(coord.db),
+                "--reason", "laptop stolen").returncode == 0
+    assert again.wait() == 2 and "laptop stolen" in again.output
+    refused = join(coord.url, "alice", token=new_token)
+    assert refused.wait() == 2 and "revoked" in refused.output
+    fresh = join(coord.url, "alice", "--new-identity", token=new_token)  # enrols as a new device
+    wait_until(lambda: coord.query("SELECT COUNT(*) FROM identities WHERE name = 'alice'") == [(2,)], TIMEOUT,
+               "a new identity")
+    states = sorted(s for (s,) in coord.query("SELECT state FROM identities WHERE name = 'alice'"))
+    assert states == ["active", "revoked"]
+    assert _cli("coordinator", "devices", "unban", str(alice["id"]), "--db", str(coord.db)).returncode == 2
+    for p in (bob, fresh, coord):
+        p.kill()
+
+
+def test_tls_end_to_end_with_a_private_ca_and_plain_ws_refused_off_this_machine(tmp_path: Path) -> None:
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("localhost", "127.0.0.1")
+    certfile, keyfile, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_and_cert_chain_pem.write_to_path(str(certfile))
+    cert.private_key_pem.write_to_path(str(keyfile))
+    ca.cert_pem.write_to_path(str(cafile))
+    steps = 5
+    coord = Coordinator(tmp_path, "--min-devices", "1", "--certfile", str(certfile), "--keyfile", str(keyfile),
+                        steps=steps)
+    assert coord.url.startswith("wss://")
+    url = coord.url.replace("127.0.0.1", "localhost")
+    untrusting = join(url, "untrusting")  # the system store does not know this CA
+    assert untrusting.wait() == 2 and "certificate does not verify" in untrusting.output
+    status = _cli("status", "--url", url, "--token", OPERATOR, "--json", "--cafile", str(cafile))
+    assert status.returncode == 0, status.stderr
+    client = join(url, "trusting", "--cafile", str(cafile))
+    assert coord.wait() == 0, coord.output
+    assert client.wait() == 0, client.output
+    _exact(coord, steps)
+    plain = Proc(cleave_cmd("join", "ws://192.0.2.1:8765", "--token", TOKEN, "--once"), "plain")
+    assert plain.wait() == 2 and "refusing unencrypted ws://" in plain.output
+    ok = Proc(cleave_cmd("join", "ws://192.0.2.1:9", "--token", TOKEN, "--insecure", "--quiet"), "consenting")
+    wait_until(lambda: ok.proc.poll() is None and time.sleep(1.0) is None, TIMEOUT, "a retrying client")
+    ok.kill()

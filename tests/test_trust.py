@@ -1,0 +1,383 @@
+"""Untrusted devices at the Core, on a fake clock: identities, earned slots, bans, cut-offs,
+rate limits and frame limits. Real processes come in tests/test_hostile.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator import auth
+from coordinator.core import AuthError, Close, Core, FaultPolicy, Limit, Send
+from coordinator.identity import JOIN_TOKEN, store_token
+from coordinator.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
+from coordinator.protocol import (
+    Cancel, CloseCode, Credential, Error, Heartbeat, Hello, Pause, Release, Result, Resume, StatusReply, Welcome, Work,
+    encode,
+)
+from coordinator.tiles import GemmKind, TilingPolicy
+from db.memory import MemoryStore
+from db.sqlite import SQLiteStore
+from test_core import Fleet, corrupt, honest, submit
+
+POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
+FAULTS = FaultPolicy(heartbeat=1.0, heartbeat_timeout=30.0, lease_floor=2.0, lease_factor=4.0,
+                     speculate_after=0.5, speculate_factor=2.0, max_copies=2)
+TRUST = TrustPolicy(probation_tiles=4, window=10, ban_rejects=2, max_slots=4, grow_every=2, cut_after=3,
+                    cut_unanswered=3, cooloff=10.0, cooloff_max=40.0)
+
+
+def _core(store: MemoryStore | SQLiteStore | None = None, **limits: object) -> Core:
+    store = store or MemoryStore()
+    job = store.create_job("trust", {}, 10, 0.0)
+    return Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=POLICY,
+                faults=FAULTS, trust=TRUST, limits=Limits(**limits))
+
+
+def _credential(fleet: Fleet, device: int) -> Credential:
+    return next(m for m in fleet.inbox[device] if isinstance(m, Credential))
+
+
+def _returning(core: Core, credential: Credential, now: float, name: str = "x", secret: bytes | None = None,
+               nonce: str | None = None) -> tuple[int, list]:
+    nonce = nonce or core.gate.challenge().nonce
+    proof = auth.proof(secret or bytes.fromhex(credential.secret), credential.identity, bytes.fromhex(nonce))
+    return core.connect(Hello(name=name, identity=credential.identity, proof=proof.hex()), nonce, now)
+
+
+# ------------------------------------------------------------------ credentials
+
+
+def test_a_proof_binds_the_secret_to_one_nonce_and_the_stored_key_alone_proves_nothing() -> None:
+    secret, nonce, other = b"s" * 32, b"n" * 32, b"m" * 32
+    key = auth.stored_key(secret)
+    answer = auth.proof(secret, 7, nonce)
+    assert auth.verify_proof(key, 7, nonce, answer)
+    assert not auth.verify_proof(key, 7, other, answer)  # replayed on another connection
+    assert not auth.verify_proof(key, 8, nonce, answer)  # claimed for another identity
+    assert not auth.verify_proof(key, 7, nonce, auth.proof(b"t" * 32, 7, nonce))  # another secret
+    assert not auth.verify_proof(key, 7, nonce, auth.proof(key, 7, nonce))  # someone who copied the database
+    assert not auth.verify_proof(key, 7, nonce, answer[:-1]) and not auth.verify_proof(key, 7, nonce, b"")
+    assert answer != secret and secret.hex() not in answer.hex()  # the secret itself never travels
+    assert auth.token_matches("tok", auth.token_hash("tok")) and not auth.token_matches("tok", None)
+    assert not auth.token_matches("", auth.token_hash(""))
+
+
+def test_a_device_enrols_once_then_comes_back_with_its_credential_as_the_same_device() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    first = fleet.join("laptop", slots=2)
+    credential = _credential(fleet, first)
+    assert core.store.identity_key(credential.identity) == auth.stored_key(bytes.fromhex(credential.secret))
+    fleet.route(core.disconnect(first, fleet.now, "connection closed"))
+    again, out = _returning(core, credential, fleet.now, name="renamed")
+    assert again == first  # one device row per identity per job
+    assert not any(isinstance(o, Send) and isinstance(o.message, Credential) for o in out)  # nothing new to keep
+    welcome = next(o.message for o in out if isinstance(o, Send) and isinstance(o.message, Welcome))
+    assert welcome.identity == credential.identity
+    assert [d["name"] for d in core.status(fleet.now)["devices"]] == ["laptop"]  # the enrolled name stays
+
+
+@pytest.mark.parametrize("attack", ["wrong secret", "replayed hello", "unknown identity", "no proof",
+                                    "operator token", "no token"])
+def test_bad_credentials_are_refused_with_one_message(attack: str) -> None:
+    core = _core()
+    fleet = Fleet(core)
+    device = fleet.join("laptop")
+    credential = _credential(fleet, device)
+    fleet.route(core.disconnect(device, fleet.now, "connection closed"))
+    with pytest.raises(AuthError) as info:
+        if attack == "wrong secret":
+            _returning(core, credential, fleet.now, secret=b"x" * 32)
+        elif attack == "replayed hello":  # a hello recorded on another connection
+            old = core.gate.challenge().nonce
+            proof = auth.proof(bytes.fromhex(credential.secret), credential.identity, bytes.fromhex(old))
+            core.connect(Hello(name="x", identity=credential.identity, proof=proof.hex()),
+                         core.gate.challenge().nonce, fleet.now)
+        elif attack == "unknown identity":
+            _returning(core, Credential(999, credential.secret), fleet.now)
+        elif attack == "no proof":
+            core.connect(Hello(name="x", identity=credential.identity), core.gate.challenge().nonce, fleet.now)
+        elif attack == "operator token":
+            core.connect(Hello(name="x", token="op"), core.gate.challenge().nonce, fleet.now)
+        else:
+            core.connect(Hello(name="x"), core.gate.challenge().nonce, fleet.now)
+    assert info.value.code == CloseCode.AUTH
+    if attack in ("wrong secret", "replayed hello", "unknown identity", "no proof"):
+        assert info.value.reason == "unknown identity or wrong credential"  # no oracle
+    assert core.devices == {}
+
+
+def test_an_identity_connects_once_at_a_time() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    credential = _credential(fleet, fleet.join("laptop"))
+    with pytest.raises(AuthError) as info:
+        _returning(core, credential, fleet.now)
+    assert info.value.code == CloseCode.IN_USE
+
+
+def test_the_join_token_rotates_without_cutting_enrolled_devices(tmp_path: Path) -> None:
+    core = _core(SQLiteStore(tmp_path / "c.db"))
+    fleet = Fleet(core)
+    device = fleet.join("laptop")
+    credential = _credential(fleet, device)
+    operator = SQLiteStore(tmp_path / "c.db")  # another process: `cleave coordinator token rotate`
+    store_token(operator, JOIN_TOKEN, "new-token")
+    operator.close()
+    fleet.now += 1.5
+    fleet.route(core.tick(fleet.now))
+    assert device in core.devices and device not in fleet.closed
+    with pytest.raises(AuthError):
+        core.connect(Hello(name="y", token="tok"), core.gate.challenge().nonce, fleet.now)
+    newcomer, _ = core.connect(Hello(name="y", token="new-token"), core.gate.challenge().nonce, fleet.now)
+    fleet.route(core.disconnect(device, fleet.now))
+    assert _returning(core, credential, fleet.now)[0] == device  # credentials outlive the token
+    assert newcomer in core.devices
+
+
+def test_an_operator_revocation_in_another_process_cuts_the_device_within_a_second(tmp_path: Path) -> None:
+    core = _core(SQLiteStore(tmp_path / "c.db"))
+    fleet = Fleet(core)
+    device = fleet.join("stolen-laptop")
+    credential = _credential(fleet, device)
+    operator = SQLiteStore(tmp_path / "c.db")
+    operator.set_identity_state(credential.identity, "revoked", "reported stolen", 5.0)
+    operator.close()
+    fleet.now += 1.5
+    fleet.route(core.tick(fleet.now))
+    assert fleet.closed.get(device) == CloseCode.REVOKED and device not in core.devices
+    with pytest.raises(AuthError) as info:
+        _returning(core, credential, fleet.now)
+    assert info.value.code == CloseCode.REVOKED and "reported stolen" in info.value.reason
+
+
+# ------------------------------------------------------------------ earned slots, bans
+
+
+def test_newcomers_hold_one_tile_until_their_verified_record_earns_more() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    device = fleet.join("eager", slots=8)
+    submit(core, fleet, torch.randn(512, 32), torch.randn(32, 512))
+    assert len(core.devices[device].inflight) == 1  # probation, whatever it asked for
+    seen = []
+    while fleet.step(only=device):
+        seen.append(core.devices[device].slots)
+    assert seen[0] == 1 and max(seen) == TRUST.max_slots  # 4 verified: off probation, then +1 per 2
+    assert seen == sorted(seen)
+
+
+def test_the_first_forgery_on_probation_bans_the_identity_for_good() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    bad = fleet.join("forger", compute=corrupt)
+    fleet.join("honest")
+    credential = _credential(fleet, bad)
+    a, b = torch.randn(128, 32), torch.randn(32, 128)
+    box = submit(core, fleet, a, b)
+    assert fleet.step(only=bad)
+    assert fleet.closed.get(bad) == CloseCode.BANNED
+    assert core.store.identity(credential.identity).state == "banned"
+    with pytest.raises(AuthError) as info:  # reconnecting does not help
+        _returning(core, credential, fleet.now)
+    assert info.value.code == CloseCode.BANNED
+    fleet.pending = [p for p in fleet.pending if p.device != bad]
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_trusted_device_is_banned_by_repeated_forgeries_however_they_are_spaced() -> None:
+    """Honest results between forgeries no longer wash them out."""
+    core = _core()
+    fleet = Fleet(core)
+    sly = fleet.join("sly", slots=1)
+    fleet.join("honest", slots=1)
+    submit(core, fleet, torch.randn(1024, 32), torch.randn(32, 64))
+    answered = 0
+    while core.devices[sly].standing.on_probation(TRUST):
+        assert fleet.step(only=sly)
+        answered += 1
+    forged = 0
+    while sly in core.devices:
+        fleet.compute[sly] = corrupt if answered % 3 == 0 else honest  # one forgery in three
+        if not fleet.step(only=sly):
+            break
+        forged += fleet.compute[sly] is corrupt
+        answered += 1
+    assert fleet.closed.get(sly) == CloseCode.BANNED and forged == TRUST.ban_rejects
+
+
+@pytest.mark.parametrize("helper", [True, False], ids=["overtaken by a free device", "alone: taken back"])
+def test_a_device_that_holds_tiles_without_answering_is_cut_and_must_cool_off(helper: bool) -> None:
+    core = _core()
+    fleet = Fleet(core)
+    staller = fleet.join("staller", slots=1)
+    credential = _credential(fleet, staller)
+    if helper:
+        fleet.join("honest", slots=1)
+    for _ in range(TRUST.cut_after):
+        submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))  # one tile each, first to the staller
+        fleet.pending = [p for p in fleet.pending if p.device != staller]  # it never answers
+        for _ in range(30):  # heartbeats keep it connected; deadlines pass
+            if staller not in core.devices:
+                break
+            fleet.now += 1.0
+            fleet.route(core.handle(staller, Heartbeat(), fleet.now))
+            fleet.route(core.tick(fleet.now))
+            fleet.drain()
+            if staller not in core.devices or not core.devices[staller].inflight:
+                break
+    assert fleet.closed.get(staller) == CloseCode.STALLING
+    with pytest.raises(AuthError) as info:
+        _returning(core, credential, fleet.now)
+    assert info.value.code == CloseCode.STALLING and "come back in 10 s" in info.value.reason
+    fleet.now += 10.5
+    again, _ = _returning(core, credential, fleet.now)
+    assert again == staller
+    counts = core.status(fleet.now)["tiles"]
+    if helper:  # speculation finished its tiles before their deadlines: lost to copies
+        assert counts["cancelled"] >= TRUST.cut_unanswered and counts["queued"] == counts["leased"] == 0
+    else:  # nobody else: each tile is taken back at twice its deadline, and waits for another device
+        assert counts["revoked"] == TRUST.cut_after and counts["queued"] == TRUST.cut_after
+
+
+def test_three_stallers_cannot_hold_a_tile_from_a_free_honest_device() -> None:
+    """Every copy of a tile held by devices that never answer: a late one loses it."""
+    core = _core()
+    fleet = Fleet(core)
+    stallers = [fleet.join(f"staller{i}", slots=1) for i in range(3)]
+    box = submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))  # one tile
+    (tile,) = core.devices[stallers[0]].inflight
+    for _ in range(2):  # a speculative copy, then a deadline copy, go to the other stallers
+        fleet.now += 1.5
+        fleet.route(core.tick(fleet.now))
+    assert all(tile in core.devices[s].inflight for s in stallers)
+    fleet.pending.clear()  # they never answer
+    fleet.join("honest", slots=1)
+    started = fleet.now
+    while "result" not in box:
+        fleet.now += 0.25
+        for s in stallers:
+            if s in core.devices:
+                fleet.route(core.handle(s, Heartbeat(), fleet.now))
+        fleet.route(core.tick(fleet.now))
+        fleet.drain()
+        assert fleet.now - started < 2 * FAULTS.window(0.0) + 1.0, "bounded by the deadlines"
+    history = [(lease.issued, lease.outcome) for lease in core.store.leases(tile)]
+    assert ("deadline passed", "verified") in history and ("first", "revoked") in history
+
+
+# ------------------------------------------------------------------ rate and size limits
+
+
+def test_a_message_flood_is_cut_and_releases_and_pauses_have_their_own_allowance() -> None:
+    core = _core(messages=Rate(10.0, 20.0), releases=Rate(1.0, 4.0), pauses=Rate(0.1, 2.0))
+    fleet = Fleet(core)
+    chatty = fleet.join("chatty")
+    for _ in range(20):
+        fleet.route(core.handle(chatty, Heartbeat(), fleet.now))
+    assert chatty in core.devices
+    fleet.route(core.handle(chatty, Heartbeat(), fleet.now))
+    assert fleet.closed.get(chatty) == CloseCode.RATE_LIMITED and chatty not in core.devices
+
+    releaser = fleet.join("releaser")
+    fleet.route(core.handle(releaser, Release(tuple(range(4))), fleet.now))
+    assert releaser in core.devices
+    fleet.route(core.handle(releaser, Release((1,)), fleet.now))
+    assert fleet.closed.get(releaser) == CloseCode.RATE_LIMITED
+
+    flapper = fleet.join("flapper")
+    fleet.route(core.handle(flapper, Pause("on battery"), fleet.now))
+    fleet.route(core.handle(flapper, Resume(), fleet.now))
+    fleet.route(core.handle(flapper, Pause("on battery"), fleet.now))
+    assert fleet.closed.get(flapper) == CloseCode.RATE_LIMITED
+
+
+def test_a_device_may_send_large_frames_only_while_it_holds_a_tile_with_a_large_result() -> None:
+    core = _core(idle_frame=64 << 10, frame_slack=16 << 10, result_grace=5.0)
+    limits: dict[int, int] = {}
+    fleet = Fleet(core)
+    device = fleet.join("d", slots=1)
+    route = fleet.route
+
+    def spy(out: list) -> None:
+        limits.update({o.device: o.nbytes for o in out if isinstance(o, Limit)})
+        route(out)
+
+    fleet.route = spy  # type: ignore[method-assign]
+    submit(core, fleet, torch.randn(64, 32), torch.randn(32, 512))  # results of 64 x 64 floats
+    assert device not in limits  # 16 KiB results and slack fit the idle limit
+    fleet.drain()
+    submit(core, fleet, torch.randn(256, 512), torch.randn(512, 256), GemmKind.GRAD_WEIGHT)  # 256 KiB partials
+    big = limits[device]
+    assert big == 256 * 256 * 4 + (16 << 10)  # raised with the lease, before it can answer
+    fleet.step(only=device)
+    fleet.route(core.tick(fleet.now))
+    assert limits[device] == big  # the next partial is already leased to it
+    fleet.route(core.handle(device, Pause("owner is back"), fleet.now))  # its tile goes back
+    fleet.now += 1.0
+    fleet.route(core.tick(fleet.now))
+    assert limits[device] == big  # it may still be sending the result of the tile it gave back
+    fleet.now += 5.0
+    fleet.route(core.tick(fleet.now))
+    assert limits[device] == 64 << 10  # then only small frames
+
+
+def test_status_is_bounded_however_many_devices_ever_joined() -> None:
+    core = _core(status_rows=5)
+    fleet = Fleet(core)
+    devices = [fleet.join(f"d{i}") for i in range(12)]
+    for d in devices[:8]:
+        fleet.route(core.disconnect(d, fleet.now))
+    status = core.status(fleet.now)
+    assert len(status["devices"]) == 5
+    assert [d["state"] for d in status["devices"][:4]] == ["idle"] * 4  # connected ones first
+    assert status["device_counts"] == {"connected": 4, "online": 4, "offline": 8}
+    encode(StatusReply(status))
+
+
+def test_enrolments_are_rate_limited_for_the_whole_coordinator() -> None:
+    core = _core(enrolments=Rate(1.0, 3.0))
+    fleet = Fleet(core)
+    for i in range(3):
+        fleet.join(f"sybil{i}")
+    with pytest.raises(AuthError) as info:
+        fleet.join("sybil3")
+    assert info.value.code == CloseCode.BUSY
+    fleet.now += 1.0
+    fleet.join("patient")
+
+
+def test_token_buckets_refill_at_their_rate_and_never_past_their_burst() -> None:
+    bucket = TokenBucket(2.0, 4.0)
+    assert all(bucket.take(0.0) for _ in range(4)) and not bucket.take(0.0)
+    assert bucket.take(0.5) and not bucket.take(0.5)
+    assert not bucket.take(100.0, 5.0) and bucket.take(100.0, 4.0)
+
+
+def test_the_memory_bound_is_finite_and_grows_with_each_limit() -> None:
+    base = memory_bound(Limits(), devices_holding=16, largest_result=16 << 20, largest_work=8 << 20)
+    assert base["total"] == sum(v for k, v in base.items() if k != "total")
+    more = memory_bound(Limits(max_connections=4096), devices_holding=16, largest_result=16 << 20,
+                        largest_work=8 << 20)
+    assert more["total"] > base["total"] and base["total"] < 16 << 30
+    assert memory_bound(Limits(), devices_holding=32, largest_result=16 << 20, largest_work=8 << 20)["total"] > \
+        base["total"]
+
+
+def test_results_with_absurd_timings_and_errors_never_reach_status_as_non_json() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    device = fleet.join("d", slots=1)
+    submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))
+    item = fleet.pending.pop(0)
+    a, b = item.message.operands(fleet.blocks[device])
+    fleet.route(core.handle(device, Result(item.message.tile_id, a @ b, 86400.0), fleet.now))
+    encode(StatusReply(core.status(fleet.now)))
+    out = core.handle(device, Result(12345, torch.zeros(1, 1)), fleet.now)
+    assert isinstance(out[0], Send) and isinstance(out[0].message, Error)
+    assert not any(isinstance(o, (Close, Cancel)) for o in out)
+    assert isinstance(Work, type)
