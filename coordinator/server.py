@@ -43,6 +43,7 @@ log = logging.getLogger("cleave.server")
 
 TICK = 0.05  # seconds between Core.tick calls: deadlines, heartbeats, speculation
 CHUNK = 256 << 10  # large replies go out in fragments of this size, so a slow reader costs little
+REFUSE_GRACE = 0.2  # seconds a refused peer has to answer our close before its socket is dropped
 _zeros: bytearray | None = None  # shared payload of every speed-test reply (never written)
 
 
@@ -74,6 +75,17 @@ class Traffic:
 def _reason(text: str) -> str:
     # A close reason must fit in 123 UTF-8 bytes.
     return text.encode()[:120].decode(errors="ignore")
+
+
+async def _refuse(ws: ServerConnection, code: int, reason: str) -> None:
+    """Close with a code and a reason, without waiting on a peer that may never answer, or that
+    keeps streaming a frame we refused: its socket is dropped after a short grace."""
+    try:
+        await asyncio.wait_for(ws.close(code, reason), REFUSE_GRACE)
+    except (TimeoutError, asyncio.TimeoutError):
+        pass
+    finally:
+        ws.transport.abort()
 
 
 class Server:
@@ -127,34 +139,35 @@ class Server:
         lim = self.limits
         if self.tcp_open > lim.max_connections or len(self.pending) > lim.max_unauthenticated:
             self.refused += 1
-            await ws.close(CloseCode.BUSY, "coordinator is at its connection limit; try again later")
+            await _refuse(ws, CloseCode.BUSY, "coordinator is at its connection limit; try again later")
             return
         challenge = self.core.gate.challenge()
         try:
             await ws.send(encode(challenge))
             first = await asyncio.wait_for(ws.recv(), lim.hello_timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            await ws.close(CloseCode.PROTOCOL, f"no hello within {lim.hello_timeout:g} s")
+            await _refuse(ws, CloseCode.PROTOCOL, f"no hello within {lim.hello_timeout:g} s")
             return
         except ConnectionClosed:
+            ws.transport.abort()  # a frame over the limit, say: stop reading what follows it
             return
         self.traffic.bytes_up += len(first)
         try:
             msg = decode(first)
         except ProtocolError as exc:
-            await ws.close(CloseCode.PROTOCOL, _reason(f"{exc.code.value}: {exc}"))
+            await _refuse(ws, CloseCode.PROTOCOL, _reason(f"{exc.code.value}: {exc}"))
             return
         if isinstance(msg, (StatusRequest, SpeedTest)):
             await self._observe(ws, msg)
             return
         if not isinstance(msg, Hello):
-            await ws.close(CloseCode.PROTOCOL, "first message must be hello, status_request or speedtest")
+            await _refuse(ws, CloseCode.PROTOCOL, "first message must be hello, status_request or speedtest")
             return
         try:
             device_id, out = self.core.connect(msg, challenge.nonce, self.clock())
         except AuthError as exc:  # never log what the peer presented: it may be someone's secret
             log.warning("refused a device from %s: %s", ws.remote_address, exc.reason)
-            await ws.close(exc.code, _reason(exc.reason))
+            await _refuse(ws, exc.code, _reason(exc.reason))
             return
         self.pending.discard(ws)
         conn = _Conn(ws)
@@ -188,7 +201,8 @@ class Server:
                 if device_id not in self.core.devices:  # the Core dropped it (banned, rate-limited...)
                     break
         except ConnectionClosed:
-            pass
+            if ws.close_code == 1009:  # a frame over its limit: do not read (and discard) the rest of it
+                ws.transport.abort()
         finally:
             if self.conns.get(device_id) is conn:
                 del self.conns[device_id]
@@ -211,11 +225,11 @@ class Server:
         operator = gate.is_operator(first.token)
         if not (operator or (isinstance(first, SpeedTest) and gate.may_test_link(first.token))):
             what = "status needs the operator token" if isinstance(first, StatusRequest) else "wrong token"
-            await ws.close(CloseCode.AUTH, what)
+            await _refuse(ws, CloseCode.AUTH, what)
             return
         if self.observers >= lim.max_observers:
             self.refused += 1
-            await ws.close(CloseCode.BUSY, "too many observers; try again later")
+            await _refuse(ws, CloseCode.BUSY, "too many observers; try again later")
             return
         self.pending.discard(ws)
         self.observers += 1
@@ -227,26 +241,27 @@ class Server:
                 now = self.clock()
                 if isinstance(request, SpeedTest):
                     if not volume.take(now, request.reply_bytes + request.data.numel()):
-                        await ws.close(CloseCode.RATE_LIMITED, "link tests over their byte allowance")
+                        await _refuse(ws, CloseCode.RATE_LIMITED, "link tests over their byte allowance")
                         return
                     await ws.send(_speedtest_reply(request.reply_bytes))
                 elif isinstance(request, StatusRequest):
                     if not gate.is_operator(request.token):
-                        await ws.close(CloseCode.AUTH, "status needs the operator token")
+                        await _refuse(ws, CloseCode.AUTH, "status needs the operator token")
                         return
                     if not status.take(now):
-                        await ws.close(CloseCode.RATE_LIMITED, "status requests too often")
+                        await _refuse(ws, CloseCode.RATE_LIMITED, "status requests too often")
                         return
                     await ws.send(encode(StatusReply(self.status())))
                 else:
-                    await ws.close(CloseCode.PROTOCOL, "observers may only send status_request or speedtest")
+                    await _refuse(ws, CloseCode.PROTOCOL, "observers may only send status_request or speedtest")
                     return
                 try:
                     request = decode(await ws.recv())
                 except ProtocolError as exc:
-                    await ws.close(CloseCode.PROTOCOL, _reason(f"{exc.code.value}: {exc}"))
+                    await _refuse(ws, CloseCode.PROTOCOL, _reason(f"{exc.code.value}: {exc}"))
                     return
         except ConnectionClosed:
+            ws.transport.abort()  # a frame over the limit, say: stop reading what follows it
             return
         finally:
             self.observers -= 1

@@ -1,25 +1,44 @@
 """Freivalds' check: is ``C == A @ B`` (to floating-point error) without redoing the GEMM?
 
-With a random +-1 vector r, compare ``A (B r)`` with ``C r``: O(mk + kn + mn) work against the
-GEMM's O(mnk). A wrong C passes only if its error happens to be orthogonal to r, which a +-1
-vector makes unlikely (and ``rounds`` independent vectors make vanishingly so).
+A result comes from an untrusted device, so the check must hold against a forger who knows
+this code, not just against random corruption. docs/security.md (## Verification) has the
+threat, the argument and the measured figures; in short:
 
-Tolerance, per row i::
+* ``ROUNDS`` independent vectors with i.i.d. entries uniform on [-1/2, 1/2), batched as one
+  ``n x ROUNDS`` matrix R, so the check is one pass over A, B and C: compare ``A (B R)`` with
+  ``C R``, O(ROUNDS (mk + kn + mn)) work against the GEMM's O(mnk). R comes from the caller's
+  generator, which must be seeded from OS entropy (the coordinator's is) and never shown to a
+  device. A +-1 vector cannot do this: an error ``+u, -u`` in two entries of a row cancels for
+  half of all sign vectors, whatever the size of u.
+* A row i with error e_i (C_i minus the exact product) passes only if ``|e_i . r| <= 2 tol_i``
+  for every column r of R (one tol for the tolerance, one for the check's own rounding). A
+  continuous vector lands in that slab with probability at most ``SLAB * tol_i / ||e_i||``
+  (Ball's cube-slicing bound), independently per round. So any block with a row whose error
+  reaches the detection threshold ``GAMMA tol_i`` is accepted with probability at most
+  ``acceptance_bound(ROUNDS, GAMMA)``, below 2^-40. Errors below that threshold are as small as
+  the rounding of an honest product and cannot be told from it.
 
-    tol_i = TOL_FACTOR * eps * (||A_i|| ||B||_F + sqrt(n) * min(||C_i||, ||A_i|| ||B||_F))
+Tolerance, per row i, for vectors of unit variance::
 
-The first term is the error of an honest float32 product (it carries the operands' magnitudes
-and, through ||A_i||, the reduction length k). The second is the rounding of the check itself:
+    tol_i = TOL_FACTOR * (eps * ||A_i|| ||B||_F + eps_check * sqrt(n) * min(||C_i||, ||A_i|| ||B||_F))
+
+The first term is the error of an honest product (it carries the operands' magnitudes and,
+through ||A_i||, the reduction length k). The second is the rounding of the check itself:
 ``C r`` sums n terms, and when C's entries are correlated (real activations and gradients are)
 that error grows as sqrt(n) ||C_i||. ||C_i|| comes from the untrusted result, so it is capped by
-its honest bound ||A_i|| ||B||_F: inflating C cannot loosen the check.
+its honest bound ||A_i|| ||B||_F: inflating C cannot loosen the check. A row whose norm exceeds
+``NORM_CAP`` times that bound cannot be an honest product and is rejected before the products.
 
 Measured with real clients on real training tiles, honest residuals reached 0.40 of an 8x
-bracket (dW tiles: gradient rows are heavy-tailed and correlated with X); TOL_FACTOR = 16 keeps
-a 5x margin, since three false rejects in a row would ban an honest device. It still catches a
-single element off by 2.5e-3 of C's rms or more on every shape tried (tests/test_verify.py
-asserts 1e-2).
-``eps`` is the unit roundoff of the dtype the device computed in: bf16 work gets its own bound.
+bracket with one +-1 vector (dW tiles: gradient rows are heavy-tailed and correlated with X).
+The worst of ROUNDS vectors is two to three times the worst of one, mostly from the float32
+rounding of A (B R) on dW rows with heavy cancellation: over about 860,000 honest tile checks of
+training runs it reached 0.23 of the tolerance with TOL_FACTOR = 40, a 4.4x margin: a false
+reject counts against an honest device and can get it banned (docs/security.md).
+``eps`` is the machine epsilon of the dtype the device computed in (bf16 work gets its own,
+far looser bound); ``eps_check`` that of the dtype the check runs in. float16 and bfloat16
+operands are checked in float32 with norms computed here, so tiny values cannot square to zero
+and large ones cannot overflow to an infinite tolerance.
 """
 
 from __future__ import annotations
@@ -30,24 +49,143 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# 5x the largest honest residual measured on real training tiles (see the docstring).
-TOL_FACTOR = 16.0
+# 4.4x the largest honest residual over ROUNDS vectors measured on real training tiles
+# (docs/security.md): the maximum over 16 rounds reaches two to three times that of one.
+TOL_FACTOR = 40.0
+# Independent random vectors per check, batched as the columns of R. MKL runs the skinny
+# products as fast with 16 columns as with 4 (bench/bench_verify.py); 24 or 32 cost ~1.5x.
+ROUNDS = 16
+# Detection threshold in tolerances: a row off by GAMMA tol_i or more is caught except with
+# probability acceptance_bound(ROUNDS, GAMMA) <= 2^-40.
+GAMMA = 10.0
+# Largest acceptance probability of one result whose worst row error reaches GAMMA tol_i.
+TARGET_BOUND = 2.0**-40
+# An honest row satisfies ||C_i|| <= ||A_i|| ||B||_2 <= ||A_i|| ||B||_F up to rounding.
+NORM_CAP = 2.0
+
+# Entries of R: uniform on [-1/2, 1/2), drawn as float32 (24-bit grid, see _GRID), rms 1/sqrt(12).
+R_RMS = 1.0 / math.sqrt(12.0)
+# Density of a . X for a unit vector a and X uniform on [-1/2, 1/2]^n is at most sqrt(2)
+# (K. Ball, "Cube slicing in R^n", 1986). With unit-variance entries (X sqrt(12)), the slab
+# |e . r| <= 2 tol has probability at most 2 * 2 tol * sqrt(2) / (sqrt(12) ||e||) = SLAB tol / ||e||.
+SLAB = 4.0 * math.sqrt(2.0) / math.sqrt(12.0)  # = 2 sqrt(2/3) ~ 1.633
+# numpy draws float32 uniforms as j / 2^24: each entry is a continuous uniform moved down by
+# less than 2^-24, which shifts e . r by at most 2^-24 ||e||_1 <= 2^-24 sqrt(n) ||e||.
+_GRID = 2.0**-24
 
 
 @dataclass(frozen=True)
 class Verdict:
     ok: bool
     reason: str = ""
-    worst_ratio: float = 0.0  # max_i residual_i / tol_i; < 1 means accepted
+    worst_ratio: float = 0.0  # max over rows and rounds of residual / tol; <= 1 means accepted
+
+
+def round_bound(ratio: float, n: int) -> float:
+    """Largest chance that one round accepts a row whose error is ``ratio`` tolerances.
+
+    Assumes the check's own rounding stays within one tolerance (what "no false rejects"
+    measures); ``n`` is the length of the random vector (C's column count).
+    """
+    if not ratio > 0:
+        return 1.0
+    density = SLAB / ratio  # continuous uniform, Ball's bound
+    grid = 2.0 * math.sqrt(2.0) * _GRID * math.sqrt(n)  # the float32 grid of the draws
+    return min(1.0, density + grid)
+
+
+def acceptance_bound(rounds: int = ROUNDS, gamma: float = GAMMA, n: int = 1 << 16) -> float:
+    """Upper bound on accepting a result with some row error >= ``gamma`` tolerances.
+
+    Rounds are independent, so the per-round bound multiplies. ``n`` (default 65,536, larger
+    than any tile) only enters through the float32 grid of the draws, a 4e-5 term at most.
+    """
+    return round_bound(gamma, n) ** rounds
 
 
 def rademacher(n: int, rng: np.random.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A +-1 vector. Not used by ``freivalds`` (unsound against forgers); kept for benchmarks."""
     return torch.from_numpy(rng.integers(0, 2, size=n, dtype=np.int8) * 2 - 1).to(dtype)
+
+
+def random_vectors(n: int, rounds: int, rng: np.random.Generator) -> torch.Tensor:
+    """``n x rounds`` float32 matrix of i.i.d. entries uniform on [-1/2, 1/2).
+
+    numpy's float32 uniform is the fastest generator measured here (2 ns an entry, 4x faster
+    than its Gaussian, 1.3x faster than torch.rand), and ``j/2^24 - 1/2`` is exact in float32.
+    """
+    return torch.from_numpy(rng.random((n, rounds), dtype=np.float32)).sub_(0.5)
 
 
 def _row_norms(a: torch.Tensor) -> torch.Tensor:
     # vector_norm is fast on contiguous rows but 20x slower on a transposed view (dW's dY^T).
     return torch.linalg.vector_norm(a, dim=1) if a.is_contiguous() else (a * a).sum(1).sqrt()
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision operands are checked in float32: squares of small fp16 values underflow
+    # to zero (a zero tolerance), and the products would round far more than the bound allows.
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def tolerance(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    a_row_norms: torch.Tensor | None = None,
+    b_norm: float | None = None,
+) -> torch.Tensor:
+    """``tol_i`` for every row (vectors of unit variance), in the check's working dtype.
+
+    Public so that tests, benchmarks and forgers use the very formula ``freivalds`` uses.
+    """
+    work = _work_dtype(a.dtype)
+    if a.dtype != work:
+        a, b, c, a_row_norms, b_norm = a.to(work), b.to(work), c.to(work), None, None
+    return torch.from_numpy(_bounds(a, b, c, compute_dtype, a_row_norms, b_norm)[0])
+
+
+def detection_threshold(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype = torch.float32,
+    gamma: float = GAMMA,
+) -> torch.Tensor:
+    """``Delta_i = gamma tol_i``: a row error this large is caught except w.p. acceptance_bound."""
+    return gamma * tolerance(a, b, c, compute_dtype=compute_dtype)
+
+
+def _bounds(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    compute_dtype: torch.dtype,
+    a_row_norms: torch.Tensor | None,
+    b_norm: float | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tol, ||C_i||, ||A_i|| ||B||_F) per row, for operands already in the working dtype.
+
+    Per-row arithmetic runs in numpy: on a few hundred values each torch call costs 5-10 us
+    of dispatch right after a GEMM, several times numpy's.
+    """
+    work = a.dtype
+    a_norms = None if a_row_norms is None or a_row_norms.dtype != work else a_row_norms.detach().cpu().numpy()
+    if a_norms is None or not np.isfinite(a_norms).all():
+        a_norms = _row_norms(a).numpy()
+    if b_norm is None or not math.isfinite(b_norm):
+        b_norm = float(torch.linalg.vector_norm(b))
+    ab = a_norms * b_norm  # ||A_i|| ||B||_F
+    c_norms = _row_norms(c).numpy()  # untrusted
+    # The product's error scales with the dtype the device computed in; the check's own
+    # rounding with the dtype the check runs in (float32 for half-precision operands).
+    product = torch.finfo(compute_dtype).eps * ab
+    check = torch.finfo(work).eps * math.sqrt(c.shape[1]) * np.minimum(c_norms, ab)
+    tol = TOL_FACTOR * (product + check) + torch.finfo(work).tiny
+    return tol, c_norms, ab
 
 
 def freivalds(
@@ -57,15 +195,23 @@ def freivalds(
     rng: np.random.Generator,
     *,
     compute_dtype: torch.dtype = torch.float32,
-    rounds: int = 1,
+    rounds: int = ROUNDS,
     a_row_norms: torch.Tensor | None = None,
     b_norm: float | None = None,
 ) -> Verdict:
-    """Check that ``c`` is ``a @ b`` computed honestly in ``compute_dtype``."""
+    """Check that ``c`` is ``a @ b`` computed honestly in ``compute_dtype``.
+
+    ``rng`` must be unpredictable to whoever computed ``c`` (seeded from OS entropy). With the
+    default ``rounds`` a result with a row off by ``GAMMA`` tolerances or more passes with
+    probability at most ``acceptance_bound()``; fewer rounds weaken that bound.
+    ``a_row_norms`` and ``b_norm`` may be passed to share them between tiles of one block.
+    """
     m, k = a.shape
     k2, n = b.shape
     if k != k2:
         raise ValueError(f"operands do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     if tuple(c.shape) != (m, n):
         return Verdict(False, f"result has shape {tuple(c.shape)}, expected {(m, n)}", float("inf"))
     if c.dtype != a.dtype:
@@ -75,20 +221,27 @@ def freivalds(
     if k == 0:
         ok = not bool(c.any())
         return Verdict(ok, "" if ok else "nonzero result of an empty product", 0.0 if ok else float("inf"))
-    eps = torch.finfo(compute_dtype).eps
-    row_norms = _row_norms(a) if a_row_norms is None else a_row_norms  # ||A_i||
-    ab = row_norms * (float(torch.linalg.vector_norm(b)) if b_norm is None else b_norm)  # ||A_i|| ||B||_F
-    c_norms = torch.minimum(torch.linalg.vector_norm(c, dim=1), ab)  # untrusted, so capped
-    tol = TOL_FACTOR * eps * (ab + math.sqrt(n) * c_norms) + torch.finfo(torch.float32).tiny
-    worst = 0.0
-    for _ in range(rounds):
-        r = rademacher(n, rng, a.dtype)
-        residual = (a @ (b @ r) - c @ r).abs()
-        ratio = float((residual / tol).max())
-        worst = max(worst, ratio)
-        if not ratio <= 1.0:  # NaN or Inf anywhere in C makes the ratio NaN or Inf: rejected here
-            if not bool(torch.isfinite(c).all()):
-                return Verdict(False, "result holds NaN or Inf", float("inf"))
-            row = int(torch.argmax(residual / tol))
-            return Verdict(False, f"Freivalds residual {ratio:.3g}x the tolerance at row {row}", ratio)
+    work = _work_dtype(a.dtype)
+    if a.dtype != work:  # checked in float32, with norms of our own (see _work_dtype)
+        a, b, c = a.to(work), b.to(work), c.to(work)
+        a_row_norms, b_norm = None, None
+    tol, c_norms, ab = _bounds(a, b, c, compute_dtype, a_row_norms, b_norm)
+    # NaN and Inf in C show in its row norms; `not x <= y` is also true for NaN.
+    over = ~(c_norms <= NORM_CAP * ab)
+    if over.any():
+        if not bool(torch.isfinite(c).all()):
+            return Verdict(False, "result holds NaN or Inf", math.inf)
+        row = int(np.flatnonzero(over)[0])
+        return Verdict(False, f"row {row} has norm {c_norms[row]:.3g}, above the largest possible "
+                              f"{ab[row]:.3g} of an honest product", math.inf)
+    r = random_vectors(n, rounds, rng).to(work)  # (n, t)
+    residual = a @ (b @ r)  # (m, t): one pass over A, B and C for all rounds
+    residual.sub_(c @ r).abs_()
+    ratios = residual.amax(dim=1).numpy() / (tol * R_RMS)  # (m,) worst round of each row
+    worst = float(ratios.max())  # NaN anywhere (from A or B) makes this NaN
+    if not worst <= 1.0:  # NaN or Inf makes the comparison false: rejected here
+        if not bool(torch.isfinite(c).all()):
+            return Verdict(False, "result holds NaN or Inf", math.inf)
+        row = int(np.argmax(np.nan_to_num(ratios, nan=math.inf)))
+        return Verdict(False, f"Freivalds residual {worst:.3g}x the tolerance at row {row}", worst)
     return Verdict(True, "", worst)
