@@ -293,6 +293,7 @@ class Worker:
             memory_bytes=min(sysinfo.memory_bytes(), 1 << 50), device=self.device.type,
             gflops=min(round(self.stats.benchmark_gflops, 3), 1e7), slots=self.cfg.slots, client_version=VERSION,
             block_budget=min(self._block_budget(), 1 << 50),
+            paused="" if self._allowed else (self.stats.reason or "paused by its owner"),  # still paused from before
         )
         try:
             credential = None if self.cfg.new_identity and not self._enrolled else \
@@ -317,8 +318,6 @@ class Worker:
         self._coordinator = challenge.coordinator
         hello, enrolling = self._hello(challenge)
         await self._send(ws, encode(hello))
-        if not self._allowed:  # still paused from before the reconnect
-            await self._send(ws, encode(Pause(self.stats.reason)))
         queue: asyncio.Queue[Work] = asyncio.Queue()
         blocks: dict[str, torch.Tensor] = {}
         self._cancelled, self._assigned = set(), set()

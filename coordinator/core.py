@@ -318,6 +318,9 @@ class Core:
         )
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
+        if hello.paused:  # its owner is busy: it gets nothing until it resumes
+            dev.paused = hello.paused
+            self.store.set_device_state(device_id, "paused", self._at(now), hello.paused)
         out: list[Outbound] = [Limit(device_id, lim.idle_frame)]
         if admission.secret is not None:
             out.append(self._send(device_id, Credential(admission.identity, admission.secret.hex()), now))

@@ -176,6 +176,7 @@ class Hello:
     slots: int = _int(2, lo=1, hi=64)  # the most tiles it wants in flight; the coordinator decides
     client_version: str = _text("", max_len=32)
     block_budget: int = _int(0, hi=1 << 50)  # bytes of input blocks the device will cache; 0: no limit
+    paused: str = _text("")  # not empty: it connects paused, for this reason (no work until Resume)
 
 
 @dataclass(frozen=True)

@@ -217,3 +217,33 @@ def test_tls_end_to_end_with_a_private_ca_and_plain_ws_refused_off_this_machine(
     ok = Proc(cleave_cmd("join", "ws://192.0.2.1:9", "--token", TOKEN, "--insecure", "--quiet"), "consenting")
     wait_until(lambda: ok.proc.poll() is None and time.sleep(1.0) is None, TIMEOUT, "a retrying client")
     ok.kill()
+
+
+KINDS = ["pair", "hadamard4", "orthogonal", "pairs_many_rows", "pairs_one_row", "low_rank", "perturbed_operands",
+         "scaled", "stale_weights", "previous_batch", "replay", "stale", "swap_rows", "swap_cols", "zeros", "nan",
+         "inf"]
+
+
+def test_every_forging_double_is_caught_banned_and_stays_banned(tmp_path: Path) -> None:
+    """One forger per kind of forgery (tests/forgeries.py), each honest until it has left
+    probation, then forging every result at twice the detection threshold, next to one honest
+    client: nothing forged is verified, each forger is banned and refused when it comes back."""
+    steps = 14
+    coord = Coordinator(tmp_path, "--min-devices", str(len(KINDS) + 1), steps=steps)
+    forgers = double("forge", coord.url, "forger", ",".join(KINDS))
+    honest = join(coord.url, "honest")
+    assert coord.wait(4 * TIMEOUT) == 0, coord.output
+    assert honest.wait() == 0, honest.output
+    assert forgers.wait() == 0, forgers.output
+    _exact(coord, steps)
+    reports = {r["kind"]: r for r in map(json.loads, (line for line in forgers.lines if line.startswith("{")))}
+    assert set(reports) == set(KINDS), forgers.output
+    for kind, report in reports.items():
+        name = report["name"]
+        (state,) = coord.query("SELECT state FROM identities WHERE name = ?", name)[0]
+        verified, rejected = coord.query("SELECT tiles_done, tiles_rejected FROM devices WHERE name = ?", name)[0]
+        assert report["forged"] >= 1, (kind, report)  # it really forged
+        assert rejected >= 1 and verified <= report["honest"], (kind, report, verified, rejected)  # caught, every time
+        assert state == "banned", (kind, state)
+        assert [c[:2] for c in report["closes"]] == [["error", 3], ["error", 3]], (kind, report)  # banned twice
+    assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]

@@ -99,9 +99,9 @@ GOLDEN = {
     "hello": (
         Hello(name="n", token="t", platform="p", cores=2, memory_bytes=4, device="cpu", gflops=1.5, slots=2,
               client_version="0.2.0"),
-        b'CLV\x02\xc6\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
-        b'"identity":0,"memory_bytes":4,"name":"n","platform":"p","proof":"","slots":2,"tensors":[],"token":"t",'
-        b'"type":"hello"}',
+        b'CLV\x02\xd2\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
+        b'"identity":0,"memory_bytes":4,"name":"n","paused":"","platform":"p","proof":"","slots":2,"tensors":[],'
+        b'"token":"t","type":"hello"}',
     ),
     "work": (
         Work(tile_id=7, a="1.0.1x2", b="2.0.2x1", b_t=True, blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),

@@ -381,3 +381,14 @@ def test_results_with_absurd_timings_and_errors_never_reach_status_as_non_json()
     assert isinstance(out[0], Send) and isinstance(out[0].message, Error)
     assert not any(isinstance(o, (Close, Cancel)) for o in out)
     assert isinstance(Work, type)
+
+
+def test_a_device_that_connects_paused_gets_no_work_until_it_resumes() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    busy = fleet.join("busy", paused="the owner is typing")
+    submit(core, fleet, torch.randn(64, 32), torch.randn(32, 64))
+    assert not core.devices[busy].inflight and not fleet.pending
+    assert core.status(fleet.now)["devices"][0]["state"] == "paused"
+    fleet.route(core.handle(busy, Resume(), fleet.now))
+    assert core.devices[busy].inflight
