@@ -51,7 +51,7 @@ from websockets.exceptions import ConnectionClosed  # noqa: E402
 
 from cleave_cli.status import fetch_status  # noqa: E402
 from coordinator import auth  # noqa: E402
-from coordinator.limits import Limits, memory_bound  # noqa: E402
+from coordinator.limits import HEADROOM, Limits, memory_bound, peer_costs  # noqa: E402
 from coordinator.protocol import Challenge, Heartbeat, Hello, Welcome, decode, encode  # noqa: E402
 from db.sqlite import SQLiteStore  # noqa: E402
 
@@ -312,6 +312,9 @@ async def drill(args: argparse.Namespace) -> dict:
             sampler.stop()
     lim = Limits()
     bound = memory_bound(lim, devices_holding=2, largest_result=16 << 20, largest_work=8 << 20)
+    cost = peer_costs(lim, largest_result=16 << 20, largest_work=8 << 20)
+    present = (args.enrolled * cost["idle_device"] + min(args.junk, lim.max_unauthenticated + HEADROOM)
+               * cost["unauthenticated"] + 2 * cost["working_device"])
     mean = lambda rows: statistics.mean(r["seconds"] for r in rows)  # noqa: E731
     tiles = status["tiles"]["verified"]
     compute = sum(d.get("compute_s") or 0.0 for d in status["devices"])
@@ -321,6 +324,8 @@ async def drill(args: argparse.Namespace) -> dict:
         "memory": {"before_crowd_mb": round(before_crowd / 1e6, 1), "with_crowd_mb": round(with_crowd / 1e6, 1),
                    "per_enrolled_connection_kib": round((with_crowd - before_crowd) / max(1, len(opened)) / 1024, 1),
                    "peak_mb": round(sampler.peak / 1e6, 1), "bound_total_mb": round(bound["total"] / 1e6, 1),
+                   "bound_for_this_crowd_mb": round(present / 1e6, 1),
+                   "growth_mb": round((sampler.peak - before_crowd) / 1e6, 1),
                    "bound_terms_mb": {k: round(v / 1e6, 1) for k, v in bound.items()}},
         "step_s": {"quiet": mean(quiet), "enrolled_crowd": mean(crowd), "crowd_and_pests": mean(pests),
                    "ratio_crowd": mean(crowd) / mean(quiet), "ratio_crowd_and_pests": mean(pests) / mean(quiet)},
@@ -346,7 +351,9 @@ def _table(r: dict) -> Table:
     table.add_row("memory per enrolled idle connection", f"{m['per_enrolled_connection_kib']:,.1f} KiB",
                   f"{r['crowd']['connected']:,} connected in {r['crowd']['connect_s']:.1f} s")
     table.add_row("coordinator RSS: before the crowd / with it", f"{m['before_crowd_mb']:,.0f} / {m['with_crowd_mb']:,.0f} MB", "")
-    table.add_row("coordinator RSS: peak / stated bound (beyond the job)", f"{m['peak_mb']:,.0f} MB",
+    table.add_row("coordinator RSS: peak", f"{m['peak_mb']:,.0f} MB",
+                  f"+{m['growth_mb']:,.0f} MB over the quiet job")
+    table.add_row("stated bound: for this crowd / at the default caps", f"{m['bound_for_this_crowd_mb']:,.0f} MB",
                   f"{m['bound_total_mb']:,.0f} MB")
     cpu = r["cpu"]
 

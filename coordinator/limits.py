@@ -81,14 +81,15 @@ class Limits:
 
     max_connections: int = 2048  # every open websocket, authenticated or not (--max-connections)
     max_unauthenticated: int = 256  # connections that have not yet passed their hello
-    max_observers: int = 16  # cleave status and link-test connections (operator tools)
+    max_observers: int = 8  # cleave status and link-test connections (operator tools)
     hello_timeout: float = 10.0  # seconds from the upgrade to an accepted hello
     pre_auth_frame: int = 16 << 10  # bytes of one frame before the hello is accepted
-    idle_frame: int = 64 << 10  # ... from a device that holds no tile, or an observer
+    idle_frame: int = 16 << 10  # ... from a device that holds no tile (a release of 1,024 ids is ~8 KiB)
+    observer_frame: int = (8 << 20) + (16 << 10)  # ... from an observer: an 8 MiB link-test upload
     frame_slack: int = 16 << 10  # header room on top of the largest result a device may send
     result_grace: float = 60.0  # seconds a device may still send a result for a tile it lost
     max_queue: int = 2  # websocket frames buffered per connection before reading pauses
-    control_queue: int = 1 << 20  # bytes of queued small frames before a peer counts as not reading
+    control_queue: int = 64 << 10  # bytes of queued small frames before a peer counts as not reading
     write_timeout: float = 60.0  # seconds a peer may leave a frame unread before it is cut
     status_rows: int = 100  # devices listed in one status reply (the rest are counted)
     messages: Rate = Rate(200.0, 400.0)  # any frame from a device
@@ -101,53 +102,64 @@ class Limits:
     def __post_init__(self) -> None:
         if not (1 <= self.max_unauthenticated <= self.max_connections):
             raise ValueError("need 1 <= max_unauthenticated <= max_connections")
-        if self.pre_auth_frame < 4096 or self.idle_frame < self.pre_auth_frame or self.max_queue < 1:
+        if self.pre_auth_frame < 4096 or self.idle_frame < self.pre_auth_frame or self.max_queue < 1 \
+                or self.observer_frame < self.idle_frame:
             raise ValueError("frame limits too small")
 
 
 HEADROOM = 16  # connections past a cap that still get a close code rather than an abort
 READ_CHUNK = 256 << 10  # asyncio reads at most this much from a socket at once
-CONNECTION_OVERHEAD = 96 << 10  # measured per idle websocket: objects, tasks, buffers (bench_hostile)
+CONNECTION_OVERHEAD = 64 << 10  # per connection: objects, tasks, buffers (bench_hostile measured 24-26 KiB)
 
 
 def inbound_per_connection(frame: int, limits: Limits) -> int:
     """Bytes one connection can make the coordinator hold on the way in with frames of at most
-    ``frame`` bytes: ``max_queue`` complete frames buffered, one being received, one being
-    decoded (its writable copy), and a socket read."""
-    return (limits.max_queue + 2) * frame + frame + READ_CHUNK
+    ``frame`` bytes: ``max_queue`` complete frames buffered before reading pauses, one in the
+    handler's hands and its decoded (writable) copy, and the library's read buffer, which holds
+    a partial frame or what one socket read brought in past the queue (at most ``READ_CHUNK``)."""
+    return (limits.max_queue + 2) * frame + max(frame, READ_CHUNK)
+
+
+def peer_costs(limits: Limits, *, largest_result: int, largest_work: int) -> dict[str, int]:
+    """The most one peer of each kind can make the coordinator hold, in bytes.
+
+    A device holding tiles may send frames of ``largest_result`` plus slack and have at most
+    ``TrustPolicy.max_slots`` ``work`` frames of ``largest_work`` bytes queued to it. Any other
+    authenticated device is held to ``idle_frame``; an observer to ``observer_frame``; a
+    connection that has not passed its hello (or is still in the websocket handshake, whose
+    request is at most ``handshake_bytes()``) to ``pre_auth_frame``.
+    """
+    big = largest_result + limits.frame_slack
+    return {
+        "unauthenticated": max(inbound_per_connection(limits.pre_auth_frame, limits), handshake_bytes())
+                           + CONNECTION_OVERHEAD,
+        "observer": inbound_per_connection(limits.observer_frame, limits) + CONNECTION_OVERHEAD,
+        "idle_device": inbound_per_connection(limits.idle_frame, limits) + limits.control_queue + CONNECTION_OVERHEAD,
+        "working_device": inbound_per_connection(big, limits) + limits.control_queue
+                          + TrustPolicy().max_slots * largest_work + CONNECTION_OVERHEAD,
+    }
 
 
 def memory_bound(limits: Limits, *, devices_holding: int, largest_result: int, largest_work: int) -> dict[str, int]:
     """The worst case, term by term, in bytes, beyond the job itself (weights, optimizer state,
-    activations, the GEMM operands in flight) and the Python process.
-
-    ``devices_holding`` is how many devices hold tiles at once (at most the tiles in flight);
-    they may send frames of ``largest_result`` plus slack and have at most
-    ``TrustPolicy.max_slots`` ``work`` frames of ``largest_work`` bytes queued. Every other
-    authenticated device is held to ``idle_frame``; observers to a speed-test upload;
-    connections that have not passed their hello (and those still in the websocket handshake,
-    whose request is at most ``handshake`` bytes) to ``pre_auth_frame``.
-    """
+    activations, the GEMM operands in flight) and the Python process: every connection the caps
+    allow, each costing the most its kind can (``peer_costs``). ``devices_holding`` is how many
+    devices hold tiles at once (at most the tiles in flight)."""
     from coordinator.protocol import MAX_SPEEDTEST_BYTES
 
+    cost = peer_costs(limits, largest_result=largest_result, largest_work=largest_work)
     unauth = limits.max_unauthenticated + HEADROOM
     observers = limits.max_observers
     devices = max(0, limits.max_connections + HEADROOM - unauth - observers)
     holding = min(devices_holding, devices)
-    big = largest_result + limits.frame_slack
-    per_unauth = max(inbound_per_connection(limits.pre_auth_frame, limits), handshake_bytes())
     terms = {
-        "unauthenticated": unauth * (per_unauth + CONNECTION_OVERHEAD),
-        "observers": observers * (inbound_per_connection(MAX_SPEEDTEST_BYTES + limits.frame_slack, limits)
-                                  + CONNECTION_OVERHEAD) + MAX_SPEEDTEST_BYTES,
-        "idle_devices": (devices - holding) * (inbound_per_connection(limits.idle_frame, limits)
-                                               + limits.control_queue + CONNECTION_OVERHEAD),
-        "working_devices": holding * (inbound_per_connection(big, limits) + limits.control_queue
-                                      + TrustPolicy().max_slots * largest_work + CONNECTION_OVERHEAD),
+        "unauthenticated": unauth * cost["unauthenticated"],
+        "observers": observers * cost["observer"] + MAX_SPEEDTEST_BYTES,  # one shared buffer for link-test replies
+        "idle_devices": (devices - holding) * cost["idle_device"],
+        "working_devices": holding * cost["working_device"],
     }
     terms["total"] = sum(terms.values())
     return terms
-
 
 
 # The websocket library reads an upgrade request of up to this many header lines of this many

@@ -233,7 +233,7 @@ class Server:
             return
         self.pending.discard(ws)
         self.observers += 1
-        ws.protocol.max_message_size = MAX_SPEEDTEST_BYTES + lim.frame_slack
+        ws.protocol.max_message_size = lim.observer_frame
         status, volume = lim.status.bucket(), lim.speedtest_bytes.bucket()
         request: object = first
         try:
