@@ -311,10 +311,10 @@ async def drill(args: argparse.Namespace) -> dict:
                 c.wait()
             sampler.stop()
     lim = Limits()
-    bound = memory_bound(lim, devices_holding=2, largest_result=16 << 20, largest_work=8 << 20)
-    cost = peer_costs(lim, largest_result=16 << 20, largest_work=8 << 20)
+    bound = memory_bound(lim, devices_holding=2, largest_result=16 << 20, largest_frame=16 << 20)
+    cost = peer_costs(lim, largest_result=16 << 20)
     present = (args.enrolled * cost["idle_device"] + min(args.junk, lim.max_unauthenticated + HEADROOM)
-               * cost["unauthenticated"] + 2 * cost["working_device"])
+               * cost["unauthenticated"] + 2 * cost["working_device"] + lim.outbound_total + (16 << 20))
     mean = lambda rows: statistics.mean(r["seconds"] for r in rows)  # noqa: E731
     tiles = status["tiles"]["verified"]
     compute = sum(d.get("compute_s") or 0.0 for d in status["devices"])

@@ -22,7 +22,7 @@ def benchmark(
     device: Annotated[str, typer.Option(help="Device to measure: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")] = "auto",
     threads: Annotated[Optional[int], typer.Option(help="CPU threads for the GEMMs. Default: torch's choice.")] = None,
     url: Annotated[Optional[str], typer.Option("--url", help="Also measure round trip and throughput to this coordinator.")] = None,
-    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's join or operator token (needed with --url).")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's operator token (needed with --url).")] = None,
     cafile: opt.CaFile = None,
     insecure: opt.Insecure = False,
     seconds: Annotated[float, typer.Option(help="Seconds per GEMM measurement.")] = 0.4,

@@ -14,12 +14,12 @@ from rich.logging import RichHandler
 
 from cleave_cli import options as opt
 from cleave_cli import render
-from cleave_cli.errors import CleaveError, friendly, is_terminal
+from cleave_cli.errors import CleaveError, friendly, is_terminal, stderr_console
 from cleave_cli.progress import ConsoleReporter
 from coordinator.auth import token_hash
 from coordinator.core import FaultPolicy
 from coordinator.identity import JOIN_TOKEN, OPERATOR_TOKEN, store_token
-from coordinator.job import CoordinatorConfig, new_token, run_job
+from coordinator.job import STRONG_TOKEN, CoordinatorConfig, new_token, run_job
 from coordinator.limits import Limits
 from coordinator.tiles import TilingPolicy
 from db.sqlite import SQLiteStore
@@ -185,6 +185,9 @@ def token_rotate(
     new = token if token is not None else new_token()
     if not (new.strip() and new.isprintable() and len(new) <= 256):
         raise CleaveError("--token must be 1 to 256 printable characters", 2)
+    if len(new) < STRONG_TOKEN:
+        stderr_console().print(f"warning: a token of {len(new)} characters can be searched for by anyone who copies "
+                               "the database; generated tokens have 22", style="yellow")
     store = _open(db)
     try:
         mine, other = (OPERATOR_TOKEN, JOIN_TOKEN) if operator else (JOIN_TOKEN, OPERATOR_TOKEN)

@@ -1,5 +1,8 @@
 """Rich renderables for every screen Cleave shows. Nothing here prints: callers hand the
-result to a Console (tests render into ``Console(file=io.StringIO())``)."""
+result to a Console (tests render into ``Console(file=io.StringIO())``).
+
+Strings that come from peers (device names, reasons, job names) go in as ``Text``, never as
+markup: a volunteer named ``[/bold]`` must show as that, not break the dashboard."""
 
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ def dashboard(status: dict[str, Any]) -> Group:
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column()
-    summary.add_row("job", f"{job.get('name', '')}  [{job.get('state', '')}]")
+    summary.add_row("job", Text(f"{job.get('name', '')}  [{job.get('state', '')}]"))
     summary.add_row("step", f"{step}/{steps}" + (f"  ({100 * step / steps:.0f}%)" if steps else ""))
     summary.add_row("loss", _num(job.get("loss")))
     summary.add_row("throughput", f"{job.get('tokens_per_s', 0):,.0f} tokens/s")
@@ -111,7 +114,7 @@ def dashboard(status: dict[str, Any]) -> Group:
         state = d.get("state", "")
         reason = f" ({d['reason']})" if d.get("reason") and state not in ("working", "idle") else ""  # paused: why
         devices.add_row(
-            str(d.get("name", "")), Text(state + reason, style=style.get(state, "")), str(d.get("device", "")),
+            Text(str(d.get("name", ""))), Text(state + reason, style=style.get(state, "")), Text(str(d.get("device", ""))),
             f"{d.get('gflops', 0):.1f}", f"{d.get('tiles_done', 0):,}",
             Text(f"{d.get('tiles_rejected', 0):,}", style="red" if d.get("tiles_rejected") else ""),
             f"{d.get('tiles_lost', 0):,}",
@@ -134,7 +137,7 @@ def dashboard(status: dict[str, Any]) -> Group:
         board.add_column("verified GFLOP", justify="right")
         board.add_column("tiles", justify="right")
         for rank, row in enumerate(status["leaderboard"], start=1):
-            who = f"{row.get('name', '')} #{row.get('identity', '')}"
+            who = Text(str(row.get("name", "")) + (f" #{row['identity']}" if row.get("identity") is not None else ""))
             board.add_row(str(rank), who, f"{row.get('gflop', 0):,.2f}", f"{row.get('tiles', 0):,}")
         parts.append(board)
     return Group(*parts)
@@ -158,9 +161,9 @@ def client_panel(stats: Any, url: str) -> Panel:
     if stats.reason:
         state.append(f"  ({stats.reason})", style="yellow" if stats.state == "paused" else "dim")
     grid.add_row("state", state)
-    grid.add_row("coordinator", f"{url}" + (f"  job: {stats.job}" if stats.job else ""))
+    grid.add_row("coordinator", Text(f"{url}" + (f"  job: {stats.job}" if stats.job else "")))
     bench = f"{stats.benchmark_gflops:,.1f} GFLOP/s benchmark" + (" (cached)" if stats.benchmark_cached else "")
-    grid.add_row("device", f"{stats.device}  {bench}")
+    grid.add_row("device", Text(f"{stats.device}  {bench}"))
     tiles = Text(f"{stats.tiles:,} done")
     if stats.rejected:
         tiles.append(f", {stats.rejected} rejected", style="red")
@@ -234,9 +237,9 @@ def identities(rows: Sequence[Any]) -> Table:
         table.add_column(col, justify=justify, no_wrap=col != "reason")  # type: ignore[arg-type]
     style = {"active": "green", "banned": "bold red", "revoked": "red"}
     for r in rows:
-        table.add_row(str(r.id), r.name, Text(r.state, style=style.get(r.state, "")), _when(r.created_at),
+        table.add_row(str(r.id), Text(r.name), Text(r.state, style=style.get(r.state, "")), _when(r.created_at),
                       _when(r.last_seen), f"{r.tiles_done:,}", f"{r.tiles_rejected:,}", f"{r.tiles_lost:,}",
-                      f"{r.tiles_revoked:,}", f"{100 * r.reliability:.1f}%", f"{r.gflop_verified:,.2f}", r.reason)
+                      f"{r.tiles_revoked:,}", f"{100 * r.reliability:.1f}%", f"{r.gflop_verified:,.2f}", Text(r.reason))
     if not rows:
         table.add_row("", "(no device has enrolled yet)", *[""] * 10)
     return table

@@ -138,8 +138,8 @@ def quick_gflops(
 
 async def measure_link(url: str, token: str, *, rounds: int = 20, nbytes: int = 8 << 20,
                        cafile: str | None = None) -> LinkFigure:
-    """Round trip and throughput to a coordinator, as an observer. ``token`` is the join token
-    or the operator's: the coordinator checks it before it answers."""
+    """Round trip and throughput to a coordinator, as an observer. ``token`` is the operator
+    token: the coordinator checks it before it answers."""
     from websockets.asyncio.client import connect
 
     from client.connection import client_tls

@@ -1,9 +1,12 @@
 """A volunteer's credentials: one per coordinator and device name, in the user's config folder.
 
-The file (``credentials.json``, mode 0600) maps ``"<coordinator id>|<name>"`` to the identity
-number and the 32-byte secret a coordinator issued when this device enrolled. The coordinator
-id comes from its challenge, so a credential follows the coordinator's database, not its URL.
-Several clients on one machine share the file under a lock; give each its own ``--name``.
+The file (``credentials.json``, mode 0600) maps ``"<coordinator id>|<name>|<host>:<port>"`` to
+the identity number and the 32-byte secret a coordinator issued when this device enrolled. The
+coordinator id comes from its challenge; the address is the one the device enrolled at, so a
+credential is only ever presented to that address: another server claiming the same id (to
+relay the proof) gets nothing. The same coordinator reached under another name or address is a
+new enrolment. Several clients on one machine share the file under a lock; give each its own
+``--name``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
 
 from client.paths import user_dir
 
@@ -36,6 +40,16 @@ class Credential:
     name: str = ""
 
 
+def endpoint(url: str) -> str:
+    """``host:port`` of a ws:// or wss:// URL, with the scheme's default port."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return f"{(parts.hostname or '').lower()}:{port or (443 if parts.scheme == 'wss' else 80)}"
+
+
 def default_path() -> Path:
     return user_dir("config") / "credentials.json"
 
@@ -45,11 +59,11 @@ class CredentialStore:
         self.path = path or default_path()
 
     @staticmethod
-    def _key(coordinator: str, name: str) -> str:
-        return f"{coordinator}|{name}"
+    def _key(coordinator: str, name: str, url: str) -> str:
+        return f"{coordinator}|{name}|{endpoint(url)}"
 
-    def get(self, coordinator: str, name: str) -> Credential | None:
-        entry = self._read().get(self._key(coordinator, name))
+    def get(self, coordinator: str, name: str, url: str) -> Credential | None:
+        entry = self._read().get(self._key(coordinator, name, url))
         if not isinstance(entry, dict):
             return None
         try:
@@ -62,16 +76,16 @@ class CredentialStore:
     def put(self, coordinator: str, name: str, credential: Credential) -> None:
         with self._locked():
             entries = self._read()
-            entries[self._key(coordinator, name)] = {
+            entries[self._key(coordinator, name, credential.url)] = {
                 "identity": credential.identity, "secret": credential.secret.hex(), "url": credential.url,
                 "name": name, "enrolled": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             }
             self._write(entries)
 
-    def forget(self, coordinator: str, name: str) -> None:
+    def forget(self, coordinator: str, name: str, url: str) -> None:
         with self._locked():
             entries = self._read()
-            if entries.pop(self._key(coordinator, name), None) is not None:
+            if entries.pop(self._key(coordinator, name, url), None) is not None:
                 self._write(entries)
 
     def _read(self) -> dict:

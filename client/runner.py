@@ -297,7 +297,7 @@ class Worker:
         )
         try:
             credential = None if self.cfg.new_identity and not self._enrolled else \
-                self._credentials.get(challenge.coordinator, self.cfg.name)
+                self._credentials.get(challenge.coordinator, self.cfg.name, self.cfg.url)
         except CredentialError as exc:
             raise ClientError(str(exc), EXIT_USAGE) from None
         if credential is not None:
@@ -388,13 +388,9 @@ class Worker:
         if code == CloseCode.AUTH:
             if enrolling:
                 raise ClientError(f"the coordinator refused the join token ({reason})", EXIT_AUTH)
-            # Our credential is unknown there (its database was replaced?): enrol again if we can.
-            log.warning("the coordinator refused this device's credential (%s); enrolling again", reason)
-            self._forget_credential()
-            if not self.cfg.token:
-                raise ClientError(f"the coordinator refused this device's credential ({reason}); "
-                                  "pass --token (the join token) to enrol again", EXIT_AUTH)
-            return "credential refused; enrolling again"
+            # Never dropped silently: a server that refuses it may not be the one that issued it.
+            raise ClientError(f"the coordinator refused this device's credential ({reason}); if its database "
+                              "was replaced, enrol again with --new-identity --token JOIN-TOKEN", EXIT_AUTH)
         if code in _PERMANENT:
             what = "banned this device" if code == CloseCode.BANNED else "refused this device"
             raise ClientError(f"the coordinator {what}: {reason}", _PERMANENT[CloseCode(code)])
@@ -411,12 +407,7 @@ class Worker:
             log.warning("%s; this device will enrol again next time", exc)
             self.stats.last_error = str(exc)
 
-    def _forget_credential(self) -> None:
-        if self._coordinator is not None:
-            try:
-                self._credentials.forget(self._coordinator, self.cfg.name)
-            except CredentialError as exc:
-                log.warning("%s", exc)
+
 
     async def _warden(self, ws: ClientConnection) -> None:
         """Keep the owner's rules: pause the moment they say stop, resume when they allow."""

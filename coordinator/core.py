@@ -36,6 +36,7 @@ Faults cost only outstanding tiles:
 from __future__ import annotations
 
 import heapq
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ SHUTDOWN = "coordinator stopped"
 CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
 EMA = 0.2  # weight of a new observation in a device's running estimates
 STANDING_CHECK = 1.0  # seconds between looks for an operator's revocations and token rotations
+SWEEP = 0.5  # seconds in which tick looks after every device once (heartbeats, silence, credit)
+TICK_GUESS = 0.05  # the server's tick interval: the first tick of a sweep already takes its share
 # A device's claimed speed only sets its first deadlines, and only within these bounds.
 CLAIM_GFLOPS = (1.0, 1e5)
 MAX_SECONDS_PER_GFLOP = 10.0  # slower turnarounds than this are not waited for any longer
@@ -147,6 +150,7 @@ class GemmState:
 class Hold:
     """One open lease: its deadline (``soft``: late, copy it) and ``hard`` (take it back)."""
 
+    seq: int  # unique per lease: identifies it in the deadline heap
     leased_at: float
     soft: float
     hard: float
@@ -168,6 +172,7 @@ class DeviceState:
     seconds_per_gflop: float  # running estimate of a lease's turnaround (transfer, queue, compute)
     messages: TokenBucket
     releases: TokenBucket
+    resends: TokenBucket  # bytes of blocks it may make the coordinator send again
     pauses: TokenBucket
     frame_limit: int  # the largest frame it may send now
     inflight: dict[int, float] = field(default_factory=dict)  # tile id -> leased at
@@ -188,6 +193,8 @@ class DeviceState:
     credit_sent: float = 0.0
     credit_at: float = 0.0
     big_until: float = 0.0  # until then it may still send a result for a tile it lost
+    verified_at: float | None = None  # when its last result was verified
+    result_gap: float | None = None  # running estimate of seconds between its verified results
 
     @property
     def free(self) -> int:
@@ -272,7 +279,14 @@ class Core:
         self.sources = Sources()
         self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
         self._holders: dict[int, dict[int, Hold]] = {}  # outstanding tile -> {device: its lease}
-        self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, tile, device, id(hold))
+        self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, hold seq, tile, device)
+        self._late: set[int] = set()  # tiles with a lease past its deadline (a superset: pruned lazily)
+        self._thin: set[int] = set()  # outstanding tiles with fewer open leases than max_copies
+        self._seq = 0
+        self._dispatching = False
+        self._sweep: list[int] = []  # devices still to look after in this tick round
+        self._sweep_at = 0.0
+        self._sweep_len = 0
         self._queued = 0  # mirror of the store's queued count, so idle dispatches cost no query
         self._checked_at = -float("inf")
         self.progress = Progress(steps=store.job(job_id).steps)
@@ -314,7 +328,7 @@ class Core:
         dev = DeviceState(
             device_id, admission.identity, admission.name, asked, standing.slots(self.trust, asked), standing,
             hello.gflops, hello.device, now, 4.0 / claim, lim.messages.bucket(), lim.releases.bucket(),
-            lim.pauses.bucket(), lim.idle_frame, budget=hello.block_budget,
+            lim.resends.bucket(), lim.pauses.bucket(), lim.idle_frame, budget=hello.block_budget,
         )
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
@@ -334,9 +348,17 @@ class Core:
     def disconnect(self, device_id: int, now: float, reason: str = "connection closed",
                    state: str | None = None) -> list[Outbound]:
         """A device is gone: its outstanding tiles go straight back to the queue and to others."""
+        if device_id not in self.devices:
+            return []
+        self._remove(device_id, now, reason, state)
+        return self._dispatch(now)
+
+    def _remove(self, device_id: int, now: float, reason: str, state: str | None = None) -> None:
+        """Forget a device and end its leases. Never dispatches: only the public entry points
+        (connect, handle, tick, submit, disconnect) do, once, at their end."""
         dev = self.devices.pop(device_id, None)
         if dev is None:
-            return []
+            return
         self._by_identity.pop(dev.identity, None)
         graceful = reason in ("left", SHUTDOWN)  # neither is the device's fault
         held = list(dev.inflight)
@@ -347,10 +369,11 @@ class Core:
         if held and not graceful:
             self.store.credit_device(device_id, lost=len(held), now=self._at(now))
         self.store.set_device_state(device_id, state or "offline", self._at(now), reason)
-        return self._dispatch(now)
 
     def _drop(self, dev: DeviceState, code: CloseCode, reason: str, now: float, state: str | None = None) -> list[Outbound]:
-        return [Close(dev.id, code, reason), *self.disconnect(dev.id, now, reason, state)]
+        """Close a device and forget it (the caller dispatches its tiles to others)."""
+        self._remove(dev.id, now, reason, state)
+        return [Close(dev.id, code, reason)]
 
     # ------------------------------------------------------------------ messages
 
@@ -360,18 +383,19 @@ class Core:
             return []
         dev.last_seen = now
         if not dev.messages.take(now):
-            return self._drop(dev, CloseCode.RATE_LIMITED, "too many messages", now)
+            return self._drop(dev, CloseCode.RATE_LIMITED, "too many messages", now) + self._dispatch(now)
         if isinstance(msg, Result):
             return self._on_result(dev, msg, now)
         if isinstance(msg, Heartbeat):
             return []
         if isinstance(msg, Release):
             if not dev.releases.take(now, max(1, len(msg.tile_ids))):
-                return self._drop(dev, CloseCode.RATE_LIMITED, "too many tiles given back", now)
+                return self._drop(dev, CloseCode.RATE_LIMITED, "too many tiles given back", now) + self._dispatch(now)
             return self._on_release(dev, msg, now)
         if isinstance(msg, (Pause, Resume)):
             if not dev.pauses.take(now):
-                return self._drop(dev, CloseCode.RATE_LIMITED, "pausing and resuming too often", now)
+                return self._drop(dev, CloseCode.RATE_LIMITED, "pausing and resuming too often", now) + \
+                    self._dispatch(now)
             if isinstance(msg, Pause):
                 return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
@@ -382,12 +406,24 @@ class Core:
         return [self._send(device_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a device may send"), now)]
 
     def tick(self, now: float) -> list[Outbound]:
-        """Time passes: drop silent devices, take back late tiles, copy them, keep heartbeats."""
+        """Time passes: drop silent devices, take back late tiles, copy them, keep heartbeats.
+
+        Each tick looks after a slice of the devices (every device once per ``SWEEP`` seconds at
+        the server's 50 ms ticks), so its cost does not grow with the fleet."""
         out: list[Outbound] = []
         if now - self._checked_at >= STANDING_CHECK:
             self._checked_at = now
             out.extend(self._check_standings(now))
-        for dev in list(self.devices.values()):
+        if not self._sweep:
+            self._sweep = list(self.devices)
+            self._sweep_at, self._sweep_len = now, len(self._sweep)
+        # Enough of this round's devices to finish it SWEEP seconds after it began.
+        share = max(1, math.ceil(self._sweep_len * min(1.0, (now - self._sweep_at + TICK_GUESS) / SWEEP)))
+        due = self._sweep_len - len(self._sweep)
+        for _ in range(max(0, share - due)):
+            dev = self.devices.get(self._sweep.pop()) if self._sweep else None
+            if dev is None:
+                continue
             if now - dev.last_seen > self.faults.heartbeat_timeout:
                 silence = f"no heartbeat for {now - dev.last_seen:.1f} s"
                 out.extend(self._drop(dev, CloseCode.SILENT, silence, now))
@@ -434,7 +470,12 @@ class Core:
         return Send(device_id, message)
 
     def _regrade(self, dev: DeviceState) -> None:
-        dev.slots = dev.standing.slots(self.trust, dev.asked)
+        """Its slots: what its record has earned, and no more than it verifies in a prefetch
+        window at its measured throughput."""
+        slots = dev.standing.slots(self.trust, dev.asked)
+        if dev.result_gap is not None and dev.result_gap > 0:
+            slots = min(slots, max(1, math.ceil(self.trust.prefetch_seconds / dev.result_gap)))
+        dev.slots = slots
 
     def _lost_tile(self, dev: DeviceState, now: float) -> None:
         """A lease of ``dev`` ended without its result: it may still send one for a while."""
@@ -466,7 +507,7 @@ class Core:
             if dev.standing.rejected(self.trust):
                 reason = "results failed verification"
                 self.gate.ban(dev.identity, reason, self._at(now))
-                return out + self._drop(dev, CloseCode.BANNED, reason, now, "banned")
+                out.extend(self._drop(dev, CloseCode.BANNED, reason, now, "banned"))
             return out + self._dispatch(now)
         kind = gemm.kind.value
         self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
@@ -476,6 +517,10 @@ class Core:
         dev.gflop_verified += gflop
         dev.tiles_done += 1
         dev.standing.verified(self.trust)
+        if dev.verified_at is not None:  # its throughput: seconds between verified results
+            gap = min(now - dev.verified_at, MAX_SECONDS_PER_GFLOP)
+            dev.result_gap = gap if dev.result_gap is None else (1 - EMA) * dev.result_gap + EMA * gap
+        dev.verified_at = now
         self._regrade(dev)
         dev.compute_seconds += msg.seconds
         if msg.seconds >= 1e-6:  # a device's own timing: believed only within physical reason
@@ -484,19 +529,27 @@ class Core:
         if gflop > 0:
             turnaround = (1 - EMA) * dev.seconds_per_gflop + EMA * (now - leased_at) / gflop
             dev.seconds_per_gflop = min(turnaround, MAX_SECONDS_PER_GFLOP)
+        stallers = []
         for loser in end.cancelled:  # other copies lost the race: tell their devices to drop them
             other = self.devices.get(loser)
             if other is not None and msg.tile_id in other.inflight:
                 other.cancel(msg.tile_id)
                 self._lost_tile(other, now)
                 out.append(self._send(loser, Cancel((msg.tile_id,), "another copy was verified first"), now))
-                if other.standing.overtaken(self.trust):  # a newcomer that never answers: a staller
-                    out.extend(self._cut(other, f"{other.standing.unanswered} tiles in a row went to other "
-                                                f"devices without a result from it", now))
+                if other.standing.overtaken(self.trust):  # it never answers: a staller
+                    stallers.append(other)
+                else:
+                    self._regrade(other)
         self._holders.pop(msg.tile_id, None)
+        self._thin.discard(msg.tile_id)
+        self._late.discard(msg.tile_id)
         gemm.parts[tile.index] = msg.c
         if gemm.done:
             self._complete(gemm, now)
+        for other in stallers:  # only once this tile is settled everywhere
+            if other.id in self.devices:
+                out.extend(self._cut(other, f"{other.standing.unanswered} tiles in a row went to other "
+                                            f"devices without a result from it", now))
         return out + self._dispatch(now)
 
     def _on_pause(self, dev: DeviceState, reason: str, now: float) -> list[Outbound]:
@@ -510,24 +563,35 @@ class Core:
         # A missing block: send the blocks again if it gets the tile back. A failed compute: the
         # tile goes to another device, never straight back to this one.
         missing = msg.why is ReleaseWhy.MISSING_BLOCK
+        if missing:  # every byte it claims to have lost is a byte sent again: charged as such
+            resend = sum(ref.nbytes for tid in set(msg.tile_ids) if tid in dev.inflight
+                         for ref in self._blocks_of(tid) if ref.key in dev.blocks)
+            if resend and not dev.resends.take(now, resend):
+                return self._drop(dev, CloseCode.RATE_LIMITED, "too many blocks to send again", now) + \
+                    self._dispatch(now)
         reason = f"{msg.why.value}: {msg.reason}" if msg.reason else msg.why.value
         return self._give_back(dev, msg.tile_ids, reason, now, blocks_lost=missing, bar=not missing)
+
+    def _blocks_of(self, tile_id: int) -> tuple[BlockRef, BlockRef]:
+        gemm = self.gemms[self._tile_gemm[tile_id]]
+        return gemm.blocks_of(gemm.tiles[tile_id])
 
     def _give_back(
         self, dev: DeviceState, tile_ids: tuple[int, ...], reason: str, now: float, *, blocks_lost: bool,
         bar: bool = False,
     ) -> list[Outbound]:
+        given = 0
         for tile_id in tile_ids:
             if dev.inflight.pop(tile_id, None) is None:
                 continue  # already finished or re-issued: nothing to give back
+            given += 1
             self._unhold(tile_id, dev.id)
             self._lost_tile(dev, now)
             self._queued += self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar).requeued
             if blocks_lost:
-                gemm = self.gemms[self._tile_gemm[tile_id]]
-                for ref in gemm.blocks_of(gemm.tiles[tile_id]):
+                for ref in self._blocks_of(tile_id):
                     dev.lose(ref)
-        return self._dispatch(now)
+        return self._dispatch(now) if given else []  # nothing changed: nothing to dispatch
 
     def _complete(self, gemm: GemmState, now: float) -> None:
         result = assemble(gemm.plan, gemm.parts, gemm.a.dtype)
@@ -590,17 +654,28 @@ class Core:
 
     def _dispatch(self, now: float) -> list[Outbound]:
         """Take back tiles held far past their deadline, lease queued tiles to devices with free
-        slots (one per device per round), then copy late tiles and speculate on stragglers."""
-        out = self._expire(now)
-        out.extend(self._claim(now))
-        if self._holders:
-            out.extend(self._copy_late_tiles(now))
-            if self._queued > 0:  # a late tile was taken back with no copy left out
-                out.extend(self._claim(now))
-        return out
+        slots (one per device per round), then copy late tiles and speculate on stragglers.
+
+        Never re-entered: removing a device inside it (a cut) only changes state, and this loop
+        picks up what that freed."""
+        if self._dispatching:
+            return []
+        self._dispatching = True
+        try:
+            out = self._expire(now)
+            out.extend(self._claim(now))
+            if self._holders:
+                out.extend(self._copy_late_tiles(now))
+                if self._queued > 0:  # a late tile was taken back with no copy left out
+                    out.extend(self._claim(now))
+            return out
+        finally:
+            self._dispatching = False
 
     def _claim(self, now: float) -> list[Outbound]:
         out: list[Outbound] = []
+        if self._queued <= 0:
+            return out
         hungry = [d for d in self.devices.values() if d.free > 0]
         while self._queued > 0 and hungry:
             hungry.sort(key=lambda d: len(d.inflight) / d.slots)
@@ -623,16 +698,17 @@ class Core:
         one slot; a lease at twice its deadline is taken back."""
         out: list[Outbound] = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            _, tile_id, device_id, hold_id = heapq.heappop(self._deadlines)
+            _, seq, tile_id, device_id = heapq.heappop(self._deadlines)
             hold = self._holders.get(tile_id, {}).get(device_id)
             dev = self.devices.get(device_id)
-            if hold is None or id(hold) != hold_id or dev is None:
+            if hold is None or hold.seq != seq or dev is None:
                 continue  # that lease already ended
             if not hold.late:
                 hold.late = True
+                self._late.add(tile_id)
                 dev.standing.late()
                 self._regrade(dev)
-                heapq.heappush(self._deadlines, (hold.hard, tile_id, device_id, hold_id))
+                heapq.heappush(self._deadlines, (hold.hard, seq, tile_id, device_id))
             else:
                 out.extend(self._take_back(dev, tile_id, now, "held past twice its deadline"))
         return out
@@ -659,15 +735,23 @@ class Core:
         return self._drop(dev, CloseCode.STALLING, f"{why}; come back in {wait:.0f} s", now)
 
     def _copy_late_tiles(self, now: float) -> list[Outbound]:
+        """Copies for tiles whose lease ran late and, when nothing is queued, for stragglers.
+        O(late tiles) while tiles are queued; O(outstanding tiles) when the queue is empty."""
         out: list[Outbound] = []
+        self._late &= self._holders.keys()
+        # Candidates: tiles with a late lease, and (nothing queued) tiles short of their copies.
+        candidates = self._late | self._thin if self._queued == 0 else self._late
+        if not candidates:
+            return out
         # Copies go to the most trusted idle devices first: never hand a straggler's tile to
         # another newcomer when a proven device is free.
         idle = sorted((d for d in self.devices.values() if d.free > 0),
                       key=lambda d: (d.standing.on_probation(self.trust), -d.free))
         if not idle:
             return out
+        fastest = min(d.seconds_per_gflop for d in idle)  # per GFLOP, on the quickest idle device
         f = self.faults
-        for tile_id in sorted(self._holders):  # oldest tiles first
+        for tile_id in sorted(candidates):  # oldest tiles first
             holders = self._holders.get(tile_id)
             if not idle or not holders:
                 if not idle:
@@ -691,8 +775,7 @@ class Core:
                 # a device known to be slow earns no extra patience.
                 flops = self.gemms[self._tile_gemm[tile_id]].tiles[tile_id].flops
                 oldest = min(h.leased_at for h in holders.values())
-                fastest = min(d.expected(flops) for d in idle)
-                if now - oldest < max(f.speculate_after, f.speculate_factor * fastest):
+                if now - oldest < max(f.speculate_after, f.speculate_factor * fastest * flops / 1e9):
                     continue
                 issued = SPECULATIVE
             else:
@@ -714,15 +797,24 @@ class Core:
             holders.pop(device_id, None)
             if not holders:
                 del self._holders[tile_id]
+                self._thin.discard(tile_id)
+            elif len(holders) < self.faults.max_copies:
+                self._thin.add(tile_id)
 
     def _lease(self, dev: DeviceState, tile_id: int, now: float) -> list[Outbound]:
         gemm = self.gemms[self._tile_gemm[tile_id]]
         tile = gemm.tiles[tile_id]
         # Queued behind its other tiles on the device: the deadline allows for them too.
         window = self.faults.window(dev.expected(tile.flops) * (len(dev.inflight) + 1))
-        hold = Hold(now, now + window, now + 2 * window)
-        self._holders.setdefault(tile_id, {})[dev.id] = hold
-        heapq.heappush(self._deadlines, (hold.soft, tile_id, dev.id, id(hold)))
+        self._seq += 1
+        hold = Hold(self._seq, now, now + window, now + 2 * window)
+        holders = self._holders.setdefault(tile_id, {})
+        holders[dev.id] = hold
+        if len(holders) < self.faults.max_copies:
+            self._thin.add(tile_id)
+        else:
+            self._thin.discard(tile_id)
+        heapq.heappush(self._deadlines, (hold.soft, hold.seq, tile_id, dev.id))
         dev.inflight[tile_id] = now
         out: list[Outbound] = []
         need = gemm.result_bytes(tile) + self.limits.frame_slack

@@ -78,14 +78,17 @@ class Standing:
 
     def taken_back(self, trust: TrustPolicy) -> bool:
         """A lease was revoked; True when the identity must be cut."""
-        self.grown = 0
         self.taken_in_a_row += 1
-        return self.taken_in_a_row >= trust.cut_after or self.overtaken(trust)
+        overtaken = self.overtaken(trust)
+        return self.taken_in_a_row >= trust.cut_after or overtaken
 
     def overtaken(self, trust: TrustPolicy) -> bool:
-        """A lease ended without its result; True when a device on probation must be cut."""
+        """A lease went to another copy without its result: back to its first slots; True when
+        too many in a row mean it holds tiles without computing them (it must be cut)."""
         self.unanswered += 1
-        return self.on_probation(trust) and self.unanswered >= trust.cut_unanswered
+        self.grown = 0
+        limit = trust.cut_unanswered if self.on_probation(trust) else trust.cut_unanswered_trusted
+        return self.unanswered >= limit
 
     def cut(self, trust: TrustPolicy, now: float) -> float:
         """Cut it: it may come back after the returned number of seconds (doubling each time)."""
@@ -140,16 +143,14 @@ class Gate:
     def has_operator(self) -> bool:
         return self._operator is not None
 
-    def tokens_collide(self) -> bool:
-        return self._join is not None and self._join == self._operator
+    def would_collide(self, *, join: str | None, operator: str | None) -> bool:
+        """Would these tokens (None: keep the stored one) make the join and operator tokens equal?"""
+        new_join = auth.token_hash(join) if join is not None else self._join
+        new_operator = auth.token_hash(operator) if operator is not None else self._operator
+        return new_join is not None and new_join == new_operator
 
     def is_operator(self, token: str) -> bool:
         return auth.token_matches(token, self._operator)
-
-    def may_test_link(self, token: str) -> bool:
-        """Link tests cost bandwidth, so they need a token; anyone with the join token could
-        enrol a device and test its link anyway."""
-        return self.is_operator(token) or auth.token_matches(token, self._join)
 
     # ------------------------------------------------------------------ devices
 

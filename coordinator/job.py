@@ -109,6 +109,9 @@ def _public_url(scheme: str, host: str, port: int) -> str:
     return f"{scheme}://{host}:{port}"
 
 
+STRONG_TOKEN = 16  # characters; shorter tokens given on the command line get a warning
+
+
 def new_token() -> str:
     return secrets.token_urlsafe(16)
 
@@ -222,7 +225,7 @@ async def serve_job(
         core = Core(store, job_id, rng=np.random.default_rng(), policy=cfg.policy, faults=cfg.faults,
                     trust=cfg.trust, limits=cfg.limits, epoch=clock() - time.monotonic(),
                     job_name=f"{train_cfg.model}, {train_cfg.steps} steps")
-        tokens = _tokens(cfg, core)
+        tokens = _tokens(cfg, core, reporter)
         start_step = plan.resume.step if plan.resume else 0
         core.progress.step = start_step
         server = Server(core, time.monotonic, cfg.limits)
@@ -316,10 +319,10 @@ async def serve_job(
     return JobOutcome(results, final, url, plan.resume.step if plan.resume else None)
 
 
-def _tokens(cfg: CoordinatorConfig, core: Core) -> tuple[str | None, str | None, tuple[str, ...]]:
+def _tokens(cfg: CoordinatorConfig, core: Core, reporter: Reporter) -> tuple[str | None, str | None, tuple[str, ...]]:
     """The join and operator tokens of this start: as given, else the database's (kept: only
     their hashes are stored, so they cannot be printed), else new ones. Returns (join, operator,
-    which were generated)."""
+    which were generated). Nothing is stored if the two would be equal."""
     gate = core.gate
     join, operator, generated = cfg.token, cfg.operator_token, []
     if join is None and not gate.has_join():
@@ -328,9 +331,13 @@ def _tokens(cfg: CoordinatorConfig, core: Core) -> tuple[str | None, str | None,
     if operator is None and not gate.has_operator():
         operator = new_token()
         generated.append("operator")
-    gate.set_tokens(join=join, operator=operator)
-    if gate.tokens_collide():
+    if gate.would_collide(join=join, operator=operator):
         raise ConfigError("the operator token must differ from the join token")
+    gate.set_tokens(join=join, operator=operator)
+    for which, token in (("join", cfg.token), ("operator", cfg.operator_token)):
+        if token is not None and len(token) < STRONG_TOKEN:
+            reporter.note(f"the {which} token is short ({len(token)} characters): anyone who copies the database "
+                          f"could search for it; generated tokens have 22")
     return join, operator, tuple(generated)
 
 

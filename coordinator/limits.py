@@ -62,6 +62,8 @@ class TrustPolicy:
     grow_every: int = 4
     cut_after: int = 3
     cut_unanswered: int = 8  # on probation: leases lost to other copies in a row, with no result of its own
+    cut_unanswered_trusted: int = 32  # ... and off probation
+    prefetch_seconds: float = 4.0  # a device holds at most the tiles it verifies in this long
     cooloff: float = 10.0
     cooloff_max: float = 600.0
     standings: int = 65536  # identities whose record this process remembers (least recent forgotten)
@@ -70,9 +72,10 @@ class TrustPolicy:
         if not (1 <= self.ban_rejects <= self.window and 1 <= self.first_slots <= self.max_slots <= 64
                 and self.grow_every >= 1):
             raise ValueError("need 1 <= ban_rejects <= window, 1 <= first_slots <= max_slots <= 64, grow_every >= 1")
-        if self.cut_after < 1 or self.cut_unanswered < 1 or not 0 < self.cooloff <= self.cooloff_max \
-                or self.standings < 1:
-            raise ValueError("need cut_after, cut_unanswered >= 1, 0 < cooloff <= cooloff_max, standings >= 1")
+        if self.cut_after < 1 or not 1 <= self.cut_unanswered <= self.cut_unanswered_trusted \
+                or not 0 < self.cooloff <= self.cooloff_max or self.standings < 1 or self.prefetch_seconds <= 0:
+            raise ValueError("need cut_after >= 1, 1 <= cut_unanswered <= cut_unanswered_trusted, "
+                             "0 < cooloff <= cooloff_max, standings >= 1, prefetch_seconds > 0")
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,14 @@ class Limits:
     result_grace: float = 60.0  # seconds a device may still send a result for a tile it lost
     max_queue: int = 2  # websocket frames buffered per connection before reading pauses
     control_queue: int = 64 << 10  # bytes of queued small frames before a peer counts as not reading
+    outbound_queue: int = 64 << 20  # bytes queued for one peer (work included) before it is cut
+    outbound_total: int = 512 << 20  # bytes queued for every peer together: past it the longest queue is cut
     write_timeout: float = 60.0  # seconds a peer may leave a frame unread before it is cut
+    observer_idle: float = 60.0  # seconds an observer may stay connected without a request
     status_rows: int = 100  # devices listed in one status reply (the rest are counted)
     messages: Rate = Rate(200.0, 400.0)  # any frame from a device
-    releases: Rate = Rate(16.0, 64.0)  # tile ids given back (each may make the coordinator resend blocks)
+    releases: Rate = Rate(16.0, 64.0)  # tile ids given back
+    resends: Rate = Rate(8 << 20, 32 << 20)  # bytes of blocks a device may make the coordinator send again
     pauses: Rate = Rate(0.5, 4.0)  # pause and resume
     status: Rate = Rate(2.0, 5.0)  # status requests of an observer
     speedtest_bytes: Rate = Rate(16 << 20, 32 << 20)  # bytes an observer may ask the coordinator to send
@@ -120,34 +127,39 @@ def inbound_per_connection(frame: int, limits: Limits) -> int:
     return (limits.max_queue + 2) * frame + max(frame, READ_CHUNK)
 
 
-def peer_costs(limits: Limits, *, largest_result: int, largest_work: int) -> dict[str, int]:
-    """The most one peer of each kind can make the coordinator hold, in bytes.
+TLS_OVERHEAD = 320 << 10  # per TLS connection: asyncio's 256 KiB read buffer, and OpenSSL's state
 
-    A device holding tiles may send frames of ``largest_result`` plus slack and have at most
-    ``TrustPolicy.max_slots`` ``work`` frames of ``largest_work`` bytes queued to it. Any other
-    authenticated device is held to ``idle_frame``; an observer to ``observer_frame``; a
+
+def peer_costs(limits: Limits, *, largest_result: int, tls: bool = False) -> dict[str, int]:
+    """The most one connection of each kind can make the coordinator hold on the way in (and
+    in fixed overhead), in bytes. What is queued for peers on the way out is bounded for all of
+    them together (``outbound``, in ``memory_bound``).
+
+    A device holding tiles may send frames of ``largest_result`` plus slack; any other
+    authenticated device is held to ``idle_frame``, an observer to ``observer_frame``, and a
     connection that has not passed its hello (or is still in the websocket handshake, whose
     request is at most ``handshake_bytes()``) to ``pre_auth_frame``.
     """
-    big = largest_result + limits.frame_slack
+    fixed = CONNECTION_OVERHEAD + (TLS_OVERHEAD if tls else 0)
     return {
-        "unauthenticated": max(inbound_per_connection(limits.pre_auth_frame, limits), handshake_bytes())
-                           + CONNECTION_OVERHEAD,
-        "observer": inbound_per_connection(limits.observer_frame, limits) + CONNECTION_OVERHEAD,
-        "idle_device": inbound_per_connection(limits.idle_frame, limits) + limits.control_queue + CONNECTION_OVERHEAD,
-        "working_device": inbound_per_connection(big, limits) + limits.control_queue
-                          + TrustPolicy().max_slots * largest_work + CONNECTION_OVERHEAD,
+        "unauthenticated": max(inbound_per_connection(limits.pre_auth_frame, limits), handshake_bytes()) + fixed,
+        "observer": inbound_per_connection(limits.observer_frame, limits) + fixed,
+        "idle_device": inbound_per_connection(limits.idle_frame, limits) + fixed,
+        "working_device": inbound_per_connection(largest_result + limits.frame_slack, limits) + fixed,
     }
 
 
-def memory_bound(limits: Limits, *, devices_holding: int, largest_result: int, largest_work: int) -> dict[str, int]:
+def memory_bound(limits: Limits, *, devices_holding: int, largest_result: int, largest_frame: int,
+                 tls: bool = False) -> dict[str, int]:
     """The worst case, term by term, in bytes, beyond the job itself (weights, optimizer state,
     activations, the GEMM operands in flight) and the Python process: every connection the caps
-    allow, each costing the most its kind can (``peer_costs``). ``devices_holding`` is how many
+    allow, each costing the most its kind can (``peer_costs``), plus everything queued for
+    peers, which the server keeps under ``outbound_total`` (it cuts the longest queue past it:
+    one frame of at most ``largest_frame`` can overshoot). ``devices_holding`` is how many
     devices hold tiles at once (at most the tiles in flight)."""
     from coordinator.protocol import MAX_SPEEDTEST_BYTES
 
-    cost = peer_costs(limits, largest_result=largest_result, largest_work=largest_work)
+    cost = peer_costs(limits, largest_result=largest_result, tls=tls)
     unauth = limits.max_unauthenticated + HEADROOM
     observers = limits.max_observers
     devices = max(0, limits.max_connections + HEADROOM - unauth - observers)
@@ -157,6 +169,7 @@ def memory_bound(limits: Limits, *, devices_holding: int, largest_result: int, l
         "observers": observers * cost["observer"] + MAX_SPEEDTEST_BYTES,  # one shared buffer for link-test replies
         "idle_devices": (devices - holding) * cost["idle_device"],
         "working_devices": holding * cost["working_device"],
+        "outbound": limits.outbound_total + largest_frame,
     }
     terms["total"] = sum(terms.values())
     return terms

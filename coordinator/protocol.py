@@ -36,6 +36,7 @@ MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
 MAX_DIM = 1 << 27  # elements along one dimension (a 1-D speed-test payload reaches 64 Mi)
+MAX_ELEMENTS = 1 << 40  # elements of one tensor, counting a zero-size dim as 1 (far above any frame limit)
 MAX_SPEEDTEST_BYTES = 16 << 20
 MAX_IDS = 1024  # tile ids in one release or cancel
 MAX_ID = (1 << 53) - 1  # ids stay exact in JSON and fit SQLite's int64
@@ -374,8 +375,10 @@ def _raw(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+    # Flattened first: a contiguous tensor may keep any stride on a size-1 dim (W^T[:, 0:1] has
+    # stride (1, k)), and a 0-d tensor has none; viewing bytes needs a unit last stride.
+    t = t.contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def _wire_value(value: Any) -> Any:
@@ -442,7 +445,10 @@ def _check(kind_of: str, name: str, meta: Any, value: Any) -> Any:
     if kind == "float":
         if type(value) not in (int, float):
             raise ProtocolError(f"{where} must be a number, got {type(value).__name__}")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer literal beyond float range
+            raise ProtocolError(f"{where} is out of range") from None
         if not (math.isfinite(value) and meta["lo"] <= value <= meta["hi"]):
             raise ProtocolError(f"{where} must be a finite number between {meta['lo']:g} and {meta['hi']:g}")
         return value
@@ -511,6 +517,8 @@ def _tensors(header: dict[str, Any], buf: bytearray, offset: int) -> list[torch.
         shape = d["shape"]
         if len(shape) > 4 or not all(type(s) is int and 0 <= s <= MAX_DIM for s in shape):
             raise ProtocolError(f"bad tensor shape {str(shape)[:80]}", Code.BAD_TENSOR)
+        if math.prod(max(1, s) for s in shape) > MAX_ELEMENTS:  # zero-size ones too: strides must fit
+            raise ProtocolError(f"tensor shape {str(shape)[:80]} is too large", Code.BAD_TENSOR)
         dtype = DTYPES[dtype_name]
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
@@ -531,9 +539,16 @@ def _no_constants(name: str) -> Any:
     raise ProtocolError(f"header holds {name}, which JSON does not allow")
 
 
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # 1e400 parses as inf: no field may hold it, nor may a status
+        raise ProtocolError(f"header holds the number {literal[:40]}, beyond float range")
+    return value
+
+
 def _header(raw: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(raw, parse_constant=_no_constants)
+        header = json.loads(raw, parse_constant=_no_constants, parse_float=_finite)
     except ProtocolError:
         raise
     except RecursionError:

@@ -6,14 +6,18 @@ Core only through ``RemoteEngine``, which hops onto the loop with ``call_soon_th
 
 What a peer may cost is bounded (``Limits``; the formula is in docs/security.md):
 
-* connections are counted from the TCP accept: past the cap they are refused (close 1013 after
-  the upgrade, or an abort past a small headroom), and so are connections that have not yet
-  passed their hello past ``max_unauthenticated``;
+* connections are counted from the TCP accept (coordinator/listener.py), before TLS: past the
+  cap they are refused (close 1013 after the upgrade, or closed at accept past a small
+  headroom), and so are connections that have not yet passed their hello past
+  ``max_unauthenticated``;
 * before its hello is accepted a peer may send frames of ``pre_auth_frame`` bytes, and it has
   ``hello_timeout`` seconds to do it; afterwards the Core says how large a device's frames may
   be (``Limit``: small unless it holds a tile whose result is large);
 * each connection has a writer task with a byte-counted queue: a peer whose small frames pile up
-  past ``control_queue`` bytes, or that leaves one frame unread for ``write_timeout``, is cut.
+  past ``control_queue`` bytes, whose queue passes ``outbound_queue``, or that leaves one frame
+  unread for ``write_timeout``, is cut; when every queue together passes ``outbound_total``,
+  the peer with the longest queue is cut;
+* observers (``cleave status``, link tests) need the operator token and are closed when idle.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.core import SHUTDOWN, AuthError, Close, Core, Limit, Outbound, Send
-from coordinator.limits import HEADROOM
 from coordinator.limits import Limits
+from coordinator.listener import ConnectionCounter, bind
 from coordinator.protocol import (
     DEVICE_MESSAGES, MAX_SPEEDTEST_BYTES, CloseCode, Code, Hello, Leave, ProtocolError, SpeedTest, StatusReply,
     StatusRequest, Work, decode, encode, encode_parts,
@@ -63,6 +67,7 @@ class _Conn:
     queue: asyncio.Queue[_Frame | tuple[int, str]] = field(default_factory=asyncio.Queue)
     writer: asyncio.Task[None] | None = None
     control_bytes: int = 0  # queued bytes of frames other than work
+    queued_bytes: int = 0  # queued bytes of every frame, work included
     cut: str | None = None  # why the server cut this peer
 
 
@@ -95,10 +100,10 @@ class Server:
         self.limits = limits or core.limits
         self.conns: dict[int, _Conn] = {}
         self.traffic = Traffic()
-        self.tcp_open = 0
-        self.pending: set[ServerConnection] = set()  # accepted, not yet past a hello or token
+        self.counter = ConnectionCounter(self.limits)  # fed by the listening socket (listen())
         self.observers = 0
-        self.refused = 0  # connections refused at a cap
+        self.refused = 0  # connections refused at a cap after the upgrade
+        self.outbound_bytes = 0  # queued on every connection together
         self._pending: set[concurrent.futures.Future[torch.Tensor]] = set()
         self._devices_changed = asyncio.Event()
         self._device_count = 0
@@ -107,37 +112,27 @@ class Server:
 
     # ------------------------------------------------------------------ connection counting
 
-    def connection_class(self) -> type[ServerConnection]:
-        """The ``create_connection`` factory for ``serve``: counts peers from the TCP accept on."""
-        server = self
+    @property
+    def tcp_open(self) -> int:
+        return self.counter.open
 
-        class Counted(ServerConnection):
-            def connection_made(self, transport: asyncio.BaseTransport) -> None:
-                super().connection_made(transport)
-                lim = server.limits
-                if server.tcp_open >= lim.max_connections + HEADROOM or \
-                        len(server.pending) >= lim.max_unauthenticated + HEADROOM:
-                    server.refused += 1
-                    transport.abort()  # far past a cap: not even a close frame
-                    return
-                server.tcp_open += 1
-                server.pending.add(self)
-                self._cleave_counted = True
+    @property
+    def pending(self) -> int:
+        return len(self.counter.pending)
 
-            def connection_lost(self, exc: Exception | None) -> None:
-                if getattr(self, "_cleave_counted", False):
-                    self._cleave_counted = False
-                    server.tcp_open -= 1
-                    server.pending.discard(self)
-                super().connection_lost(exc)
+    @staticmethod
+    def _fd(ws: ServerConnection) -> int:
+        sock = ws.transport.get_extra_info("socket")
+        return sock.fileno() if sock is not None else -1
 
-        return Counted
+    def _authenticated(self, ws: ServerConnection) -> None:
+        self.counter.authenticated(self._fd(ws))
 
     # ------------------------------------------------------------------ peers
 
     async def handler(self, ws: ServerConnection) -> None:
         lim = self.limits
-        if self.tcp_open > lim.max_connections or len(self.pending) > lim.max_unauthenticated:
+        if self.counter.over_cap():
             self.refused += 1
             await _refuse(ws, CloseCode.BUSY, "coordinator is at its connection limit; try again later")
             return
@@ -169,7 +164,7 @@ class Server:
             log.warning("refused a device from %s: %s", ws.remote_address, exc.reason)
             await _refuse(ws, exc.code, _reason(exc.reason))
             return
-        self.pending.discard(ws)
+        self._authenticated(ws)
         conn = _Conn(ws)
         conn.writer = asyncio.create_task(self._write(conn, device_id))
         self.conns[device_id] = conn
@@ -218,20 +213,19 @@ class Server:
     async def _observe(self, ws: ServerConnection, first: StatusRequest | SpeedTest) -> None:
         """A ``cleave status`` or ``cleave benchmark --url`` peer: one reply per request.
 
-        Status needs the operator token; link tests the operator's or the join token (anyone
-        who holds it could enrol a device and test its link anyway). Both are rate-limited."""
+        Everything an observer may ask for needs the operator token (volunteers hold the join
+        token only); requests are rate-limited, and an observer idle for ``observer_idle``
+        seconds is closed, so a few cannot keep the operator out."""
         lim = self.limits
         gate = self.core.gate
-        operator = gate.is_operator(first.token)
-        if not (operator or (isinstance(first, SpeedTest) and gate.may_test_link(first.token))):
-            what = "status needs the operator token" if isinstance(first, StatusRequest) else "wrong token"
-            await _refuse(ws, CloseCode.AUTH, what)
+        if not gate.is_operator(first.token):
+            await _refuse(ws, CloseCode.AUTH, "observers need the operator token")
             return
         if self.observers >= lim.max_observers:
             self.refused += 1
             await _refuse(ws, CloseCode.BUSY, "too many observers; try again later")
             return
-        self.pending.discard(ws)
+        self._authenticated(ws)
         self.observers += 1
         ws.protocol.max_message_size = lim.observer_frame
         status, volume = lim.status.bucket(), lim.speedtest_bytes.bucket()
@@ -256,7 +250,10 @@ class Server:
                     await _refuse(ws, CloseCode.PROTOCOL, "observers may only send status_request or speedtest")
                     return
                 try:
-                    request = decode(await ws.recv())
+                    request = decode(await asyncio.wait_for(ws.recv(), lim.observer_idle))
+                except (TimeoutError, asyncio.TimeoutError):
+                    await _refuse(ws, CloseCode.FINISHED, f"idle for {lim.observer_idle:g} s")
+                    return
                 except ProtocolError as exc:
                     await _refuse(ws, CloseCode.PROTOCOL, _reason(f"{exc.code.value}: {exc}"))
                     return
@@ -270,8 +267,9 @@ class Server:
         snapshot = self.core.status(self.clock())
         t = self.traffic
         snapshot["traffic"] = {"mb_down": round(t.bytes_down / 1e6, 2), "mb_up": round(t.bytes_up / 1e6, 2)}
-        snapshot["connections"] = {"open": self.tcp_open, "unauthenticated": len(self.pending),
-                                   "observers": self.observers, "refused": self.refused}
+        snapshot["connections"] = {"open": self.tcp_open, "unauthenticated": self.pending,
+                                   "observers": self.observers, "refused": self.refused + self.counter.refused,
+                                   "mb_queued": round(self.outbound_bytes / 1e6, 2)}
         return snapshot
 
     async def _write(self, conn: _Conn, device_id: int) -> None:
@@ -289,13 +287,22 @@ class Server:
             except ConnectionClosed:
                 return
             finally:
-                if item.control:
-                    conn.control_bytes -= len(item.data)
+                self._sent(conn, item)
+
+    def _sent(self, conn: _Conn, item: _Frame) -> None:
+        conn.queued_bytes -= len(item.data)
+        self.outbound_bytes -= len(item.data)
+        if item.control:
+            conn.control_bytes -= len(item.data)
 
     def _cut(self, conn: _Conn, why: str) -> None:
         log.warning("cutting a device that stopped reading (%s)", why)
         conn.cut = why
         self._abort(conn)
+        while not conn.queue.empty():  # what it never read is dropped, and uncounted
+            item = conn.queue.get_nowait()
+            if isinstance(item, _Frame):
+                self._sent(conn, item)
 
     async def _finish_writer(self, conn: _Conn) -> None:
         if conn.writer is None:
@@ -316,18 +323,32 @@ class Server:
             if isinstance(item, Send):
                 frame = _Frame(encode(item.message), not isinstance(item.message, Work))
                 self.traffic.bytes_down += len(frame.data)
-                if frame.control:
-                    conn.control_bytes += len(frame.data)
-                    if conn.control_bytes > self.limits.control_queue:
-                        self._cut(conn, f"{conn.control_bytes} bytes of unread messages")
-                        continue
-                conn.queue.put_nowait(frame)
+                self._queue(conn, frame)
             elif isinstance(item, Limit):
                 conn.ws.protocol.max_message_size = item.nbytes
             elif isinstance(item, Close) and item.code == CloseCode.SILENT:
                 self._abort(conn)  # a frozen peer reads nothing: a closing handshake would hang
             else:
                 conn.queue.put_nowait((item.code, _reason(item.reason)))
+
+    def _queue(self, conn: _Conn, frame: _Frame) -> None:
+        """Queue a frame, within the per-connection and global outbound bounds."""
+        lim = self.limits
+        size = len(frame.data)
+        conn.queued_bytes += size
+        self.outbound_bytes += size
+        if frame.control:
+            conn.control_bytes += size
+        conn.queue.put_nowait(frame)
+        if conn.control_bytes > lim.control_queue:
+            self._cut(conn, f"{conn.control_bytes} bytes of unread messages")
+        elif conn.queued_bytes > lim.outbound_queue:
+            self._cut(conn, f"{conn.queued_bytes} bytes queued for it, unread")
+        while self.outbound_bytes > lim.outbound_total:  # rare: O(connections) only then
+            hog = max((c for c in self.conns.values() if c.cut is None), key=lambda c: c.queued_bytes, default=None)
+            if hog is None or hog.queued_bytes == 0:
+                break
+            self._cut(hog, f"the longest of {self.outbound_bytes} bytes queued on every connection")
 
     @staticmethod
     def _abort(conn: _Conn) -> None:
@@ -411,9 +432,9 @@ def listen(server: Server, host: str, port: int, tls: ssl.SSLContext | None = No
     small frame limit until each peer authenticates, connections counted from the TCP accept."""
     lim = server.limits
     return serve(
-        server.handler, host, port, compression=None, ssl=tls,
+        server.handler, sock=bind(host, port, server.counter), compression=None, ssl=tls,
         max_size=lim.pre_auth_frame,  # raised per peer once it is authenticated
-        max_queue=lim.max_queue, create_connection=server.connection_class(),
+        max_queue=lim.max_queue,
         ping_interval=20, ping_timeout=120, close_timeout=2,  # a frozen peer never answers a close
     )
 

@@ -9,6 +9,7 @@ transactions but never corrupts the file, and commits cost microseconds, not an 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 from collections import Counter
 from contextlib import contextmanager
@@ -62,9 +63,12 @@ class SQLiteStore:
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         try:
+            # Created private: it holds token hashes and the devices' stored keys. SQLite gives
+            # its -wal and -shm files the same permissions.
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, OSError) as exc:
             raise StoreError(f"cannot open database {self.path}: {exc}") from None
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")

@@ -14,25 +14,36 @@ from client.runner import EXIT_USAGE, ClientError, WorkerConfig
 
 def test_credentials_are_kept_per_coordinator_and_name_in_a_private_file(tmp_path: Path) -> None:
     store = CredentialStore(tmp_path / "cfg" / "credentials.json")
-    assert store.get("coord-a", "laptop") is None
+    assert store.get("coord-a", "laptop", "wss://a:1") is None
     store.put("coord-a", "laptop", Credential(3, b"s" * 32, "wss://a:1"))
     store.put("coord-a", "laptop-gpu1", Credential(4, b"t" * 32, "wss://a:1"))
     store.put("coord-b", "laptop", Credential(9, b"u" * 32, "wss://b:1"))
     again = CredentialStore(tmp_path / "cfg" / "credentials.json")
-    assert again.get("coord-a", "laptop") == Credential(3, b"s" * 32, "wss://a:1", "laptop")
-    assert again.get("coord-b", "laptop").identity == 9 and again.get("coord-a", "laptop-gpu1").identity == 4
+    assert again.get("coord-a", "laptop", "wss://A:1/x") == Credential(3, b"s" * 32, "wss://a:1", "laptop")
+    assert again.get("coord-b", "laptop", "wss://b:1").identity == 9
+    assert again.get("coord-a", "laptop-gpu1", "wss://a:1").identity == 4
     assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
-    again.forget("coord-a", "laptop")
-    assert store.get("coord-a", "laptop") is None and store.get("coord-b", "laptop") is not None
+    again.forget("coord-a", "laptop", "wss://a:1")
+    assert store.get("coord-a", "laptop", "wss://a:1") is None and store.get("coord-b", "laptop", "wss://b:1")
+
+
+def test_a_credential_is_only_presented_to_the_address_it_was_issued_at(tmp_path: Path) -> None:
+    """A rogue server that claims the coordinator's id (to relay its challenge) gets nothing."""
+    store = CredentialStore(tmp_path / "credentials.json")
+    store.put("coord-a", "laptop", Credential(3, b"s" * 32, "wss://coordinator.example.org:8765"))
+    assert store.get("coord-a", "laptop", "wss://coordinator.example.org:8765") is not None
+    assert store.get("coord-a", "laptop", "wss://rogue.example.org:8765") is None
+    assert store.get("coord-a", "laptop", "wss://coordinator.example.org:9999") is None
+    assert store.get("coord-a", "laptop", "wss://coordinator.example.org") is None  # port 443
 
 
 def test_a_damaged_credentials_file_is_a_clear_error_not_a_silent_reset(tmp_path: Path) -> None:
     path = tmp_path / "credentials.json"
     path.write_text("{not json")
     with pytest.raises(CredentialError, match="not valid JSON"):
-        CredentialStore(path).get("c", "n")
-    path.write_text('{"credentials": {"c|n": {"identity": "x", "secret": "zz"}}}')
-    assert CredentialStore(path).get("c", "n") is None  # an unusable entry: enrol again
+        CredentialStore(path).get("c", "n", "ws://h:1")
+    path.write_text('{"credentials": {"c|n|h:1": {"identity": "x", "secret": "zz"}}}')
+    assert CredentialStore(path).get("c", "n", "ws://h:1") is None  # an unusable entry: enrol again
 
 
 @pytest.mark.parametrize("url", ["ws://127.0.0.1:8765", "ws://localhost:1", "ws://[::1]:9", "wss://example.org:8765",

@@ -122,7 +122,7 @@ def test_unauthenticated_floods_stay_within_the_stated_memory_bound(tmp_path: Pa
     for s in opened:
         s.close()
     limits = Limits(max_connections=max_connections)
-    bound = memory_bound(limits, devices_holding=0, largest_result=0, largest_work=0)["unauthenticated"]
+    bound = memory_bound(limits, devices_holding=0, largest_result=0, largest_frame=0)["unauthenticated"]
     assert peak - baseline <= bound, (peak - baseline, bound)
     assert max(taken) < 96 << 20  # nobody got to send a 96 MiB frame
     assert coord.wait() == 0, coord.output

@@ -84,3 +84,16 @@ def test_comparison_says_match_or_mismatch() -> None:
     ok = _text(render.comparison([("final loss", 3.0, 3.0)], 1e-7, 1e-4))
     bad = _text(render.comparison([("final loss", 3.0, 3.1)], 0.03, 1e-4))
     assert "(match)" in ok and "MISMATCH" in bad
+
+
+def test_peer_supplied_strings_are_shown_as_text_never_as_markup() -> None:
+    evil = "[/bold][link=https://example.org]laptop[/link]"
+    status = {**STATUS, "devices": [{**STATUS["devices"][0], "name": evil, "device": "[red]cpu"}],
+              "leaderboard": [{"identity": 3, "name": evil, "gflop": 1.0, "tiles": 2}],
+              "job": {**STATUS["job"], "name": "[/]"}}
+    out = _text(render.dashboard(status), width=200)
+    assert evil in out and "[red]cpu" in out and f"{evil} #3" in out and "[/]" in out
+    rows = [IdentityRow(1, evil, "banned", "[/bold]", 1.7e9, 1.7e9)]
+    assert evil in _text(render.identities(rows), width=250)
+    panel = _text(render.client_panel(WorkerStats(state="working", job="[/bold]", device="[x]"), "ws://h:1"))
+    assert "job: [/bold]" in panel

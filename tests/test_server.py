@@ -138,3 +138,102 @@ def test_importing_the_client_loads_no_server_or_database_code() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound() -> None:
+    """Releases that make the coordinator send blocks again, to a peer that reads nothing."""
+    from coordinator.limits import Rate
+    from coordinator.protocol import Release
+
+    async def run() -> tuple[int, int, str | None]:
+        server = _server(outbound_queue=1 << 20, resends=Rate(1e12, 1e12), releases=Rate(1e6, 1e6),
+                         messages=Rate(1e6, 1e6))
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            async with connect(url, compression=None, max_size=None, max_queue=1) as ws:
+                assert isinstance(decode(await ws.recv()), Challenge)
+                await ws.send(encode(Hello(token="tok", name="sink", slots=1)))
+                await ws.recv(), await ws.recv()  # credential, welcome
+                done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+                _, out = server.core.submit(torch.randn(64, 2048), torch.randn(2048, 64), GemmKind.FORWARD,
+                                            server.clock(), done.set_result)
+                server.deliver(out)
+                work = decode(await ws.recv())
+                assert isinstance(work, Work)
+                peak = 0
+                for _ in range(400):  # never reads again: every release queues the blocks once more
+                    try:
+                        await ws.send(encode(Release((work.tile_id,))))
+                    except ConnectionClosed:
+                        break
+                    await asyncio.sleep(0)
+                    conn = next(iter(server.conns.values()), None)
+                    if conn is None:
+                        break
+                    peak = max(peak, conn.queued_bytes)
+                await asyncio.sleep(0.2)
+                device = next(iter(server.core.store.devices(server.core.job_id)))
+                return peak, server.outbound_bytes, device.reason
+
+    peak, left, reason = asyncio.run(run())
+    assert peak <= (1 << 20) + (1 << 20)  # the bound, plus the frame that crossed it
+    assert left == 0 and reason is not None and "queued for it, unread" in reason
+
+
+def test_observers_need_the_operator_token_and_are_closed_when_idle() -> None:
+    from coordinator.protocol import SpeedTest, StatusReply, StatusRequest
+
+    async def run() -> list[tuple[int | None, str | None]]:
+        server = _server(observer_idle=0.3)
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            seen = []
+            for first in (StatusRequest("tok"), SpeedTest(0, torch.zeros(0, dtype=torch.uint8), token="tok")):
+                async with connect(url, compression=None) as ws:  # the join token reads and tests nothing
+                    await ws.recv()
+                    await ws.send(encode(first))
+                    seen.append(await _closed(ws))
+            async with connect(url, compression=None, max_size=None) as ws:
+                await ws.recv()
+                await ws.send(encode(StatusRequest("op")))
+                assert isinstance(decode(await ws.recv()), StatusReply)
+                seen.append(await _closed(ws))  # then it says nothing for 0.3 s
+            return seen
+
+    (a, _), (b, _), (idle, why) = asyncio.run(run())
+    assert a == b == 4001 and idle == 1000 and "idle" in (why or "")
+
+
+def test_connections_count_from_the_tcp_accept_even_before_a_tls_handshake() -> None:
+    """Silent sockets that never finish TLS still count against the caps."""
+    import socket
+    import ssl
+
+    import trustme
+
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    trustme.CA().issue_cert("127.0.0.1").configure_cert(server_ctx)
+
+    async def run() -> tuple[int, int, int]:
+        server = _server(max_connections=20, max_unauthenticated=10)
+        async with listen(server, "127.0.0.1", 0, server_ctx) as ws_server:
+            port = ws_server.sockets[0].getsockname()[1]
+            socks = []
+            for _ in range(60):
+                s = socket.socket()
+                s.setblocking(False)
+                try:
+                    s.connect(("127.0.0.1", port))
+                except BlockingIOError:
+                    pass
+                socks.append(s)
+            await asyncio.sleep(0.5)
+            counted, pending = server.tcp_open, server.pending
+            for s in socks:
+                s.close()
+            await asyncio.sleep(0.5)
+            return counted, pending, server.counter.refused
+
+    counted, pending, refused = asyncio.run(run())
+    assert counted == pending == 10 + 16  # the cap plus the headroom; the rest closed at accept
+    assert refused >= 60 - 26

@@ -402,3 +402,12 @@ def test_revoked_leases_are_counted(store: Store) -> None:
     assert store.end_lease(tile, d, "revoked", 2.0, "held past its deadline").requeued
     counts = store.tile_counts(job)
     assert counts["revoked"] == 1 and counts["queued"] == 3
+
+
+def test_the_sqlite_file_is_private(tmp_path: Path) -> None:
+    import stat
+
+    store = SQLiteStore(tmp_path / "private.db")
+    store.set_setting("join_token_sha256", "00")
+    assert stat.S_IMODE((tmp_path / "private.db").stat().st_mode) == 0o600
+    store.close()

@@ -359,12 +359,12 @@ def test_token_buckets_refill_at_their_rate_and_never_past_their_burst() -> None
 
 
 def test_the_memory_bound_is_finite_and_grows_with_each_limit() -> None:
-    base = memory_bound(Limits(), devices_holding=16, largest_result=16 << 20, largest_work=8 << 20)
+    base = memory_bound(Limits(), devices_holding=16, largest_result=16 << 20, largest_frame=16 << 20)
     assert base["total"] == sum(v for k, v in base.items() if k != "total")
     more = memory_bound(Limits(max_connections=4096), devices_holding=16, largest_result=16 << 20,
-                        largest_work=8 << 20)
+                        largest_frame=16 << 20)
     assert more["total"] > base["total"] and base["total"] < 16 << 30
-    assert memory_bound(Limits(), devices_holding=32, largest_result=16 << 20, largest_work=8 << 20)["total"] > \
+    assert memory_bound(Limits(), devices_holding=32, largest_result=16 << 20, largest_frame=16 << 20)["total"] > \
         base["total"]
 
 
@@ -380,7 +380,6 @@ def test_results_with_absurd_timings_and_errors_never_reach_status_as_non_json()
     out = core.handle(device, Result(12345, torch.zeros(1, 1)), fleet.now)
     assert isinstance(out[0], Send) and isinstance(out[0].message, Error)
     assert not any(isinstance(o, (Close, Cancel)) for o in out)
-    assert isinstance(Work, type)
 
 
 def test_a_device_that_connects_paused_gets_no_work_until_it_resumes() -> None:
@@ -392,3 +391,95 @@ def test_a_device_that_connects_paused_gets_no_work_until_it_resumes() -> None:
     assert core.status(fleet.now)["devices"][0]["state"] == "paused"
     fleet.route(core.handle(busy, Resume(), fleet.now))
     assert core.devices[busy].inflight
+
+
+def test_hundreds_of_stallers_cut_in_one_tick_do_not_nest_or_lose_tiles() -> None:
+    """Cutting a device must not re-enter dispatch (it once recursed once per cut)."""
+    store = MemoryStore()
+    job = store.create_job("trust", {}, 10, 0.0)
+    core = Core(store, job, join_token="tok", rng=np.random.default_rng(0), policy=POLICY, faults=FAULTS,
+                trust=TrustPolicy(probation_tiles=4, cut_after=1), limits=Limits(enrolments=Rate(1e9, 1e9)))
+    fleet = Fleet(core)
+    stallers = [fleet.join(f"s{i}", slots=1) for i in range(400)]
+    submit(core, fleet, torch.randn(64 * 400, 32), torch.randn(32, 16))  # more tiles than stallers
+    assert all(core.devices[s].inflight for s in stallers)
+    tiles = len(next(iter(core.gemms.values())).tiles)
+    fleet.pending.clear()
+    fleet.now += 10.0  # every hard deadline passed at once: 400 leases taken back, 400 cuts
+    fleet.route(core.tick(fleet.now))
+    assert sum(code == CloseCode.STALLING for code in fleet.closed.values()) == 400 and not core.devices
+    assert core.status(fleet.now)["tiles"]["queued"] == tiles and not core._holders
+
+
+def test_cutting_a_loser_while_settling_a_tile_keeps_the_result() -> None:
+    """A verified result cuts two stalling copy holders: the GEMM still completes."""
+    store = MemoryStore()
+    job = store.create_job("trust", {}, 10, 0.0)
+    core = Core(store, job, join_token="tok", rng=np.random.default_rng(0), policy=POLICY, faults=FAULTS,
+                trust=TrustPolicy(probation_tiles=0, first_slots=1, cut_unanswered=1, cut_unanswered_trusted=1))
+    fleet = Fleet(core)
+    s1 = fleet.join("s1", slots=1)
+    box = submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))
+    (tile,) = core.devices[s1].inflight
+    s2 = fleet.join("s2", slots=1)
+    fleet.now += 1.0
+    fleet.route(core.tick(fleet.now))  # a speculative copy to s2
+    honest = fleet.join("honest", slots=1)
+    fleet.now += 1.5
+    fleet.route(core.tick(fleet.now))  # s1 late: a deadline copy to the honest device
+    assert {s1, s2, honest} <= {d for d in core.devices if tile in core.devices[d].inflight}
+    fleet.pending = [p for p in fleet.pending if p.device == honest]
+    fleet.now += 10.0  # past every deadline, but nothing has ticked yet
+    fleet.drain()
+    assert "result" in box and fleet.closed.get(s1) == fleet.closed.get(s2) == CloseCode.STALLING
+    assert core.store.tile_state(tile) == "verified" and not core._holders
+
+
+def test_a_device_that_claims_lost_blocks_over_and_over_is_cut() -> None:
+    """Every missing_block release makes the coordinator send the blocks again: charged in bytes."""
+    core = _core(resends=Rate(64 << 10, 256 << 10))
+    fleet = Fleet(core)
+    liar = fleet.join("liar", slots=1)
+    submit(core, fleet, torch.randn(64, 512), torch.randn(512, 64))  # blocks of 128 KiB
+    for _ in range(10):
+        if liar not in core.devices:
+            break
+        (held,) = core.devices[liar].inflight
+        fleet.route(core.handle(liar, Release((held,)), fleet.now))
+    assert fleet.closed.get(liar) == CloseCode.RATE_LIMITED
+    before = len(fleet.pending)
+    idle = fleet.join("idle")
+    fleet.route(core.handle(idle, Release(()), fleet.now))  # giving back nothing dispatches nothing
+    fleet.route(core.handle(idle, Release((424242,)), fleet.now))
+    assert len(fleet.pending) >= before
+
+
+def test_a_trusted_device_that_stops_answering_loses_its_slots_then_its_connection() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    sly = fleet.join("sly", slots=4)
+    fleet.join("honest", slots=4)
+    submit(core, fleet, torch.randn(512, 32), torch.randn(32, 64))
+    while core.devices[sly].standing.on_probation(TRUST) or core.devices[sly].slots < 4:
+        assert fleet.step(only=sly)
+    fleet.compute[sly] = lambda a, b: (_ for _ in ()).throw(AssertionError("never called"))
+    for _ in range(200):
+        if sly not in core.devices:
+            break
+        submit(core, fleet, torch.randn(64, 32), torch.randn(32, 64))
+        fleet.pending = [p for p in fleet.pending if p.device != sly]  # it holds them, never answers
+        fleet.now += 1.0
+        fleet.route(core.handle(sly, Heartbeat(), fleet.now))
+        fleet.route(core.tick(fleet.now))
+        fleet.drain()
+        if sly in core.devices:
+            assert core.devices[sly].slots == 1  # every lost race sends it back to one slot
+    assert fleet.closed.get(sly) == CloseCode.STALLING
+
+
+def test_join_and_operator_tokens_may_never_become_equal() -> None:
+    core = _core()
+    gate = core.gate
+    assert gate.would_collide(join="op", operator=None)  # the stored operator token
+    assert gate.would_collide(join="x", operator="x") and gate.would_collide(join=None, operator="tok")
+    assert not gate.would_collide(join="new", operator=None) and not gate.would_collide(join=None, operator=None)

@@ -62,7 +62,7 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
 
 def test_benchmark_json_has_stable_keys_and_plausible_numbers(tmp_path: Path) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "1", steps=3)
-    run = subprocess.run(cleave_cmd("benchmark", "--json", "--seconds", "0.1", "--url", coord.url, "--token", TOKEN),
+    run = subprocess.run(cleave_cmd("benchmark", "--json", "--seconds", "0.1", "--url", coord.url, "--token", OPERATOR),
                          capture_output=True, text=True, env=env(), cwd=ROOT, timeout=2 * TIMEOUT)
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
