@@ -378,6 +378,8 @@ def _raw(t: torch.Tensor) -> memoryview:
     # Flattened first: a contiguous tensor may keep any stride on a size-1 dim (W^T[:, 0:1] has
     # stride (1, k)), and a 0-d tensor has none; viewing bytes needs a unit last stride.
     t = t.contiguous().reshape(-1)
+    if t.numel() and t.stride(0) != 1:  # one element keeps its view's stride through reshape
+        t = t.clone(memory_format=torch.contiguous_format)
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 

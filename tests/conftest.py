@@ -19,6 +19,27 @@ os.environ["XDG_CONFIG_HOME"] = str(_SANDBOX / "config")
 
 TIMEOUT = 60.0  # seconds; every wait in the tests is a multiple of this
 
+try:
+    from hypothesis import HealthCheck, settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+except ImportError:  # pragma: no cover - only tests/test_fuzz.py needs hypothesis
+    pass
+else:
+    # "ci" (the default): few examples, derandomized so every run tries the same inputs, no example
+    # database (nothing written into the checkout). "thorough", for local runs:
+    #     HYPOTHESIS_PROFILE=thorough .venv/bin/python -m pytest tests/test_fuzz.py
+    # draws fresh random inputs each run and remembers failures outside the checkout.
+    settings.register_profile(
+        "ci", max_examples=40, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+    )
+    settings.register_profile(
+        "thorough", max_examples=1000, deadline=None, derandomize=False,
+        database=DirectoryBasedExampleDatabase(Path(tempfile.gettempdir()) / "cleave-hypothesis"),
+        suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+    )
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 
 @pytest.fixture
 def tmp_db(tmp_path: Path) -> Path:
