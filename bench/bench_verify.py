@@ -33,8 +33,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: 2 cores sha
 import argparse
 import json
 import math
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -44,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from coordinator.verify import ROUNDS, _row_norms, freivalds, rademacher, random_vectors
+from timing import interleaved_medians
 
 
 @dataclass(frozen=True)
@@ -78,19 +77,6 @@ def old_check(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, rng: np.random.
     tol = 16.0 * eps * (ab + math.sqrt(b.shape[1]) * c_norms) + torch.finfo(torch.float32).tiny
     r = rademacher(b.shape[1], rng, a.dtype)
     return float(((a @ (b @ r) - c @ r).abs() / tol).max()) <= 1.0
-
-
-def interleaved_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median seconds of each function, timed in turn so that all see the same machine load."""
-    for fn in fns:
-        fn()  # warm-up
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, times):
-            started = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - started)
-    return [statistics.median(t) for t in times]
 
 
 @dataclass

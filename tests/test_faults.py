@@ -166,8 +166,6 @@ def test_policy_validation() -> None:
 
 
 def test_a_device_over_its_memory_budget_finishes_its_tiles_before_taking_more(core: Core) -> None:
-    from coordinator.protocol import Hello
-
     fleet = Fleet(core)
     device = fleet.join("small-memory", slots=4, block_budget=1)
     box = submit(core, fleet, torch.randn(256, 32), torch.randn(32, 64))

@@ -4,7 +4,6 @@ revoked credentials, TLS. Every job still trains exactly like plain torch."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
@@ -13,7 +12,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from conftest import TIMEOUT
 from coordinator.limits import Limits, memory_bound

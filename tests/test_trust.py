@@ -14,8 +14,7 @@ from coordinator.core import AuthError, Close, Core, FaultPolicy, Limit, Send
 from coordinator.identity import JOIN_TOKEN, store_token
 from coordinator.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
 from coordinator.protocol import (
-    Cancel, CloseCode, Credential, Error, Heartbeat, Hello, Pause, Release, Result, Resume, StatusReply, Welcome, Work,
-    encode,
+    Cancel, CloseCode, Credential, Error, Heartbeat, Hello, Pause, Release, Result, Resume, StatusReply, Welcome, encode,
 )
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
