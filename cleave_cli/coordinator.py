@@ -158,7 +158,7 @@ def devices_revoke(
     """Revoke a device's credential: a running coordinator cuts it within a second and refuses it
     from then on. Its record and credit stay."""
     name = _set_state(db, identity, REVOKED, reason[:200], (ACTIVE, BANNED))
-    Console(highlight=False).print(f"device #{identity} ({name}) revoked")
+    Console(highlight=False).print(f"device #{identity} ({name}) revoked", markup=False)
 
 
 @devices_app.command("unban")
@@ -170,7 +170,7 @@ def devices_unban(
     """Let a banned device connect again; its record stays. A revoked credential cannot be
     reinstated: that device enrols again with the join token (cleave join --new-identity)."""
     name = _set_state(db, identity, ACTIVE, "", (BANNED,))
-    Console(highlight=False).print(f"device #{identity} ({name}) may connect again")
+    Console(highlight=False).print(f"device #{identity} ({name}) may connect again", markup=False)
 
 
 @token_app.command("rotate")
@@ -197,4 +197,4 @@ def token_rotate(
     finally:
         store.close()
     which = "operator" if operator else "join"
-    Console(highlight=False).print(f"new {which} token: {new}")
+    Console(highlight=False).print(f"new {which} token: {new}", markup=False)

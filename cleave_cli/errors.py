@@ -8,6 +8,7 @@ from typing import Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from client.kernels import DeviceUnavailable
 from client.runner import ClientError
@@ -29,7 +30,10 @@ class CleaveError(RuntimeError):
 
 
 def fail(message: str, code: int) -> typer.Exit:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # The message may quote a peer (a device's name, a coordinator's reason): never markup.
+    line = Text("error:", style="bold red")
+    line.append(f" {message}")
+    Console(stderr=True).print(line, highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 

@@ -193,6 +193,7 @@ class DeviceState:
     credit_sent: float = 0.0
     credit_at: float = 0.0
     big_until: float = 0.0  # until then it may still send a result for a tile it lost
+    nothing_at: int = -1  # the queue version at which it found nothing it may claim
     verified_at: float | None = None  # when its last result was verified
     result_gap: float | None = None  # running estimate of seconds between its verified results
 
@@ -283,6 +284,7 @@ class Core:
         self._late: set[int] = set()  # tiles with a lease past its deadline (a superset: pruned lazily)
         self._thin: set[int] = set()  # outstanding tiles with fewer open leases than max_copies
         self._seq = 0
+        self._queue_version = 0  # moves whenever tiles are queued
         self._dispatching = False
         self._sweep: list[int] = []  # devices still to look after in this tick round
         self._sweep_at = 0.0
@@ -316,6 +318,11 @@ class Core:
             raise AuthError(CloseCode.IN_USE, "this identity is already connected")
         self.gate.check_cooloff(admission.identity, now)
         standing = self.gate.standing(admission.identity)
+        if standing.budgets is None:  # kept with the identity: reconnecting does not refill them
+            standing.budgets = (self.limits.releases.bucket(), self.limits.resends.bucket(),
+                                self.trust.reconnects.bucket())
+        if not standing.budgets[2].take(now):
+            raise AuthError(CloseCode.RATE_LIMITED, "reconnecting too often; try again in a while")
         info = DeviceInfo(
             name=admission.name, platform=hello.platform, cores=max(1, hello.cores),
             memory_bytes=hello.memory_bytes, device=hello.device, gflops=hello.gflops,
@@ -327,8 +334,8 @@ class Core:
         lim = self.limits
         dev = DeviceState(
             device_id, admission.identity, admission.name, asked, standing.slots(self.trust, asked), standing,
-            hello.gflops, hello.device, now, 4.0 / claim, lim.messages.bucket(), lim.releases.bucket(),
-            lim.resends.bucket(), lim.pauses.bucket(), lim.idle_frame, budget=hello.block_budget,
+            hello.gflops, hello.device, now, 4.0 / claim, lim.messages.bucket(), standing.budgets[0],
+            standing.budgets[1], lim.pauses.bucket(), lim.idle_frame, budget=hello.block_budget,
         )
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
@@ -362,8 +369,10 @@ class Core:
         self._by_identity.pop(dev.identity, None)
         graceful = reason in ("left", SHUTDOWN)  # neither is the device's fault
         held = list(dev.inflight)
+        if reason != SHUTDOWN and self._held_long(dev, held, now):
+            dev.standing.cut(self.trust, now)  # it is gone already: it just may not come back yet
         requeued = self.store.release_device(device_id, "released" if graceful else "lost", self._at(now), reason)
-        self._queued += len(requeued)
+        self._more_queued(len(requeued))
         for tile_id in held:
             self._unhold(tile_id, device_id)
         if held and not graceful:
@@ -501,7 +510,7 @@ class Core:
         if not verdict.ok:
             end = self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
             self.store.credit_device(dev.id, rejected=1, now=self._at(now))
-            self._queued += end.requeued
+            self._more_queued(end.requeued)
             dev.tiles_rejected += 1
             out.append(self._send(dev.id, Error(Code.REJECTED, f"tile {msg.tile_id} failed verification: {verdict.reason}"), now))
             if dev.standing.rejected(self.trust):
@@ -581,17 +590,30 @@ class Core:
         bar: bool = False,
     ) -> list[Outbound]:
         given = 0
+        stalled = self._held_long(dev, [t for t in set(tile_ids) if t in dev.inflight], now)
         for tile_id in tile_ids:
             if dev.inflight.pop(tile_id, None) is None:
                 continue  # already finished or re-issued: nothing to give back
             given += 1
             self._unhold(tile_id, dev.id)
             self._lost_tile(dev, now)
-            self._queued += self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar).requeued
+            self._more_queued(self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar).requeued)
             if blocks_lost:
                 for ref in self._blocks_of(tile_id):
                     dev.lose(ref)
-        return self._dispatch(now) if given else []  # nothing changed: nothing to dispatch
+        out = self._cut(dev, "it kept giving tiles back near their deadlines", now) if stalled else []
+        return out + self._dispatch(now) if given else out  # nothing changed: nothing to dispatch
+
+    def _held_long(self, dev: DeviceState, tile_ids: list[int], now: float) -> bool:
+        """Leases it gives back (or loses by leaving) after holding them for most of their
+        deadline count as unanswered, as if another copy had won: holding tiles until just
+        before their deadlines and then letting go is stalling. True when it must be cut."""
+        cut = False
+        for tile_id in tile_ids:
+            hold = self._holders.get(tile_id, {}).get(dev.id)
+            if hold is not None and now - hold.leased_at > (hold.soft - hold.leased_at) / 2:
+                cut = dev.standing.overtaken(self.trust) or cut
+        return cut
 
     def _complete(self, gemm: GemmState, now: float) -> None:
         result = assemble(gemm.plan, gemm.parts, gemm.a.dtype)
@@ -649,7 +671,7 @@ class Core:
         self.gemms[gemm_id] = gemm
         for tid in ids:
             self._tile_gemm[tid] = gemm_id
-        self._queued += len(ids)
+        self._more_queued(len(ids))
         return gemm_id, self._dispatch(now)
 
     def _dispatch(self, now: float) -> list[Outbound]:
@@ -672,11 +694,18 @@ class Core:
         finally:
             self._dispatching = False
 
+    def _more_queued(self, count: int) -> None:
+        """Tiles went (back) to the queue: devices that found nothing to claim may look again."""
+        if count:
+            self._queued += count
+            self._queue_version += 1
+
     def _claim(self, now: float) -> list[Outbound]:
         out: list[Outbound] = []
         if self._queued <= 0:
             return out
-        hungry = [d for d in self.devices.values() if d.free > 0]
+        # A device barred from everything queued stays so until the queue changes: not asked again.
+        hungry = [d for d in self.devices.values() if d.free > 0 and d.nothing_at != self._queue_version]
         while self._queued > 0 and hungry:
             hungry.sort(key=lambda d: len(d.inflight) / d.slots)
             still = []
@@ -685,7 +714,8 @@ class Core:
                     break
                 claimed = self.store.claim_tile(dev.id, sorted(dev.blocks), self._at(now))
                 if claimed is None:
-                    continue  # everything queued is barred for this device
+                    dev.nothing_at = self._queue_version  # everything queued is barred for it
+                    continue
                 self._queued -= 1
                 out.extend(self._lease(dev, claimed.id, now))
                 if dev.free > 0:
@@ -719,7 +749,7 @@ class Core:
         self._unhold(tile_id, dev.id)
         self._lost_tile(dev, now)
         # Barred from the tile: it goes to someone else, never straight back to this device.
-        self._queued += self.store.end_lease(tile_id, dev.id, "revoked", self._at(now), reason, bar=True).requeued
+        self._more_queued(self.store.end_lease(tile_id, dev.id, "revoked", self._at(now), reason, bar=True).requeued)
         self.store.credit_device(dev.id, revoked=1, now=self._at(now))
         out: list[Outbound] = [self._send(dev.id, Cancel((tile_id,), f"lease taken back: {reason}"), now)]
         if dev.standing.taken_back(self.trust):

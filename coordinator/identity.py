@@ -48,6 +48,7 @@ class Standing:
     unanswered: int = 0  # leases that ended without its result (lost to a copy, taken back) since then
     cuts: int = 0
     cooloff_until: float = 0.0
+    budgets: tuple[TokenBucket, TokenBucket, TokenBucket] | None = None  # releases, resends, reconnects
 
     def on_probation(self, trust: TrustPolicy) -> bool:
         return self.verified_total < trust.probation_tiles

@@ -64,6 +64,7 @@ class TrustPolicy:
     cut_unanswered: int = 8  # on probation: leases lost to other copies in a row, with no result of its own
     cut_unanswered_trusted: int = 32  # ... and off probation
     prefetch_seconds: float = 4.0  # a device holds at most the tiles it verifies in this long
+    reconnects: Rate = Rate(0.1, 6.0)  # connections of one identity: 6 at once, then one per 10 s
     cooloff: float = 10.0
     cooloff_max: float = 600.0
     standings: int = 65536  # identities whose record this process remembers (least recent forgotten)

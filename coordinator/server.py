@@ -68,6 +68,8 @@ class _Conn:
     writer: asyncio.Task[None] | None = None
     control_bytes: int = 0  # queued bytes of frames other than work
     queued_bytes: int = 0  # queued bytes of every frame, work included
+    sending: _Frame | None = None  # the frame being written now (still counted)
+    done: bool = False  # its writer has ended: nothing more is queued or counted
     cut: str | None = None  # why the server cut this peer
 
 
@@ -273,21 +275,28 @@ class Server:
         return snapshot
 
     async def _write(self, conn: _Conn, device_id: int) -> None:
-        while True:
-            item = await conn.queue.get()
-            if isinstance(item, tuple):
-                await conn.ws.close(*item)
-                return
-            try:
-                # A peer that does not read would hold the frame (and the queue behind it) forever.
-                await asyncio.wait_for(conn.ws.send(item.data), self.limits.write_timeout)
-            except (TimeoutError, asyncio.TimeoutError):
-                self._cut(conn, f"did not read for {self.limits.write_timeout:g} s")
-                return
-            except ConnectionClosed:
-                return
-            finally:
-                self._sent(conn, item)
+        """Send the connection's queue in order. However it ends (closed, cut, cancelled), what
+        is left is uncounted, and nothing more is queued for it."""
+        try:
+            while True:
+                item = await conn.queue.get()
+                if isinstance(item, tuple):
+                    await conn.ws.close(*item)
+                    return
+                conn.sending = item
+                try:
+                    # A peer that does not read would hold the frame (and the queue behind it) forever.
+                    await asyncio.wait_for(conn.ws.send(item.data), self.limits.write_timeout)
+                except (TimeoutError, asyncio.TimeoutError):
+                    self._cut(conn, f"did not read for {self.limits.write_timeout:g} s")
+                    return
+                except ConnectionClosed:
+                    return
+                finally:
+                    self._uncount_sending(conn)
+        finally:
+            conn.done = True
+            self._drain(conn)
 
     def _sent(self, conn: _Conn, item: _Frame) -> None:
         conn.queued_bytes -= len(item.data)
@@ -295,14 +304,26 @@ class Server:
         if item.control:
             conn.control_bytes -= len(item.data)
 
+    def _uncount_sending(self, conn: _Conn) -> None:
+        if conn.sending is not None:
+            self._sent(conn, conn.sending)
+            conn.sending = None
+
+    def _drain(self, conn: _Conn) -> None:
+        """Drop (and uncount) every frame still queued for a peer."""
+        while not conn.queue.empty():
+            item = conn.queue.get_nowait()
+            if isinstance(item, _Frame):
+                self._sent(conn, item)
+
     def _cut(self, conn: _Conn, why: str) -> None:
         log.warning("cutting a device that stopped reading (%s)", why)
         conn.cut = why
         self._abort(conn)
-        while not conn.queue.empty():  # what it never read is dropped, and uncounted
-            item = conn.queue.get_nowait()
-            if isinstance(item, _Frame):
-                self._sent(conn, item)
+        # Uncounted now, not when its cancelled writer next runs: the budget loop in _queue
+        # must see the bytes gone, or it would cut one peer after another.
+        self._uncount_sending(conn)
+        self._drain(conn)
 
     async def _finish_writer(self, conn: _Conn) -> None:
         if conn.writer is None:
@@ -318,7 +339,7 @@ class Server:
         """Queue the Core's messages on their sockets (never blocks the loop)."""
         for item in outbound:
             conn = self.conns.get(item.device)
-            if conn is None or conn.cut is not None:
+            if conn is None or conn.cut is not None or conn.done:
                 continue
             if isinstance(item, Send):
                 frame = _Frame(encode(item.message), not isinstance(item.message, Work))

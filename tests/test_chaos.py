@@ -63,8 +63,11 @@ def test_chaos_kills_and_freezes_clients_without_changing_a_loss(tmp_path: Path)
     assert_every_tile_verified_once(coord)
     counts = dict(coord.query("SELECT outcome, COUNT(*) FROM leases GROUP BY outcome"))
     assert counts.get("lost", 0) > 0  # tiles really were lost to the faults, and recovered
-    dropped = coord.query("SELECT reason FROM devices WHERE reason LIKE 'no heartbeat%'")
-    assert dropped, "frozen clients are dropped after the heartbeat timeout"
+    # A frozen client is dropped after the heartbeat timeout, or sooner, when the tiles it keeps
+    # taking all go to other copies (cut for stalling): either way it is gone, and so are its tiles.
+    for p in frozen:
+        (reason,) = coord.query("SELECT reason FROM devices WHERE name = ?", p.name)[0]
+        assert reason.startswith("no heartbeat") or "without a result from it" in reason, (p.name, reason)
 
 
 def test_a_straggler_does_not_hold_the_steps_back(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ of the broad properties, so the suite stays green and the mark fails the run onc
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -826,13 +827,20 @@ class CoreUnderFire(RuleBasedStateMachine):
         proof = auth.proof(secret, identity, bytes.fromhex(nonce)).hex()
         is_connected = any(d.identity == identity for d in self.devs.values())
         state = self.store.identity(identity).state  # type: ignore[union-attr]
+        standing = self.core.gate.standing(identity)
+        cooling = standing.cooloff_until > self.now
+        # Reconnects are limited per identity: would this one find a token left?
+        allowed = standing.budgets is None or copy.deepcopy(standing.budgets[2]).take(self.now)
         try:
             device_id, out = self.core.connect(Hello(name="back", identity=identity, proof=proof, slots=slots), nonce,
                                                self.now)
         except AuthError as exc:
-            want = CloseCode.BANNED if state == BANNED else CloseCode.IN_USE if is_connected else CloseCode.STALLING
+            want = (CloseCode.BANNED if state == BANNED else CloseCode.IN_USE if is_connected
+                    else CloseCode.STALLING if cooling else CloseCode.RATE_LIMITED)
             assert exc.code == want, (exc.code, exc)
+            assert want != CloseCode.RATE_LIMITED or not allowed, (exc.code, exc)
             return
+        assert allowed and not cooling
         assert state == ACTIVE and not is_connected
         del self.departed[identity]
         self.devs[device_id] = FakeDevice(device_id, identity, secret, behaviour=behaviour)

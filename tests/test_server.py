@@ -12,9 +12,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from conftest import ROOT, TIMEOUT
-from coordinator.core import Core
+from coordinator.core import Core, Send
 from coordinator.limits import Limits, TrustPolicy
-from coordinator.protocol import Challenge, Credential, Hello, Result, Welcome, Work, decode, encode
+from coordinator.protocol import Challenge, Code, Credential, Error, Hello, Result, Welcome, Work, decode, encode
 from coordinator.server import Server, listen
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
@@ -237,3 +237,43 @@ def test_connections_count_from_the_tcp_accept_even_before_a_tls_handshake() -> 
     counted, pending, refused = asyncio.run(run())
     assert counted == pending == 10 + 16  # the cap plus the headroom; the rest closed at accept
     assert refused >= 60 - 26
+
+
+def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
+    """However a connection ends, nothing stays counted against the outbound budget."""
+    from coordinator.protocol import Leave
+
+    async def run() -> list[int]:
+        server = _server()
+        left = []
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            for how in ("abort", "leave", "close"):
+                ws = await connect(url, compression=None, max_size=None, max_queue=1)
+                await ws.recv()
+                await ws.send(encode(Hello(token="tok", name=f"d-{how}", slots=2)))
+                await ws.recv(), await ws.recv()  # credential, welcome: then it reads nothing more
+                device = next(iter(server.conns))
+                if not server.core.gemms:  # its tiles pass to the next device when this one goes
+                    _, out = server.core.submit(torch.randn(512, 4096), torch.randn(4096, 512), GemmKind.FORWARD,
+                                                server.clock(), lambda result: None)
+                    server.deliver(out)
+                for _ in range(50):  # frames that will never be read
+                    server.deliver([Send(device, Error(Code.UNEXPECTED, "x" * 400))])
+                assert server.outbound_bytes > 0
+                if how == "abort":
+                    ws.transport.abort()
+                elif how == "leave":
+                    await ws.send(encode(Leave("bye")))
+                    ws.transport.abort()
+                else:
+                    await ws.close()
+                for _ in range(100):
+                    if not server.conns:
+                        break
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.1)
+                left.append(server.outbound_bytes)
+        return left
+
+    assert asyncio.run(run()) == [0, 0, 0]

@@ -14,7 +14,8 @@ from coordinator.core import AuthError, Close, Core, FaultPolicy, Limit, Send
 from coordinator.identity import JOIN_TOKEN, store_token
 from coordinator.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
 from coordinator.protocol import (
-    Cancel, CloseCode, Credential, Error, Heartbeat, Hello, Pause, Release, Result, Resume, StatusReply, Welcome, encode,
+    Cancel, CloseCode, Credential, Error, Heartbeat, Hello, Pause, Release, ReleaseWhy, Result, Resume, StatusReply,
+    Welcome, encode,
 )
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
@@ -482,3 +483,66 @@ def test_join_and_operator_tokens_may_never_become_equal() -> None:
     assert gate.would_collide(join="op", operator=None)  # the stored operator token
     assert gate.would_collide(join="x", operator="x") and gate.would_collide(join=None, operator="tok")
     assert not gate.would_collide(join="new", operator=None) and not gate.would_collide(join=None, operator=None)
+
+
+def test_reconnecting_refills_no_allowance_and_is_itself_limited() -> None:
+    core = _core(resends=Rate(1.0, 150 << 10))
+    fleet = Fleet(core)
+    device = fleet.join("hopper", slots=1)
+    credential = _credential(fleet, device)
+    submit(core, fleet, torch.randn(64, 512), torch.randn(512, 64))  # blocks of 128 KiB
+    (held,) = core.devices[device].inflight
+    fleet.route(core.handle(device, Release((held,)), fleet.now))  # 192 KiB claimed lost: over 150 KiB
+    assert fleet.closed.get(device) == CloseCode.RATE_LIMITED
+    again, out = _returning(core, credential, fleet.now)  # a new connection: the same spent allowance
+    fleet.route(out)
+    (held,) = core.devices[again].inflight
+    fleet.route(core.handle(again, Release((held,)), fleet.now))
+    assert again not in core.devices
+    for _ in range(4):  # six connections at once, then one per 10 s
+        fleet.route(_returning(core, credential, fleet.now)[1])
+        fleet.route(core.disconnect(again, fleet.now))
+    with pytest.raises(AuthError) as info:
+        _returning(core, credential, fleet.now)
+    assert info.value.code == CloseCode.RATE_LIMITED
+    fleet.now += 10.0
+    _returning(core, credential, fleet.now)
+
+
+def test_devices_barred_from_everything_queued_are_not_asked_again_until_the_queue_changes() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    broken = [fleet.join(f"broken{i}", slots=1) for i in range(5)]
+    submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))  # one tile
+    for d in broken:  # each fails it: barred from it, and it goes to the next
+        held = [t for t in core.devices[d].inflight]
+        if held:
+            fleet.route(core.handle(d, Release(tuple(held), ReleaseWhy.COMPUTE_FAILED), fleet.now))
+    fleet.pending.clear()
+    calls = []
+    claim = core.store.claim_tile
+    core.store.claim_tile = lambda *a, **k: calls.append(a[0]) or claim(*a, **k)  # type: ignore[method-assign]
+    for _ in range(10):
+        fleet.now += 0.05
+        fleet.route(core.tick(fleet.now))
+    assert calls == []  # the queue did not change: nobody asked the store again
+    healthy = fleet.join("healthy", slots=1)
+    assert core.devices[healthy].inflight
+
+
+def test_a_device_that_lets_tiles_go_just_before_their_deadlines_is_cut() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    dodger = fleet.join("dodger", slots=1)
+    fleet.join("honest", slots=1)
+    for _ in range(TRUST.cut_unanswered):
+        if dodger not in core.devices:
+            break
+        submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))
+        fleet.pending = [p for p in fleet.pending if p.device != dodger]
+        held = tuple(core.devices[dodger].inflight)
+        fleet.now += 1.9  # most of its 2 s deadline
+        fleet.route(core.handle(dodger, Release(held), fleet.now))
+        fleet.pending = [p for p in fleet.pending if p.device != dodger]  # it answers nothing, ever
+        fleet.drain()
+    assert fleet.closed.get(dodger) == CloseCode.STALLING
