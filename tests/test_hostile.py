@@ -4,6 +4,7 @@ revoked credentials, TLS. Every job still trains exactly like plain torch."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -14,7 +15,10 @@ from pathlib import Path
 import psutil
 
 from conftest import TIMEOUT
+from client.credentials import CredentialStore
+from coordinator import auth
 from coordinator.limits import Limits, memory_bound
+from coordinator.protocol import Challenge, CloseCode, Hello, decode, encode
 from coordinator.training.loop import TrainConfig, Trainer
 from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, double, env, join, wait_until
 
@@ -159,6 +163,14 @@ def test_credentials_revocation_rotation_and_the_operator_token(tmp_path: Path) 
     alice = _identities(coord)["alice"]
     assert coord.query("SELECT COUNT(*) FROM identities") == [(1,)] and alice["state"] == "active"
 
+    # Someone else's hello, with a wrong, missing or replayed proof, gets nothing.
+    (coordinator_id,) = coord.query("SELECT value FROM settings WHERE key = 'coordinator_id'")[0]
+    stolen = CredentialStore().get(coordinator_id, "alice", coord.url)
+    assert stolen is not None and stolen.identity == alice["id"]
+    assert asyncio.run(_refusals(coord.url, stolen.identity, stolen.secret)) == [
+        (CloseCode.AUTH, "unknown identity or wrong credential")] * 3 + [(CloseCode.IN_USE, "this identity is "
+                                                                           "already connected")]
+
     # Volunteers cannot read the dashboard; the operator can.
     assert _cli("status", "--url", coord.url, "--token", TOKEN, "--json").returncode == 2
     assert json.loads(_cli("status", "--url", coord.url, "--token", OPERATOR, "--json").stdout)["job"]
@@ -186,6 +198,32 @@ def test_credentials_revocation_rotation_and_the_operator_token(tmp_path: Path) 
     assert _cli("coordinator", "devices", "unban", str(alice["id"]), "--db", str(coord.db)).returncode == 2
     for p in (bob, fresh, coord):
         p.kill()
+
+
+async def _refusals(url: str, identity: int, secret: bytes) -> list[tuple[int | None, str]]:
+    """Hellos for ``identity``: a wrong secret, no proof, a proof recorded on another
+    connection (a replay), and the right one while the device is connected."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    async def attempt(make_proof) -> tuple[int | None, str]:  # noqa: ANN001
+        async with connect(url, compression=None) as ws:
+            challenge = decode(await ws.recv())
+            assert isinstance(challenge, Challenge)
+            await ws.send(encode(Hello(name="thief", identity=identity, proof=make_proof(challenge.nonce))))
+            try:
+                while True:
+                    await ws.recv()
+            except ConnectionClosed:
+                return ws.close_code, ws.close_reason
+
+    recorded = auth.proof(secret, identity, bytes(32)).hex()  # as if captured from an earlier connection
+    return [
+        await attempt(lambda nonce: auth.proof(os.urandom(32), identity, bytes.fromhex(nonce)).hex()),
+        await attempt(lambda nonce: ""),
+        await attempt(lambda nonce: recorded),
+        await attempt(lambda nonce: auth.proof(secret, identity, bytes.fromhex(nonce)).hex()),
+    ]
 
 
 def test_tls_end_to_end_with_a_private_ca_and_plain_ws_refused_off_this_machine(tmp_path: Path) -> None:
