@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 from cleave_cli.errors import CleaveError
 from coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
@@ -26,6 +27,8 @@ async def serve_with_local_clients(
         await asyncio.create_subprocess_exec(
             sys.executable, "-m", "cleave_cli", "join", url, "--token", str(cfg.token), "--once", "--quiet",
             "--threads", str(threads), "--name", f"{name}-{i + 1}", "--device", "cpu", "--always",
+            # Beside the job's database: a throwaway job's credentials do not belong in the user's folder.
+            "--credentials", str(Path(cfg.db).resolve().parent / "credentials.json"),
             stdin=asyncio.subprocess.DEVNULL, stdout=output,
         )
         for i in range(clients)
