@@ -42,7 +42,8 @@ def test_chaos_kills_and_freezes_clients_without_changing_a_loss(tmp_path: Path)
     events = []
     coord.wait_for_step(2)
     while coord.proc.poll() is None and len(events) < 10:
-        live = [c for c in clients if c.proc.poll() is None and c not in frozen]
+        enrolled = {name for (name,) in coord.query("SELECT name FROM devices")}
+        live = [c for c in clients if c.proc.poll() is None and c not in frozen and c.name in enrolled]
         if live:
             victim = rng.choice(live)
             if len(events) % 2 == 0:
@@ -65,6 +66,7 @@ def test_chaos_kills_and_freezes_clients_without_changing_a_loss(tmp_path: Path)
     assert counts.get("lost", 0) > 0  # tiles really were lost to the faults, and recovered
     # A frozen client is dropped after the heartbeat timeout, or sooner, when the tiles it keeps
     # taking all go to other copies (cut for stalling): either way it is gone, and so are its tiles.
+    # Victims are picked among enrolled clients, so each frozen one has a row saying why it went.
     for p in frozen:
         (reason,) = coord.query("SELECT reason FROM devices WHERE name = ?", p.name)[0]
         assert reason.startswith("no heartbeat") or "without a result from it" in reason, (p.name, reason)
