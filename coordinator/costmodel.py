@@ -1,0 +1,237 @@
+"""What a work unit costs, where: bytes down and up, FLOPs, memory and time. Pure arithmetic.
+
+No I/O, no tensors, no clock: the planner (coordinator/planner.py), ``cleave plan``, the live
+scheduler and the simulator all price work with these functions, and docs/cost-model.md derives
+each formula with a worked example.
+
+Units and conventions: bytes, seconds, FLOP. A *unit* is ``C[m x n] (+)= A[m x k] @ B[k x n]``
+in ``itemsize``-byte elements; its result travels in the same dtype. Links are one-way rates in
+bytes per second; ``rtt`` is a round trip of a small message.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+# Training dtypes and their element sizes. Names are the CLI's (``--dtype``).
+ITEMSIZE: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Verification (coordinator/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a
+# matrix-vector product per vector, so it reads A, B and C once and does 32 FLOP per element.
+VERIFY_ROUNDS = 16
+
+
+class CostModelError(ValueError):
+    """A profile or shape the model cannot price (negative sizes, zero rates...)."""
+
+
+def _positive(name: str, value: float, *, zero: bool = False) -> None:
+    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        raise CostModelError(f"{name} must be {'non-negative' if zero else 'positive'} and finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one device can do: measured live (coordinator/profiles.py) or given by a fleet."""
+
+    gflops: Mapping[str, float]  # effective GEMM GFLOP/s per dtype; a dtype absent or 0: unsupported
+    memory: int  # bytes the device gives to blocks and results
+    down: float  # bytes/s from the coordinator to the device
+    up: float  # bytes/s back
+    rtt: float = 0.05  # seconds, a small message there and back
+    reliability: float = 1.0  # share of its units that come back verified
+    session: float = math.inf  # mean seconds a volunteer stays once it has joined
+    overhead: float = 0.002  # seconds per unit on the device besides the GEMM (decode, launch, encode)
+
+    def __post_init__(self) -> None:
+        for dtype, rate in self.gflops.items():
+            if dtype not in ITEMSIZE:
+                raise CostModelError(f"unknown dtype {dtype!r}; use one of {', '.join(ITEMSIZE)}")
+            _positive(f"gflops[{dtype}]", rate, zero=True)
+        _positive("memory", self.memory, zero=True)
+        _positive("down", self.down)
+        _positive("up", self.up)
+        _positive("rtt", self.rtt, zero=True)
+        _positive("overhead", self.overhead, zero=True)
+        if not 0 <= self.reliability <= 1:
+            raise CostModelError(f"reliability must be between 0 and 1, got {self.reliability!r}")
+        if not self.session > 0:
+            raise CostModelError(f"session must be positive, got {self.session!r}")
+
+    def flops_per_s(self, dtype: str) -> float:
+        """FLOP/s in ``dtype``; 0 when the device cannot multiply in it."""
+        return self.gflops.get(dtype, 0.0) * 1e9
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """``count`` devices with one profile: a fleet file's ``[[class]]`` or a group of live devices."""
+
+    name: str
+    count: int
+    profile: Profile
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise CostModelError(f"class {self.name!r}: count must be >= 0, got {self.count}")
+
+
+@dataclass(frozen=True)
+class PSProfile:
+    """The parameter server: its link is shared by every device, and so is its CPU."""
+
+    egress: float = 1.25e9  # bytes/s it can send (10 Gbit/s)
+    ingress: float = 1.25e9  # bytes/s it can receive
+    gflops: Mapping[str, float] = field(default_factory=lambda: {"fp32": 100.0, "bf16": 1.0, "fp16": 1.0})
+    verify_flops: float = 5e9  # FLOP/s of verification: matrix-vector work, bound by memory
+    unit_overhead: float = 3e-4  # seconds of PS CPU per unit (decode, bookkeeping, store)
+    memory_bw: float = 5e9  # bytes/s for assembling results and summing partials
+
+    def __post_init__(self) -> None:
+        _positive("ps egress", self.egress)
+        _positive("ps ingress", self.ingress)
+        _positive("ps verify_flops", self.verify_flops)
+        _positive("ps unit_overhead", self.unit_overhead, zero=True)
+        _positive("ps memory_bw", self.memory_bw)
+        for dtype, rate in self.gflops.items():
+            _positive(f"ps gflops[{dtype}]", rate, zero=True)
+
+    def flops_per_s(self, dtype: str) -> float:
+        return self.gflops.get(dtype, 0.0) * 1e9
+
+    @classmethod
+    def from_link(cls, gbps: float, **kwargs: object) -> "PSProfile":
+        """Both directions at ``gbps`` gigabits per second."""
+        _positive("--ps-link-gbps", gbps)
+        rate = gbps * 1e9 / 8
+        return cls(egress=rate, ingress=rate, **kwargs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- one unit
+
+
+@dataclass(frozen=True)
+class Unit:
+    """``C[m x n] (+)= A[m x k] @ B[k x n]``: the shape of one work unit. Sizes may be averages
+    (a grid's tiles differ by one row or column where the cut is uneven)."""
+
+    m: float
+    n: float
+    k: float
+    itemsize: int = 4
+
+    def __post_init__(self) -> None:
+        if min(self.m, self.n, self.k) < 1 or self.itemsize < 1:
+            raise CostModelError(f"a unit needs positive sizes, got {self.m}x{self.k} @ {self.k}x{self.n}")
+
+    @property
+    def flops(self) -> float:
+        return 2 * self.m * self.n * self.k
+
+    @property
+    def a_bytes(self) -> float:
+        return self.m * self.k * self.itemsize
+
+    @property
+    def b_bytes(self) -> float:
+        return self.k * self.n * self.itemsize
+
+    def down(self, *, held_a: bool = False, held_b: bool = False) -> float:
+        """Bytes sent to the device: the input blocks it does not hold already."""
+        return (0 if held_a else self.a_bytes) + (0 if held_b else self.b_bytes)
+
+    @property
+    def up(self) -> float:
+        """Bytes of the result block it sends back."""
+        return self.m * self.n * self.itemsize
+
+    @property
+    def memory(self) -> float:
+        """Bytes the device needs for the unit: both inputs and the result."""
+        return self.a_bytes + self.b_bytes + self.up
+
+    def verify_flops(self) -> float:
+        """PS work to check the result: ``VERIFY_ROUNDS`` products with A, B and C each."""
+        return 2.0 * VERIFY_ROUNDS * (self.m * self.k + self.k * self.n + self.m * self.n)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Seconds one unit spends in each of a device's three pipelined stages."""
+
+    down: float
+    compute: float
+    up: float
+
+    @property
+    def total(self) -> float:
+        return self.down + self.compute + self.up
+
+    @property
+    def bottleneck(self) -> float:
+        return max(self.down, self.compute, self.up)
+
+
+def stage(unit: Unit, profile: Profile, dtype: str, *, down_bytes: float | None = None) -> Stage:
+    """Seconds of ``unit`` on a device: download (``down_bytes`` if some blocks are held), the
+    GEMM plus the device's per-unit overhead, and the upload. Infinite compute when the device
+    cannot multiply in ``dtype``."""
+    rate = profile.flops_per_s(dtype)
+    compute = unit.flops / rate + profile.overhead if rate > 0 else math.inf
+    sent = unit.down() if down_bytes is None else down_bytes
+    return Stage(sent / profile.down, compute, unit.up / profile.up)
+
+
+def pipeline(stages: Sequence[Stage], rtt: float = 0.0) -> float:
+    """Seconds until the last result of ``stages`` (in order) is back, with download, compute and
+    upload overlapping across consecutive units (a three-machine flow shop: each stage starts
+    when its unit's previous stage and the previous unit's same stage are done), plus one round
+    trip of latency. Exact for the flow shop; O(len(stages))."""
+    d = c = u = 0.0
+    for s in stages:
+        d += s.down
+        c = max(c, d) + s.compute
+        u = max(u, c) + s.up
+    return (u + rtt) if stages else 0.0
+
+
+def pipelined(first: Stage, rest: Stage, count: int, rtt: float = 0.0) -> float:
+    """``pipeline([first] + [rest] * (count - 1), rtt)`` in O(1): the first unit downloads more
+    (blocks the later ones reuse). Each stage's finish time is a max of linear forms in the
+    unit index, so only the end points count."""
+    if count <= 0:
+        return 0.0
+    if count == 1:
+        return first.total + rtt
+    n1 = count - 1
+    d2 = first.down + rest.down  # second download done
+    c1 = first.down + first.compute
+    c2 = max(c1, d2) + rest.compute
+    # C_count = max over the unit j whose download gates the compute chain from j on.
+    cn = max(c2 + (count - 2) * rest.compute, first.down + n1 * rest.down + rest.compute)
+    u1 = c1 + first.up
+    un = max(u1 + n1 * rest.up, c2 + (count - 1) * rest.up, cn + rest.up)
+    return un + rtt
+
+
+# --------------------------------------------------------------------------- the PS
+
+
+def ps_seconds(units: int, verify_flops: float, partial_bytes: float, out_bytes: float, ps: PSProfile) -> float:
+    """PS CPU for a GEMM: per-unit bookkeeping, verifying every unit, writing the result and
+    adding every extra partial block (split reductions) into it."""
+    return units * ps.unit_overhead + verify_flops / ps.verify_flops + (out_bytes + 2 * partial_bytes) / ps.memory_bw
+
+
+def output_tiles_egress_floor(m: int, n: int, k: int, parts: int, itemsize: int) -> float:
+    """Fewest bytes the PS sends for an ``m x k @ k x n`` GEMM cut into ``parts`` output tiles
+    that each keep the full reduction: a tile of ``r x c`` outputs needs ``k (r + c)`` inputs,
+    and ``r + c >= 2 sqrt(r c)``, so the sum over tiles is at least ``2 s k sqrt(P m n)``."""
+    return 2.0 * itemsize * k * math.sqrt(max(1, parts) * m * n)
+
+
+def local_seconds(m: int, n: int, k: int, dtype: str, ps: PSProfile) -> float:
+    """The GEMM on the PS itself: no bytes move, no verification."""
+    rate = ps.flops_per_s(dtype)
+    return 2.0 * m * n * k / rate if rate > 0 else math.inf

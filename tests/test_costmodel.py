@@ -1,0 +1,104 @@
+"""The cost model: hand-computed cases, and the pipeline's closed form against its recurrence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.costmodel import (
+    CostModelError, Profile, PSProfile, Stage, Unit, local_seconds, output_tiles_egress_floor, pipeline, pipelined,
+    ps_seconds, stage,
+)
+
+
+def test_a_unit_counts_its_bytes_flops_and_memory_by_hand() -> None:
+    u = Unit(100, 200, 300, 4)  # C[100 x 200] = A[100 x 300] @ B[300 x 200], float32
+    assert u.flops == 2 * 100 * 200 * 300 == 12_000_000
+    assert u.a_bytes == 120_000 and u.b_bytes == 240_000
+    assert u.down() == 360_000
+    assert u.down(held_a=True) == 240_000 and u.down(held_b=True) == 120_000
+    assert u.down(held_a=True, held_b=True) == 0
+    assert u.up == 80_000  # the result is smaller than the inputs: 100 x 200
+    assert u.memory == 440_000
+    assert u.verify_flops() == 2 * 16 * (100 * 300 + 300 * 200 + 100 * 200)
+
+
+def test_a_stage_divides_bytes_by_links_and_flops_by_the_dtype_rate() -> None:
+    p = Profile({"fp32": 1.0, "bf16": 0.01}, memory=1 << 30, down=1e6, up=2e5, rtt=0.02, overhead=0.001)
+    u = Unit(100, 200, 300, 4)
+    s = stage(u, p, "fp32")
+    assert s.down == pytest.approx(0.36)  # 360 kB at 1 MB/s
+    assert s.compute == pytest.approx(0.012 + 0.001)  # 12 MFLOP at 1 GFLOP/s, plus overhead
+    assert s.up == pytest.approx(0.4)  # 80 kB at 200 kB/s: a thin uplink dominates
+    assert stage(u, p, "bf16").compute == pytest.approx(1.2 + 0.001)  # a slow dtype is priced as slow
+    assert stage(u, p, "fp16").compute == math.inf  # and a missing one never runs
+    assert stage(u, p, "fp32", down_bytes=0).down == 0
+
+
+def test_the_pipeline_overlaps_stages_by_hand() -> None:
+    # Three equal units of (1, 2, 3) s: the upload is the bottleneck, so 1 + 2 + 3 + 2 * 3.
+    s = Stage(1, 2, 3)
+    assert pipeline([s, s, s]) == 12
+    assert pipelined(s, s, 3) == 12
+    # Download-bound: the first compute waits for its download, the last upload follows.
+    d = Stage(5, 1, 1)
+    assert pipeline([d] * 4, rtt=0.5) == 4 * 5 + 1 + 1 + 0.5
+    # A first unit that downloads blocks the others reuse.
+    assert pipelined(Stage(10, 1, 1), Stage(0, 1, 1), 5) == 10 + 5 * 1 + 1
+    assert pipelined(s, s, 0) == pipeline([]) == 0
+
+
+finite = st.floats(min_value=0, max_value=1e3, allow_nan=False)
+stages = st.builds(Stage, finite, finite, finite)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stages, stages, st.integers(min_value=0, max_value=40), finite)
+def test_the_closed_form_equals_the_flow_shop_recurrence(first: Stage, rest: Stage, count: int, rtt: float) -> None:
+    units = ([first] + [rest] * (count - 1)) if count else []
+    assert pipelined(first, rest, count, rtt) == pytest.approx(pipeline(units, rtt), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(stages, min_size=1, max_size=20), stages)
+def test_one_more_unit_never_finishes_sooner(units: list[Stage], extra: Stage) -> None:
+    assert pipeline(units + [extra]) >= pipeline(units)
+
+
+def test_output_tiles_cannot_send_less_than_the_square_bound() -> None:
+    # 1024^3 in 4 square tiles of 512 x 512: each needs 1024 x (512 + 512) inputs, exactly the bound.
+    floor = output_tiles_egress_floor(1024, 1024, 1024, 4, 4)
+    assert floor == 2 * 4 * 1024 * math.sqrt(4 * 1024 * 1024)
+    assert sum(Unit(512, 512, 1024, 4).down() for _ in range(4)) == pytest.approx(floor)
+    # Any other cut of the same output into 4 tiles sends more: 4 row strips of 256 x 1024.
+    assert 4 * Unit(256, 1024, 1024, 4).down() > floor
+
+
+def test_ps_work_and_local_gemms_by_hand() -> None:
+    ps = PSProfile(egress=1e9, ingress=1e9, gflops={"fp32": 10.0}, verify_flops=1e9, unit_overhead=1e-3,
+                   memory_bw=1e9)
+    # 10 units, 2 GFLOP of checks, 100 MB of output and 50 MB of partials to add (read + write).
+    assert ps_seconds(10, 2e9, 50e6, 100e6, ps) == pytest.approx(0.01 + 2.0 + 0.1 + 0.1)
+    assert local_seconds(1000, 1000, 1000, "fp32", ps) == pytest.approx(2e9 / 10e9)
+    assert local_seconds(10, 10, 10, "bf16", ps) == math.inf
+    assert PSProfile.from_link(8.0).egress == 1e9
+
+
+@pytest.mark.parametrize("bad", [
+    dict(gflops={"fp64": 1.0}), dict(gflops={"fp32": -1.0}), dict(down=0.0), dict(up=math.nan), dict(rtt=-1.0),
+    dict(reliability=1.5), dict(session=0.0), dict(memory=-1),
+])
+def test_impossible_profiles_are_refused(bad: dict) -> None:
+    fields = dict(gflops={"fp32": 1.0}, memory=1, down=1.0, up=1.0) | bad
+    with pytest.raises(CostModelError):
+        Profile(**fields)
+
+
+def test_impossible_units_are_refused() -> None:
+    with pytest.raises(CostModelError):
+        Unit(0, 1, 1)
+    with pytest.raises(CostModelError):
+        PSProfile.from_link(0.0)
