@@ -35,12 +35,11 @@ Faults cost only outstanding tiles:
 
 from __future__ import annotations
 
-import heapq
 import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -53,11 +52,12 @@ from coordinator.protocol import (
     Block, Cancel, CloseCode, Code, Credential, Credit, Error, Finished, Heartbeat, Hello, Leave, Message, Pause,
     Release, ReleaseWhy, Result, Resume, Welcome, Work,
 )
+from coordinator.scheduler import Assign, Decision, FaultPolicy, Hold, Overdue, Reclaim, Scheduler, Seat, UnitSpec
 from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm
 from coordinator.verify import freivalds
-from db.store import BANNED, DEADLINE, REVOKED, SPECULATIVE, DeviceInfo, NewTile, Store
+from db.store import BANNED, REVOKED, DeviceInfo, NewTile, Store
 
-__all__ = ["AuthError", "Close", "Core", "FaultPolicy", "Limit", "Outbound", "Send"]
+__all__ = ["AuthError", "Close", "Core", "FaultPolicy", "Hold", "Limit", "Outbound", "Send"]
 
 SHUTDOWN = "coordinator stopped"
 CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
@@ -94,33 +94,6 @@ class Limit:
 Outbound = Send | Close | Limit
 
 
-@dataclass(frozen=True)
-class FaultPolicy:
-    """How long the coordinator waits before it stops trusting a device or a lease."""
-
-    heartbeat: float = 2.0  # seconds between heartbeats each way
-    # A device silent this long is presumed frozen. Generous: a heartbeat queues behind a whole
-    # result frame, and a 16 MB dW partial takes ~15 s on a 1 MB/s home uplink. Frozen devices
-    # cost little meanwhile: their tiles are copied as soon as their deadlines pass.
-    heartbeat_timeout: float = 30.0
-    lease_floor: float = 2.0  # every lease deadline is at least this long
-    lease_factor: float = 4.0  # ... and this many times the device's expected time for the tile
-    max_wait: float = 120.0  # ... of which the expected part is at most this (deadlines are bounded)
-    speculate_after: float = 0.05  # a tile out this long, and 2x what an idle device would need,
-    speculate_factor: float = 2.0  # ... may be copied to that idle device
-    max_copies: int = 2  # open leases of one tile through speculation: the original and one copy
-
-    def __post_init__(self) -> None:
-        if not (0 < self.heartbeat < self.heartbeat_timeout):
-            raise ValueError("need 0 < heartbeat < heartbeat timeout")
-        if self.lease_floor <= 0 or self.lease_factor < 1 or self.max_copies < 1 or self.max_wait <= 0:
-            raise ValueError("lease floor and max wait must be positive, lease factor >= 1, max copies >= 1")
-
-    def window(self, expected: float) -> float:
-        """Seconds from lease to deadline for work expected to take ``expected`` seconds."""
-        return self.lease_floor + self.lease_factor * min(expected, self.max_wait)
-
-
 @dataclass
 class GemmState:
     id: int
@@ -146,36 +119,22 @@ class GemmState:
         return len(self.parts) == len(self.tiles)
 
 
-@dataclass(eq=False)
-class Hold:
-    """One open lease: its deadline (``soft``: late, copy it) and ``hard`` (take it back)."""
-
-    seq: int  # unique per lease: identifies it in the deadline heap
-    leased_at: float
-    soft: float
-    hard: float
-    late: bool = False
-    copied: bool = False  # a copy went out because this one was late
-
-
 @dataclass
 class DeviceState:
     id: int
     identity: int
     name: str
     asked: int  # the most tiles its owner wants in flight
-    slots: int  # the most it may hold now (the coordinator's decision, from its standing)
+    seat: Seat  # the scheduler's view: slots, tiles held, pause, speed
     standing: Standing
     gflops: float  # benchmark at join, then a running estimate from verified tiles
     device: str
     last_seen: float
-    seconds_per_gflop: float  # running estimate of a lease's turnaround (transfer, queue, compute)
     messages: TokenBucket
     releases: TokenBucket
     resends: TokenBucket  # bytes of blocks it may make the coordinator send again
     pauses: TokenBucket
     frame_limit: int  # the largest frame it may send now
-    inflight: dict[int, float] = field(default_factory=dict)  # tile id -> leased at
     cancelled: dict[int, None] = field(default_factory=dict)  # recent cancelled tiles (ordered set)
     blocks: set[str] = field(default_factory=set)  # keys of the blocks the device holds
     namespaces: dict[int, dict[str, int]] = field(default_factory=dict)  # source id -> {key: bytes} held
@@ -193,40 +152,51 @@ class DeviceState:
     credit_sent: float = 0.0
     credit_at: float = 0.0
     big_until: float = 0.0  # until then it may still send a result for a tile it lost
-    nothing_at: int = -1  # the queue version at which it found nothing it may claim
     verified_at: float | None = None  # when its last result was verified
     result_gap: float | None = None  # running estimate of seconds between its verified results
 
     @property
+    def inflight(self) -> dict[int, float]:
+        """Tile id -> when it was leased (the scheduler's record)."""
+        return self.seat.inflight
+
+    @property
+    def slots(self) -> int:
+        return self.seat.slots
+
+    @property
     def free(self) -> int:
-        if self.paused is not None:
-            return 0
-        if self.budget and self.cached_bytes >= self.budget and self.inflight:
-            return 0  # over its memory budget: finish what it has first (never starve it though)
-        return self.slots - len(self.inflight)
+        return self.seat.free
+
+    @property
+    def seconds_per_gflop(self) -> float:
+        """Running estimate of a lease's turnaround (transfer, queue, compute)."""
+        return self.seat.seconds_per_gflop
+
+    @property
+    def full(self) -> bool:
+        return bool(self.budget) and self.cached_bytes >= self.budget
 
     def cancel(self, tile_id: int) -> None:
         """Its copy lost the race or was taken back: a late result is expected and ignored.
         Bounded, since a client that drops a cancelled tile before computing it never answers."""
-        self.inflight.pop(tile_id, None)
         self.cancelled[tile_id] = None
         if len(self.cancelled) > 1024:
             del self.cancelled[next(iter(self.cancelled))]
-
-    def expected(self, flops: int) -> float:
-        return flops / 1e9 * self.seconds_per_gflop
 
     def hold(self, ref: BlockRef) -> None:
         self.blocks.add(ref.key)
         self.namespaces.setdefault(ref.namespace, {})[ref.key] = ref.nbytes
         self.cached_bytes += ref.nbytes
 
-    def drop(self, namespace: int) -> None:
+    def drop(self, namespace: int) -> dict[str, int]:
         keys = self.namespaces.pop(namespace, None)
-        if keys is not None:
-            self.blocks -= keys.keys()
-            self.cached_bytes -= sum(keys.values())
-            self.forget.add(namespace)
+        if keys is None:
+            return {}
+        self.blocks -= keys.keys()
+        self.cached_bytes -= sum(keys.values())
+        self.forget.add(namespace)
+        return keys
 
     def lose(self, ref: BlockRef) -> None:
         self.blocks.discard(ref.key)
@@ -279,17 +249,11 @@ class Core:
         self.gemms: dict[int, GemmState] = {}
         self.sources = Sources()
         self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
-        self._holders: dict[int, dict[int, Hold]] = {}  # outstanding tile -> {device: its lease}
-        self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, hold seq, tile, device)
-        self._late: set[int] = set()  # tiles with a lease past its deadline (a superset: pruned lazily)
-        self._thin: set[int] = set()  # outstanding tiles with fewer open leases than max_copies
-        self._seq = 0
-        self._queue_version = 0  # moves whenever tiles are queued
+        self.sched = Scheduler(self.faults)  # which tile goes to which device, and when
         self._dispatching = False
         self._sweep: list[int] = []  # devices still to look after in this tick round
         self._sweep_at = 0.0
         self._sweep_len = 0
-        self._queued = 0  # mirror of the store's queued count, so idle dispatches cost no query
         self._checked_at = -float("inf")
         self.progress = Progress(steps=store.job(job_id).steps)
         self.finished = False
@@ -332,9 +296,11 @@ class Core:
         # Until it has returned work, assume a device is 4x slower than its own (bounded) claim.
         claim = min(max(hello.gflops, CLAIM_GFLOPS[0]), CLAIM_GFLOPS[1])
         lim = self.limits
+        seat = self.sched.join(device_id, slots=standing.slots(self.trust, asked), seconds_per_gflop=4.0 / claim,
+                               trusted=not standing.on_probation(self.trust), paused=bool(hello.paused))
         dev = DeviceState(
-            device_id, admission.identity, admission.name, asked, standing.slots(self.trust, asked), standing,
-            hello.gflops, hello.device, now, 4.0 / claim, lim.messages.bucket(), standing.budgets[0],
+            device_id, admission.identity, admission.name, asked, seat, standing,
+            hello.gflops, hello.device, now, lim.messages.bucket(), standing.budgets[0],
             standing.budgets[1], lim.pauses.bucket(), lim.idle_frame, budget=hello.block_budget,
         )
         self.devices[device_id] = dev
@@ -371,10 +337,8 @@ class Core:
         held = list(dev.inflight)
         if reason != SHUTDOWN and self._held_long(dev, held, now):
             dev.standing.cut(self.trust, now)  # it is gone already: it just may not come back yet
-        requeued = self.store.release_device(device_id, "released" if graceful else "lost", self._at(now), reason)
-        self._more_queued(len(requeued))
-        for tile_id in held:
-            self._unhold(tile_id, device_id)
+        self.store.release_device(device_id, "released" if graceful else "lost", self._at(now), reason)
+        self.sched.leave(device_id)
         if held and not graceful:
             self.store.credit_device(device_id, lost=len(held), now=self._at(now))
         self.store.set_device_state(device_id, state or "offline", self._at(now), reason)
@@ -408,6 +372,7 @@ class Core:
             if isinstance(msg, Pause):
                 return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
+            self.sched.update(dev.id, paused=False)
             self.store.set_device_state(dev.id, "online", self._at(now))
             return self._dispatch(now)
         if isinstance(msg, Leave):
@@ -484,7 +449,7 @@ class Core:
         slots = dev.standing.slots(self.trust, dev.asked)
         if dev.result_gap is not None and dev.result_gap > 0:
             slots = min(slots, max(1, math.ceil(self.trust.prefetch_seconds / dev.result_gap)))
-        dev.slots = slots
+        self.sched.update(dev.id, slots=slots, trusted=not dev.standing.on_probation(self.trust))
 
     def _lost_tile(self, dev: DeviceState, now: float) -> None:
         """A lease of ``dev`` ended without its result: it may still send one for a while."""
@@ -495,8 +460,7 @@ class Core:
             if dev.cancelled.pop(msg.tile_id, False) is None:  # a copy that lost the race: ignored
                 return []
             return [self._send(dev.id, Error(Code.NOT_LEASED, f"tile {msg.tile_id} is not leased to you; result ignored"), now)]
-        leased_at = dev.inflight.pop(msg.tile_id)
-        self._unhold(msg.tile_id, dev.id)
+        leased_at = dev.inflight[msg.tile_id]
         nbytes = msg.c.numel() * msg.c.element_size()
         dev.bytes_up += nbytes
         gemm = self.gemms[self._tile_gemm[msg.tile_id]]
@@ -508,9 +472,9 @@ class Core:
         self.verify_seconds += time.perf_counter() - started
         out: list[Outbound] = []
         if not verdict.ok:
-            end = self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
+            self.sched.release(msg.tile_id, dev.id, bar=True)
+            self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
             self.store.credit_device(dev.id, rejected=1, now=self._at(now))
-            self._more_queued(end.requeued)
             dev.tiles_rejected += 1
             out.append(self._send(dev.id, Error(Code.REJECTED, f"tile {msg.tile_id} failed verification: {verdict.reason}"), now))
             if dev.standing.rejected(self.trust):
@@ -520,7 +484,8 @@ class Core:
             return out + self._dispatch(now)
         kind = gemm.kind.value
         self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
-        end = self.store.end_lease(msg.tile_id, dev.id, "verified", self._at(now))
+        losers = self.sched.done(msg.tile_id, dev.id)
+        self.store.end_lease(msg.tile_id, dev.id, "verified", self._at(now))
         gflop = tile.flops / 1e9
         self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self._at(now))
         dev.gflop_verified += gflop
@@ -537,11 +502,11 @@ class Core:
             dev.gflops = (1 - EMA) * dev.gflops + EMA * observed if dev.gflops else observed
         if gflop > 0:
             turnaround = (1 - EMA) * dev.seconds_per_gflop + EMA * (now - leased_at) / gflop
-            dev.seconds_per_gflop = min(turnaround, MAX_SECONDS_PER_GFLOP)
+            self.sched.update(dev.id, seconds_per_gflop=min(turnaround, MAX_SECONDS_PER_GFLOP))
         stallers = []
-        for loser in end.cancelled:  # other copies lost the race: tell their devices to drop them
+        for loser in losers:  # other copies lost the race: tell their devices to drop them
             other = self.devices.get(loser)
-            if other is not None and msg.tile_id in other.inflight:
+            if other is not None:
                 other.cancel(msg.tile_id)
                 self._lost_tile(other, now)
                 out.append(self._send(loser, Cancel((msg.tile_id,), "another copy was verified first"), now))
@@ -549,9 +514,6 @@ class Core:
                     stallers.append(other)
                 else:
                     self._regrade(other)
-        self._holders.pop(msg.tile_id, None)
-        self._thin.discard(msg.tile_id)
-        self._late.discard(msg.tile_id)
         gemm.parts[tile.index] = msg.c
         if gemm.done:
             self._complete(gemm, now)
@@ -564,6 +526,7 @@ class Core:
     def _on_pause(self, dev: DeviceState, reason: str, now: float) -> list[Outbound]:
         """The owner needs the machine: its tiles go to others at once; it stays connected."""
         dev.paused = reason
+        self.sched.update(dev.id, paused=True)
         self.store.set_device_state(dev.id, "paused", self._at(now), reason)
         # A paused client keeps its cached blocks: they serve it again once it resumes.
         return self._give_back(dev, tuple(dev.inflight), f"paused: {reason}", now, blocks_lost=False)
@@ -592,15 +555,17 @@ class Core:
         given = 0
         stalled = self._held_long(dev, [t for t in set(tile_ids) if t in dev.inflight], now)
         for tile_id in tile_ids:
-            if dev.inflight.pop(tile_id, None) is None:
+            if tile_id not in dev.inflight:
                 continue  # already finished or re-issued: nothing to give back
             given += 1
-            self._unhold(tile_id, dev.id)
+            self.sched.release(tile_id, dev.id, bar=bar)
             self._lost_tile(dev, now)
-            self._more_queued(self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar).requeued)
+            self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar)
             if blocks_lost:
                 for ref in self._blocks_of(tile_id):
                     dev.lose(ref)
+                    self.sched.drops_blocks(dev.id, (ref.key,))
+                self.sched.update(dev.id, full=dev.full)
         out = self._cut(dev, "it kept giving tiles back near their deadlines", now) if stalled else []
         return out + self._dispatch(now) if given else out  # nothing changed: nothing to dispatch
 
@@ -610,7 +575,7 @@ class Core:
         before their deadlines and then letting go is stalling. True when it must be cut."""
         cut = False
         for tile_id in tile_ids:
-            hold = self._holders.get(tile_id, {}).get(dev.id)
+            hold = self.sched.hold(tile_id, dev.id)
             if hold is not None and now - hold.leased_at > (hold.soft - hold.leased_at) / 2:
                 cut = dev.standing.overtaken(self.trust) or cut
         return cut
@@ -618,6 +583,7 @@ class Core:
     def _complete(self, gemm: GemmState, now: float) -> None:
         result = assemble(gemm.plan, gemm.parts, gemm.a.dtype)
         self.store.finish_gemm(gemm.id, self._at(now))
+        self.sched.drop_gemm(gemm.id)
         for tid in gemm.tiles:
             self._tile_gemm.pop(tid, None)
         # dW is the last reader of its X and dY: their cached pieces can go everywhere.
@@ -630,7 +596,10 @@ class Core:
 
     def _forget(self, namespace: int) -> None:
         for dev in self.devices.values():
-            dev.drop(namespace)
+            keys = dev.drop(namespace)
+            if keys:
+                self.sched.drops_blocks(dev.id, keys)
+                self.sched.update(dev.id, full=dev.full)
 
     def begin_step(self, step: int) -> None:
         """A training step starts: blocks still kept from the last one will not be read again."""
@@ -671,12 +640,12 @@ class Core:
         self.gemms[gemm_id] = gemm
         for tid in ids:
             self._tile_gemm[tid] = gemm_id
-        self._more_queued(len(ids))
+        self.sched.add_gemm(gemm_id, [UnitSpec(tid, gemm_id, nt.a_key, nt.b_key, nt.flops) for tid, nt in zip(ids, new)])
         return gemm_id, self._dispatch(now)
 
     def _dispatch(self, now: float) -> list[Outbound]:
-        """Take back tiles held far past their deadline, lease queued tiles to devices with free
-        slots (one per device per round), then copy late tiles and speculate on stragglers.
+        """Ask the scheduler what to do now and do it: late leases and leases taken back, queued
+        tiles to devices with free slots, then copies of late tiles and stragglers.
 
         Never re-entered: removing a device inside it (a cut) only changes state, and this loop
         picks up what that freed."""
@@ -684,72 +653,42 @@ class Core:
             return []
         self._dispatching = True
         try:
-            out = self._expire(now)
-            out.extend(self._claim(now))
-            if self._holders:
-                out.extend(self._copy_late_tiles(now))
-                if self._queued > 0:  # a late tile was taken back with no copy left out
-                    out.extend(self._claim(now))
+            sched = self.sched
+            out = self._apply(sched.expire(now), now)
+            out.extend(self._apply(sched.assign(now), now))
+            copies = sched.copies(now)
+            if copies:
+                out.extend(self._apply(copies, now))
+                if sched.queued:  # a late tile was taken back with no copy left out
+                    out.extend(self._apply(sched.assign(now), now))
             return out
         finally:
             self._dispatching = False
 
-    def _more_queued(self, count: int) -> None:
-        """Tiles went (back) to the queue: devices that found nothing to claim may look again."""
-        if count:
-            self._queued += count
-            self._queue_version += 1
-
-    def _claim(self, now: float) -> list[Outbound]:
+    def _apply(self, decisions: Iterable[Decision], now: float) -> list[Outbound]:
+        """Carry out decisions one at a time: each may change what the next one sees (a lease
+        fills a device's block budget, a take-back cuts a device)."""
         out: list[Outbound] = []
-        if self._queued <= 0:
-            return out
-        # A device barred from everything queued stays so until the queue changes: not asked again.
-        hungry = [d for d in self.devices.values() if d.free > 0 and d.nothing_at != self._queue_version]
-        while self._queued > 0 and hungry:
-            hungry.sort(key=lambda d: len(d.inflight) / d.slots)
-            still = []
-            for dev in hungry:
-                if self._queued <= 0:
-                    break
-                claimed = self.store.claim_tile(dev.id, sorted(dev.blocks), self._at(now))
-                if claimed is None:
-                    dev.nothing_at = self._queue_version  # everything queued is barred for it
-                    continue
-                self._queued -= 1
-                out.extend(self._lease(dev, claimed.id, now))
-                if dev.free > 0:
-                    still.append(dev)
-            hungry = still
-        return out
-
-    def _expire(self, now: float) -> list[Outbound]:
-        """Deadlines that passed, in order (O(log n) each): a late lease sends its device back to
-        one slot; a lease at twice its deadline is taken back."""
-        out: list[Outbound] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, seq, tile_id, device_id = heapq.heappop(self._deadlines)
-            hold = self._holders.get(tile_id, {}).get(device_id)
-            dev = self.devices.get(device_id)
-            if hold is None or hold.seq != seq or dev is None:
-                continue  # that lease already ended
-            if not hold.late:
-                hold.late = True
-                self._late.add(tile_id)
+        for decision in decisions:
+            dev = self.devices.get(decision.device)
+            if dev is None:
+                continue  # cut earlier in this batch: the scheduler has let its tiles go already
+            if isinstance(decision, Assign):
+                out.extend(self._lease(dev, decision.unit, decision.copy, now))
+            elif isinstance(decision, Overdue):
                 dev.standing.late()
                 self._regrade(dev)
-                heapq.heappush(self._deadlines, (hold.hard, seq, tile_id, device_id))
             else:
-                out.extend(self._take_back(dev, tile_id, now, "held past twice its deadline"))
+                out.extend(self._take_back(dev, decision, now))
         return out
 
-    def _take_back(self, dev: DeviceState, tile_id: int, now: float, reason: str) -> list[Outbound]:
-        """Revoke ``dev``'s lease on a tile; leases taken back in a row cut the device."""
+    def _take_back(self, dev: DeviceState, decision: Reclaim, now: float) -> list[Outbound]:
+        """The scheduler revoked ``dev``'s lease; leases taken back in a row cut the device."""
+        tile_id, reason = decision.unit, decision.reason
         dev.cancel(tile_id)
-        self._unhold(tile_id, dev.id)
         self._lost_tile(dev, now)
         # Barred from the tile: it goes to someone else, never straight back to this device.
-        self._more_queued(self.store.end_lease(tile_id, dev.id, "revoked", self._at(now), reason, bar=True).requeued)
+        self.store.end_lease(tile_id, dev.id, "revoked", self._at(now), reason, bar=True)
         self.store.credit_device(dev.id, revoked=1, now=self._at(now))
         out: list[Outbound] = [self._send(dev.id, Cancel((tile_id,), f"lease taken back: {reason}"), now)]
         if dev.standing.taken_back(self.trust):
@@ -764,88 +703,15 @@ class Core:
         wait = dev.standing.cut(self.trust, now)
         return self._drop(dev, CloseCode.STALLING, f"{why}; come back in {wait:.0f} s", now)
 
-    def _copy_late_tiles(self, now: float) -> list[Outbound]:
-        """Copies for tiles whose lease ran late and, when nothing is queued, for stragglers.
-        O(late tiles) while tiles are queued; O(outstanding tiles) when the queue is empty."""
-        out: list[Outbound] = []
-        self._late &= self._holders.keys()
-        # Candidates: tiles with a late lease, and (nothing queued) tiles short of their copies.
-        candidates = self._late | self._thin if self._queued == 0 else self._late
-        if not candidates:
-            return out
-        # Copies go to the most trusted idle devices first: never hand a straggler's tile to
-        # another newcomer when a proven device is free.
-        idle = sorted((d for d in self.devices.values() if d.free > 0),
-                      key=lambda d: (d.standing.on_probation(self.trust), -d.free))
-        if not idle:
-            return out
-        fastest = min(d.seconds_per_gflop for d in idle)  # per GFLOP, on the quickest idle device
-        f = self.faults
-        for tile_id in sorted(candidates):  # oldest tiles first
-            holders = self._holders.get(tile_id)
-            if not idle or not holders:
-                if not idle:
-                    break
-                continue
-            late = [d for d, h in holders.items() if h.late]
-            fresh = [d for d in late if not holders[d].copied]
-            if fresh:  # each passed deadline buys one copy
-                issued = DEADLINE
-                if len(holders) >= f.max_copies + 1:
-                    # Every copy is out, yet another holder ran late while a device is free: the
-                    # most overdue loses the tile, so no set of devices can hold a tile forever.
-                    victim = self.devices[min(late, key=lambda d: holders[d].soft)]
-                    out.extend(self._take_back(victim, tile_id, now, "late while another device was free"))
-                    idle = [d for d in idle if d.free > 0 and d.id in self.devices]
-                    holders = self._holders.get(tile_id)
-                    if not holders:  # nobody else holds it: it is queued again, for _claim
-                        continue
-            elif not late and self._queued == 0 and len(holders) < f.max_copies:
-                # Copy when the tile has been out much longer than an idle device would need:
-                # a device known to be slow earns no extra patience.
-                flops = self.gemms[self._tile_gemm[tile_id]].tiles[tile_id].flops
-                oldest = min(h.leased_at for h in holders.values())
-                if now - oldest < max(f.speculate_after, f.speculate_factor * fastest * flops / 1e9):
-                    continue
-                issued = SPECULATIVE
-            else:
-                continue
-            for dev in idle:
-                if dev.id in holders or self.store.claim_copy(tile_id, dev.id, issued, self._at(now)) is None:
-                    continue
-                out.extend(self._lease(dev, tile_id, now))
-                for d in fresh:
-                    if d in holders:
-                        holders[d].copied = True
-                break
-            idle = [d for d in idle if d.free > 0 and d.id in self.devices]
-        return out
-
-    def _unhold(self, tile_id: int, device_id: int) -> None:
-        holders = self._holders.get(tile_id)
-        if holders is not None:
-            holders.pop(device_id, None)
-            if not holders:
-                del self._holders[tile_id]
-                self._thin.discard(tile_id)
-            elif len(holders) < self.faults.max_copies:
-                self._thin.add(tile_id)
-
-    def _lease(self, dev: DeviceState, tile_id: int, now: float) -> list[Outbound]:
+    def _lease(self, dev: DeviceState, tile_id: int, copy: str | None, now: float) -> list[Outbound]:
+        """Record the scheduler's lease in the store and send the work."""
+        at = self._at(now)
+        claimed = self.store.lease_tile(tile_id, dev.id, at) if copy is None else \
+            self.store.claim_copy(tile_id, dev.id, copy, at)
+        if claimed is None:  # the scheduler and the store disagree: a bug, never a peer's doing
+            raise RuntimeError(f"store refused the scheduler's lease of tile {tile_id} to device {dev.id}")
         gemm = self.gemms[self._tile_gemm[tile_id]]
         tile = gemm.tiles[tile_id]
-        # Queued behind its other tiles on the device: the deadline allows for them too.
-        window = self.faults.window(dev.expected(tile.flops) * (len(dev.inflight) + 1))
-        self._seq += 1
-        hold = Hold(self._seq, now, now + window, now + 2 * window)
-        holders = self._holders.setdefault(tile_id, {})
-        holders[dev.id] = hold
-        if len(holders) < self.faults.max_copies:
-            self._thin.add(tile_id)
-        else:
-            self._thin.discard(tile_id)
-        heapq.heappush(self._deadlines, (hold.soft, hold.seq, tile_id, dev.id))
-        dev.inflight[tile_id] = now
         out: list[Outbound] = []
         need = gemm.result_bytes(tile) + self.limits.frame_slack
         if need > dev.frame_limit:  # raised before the device can possibly answer
@@ -864,7 +730,10 @@ class Core:
             if ref.key not in dev.blocks:
                 blocks.append(Block(ref.key, ref.wire()))
                 dev.hold(ref)
+                self.sched.holds_block(dev.id, ref.key)
                 dev.bytes_down += ref.nbytes
+        if dev.full:
+            self.sched.update(dev.id, full=True)
         return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget)
 
     # ------------------------------------------------------------------ job

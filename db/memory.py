@@ -249,6 +249,15 @@ class MemoryStore:
         issued = "first" if best.requeue_reason is None else f"requeued after {best.requeue_reason}"
         return self._lease(best, device_id, issued, now)
 
+    def lease_tile(self, tile_id: int, device_id: int, now: float) -> ClaimedTile | None:
+        t = self._tiles.get(tile_id)
+        if t is None or tile_id not in self._queued or device_id in t.barred:
+            return None
+        del self._queued[tile_id]
+        t.state = LEASED
+        issued = "first" if t.requeue_reason is None else f"requeued after {t.requeue_reason}"
+        return self._lease(t, device_id, issued, now)
+
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         if issued not in (SPECULATIVE, DEADLINE):
             raise StoreError(f"a copy is issued as {SPECULATIVE!r} or {DEADLINE!r}, not {issued!r}")

@@ -49,6 +49,14 @@ WHERE id = (
 RETURNING id, gemm_id, idx, a_key, b_key, attempts, requeue_reason
 """
 
+# One named tile, chosen by the scheduler: still queued, and never to a device barred from it.
+_LEASE = """
+UPDATE tiles SET state = 'leased', open_leases = 1, attempts = attempts + 1
+WHERE id = :tile AND state = 'queued'
+  AND NOT EXISTS (SELECT 1 FROM json_each(tiles.barred) WHERE value = :device)
+RETURNING id, gemm_id, idx, a_key, b_key, attempts, requeue_reason
+"""
+
 # One more copy of an outstanding tile, for a device that holds none and never failed it.
 _CLAIM_COPY = """
 UPDATE tiles SET open_leases = open_leases + 1, attempts = attempts + 1
@@ -331,6 +339,16 @@ class SQLiteStore:
     def claim_tile(self, device_id: int, prefer: Sequence[str], now: float) -> ClaimedTile | None:
         with self.atomic() as c:
             row = c.execute(_CLAIM, {"device": device_id, "prefer": json.dumps(list(prefer))}).fetchone()
+            if row is None:
+                return None
+            issued = "first" if row[6] is None else f"requeued after {row[6]}"
+            self._count(row[1], QUEUED, -1)
+            self._count(row[1], LEASED)
+            return self._lease(c, row, device_id, issued, now)
+
+    def lease_tile(self, tile_id: int, device_id: int, now: float) -> ClaimedTile | None:
+        with self.atomic() as c:
+            row = c.execute(_LEASE, {"tile": tile_id, "device": device_id}).fetchone()
             if row is None:
                 return None
             issued = "first" if row[6] is None else f"requeued after {row[6]}"

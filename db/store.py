@@ -241,8 +241,13 @@ class Store(Protocol):
         ...
     def finish_gemm(self, gemm_id: int, now: float) -> None: ...
     def claim_tile(self, device_id: int, prefer: Sequence[str], now: float) -> ClaimedTile | None:
-        """Lease the best queued tile to ``device_id``: one holding the most of the blocks in
+        """(Tests and tools; the coordinator's scheduler picks tiles itself, ``lease_tile``.)
+        Lease the best queued tile to ``device_id``: one holding the most of the blocks in
         ``prefer`` (already on the device), then the oldest. Never a tile the device failed."""
+        ...
+    def lease_tile(self, tile_id: int, device_id: int, now: float) -> ClaimedTile | None:
+        """Lease the queued tile the scheduler chose to ``device_id``; None when it is not queued
+        or the device is barred from it."""
         ...
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         """Lease one more copy of an outstanding tile (speculation, or its deadline passed), unless

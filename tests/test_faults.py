@@ -136,7 +136,7 @@ def test_deadlines_scale_with_the_device_and_its_queue(core: Core) -> None:
     fleet = Fleet(core)
     d = fleet.join("a", slots=2)
     submit(core, fleet, torch.randn(128, 32), torch.randn(32, 64))
-    deadlines = sorted(core._holders[t][d].soft for t in core.devices[d].inflight)
+    deadlines = sorted(core.sched.hold(t, d).soft for t in core.devices[d].inflight)
     assert all(dl >= fleet.now + FAULTS.lease_floor for dl in deadlines)
     assert deadlines[1] > deadlines[0]  # the second tile waits behind the first
 

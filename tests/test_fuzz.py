@@ -706,15 +706,20 @@ class CoreUnderFire(RuleBasedStateMachine):
     def checked_lease(self, lease: Callable[..., list[Outbound]]) -> Callable[..., list[Outbound]]:
         """Wraps Core._lease: at the moment of every lease, the device may take it."""
 
-        def checked(dev: Any, tile_id: int, now: float) -> list[Outbound]:
+        def checked(dev: Any, tile_id: int, copy: str | None, now: float) -> list[Outbound]:
+            # The scheduler has decided (the tile is in the device's books); the store is next.
             assert self.core.devices.get(dev.id) is dev, f"a lease to device {dev.id}, which is gone"
-            assert dev.free > 0, f"device {dev.id} leased tile {tile_id} beyond its {dev.slots} slots"
-            assert tile_id not in dev.inflight
+            assert tile_id in dev.inflight and len(dev.inflight) <= dev.slots, \
+                f"device {dev.id} leased tile {tile_id} beyond its {dev.slots} slots"
+            assert not dev.paused, f"device {dev.id} leased tile {tile_id} while paused"
+            before = [lease for lease in self.store.leases(tile_id) if lease.device_id == dev.id]
+            assert all(lease.ended_at is not None for lease in before), "two open leases for one device"
+            barred = [lease for lease in before if _bars(lease)]
+            assert not barred, f"device {dev.id} leased tile {tile_id} again after {barred[0].outcome}"
+            out = lease(dev, tile_id, copy, now)
             mine = [lease for lease in self.store.leases(tile_id) if lease.device_id == dev.id]
             assert mine and mine[-1].ended_at is None
-            barred = [lease for lease in mine[:-1] if _bars(lease)]
-            assert not barred, f"device {dev.id} leased tile {tile_id} again after {barred[0].outcome}"
-            return lease(dev, tile_id, now)
+            return out
 
         return checked
 
@@ -1102,14 +1107,15 @@ class CoreUnderFire(RuleBasedStateMachine):
         live = core.gemms
         assert {r.id for r in self.records if r.result is None} == set(live), "a GEMM vanished or finished twice"
         assert set(core._tile_gemm) == {t for g in live.values() for t in g.tiles}
-        assert set(core._holders) <= set(core._tile_gemm), "a tile of no live GEMM is held"
+        holding = dict(core.sched.holding())
+        assert set(holding) <= set(core._tile_gemm), "a tile of no live GEMM is held"
         queued = 0
         for g in live.values():
             for tile_id, tile in g.tiles.items():
                 state = store.tile_state(tile_id)
                 leases = store.leases(tile_id)
                 open_ = [lease.device_id for lease in leases if lease.ended_at is None]
-                holders = core._holders.get(tile_id, {})
+                holders = holding.get(tile_id, {})
                 assert len(open_) == len(set(open_)), f"tile {tile_id}: two open leases for one device"
                 assert set(open_) == set(holders), f"tile {tile_id}: store leases {open_} but core holders {holders}"
                 assert set(holders) <= set(core.devices), f"tile {tile_id}: leased to a departed device"
@@ -1130,17 +1136,17 @@ class CoreUnderFire(RuleBasedStateMachine):
         for record in self.records:
             if record.result is not None and not record.settled:
                 for tile_id in record.tiles:
-                    assert store.tile_state(tile_id) == VERIFIED and tile_id not in core._holders
+                    assert store.tile_state(tile_id) == VERIFIED and tile_id not in holding
                     assert all(lease.ended_at is not None for lease in store.leases(tile_id))
                 record.settled = True
-        assert core._queued == queued, f"core counts {core._queued} queued tiles, the store {queued}"
+        assert core.sched.queued == queued, f"core counts {core.sched.queued} queued tiles, the store {queued}"
         counts = store.tile_counts(self.job)
         assert all(v >= 0 for v in counts.values()), counts
         assert counts[QUEUED] == queued
         assert counts[QUEUED] + counts[LEASED] + counts[VERIFIED] == self.tiles_created, counts
         assert set(core.devices) == set(self.devs), "the core and the fleet disagree on who is connected"
         for device_id, dev in core.devices.items():
-            held = {t for t, h in core._holders.items() if device_id in h}
+            held = {t for t, h in holding.items() if device_id in h}
             assert set(dev.inflight) == held
             assert set(self.devs[device_id].pending) == held, f"device {device_id} and the core disagree on its tiles"
             assert len(dev.inflight) <= dev.asked <= core.trust.max_slots
@@ -1255,7 +1261,7 @@ def test_a_lease_given_back_and_leased_again_keeps_its_own_deadline(monkeypatch:
     core.submit(torch.randn(16, 32), torch.randn(32, 16), GemmKind.FORWARD, START, lambda r: None)  # one tile
     (tile,) = core.devices[device].inflight  # its deadline: START + 2
     core.handle(device, Release((tile,), ReleaseWhy.MISSING_BLOCK), START + 1.5)  # given back, leased again
-    second = core._holders[tile][device]
+    second = core.sched.hold(tile, device)
     assert second.soft > START + 3.0
     core.tick(START + 2.1)  # only the first lease's deadline has passed
-    assert not core._holders[tile][device].late
+    assert not core.sched.hold(tile, device).late

@@ -408,7 +408,7 @@ def test_hundreds_of_stallers_cut_in_one_tick_do_not_nest_or_lose_tiles() -> Non
     fleet.now += 10.0  # every hard deadline passed at once: 400 leases taken back, 400 cuts
     fleet.route(core.tick(fleet.now))
     assert sum(code == CloseCode.STALLING for code in fleet.closed.values()) == 400 and not core.devices
-    assert core.status(fleet.now)["tiles"]["queued"] == tiles and not core._holders
+    assert core.status(fleet.now)["tiles"]["queued"] == tiles and not dict(core.sched.holding())
 
 
 def test_cutting_a_loser_while_settling_a_tile_keeps_the_result() -> None:
@@ -432,7 +432,7 @@ def test_cutting_a_loser_while_settling_a_tile_keeps_the_result() -> None:
     fleet.now += 10.0  # past every deadline, but nothing has ticked yet
     fleet.drain()
     assert "result" in box and fleet.closed.get(s1) == fleet.closed.get(s2) == CloseCode.STALLING
-    assert core.store.tile_state(tile) == "verified" and not core._holders
+    assert core.store.tile_state(tile) == "verified" and not dict(core.sched.holding())
 
 
 def test_a_device_that_claims_lost_blocks_over_and_over_is_cut() -> None:

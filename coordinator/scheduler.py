@@ -1,0 +1,601 @@
+"""Which unit goes to which device, and when: the coordinator's scheduling decisions, pure.
+
+No tensors, no verification, no store, no clock: units are symbolic (an id, its GEMM, the keys of
+its two input blocks, its FLOPs and the device the plan meant it for), devices are seats (slots,
+speed, trust, the blocks they hold), and ``now`` comes in with every call. ``Core`` (the data
+plane: tensors, verification, assembly, the store) and the simulator drive the same object, in
+the spirit of Flower's ``Strategy`` and websockets' sans-I/O protocol.
+
+Decisions come out as values, and the scheduler's own state already reflects them:
+
+* ``Assign(device, unit, copy)``: lease ``unit`` to ``device`` (``copy`` says why a second holder);
+* ``Overdue(device, unit)``: that lease just passed its deadline (the device's standing suffers);
+* ``Reclaim(device, unit, reason)``: that lease is taken back; the device is barred from the unit.
+
+Queue: every queued unit waits in its planned owner's own queue, or in the shared one when it
+has none (no plan, or its owner went away). A device takes from its own queue first, then the
+shared one, then steals from the tail of the longest own queue (the units its owner would reach
+last, so the owner keeps the blocks it is about to reuse). A unit with no planned owner goes to a
+connected device that already holds its input blocks: dW finds the X and dY pieces that forward
+and dX left on devices (docs/architecture.md, "block reuse").
+
+Cost per message (docs/cost-model.md, "The scheduler"): with P devices and U outstanding units,
+every decision is O(1) or O(log U) (the deadline heap, the steal heap); a dispatch does work in
+proportion to the leases it makes, plus at most ``scan`` looks at units or devices that could not
+be used. Nothing scans every device or every outstanding unit. ``bench/bench_scheduler.py``
+measures it at 10,000 virtual devices.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from itertools import islice
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+SPECULATIVE, DEADLINE = "speculative", "deadline passed"  # why a copy went out (the store's words)
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    """How long the coordinator waits before it stops trusting a device or a lease."""
+
+    heartbeat: float = 2.0  # seconds between heartbeats each way
+    # A device silent this long is presumed frozen. Generous: a heartbeat queues behind a whole
+    # result frame, and a 16 MB dW partial takes ~15 s on a 1 MB/s home uplink. Frozen devices
+    # cost little meanwhile: their tiles are copied as soon as their deadlines pass.
+    heartbeat_timeout: float = 30.0
+    lease_floor: float = 2.0  # every lease deadline is at least this long
+    lease_factor: float = 4.0  # ... and this many times the device's expected time for the tile
+    max_wait: float = 120.0  # ... of which the expected part is at most this (deadlines are bounded)
+    speculate_after: float = 0.05  # a tile out this long, and 2x what an idle device would need,
+    speculate_factor: float = 2.0  # ... may be copied to that idle device
+    max_copies: int = 2  # open leases of one tile through speculation: the original and one copy
+
+    def __post_init__(self) -> None:
+        if not (0 < self.heartbeat < self.heartbeat_timeout):
+            raise ValueError("need 0 < heartbeat < heartbeat timeout")
+        if self.lease_floor <= 0 or self.lease_factor < 1 or self.max_copies < 1 or self.max_wait <= 0:
+            raise ValueError("lease floor and max wait must be positive, lease factor >= 1, max copies >= 1")
+
+    def window(self, expected: float) -> float:
+        """Seconds from lease to deadline for work expected to take ``expected`` seconds."""
+        return self.lease_floor + self.lease_factor * min(expected, self.max_wait)
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class Assign:
+    device: int
+    unit: int
+    copy: str | None = None  # None: from the queue; DEADLINE or SPECULATIVE: another holder's copy
+
+
+@dataclass(frozen=True)
+class Overdue:
+    device: int
+    unit: int
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    device: int
+    unit: int
+    reason: str
+
+
+Decision = Assign | Overdue | Reclaim
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A unit as the scheduler sees it: no tensors, only what a decision needs."""
+
+    id: int
+    gemm: int
+    a: str  # key of its A block
+    b: str  # key of its B block
+    flops: int
+    owner: int | None = None  # the device the plan meant it for; None: whoever is free
+
+
+@dataclass(eq=False)
+class Hold:
+    """One open lease: its deadline (``soft``: late, copy it) and ``hard`` (take it back)."""
+
+    seq: int  # unique per lease: identifies it in the deadline heap
+    leased_at: float
+    soft: float
+    hard: float
+    late: bool = False
+    copied: bool = False  # a copy went out because this one was late
+
+
+@dataclass(eq=False)
+class _Unit:
+    spec: UnitSpec
+    home: int | None = None  # whose own queue it waits in (None: the shared queue)
+    queued: bool = True
+    first_leased: float | None = None
+    holders: dict[int, Hold] = field(default_factory=dict)
+    barred: set[int] = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Seat:
+    """A device as the scheduler sees it."""
+
+    id: int
+    slots: int  # the most units it may hold now (the data plane's decision, from its standing)
+    seconds_per_gflop: float  # expected turnaround of a lease, per GFLOP
+    trusted: bool = True  # off probation: copies of late units go to trusted devices first
+    paused: bool = False
+    full: bool = False  # its block budget is spent: it finishes what it holds first
+    inflight: dict[int, float] = field(default_factory=dict)  # unit -> leased at
+    own: deque[int] = field(default_factory=deque)  # planned units waiting for it (lazily pruned)
+    own_count: int = 0  # of which still queued and still its own
+    blocks: set[str] = field(default_factory=set)  # keys of the blocks it holds
+    nothing_at: int = -1  # queue version at which it found nothing it may take
+
+    @property
+    def free(self) -> int:
+        if self.paused or (self.full and self.inflight):
+            return 0  # over its memory budget: finish what it has first (never starve it though)
+        return self.slots - len(self.inflight)
+
+    def expected(self, flops: int) -> float:
+        return flops / 1e9 * self.seconds_per_gflop
+
+
+class Scheduler:
+    """Queue, leases, deadlines and copies over symbolic units and seats."""
+
+    def __init__(self, faults: FaultPolicy | None = None, *, scan: int = 64) -> None:
+        self.faults = faults or FaultPolicy()
+        self.scan = scan  # looks at unusable units or devices per dispatch phase, at most
+        self.seats: dict[int, Seat] = {}
+        self.units: dict[int, _Unit] = {}  # units of live GEMMs that are not done
+        self._gemm_units: dict[int, list[int]] = {}
+        self._shared: deque[int] = deque()  # queued units with no home (lazily pruned)
+        self._queued = 0
+        self.version = 0  # moves whenever units are queued: devices that found nothing look again
+        self._ready: OrderedDict[int, None] = OrderedDict()  # seats with a free slot, FIFO
+        self._blocked: list[int] = []  # free seats that found nothing at the current version
+        self._steal: list[tuple[int, int]] = []  # heap (-own_count, seat), lazily updated
+        self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, hold seq, unit, seat)
+        self._late: OrderedDict[int, None] = OrderedDict()  # units with a late, uncopied lease
+        self._thin: OrderedDict[int, None] = OrderedDict()  # outstanding units short of their copies
+        self._holders_of: dict[str, set[int]] = {}  # block key -> seats holding it
+        self._seq = 0
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    @property
+    def outstanding(self) -> int:
+        """Units leased to at least one device."""
+        return sum(1 for _ in self.holding())
+
+    def holding(self) -> Iterable[tuple[int, dict[int, Hold]]]:
+        return ((uid, u.holders) for uid, u in self.units.items() if u.holders)
+
+    def holders(self, unit: int) -> dict[int, Hold]:
+        u = self.units.get(unit)
+        return u.holders if u is not None else {}
+
+    def hold(self, unit: int, device: int) -> Hold | None:
+        return self.holders(unit).get(device)
+
+    # ------------------------------------------------------------------ devices
+
+    def join(self, device: int, *, slots: int, seconds_per_gflop: float, trusted: bool = True,
+             paused: bool = False) -> Seat:
+        seat = Seat(device, slots, seconds_per_gflop, trusted, paused)
+        self.seats[device] = seat
+        self._refresh(seat)
+        return seat
+
+    def leave(self, device: int) -> list[int]:
+        """A device is gone: its leases end (their units queue again unless another device holds
+        them), its planned units go to the shared queue. Returns the units it held."""
+        seat = self.seats.pop(device, None)
+        if seat is None:
+            return []
+        self._ready.pop(device, None)
+        held = list(seat.inflight)
+        for uid in held:
+            self._end(uid, device, bar=False)
+        for uid in seat.own:
+            u = self.units.get(uid)
+            if u is not None and u.queued and u.home == device:
+                u.home = None
+                self._shared.appendleft(uid)
+        for key in seat.blocks:
+            holders = self._holders_of.get(key)
+            if holders is not None:
+                holders.discard(device)
+                if not holders:
+                    del self._holders_of[key]
+        if seat.own_count:
+            self._moved()
+        return held
+
+    def update(self, device: int, *, slots: int | None = None, seconds_per_gflop: float | None = None,
+               trusted: bool | None = None, paused: bool | None = None, full: bool | None = None) -> None:
+        seat = self.seats.get(device)
+        if seat is None:
+            return
+        if slots is not None:
+            seat.slots = slots
+        if seconds_per_gflop is not None:
+            seat.seconds_per_gflop = seconds_per_gflop
+        if trusted is not None:
+            seat.trusted = trusted
+        if paused is not None:
+            seat.paused = paused
+        if full is not None:
+            seat.full = full
+        self._refresh(seat)
+
+    def holds_block(self, device: int, key: str) -> None:
+        seat = self.seats.get(device)
+        if seat is not None and key not in seat.blocks:
+            seat.blocks.add(key)
+            self._holders_of.setdefault(key, set()).add(device)
+
+    def drops_blocks(self, device: int, keys: Iterable[str]) -> None:
+        seat = self.seats.get(device)
+        if seat is None:
+            return
+        for key in keys:
+            if key in seat.blocks:
+                seat.blocks.discard(key)
+                holders = self._holders_of.get(key)
+                if holders is not None:
+                    holders.discard(device)
+                    if not holders:
+                        del self._holders_of[key]
+
+    def _refresh(self, seat: Seat) -> None:
+        if seat.id not in self.seats:
+            return
+        if seat.free > 0:
+            if seat.id not in self._ready and seat.nothing_at != self.version:
+                self._ready[seat.id] = None
+        else:
+            self._ready.pop(seat.id, None)
+
+    # ------------------------------------------------------------------ work
+
+    def add_gemm(self, gemm: int, units: Sequence[UnitSpec]) -> None:
+        """Queue a GEMM's units. A unit's owner is the plan's device if it is connected, else a
+        connected device already holding both of its blocks (or one), else nobody."""
+        ids = []
+        homes: set[int] = set()
+        for spec in units:
+            u = _Unit(spec)
+            self.units[spec.id] = u
+            ids.append(spec.id)
+            home = spec.owner if spec.owner in self.seats else self._affinity(spec)
+            self._enqueue(u, home)
+            if home is not None:
+                homes.add(home)
+        self._gemm_units[gemm] = ids
+        if len(self._steal) > 2 * len(self.seats) + 64:  # stale entries: rebuild, O(P) amortised
+            self._steal = [(-s.own_count, d) for d, s in self.seats.items() if s.own_count > 0]
+            heapq.heapify(self._steal)
+        for home in homes:
+            heapq.heappush(self._steal, (-self.seats[home].own_count, home))
+        self._moved()
+
+    def drop_gemm(self, gemm: int) -> None:
+        """The GEMM is done (or abandoned): forget its units."""
+        for uid in self._gemm_units.pop(gemm, ()):
+            u = self.units.pop(uid, None)
+            if u is None:
+                continue
+            if u.queued:
+                self._queued -= 1
+                self._own_less(u)
+            for device in u.holders:
+                seat = self.seats.get(device)
+                if seat is not None:
+                    seat.inflight.pop(uid, None)
+                    self._refresh(seat)
+            self._late.pop(uid, None)
+            self._thin.pop(uid, None)
+
+    def _affinity(self, spec: UnitSpec) -> int | None:
+        a, b = self._holders_of.get(spec.a, set()), self._holders_of.get(spec.b, set())
+        both = a & b if len(a) <= len(b) else b & a
+        pool = both or a or b
+        if not pool:
+            return None
+        # The least loaded holder; ties by id so the choice does not depend on set order.
+        return min(pool, key=lambda d: (self.seats[d].own_count, d))
+
+    def _enqueue(self, u: _Unit, home: int | None, *, front: bool = False) -> None:
+        u.queued = True
+        u.home = home
+        self._queued += 1
+        if home is None:
+            if front:
+                self._shared.appendleft(u.spec.id)
+            else:
+                self._shared.append(u.spec.id)
+            return
+        seat = self.seats[home]
+        seat.own.append(u.spec.id)
+        seat.own_count += 1
+
+    def _own_less(self, u: _Unit) -> None:
+        if u.home is not None:
+            seat = self.seats.get(u.home)
+            if seat is not None:
+                seat.own_count -= 1
+
+    def _moved(self) -> None:
+        """Units were queued: devices that found nothing look again."""
+        self.version += 1
+        for device in self._blocked:
+            seat = self.seats.get(device)
+            if seat is not None:
+                self._refresh(seat)
+        self._blocked.clear()
+
+    # ------------------------------------------------------------------ leases
+
+    def _lease(self, seat: Seat, uid: int, now: float) -> None:
+        u = self.units[uid]
+        # Queued behind its other units on the device: the deadline allows for them too.
+        window = self.faults.window(seat.expected(u.spec.flops) * (len(seat.inflight) + 1))
+        self._seq += 1
+        hold = Hold(self._seq, now, now + window, now + 2 * window)
+        u.holders[seat.id] = hold
+        if u.first_leased is None:
+            u.first_leased = now
+        if len(u.holders) < self.faults.max_copies:
+            self._thin.setdefault(uid, None)
+        else:
+            self._thin.pop(uid, None)
+        heapq.heappush(self._deadlines, (hold.soft, hold.seq, uid, seat.id))
+        seat.inflight[uid] = now
+        self._refresh(seat)
+
+    def _end(self, uid: int, device: int, *, bar: bool) -> bool:
+        """``device``'s lease of ``uid`` ends without a result. True if the unit queued again."""
+        u = self.units.get(uid)
+        seat = self.seats.get(device)
+        if seat is not None:
+            seat.inflight.pop(uid, None)
+            self._refresh(seat)
+        if u is None or u.holders.pop(device, None) is None:
+            return False
+        if bar:
+            u.barred.add(device)
+        if u.holders:
+            if len(u.holders) < self.faults.max_copies:
+                self._thin.setdefault(uid, None)
+            return False
+        self._thin.pop(uid, None)
+        self._late.pop(uid, None)
+        # Its planned home had its chance: whoever is free next, before anything newer (it has
+        # waited longest, and its GEMM cannot finish without it).
+        self._enqueue(u, None, front=True)
+        self._moved()
+        return True
+
+    def release(self, unit: int, device: int, *, bar: bool = False) -> bool:
+        """The device gave the unit back, failed it, or lost it to a reject (``bar``: never to
+        it again). True if the unit is queued again."""
+        return self._end(unit, device, bar=bar)
+
+    def done(self, unit: int, device: int) -> list[int]:
+        """``device``'s result for ``unit`` was verified: every other holder loses the race.
+        Returns those devices (they are told to drop it)."""
+        u = self.units.pop(unit, None)
+        if u is None:
+            return []
+        losers = [d for d in u.holders if d != device]
+        for d in u.holders:
+            seat = self.seats.get(d)
+            if seat is not None:
+                seat.inflight.pop(unit, None)
+                self._refresh(seat)
+        u.holders.clear()
+        self._late.pop(unit, None)
+        self._thin.pop(unit, None)
+        return losers
+
+    # ------------------------------------------------------------------ dispatch
+
+    def expire(self, now: float) -> list[Decision]:
+        """Deadlines that passed, in order (O(log U) each): a late lease is ``Overdue`` (and
+        buys a copy); a lease at twice its deadline is taken back."""
+        out: list[Decision] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, seq, uid, device = heapq.heappop(self._deadlines)
+            u = self.units.get(uid)
+            hold = u.holders.get(device) if u is not None else None
+            if hold is None or hold.seq != seq or device not in self.seats:
+                continue  # that lease already ended
+            if not hold.late:
+                hold.late = True
+                self._late[uid] = None
+                heapq.heappush(self._deadlines, (hold.hard, seq, uid, device))
+                out.append(Overdue(device, uid))
+            else:
+                self._end(uid, device, bar=True)  # it goes to someone else, never straight back
+                out.append(Reclaim(device, uid, "held past twice its deadline"))
+        return out
+
+    def assign(self, now: float) -> Iterator[Assign]:
+        """Lease queued units to devices with free slots, one per device per round (FIFO). A
+        generator: the caller acts on each lease (which may fill a device's block budget, see
+        ``update``) before the next is decided."""
+        misses = 0
+        while self._queued > 0 and self._ready:
+            device = next(iter(self._ready))
+            seat = self.seats[device]
+            uid = self._take(seat)
+            if uid is None:
+                seat.nothing_at = self.version  # everything queued is barred for it
+                self._ready.pop(device)
+                self._blocked.append(device)
+                misses += 1
+                if misses > self.scan:
+                    break
+                continue
+            self._ready.move_to_end(device)  # before the lease, which may take it off the list
+            self._lease(seat, uid, now)
+            yield Assign(device, uid)
+
+    def _take(self, seat: Seat) -> int | None:
+        """The next unit for ``seat``: its own, else the shared queue's, else a steal."""
+        while seat.own:
+            uid = seat.own.popleft()
+            u = self.units.get(uid)
+            if u is not None and u.queued and u.home == seat.id:
+                return self._dequeue(u)
+        looked = 0
+        skipped: list[int] = []
+        found = None
+        while self._shared and looked < self.scan:
+            uid = self._shared.popleft()
+            u = self.units.get(uid)
+            if u is None or not u.queued or u.home is not None:
+                continue  # stale: done, dropped, or already taken
+            if seat.id in u.barred:
+                skipped.append(uid)
+                looked += 1
+                continue
+            found = self._dequeue(u)
+            break
+        self._shared.extendleft(reversed(skipped))
+        if found is not None:
+            return found
+        return self._steal_for(seat)
+
+    def _steal_for(self, seat: Seat) -> int | None:
+        """The last unit of the longest own queue (lazy heap: stale entries are skipped)."""
+        looked = 0
+        while self._steal and looked < self.scan:
+            neg, victim = self._steal[0]
+            other = self.seats.get(victim)
+            if other is None or other.own_count <= 0 or -neg != other.own_count:
+                heapq.heappop(self._steal)
+                if other is not None and other.own_count > 0:
+                    heapq.heappush(self._steal, (-other.own_count, victim))
+                    looked += 1
+                continue
+            # The victim keeps what it would reach first; this device takes from the tail.
+            while other.own:
+                uid = other.own.pop()
+                u = self.units.get(uid)
+                if u is None or not u.queued or u.home != victim:
+                    continue
+                if seat.id in u.barred or victim == seat.id:
+                    other.own.append(uid)
+                    return None
+                found = self._dequeue(u)
+                heapq.heappop(self._steal)
+                if other.own_count > 0:
+                    heapq.heappush(self._steal, (-other.own_count, victim))
+                return found
+            other.own_count = 0
+            heapq.heappop(self._steal)
+        return None
+
+    def _dequeue(self, u: _Unit) -> int:
+        u.queued = False
+        self._queued -= 1
+        self._own_less(u)
+        u.home = None
+        return u.spec.id
+
+    def copies(self, now: float) -> list[Decision]:
+        """Copies for units whose lease ran late and, when nothing is queued, for stragglers:
+        to free devices, trusted ones first. When every copy slot of a late unit is taken, its
+        most overdue holder loses it, so no set of devices can hold a unit forever."""
+        out: list[Decision] = []
+        if not self._ready or (not self._late and (self._queued or not self._thin)):
+            return out
+        f = self.faults
+        looked = 0
+        for uid in list(islice(self._late, self.scan)):
+            if looked >= self.scan or not self._ready:
+                break
+            looked += 1
+            u = self.units.get(uid)
+            if u is None or not u.holders:
+                self._late.pop(uid, None)
+                continue
+            late = [d for d, h in u.holders.items() if h.late]
+            fresh = [d for d in late if not u.holders[d].copied]
+            if not fresh:
+                self._late.pop(uid, None)
+                continue
+            seat = self._idle_for(u)
+            if seat is None:
+                continue
+            if len(u.holders) >= f.max_copies + 1:
+                victim = min(late, key=lambda d: u.holders[d].soft)
+                self._end(uid, victim, bar=True)
+                out.append(Reclaim(victim, uid, "late while another device was free"))
+                if not u.holders:  # nobody else holds it: it is queued again, for assign
+                    continue
+            for d in fresh:
+                if d in u.holders:
+                    u.holders[d].copied = True
+            self._late.pop(uid, None)
+            self._lease(seat, uid, now)
+            out.append(Assign(seat.id, uid, DEADLINE))
+        if self._queued or not self._thin:
+            return out
+        # Nothing queued: copy the oldest units that have been out much longer than a free
+        # device would need (a device known to be slow earns no extra patience).
+        looked = 0
+        for uid in list(islice(self._thin, self.scan)):
+            if looked >= self.scan or not self._ready:
+                break
+            looked += 1
+            u = self.units.get(uid)
+            if u is None or not u.holders or len(u.holders) >= f.max_copies:
+                self._thin.pop(uid, None)
+                continue
+            if any(h.late for h in u.holders.values()):
+                continue  # a late lease is copied by the rule above
+            seat = self._idle_for(u)
+            if seat is None:
+                continue
+            oldest = min(h.leased_at for h in u.holders.values())
+            if now - oldest < max(f.speculate_after, f.speculate_factor * seat.expected(u.spec.flops)):
+                break  # younger units come later in this order
+            self._lease(seat, uid, now)
+            out.append(Assign(seat.id, uid, SPECULATIVE))
+        return out
+
+    def _idle_for(self, u: _Unit) -> Seat | None:
+        """A free device that neither holds nor is barred from ``u``: trusted first, then the
+        longest free. Bounded: at most ``scan`` devices are looked at."""
+        best: Seat | None = None
+        for i, device in enumerate(self._ready):
+            if i >= self.scan:
+                break
+            seat = self.seats[device]
+            if device in u.holders or device in u.barred:
+                continue
+            if best is None or (seat.trusted, seat.free) > (best.trusted, best.free):
+                best = seat
+                if seat.trusted:
+                    break
+        return best

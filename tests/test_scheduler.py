@@ -1,0 +1,276 @@
+"""The pure scheduler: queue, owners, stealing, deadlines, copies; and its books under random
+fleets (hypothesis state machine). No tensors, no store, no clock."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from coordinator.scheduler import DEADLINE, SPECULATIVE, Assign, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
+
+FAULTS = FaultPolicy(lease_floor=1.0, lease_factor=2.0, speculate_after=0.5, speculate_factor=2.0)
+
+
+def units(gemm: int, count: int, *, start: int = 0, flops: int = 10**9, owner: int | None = None,
+          keys: tuple[str, str] | None = None) -> list[UnitSpec]:
+    return [UnitSpec(start + i, gemm, keys[0] if keys else f"a{gemm}.{i}", keys[1] if keys else f"b{gemm}.{i}",
+                     flops, owner) for i in range(count)]
+
+
+def assigned(sched: Scheduler, now: float = 0.0) -> list[tuple[int, int]]:
+    return [(a.device, a.unit) for a in sched.assign(now)]
+
+
+def test_units_go_first_to_their_planned_owner_and_free_devices_steal_from_the_tail() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=0.1)
+    s.join(2, slots=1, seconds_per_gflop=0.1)
+    s.add_gemm(7, units(7, 4, owner=1))
+    got = dict(assigned(s))
+    assert got[1] == 0  # its own queue, in order
+    assert got[2] == 3  # a steal takes the unit the owner would reach last
+    assert s.queued == 2
+    assert s.done(0, 1) == []
+    assert assigned(s) == [(1, 1)]
+    s.done(3, 2)
+    assert assigned(s) == [(2, 2)]
+
+
+def test_a_unit_without_an_owner_goes_to_a_device_holding_its_blocks() -> None:
+    s = Scheduler(FAULTS)
+    for d in (1, 2, 3):
+        s.join(d, slots=1, seconds_per_gflop=0.1, paused=True)
+    s.holds_block(2, "x")
+    s.holds_block(3, "x")
+    s.holds_block(3, "y")
+    s.add_gemm(1, [UnitSpec(10, 1, "x", "y", 100), UnitSpec(11, 1, "x", "z", 100), UnitSpec(12, 1, "p", "q", 100)])
+    for d in (1, 2, 3):
+        s.update(d, paused=False)
+    got = {unit: device for device, unit in assigned(s)}
+    assert got[10] == 3  # it holds both blocks
+    assert got[11] == 2  # a holder of one block (3 already has its own)
+    assert got[12] == 1  # nobody holds them: the shared queue
+
+
+def test_a_device_that_leaves_loses_only_its_leases_and_its_planned_units_go_to_others() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=2, seconds_per_gflop=0.1)
+    s.add_gemm(1, units(1, 5, owner=1))
+    assert len(assigned(s)) == 2
+    assert sorted(s.leave(1)) == [0, 1]
+    assert s.queued == 5
+    s.join(2, slots=5, seconds_per_gflop=0.1)
+    assert sorted(u for _, u in assigned(s)) == [0, 1, 2, 3, 4]
+    assert s.queued == 0
+
+
+def test_a_released_unit_is_first_in_line_and_a_barred_device_never_gets_it_again() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=0.1)
+    s.add_gemm(1, units(1, 3))
+    assert assigned(s) == [(1, 0)]
+    assert s.release(0, 1, bar=True)
+    assert assigned(s) == [(1, 1)]  # not 0: barred
+    s.join(2, slots=1, seconds_per_gflop=0.1)
+    assert assigned(s) == [(2, 0)]  # the released unit before the newer one
+
+
+def test_a_device_barred_from_everything_queued_is_not_asked_again_until_the_queue_changes() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=0.1)
+    s.add_gemm(1, units(1, 1))
+    assigned(s)
+    s.release(0, 1, bar=True)
+    assert assigned(s) == [] and 1 not in s._ready
+    s.add_gemm(2, units(2, 1, start=5))
+    assert assigned(s) == [(1, 5)]
+
+
+def test_deadlines_pass_in_order_overdue_first_then_taken_back_at_twice() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=1.0)  # 1 GFLOP unit: expects 1 s, deadline 1 + 2 * 1 = 3 s
+    s.add_gemm(1, units(1, 1))
+    assigned(s)
+    hold = s.hold(0, 1)
+    assert (hold.soft, hold.hard) == (3.0, 6.0)
+    assert s.expire(2.9) == []
+    assert s.expire(3.0) == [Overdue(1, 0)]
+    assert s.expire(6.0) == [Reclaim(1, 0, "held past twice its deadline")]
+    assert s.queued == 1 and not s.holders(0)
+    assert assigned(s, 6.0) == []  # barred from it
+
+
+def test_a_late_unit_is_copied_to_a_trusted_free_device_first() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=1.0)
+    s.add_gemm(1, units(1, 1))
+    assigned(s)
+    s.join(2, slots=1, seconds_per_gflop=1.0, trusted=False)
+    s.join(3, slots=1, seconds_per_gflop=1.0, trusted=True)
+    s.expire(3.0)
+    assert s.copies(3.0) == [Assign(3, 0, DEADLINE)]
+    assert s.hold(0, 1).copied
+    assert s.copies(3.1) == []  # one copy per passed deadline
+
+
+def test_when_every_copy_slot_is_taken_the_most_overdue_holder_loses_the_unit() -> None:
+    s = Scheduler(FaultPolicy(lease_floor=1.0, lease_factor=1.0, max_copies=1))
+    s.join(1, slots=1, seconds_per_gflop=1.0)
+    s.add_gemm(1, units(1, 1))
+    assigned(s)
+    s.join(2, slots=1, seconds_per_gflop=0.5)
+    s.expire(2.0)  # 1's deadline (1 + 1 s; taken back at 4 s)
+    assert s.copies(2.0) == [Assign(2, 0, DEADLINE)]  # 2's deadline: 2 + 1.5 s
+    s.join(3, slots=1, seconds_per_gflop=1.0)
+    s.expire(3.9)
+    decisions = s.copies(3.9)
+    assert decisions[0] == Reclaim(1, 0, "late while another device was free")
+    assert decisions[1] == Assign(3, 0, DEADLINE)
+
+
+def test_stragglers_are_copied_only_when_nothing_is_queued_and_they_are_old_enough() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=10.0)  # slow: its deadline is far
+    s.add_gemm(1, units(1, 1))
+    assigned(s)
+    s.join(2, slots=1, seconds_per_gflop=0.1)  # a free fast device: expects 0.1 s, copies after 0.5 s
+    assert s.copies(0.4) == []
+    assert s.copies(0.6) == [Assign(2, 0, SPECULATIVE)]
+    assert s.done(0, 2) == [1]  # the slow holder lost the race
+    assert not s.units and not s.seats[1].inflight
+
+
+def test_paused_and_full_devices_get_nothing_new() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=2, seconds_per_gflop=0.1, paused=True)
+    s.add_gemm(1, units(1, 3))
+    assert assigned(s) == []
+    s.update(1, paused=False)
+    got = s.assign(0.0)
+    assert next(got) == Assign(1, 0)
+    s.update(1, full=True)  # its block budget filled with that lease: it finishes it first
+    assert list(got) == []
+    s.done(0, 1)
+    assert assigned(s) == [(1, 1)]  # never starved: with nothing held it gets one
+
+
+def test_dropping_a_gemm_forgets_its_units() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=0.1)
+    s.add_gemm(1, units(1, 3))
+    assigned(s)
+    s.drop_gemm(1)
+    assert s.queued == 0 and not s.units and not s.seats[1].inflight
+    assert assigned(s) == []
+
+
+# --------------------------------------------------------------------------- random fleets
+
+
+class Books(RuleBasedStateMachine):
+    """Random joins, leaves, results, releases, pauses and time; the books always balance and the
+    scheduler is work-conserving."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = Scheduler(FaultPolicy(lease_floor=1.0, lease_factor=2.0, max_copies=2), scan=1000)
+        self.now = 0.0
+        self.next_device = 1
+        self.next_unit = 0
+        self.next_gemm = 1
+        self.done: set[int] = set()
+        self.barred: dict[int, set[int]] = {}
+
+    def _act(self, decisions) -> None:
+        for d in decisions:
+            if isinstance(d, Assign):
+                assert d.device not in self.barred.get(d.unit, set()), "a barred device got the unit"
+                assert d.unit not in self.done
+            elif isinstance(d, Reclaim):
+                self.barred.setdefault(d.unit, set()).add(d.device)
+
+    def _dispatch(self) -> None:
+        self._act(self.s.expire(self.now))
+        self._act(self.s.assign(self.now))
+        self._act(self.s.copies(self.now))
+        self._act(self.s.assign(self.now))
+
+    @rule(slots=st.integers(1, 3), speed=st.floats(0.01, 5.0), trusted=st.booleans())
+    def join(self, slots: int, speed: float, trusted: bool) -> None:
+        self.s.join(self.next_device, slots=slots, seconds_per_gflop=speed, trusted=trusted)
+        self.next_device += 1
+        self._dispatch()
+
+    @precondition(lambda self: self.s.seats)
+    @rule(pick=st.integers(0, 10**6))
+    def leave(self, pick: int) -> None:
+        device = sorted(self.s.seats)[pick % len(self.s.seats)]
+        self.s.leave(device)
+        self._dispatch()
+
+    @rule(count=st.integers(1, 12), owned=st.booleans(), pick=st.integers(0, 10**6))
+    def submit(self, count: int, owned: bool, pick: int) -> None:
+        owner = sorted(self.s.seats)[pick % len(self.s.seats)] if owned and self.s.seats else None
+        self.s.add_gemm(self.next_gemm, units(self.next_gemm, count, start=self.next_unit, owner=owner))
+        self.next_gemm += 1
+        self.next_unit += count
+        self._dispatch()
+
+    @precondition(lambda self: any(seat.inflight for seat in self.s.seats.values()))
+    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "release", "reject"]))
+    def answer(self, pick: int, outcome: str) -> None:
+        held = sorted((u, d) for d, seat in self.s.seats.items() for u in seat.inflight)
+        unit, device = held[pick % len(held)]
+        if outcome == "done":
+            losers = self.s.done(unit, device)
+            assert device not in losers
+            self.done.add(unit)
+        else:
+            bar = outcome == "reject"
+            self.s.release(unit, device, bar=bar)
+            if bar:
+                self.barred.setdefault(unit, set()).add(device)
+        self._dispatch()
+
+    @precondition(lambda self: self.s.seats)
+    @rule(pick=st.integers(0, 10**6), paused=st.booleans())
+    def pause(self, pick: int, paused: bool) -> None:
+        device = sorted(self.s.seats)[pick % len(self.s.seats)]
+        self.s.update(device, paused=paused)
+        if paused:
+            for unit in list(self.s.seats[device].inflight):
+                self.s.release(unit, device)
+        self._dispatch()
+
+    @rule(dt=st.floats(0.0, 10.0))
+    def time_passes(self, dt: float) -> None:
+        self.now += dt
+        self._dispatch()
+
+    @invariant()
+    def books_balance(self) -> None:
+        s = self.s
+        queued = [u for u in s.units.values() if u.queued]
+        assert s.queued == len(queued)
+        for uid, u in s.units.items():
+            assert uid not in self.done
+            assert not (u.queued and u.holders), f"unit {uid} is queued and held"
+            assert u.queued or u.holders, f"unit {uid} is lost: neither queued nor held"
+            assert len(u.holders) <= s.faults.max_copies + 1
+            for device in u.holders:
+                assert device in s.seats and uid in s.seats[device].inflight
+                assert device not in self.barred.get(uid, set())
+        for device, seat in s.seats.items():
+            assert len(seat.inflight) <= seat.slots
+            for uid in seat.inflight:
+                assert device in s.units[uid].holders
+            live_own = sum(1 for u in s.units.values() if u.queued and u.home == device)
+            assert seat.own_count == live_own
+            if seat.free > 0:  # work-conserving: a free device is never idle beside work it may take
+                open_to_it = [u.spec.id for u in queued if device not in u.barred]
+                assert not open_to_it, f"device {device} is free while {open_to_it} wait"
+
+
+Books.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBooks = Books.TestCase
