@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cleave_cli import benchmark, coordinator, demo, join, status, train
+from cleave_cli import benchmark, coordinator, demo, join, plan, status, train
 
 app = typer.Typer(
     name="cleave",
@@ -19,6 +19,7 @@ app.command("status")(status.status)
 app.command("train")(train.train)
 app.command("demo")(demo.demo)
 app.command("benchmark")(benchmark.benchmark)
+app.command("plan")(plan.plan)
 
 
 def main() -> None:

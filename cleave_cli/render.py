@@ -265,3 +265,109 @@ def comparison(rows: Sequence[tuple[str, float, float]], max_rel_diff: float, to
                    style="bold green" if max_rel_diff <= tolerance else "bold red")
     table.caption = verdict.plain
     return table
+
+
+# --------------------------------------------------------------------------- cleave plan
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "never"
+    if value == 0:
+        return "0 s"
+    for limit, scale, unit in ((1e-3, 1e6, "µs"), (1.0, 1e3, "ms"), (120.0, 1.0, "s"), (7200.0, 1 / 60, "min")):
+        if value < limit:
+            return f"{value * scale:.3g} {unit}"
+    return f"{value / 3600:,.3g} h"
+
+
+def _bytes(value: float, binary: bool = False) -> str:
+    """Traffic in decimal units (a link's Mbit/s are decimal), memory in binary ones."""
+    base, units = (1024.0, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (1000.0, ("B", "kB", "MB", "GB", "TB", "PB"))
+    for unit in units[:-1]:
+        if abs(value) < base:
+            return f"{value:.3g} {unit}" if unit != "B" else f"{value:.0f} B"
+        value /= base
+    return f"{value:,.3g} {units[-1]}"
+
+
+def _flops(value: float) -> str:
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if value >= scale:
+            return f"{value / scale:,.3g} {unit}"
+    return f"{value / 1e6:.3g} MFLOP/s"
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.3g}x"
+
+
+def plan_report(report: dict[str, Any]) -> Group:
+    """``cleave plan``: the step's prediction, each GEMM's partition, and each class's load.
+    ``report`` is the ``--json`` object (cleave_cli/plan.py), so both always agree."""
+    model, fleet, ps, step = report["model"], report["fleet"], report["ps"], report["step"]
+    dtype = report["dtype"]
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("model", Text(f"{model['name']}: {model['params'] / 1e6:,.1f}M parameters, "
+                                  f"{report['batch_size']:,} x {report['seq_len']:,} = {report['tokens']:,} tokens "
+                                  f"per step, {dtype}"))
+    summary.add_row("fleet", Text(f"{fleet['spec']}: {fleet['devices']:,} devices in {len(fleet['classes'])} "
+                                  f"classes, {_flops(fleet['gflops'] * 1e9)} in {dtype}"))
+    summary.add_row("parameter server", f"{ps['link_gbps']:g} Gbit/s each way, {_flops(ps['gflops'] * 1e9)} in {dtype}, "
+                                        f"verifies at {_flops(ps['verify_gflops'] * 1e9)}, memory {_bytes(ps['memory_bw'])}/s")
+    summary.add_row("step", Text(f"{_seconds(step['seconds'])} predicted, "
+                                 f"{_rate(report['tokens'] / step['seconds'])} tokens/s", style="bold green"))
+    summary.add_row("", f"GEMMs {_seconds(step['gemm_seconds'])} + parameter server's own work "
+                        f"{_seconds(step['ps_other_seconds'])} (attention {_seconds(step['attention_seconds'])}, "
+                        f"AdamW {_seconds(step['optimizer_seconds'])})")
+    bound = step["seconds_by_bound"]
+    summary.add_row("GEMM time by limit", ", ".join(f"{name} {_seconds(bound[key])}" for key, name in
+                                                     (("compute", "compute"), ("down", "downlink"), ("up", "uplink"),
+                                                      ("ps", "PS work"))))
+    summary.add_row("busiest stage sums", f"compute {_seconds(step['compute_seconds'])}, downlink "
+                                          f"{_seconds(step['down_seconds'])}, uplink {_seconds(step['up_seconds'])}, "
+                                          f"PS work {_seconds(step['ps_seconds'])} (stages overlap within a GEMM)")
+    floor = step["egress_floor_bytes"]
+    summary.add_row("PS traffic", f"egress {_bytes(step['egress_bytes'])} (floor for these partitions "
+                                  f"{_bytes(floor)}" + (f", {step['egress_bytes'] / floor:.2f}x" if floor else "")
+                                  + f"), ingress {_bytes(step['ingress_bytes'])}")
+    busy = (f"at most {step['devices']:,} devices busy at once" if step["devices"]
+            else "no device used: the PS computes every GEMM itself")
+    summary.add_row("fleet utilisation", f"{100 * step['fleet_utilisation']:.3g}% ({100 * step['utilisation']:.3g}% "
+                                         f"counting GEMMs the PS keeps); {busy}")
+    verdict = Text(f"{_seconds(step['baseline_seconds'])} per step")
+    if step["speedup"] is not None:
+        verdict.append(f"  ->  {_times(step['speedup'])} faster with this plan", style="bold")
+    summary.add_row("round-robin tiles", verdict)
+
+    gemms = Table(title="GEMMs (seconds each; a step runs each x times)", title_justify="left")
+    for col, justify in [("GEMM", "left"), ("x", "right"), ("m x n x k", "right"), ("partition", "left"),
+                         ("grid r x c x k", "right"), ("devices", "right"), ("seconds", "right"), ("bound", "left"),
+                         ("egress", "right"), ("floor", "right"), ("round-robin", "right")]:
+        gemms.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for g in report["gemms"]:
+        gemms.add_row(
+            Text(f"{g['layer']}.{g['kind']}"), f"{g['count']:,}", f"{g['m']}x{g['n']}x{g['k']}", g["partition"],
+            "x".join(str(v) for v in g["grid"]), f"{g['devices']:,}", _seconds(g["seconds"]), g["bound"],
+            _bytes(g["egress_bytes"]), _bytes(g["egress_floor_bytes"]), _seconds(g["baseline_seconds"]),
+        )
+
+    classes = Table(title="device classes", title_justify="left")
+    for col in ("class", "devices", "used (most)", f"GFLOP/s {dtype}", "down / up Mbit/s", "RTT", "memory budget",
+                "busiest device needs"):
+        classes.add_column(col, justify="left" if col == "class" else "right", no_wrap=True)
+    usage = {c["name"]: c for c in report["classes"]}
+    for c in fleet["classes"]:
+        use = usage.get(c["name"], {})
+        classes.add_row(
+            Text(c["name"]), f"{c['count']:,}", f"{use.get('used', 0):,}", _rate(c["gflops"]),
+            f"{c['down'] * 8 / 1e6:,.4g} / {c['up'] * 8 / 1e6:,.4g}", _seconds(c["rtt"]), _bytes(c["memory"], binary=True),
+            _bytes(use.get("memory_bytes", 0), binary=True) if use.get("used") else "-",
+        )
+    return Group(Panel(summary, title="cleave plan", border_style="blue", expand=False), gemms, classes)

@@ -1,0 +1,210 @@
+"""``cleave plan``: how the cost model would cut every GEMM of one training step over a fleet.
+
+Pure planning (coordinator/planner.py) over named inputs (coordinator/presets.py); this module
+only picks the parameter server's profile, prices the PS's own non-GEMM work, and turns the
+plans into one JSON-ready report that the table (render.plan_report) and ``--json`` share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from enum import Enum
+from typing import Annotated, Any, Callable, Optional, Sequence
+
+import typer
+from rich.console import Console
+
+from cleave_cli import render
+from cleave_cli.errors import CleaveError, friendly, is_terminal, stderr_console
+from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, PSProfile
+from coordinator.planner import Gemm, Kind, Plan, StepPlan, baseline, plan_step
+from coordinator.presets import FLEETS, MODELS, ModelShape, model_shape, resolve_fleet, step_gemms
+
+
+class DType(str, Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+
+# The round-robin baseline is priced device by device and tile by tile (O(devices + tiles) per
+# GEMM, in time and memory), so a fleet or a batch far past these would take minutes or exhaust
+# memory before the planner, which is O(classes), has any difficulty.
+MAX_DEVICES = 1_000_000
+MAX_BATCH = 65_536
+
+# AdamW on the PS keeps fp32 master weights: per parameter it reads weight, gradient, m and v
+# (16 bytes) and writes weight, m and v (12 bytes). Training in a 2-byte dtype also writes the
+# weights' low-precision copy that devices receive.
+ADAMW_BYTES = 28
+# Backward of softmax(QK^T)V is two products per forward product (dQ and dK; dP and dV).
+ATTENTION_PASSES = 3
+DEFAULT_LINK_GBPS = 10.0
+
+
+def default_ps(link_gbps: float) -> PSProfile:
+    """A server-class PS: PSProfile's defaults at ``link_gbps`` both ways, except that its own
+    work in bf16/fp16 runs at its fp32 rate: PSProfile prices those at 1 GFLOP/s (a CPU without
+    bf16 units), but the PS can always upcast what it computes itself (local GEMMs, attention)."""
+    fp32 = PSProfile().gflops["fp32"]
+    return PSProfile.from_link(link_gbps, gflops={dtype: fp32 for dtype in ITEMSIZE})
+
+
+def step_inputs(model: ModelShape, batch: int, seq: int, dtype: str) -> list[tuple[Gemm, int]]:
+    """The step's GEMMs for the planner. No row/k pieces: ``cleave plan`` lets each GEMM choose
+    its own cut, where the live scheduler may align dW's reduction with forward's rows."""
+    return [(Gemm(g.m, g.n, g.k, dtype, g.kind, f"{g.layer}.{g.kind}"), g.count) for g in step_gemms(model, batch, seq)]
+
+
+def ps_other_seconds(model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile) -> tuple[float, float]:
+    """Seconds of the PS's own work besides the GEMMs it hands out: (attention, AdamW).
+    Element-wise work (norms, activations, softmax, residuals, loss) is not counted."""
+    rate = ps.flops_per_s(dtype)
+    if rate <= 0:
+        raise CostModelError(f"the parameter server cannot compute in {dtype}")
+    attention = ATTENTION_PASSES * model.attention_flops(batch, seq) / rate
+    per_param = ADAMW_BYTES + (ITEMSIZE[dtype] if dtype != DType.FP32.value else 0)
+    return attention, model.params * per_param / ps.memory_bw
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no Infinity or NaN: an impossible time is null."""
+    return float(value) if math.isfinite(value) else None
+
+
+def _ratio(num: float | None, den: float) -> float | None:
+    return _finite(num / den) if num is not None and den > 0 else None
+
+
+def _class_json(cls: DeviceClass, dtype: str) -> dict[str, Any]:
+    p = cls.profile
+    return {"name": cls.name, "count": cls.count, "gflops": p.gflops.get(dtype, 0.0), "memory": p.memory,
+            "down": p.down, "up": p.up, "rtt": p.rtt, "session": _finite(p.session), "reliability": p.reliability}
+
+
+def _gemm_json(plan: Plan, count: int, base: Plan | None) -> dict[str, Any]:
+    g = plan.gemm
+    layer, _, kind = g.label.rpartition(".")
+    return {
+        "layer": layer, "kind": kind, "m": g.m, "n": g.n, "k": g.k, "count": count,
+        "partition": plan.kind.value, "grid": list(plan.grid), "seconds": _finite(plan.seconds),
+        "devices": plan.devices, "units": plan.units, "bound": plan.bound,
+        "compute_seconds": plan.compute_seconds, "down_seconds": plan.down_seconds, "up_seconds": plan.up_seconds,
+        "ps_seconds": plan.ps_seconds, "egress_bytes": plan.egress_bytes, "ingress_bytes": plan.ingress_bytes,
+        "egress_floor_bytes": plan.egress_floor,
+        "baseline_seconds": _finite(base.seconds) if base is not None else None,
+        "baseline_grid": list(base.grid) if base is not None else None,
+        "shares": [{"class": s.name, "devices": s.devices, "pieces": s.pieces, "per_device": s.per_device,
+                    "units": s.units, "memory_bytes": s.memory, "seconds": _finite(s.seconds),
+                    "down_bytes": s.down_bytes, "up_bytes": s.up_bytes} for s in plan.shares],
+    }
+
+
+def _baselines(step: StepPlan, fleet: Sequence[DeviceClass], ps: PSProfile,
+               progress: Callable[[int, int], None]) -> list[Plan | None]:
+    # The label is only a name: same-shaped GEMMs (q and o, fc1.fwd and fc2.dx) share one pricing.
+    cache: dict[Gemm, Plan | None] = {}
+    out = []
+    for i, (plan, _) in enumerate(step.plans):
+        key = dataclasses.replace(plan.gemm, label="")
+        if key not in cache:
+            progress(i, len(step.plans))
+            cache[key] = baseline(key, fleet, ps)
+        out.append(cache[key])
+    return out
+
+
+def build_report(model_name: str, fleet_spec: str, devices: int | None, link_gbps: float, batch: int, seq: int,
+                 dtype: str, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Plan one step and price the round-robin baseline; the JSON object of ``--json``."""
+    model = model_shape(model_name)
+    if seq > model.max_seq_len:
+        raise CleaveError(f"--seq-len {seq} exceeds {model.name}'s {model.max_seq_len} positions", 2)
+    fleet = resolve_fleet(fleet_spec, dtype, devices)
+    total = sum(cls.count for cls in fleet)
+    if total > MAX_DEVICES:
+        raise CleaveError(f"the fleet has {total:,} devices; cleave plan prices at most {MAX_DEVICES:,}", 2)
+    ps = default_ps(link_gbps)
+    attention, optimizer = ps_other_seconds(model, batch, seq, dtype, ps)
+    progress(f"planning {model.name} on {total:,} devices ...")
+    step = plan_step(step_inputs(model, batch, seq, dtype), fleet, ps, ps_other_seconds=attention + optimizer)
+    bases = _baselines(step, fleet, ps, lambda i, n: progress(f"pricing the round-robin baseline ({i + 1}/{n}) ..."))
+    base_step: float | None = None  # null when no device can multiply in the dtype
+    if all(b is not None for b in bases):
+        base_gemm = sum(b.seconds * count for b, (_, count) in zip(bases, step.plans) if b is not None)
+        base_step = _finite(base_gemm + step.ps_other_seconds)  # inf: a tile fits no device's memory
+    by_bound = {bound: 0.0 for bound in ("compute", "down", "up", "ps")}
+    for plan, count in step.plans:
+        by_bound[plan.bound] += plan.seconds * count
+    # StepPlan.utilisation counts the GEMMs the PS keeps (local) as if the fleet did them.
+    offloaded = sum(plan.gemm.flops * count for plan, count in step.plans if plan.kind is not Kind.LOCAL)
+    classes = []
+    for cls in fleet:
+        shares = [s for plan, _ in step.plans for s in plan.shares if s.name == cls.name]
+        classes.append({"name": cls.name, "count": cls.count, "used": max((s.devices for s in shares), default=0),
+                        "memory_bytes": max((s.memory for s in shares), default=0),
+                        "budget_bytes": cls.profile.memory})
+    return {
+        "model": {"name": model.name, "params": model.params, "layers": model.n_layers, "d_model": model.d_model},
+        "fleet": {"spec": fleet_spec, "devices": total, "gflops": step.fleet_flops / 1e9,
+                  "classes": [_class_json(cls, dtype) for cls in fleet]},
+        "ps": {"link_gbps": link_gbps, "egress": ps.egress, "ingress": ps.ingress, "gflops": ps.gflops[dtype],
+               "verify_gflops": ps.verify_flops / 1e9, "memory_bw": ps.memory_bw, "unit_overhead": ps.unit_overhead},
+        "batch_size": batch, "seq_len": seq, "tokens": batch * seq, "dtype": dtype,
+        "step": {
+            "seconds": step.seconds, "tokens_per_s": batch * seq / step.seconds, "gemm_seconds": step.gemm_seconds,
+            "ps_other_seconds": step.ps_other_seconds,
+            "attention_seconds": attention, "optimizer_seconds": optimizer,
+            "compute_seconds": step.total("compute_seconds"), "down_seconds": step.total("down_seconds"),
+            "up_seconds": step.total("up_seconds"), "ps_seconds": step.total("ps_seconds"),
+            "seconds_by_bound": by_bound, "flops": step.flops, "offloaded_flops": offloaded,
+            "utilisation": step.utilisation,
+            "fleet_utilisation": _ratio(offloaded, step.seconds * step.fleet_flops) or 0.0,
+            "devices": max((plan.devices for plan, _ in step.plans), default=0),
+            "egress_bytes": step.total("egress_bytes"), "ingress_bytes": step.total("ingress_bytes"),
+            "egress_floor_bytes": step.total("egress_floor"),
+            "baseline_seconds": base_step, "speedup": _ratio(base_step, step.seconds),
+        },
+        "gemms": [_gemm_json(plan, count, base) for (plan, count), base in zip(step.plans, bases)],
+        "classes": classes,
+    }
+
+
+@friendly
+def plan(
+    model: Annotated[str, typer.Option("--model", help=f"Model preset: {', '.join(MODELS)}.")] = "small",
+    fleet: Annotated[str, typer.Option(
+        "--fleet", help=f"Fleet preset ({', '.join(FLEETS)}) or a TOML fleet file (docs/presets.md).")] = "laptops",
+    devices: Annotated[Optional[int], typer.Option(
+        "--devices", help="Rescale the fleet to N devices, keeping its proportions. Default: its own counts.")] = None,
+    ps_link_gbps: Annotated[float, typer.Option(
+        "--ps-link-gbps", help="The parameter server's link in Gbit/s, each way.")] = DEFAULT_LINK_GBPS,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 8,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence (at most the model's positions).")] = 256,
+    dtype: Annotated[str, typer.Option("--dtype", help="Training dtype: fp32, bf16 or fp16.")] = DType.FP32.value,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+) -> None:
+    """Predict how every GEMM of one training step would be cut over a fleet, the step's time,
+    traffic and memory, and the speedup over round-robin tiles."""
+    if dtype not in {d.value for d in DType}:
+        raise CleaveError(f"unknown --dtype {dtype!r}; use one of {', '.join(d.value for d in DType)}", 2)
+    if devices is not None and not 1 <= devices <= MAX_DEVICES:
+        raise CleaveError(f"--devices must be between 1 and {MAX_DEVICES:,}, got {devices}", 2)
+    if not 1 <= batch_size <= MAX_BATCH:
+        raise CleaveError(f"--batch-size must be between 1 and {MAX_BATCH:,}, got {batch_size}", 2)
+    if seq_len < 1:
+        raise CleaveError(f"--seq-len must be at least 1, got {seq_len}", 2)
+    if not (math.isfinite(ps_link_gbps) and 0 < ps_link_gbps <= 1e6):
+        raise CleaveError(f"--ps-link-gbps must be above 0 and at most 1,000,000, got {ps_link_gbps}", 2)
+    # Transient: a terminal sees it while the baseline is priced, a pipe or a file never does.
+    with stderr_console().status("planning ...") as status:
+        report = build_report(model, fleet, devices, ps_link_gbps, batch_size, seq_len, dtype, status.update)
+    if as_json:
+        Console(highlight=False).out(json.dumps(report, sort_keys=True, allow_nan=False))
+        return
+    # The GEMM table wants ~150 columns; rich assumes 80 when writing to a pipe or a file.
+    wide = is_terminal() or "COLUMNS" in os.environ
+    Console(highlight=False, width=None if wide else 160).print(render.plan_report(report))

@@ -1,0 +1,188 @@
+"""``cleave plan``: one step's plan over a fleet, as a table or one JSON object, and the same
+numbers as the planner gives for the same inputs."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from cleave_cli import render
+from cleave_cli.app import app
+from coordinator.costmodel import PSProfile
+from coordinator.planner import Gemm, baseline, plan_step
+from coordinator.presets import model_shape, resolve_fleet, step_gemms
+
+RUNNER = CliRunner()
+
+FLEET_TOML = """
+[[class]]
+name = "gpu"
+count = 12
+gflops = 20000
+memory_gb = 8
+down_mbps = 500
+up_mbps = 100
+rtt_ms = 20
+
+[[class]]
+name = "laptop"
+count = 40
+gflops = 300
+memory_gb = 4
+down_mbps = 100
+up_mbps = 20
+rtt_ms = 30
+session_hours = 3
+"""
+
+
+def _no_constant(name: str) -> None:
+    raise AssertionError(f"JSON holds {name}")
+
+
+def _run(*args: str) -> Any:
+    return RUNNER.invoke(app, ["plan", *args])
+
+
+def _plan_json(*args: str) -> dict[str, Any]:
+    result = _run(*args, "--json")
+    assert result.exit_code == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, "one JSON object on one line"
+    return json.loads(lines[0], parse_constant=_no_constant)  # NaN and Infinity are refused
+
+
+def test_json_agrees_with_plan_step_and_the_round_robin_baseline() -> None:
+    # Prepare: the documented inputs, recomputed here from the documented formulas.
+    model, fleet_name, devices, batch, seq, dtype = "opt-1.3b", "desktop-gpus", 50, 8, 256, "bf16"
+    shape = model_shape(model)
+    fleet = resolve_fleet(fleet_name, dtype, devices)
+    ps = PSProfile.from_link(10.0, gflops={"fp32": 100.0, "bf16": 100.0, "fp16": 100.0})
+    other = 3 * shape.attention_flops(batch, seq) / 100e9 + shape.params * (28 + 2) / ps.memory_bw
+    gemms = [(Gemm(g.m, g.n, g.k, dtype, g.kind, f"{g.layer}.{g.kind}"), g.count) for g in step_gemms(shape, batch, seq)]
+    expected = plan_step(gemms, fleet, ps, ps_other_seconds=other)
+    base = sum(baseline(g, fleet, ps).seconds * c for g, c in gemms) + other  # type: ignore[union-attr]
+
+    # Execute
+    report = _plan_json("--model", model, "--fleet", fleet_name, "--devices", str(devices), "--dtype", dtype)
+
+    # Assert
+    step = report["step"]
+    assert step["seconds"] == pytest.approx(expected.seconds, rel=1e-9)
+    assert step["gemm_seconds"] == pytest.approx(expected.gemm_seconds, rel=1e-9)
+    assert step["ps_other_seconds"] == pytest.approx(other, rel=1e-9)
+    assert step["utilisation"] == pytest.approx(expected.utilisation, rel=1e-9)
+    for key, attr in [("egress_bytes", "egress_bytes"), ("ingress_bytes", "ingress_bytes"),
+                      ("egress_floor_bytes", "egress_floor"), ("compute_seconds", "compute_seconds"),
+                      ("down_seconds", "down_seconds"), ("up_seconds", "up_seconds"), ("ps_seconds", "ps_seconds")]:
+        assert step[key] == pytest.approx(expected.total(attr), rel=1e-9), key
+    assert sum(step["seconds_by_bound"].values()) == pytest.approx(step["gemm_seconds"], rel=1e-9)
+    assert step["baseline_seconds"] == pytest.approx(base, rel=1e-9)
+    assert step["speedup"] == pytest.approx(base / expected.seconds, rel=1e-9)
+    assert len(report["gemms"]) == len(expected.plans)
+    for row, (plan, count) in zip(report["gemms"], expected.plans):
+        assert f"{row['layer']}.{row['kind']}" == plan.gemm.label and row["count"] == count
+        assert (row["m"], row["n"], row["k"]) == (plan.gemm.m, plan.gemm.n, plan.gemm.k)
+        assert row["partition"] == plan.kind.value and tuple(row["grid"]) == plan.grid
+        assert row["devices"] == plan.devices == sum(s["devices"] for s in row["shares"])
+        assert row["seconds"] == pytest.approx(plan.seconds, rel=1e-9) and row["bound"] == plan.bound
+        assert row["egress_bytes"] >= row["egress_floor_bytes"] * (1 - 1e-9), "no partition beats its floor"
+    used = {name: max((s["devices"] for g in report["gemms"] for s in g["shares"] if s["class"] == name), default=0)
+            for name in (c.name for c in fleet)}
+    assert {c["name"]: c["used"] for c in report["classes"]} == used
+    assert {c["name"]: c["count"] for c in report["fleet"]["classes"]} == {c.name: c.count for c in fleet}
+    assert (report["batch_size"], report["seq_len"], report["dtype"], report["model"]["name"]) == (batch, seq, dtype, model)
+    assert report["ps"]["gflops"] == 100.0 and report["ps"]["egress"] == ps.egress
+
+
+@pytest.mark.parametrize("args", [
+    ("--model", "tiny", "--fleet", "laptops", "--devices", "2"),
+    ("--model", "base", "--fleet", "mixed", "--devices", "300", "--batch-size", "32", "--seq-len", "512"),
+    ("--model", "opt-1.3b", "--fleet", "phones", "--devices", "200", "--ps-link-gbps", "1"),
+])
+def test_the_plan_is_never_slower_than_round_robin(args: tuple[str, ...]) -> None:
+    step = _plan_json(*args)["step"]
+    assert step["speedup"] >= 1 - 1e-9
+    assert 0 <= step["fleet_utilisation"] <= step["utilisation"] <= 1
+
+
+def test_a_toml_fleet_file_is_planned(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET_TOML)
+    report = _plan_json("--model", "opt-1.3b", "--fleet", str(path))
+    assert report["fleet"]["spec"] == str(path) and report["fleet"]["devices"] == 52
+    assert [(c["name"], c["count"], c["gflops"]) for c in report["fleet"]["classes"]] == [("gpu", 12, 20000), ("laptop", 40, 300)]
+    assert report["step"]["devices"] > 0, "some GEMM of this step is worth sending out"
+    assert all(s["memory_bytes"] <= 8 * 2**30 for g in report["gemms"] for s in g["shares"])
+
+
+def test_a_round_robin_that_cannot_run_is_null_not_infinity(tmp_path: Path) -> None:
+    # 1 MiB per device holds no tile of the fixed grid: round-robin never finishes, the plan
+    # keeps everything on the parameter server.
+    path = tmp_path / "fleet.toml"
+    path.write_text(FLEET_TOML.replace("memory_gb = 8", "memory_gb = 0.001").replace("memory_gb = 4", "memory_gb = 0.001"))
+    report = _plan_json("--model", "small", "--fleet", str(path))
+    assert report["step"]["baseline_seconds"] is None and report["step"]["speedup"] is None
+    assert {g["partition"] for g in report["gemms"]} == {"local"}
+    assert math.isfinite(report["step"]["seconds"])
+    assert "never" in _text(report)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--model", "gpt-5"), "unknown model preset 'gpt-5'"),
+    (("--fleet", "datacenter"), "unknown fleet 'datacenter'"),
+    (("--devices", "0"), "--devices must be between 1 and"),
+    (("--model", "small", "--seq-len", "4096"), "--seq-len 4096 exceeds small's 1024 positions"),
+    (("--dtype", "bogus"), "unknown --dtype 'bogus'"),
+    (("--batch-size", "0"), "--batch-size must be between 1 and"),
+    (("--ps-link-gbps", "0"), "--ps-link-gbps must be above 0"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
+    result = _run(*args)
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+
+
+def test_a_malformed_fleet_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.toml"
+    path.write_text("[[class]\nname = 'x'\n")
+    result = _run("--fleet", str(path))
+    assert result.exit_code == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: not valid TOML")
+
+
+def _text(report: dict[str, Any], width: int = 160) -> str:
+    console = Console(file=io.StringIO(), width=width, color_system=None)
+    console.print(render.plan_report(report))
+    return console.file.getvalue()  # type: ignore[attr-defined]
+
+
+def test_the_table_names_each_gemm_its_partition_and_the_speedup() -> None:
+    report = _plan_json("--model", "opt-1.3b", "--fleet", "mixed", "--devices", "100")
+    out = _text(report)
+    partitions = {g["partition"] for g in report["gemms"]}
+    assert len(partitions) >= 2, "this step mixes partitions"
+    for name in partitions:
+        assert f" {name} " in out
+    for g in report["gemms"]:
+        assert f"{g['layer']}.{g['kind']}" in out
+    for c in report["fleet"]["classes"]:
+        assert c["name"] in out
+    assert f"{report['step']['speedup']:,.3g}x faster" in out
+    assert "round-robin" in out and "egress" in out and "utilisation" in out
+
+
+def test_without_json_the_command_prints_the_table() -> None:
+    result = _run("--model", "tiny", "--fleet", "laptops", "--devices", "2")
+    assert result.exit_code == 0, result.stderr
+    assert "cleave plan" in result.stdout and "local" in result.stdout and "laptop-low" in result.stdout
