@@ -62,6 +62,7 @@ from rich.table import Table
 
 from cleave_cli.local import serve_with_local_clients
 from coordinator.job import CoordinatorConfig, JobOutcome, Listening, new_token
+from coordinator.live_plan import Planner
 from coordinator.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from timing import interleaved_medians
@@ -215,7 +216,8 @@ def run_distributed(train: TrainConfig, threads: int, clients: int, client_threa
     reporter = BenchReporter(ui, train.steps)
     with tempfile.TemporaryDirectory(prefix="cleave-bench-") as tmp:
         db = Path(tmp) / "bench.db"
-        cfg = CoordinatorConfig(train=train, port=0, db=str(db), token=new_token(), min_devices=clients)
+        cfg = CoordinatorConfig(train=train, port=0, db=str(db), token=new_token(), min_devices=clients,
+                                planner=Planner.UNIFORM)  # its micro-benchmark re-plans the fixed grid
         outcome = asyncio.run(serve_with_local_clients(cfg, reporter, clients=clients, threads=client_threads,
                                                        name="bench", exit_timeout=CLIENT_EXIT_TIMEOUT_S,
                                                        quiet_clients=True))

@@ -35,6 +35,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from coordinator.job import CoordinatorConfig, serve_job  # noqa: E402
+from coordinator.live_plan import Planner  # noqa: E402
 from coordinator.server import Server  # noqa: E402
 from coordinator.training.loop import StepResult, TrainConfig  # noqa: E402
 
@@ -72,7 +73,8 @@ async def client_kills(model: str, kills: int, tmp: Path) -> list[dict]:
     box: dict[str, Server] = {}
     reporter = _Quiet()
     cfg = CoordinatorConfig(train=TrainConfig(model=model, steps=10_000, seq_len=256 if model != "tiny" else 64),
-                            port=0, db=str(tmp / "kills.db"), token=TOKEN, min_devices=3, checkpoint_every=0)
+                            port=0, db=str(tmp / "kills.db"), token=TOKEN, min_devices=3, checkpoint_every=0,
+                            planner=Planner.UNIFORM)  # every GEMM as tiles: recovery is what is measured
     job = asyncio.create_task(serve_job(cfg, reporter, ready=ready.set_result, on_start=lambda s: box.setdefault("s", s)))
     url = await ready
     procs = {f"c{i}": _join(url, f"c{i}") for i in range(3)}

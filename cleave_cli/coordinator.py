@@ -21,6 +21,7 @@ from coordinator.core import FaultPolicy
 from coordinator.identity import JOIN_TOKEN, OPERATOR_TOKEN, store_token
 from coordinator.job import STRONG_TOKEN, CoordinatorConfig, new_token, run_job
 from coordinator.limits import Limits
+from coordinator.live_plan import Planner
 from coordinator.tiles import TilingPolicy
 from db.sqlite import SQLiteStore
 from db.store import ACTIVE, BANNED, REVOKED
@@ -71,6 +72,16 @@ def start(
         "passes, and taken back at twice it).")] = FaultPolicy().lease_floor,
     new_job: Annotated[bool, typer.Option(
         "--new-job", help="Start a new job even if --db holds an unfinished one (default: resume it).")] = False,
+    planner: Annotated[Planner, typer.Option(
+        "--planner", help="How each GEMM is cut and shared out: 'cost' (the cost model picks the partition and "
+        "each device's share from measured profiles) or 'uniform' (a fixed grid dealt to whoever is free).",
+        case_sensitive=False)] = Planner.COST,
+    ps_link_gbps: Annotated[float, typer.Option(
+        "--ps-link-gbps", help="This coordinator's network link in Gbit/s each way, for the cost model.")] = 10.0,
+    ps_gflops: Annotated[Optional[float], typer.Option(
+        "--ps-gflops", help="The GEMM rate the cost model may count on from this coordinator, in GFLOP/s "
+        "(default: measured at start). Lower it to keep its CPU for verification and the model's other work: "
+        "fewer GEMMs stay on it.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the URL, tokens and final result.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every device that joins or leaves.")] = False,
 ) -> None:
@@ -96,7 +107,8 @@ def start(
         min_devices=min_devices, policy=TilingPolicy(max_edge=tile_size, min_edge=min(64, tile_size)),
         faults=FaultPolicy(heartbeat=min(2.0, heartbeat_timeout / 5), heartbeat_timeout=heartbeat_timeout,
                            lease_floor=lease_floor),
-        limits=limits, checkpoint_every=checkpoint_every, new_job=new_job,
+        limits=limits, checkpoint_every=checkpoint_every, new_job=new_job, planner=planner,
+        ps_link_gbps=ps_link_gbps, ps_gflops=ps_gflops,
     )
     reporter = ConsoleReporter(console, live=is_terminal(), quiet=quiet)
     try:

@@ -18,6 +18,7 @@ from cleave_cli.errors import CleaveError, friendly, is_terminal
 from cleave_cli.progress import ConsoleReporter
 from cleave_cli.local import serve_with_local_clients
 from coordinator.job import CoordinatorConfig, new_token
+from coordinator.live_plan import Planner
 from coordinator.training.loop import TrainConfig, Trainer
 
 MATCH_TOLERANCE = 1e-4  # relative, per step
@@ -36,6 +37,11 @@ def demo(
     seq_len: opt.SeqLen = 64,
     seed: opt.Seed = TrainConfig().seed,
     threads: Annotated[int, typer.Option(help="CPU threads per client.")] = 1,
+    planner: Annotated[Planner, typer.Option(
+        "--planner", case_sensitive=False,
+        help="'uniform' (the demo's default) deals every GEMM to the clients as tiles, to show them at work; "
+        "'cost' lets the cost model decide, and it keeps the tiny model's GEMMs on the coordinator, where "
+        "they are cheaper than shipped.")] = Planner.UNIFORM,
 ) -> None:
     """Train the default model on a coordinator with local clients, then compare with plain torch."""
     if not 1 <= clients <= 16:
@@ -45,7 +51,7 @@ def demo(
     console.rule(f"[bold]cleave demo: {model} model, {steps} steps, {clients} clients, text = Python's stdlib")
     with tempfile.TemporaryDirectory(prefix="cleave-demo-") as tmp:
         cfg = CoordinatorConfig(train=train, port=0, db=str(Path(tmp) / "cleave.db"), token=new_token(),
-                                min_devices=clients)
+                                min_devices=clients, planner=planner)
         reporter = ConsoleReporter(console, live=is_terminal())
         started = time.perf_counter()
         try:

@@ -100,13 +100,22 @@ def dashboard(status: dict[str, Any]) -> Group:
         f"{tiles.get('lost', 0):,} lost, {tiles.get('revoked', 0):,} taken back",
     )
     summary.add_row("queue depth", str(status.get("queue_depth", tiles.get("queued", 0))))
+    plan = status.get("plan")
+    if plan:
+        predicted, measured = plan.get("predicted_step_s"), plan.get("measured_step_s")
+        line = f"{plan.get('planner', '?')} planner: step {_num(predicted, '{:.3f} s')} predicted, " \
+               f"{_num(measured, '{:.3f} s')} measured"
+        kinds = plan.get("partitions") or {}
+        if kinds:
+            line += "  (" + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + ")"
+        summary.add_row("plan", line)
     traffic = status.get("traffic")
     if traffic:
         summary.add_row("traffic", f"{_mb(traffic.get('mb_down', 0))} down, {_mb(traffic.get('mb_up', 0))} up")
     devices = Table(title="devices", expand=True)
     for col, justify in [("name", "left"), ("state", "left"), ("device", "left"), ("GFLOP/s", "right"),
-                         ("tiles done", "right"), ("rejected", "right"), ("lost", "right"),
-                         ("reliability", "right"), ("verified GFLOP", "right")]:
+                         ("down/up Mbit/s", "right"), ("tiles done", "right"), ("rejected", "right"),
+                         ("lost", "right"), ("reliability", "right"), ("verified GFLOP", "right")]:
         devices.add_column(col, justify=justify)  # type: ignore[arg-type]
     style = {"working": "green", "idle": "cyan", "paused": "yellow", "offline": "dim", "banned": "bold red",
              "revoked": "red"}
@@ -115,14 +124,14 @@ def dashboard(status: dict[str, Any]) -> Group:
         reason = f" ({d['reason']})" if d.get("reason") and state not in ("working", "idle") else ""  # paused: why
         devices.add_row(
             Text(str(d.get("name", ""))), Text(state + reason, style=style.get(state, "")), Text(str(d.get("device", ""))),
-            f"{d.get('gflops', 0):.1f}", f"{d.get('tiles_done', 0):,}",
+            f"{d.get('gflops', 0):.1f}", _links(d.get("profile")), f"{d.get('tiles_done', 0):,}",
             Text(f"{d.get('tiles_rejected', 0):,}", style="red" if d.get("tiles_rejected") else ""),
             f"{d.get('tiles_lost', 0):,}",
             Text(f"{100 * d.get('reliability', 1.0):.1f}%", style="yellow" if d.get("reliability", 1.0) < 0.9 else ""),
             f"{d.get('gflop_verified', 0):,.2f}",
         )
     if not status.get("devices"):
-        devices.add_row("(no devices yet)", *[""] * 8)
+        devices.add_row("(no devices yet)", *[""] * 9)
     counts = status.get("device_counts") or {}
     listed = len(status.get("devices", []))
     total = sum(v for k, v in counts.items() if k != "connected")
@@ -144,6 +153,14 @@ def dashboard(status: dict[str, Any]) -> Group:
 
 
 _STATE_STYLE = {"working": "bold green", "paused": "bold yellow", "reconnecting": "bold red", "connecting": "bold"}
+
+
+def _links(profile: dict[str, Any] | None) -> str:
+    """Measured downlink/uplink (the cost model's estimates; priors until it has returned work)."""
+    if not profile:
+        return "-"
+    mark = "" if profile.get("measured_results") else " (prior)"
+    return f"{profile.get('down_mbps', 0):,.0f}/{profile.get('up_mbps', 0):,.0f}{mark}"
 
 
 def _duration(seconds: float) -> str:

@@ -318,7 +318,7 @@ class Worker:
         self._coordinator = challenge.coordinator
         hello, enrolling = self._hello(challenge)
         await self._send(ws, encode(hello))
-        queue: asyncio.Queue[Work] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[Work, float]] = asyncio.Queue()  # work, when it arrived
         blocks: dict[str, torch.Tensor] = {}
         self._cancelled, self._assigned = set(), set()
         self._credit_before = self.stats.credit_gflop
@@ -349,7 +349,7 @@ class Worker:
                                 blocks[key] = blocks[key].cpu()
                             blocks[block.key] = block.data
                     self._assigned.add(msg.tile_id)
-                    queue.put_nowait(msg)
+                    queue.put_nowait((msg, time.monotonic()))
                 elif isinstance(msg, Cancel):
                     # Another copy won: skip it, or drop its result. Cancels for tiles already answered
                     # need no memory.
@@ -445,10 +445,10 @@ class Worker:
         await ws.send(frame)
         self.stats.bytes_up += len(frame)
 
-    async def _compute_loop(self, ws: ClientConnection, queue: asyncio.Queue[Work], blocks: dict[str, torch.Tensor]) -> None:
+    async def _compute_loop(self, ws: ClientConnection, queue: asyncio.Queue[tuple[Work, float]], blocks: dict[str, torch.Tensor]) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            work = await queue.get()
+            work, arrived = await queue.get()
             if work.tile_id in self._cancelled or not self._allowed:
                 # Cancelled, or sent before the coordinator saw our pause: not ours any more.
                 self._cancelled.discard(work.tile_id)
@@ -463,6 +463,7 @@ class Worker:
                 await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.MISSING_BLOCK)))
                 continue
             a, b = operands
+            waited = time.monotonic() - arrived  # the coordinator counts it as the device's, not the link's
             self._set("working")
             try:
                 try:
@@ -488,7 +489,7 @@ class Worker:
             if work.tile_id in self._cancelled:  # cancelled (or paused) while computing: nobody wants it
                 self._cancelled.discard(work.tile_id)
                 continue
-            await self._send(ws, encode(Result(work.tile_id, c, seconds)))
+            await self._send(ws, encode(Result(work.tile_id, c, seconds, waited)))
             self.stats.tiles += 1
             self.stats.flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
             self.stats.compute_seconds += seconds

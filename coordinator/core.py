@@ -46,14 +46,17 @@ import torch
 
 from coordinator import auth
 from coordinator.blocks import BlockRef, Source, Sources, block_ref
+from coordinator.costmodel import PSProfile
 from coordinator.identity import Admission, AuthError, Gate, Standing
+from coordinator.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner
 from coordinator.limits import Limits, TokenBucket, TrustPolicy
+from coordinator.profiles import PRIOR_MEMORY, DeviceProfile
 from coordinator.protocol import (
     Block, Cancel, CloseCode, Code, Credential, Credit, Error, Finished, Heartbeat, Hello, Leave, Message, Pause,
     Release, ReleaseWhy, Result, Resume, Welcome, Work,
 )
 from coordinator.scheduler import Assign, Decision, FaultPolicy, Hold, Overdue, Reclaim, Scheduler, Seat, UnitSpec
-from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block, plan_gemm
+from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block
 from coordinator.verify import freivalds
 from db.store import BANNED, REVOKED, DeviceInfo, NewTile, Store
 
@@ -206,6 +209,49 @@ class DeviceState:
 
 
 @dataclass
+class Prediction:
+    """The cost model's predicted step time against the measured one."""
+
+    planned: list[float | None] = field(default_factory=list)  # this step's GEMMs, as submitted
+    kinds: dict[str, int] = field(default_factory=dict)  # this step's partitions, by kind
+    local_gemms: int = 0  # GEMMs the PS kept, all steps
+    gemm_seconds: float | None = None  # last finished step: its GEMMs' predicted seconds
+    last_kinds: dict[str, int] = field(default_factory=dict)
+    busy: float = 0.0  # this step: seconds with at least one GEMM out
+    busy_since: float | None = None
+    last_busy: float | None = None  # last finished step's
+    step_started: float | None = None
+    measured: float | None = None  # last finished step's seconds, from one begin_step to the next
+
+    def step_done(self, now: float) -> None:
+        if self.step_started is not None:
+            self.measured = now - self.step_started
+            busy = self.busy + (now - self.busy_since if self.busy_since is not None else 0.0)
+            self.last_busy = busy
+            known = [p for p in self.planned if p is not None]
+            self.gemm_seconds = sum(known) if known and len(known) == len(self.planned) else None
+            self.last_kinds = dict(self.kinds)
+        self.step_started = now
+        self.planned.clear()
+        self.kinds.clear()
+        self.busy = 0.0
+        self.busy_since = now if self.busy_since is not None else None
+
+    def as_json(self) -> dict[str, Any]:
+        """Predicted step = the GEMMs' predicted seconds + the PS's own time measured last step
+        (the step's seconds with no GEMM out): the model predicts the part it plans."""
+        other = None if self.measured is None or self.last_busy is None else max(0.0, self.measured - self.last_busy)
+        predicted = None if self.gemm_seconds is None or other is None else self.gemm_seconds + other
+        return {"predicted_step_s": _round(predicted), "measured_step_s": _round(self.measured),
+                "predicted_gemm_s": _round(self.gemm_seconds), "measured_gemm_s": _round(self.last_busy),
+                "ps_other_s": _round(other), "partitions": self.last_kinds, "local_gemms": self.local_gemms}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+@dataclass
 class Progress:
     step: int = 0  # last finished step
     current: int = 0  # step whose GEMMs are being submitted
@@ -231,6 +277,8 @@ class Core:
         randbytes: auth.RandomBytes = secrets.token_bytes,
         epoch: float = 0.0,
         job_name: str = "",
+        planner: Planner | LivePlanner = Planner.UNIFORM,
+        ps: PSProfile | None = None,
     ) -> None:
         self.store = store
         self.job_id = job_id
@@ -250,6 +298,12 @@ class Core:
         self.sources = Sources()
         self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
         self.sched = Scheduler(self.faults)  # which tile goes to which device, and when
+        # How each GEMM is cut and who takes which tile (a LivePlanner: tests force partitions).
+        self.planner = planner if isinstance(planner, LivePlanner) else LivePlanner(planner, ps or PSProfile(), self.policy)
+        self.profiles: dict[int, DeviceProfile] = {}  # connected devices, measured live
+        self._sent: dict[tuple[int, int], int] = {}  # (tile, device) -> bytes of blocks its work carried
+        self.dtype = "fp32"  # of the job's GEMMs: the dtype devices are measured and planned in
+        self.prediction = Prediction()
         self._dispatching = False
         self._sweep: list[int] = []  # devices still to look after in this tick round
         self._sweep_at = 0.0
@@ -305,6 +359,7 @@ class Core:
         )
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
+        self.profiles[device_id] = DeviceProfile(claim, hello.block_budget or PRIOR_MEMORY)
         if hello.paused:  # its owner is busy: it gets nothing until it resumes
             dev.paused = hello.paused
             self.store.set_device_state(device_id, "paused", self._at(now), hello.paused)
@@ -339,8 +394,13 @@ class Core:
             dev.standing.cut(self.trust, now)  # it is gone already: it just may not come back yet
         self.store.release_device(device_id, "released" if graceful else "lost", self._at(now), reason)
         self.sched.leave(device_id)
+        profile = self.profiles.pop(device_id, None)
+        for tile_id in held:
+            self._sent.pop((tile_id, device_id), None)
         if held and not graceful:
             self.store.credit_device(device_id, lost=len(held), now=self._at(now))
+            if profile is not None:
+                profile.failed(now)
         self.store.set_device_state(device_id, state or "offline", self._at(now), reason)
 
     def _drop(self, dev: DeviceState, code: CloseCode, reason: str, now: float, state: str | None = None) -> list[Outbound]:
@@ -471,7 +531,9 @@ class Core:
                             a_row_norms=ra.row_norms(), b_norm=rb.norm())
         self.verify_seconds += time.perf_counter() - started
         out: list[Outbound] = []
+        sent = self._sent.pop((msg.tile_id, dev.id), 0)
         if not verdict.ok:
+            self.profiles[dev.id].failed(now)
             self.sched.release(msg.tile_id, dev.id, bar=True)
             self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
             self.store.credit_device(dev.id, rejected=1, now=self._at(now))
@@ -497,6 +559,7 @@ class Core:
         dev.verified_at = now
         self._regrade(dev)
         dev.compute_seconds += msg.seconds
+        self.profiles[dev.id].verified(tile.flops, msg.seconds, msg.waited, now - leased_at, sent, nbytes, now)
         if msg.seconds >= 1e-6:  # a device's own timing: believed only within physical reason
             observed = min(gflop / msg.seconds, 1e7)
             dev.gflops = (1 - EMA) * dev.gflops + EMA * observed if dev.gflops else observed
@@ -505,6 +568,7 @@ class Core:
             self.sched.update(dev.id, seconds_per_gflop=min(turnaround, MAX_SECONDS_PER_GFLOP))
         stallers = []
         for loser in losers:  # other copies lost the race: tell their devices to drop them
+            self._sent.pop((msg.tile_id, loser), None)
             other = self.devices.get(loser)
             if other is not None:
                 other.cancel(msg.tile_id)
@@ -558,6 +622,9 @@ class Core:
             if tile_id not in dev.inflight:
                 continue  # already finished or re-issued: nothing to give back
             given += 1
+            self._sent.pop((tile_id, dev.id), None)
+            if bar:  # its compute failed
+                self.profiles[dev.id].failed(now)
             self.sched.release(tile_id, dev.id, bar=bar)
             self._lost_tile(dev, now)
             self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar)
@@ -592,6 +659,10 @@ class Core:
             if self.sources.release(src, last_use=last_use):
                 self._forget(src.id)
         del self.gemms[gemm.id]
+        pred = self.prediction
+        if not self.gemms and pred.busy_since is not None:
+            pred.busy += now - pred.busy_since
+            pred.busy_since = None
         gemm.on_done(result)
 
     def _forget(self, namespace: int) -> None:
@@ -601,8 +672,10 @@ class Core:
                 self.sched.drops_blocks(dev.id, keys)
                 self.sched.update(dev.id, full=dev.full)
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, now: float | None = None) -> None:
         """A training step starts: blocks still kept from the last one will not be read again."""
+        if now is not None:
+            self.prediction.step_done(now)
         self.progress.current = step
         for namespace in self.sources.sweep():
             self._forget(namespace)
@@ -625,7 +698,17 @@ class Core:
             )
         m, k = a.shape
         n = b.shape[1]
-        plan = plan_gemm(m, n, k, kind, max(1, self.active_devices), self.policy)
+        self.dtype = DTYPE_NAMES[str(a.dtype)]
+        live = self._plan(m, n, k, kind)
+        pred = self.prediction
+        pred.planned.append(live.seconds)
+        label = live.plan.kind.value if live.plan is not None else "uniform"
+        pred.kinds[label] = pred.kinds.get(label, 0) + 1
+        if live.tiles is None:  # cheaper here than shipped: the PS multiplies itself
+            pred.local_gemms += 1
+            on_done(a.detach() @ b.detach())
+            return -1, []
+        plan = live.tiles
         tiles = plan.tiles
         a, b = a.detach(), b.detach()
         # Forward's X and dX's dY are read again by the dW that follows: keep them on devices.
@@ -637,11 +720,20 @@ class Core:
         new = [NewTile(t.index, a_blocks[(t.i, t.p)].key, b_blocks[(t.p, t.j)].key, t.flops) for t in tiles]
         ids = self.store.add_gemm(gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self._at(now))
         gemm = GemmState(gemm_id, kind, a, b, plan, dict(zip(ids, tiles)), on_done, sources, a_blocks, b_blocks)
+        if not self.gemms and pred.busy_since is None:
+            pred.busy_since = now
         self.gemms[gemm_id] = gemm
         for tid in ids:
             self._tile_gemm[tid] = gemm_id
-        self.sched.add_gemm(gemm_id, [UnitSpec(tid, gemm_id, nt.a_key, nt.b_key, nt.flops) for tid, nt in zip(ids, new)])
+        owners = live.owners
+        self.sched.add_gemm(gemm_id, [UnitSpec(tid, gemm_id, nt.a_key, nt.b_key, nt.flops, owners.get(t.index))
+                                      for tid, nt, t in zip(ids, new, tiles)])
         return gemm_id, self._dispatch(now)
+
+    def _plan(self, m: int, n: int, k: int, kind: GemmKind) -> LivePlan:
+        """The cost model's plan for the devices that may take work now."""
+        active = {d: self.profiles[d].profile(self.dtype) for d, dev in self.devices.items() if dev.paused is None}
+        return self.planner.plan(m, n, k, kind, self.dtype, active)
 
     def _dispatch(self, now: float) -> list[Outbound]:
         """Ask the scheduler what to do now and do it: late leases and leases taken back, queued
@@ -685,6 +777,8 @@ class Core:
     def _take_back(self, dev: DeviceState, decision: Reclaim, now: float) -> list[Outbound]:
         """The scheduler revoked ``dev``'s lease; leases taken back in a row cut the device."""
         tile_id, reason = decision.unit, decision.reason
+        self._sent.pop((tile_id, dev.id), None)
+        self.profiles[dev.id].failed(now)
         dev.cancel(tile_id)
         self._lost_tile(dev, now)
         # Barred from the tile: it goes to someone else, never straight back to this device.
@@ -726,12 +820,15 @@ class Core:
         forget = tuple(sorted(dev.forget))
         dev.forget.clear()
         blocks = []
+        sent = 0
         for ref in (ra, rb) if ra is not rb else (ra,):
             if ref.key not in dev.blocks:
                 blocks.append(Block(ref.key, ref.wire()))
                 dev.hold(ref)
                 self.sched.holds_block(dev.id, ref.key)
-                dev.bytes_down += ref.nbytes
+                sent += ref.nbytes
+        dev.bytes_down += sent
+        self._sent[(tile_id, dev.id)] = sent
         if dev.full:
             self.sched.update(dev.id, full=True)
         return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget)
@@ -776,6 +873,7 @@ class Core:
                 "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
                 "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
                 "compute_s": round(live.compute_seconds, 4) if live else None,
+                "profile": self.profiles[row.id].as_json(self.dtype) if row.id in self.profiles else None,
             })
         p = self.progress
         tiles = {k: counts[k] for k in ("queued", "leased", "verified", "rejected", "requeued", "expired",
@@ -792,6 +890,11 @@ class Core:
                 {"identity": r.identity_id, "name": r.name, "gflop": round(r.gflop, 3), "tiles": r.tiles}
                 for r in self.store.leaderboard(10)
             ],
+            "plan": {"planner": self.planner.planner.value, **self.prediction.as_json(),
+                     "ps": {"egress_mbps": round(self.planner.ps.egress * 8 / 1e6, 1),
+                            "ingress_mbps": round(self.planner.ps.ingress * 8 / 1e6, 1),
+                            "gflops": round(self.planner.ps.flops_per_s(self.dtype) / 1e9, 2),
+                            "verify_gflops": round(self.planner.ps.verify_flops / 1e9, 2)}},
             "verify": {"seconds": round(self.verify_seconds, 4),
                        "worst_honest_ratio": round(max(self.verify_worst_honest.values(), default=0.0), 4),
                        "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(self.verify_worst_honest.items())}},

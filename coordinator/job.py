@@ -11,6 +11,7 @@ being exact, give the same losses.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import secrets
@@ -27,6 +28,8 @@ from coordinator import checkpoint
 from coordinator.checkpoint import Resume
 from coordinator.core import Core, FaultPolicy
 from coordinator.limits import Limits, TrustPolicy
+from coordinator.live_plan import Planner
+from coordinator.profiles import measure_ps
 from coordinator.protocol import is_loopback
 from coordinator.server import RemoteEngine, Server, listen
 from coordinator.tiles import TilingPolicy
@@ -54,6 +57,9 @@ class CoordinatorConfig:
     limits: Limits = field(default_factory=Limits)
     checkpoint_every: int = 50  # steps; 0 turns checkpoints off
     new_job: bool = False  # start a new job even if the database holds an unfinished one
+    planner: Planner = Planner.COST  # how GEMMs are cut and shared out (--planner)
+    ps_link_gbps: float = 10.0  # the coordinator's link, each way (--ps-link-gbps)
+    ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -67,6 +73,10 @@ class CoordinatorConfig:
             raise ValueError("--operator-token must differ from the join token (--token)")
         if (self.certfile is None) != (self.keyfile is None):
             raise ValueError("--certfile and --keyfile go together")
+        if not (0.001 <= self.ps_link_gbps <= 10_000):
+            raise ValueError(f"--ps-link-gbps must be between 0.001 and 10000, got {self.ps_link_gbps}")
+        if self.ps_gflops is not None and not (0.001 <= self.ps_gflops <= 1e7):
+            raise ValueError(f"--ps-gflops must be between 0.001 and 1e7, got {self.ps_gflops}")
         if not (0 <= self.checkpoint_every <= 10_000_000):
             raise ValueError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
 
@@ -222,9 +232,13 @@ async def serve_job(
         job_id, train_cfg = plan.job_id, plan.train
         corpus = await asyncio.to_thread(load_corpus, train_cfg.data)  # fail fast on bad --data
         # Verification vectors must be unpredictable to clients: OS entropy, never the public seed.
+        # The cost model's view of this machine: its GEMM, verification and copy rates, measured.
+        ps = await asyncio.to_thread(measure_ps, cfg.ps_link_gbps)
+        if cfg.ps_gflops is not None:  # the operator keeps the coordinator's CPU for its own work
+            ps = dataclasses.replace(ps, gflops={dtype: cfg.ps_gflops for dtype in ps.gflops})
         core = Core(store, job_id, rng=np.random.default_rng(), policy=cfg.policy, faults=cfg.faults,
                     trust=cfg.trust, limits=cfg.limits, epoch=clock() - time.monotonic(),
-                    job_name=f"{train_cfg.model}, {train_cfg.steps} steps")
+                    job_name=f"{train_cfg.model}, {train_cfg.steps} steps", planner=cfg.planner, ps=ps)
         tokens = _tokens(cfg, core, reporter)
         start_step = plan.resume.step if plan.resume else 0
         core.progress.step = start_step

@@ -92,6 +92,8 @@ class PlannerOptions:
     kinds: frozenset[Kind] = frozenset(Kind)  # which candidates to consider (tests force one)
     uniform: TilingPolicy = field(default_factory=TilingPolicy)  # the baseline's grid
     max_cells: int = 1 << 16  # tiles per GEMM considered at most (bounds the plan's size)
+    local_sum: bool = True  # split-k may let a device add up its own pieces (the live data plane
+    # sends one piece per unit for now: it plans with False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_reliability <= 1:
@@ -514,7 +516,7 @@ def candidates(gemm: Gemm, devices: int, opts: PlannerOptions, held: Mapping[str
             piece = -(-gemm.k // parts)
             if parts < 2 or rows * cols * parts > opts.max_cells:
                 continue
-            for local_sum in (True, False):
+            for local_sum in (True, False) if opts.local_sum else (False,):
                 out.append(_split_candidate(gemm, rows, cols, piece, held, local_sum, opts))
     return out
 
@@ -725,6 +727,7 @@ class PlannedUnit:
     k1: int
     owner: str
     device: int
+    member: int = 0  # which device of class ``owner`` (0 .. its count - 1)
 
 
 def realize(plan: Plan) -> list[PlannedUnit]:
@@ -740,26 +743,30 @@ def realize(plan: Plan) -> list[PlannedUnit]:
     rc, cc, kc = even_cuts(g.m, rows), even_cuts(g.n, cols), even_cuts(g.k, parts)
     split = plan.kind is Kind.SPLIT_K
     groups = rows * cols if split else parts
-    owners: list[tuple[str, int, int]] = []  # per group: (class, device index, pieces), in fill order
+    owners: list[tuple[str, int, int, int]] = []  # per group: (class, device index, pieces, devices), fill order
     for share in plan.shares:
         per_group = share.pieces // groups
         busiest = max(1, share.per_device)
         full, last = divmod(per_group, busiest)
-        owners += [(share.name, i, busiest) for i in range(full)] + ([(share.name, full, last)] if last else [])
+        used = share.devices // groups  # of the class, in each group
+        owners += [(share.name, i, busiest, used) for i in range(full)] + ([(share.name, full, last, used)] if last else [])
     out: list[PlannedUnit] = []
     local_sum = plan.local_sum
     for group in range(groups):
         index = 0
-        for name, device, count in owners:
-            device_id = group * (len(owners)) + device  # devices differ from group to group
+        for slot, (name, device, count, used) in enumerate(owners):
+            device_id = group * len(owners) + slot  # devices differ from group to group
+            member = group * used + device  # the same device, counted within its class
             if split:
                 i, j = divmod(group, cols)
                 run = range(index, index + count)
                 spans = [(run.start, run.stop)] if local_sum else [(p, p + 1) for p in run]
-                out += [PlannedUnit(rc[i], rc[i + 1], cc[j], cc[j + 1], kc[a], kc[b], name, device_id) for a, b in spans]
+                out += [PlannedUnit(rc[i], rc[i + 1], cc[j], cc[j + 1], kc[a], kc[b], name, device_id, member)
+                        for a, b in spans]
             else:
                 for cell in range(index, index + count):
                     i, j = divmod(cell, cols)
-                    out.append(PlannedUnit(rc[i], rc[i + 1], cc[j], cc[j + 1], kc[group], kc[group + 1], name, device_id))
+                    out.append(PlannedUnit(rc[i], rc[i + 1], cc[j], cc[j + 1], kc[group], kc[group + 1], name, device_id,
+                                           member))
             index += count
     return out

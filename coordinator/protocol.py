@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Union
 
 import torch
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: Result.waited (the coordinator apportions turnaround to measure links)
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
@@ -201,12 +201,17 @@ class StatusRequest:
 
 @dataclass(frozen=True)
 class Result:
-    """Device -> coordinator: the C block of a tile, and how long the matmul took."""
+    """Device -> coordinator: the C block of a tile, how long the matmul took, and how long the
+    tile waited before it."""
 
     TYPE: ClassVar[str] = "result"
     tile_id: int = _int()
     c: torch.Tensor
     seconds: float = _float(0.0, hi=86400.0)
+    # Seconds the tile waited on the device between arriving and its matmul starting (its queue).
+    # With ``seconds`` it lets the coordinator split its own measured turnaround into the link's
+    # share and the device's; both are claims, trusted only within that turnaround.
+    waited: float = _float(0.0, hi=86400.0)
 
 
 @dataclass(frozen=True)
@@ -410,7 +415,7 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
         }
         tensors = [b.data for b in msg.blocks]
     elif isinstance(msg, Result):
-        header = {"tile_id": msg.tile_id, "seconds": msg.seconds}
+        header = {"tile_id": msg.tile_id, "seconds": msg.seconds, "waited": msg.waited}
         tensors = [msg.c]
     elif isinstance(msg, SpeedTest):
         header = {"reply_bytes": msg.reply_bytes, "token": msg.token}

@@ -19,7 +19,7 @@ last, so the owner keeps the blocks it is about to reuse). A unit with no planne
 connected device that already holds its input blocks: dW finds the X and dY pieces that forward
 and dX left on devices (docs/architecture.md, "block reuse").
 
-Cost per message (docs/cost-model.md, "The scheduler"): with P devices and U outstanding units,
+Cost per message (docs/architecture.md, "The scheduler"): with P devices and U outstanding units,
 every decision is O(1) or O(log U) (the deadline heap, the steal heap); a dispatch does work in
 proportion to the leases it makes, plus at most ``scan`` looks at units or devices that could not
 be used. Nothing scans every device or every outstanding unit. ``bench/bench_scheduler.py``

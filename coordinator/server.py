@@ -469,7 +469,7 @@ class RemoteEngine:
 
     def begin_step(self, step: int) -> None:
         # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
-        self.loop.call_soon_threadsafe(self.server.core.begin_step, step)
+        self.loop.call_soon_threadsafe(lambda: self.server.core.begin_step(step, self.server.clock()))
 
     def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
         futures: list[concurrent.futures.Future[torch.Tensor]] = [concurrent.futures.Future() for _ in requests]

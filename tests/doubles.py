@@ -5,6 +5,8 @@ corrupt  every C block is off by a little (one element +1e-2 of the block's rms)
 hold     computes honestly, but on its Nth tile (ARG N) touches the file FILE (next argument)
          and sleeps: a test SIGKILLs it there, with tiles outstanding.
 slow     computes honestly but sleeps ARG seconds per tile: a straggler.
+slowed   computes honestly, then waits (ARG - 1) times its matmul's time: a device ARG times
+         slower than this one, which reports the whole time as its matmul's.
 stall    takes tiles, keeps heartbeating and never returns a result (its compute never ends).
 forge    ARG is a comma-separated list of forgery kinds (tests/forgeries.py, plus "replay" and
          "stale", which return real results kept from earlier tiles of the same shape: another
@@ -122,11 +124,18 @@ def main() -> int:
         time.sleep(float(extra[0]))
         return a @ b, 0.001
 
+    def slowed(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
+        started = time.perf_counter()
+        c = a @ b
+        spent = time.perf_counter() - started
+        time.sleep(spent * (float(extra[0]) - 1))
+        return c, time.perf_counter() - started
+
     def stall(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
         threading.Event().wait()  # forever: the connection stays alive, the tile never comes back
         raise AssertionError("unreachable")
 
-    compute = {"corrupt": corrupt, "hold": hold, "slow": slow, "stall": stall}[mode]
+    compute = {"corrupt": corrupt, "hold": hold, "slow": slow, "slowed": slowed, "stall": stall}[mode]
     worker = Worker(WorkerConfig(url=url, token=token, name=name, device="cpu", threads=1, once=True,
                                  benchmark_seconds=0.05), compute=compute)
     try:

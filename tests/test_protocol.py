@@ -94,12 +94,12 @@ def test_non_contiguous_tensors_are_sent_by_value() -> None:
 GOLDEN = {
     "challenge": (
         Challenge(nonce="ab" * 32, coordinator="c0ffee"),
-        b'CLV\x02\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"' + b"ab" * 32 + b'","tensors":[],"type":"challenge"}',
+        b'CLV\x03\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"' + b"ab" * 32 + b'","tensors":[],"type":"challenge"}',
     ),
     "hello": (
         Hello(name="n", token="t", platform="p", cores=2, memory_bytes=4, device="cpu", gflops=1.5, slots=2,
               client_version="0.2.0"),
-        b'CLV\x02\xd2\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
+        b'CLV\x03\xd2\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
         b'"identity":0,"memory_bytes":4,"name":"n","paused":"","platform":"p","proof":"","slots":2,"tensors":[],'
         b'"token":"t","type":"hello"}',
     ),
@@ -107,17 +107,18 @@ GOLDEN = {
         Work(tile_id=7, a="1.0.1x2", b="2.0.2x1", b_t=True, blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),
              forget=(3,)),
         bytes.fromhex(
-            "434c56029a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
+            "434c56039a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
             "625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274656e736f"
             "7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964223a372c2274"
             "797065223a22776f726b227d0000803f00000040"
         ),
     ),
     "result": (
-        Result(tile_id=7, c=torch.tensor([[0.5]]), seconds=0.25),
+        Result(tile_id=7, c=torch.tensor([[0.5]]), seconds=0.25, waited=0.125),
         bytes.fromhex(
-            "434c5602560000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
-            "227368617065223a5b312c315d7d5d2c2274696c655f6964223a372c2274797065223a22726573756c74227d0000003f"
+            "434c5603650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
+            "227368617065223a5b312c315d7d5d2c2274696c655f6964223a372c2274797065223a22726573756c74222c227761697465"
+            "64223a302e3132357d0000003f"
         ),
     ),
 }

@@ -1,0 +1,161 @@
+"""The cost model applied to the live fleet: connected devices grouped into classes, one plan per
+GEMM, and the plan's units mapped to real devices. Pure: profiles in, tiles and owners out.
+
+``--planner cost`` (the default) lets ``planner.plan_gemm`` choose the partition (keep the GEMM on
+the PS, output tiles, split-K, or a 3D grid) and which devices take how many units; ``--planner
+uniform`` keeps the fixed grid of ``tiles.plan_gemm`` dealt to whoever is free, and is priced
+with the same model so both predict a step time.
+
+A plan is advice about *who*: each unit waits in its planned device's own queue, and a device
+that runs dry steals from the tail of the longest queue (coordinator/scheduler.py). A device
+whose measured profile flatters it therefore only gets a longer queue, which others drain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import Enum
+from typing import Mapping, Sequence
+
+from coordinator.costmodel import CostModelError, DeviceClass, Profile, PSProfile
+from coordinator.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
+from coordinator.tiles import GemmKind, TilePlan, TilingPolicy, even_cuts
+from coordinator.tiles import plan_gemm as uniform_grid
+
+# Partitions the live data plane can run. Split-K is per piece (each piece a tile); a device
+# summing its own consecutive pieces needs a work message with several k-pieces (later).
+LIVE_KINDS = frozenset({Kind.LOCAL, Kind.OUTPUT, Kind.GRID3D, Kind.SPLIT_K})
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+
+
+class Planner(str, Enum):
+    COST = "cost"
+    UNIFORM = "uniform"
+
+
+@dataclass(frozen=True)
+class LivePlan:
+    tiles: TilePlan | None  # None: the PS multiplies itself
+    owners: Mapping[int, int]  # tile index -> the device it is planned for (absent: whoever is free)
+    plan: Plan | None  # the model's prediction (None when no device could be priced)
+
+    @property
+    def local(self) -> bool:
+        return self.tiles is None
+
+    @property
+    def seconds(self) -> float | None:
+        return self.plan.seconds if self.plan is not None and math.isfinite(self.plan.seconds) else None
+
+
+def _down(x: float) -> float:
+    """``x`` rounded down to a power of sqrt(2): within 41%, and stable as estimates jitter."""
+    return 2.0 ** (math.floor(2 * math.log2(x)) / 2) if x > 0 else 0.0
+
+
+def _up(x: float) -> float:
+    return 2.0 ** (math.ceil(2 * math.log2(x)) / 2) if x > 0 else 0.0
+
+
+def _rounded(p: Profile, dtype: str) -> Profile:
+    """A device's profile on a coarse grid, never better than measured: devices on the same grid
+    point form one class, and a plan stays the same while estimates move within a step."""
+    return Profile(gflops={dtype: _down(p.flops_per_s(dtype) / 1e9)}, memory=int(_down(p.memory)),
+                   down=_down(p.down), up=_down(p.up), rtt=_up(p.rtt), reliability=math.floor(20 * p.reliability) / 20,
+                   overhead=p.overhead)
+
+
+def fleet_classes(profiles: Mapping[int, Profile], dtype: str) -> tuple[list[DeviceClass], dict[str, list[int]]]:
+    """Group devices whose rounded profiles agree into classes (``_rounded``: never better than
+    any member's measurement, so no member is over-planned)."""
+    groups: dict[tuple[float, ...], tuple[Profile, list[int]]] = {}
+    for device in sorted(profiles):
+        p = _rounded(profiles[device], dtype)
+        key = (p.gflops[dtype], p.memory, p.down, p.up, p.rtt, p.reliability, p.overhead)
+        groups.setdefault(key, (p, []))[1].append(device)
+    classes, members = [], {}
+    for i, key in enumerate(sorted(groups)):
+        profile, ids = groups[key]
+        name = f"c{i}"
+        classes.append(DeviceClass(name, len(ids), profile))
+        members[name] = ids
+    return classes, members
+
+
+def signature(classes: Sequence[DeviceClass], dtype: str) -> tuple:
+    """What a plan depends on in the fleet (a cache key)."""
+    return tuple((c.count, c.profile.gflops.get(dtype, 0.0), c.profile.memory, c.profile.down, c.profile.up,
+                  c.profile.rtt, c.profile.reliability, c.profile.overhead) for c in classes)
+
+
+def gemm_of(m: int, n: int, k: int, kind: GemmKind, dtype: str, policy: TilingPolicy) -> Gemm:
+    """The symbolic GEMM. Token cuts are aligned as ``tiles.plan_gemm`` aligns them: forward and
+    dX rows, and dW's reduction, in pieces of ``policy.max_edge`` tokens, so dW reuses the X and
+    dY blocks the devices already hold."""
+    aligned = kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)
+    return Gemm(m, n, k, dtype, kind.value, row_piece=policy.max_edge if aligned else 0,
+                k_piece=policy.max_edge if kind is GemmKind.GRAD_WEIGHT else 0)
+
+
+class LivePlanner:
+    """Plans each GEMM for the devices connected now. Plans are cached by GEMM and fleet
+    signature (a step's GEMMs repeat every step; rounded profiles keep the key stable)."""
+
+    def __init__(self, planner: Planner, ps: PSProfile, policy: TilingPolicy, options: PlannerOptions | None = None,
+                 cache: int = 512) -> None:
+        self.planner = planner
+        self.ps = ps
+        self.policy = policy
+        # Tests force one partition kind through ``options.kinds``.
+        self.options = options or PlannerOptions(kinds=LIVE_KINDS, uniform=policy, local_sum=False)
+        self._cache: OrderedDict[tuple, Plan | None] = OrderedDict()
+        self._limit = cache
+
+    def plan(self, m: int, n: int, k: int, kind: GemmKind, dtype: str, profiles: Mapping[int, Profile]) -> LivePlan:
+        """``profiles``: the devices that may take work now."""
+        if min(m, n, k) < 1:  # nothing to price: an empty product is one (empty) tile
+            return LivePlan(uniform_grid(m, n, k, kind, 1, self.policy), {}, None)
+        gemm = gemm_of(m, n, k, kind, dtype, self.policy)
+        classes, members = fleet_classes(profiles, dtype)
+        key = (gemm, self.planner, signature(classes, dtype))
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            plan = self._cache[key]
+        else:
+            plan = self._price(gemm, classes)
+            self._cache[key] = plan
+            if len(self._cache) > self._limit:
+                self._cache.popitem(last=False)
+        if self.planner is Planner.UNIFORM or plan is None:
+            # The fixed grid, dealt to whoever is free (also when nothing could be priced: no
+            # device can take a unit and the PS cannot price it; never worse than nothing).
+            return LivePlan(uniform_grid(m, n, k, kind, max(1, len(profiles)), self.policy), {}, plan)
+        if plan.kind is Kind.LOCAL:
+            return LivePlan(None, {}, plan)
+        rows, cols, parts = plan.grid
+        tiles = TilePlan(m, n, k, even_cuts(m, rows), even_cuts(n, cols), even_cuts(k, parts))
+        owners: dict[int, int] = {}
+        if kind is not GemmKind.GRAD_WEIGHT:  # dW goes where its blocks are (the scheduler's affinity)
+            index = {(t.r0, t.c0, t.k0): t.index for t in tiles.tiles}
+            for unit in realize(plan):
+                owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
+        return LivePlan(tiles, owners, plan)
+
+    def _price(self, gemm: Gemm, classes: list[DeviceClass]) -> Plan | None:
+        if not classes:
+            return None
+        if self.planner is Planner.UNIFORM:
+            return baseline(gemm, classes, self.ps, PlannerOptions(uniform=self.policy))
+        try:
+            return plan_gemm(gemm, classes, self.ps, self.options)
+        except CostModelError:
+            return None
+
+
+def step_prediction(plans: Sequence[LivePlan]) -> float | None:
+    """Predicted GEMM seconds of a step: its GEMMs' plans in sequence (dX and dW of a layer run
+    together in practice, so this errs long)."""
+    seconds = [p.seconds for p in plans]
+    return None if any(s is None for s in seconds) else float(sum(s for s in seconds if s is not None))

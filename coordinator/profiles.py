@@ -1,0 +1,205 @@
+"""What each device can do, measured live: GEMM speed, links, round trip, reliability, memory.
+
+Pure: observations and the injected clock in, a ``costmodel.Profile`` out. ``Core`` records one
+observation per verified result (and one per lease that ends without one); the cost planner
+reads the profiles; ``cleave status --json`` shows them.
+
+Every estimate is a time-decayed mean (``Ema``): an observation ``age`` seconds old weighs
+``exp(-age / tau)``, and the sum is divided by the total weight, so the first observation is the
+estimate (no bias towards an initial zero) and old ones fade on the injected clock.
+
+Links without synchronised clocks: the coordinator times each lease itself, from handing the
+``work`` to the writer to receiving its ``result`` (its turnaround ``T``). The device reports how
+long the matmul took (``seconds``) and how long the tile waited before it (``waited``); what is
+left, ``T - waited - seconds``, is the link's share: one round trip plus ``down`` bytes at the
+downlink rate plus ``up`` bytes at the uplink rate. Many leases with different mixes of bytes
+(blocks a device already holds are not sent again; a dW partial is larger than a forward tile)
+make that a least-squares problem in ``(rtt, 1/down, 1/up)``, solved over decayed sums with a
+weak prior (``LinkFit``). The device's claims only apportion the coordinator's own measurement:
+they are clamped to ``[0, T]``, so a device can make its link look fast only by making its
+compute look slow, and the other way round.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from coordinator.costmodel import ITEMSIZE, Profile, PSProfile
+
+TAU = 120.0  # seconds: an observation this old weighs 1/e
+MB = 1e6  # link features are in megabytes, so the fit's coefficients are seconds per MB
+# Priors, used until measurements outweigh them: a home broadband line and a modest CPU.
+PRIOR_DOWN = 25e6  # bytes/s (200 Mbit/s)
+PRIOR_UP = 5e6  # bytes/s (40 Mbit/s)
+PRIOR_RTT = 0.03  # seconds
+PRIOR_WEIGHT = 0.02  # observations' worth of belief in the priors: directions the data leave open keep them
+PRIOR_MEMORY = 1 << 30  # bytes for blocks, when the device states no budget
+LINK_BOUNDS = (1e4, 1e11)  # bytes/s: estimates are clamped to this (10 kB/s .. 100 GB/s)
+GFLOPS_BOUNDS = (0.01, 1e5)  # a device's measured rate is clamped to this (the claim's bounds too)
+
+
+@dataclass
+class Ema:
+    """A time-decayed, bias-corrected mean."""
+
+    tau: float = TAU
+    value: float = 0.0
+    weight: float = 0.0
+    at: float = -math.inf
+
+    def add(self, x: float, now: float, weight: float = 1.0) -> None:
+        decay = math.exp(-max(0.0, now - self.at) / self.tau) if self.weight else 0.0
+        self.weight = self.weight * decay + weight
+        self.value += (x - self.value) * weight / self.weight
+        self.at = max(self.at, now)
+
+    @property
+    def seen(self) -> bool:
+        return self.weight > 0
+
+
+@dataclass
+class LinkFit:
+    """Least squares for ``t = rtt + down_mb / D + up_mb / U`` over time-decayed sums, with a
+    ridge prior pulling each coefficient to its prior value with ``PRIOR_WEIGHT``."""
+
+    tau: float = TAU
+    prior: tuple[float, float, float] = (PRIOR_RTT, MB / PRIOR_DOWN, MB / PRIOR_UP)
+    xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    xy: list[float] = field(default_factory=lambda: [0.0] * 3)
+    weight: float = 0.0
+    at: float = -math.inf
+
+    def add(self, down_bytes: float, up_bytes: float, seconds: float, now: float) -> None:
+        decay = math.exp(-max(0.0, now - self.at) / self.tau) if self.weight else 0.0
+        x = (1.0, down_bytes / MB, up_bytes / MB)
+        for i in range(3):
+            self.xy[i] = self.xy[i] * decay + x[i] * seconds
+            for j in range(3):
+                self.xx[i][j] = self.xx[i][j] * decay + x[i] * x[j]
+        self.weight = self.weight * decay + 1.0
+        self.at = max(self.at, now)
+
+    def solve(self) -> tuple[float, float, float]:
+        """(rtt seconds, down bytes/s, up bytes/s)."""
+        # Ridge towards the prior: minimise |X b - t|^2 + w |b - prior|^2 (per coefficient,
+        # scaled to the features' typical size so the prior is equally weak on each).
+        scale = [max(1e-12, self.xx[i][i] / max(self.weight, 1e-12)) for i in range(3)]
+        a = [[self.xx[i][j] + (PRIOR_WEIGHT * scale[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        b = [self.xy[i] + PRIOR_WEIGHT * scale[i] * self.prior[i] for i in range(3)]
+        coef = _solve3(a, b) if self.weight else list(self.prior)
+        rtt = min(max(coef[0], 0.0), 10.0)
+        lo, hi = LINK_BOUNDS
+        down = min(max(MB / coef[1], lo), hi) if coef[1] > 0 else hi
+        up = min(max(MB / coef[2], lo), hi) if coef[2] > 0 else hi
+        return rtt, down, up
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (3 unknowns)."""
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    n = 3
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return [math.nan] * n
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
+    return out
+
+
+@dataclass
+class DeviceProfile:
+    """One device's measured profile (its claims are only the starting point)."""
+
+    claimed_gflops: float  # its benchmark at join, bounded
+    memory: int  # bytes it gives to blocks and results
+    gflops: Ema = field(default_factory=Ema)
+    link: LinkFit = field(default_factory=LinkFit)
+    kept: Ema = field(default_factory=Ema)  # 1 per verified result, 0 per lease lost, revoked, rejected
+    results: int = 0
+
+    def __post_init__(self) -> None:
+        lo, hi = GFLOPS_BOUNDS
+        self.claimed_gflops = min(max(self.claimed_gflops, lo), hi)
+
+    def verified(self, flops: float, compute: float, waited: float, turnaround: float, down_bytes: float,
+                 up_bytes: float, now: float) -> None:
+        """A verified result: ``turnaround`` is the coordinator's own measurement; ``compute``
+        and ``waited`` are the device's claims, trusted only within it."""
+        turnaround = max(turnaround, 1e-9)
+        compute = min(max(compute, 0.0), turnaround)
+        waited = min(max(waited, 0.0), turnaround - compute)
+        if compute > 0:
+            lo, hi = GFLOPS_BOUNDS
+            self.gflops.add(min(max(flops / compute / 1e9, lo), hi), now)
+        self.link.add(down_bytes, up_bytes, turnaround - compute - waited, now)
+        self.kept.add(1.0, now)
+        self.results += 1
+
+    def failed(self, now: float) -> None:
+        """A lease ended without a verified result (lost, taken back, rejected)."""
+        self.kept.add(0.0, now)
+
+    def profile(self, dtype: str = "fp32") -> Profile:
+        """Its profile in ``dtype`` (the job's: the one its tiles are measured in)."""
+        rtt, down, up = self.link.solve()
+        # Until it has returned work, a device is planned at a quarter of its (bounded) claim.
+        rate = self.gflops.value if self.gflops.seen else self.claimed_gflops / 4
+        reliability = self.kept.value if self.kept.seen else 1.0
+        return Profile(gflops={dtype: rate}, memory=self.memory, down=down, up=up, rtt=rtt,
+                       reliability=min(1.0, max(0.0, reliability)), overhead=0.0)
+
+    def as_json(self, dtype: str = "fp32") -> dict[str, float | int]:
+        p = self.profile(dtype)
+        return {"gflops": round(p.gflops[dtype], 3), "down_mbps": round(p.down * 8 / 1e6, 3),
+                "up_mbps": round(p.up * 8 / 1e6, 3), "rtt_ms": round(p.rtt * 1e3, 3),
+                "reliability": round(p.reliability, 4), "memory_bytes": p.memory, "measured_results": self.results}
+
+
+# --------------------------------------------------------------------------- the PS, measured
+
+
+def measure_ps(link_gbps: float, *, dtype: str = "fp32", seconds: float = 0.3,
+               clock: Callable[[], float] = time.perf_counter) -> PSProfile:
+    """The coordinator's own profile, measured here in about ``seconds``: its GEMM rate in the
+    job's dtype, its verification rate (the 16-vector check is a skinny GEMM) and its memory
+    bandwidth (assembly, partial sums). The link is the operator's ``--ps-link-gbps``."""
+    import torch
+
+    from coordinator.costmodel import VERIFY_ROUNDS
+
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    n = 512
+    a, b = torch.randn(n, n, dtype=tdtype), torch.randn(n, n, dtype=tdtype)
+    r = torch.randn(n, VERIFY_ROUNDS)
+    big = torch.empty(4 << 20)  # 16 MB: past the caches
+    budget = seconds / 3
+
+    def rate(fn: Callable[[], object], work: float) -> float:
+        fn()
+        count, started = 0, clock()
+        while True:
+            fn()
+            count += 1
+            elapsed = clock() - started
+            if elapsed >= budget or count >= 1000:
+                return work * count / max(elapsed, 1e-9)
+
+    gemm = rate(lambda: a @ b, 2.0 * n**3)
+    af, bf, cf = a.float(), b.float(), (a @ b).float()
+    verify = rate(lambda: (af @ (bf @ r)) - cf @ r, 2.0 * VERIFY_ROUNDS * 3 * n * n)
+    copy = rate(lambda: big.clone(), 2.0 * big.numel() * big.element_size())
+    defaults = PSProfile()
+    gflops = {d: (gemm / 1e9 if d == dtype else defaults.gflops.get(d, 0.0)) for d in ITEMSIZE}
+    return PSProfile.from_link(link_gbps, gflops=gflops, verify_flops=verify, memory_bw=copy,
+                               unit_overhead=defaults.unit_overhead)
