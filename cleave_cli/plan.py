@@ -46,9 +46,9 @@ DEFAULT_LINK_GBPS = 10.0
 
 
 def default_ps(link_gbps: float) -> PSProfile:
-    """A server-class PS: PSProfile's defaults at ``link_gbps`` both ways, except that its own
-    work in bf16/fp16 runs at its fp32 rate: PSProfile prices those at 1 GFLOP/s (a CPU without
-    bf16 units), but the PS can always upcast what it computes itself (local GEMMs, attention)."""
+    """A server-class PS (PSProfile's documented defaults, docs/cost-model.md) at ``link_gbps``
+    both ways; its own work in every dtype at its fp32 rate (it can always upcast what it
+    computes itself: local GEMMs, attention)."""
     fp32 = PSProfile().gflops["fp32"]
     return PSProfile.from_link(link_gbps, gflops={dtype: fp32 for dtype in ITEMSIZE})
 

@@ -114,7 +114,7 @@ def dashboard(status: dict[str, Any]) -> Group:
         summary.add_row("traffic", f"{_mb(traffic.get('mb_down', 0))} down, {_mb(traffic.get('mb_up', 0))} up")
     devices = Table(title="devices", expand=True)
     for col, justify in [("name", "left"), ("state", "left"), ("device", "left"), ("GFLOP/s", "right"),
-                         ("down/up Mbit/s", "right"), ("tiles done", "right"), ("rejected", "right"),
+                         ("Mbit/s ↓/↑", "right"), ("tiles", "right"), ("rejected", "right"),
                          ("lost", "right"), ("reliability", "right"), ("verified GFLOP", "right")]:
         devices.add_column(col, justify=justify)  # type: ignore[arg-type]
     style = {"working": "green", "idle": "cyan", "paused": "yellow", "offline": "dim", "banned": "bold red",

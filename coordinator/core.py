@@ -35,6 +35,7 @@ Faults cost only outstanding tiles:
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 import time
@@ -46,9 +47,9 @@ import torch
 
 from coordinator import auth
 from coordinator.blocks import BlockRef, Source, Sources, block_ref
-from coordinator.costmodel import PSProfile
+from coordinator.costmodel import Profile, PSProfile
 from coordinator.identity import Admission, AuthError, Gate, Standing
-from coordinator.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner
+from coordinator.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner, fleet_key
 from coordinator.limits import Limits, TokenBucket, TrustPolicy
 from coordinator.profiles import PRIOR_MEMORY, DeviceProfile
 from coordinator.protocol import (
@@ -62,6 +63,8 @@ from db.store import BANNED, REVOKED, DeviceInfo, NewTile, Store
 
 __all__ = ["AuthError", "Close", "Core", "FaultPolicy", "Hold", "Limit", "Outbound", "Send"]
 
+log = logging.getLogger(__name__)
+
 SHUTDOWN = "coordinator stopped"
 CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
 EMA = 0.2  # weight of a new observation in a device's running estimates
@@ -70,6 +73,7 @@ SWEEP = 0.5  # seconds in which tick looks after every device once (heartbeats, 
 TICK_GUESS = 0.05  # the server's tick interval: the first tick of a sweep already takes its share
 # A device's claimed speed only sets its first deadlines, and only within these bounds.
 CLAIM_GFLOPS = (1.0, 1e5)
+WAIT_SLACK = 0.005  # seconds a tile may wait on a device with nothing before it (its event loop)
 MAX_SECONDS_PER_GFLOP = 10.0  # slower turnarounds than this are not waited for any longer
 
 
@@ -156,6 +160,7 @@ class DeviceState:
     credit_at: float = 0.0
     big_until: float = 0.0  # until then it may still send a result for a tile it lost
     verified_at: float | None = None  # when its last result was verified
+    result_at: float = -math.inf  # when its last verified result arrived
     result_gap: float | None = None  # running estimate of seconds between its verified results
 
     @property
@@ -237,10 +242,23 @@ class Prediction:
         self.busy = 0.0
         self.busy_since = now if self.busy_since is not None else None
 
+    @property
+    def other(self) -> float | None:
+        """The PS's own seconds in the last finished step: its time with no GEMM out."""
+        return None if self.measured is None or self.last_busy is None else max(0.0, self.measured - self.last_busy)
+
+    def current(self) -> float | None:
+        """The step in progress, once its GEMMs are all submitted: their predicted seconds plus
+        the PS's own time of the step before."""
+        known = [p for p in self.planned if p is not None]
+        if not known or len(known) != len(self.planned) or self.other is None:
+            return None
+        return sum(known) + self.other
+
     def as_json(self) -> dict[str, Any]:
         """Predicted step = the GEMMs' predicted seconds + the PS's own time measured last step
         (the step's seconds with no GEMM out): the model predicts the part it plans."""
-        other = None if self.measured is None or self.last_busy is None else max(0.0, self.measured - self.last_busy)
+        other = self.other
         predicted = None if self.gemm_seconds is None or other is None else self.gemm_seconds + other
         return {"predicted_step_s": _round(predicted), "measured_step_s": _round(self.measured),
                 "predicted_gemm_s": _round(self.gemm_seconds), "measured_gemm_s": _round(self.last_busy),
@@ -301,9 +319,12 @@ class Core:
         # How each GEMM is cut and who takes which tile (a LivePlanner: tests force partitions).
         self.planner = planner if isinstance(planner, LivePlanner) else LivePlanner(planner, ps or PSProfile(), self.policy)
         self.profiles: dict[int, DeviceProfile] = {}  # connected devices, measured live
-        self._sent: dict[tuple[int, int], int] = {}  # (tile, device) -> bytes of blocks its work carried
+        # (tile, device) -> [bytes of blocks its work carried, when the frame went on the wire]
+        self._sent: dict[tuple[int, int], list] = {}
         self.dtype = "fp32"  # of the job's GEMMs: the dtype devices are measured and planned in
         self.prediction = Prediction()
+        self._fleet_version = 0  # moves when the planner's view of the fleet may have changed
+        self._fleet_keys: dict[int, tuple[float, ...]] = {}
         self._dispatching = False
         self._sweep: list[int] = []  # devices still to look after in this tick round
         self._sweep_at = 0.0
@@ -360,6 +381,7 @@ class Core:
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
         self.profiles[device_id] = DeviceProfile(claim, hello.block_budget or PRIOR_MEMORY)
+        self._fleet_changed()
         if hello.paused:  # its owner is busy: it gets nothing until it resumes
             dev.paused = hello.paused
             self.store.set_device_state(device_id, "paused", self._at(now), hello.paused)
@@ -395,6 +417,8 @@ class Core:
         self.store.release_device(device_id, "released" if graceful else "lost", self._at(now), reason)
         self.sched.leave(device_id)
         profile = self.profiles.pop(device_id, None)
+        self._fleet_keys.pop(device_id, None)
+        self._fleet_changed()
         for tile_id in held:
             self._sent.pop((tile_id, device_id), None)
         if held and not graceful:
@@ -433,11 +457,18 @@ class Core:
                 return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
             self.sched.update(dev.id, paused=False)
+            self._fleet_changed()
             self.store.set_device_state(dev.id, "online", self._at(now))
             return self._dispatch(now)
         if isinstance(msg, Leave):
             return self.disconnect(device_id, now, "left")
         return [self._send(device_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a device may send"), now)]
+
+    def on_wire(self, device_id: int, tile_id: int, now: float) -> None:
+        """The server started writing ``tile_id``'s work frame to the device's socket."""
+        entry = self._sent.get((tile_id, device_id))
+        if entry is not None and entry[1] is None:
+            entry[1] = now
 
     def tick(self, now: float) -> list[Outbound]:
         """Time passes: drop silent devices, take back late tiles, copy them, keep heartbeats.
@@ -531,9 +562,10 @@ class Core:
                             a_row_norms=ra.row_norms(), b_norm=rb.norm())
         self.verify_seconds += time.perf_counter() - started
         out: list[Outbound] = []
-        sent = self._sent.pop((msg.tile_id, dev.id), 0)
+        sent, on_wire = self._sent.pop((msg.tile_id, dev.id), (0, None))
         if not verdict.ok:
             self.profiles[dev.id].failed(now)
+            self._fleet_changed(dev.id)
             self.sched.release(msg.tile_id, dev.id, bar=True)
             self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
             self.store.credit_device(dev.id, rejected=1, now=self._at(now))
@@ -559,7 +591,15 @@ class Core:
         dev.verified_at = now
         self._regrade(dev)
         dev.compute_seconds += msg.seconds
-        self.profiles[dev.id].verified(tile.flops, msg.seconds, msg.waited, now - leased_at, sent, nbytes, now)
+        # From its work frame going on the wire (not from the lease: a frame queued behind the
+        # device's other work is that work's link time, not this one's).
+        start = leased_at if on_wire is None else max(leased_at, on_wire)
+        # A tile waits on a device only behind the work before it, which was done by the time
+        # its result arrived here: a claimed wait beyond that is not believed.
+        waited = min(msg.waited, max(0.0, dev.result_at - start) + WAIT_SLACK)
+        dev.result_at = now
+        self.profiles[dev.id].verified(tile.flops, msg.seconds, waited, now - start, sent, nbytes, now)
+        self._fleet_changed(dev.id)
         if msg.seconds >= 1e-6:  # a device's own timing: believed only within physical reason
             observed = min(gflop / msg.seconds, 1e7)
             dev.gflops = (1 - EMA) * dev.gflops + EMA * observed if dev.gflops else observed
@@ -591,6 +631,7 @@ class Core:
         """The owner needs the machine: its tiles go to others at once; it stays connected."""
         dev.paused = reason
         self.sched.update(dev.id, paused=True)
+        self._fleet_changed()
         self.store.set_device_state(dev.id, "paused", self._at(now), reason)
         # A paused client keeps its cached blocks: they serve it again once it resumes.
         return self._give_back(dev, tuple(dev.inflight), f"paused: {reason}", now, blocks_lost=False)
@@ -625,6 +666,7 @@ class Core:
             self._sent.pop((tile_id, dev.id), None)
             if bar:  # its compute failed
                 self.profiles[dev.id].failed(now)
+                self._fleet_changed(dev.id)
             self.sched.release(tile_id, dev.id, bar=bar)
             self._lost_tile(dev, now)
             self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar)
@@ -731,9 +773,26 @@ class Core:
         return gemm_id, self._dispatch(now)
 
     def _plan(self, m: int, n: int, k: int, kind: GemmKind) -> LivePlan:
-        """The cost model's plan for the devices that may take work now."""
-        active = {d: self.profiles[d].profile(self.dtype) for d, dev in self.devices.items() if dev.paused is None}
-        return self.planner.plan(m, n, k, kind, self.dtype, active)
+        """The cost model's plan for the devices that may take work now. Their classes are
+        rebuilt (O(devices)) only when the fleet changed: a device joined, left, paused or
+        resumed, or its measured profile moved on the planner's grid."""
+        def active() -> dict[int, Profile]:
+            return {d: self.profiles[d].profile(self.dtype) for d, dev in self.devices.items() if dev.paused is None}
+
+        return self.planner.plan(m, n, k, kind, self.dtype, active, self._fleet_version)
+
+    def _fleet_changed(self, device_id: int | None = None) -> None:
+        """A device joined, left, paused or resumed (``None``), or ``device_id`` was measured."""
+        if device_id is None:
+            self._fleet_version += 1
+            return
+        profile = self.profiles.get(device_id)
+        if profile is None:
+            return
+        key = fleet_key(profile.profile(self.dtype), self.dtype)
+        if self._fleet_keys.get(device_id) != key:
+            self._fleet_keys[device_id] = key
+            self._fleet_version += 1
 
     def _dispatch(self, now: float) -> list[Outbound]:
         """Ask the scheduler what to do now and do it: late leases and leases taken back, queued
@@ -748,11 +807,9 @@ class Core:
             sched = self.sched
             out = self._apply(sched.expire(now), now)
             out.extend(self._apply(sched.assign(now), now))
-            copies = sched.copies(now)
-            if copies:
-                out.extend(self._apply(copies, now))
-                if sched.queued:  # a late tile was taken back with no copy left out
-                    out.extend(self._apply(sched.assign(now), now))
+            out.extend(self._apply(sched.copies(now), now))
+            if sched.queued:  # a late tile was taken back with no copy left out
+                out.extend(self._apply(sched.assign(now), now))
             return out
         finally:
             self._dispatching = False
@@ -763,8 +820,9 @@ class Core:
         out: list[Outbound] = []
         for decision in decisions:
             dev = self.devices.get(decision.device)
-            if dev is None:
-                continue  # cut earlier in this batch: the scheduler has let its tiles go already
+            if dev is None:  # cut earlier in this batch: the scheduler has let its tiles go already
+                self._sent.pop((decision.unit, decision.device), None)
+                continue
             if isinstance(decision, Assign):
                 out.extend(self._lease(dev, decision.unit, decision.copy, now))
             elif isinstance(decision, Overdue):
@@ -779,6 +837,7 @@ class Core:
         tile_id, reason = decision.unit, decision.reason
         self._sent.pop((tile_id, dev.id), None)
         self.profiles[dev.id].failed(now)
+        self._fleet_changed(dev.id)
         dev.cancel(tile_id)
         self._lost_tile(dev, now)
         # Barred from the tile: it goes to someone else, never straight back to this device.
@@ -802,8 +861,12 @@ class Core:
         at = self._at(now)
         claimed = self.store.lease_tile(tile_id, dev.id, at) if copy is None else \
             self.store.claim_copy(tile_id, dev.id, copy, at)
-        if claimed is None:  # the scheduler and the store disagree: a bug, never a peer's doing
-            raise RuntimeError(f"store refused the scheduler's lease of tile {tile_id} to device {dev.id}")
+        if claimed is None:
+            # The scheduler and the store disagree (a bug, never a peer's doing): say so, and let
+            # the scheduler give the tile to someone else rather than stop training.
+            log.error("store refused the scheduler's lease of tile %d to device %d; tile re-queued", tile_id, dev.id)
+            self.sched.release(tile_id, dev.id)
+            return []
         gemm = self.gemms[self._tile_gemm[tile_id]]
         tile = gemm.tiles[tile_id]
         out: list[Outbound] = []
@@ -828,7 +891,7 @@ class Core:
                 self.sched.holds_block(dev.id, ref.key)
                 sent += ref.nbytes
         dev.bytes_down += sent
-        self._sent[(tile_id, dev.id)] = sent
+        self._sent[(tile_id, dev.id)] = [sent, None]
         if dev.full:
             self.sched.update(dev.id, full=True)
         return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget)

@@ -20,6 +20,8 @@ ITEMSIZE: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Verification (coordinator/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a
 # matrix-vector product per vector, so it reads A, B and C once and does 32 FLOP per element.
 VERIFY_ROUNDS = 16
+# Units a device holds at once: the one it computes and the one it prefetches.
+IN_FLIGHT = 2
 
 
 class CostModelError(ValueError):
@@ -79,14 +81,27 @@ class DeviceClass:
 
 @dataclass(frozen=True)
 class PSProfile:
-    """The parameter server: its link is shared by every device, and so is its CPU."""
+    """The parameter server: its link is shared by every device, and so is its CPU.
+
+    The defaults describe the coordinator of a real deployment: a many-core server on a
+    10 Gbit/s link, not the 2-core machine the tests run on (coordinator/profiles.py measures the
+    machine it runs on instead). docs/cost-model.md gives the sources of each figure."""
 
     egress: float = 1.25e9  # bytes/s it can send (10 Gbit/s)
     ingress: float = 1.25e9  # bytes/s it can receive
-    gflops: Mapping[str, float] = field(default_factory=lambda: {"fp32": 100.0, "bf16": 1.0, "fp16": 1.0})
-    verify_flops: float = 5e9  # FLOP/s of verification: matrix-vector work, bound by memory
-    unit_overhead: float = 3e-4  # seconds of PS CPU per unit (decode, bookkeeping, store)
-    memory_bw: float = 5e9  # bytes/s for assembling results and summing partials
+    # Sustained GEMM rate of a modern many-core server with AVX-512/AMX, in every dtype (what the
+    # PS multiplies itself it may upcast). One core of the 2-core test machine does 80-95 GFLOP/s
+    # fp32 (the project's performance notes).
+    gflops: Mapping[str, float] = field(default_factory=lambda: {"fp32": 1000.0, "bf16": 1000.0, "fp16": 1000.0})
+    # The 16-vector Freivalds check is a skinny GEMM (16 columns) bound by memory: it reads A, B
+    # and C once for 32 FLOP per element, ~8 FLOP per byte of fp32, at ~25 GB/s effective. On the
+    # test machine it runs at ~35-40 GFLOP/s per core (checking a 512-class tile costs 18-23% of
+    # its GEMM; bench/bench_verify.py), so a server's ~25 GB/s gives ~200 GFLOP/s.
+    verify_flops: float = 200e9
+    # Seconds of PS CPU per unit besides the check: decode, bookkeeping, store. The whole Core
+    # spends ~1e-4 s per Result on the test machine (bench/bench_scheduler.py, core column).
+    unit_overhead: float = 2e-4
+    memory_bw: float = 10e9  # bytes/s of copies: assembling results, summing partials (one socket)
 
     def __post_init__(self) -> None:
         _positive("ps egress", self.egress)
@@ -154,6 +169,15 @@ class Unit:
     def verify_flops(self) -> float:
         """PS work to check the result: ``VERIFY_ROUNDS`` products with A, B and C each."""
         return 2.0 * VERIFY_ROUNDS * (self.m * self.k + self.k * self.n + self.m * self.n)
+
+
+def in_flight_memory(units: int, unit_memory: float) -> int:
+    """Bytes a device needs for ``units`` units of at most ``unit_memory`` bytes each: ``IN_FLIGHT``
+    of them at once (one computing, one prefetched). Blocks it has finished with are kept only
+    while they fit what is left of its budget (the client evicts the oldest), so they add nothing.
+    The one definition of a device's memory need: the planner and the round-robin baseline both
+    use it, for feasibility and for the memory they report."""
+    return math.ceil(min(units, IN_FLIGHT) * unit_memory) if units > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -224,11 +248,19 @@ def ps_seconds(units: int, verify_flops: float, partial_bytes: float, out_bytes:
     return units * ps.unit_overhead + verify_flops / ps.verify_flops + (out_bytes + 2 * partial_bytes) / ps.memory_bw
 
 
+def output_egress_floor(area: float, k: float, itemsize: int) -> float:
+    """Fewest bytes a device needs to compute ``area`` outputs, each with a reduction of ``k``:
+    outputs touching ``a`` rows and ``b`` columns need ``s k (a + b)`` inputs, ``a b >= area``
+    and ``a + b >= 2 sqrt(a b)`` (AM-GM), so at least ``2 s k sqrt(area)``."""
+    return 2.0 * itemsize * k * math.sqrt(max(0.0, area))
+
+
 def output_tiles_egress_floor(m: int, n: int, k: int, parts: int, itemsize: int) -> float:
-    """Fewest bytes the PS sends for an ``m x k @ k x n`` GEMM cut into ``parts`` output tiles
-    that each keep the full reduction: a tile of ``r x c`` outputs needs ``k (r + c)`` inputs,
-    and ``r + c >= 2 sqrt(r c)``, so the sum over tiles is at least ``2 s k sqrt(P m n)``."""
-    return 2.0 * itemsize * k * math.sqrt(max(1, parts) * m * n)
+    """Fewest bytes the PS sends for an ``m x k @ k x n`` GEMM whose outputs are shared out in
+    ``parts`` *equal* shares that each keep the full reduction: ``parts`` times
+    ``output_egress_floor(m n / parts)``, i.e. ``2 s k sqrt(P m n)``. Unequal shares can need
+    less (the square root is concave): sum ``output_egress_floor`` over the actual shares."""
+    return max(1, parts) * output_egress_floor(m * n / max(1, parts), k, itemsize)
 
 
 def local_seconds(m: int, n: int, k: int, dtype: str, ps: PSProfile) -> float:

@@ -255,8 +255,10 @@ async def serve_job(
         def record(result: StepResult) -> None:  # on the loop: the single writer of store and metrics
             nonlocal trained_tokens
             t = server.traffic
+            predicted = core.prediction.current()  # its GEMMs were all submitted: it is over
             extra = {"devices": len(core.devices), "mb_down": round(t.bytes_down / 1e6, 3),
-                     "mb_up": round(t.bytes_up / 1e6, 3)}
+                     "mb_up": round(t.bytes_up / 1e6, 3),
+                     "predicted_s": None if predicted is None else round(predicted, 4)}
             result = StepResult(result.step, result.loss, result.tokens, result.seconds, result.lr, extra)
             results.append(result)
             assert metrics is not None

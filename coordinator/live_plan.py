@@ -17,7 +17,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from coordinator.costmodel import CostModelError, DeviceClass, Profile, PSProfile
 from coordinator.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
@@ -50,31 +50,46 @@ class LivePlan:
         return self.plan.seconds if self.plan is not None and math.isfinite(self.plan.seconds) else None
 
 
-def _down(x: float) -> float:
-    """``x`` rounded down to a power of sqrt(2): within 41%, and stable as estimates jitter."""
-    return 2.0 ** (math.floor(2 * math.log2(x)) / 2) if x > 0 else 0.0
+MAX_CLASSES = 32  # the planner prices each class: more, and the grid is coarsened until they fit
+MIN_TIME = 1e-4  # seconds: latencies below this round up to it (a class for every LAN rtt is noise)
 
 
-def _up(x: float) -> float:
-    return 2.0 ** (math.ceil(2 * math.log2(x)) / 2) if x > 0 else 0.0
+def _down(x: float, step: float = 0.5) -> float:
+    """``x`` rounded down to a power of ``2 ** step``: within a factor of it, and stable as
+    estimates jitter."""
+    return 2.0 ** (math.floor(math.log2(x) / step) * step) if x > 0 else 0.0
 
 
-def _rounded(p: Profile, dtype: str) -> Profile:
+def _up(x: float, step: float = 0.5) -> float:
+    x = max(x, MIN_TIME)
+    return 2.0 ** (math.ceil(math.log2(x) / step) * step)
+
+
+def _rounded(p: Profile, dtype: str, step: float = 0.5) -> Profile:
     """A device's profile on a coarse grid, never better than measured: devices on the same grid
     point form one class, and a plan stays the same while estimates move within a step."""
-    return Profile(gflops={dtype: _down(p.flops_per_s(dtype) / 1e9)}, memory=int(_down(p.memory)),
-                   down=_down(p.down), up=_down(p.up), rtt=_up(p.rtt), reliability=math.floor(20 * p.reliability) / 20,
-                   overhead=p.overhead)
+    quantum = min(0.05 * 2 * step, 0.25)  # reliability: 0.05 at the finest grid
+    return Profile(gflops={dtype: _down(p.flops_per_s(dtype) / 1e9, step)}, memory=int(_down(p.memory, step)),
+                   down=_down(p.down, step), up=_down(p.up, step), rtt=_up(p.rtt, step),
+                   reliability=math.floor(p.reliability / quantum) * quantum,
+                   overhead=_up(p.overhead, step) if p.overhead > 0 else 0.0)
 
 
 def fleet_classes(profiles: Mapping[int, Profile], dtype: str) -> tuple[list[DeviceClass], dict[str, list[int]]]:
     """Group devices whose rounded profiles agree into classes (``_rounded``: never better than
-    any member's measurement, so no member is over-planned)."""
-    groups: dict[tuple[float, ...], tuple[Profile, list[int]]] = {}
-    for device in sorted(profiles):
-        p = _rounded(profiles[device], dtype)
-        key = (p.gflops[dtype], p.memory, p.down, p.up, p.rtt, p.reliability, p.overhead)
-        groups.setdefault(key, (p, []))[1].append(device)
+    any member's measurement, so no member is over-planned). At most ``MAX_CLASSES``: the grid
+    is coarsened (a factor of sqrt 2, then 2, 4...) until the fleet fits, so however many
+    devices, or however they set their claims, planning costs a bounded number of classes."""
+    step = 0.5
+    while True:
+        groups: dict[tuple[float, ...], tuple[Profile, list[int]]] = {}
+        for device in sorted(profiles):
+            p = _rounded(profiles[device], dtype, step)
+            key = (p.gflops[dtype], p.memory, p.down, p.up, p.rtt, p.reliability, p.overhead)
+            groups.setdefault(key, (p, []))[1].append(device)
+        if len(groups) <= MAX_CLASSES or step >= 64:
+            break
+        step *= 2
     classes, members = [], {}
     for i, key in enumerate(sorted(groups)):
         profile, ids = groups[key]
@@ -82,6 +97,12 @@ def fleet_classes(profiles: Mapping[int, Profile], dtype: str) -> tuple[list[Dev
         classes.append(DeviceClass(name, len(ids), profile))
         members[name] = ids
     return classes, members
+
+
+def fleet_key(p: Profile, dtype: str) -> tuple[float, ...]:
+    """A device's place on the finest grid: when it moves, the fleet's classes may change."""
+    r = _rounded(p, dtype)
+    return (r.gflops[dtype], r.memory, r.down, r.up, r.rtt, r.reliability, r.overhead)
 
 
 def signature(classes: Sequence[DeviceClass], dtype: str) -> tuple:
@@ -111,14 +132,20 @@ class LivePlanner:
         # Tests force one partition kind through ``options.kinds``.
         self.options = options or PlannerOptions(kinds=LIVE_KINDS, uniform=policy, local_sum=False)
         self._cache: OrderedDict[tuple, Plan | None] = OrderedDict()
+        self._fleet: tuple | None = None  # (version, dtype), classes, members, devices
         self._limit = cache
 
-    def plan(self, m: int, n: int, k: int, kind: GemmKind, dtype: str, profiles: Mapping[int, Profile]) -> LivePlan:
-        """``profiles``: the devices that may take work now."""
+    def plan(self, m: int, n: int, k: int, kind: GemmKind, dtype: str,
+             profiles: Mapping[int, Profile] | Callable[[], Mapping[int, Profile]], version: int | None = None) -> LivePlan:
+        """``profiles``: the devices that may take work now (or a function giving them, called
+        only when ``version``, which the caller moves whenever they may have changed, moved)."""
         if min(m, n, k) < 1:  # nothing to price: an empty product is one (empty) tile
             return LivePlan(uniform_grid(m, n, k, kind, 1, self.policy), {}, None)
         gemm = gemm_of(m, n, k, kind, dtype, self.policy)
-        classes, members = fleet_classes(profiles, dtype)
+        if version is None or self._fleet is None or self._fleet[0] != (version, dtype):
+            current = profiles() if callable(profiles) else profiles
+            self._fleet = ((version, dtype), *fleet_classes(current, dtype), len(current))
+        _, classes, members, active = self._fleet
         key = (gemm, self.planner, signature(classes, dtype))
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -131,7 +158,7 @@ class LivePlanner:
         if self.planner is Planner.UNIFORM or plan is None:
             # The fixed grid, dealt to whoever is free (also when nothing could be priced: no
             # device can take a unit and the PS cannot price it; never worse than nothing).
-            return LivePlan(uniform_grid(m, n, k, kind, max(1, len(profiles)), self.policy), {}, plan)
+            return LivePlan(uniform_grid(m, n, k, kind, max(1, active), self.policy), {}, plan)
         if plan.kind is Kind.LOCAL:
             return LivePlan(None, {}, plan)
         rows, cols, parts = plan.grid

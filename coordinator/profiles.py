@@ -16,8 +16,10 @@ downlink rate plus ``up`` bytes at the uplink rate. Many leases with different m
 (blocks a device already holds are not sent again; a dW partial is larger than a forward tile)
 make that a least-squares problem in ``(rtt, 1/down, 1/up)``, solved over decayed sums with a
 weak prior (``LinkFit``). The device's claims only apportion the coordinator's own measurement:
-they are clamped to ``[0, T]``, so a device can make its link look fast only by making its
-compute look slow, and the other way round.
+they are clamped to ``[0, T]``, and ``Core`` believes a wait only up to the arrival of the
+device's previous result (a tile waits only behind earlier work). A device that under-reports
+``seconds`` is still planned at no more than ``SEEN_FACTOR`` times the rate the coordinator sees
+it deliver; and the plan is only advice about who does what (docs/security.md, "Liveness").
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ PRIOR_RTT = 0.03  # seconds
 PRIOR_WEIGHT = 0.02  # observations' worth of belief in the priors: directions the data leave open keep them
 PRIOR_MEMORY = 1 << 30  # bytes for blocks, when the device states no budget
 LINK_BOUNDS = (1e4, 1e11)  # bytes/s: estimates are clamped to this (10 kB/s .. 100 GB/s)
+# A unit's fixed cost on the device (decode, launch, encode) is at most this: the rest of the
+# fitted intercept is latency, which prefetching hides.
+DEVICE_OVERHEAD = 0.002
+# A device is planned at most this many times the rate the coordinator sees it deliver (work
+# per turnaround, links included): a device reporting tiny matmul times is not believed beyond.
+SEEN_FACTOR = 4.0
 GFLOPS_BOUNDS = (0.01, 1e5)  # a device's measured rate is clamped to this (the claim's bounds too)
 
 
@@ -91,11 +99,22 @@ class LinkFit:
         a = [[self.xx[i][j] + (PRIOR_WEIGHT * scale[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
         b = [self.xy[i] + PRIOR_WEIGHT * scale[i] * self.prior[i] for i in range(3)]
         coef = _solve3(a, b) if self.weight else list(self.prior)
+        if coef[0] < 0:  # a negative latency is a collinear fit: solve again with none
+            coef = [0.0, *_solve2([row[1:] for row in a[1:]], b[1:])]
+        if not all(math.isfinite(c) for c in coef):
+            coef = list(self.prior)
         rtt = min(max(coef[0], 0.0), 10.0)
         lo, hi = LINK_BOUNDS
         down = min(max(MB / coef[1], lo), hi) if coef[1] > 0 else hi
         up = min(max(MB / coef[2], lo), hi) if coef[2] > 0 else hi
         return rtt, down, up
+
+
+def _solve2(a: list[list[float]], b: list[float]) -> list[float]:
+    det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+    if abs(det) < 1e-300:
+        return [math.nan, math.nan]
+    return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
@@ -124,6 +143,7 @@ class DeviceProfile:
     claimed_gflops: float  # its benchmark at join, bounded
     memory: int  # bytes it gives to blocks and results
     gflops: Ema = field(default_factory=Ema)
+    seen_rate: Ema = field(default_factory=Ema)  # GFLOP/s over the coordinator's own turnarounds
     link: LinkFit = field(default_factory=LinkFit)
     kept: Ema = field(default_factory=Ema)  # 1 per verified result, 0 per lease lost, revoked, rejected
     results: int = 0
@@ -139,9 +159,10 @@ class DeviceProfile:
         turnaround = max(turnaround, 1e-9)
         compute = min(max(compute, 0.0), turnaround)
         waited = min(max(waited, 0.0), turnaround - compute)
+        lo, hi = GFLOPS_BOUNDS
         if compute > 0:
-            lo, hi = GFLOPS_BOUNDS
             self.gflops.add(min(max(flops / compute / 1e9, lo), hi), now)
+        self.seen_rate.add(min(max(flops / (turnaround - waited) / 1e9, lo), hi), now)
         self.link.add(down_bytes, up_bytes, turnaround - compute - waited, now)
         self.kept.add(1.0, now)
         self.results += 1
@@ -155,9 +176,12 @@ class DeviceProfile:
         rtt, down, up = self.link.solve()
         # Until it has returned work, a device is planned at a quarter of its (bounded) claim.
         rate = self.gflops.value if self.gflops.seen else self.claimed_gflops / 4
+        if self.seen_rate.seen:  # its claimed matmul time may flatter it; what it delivers may not
+            rate = min(rate, SEEN_FACTOR * self.seen_rate.value)
         reliability = self.kept.value if self.kept.seen else 1.0
         return Profile(gflops={dtype: rate}, memory=self.memory, down=down, up=up, rtt=rtt,
-                       reliability=min(1.0, max(0.0, reliability)), overhead=0.0)
+                       reliability=min(1.0, max(0.0, reliability)),
+                       overhead=min(rtt, DEVICE_OVERHEAD))
 
     def as_json(self, dtype: str = "fp32") -> dict[str, float | int]:
         p = self.profile(dtype)

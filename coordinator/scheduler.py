@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from itertools import islice
+from itertools import chain, islice
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 SPECULATIVE, DEADLINE = "speculative", "deadline passed"  # why a copy went out (the store's words)
+RETRY = 8  # deferred devices that look again at each assign
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,11 @@ class Scheduler:
         self._queued = 0
         self.version = 0  # moves whenever units are queued: devices that found nothing look again
         self._ready: OrderedDict[int, None] = OrderedDict()  # seats with a free slot, FIFO
-        self._blocked: list[int] = []  # free seats that found nothing at the current version
+        self._blocked: list[int] = []  # free seats barred from everything queued at this version
+        # Free seats that could take a unit but should not now (it would come back later than
+        # from its planned owner), or whose look at the shared queue was cut short: they look
+        # again when their own state or the queue changes, and a few at every ``assign``.
+        self._deferred: OrderedDict[int, None] = OrderedDict()
         self._steal: list[tuple[int, int]] = []  # heap (-own_count, seat), lazily updated
         self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, hold seq, unit, seat)
         self._late: OrderedDict[int, None] = OrderedDict()  # units with a late, uncopied lease
@@ -211,23 +216,32 @@ class Scheduler:
         if seat is None:
             return []
         self._ready.pop(device, None)
+        self._deferred.pop(device, None)
         held = list(seat.inflight)
         for uid in held:
             self._end(uid, device, bar=False)
-        for uid in seat.own:
-            u = self.units.get(uid)
-            if u is not None and u.queued and u.home == device:
-                u.home = None
-                self._shared.appendleft(uid)
+        self._disown(seat)
         for key in seat.blocks:
             holders = self._holders_of.get(key)
             if holders is not None:
                 holders.discard(device)
                 if not holders:
                     del self._holders_of[key]
-        if seat.own_count:
-            self._moved()
         return held
+
+    def _disown(self, seat: Seat) -> None:
+        """A seat's planned units go to the front of the shared queue, in its order."""
+        mine = []
+        for uid in seat.own:
+            u = self.units.get(uid)
+            if u is not None and u.queued and u.home == seat.id:
+                u.home = None
+                mine.append(uid)
+        seat.own.clear()
+        seat.own_count = 0
+        self._shared.extendleft(reversed(mine))
+        if mine:
+            self._moved()
 
     def update(self, device: int, *, slots: int | None = None, seconds_per_gflop: float | None = None,
                trusted: bool | None = None, paused: bool | None = None, full: bool | None = None) -> None:
@@ -242,6 +256,8 @@ class Scheduler:
             seat.trusted = trusted
         if paused is not None:
             seat.paused = paused
+            if paused:  # its planned units must not wait for its owner's whim
+                self._disown(seat)
         if full is not None:
             seat.full = full
         self._refresh(seat)
@@ -266,8 +282,10 @@ class Scheduler:
                         del self._holders_of[key]
 
     def _refresh(self, seat: Seat) -> None:
+        """Its state changed: it may take work again (a deferred seat looks again too)."""
         if seat.id not in self.seats:
             return
+        self._deferred.pop(seat.id, None)
         if seat.free > 0:
             if seat.id not in self._ready and seat.nothing_at != self.version:
                 self._ready[seat.id] = None
@@ -344,13 +362,15 @@ class Scheduler:
                 seat.own_count -= 1
 
     def _moved(self) -> None:
-        """Units were queued: devices that found nothing look again."""
+        """Units were queued: devices that found nothing look again (amortised: each was put
+        aside by a look that found nothing)."""
         self.version += 1
-        for device in self._blocked:
+        for device in [*self._blocked, *self._deferred]:
             seat = self.seats.get(device)
             if seat is not None:
                 self._refresh(seat)
         self._blocked.clear()
+        self._deferred.clear()
 
     # ------------------------------------------------------------------ leases
 
@@ -443,14 +463,21 @@ class Scheduler:
         generator: the caller acts on each lease (which may fill a device's block budget, see
         ``update``) before the next is decided."""
         misses = 0
+        for _ in range(min(RETRY, len(self._deferred))):  # owners slow down, pause, leave
+            device, _ = self._deferred.popitem(last=False)
+            if device in self.seats and self.seats[device].free > 0:
+                self._ready[device] = None
         while self._queued > 0 and self._ready:
             device = next(iter(self._ready))
             seat = self.seats[device]
-            uid = self._take(seat)
+            uid, barred = self._take(seat)
             if uid is None:
-                seat.nothing_at = self.version  # everything queued is barred for it
                 self._ready.pop(device)
-                self._blocked.append(device)
+                if barred:  # everything queued is barred for it: not asked until the queue changes
+                    seat.nothing_at = self.version
+                    self._blocked.append(device)
+                else:
+                    self._deferred[device] = None
                 misses += 1
                 if misses > self.scan:
                     break
@@ -459,13 +486,15 @@ class Scheduler:
             self._lease(seat, uid, now)
             yield Assign(device, uid)
 
-    def _take(self, seat: Seat) -> int | None:
-        """The next unit for ``seat``: its own, else the shared queue's, else a steal."""
+    def _take(self, seat: Seat) -> tuple[int | None, bool]:
+        """The next unit for ``seat``: its own, else the shared queue's, else a steal. With
+        none, whether that is because everything queued is barred for it (``True``), or because
+        it should wait or look further another time (``False``)."""
         while seat.own:
             uid = seat.own.popleft()
             u = self.units.get(uid)
             if u is not None and u.queued and u.home == seat.id:
-                return self._dequeue(u)
+                return self._dequeue(u), False
         looked = 0
         skipped: list[int] = []
         found = None
@@ -480,40 +509,65 @@ class Scheduler:
                 continue
             found = self._dequeue(u)
             break
-        self._shared.extendleft(reversed(skipped))
+        cut_short = found is None and looked >= self.scan and bool(self._shared)
+        if cut_short:  # behind them may be one it may take: they go last, it looks again later
+            self._shared.extend(skipped)
+        else:
+            self._shared.extendleft(reversed(skipped))
         if found is not None:
-            return found
-        return self._steal_for(seat)
+            return found, False
+        stolen, refused = self._steal_for(seat)
+        if stolen is not None:
+            return stolen, False
+        return None, not (cut_short or refused)
 
-    def _steal_for(self, seat: Seat) -> int | None:
-        """The last unit of the longest own queue (lazy heap: stale entries are skipped)."""
+    def _steal_for(self, seat: Seat) -> tuple[int | None, bool]:
+        """The last unit of the longest own queue it may take (lazy heap: stale entries are
+        dropped; at most ``scan`` queues looked at). Also whether a queue was passed over
+        because taking from it would not have helped."""
         looked = 0
+        passed: list[tuple[int, int]] = []
+        found = None
         while self._steal and looked < self.scan:
-            neg, victim = self._steal[0]
+            neg, victim = heapq.heappop(self._steal)
             other = self.seats.get(victim)
-            if other is None or other.own_count <= 0 or -neg != other.own_count:
-                heapq.heappop(self._steal)
-                if other is not None and other.own_count > 0:
-                    heapq.heappush(self._steal, (-other.own_count, victim))
-                    looked += 1
+            if other is None or other.own_count <= 0:
                 continue
+            if -neg != other.own_count:  # stale: its current length goes back in
+                heapq.heappush(self._steal, (-other.own_count, victim))
+                looked += 1
+                continue
+            looked += 1
             # The victim keeps what it would reach first; this device takes from the tail.
             while other.own:
-                uid = other.own.pop()
+                uid = other.own[-1]
                 u = self.units.get(uid)
                 if u is None or not u.queued or u.home != victim:
+                    other.own.pop()
                     continue
-                if seat.id in u.barred or victim == seat.id:
-                    other.own.append(uid)
-                    return None
-                found = self._dequeue(u)
-                heapq.heappop(self._steal)
-                if other.own_count > 0:
-                    heapq.heappush(self._steal, (-other.own_count, victim))
-                return found
-            other.own_count = 0
-            heapq.heappop(self._steal)
-        return None
+                if victim != seat.id and seat.id not in u.barred and \
+                        (u.spec.owner != victim or self._sooner(seat, other, u)):
+                    other.own.pop()
+                    found = self._dequeue(u)
+                break
+            if other.own_count > 0:
+                passed.append((-other.own_count, victim))
+            if found is not None:
+                break
+        for entry in passed:
+            heapq.heappush(self._steal, entry)
+        return found, found is None and bool(passed)
+
+    @staticmethod
+    def _sooner(thief: Seat, victim: Seat, u: _Unit) -> bool:
+        """Would ``thief`` return the victim's last planned unit before the victim reaches it?
+        If not, taking it would lengthen the step: the thief stays idle (a plan's slow device
+        is not handed a fast one's last tile)."""
+        if victim.paused:
+            return True
+        mine = (len(thief.inflight) + 1) * thief.expected(u.spec.flops)
+        theirs = (victim.own_count + len(victim.inflight)) * victim.expected(u.spec.flops)
+        return mine < theirs
 
     def _dequeue(self, u: _Unit) -> int:
         u.queued = False
@@ -522,17 +576,17 @@ class Scheduler:
         u.home = None
         return u.spec.id
 
-    def copies(self, now: float) -> list[Decision]:
+    def copies(self, now: float) -> Iterator[Decision]:
         """Copies for units whose lease ran late and, when nothing is queued, for stragglers:
         to free devices, trusted ones first. When every copy slot of a late unit is taken, its
-        most overdue holder loses it, so no set of devices can hold a unit forever."""
-        out: list[Decision] = []
-        if not self._ready or (not self._late and (self._queued or not self._thin)):
-            return out
+        most overdue holder loses it, so no set of devices can hold a unit forever. A generator,
+        like ``assign``: a take-back may cut its device, and what follows must see that."""
+        if not (self._ready or self._deferred) or (not self._late and (self._queued or not self._thin)):
+            return
         f = self.faults
         looked = 0
         for uid in list(islice(self._late, self.scan)):
-            if looked >= self.scan or not self._ready:
+            if looked >= self.scan or not (self._ready or self._deferred):
                 break
             looked += 1
             u = self.units.get(uid)
@@ -550,22 +604,24 @@ class Scheduler:
             if len(u.holders) >= f.max_copies + 1:
                 victim = min(late, key=lambda d: u.holders[d].soft)
                 self._end(uid, victim, bar=True)
-                out.append(Reclaim(victim, uid, "late while another device was free"))
-                if not u.holders:  # nobody else holds it: it is queued again, for assign
+                yield Reclaim(victim, uid, "late while another device was free")
+                if not u.holders or uid not in self.units:  # queued again, for assign
                     continue
+                if seat.id not in self.seats or seat.free <= 0 or seat.id in u.holders:
+                    continue  # the take-back changed things: this unit waits for the next look
             for d in fresh:
                 if d in u.holders:
                     u.holders[d].copied = True
             self._late.pop(uid, None)
             self._lease(seat, uid, now)
-            out.append(Assign(seat.id, uid, DEADLINE))
+            yield Assign(seat.id, uid, DEADLINE)
         if self._queued or not self._thin:
-            return out
+            return
         # Nothing queued: copy the oldest units that have been out much longer than a free
         # device would need (a device known to be slow earns no extra patience).
         looked = 0
         for uid in list(islice(self._thin, self.scan)):
-            if looked >= self.scan or not self._ready:
+            if looked >= self.scan or not (self._ready or self._deferred):
                 break
             looked += 1
             u = self.units.get(uid)
@@ -581,18 +637,17 @@ class Scheduler:
             if now - oldest < max(f.speculate_after, f.speculate_factor * seat.expected(u.spec.flops)):
                 break  # younger units come later in this order
             self._lease(seat, uid, now)
-            out.append(Assign(seat.id, uid, SPECULATIVE))
-        return out
+            yield Assign(seat.id, uid, SPECULATIVE)
 
     def _idle_for(self, u: _Unit) -> Seat | None:
         """A free device that neither holds nor is barred from ``u``: trusted first, then the
         longest free. Bounded: at most ``scan`` devices are looked at."""
         best: Seat | None = None
-        for i, device in enumerate(self._ready):
+        for i, device in enumerate(chain(self._ready, self._deferred)):
             if i >= self.scan:
                 break
             seat = self.seats[device]
-            if device in u.holders or device in u.barred:
+            if device in u.holders or device in u.barred or seat.free <= 0:
                 continue
             if best is None or (seat.trusted, seat.free) > (best.trusted, best.free):
                 best = seat

@@ -59,6 +59,7 @@ class JobAborted(RuntimeError):
 class _Frame:
     data: bytes
     control: bool  # anything but work: counted against Limits.control_queue
+    tile: int | None = None  # a work frame's tile: the Core learns when it goes on the wire
 
 
 @dataclass
@@ -284,6 +285,8 @@ class Server:
                     await conn.ws.close(*item)
                     return
                 conn.sending = item
+                if item.tile is not None:
+                    self.core.on_wire(device_id, item.tile, self.clock())
                 try:
                     # A peer that does not read would hold the frame (and the queue behind it) forever.
                     await asyncio.wait_for(conn.ws.send(item.data), self.limits.write_timeout)
@@ -342,7 +345,8 @@ class Server:
             if conn is None or conn.cut is not None or conn.done:
                 continue
             if isinstance(item, Send):
-                frame = _Frame(encode(item.message), not isinstance(item.message, Work))
+                work = isinstance(item.message, Work)
+                frame = _Frame(encode(item.message), not work, item.message.tile_id if work else None)
                 self.traffic.bytes_down += len(frame.data)
                 self._queue(conn, frame)
             elif isinstance(item, Limit):

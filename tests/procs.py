@@ -99,6 +99,10 @@ class Coordinator(Proc):
     def losses(self) -> list[float]:
         return [row["loss"] for row in metrics(self.metrics_path)]
 
+    def rows(self) -> list[dict]:
+        """Every step's metrics row (loss, seconds, predicted_s, traffic...)."""
+        return metrics(self.metrics_path)
+
     def steps_done(self) -> int:
         return len(metrics(self.metrics_path)) if self.metrics_path.exists() else 0
 

@@ -356,3 +356,48 @@ def test_an_absurd_timing_cannot_poison_speed_estimates_or_status(core: Core) ->
     status = core.status(fleet.now)
     assert all(dev["gflops"] < 1e8 for dev in status["devices"])
     encode(StatusReply(status))  # strict JSON: would raise on inf
+
+
+def test_a_take_back_that_cuts_a_device_never_leaves_the_store_and_scheduler_apart() -> None:
+    """A copy's take-back can cut its slow holder while more copies are being handed out: what
+    follows must see the cut (it once crashed the coordinator with a refused lease)."""
+    from coordinator.core import FaultPolicy
+    from coordinator.protocol import Leave
+
+    store = MemoryStore()
+    job = store.create_job("x", {}, 10, 0.0)
+    policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
+    core = Core(store, job, join_token="tok", rng=np.random.default_rng(0), policy=policy, faults=FaultPolicy(),
+                trust=TrustPolicy(probation_tiles=0, first_slots=8))
+    f = Fleet(core)
+    slow = f.join("A", slots=2, gflops=1000.0)
+    for r in range(2):  # twice it holds a tile past twice its deadline; another finishes it
+        submit(core, f, torch.randn(16, 32), torch.randn(32, 16))
+        f.pending = [p for p in f.pending if p.device != slow]
+        f.now += 0.01
+        helper = f.join(f"Z{r}", slots=1, gflops=1000.0)
+        f.pending = [p for p in f.pending if p.device != slow]
+        for _ in range(9):
+            f.now += 0.5
+            f.route(core.tick(f.now))
+        while f.step(helper):
+            pass
+        f.route(core.handle(helper, Leave(), f.now))
+        f.pending = [p for p in f.pending if p.device != slow]
+    t0 = f.now = f.now + 1
+    box: dict = {}
+    for i, (delay, name) in enumerate(((0.0, None), (0.06, "B"), (0.07, None), (2.01, "C"), (2.10, "D"))):
+        f.now = t0 + delay
+        if name is None:
+            _, out = core.submit(torch.randn(16, 32), torch.randn(32, 16), GemmKind.FORWARD, f.now,
+                                 lambda c, i=i: box.setdefault(i, c))
+            f.route(out)
+        else:
+            f.join(name, slots=2 if name == "D" else 1, gflops=1000.0)
+    for _ in range(40):
+        f.now += 0.5
+        f.route(core.tick(f.now))
+        f.pending = [p for p in f.pending if p.device != slow]
+        while f.step():
+            pass
+    assert len(box) == 2 and not core.gemms

@@ -18,7 +18,9 @@ from coordinator.costmodel import (
     DeviceClass, Profile, PSProfile, Stage, Unit, local_seconds, output_tiles_egress_floor, pipeline, pipelined,
     stage,
 )
-from coordinator.planner import Gemm, Kind, PlannerOptions, baseline, plan_gemm, plan_step, realize
+from coordinator.planner import (
+    Gemm, Kind, PlannerOptions, _grid_candidate, _price, baseline, plan_gemm, plan_step, realize,
+)
 from coordinator.presets import model_shape, step_gemms
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cost-model.md"
@@ -27,25 +29,33 @@ GIB = 1 << 30
 # The examples' inputs, as the page states them.
 LAPTOP = Profile({"fp32": 100.0, "bf16": 2.0}, memory=4 * GIB, down=200e6 / 8, up=20e6 / 8, rtt=0.04)
 DESKTOP = Profile({"fp32": 1000.0, "bf16": 2000.0}, memory=8 * GIB, down=1e9 / 8, up=100e6 / 8, rtt=0.02)
+GPU = Profile({"fp32": 50_000.0, "bf16": 110_000.0}, memory=24 * GIB, down=1e9 / 8, up=500e6 / 8, rtt=0.015)
 FLEET = (DeviceClass("laptop", 2, LAPTOP), DeviceClass("desktop", 2, DESKTOP))
+GPUS = (DeviceClass("gpu", 16, GPU),)
 PS = PSProfile.from_link(10.0)
 NO_LOCAL = PlannerOptions(kinds=frozenset(Kind) - {Kind.LOCAL})
 EX1 = Gemm(2048, 3072, 768, "fp32", "fwd")  # A 2048 x 768, B 768 x 3072
-EX1_BF16 = Gemm(2048, 3072, 768, "bf16", "fwd")
 EX2 = Gemm(512, 352, 64, "fp32", "fwd")  # tiny's gate_up forward on 8 x 64 tokens
+EX3 = Gemm(2048, 50272, 2048, "bf16", "fwd")  # an output head: 2048 wide, 50,272 tokens of vocabulary
 
 
 def _shares(plan) -> dict:
     return {s.name: s for s in plan.shares}
 
 
-def _realized_egress(plan) -> int:
-    """Bytes the realised units download: each distinct block once per device."""
+def _realized(plan) -> dict[tuple[str, int], int]:
+    """Bytes each device's realised units download: each distinct block once per device."""
     blocks: dict[tuple[str, int], set] = defaultdict(set)
     for u in realize(plan):
         blocks[(u.owner, u.device)] |= {("a", u.r0, u.r1, u.k0, u.k1), ("b", u.k0, u.k1, u.c0, u.c1)}
     s = plan.gemm.itemsize
-    return sum(s * (b[2] - b[1]) * (b[4] - b[3]) for held in blocks.values() for b in held)
+    return {device: s * sum((b[2] - b[1]) * (b[4] - b[3]) for b in held) for device, held in blocks.items()}
+
+
+def _per_class(realized: dict[tuple[str, int], int], name: str) -> int:
+    values = {v for (owner, _), v in realized.items() if owner == name}
+    assert len(values) == 1, f"the {name}s' realised units differ: {values}"
+    return values.pop()
 
 
 def figures() -> dict[str, object]:
@@ -56,15 +66,16 @@ def figures() -> dict[str, object]:
     c_bytes = g.itemsize * g.m * g.n
     base = baseline(g, FLEET, PS)
     plan = plan_gemm(g, FLEET, PS, NO_LOCAL)
+    one_band = _price(_grid_candidate(g, 16, 24, 1, 1, PlannerOptions()), g, FLEET, PS)  # the same grid, 1 band
     by = _shares(plan)
     desk, lap = by["desktop"], by["laptop"]
-    region = desk.down_bytes / desk.devices
+    realized = _realized(plan)
     desk_fill = desk128.down + desk128.compute + DESKTOP.rtt
     lap_fill = lap128.down + lap128.compute + LAPTOP.rtt
     only = {kind: plan_gemm(g, FLEET, PS, PlannerOptions(kinds=frozenset({kind}))) for kind in (Kind.GRID3D, Kind.SPLIT_K)}
     plan512 = plan_gemm(g, FLEET, PS, PlannerOptions(kinds=frozenset({Kind.OUTPUT}), edges=(512,)))
+    whole = Unit(g.m, g.n, g.k, g.itemsize)
 
-    bf16 = plan_gemm(EX1_BF16, FLEET, PS)
     plan2 = plan_gemm(EX2, FLEET, PS, NO_LOCAL)
     rows, cols, _ = plan2.grid
     lap_tile2 = stage(Unit(EX2.m / rows, EX2.n / cols, EX2.k, 4), LAPTOP, "fp32")
@@ -72,7 +83,15 @@ def figures() -> dict[str, object]:
     step = plan_step([(Gemm(x.m, x.n, x.k, "fp32", x.kind), x.count) for x in step_gemms(tiny, 8, 64)], FLEET, PS)
     assert all(p.kind is Kind.LOCAL for p, _ in step.plans) and len(step.plans) == 15
 
+    plan3 = plan_gemm(EX3, GPUS, PS)
+    gpu3 = _shares(plan3)["gpu"]
+    r3, c3, _ = plan3.grid
+    tile3 = Unit(EX3.m / r3, EX3.n / c3, EX3.k, 2)
+
     return {
+        "ps.verify_ratio": 16 * PS.flops_per_s("fp32") / PS.verify_flops,
+        "ps.link_ratio_fp32": 4 * PS.flops_per_s("fp32") / (2 * PS.egress),
+        "ps.link_ratio_bf16": 2 * PS.flops_per_s("bf16") / (2 * PS.egress),
         "ex1.flops": g.flops,
         "ex1.tile512.down": tile512.down(),
         "ex1.tile512.up": tile512.up,
@@ -95,10 +114,10 @@ def figures() -> dict[str, object]:
         "ex1.desktop.tile128.up_s": desk128.up,
         "ex1.floor4": output_tiles_egress_floor(g.m, g.n, g.k, 4, g.itemsize),
         "ex1.uplink_floor_s": c_bytes / sum(c.count * c.profile.up for c in FLEET),
+        "ex1.ingress_floor_s": c_bytes / PS.ingress,
         "ex1.local_s": local_seconds(g.m, g.n, g.k, g.dtype, PS),
-        "ex1.verify_whole": Unit(g.m, g.n, g.k, g.itemsize).verify_flops(),
-        "ex1.check_ratio": Unit(g.m, g.n, g.k, g.itemsize).verify_flops() / PS.verify_flops
-        / local_seconds(g.m, g.n, g.k, g.dtype, PS),
+        "ex1.verify_whole": whole.verify_flops(),
+        "ex1.check_ratio": whole.verify_flops() / PS.verify_flops / local_seconds(g.m, g.n, g.k, g.dtype, PS),
         "ex1.baseline.grid": str(base.grid),
         "ex1.baseline.device_down": base.egress_bytes / 4,
         "ex1.baseline.egress": base.egress_bytes,
@@ -106,6 +125,7 @@ def figures() -> dict[str, object]:
         "ex1.baseline.desktop_s": _shares(base)["desktop"].seconds,
         "ex1.plan.kind": plan.kind.value,
         "ex1.plan.grid": str(plan.grid),
+        "ex1.plan.bands": plan.bands,
         "ex1.plan.s": plan.seconds,
         "ex1.plan.bound": plan.bound,
         "ex1.plan.desktop.per_device": desk.per_device,
@@ -115,9 +135,9 @@ def figures() -> dict[str, object]:
         "ex1.plan.laptop.s": lap.seconds,
         "ex1.plan.laptop.down": lap.down_bytes,
         "ex1.plan.laptop.up": lap.up_bytes,
-        "ex1.plan.desktop_region": region,
-        "ex1.plan.laptop_region": lap.down_bytes / lap.devices,
-        "ex1.plan.desktop_rest_down": (region - tile128.down()) / (desk.per_device - 1),
+        "ex1.plan.desktop_device_down": desk.device_down,
+        "ex1.plan.laptop_device_down": lap.device_down,
+        "ex1.plan.desktop_rest_down": (desk.device_down - tile128.down()) / (desk.per_device - 1),
         "ex1.plan.desktop_fill_s": desk_fill,
         "ex1.plan.laptop_fill_s": lap_fill,
         "ex1.plan.laptop_31st_s": lap_fill + 31 * lap128.up,
@@ -125,23 +145,19 @@ def figures() -> dict[str, object]:
         "ex1.plan.egress_floor": plan.egress_floor,
         "ex1.plan.egress_s": plan.egress_bytes / PS.egress,
         "ex1.plan.ingress": plan.ingress_bytes,
-        "ex1.plan.ingress_s": plan.ingress_bytes / PS.ingress,
         "ex1.plan.ps_s": plan.ps_seconds,
         "ex1.plan.units_s": plan.units * PS.unit_overhead,
         "ex1.plan.verify_s": plan.units * tile128.verify_flops() / PS.verify_flops,
         "ex1.plan.out_s": c_bytes / PS.memory_bw,
+        "ex1.realized.egress": sum(realized.values()),
+        "ex1.realized.desktop": _per_class(realized, "desktop"),
+        "ex1.realized.laptop": _per_class(realized, "laptop"),
+        "ex1.one_band.egress": one_band.egress_bytes,
         "ex1.speedup": base.seconds / plan.seconds,
         "ex1.plan512.s": plan512.seconds,
         "ex1.grid3d.s": only[Kind.GRID3D].seconds,
         "ex1.grid3d.ingress": only[Kind.GRID3D].ingress_bytes,
         "ex1.splitk.s": only[Kind.SPLIT_K].seconds,
-        "ex1.realized_egress": _realized_egress(plan),
-        "ex1b.local_s": local_seconds(g.m, g.n, g.k, "bf16", PS),
-        "ex1b.plan.kind": bf16.kind.value,
-        "ex1b.plan.grid": str(bf16.grid),
-        "ex1b.plan.s": bf16.seconds,
-        "ex1b.plan.bound": bf16.bound,
-        "ex1b.baseline.s": baseline(EX1_BF16, FLEET, PS).seconds,
         "ex2.flops": EX2.flops,
         "ex2.local_s": plan_gemm(EX2, FLEET, PS).seconds,
         "ex2.plan.kind": plan2.kind.value,
@@ -151,6 +167,24 @@ def figures() -> dict[str, object]:
         "ex2.laptop_alone_s": pipeline([lap_tile2], LAPTOP.rtt),
         "ex2.baseline.s": baseline(EX2, FLEET, PS).seconds,
         "ex2.step_s": step.seconds,
+        "ex3.flops": EX3.flops,
+        "ex3.local_s": local_seconds(EX3.m, EX3.n, EX3.k, EX3.dtype, PS),
+        "ex3.inputs_s": EX3.itemsize * (EX3.m * EX3.k + EX3.k * EX3.n) / PS.egress,
+        "ex3.output_s": EX3.itemsize * EX3.m * EX3.n / PS.ingress,
+        "ex3.plan.kind": plan3.kind.value,
+        "ex3.plan.grid": str(plan3.grid),
+        "ex3.plan.bands": plan3.bands,
+        "ex3.plan.s": plan3.seconds,
+        "ex3.plan.bound": plan3.bound,
+        "ex3.plan.devices": plan3.devices,
+        "ex3.plan.per_device": gpu3.per_device,
+        "ex3.plan.device_down": gpu3.device_down,
+        "ex3.plan.ps_s": plan3.ps_seconds,
+        "ex3.plan.verify_s": plan3.units * tile3.verify_flops() / PS.verify_flops,
+        "ex3.plan.egress_s": plan3.egress_bytes / PS.egress,
+        "ex3.plan.units": plan3.units,
+        "ex3.baseline.s": baseline(EX3, GPUS, PS).seconds,
+        "ex3.speedup_local": local_seconds(EX3.m, EX3.n, EX3.k, EX3.dtype, PS) / plan3.seconds,
     }
 
 
@@ -202,21 +236,49 @@ def test_the_first_example_is_upload_bound_as_derived_by_hand() -> None:
     # The laptops' 60 tiles follow their share of the fleet's uplink within a few points.
     laptops = _shares(plan)["laptop"].pieces / 384
     assert laptops == pytest.approx(2 * LAPTOP.up / (2 * LAPTOP.up + 2 * DESKTOP.up), abs=0.02)
-    # With every kind allowed, the PS itself wins: 2 k / s FLOP per byte up cannot keep up with it.
+    # A run of n tiles in a band of 8 rows is charged 8 row blocks and 2 + (n - 2) / 8 column blocks.
+    block = 128 * 768 * 4
+    assert _shares(plan)["desktop"].device_down == (8 + 2 + 160 / 8) * block
+    assert _shares(plan)["laptop"].device_down == (8 + 2 + 28 / 8) * block
+    # With every kind allowed, the PS itself wins: k = 768 is below the link's 1600.
     assert plan_gemm(EX1, FLEET, PS).kind is Kind.LOCAL
-    assert 2 * EX1.k / EX1.itemsize * 30e6 < PS.flops_per_s("fp32")
-    # Equal shares of 4 devices bound the egress from below; these unequal shares need less.
-    assert plan.egress_bytes == pytest.approx(plan.egress_floor)
-    assert plan.egress_bytes < output_tiles_egress_floor(EX1.m, EX1.n, EX1.k, 4, EX1.itemsize)
+    assert local_seconds(EX1.m, EX1.n, EX1.k, "fp32", PS) < EX1.itemsize * EX1.m * EX1.n / PS.ingress
+    # What the units need <= what was priced; unequal shares need less than 4 equal ones, and the
+    # plan's floor is a lower bound on both.
+    realized = sum(_realized(plan).values())
+    assert plan.egress_floor < realized < plan.egress_bytes
+    assert plan.egress_floor < output_tiles_egress_floor(EX1.m, EX1.n, EX1.k, 4, EX1.itemsize)
     assert math.isclose(sum(s.pieces for s in plan.shares), 16 * 24)
 
 
-def test_checking_costs_what_the_page_says_relative_to_computing() -> None:
-    # 32 (mk + kn + mn) FLOP at 5 GFLOP/s against 2 mnk at 100 GFLOP/s: 320 (1/m + 1/n + 1/k).
-    for m, n, k in [(2048, 3072, 768), (960, 960, 960), (512, 352, 64)]:
+def test_the_third_example_leaves_the_ps_as_derived_by_hand() -> None:
+    plan = plan_gemm(EX3, GPUS, PS)
+    gpu = _shares(plan)["gpu"]
+    assert plan.kind is Kind.OUTPUT and (plan.grid, plan.bands) == ((2, 197, 1), 1)
+    assert gpu.device_down == 2 * 2048 * (2 * 1024 + (2 + 25 / 2) * 256)
+    first = Unit(1024, 256, 2048, 2).down()
+    tile = stage(Unit(2048 / 2, 50272 / 197, 2048, 2), GPU, "bf16")
+    # Upload-bound: the first tile's download and compute, 27 uploads, the round trip.
+    assert (gpu.device_down - first) / 26 / GPU.down < tile.up
+    assert plan.seconds == pytest.approx(first / GPU.down + tile.compute + 27 * tile.up + GPU.rtt)
+    checks = 394 * Unit(1024, 50272 / 197, 2048, 2).verify_flops() / PS.verify_flops
+    assert plan.ps_seconds == pytest.approx(394 * PS.unit_overhead + checks + 2 * 2048 * 50272 / PS.memory_bw)
+    # More GPUs do not help: the PS's checks and egress are nearly saturated.
+    assert plan_gemm(EX3, (DeviceClass("gpu", 64, GPU),), PS).seconds == pytest.approx(plan.seconds)
+
+
+def test_checking_and_the_link_cost_what_the_page_says_relative_to_computing() -> None:
+    # 32 (mk + kn + mn) FLOP at 200 GFLOP/s against 2 mnk at 1000 GFLOP/s: 80 (1/m + 1/n + 1/k).
+    for m, n, k in [(2048, 3072, 768), (240, 240, 240), (512, 352, 64)]:
         ratio = Unit(m, n, k).verify_flops() / PS.verify_flops / local_seconds(m, n, k, "fp32", PS)
-        assert ratio == pytest.approx(320 * (1 / m + 1 / n + 1 / k))
-    # ... and every fleet plan checks at least the whole product once.
+        assert ratio == pytest.approx(80 * (1 / m + 1 / n + 1 / k))
+    # ... and every fleet plan checks at least the whole product once, and moves every input and
+    # output once: s (mk + kn) / egress and s mn / ingress, 1600 (1/m + 1/n) and 1600 / k times
+    # computing in fp32.
     for kind in (Kind.OUTPUT, Kind.SPLIT_K, Kind.GRID3D):
         plan = plan_gemm(EX1, FLEET, PS, PlannerOptions(kinds=frozenset({kind})))
         assert plan.ps_seconds >= Unit(EX1.m, EX1.n, EX1.k).verify_flops() / PS.verify_flops
+        assert plan.seconds >= max(4 * (EX1.m * EX1.k + EX1.k * EX1.n) / PS.egress, 4 * EX1.m * EX1.n / PS.ingress)
+    local = local_seconds(EX1.m, EX1.n, EX1.k, "fp32", PS)
+    assert 4 * EX1.m * EX1.n / PS.ingress / local == pytest.approx(1600 / EX1.k)
+    assert 4 * (EX1.m * EX1.k + EX1.k * EX1.n) / PS.egress / local == pytest.approx(1600 * (1 / EX1.m + 1 / EX1.n))

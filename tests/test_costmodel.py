@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.costmodel import (
-    CostModelError, Profile, PSProfile, Stage, Unit, local_seconds, output_tiles_egress_floor, pipeline, pipelined,
-    ps_seconds, stage,
+    IN_FLIGHT, CostModelError, Profile, PSProfile, Stage, Unit, in_flight_memory, local_seconds, output_egress_floor,
+    output_tiles_egress_floor, pipeline, pipelined, ps_seconds, stage,
 )
 
 
@@ -75,6 +75,40 @@ def test_output_tiles_cannot_send_less_than_the_square_bound() -> None:
     assert sum(Unit(512, 512, 1024, 4).down() for _ in range(4)) == pytest.approx(floor)
     # Any other cut of the same output into 4 tiles sends more: 4 row strips of 256 x 1024.
     assert 4 * Unit(256, 1024, 1024, 4).down() > floor
+
+
+def test_the_equal_shares_floor_is_not_a_floor_for_unequal_shares() -> None:
+    # 4 tiles of 512 x 512 shared 3 + 1: the 3-tile device needs an L of 2 row and 2 column blocks,
+    # the other one tile; together less than 4 equal shares' 2 s k sqrt(4 m n).
+    block = 512 * 1024 * 4
+    sent = 4 * block + 2 * block
+    assert sent < output_tiles_egress_floor(1024, 1024, 1024, 4, 4)
+    # Summed over the actual shares, AM-GM still bounds it.
+    floor = output_egress_floor(3 * 512 * 512, 1024, 4) + output_egress_floor(512 * 512, 1024, 4)
+    assert floor <= sent
+    equal = 4 * output_egress_floor(512 * 512, 1024, 4)
+    assert output_tiles_egress_floor(1024, 1024, 1024, 4, 4) == pytest.approx(equal)
+
+
+def test_a_device_needs_two_units_in_flight() -> None:
+    assert IN_FLIGHT == 2
+    assert in_flight_memory(0, 1000.0) == 0
+    assert in_flight_memory(1, 1000.0) == 1000
+    assert in_flight_memory(7, 1000.5) == 2001  # rounded up, and never more than two units
+
+
+def test_the_default_ps_is_a_server_and_checking_costs_a_fraction_of_computing() -> None:
+    ps = PSProfile()
+    assert (ps.egress, ps.ingress) == (1.25e9, 1.25e9)  # 10 Gbit/s
+    assert dict(ps.gflops) == {"fp32": 1000.0, "bf16": 1000.0, "fp16": 1000.0}
+    assert (ps.verify_flops, ps.unit_overhead, ps.memory_bw) == (200e9, 2e-4, 10e9)
+    # Checking a 512-class tile on the PS costs 16 (1000 / 200) (3 / 512) = 0.47 of multiplying it
+    # there; with the old 5 GFLOP/s it cost 320 (3 / 512) = 1.9 times as much, and 0.68 of
+    # example 1's GEMM (docs/cost-model.md), which kept almost every GEMM of small presets local.
+    tile = Unit(512, 512, 512)
+    ratio = tile.verify_flops() / ps.verify_flops / local_seconds(512, 512, 512, "fp32", ps)
+    assert ratio == pytest.approx(80 * 3 / 512)
+    assert ratio < 0.5
 
 
 def test_ps_work_and_local_gemms_by_hand() -> None:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from cleave_cli import render
 from cleave_cli.app import app
-from coordinator.costmodel import PSProfile
+from cleave_cli.plan import default_ps
 from coordinator.planner import Gemm, baseline, plan_step
 from coordinator.presets import model_shape, resolve_fleet, step_gemms
 
@@ -64,8 +64,8 @@ def test_json_agrees_with_plan_step_and_the_round_robin_baseline() -> None:
     model, fleet_name, devices, batch, seq, dtype = "opt-1.3b", "desktop-gpus", 50, 8, 256, "bf16"
     shape = model_shape(model)
     fleet = resolve_fleet(fleet_name, dtype, devices)
-    ps = PSProfile.from_link(10.0, gflops={"fp32": 100.0, "bf16": 100.0, "fp16": 100.0})
-    other = 3 * shape.attention_flops(batch, seq) / 100e9 + shape.params * (28 + 2) / ps.memory_bw
+    ps = default_ps(10.0)
+    other = 3 * shape.attention_flops(batch, seq) / ps.flops_per_s(dtype) + shape.params * (28 + 2) / ps.memory_bw
     gemms = [(Gemm(g.m, g.n, g.k, dtype, g.kind, f"{g.layer}.{g.kind}"), g.count) for g in step_gemms(shape, batch, seq)]
     expected = plan_step(gemms, fleet, ps, ps_other_seconds=other)
     base = sum(baseline(g, fleet, ps).seconds * c for g, c in gemms) + other  # type: ignore[union-attr]
@@ -99,7 +99,7 @@ def test_json_agrees_with_plan_step_and_the_round_robin_baseline() -> None:
     assert {c["name"]: c["used"] for c in report["classes"]} == used
     assert {c["name"]: c["count"] for c in report["fleet"]["classes"]} == {c.name: c.count for c in fleet}
     assert (report["batch_size"], report["seq_len"], report["dtype"], report["model"]["name"]) == (batch, seq, dtype, model)
-    assert report["ps"]["gflops"] == 100.0 and report["ps"]["egress"] == ps.egress
+    assert report["ps"]["gflops"] == ps.gflops[dtype] and report["ps"]["egress"] == ps.egress
 
 
 @pytest.mark.parametrize("args", [
@@ -116,7 +116,9 @@ def test_the_plan_is_never_slower_than_round_robin(args: tuple[str, ...]) -> Non
 def test_a_toml_fleet_file_is_planned(tmp_path: Path) -> None:
     path = tmp_path / "fleet.toml"
     path.write_text(FLEET_TOML)
-    report = _plan_json("--model", "opt-1.3b", "--fleet", str(path))
+    # A long bf16 batch: some GEMMs are big enough to be worth sending out of a 1 TFLOP/s PS.
+    report = _plan_json("--model", "opt-1.3b", "--fleet", str(path), "--dtype", "bf16", "--batch-size", "32",
+                        "--seq-len", "1024")
     assert report["fleet"]["spec"] == str(path) and report["fleet"]["devices"] == 52
     assert [(c["name"], c["count"], c["gflops"]) for c in report["fleet"]["classes"]] == [("gpu", 12, 20000), ("laptop", 40, 300)]
     assert report["step"]["devices"] > 0, "some GEMM of this step is worth sending out"
@@ -168,7 +170,7 @@ def _text(report: dict[str, Any], width: int = 160) -> str:
 
 
 def test_the_table_names_each_gemm_its_partition_and_the_speedup() -> None:
-    report = _plan_json("--model", "opt-1.3b", "--fleet", "mixed", "--devices", "100")
+    report = _plan_json("--model", "opt-1.3b", "--fleet", "desktop-gpus", "--devices", "100", "--dtype", "bf16")
     out = _text(report)
     partitions = {g["partition"] for g in report["gemms"]}
     assert len(partitions) >= 2, "this step mixes partitions"

@@ -60,8 +60,15 @@ def test_until_it_returns_work_a_device_is_planned_at_a_quarter_of_its_bounded_c
     assert DeviceProfile(claimed_gflops=80.0, memory=1).profile().gflops["fp32"] == pytest.approx(20.0)
     assert DeviceProfile(claimed_gflops=1e12, memory=1).profile().gflops["fp32"] == pytest.approx(1e5 / 4)
     p = DeviceProfile(claimed_gflops=80.0, memory=1)
-    p.verified(flops=1e9, compute=0.1, waited=0.0, turnaround=0.5, down_bytes=0, up_bytes=1e5, now=0.0)
-    assert p.profile().gflops["fp32"] == pytest.approx(10.0)
+    p.verified(flops=1e9, compute=0.1, waited=0.0, turnaround=0.2, down_bytes=0, up_bytes=1e5, now=0.0)
+    assert p.profile().gflops["fp32"] == pytest.approx(10.0)  # its matmul's rate
+
+
+def test_a_device_is_never_planned_above_four_times_what_the_coordinator_sees_it_deliver() -> None:
+    p = DeviceProfile(claimed_gflops=80.0, memory=1)
+    # 1 GFLOP back every second, while it claims each matmul took a microsecond.
+    p.verified(flops=1e9, compute=1e-6, waited=0.0, turnaround=1.0, down_bytes=0, up_bytes=1e5, now=0.0)
+    assert p.profile().gflops["fp32"] == pytest.approx(4.0)
 
 
 def test_reliability_follows_outcomes() -> None:

@@ -97,3 +97,13 @@ def test_peer_supplied_strings_are_shown_as_text_never_as_markup() -> None:
     assert evil in _text(render.identities(rows), width=250)
     panel = _text(render.client_panel(WorkerStats(state="working", job="[/bold]", device="[x]"), "ws://h:1"))
     assert "job: [/bold]" in panel
+
+
+def test_dashboard_shows_the_plan_and_measured_links() -> None:
+    status = {**STATUS, "plan": {"planner": "cost", "predicted_step_s": 1.25, "measured_step_s": 1.5,
+                                 "partitions": {"output": 20, "local": 7}},
+              "devices": [{**STATUS["devices"][0], "profile": {"down_mbps": 980.4, "up_mbps": 120.0,
+                                                                "measured_results": 12}}]}
+    out = _text(render.dashboard(status), width=140)
+    assert "cost planner: step 1.250 s predicted, 1.500 s measured  (7 local, 20 output)" in out
+    assert "980/120" in out and "(prior)" not in out

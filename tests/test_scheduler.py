@@ -109,9 +109,9 @@ def test_a_late_unit_is_copied_to_a_trusted_free_device_first() -> None:
     s.join(2, slots=1, seconds_per_gflop=1.0, trusted=False)
     s.join(3, slots=1, seconds_per_gflop=1.0, trusted=True)
     s.expire(3.0)
-    assert s.copies(3.0) == [Assign(3, 0, DEADLINE)]
+    assert list(s.copies(3.0)) == [Assign(3, 0, DEADLINE)]
     assert s.hold(0, 1).copied
-    assert s.copies(3.1) == []  # one copy per passed deadline
+    assert list(s.copies(3.1)) == []  # one copy per passed deadline
 
 
 def test_when_every_copy_slot_is_taken_the_most_overdue_holder_loses_the_unit() -> None:
@@ -121,10 +121,10 @@ def test_when_every_copy_slot_is_taken_the_most_overdue_holder_loses_the_unit() 
     assigned(s)
     s.join(2, slots=1, seconds_per_gflop=0.5)
     s.expire(2.0)  # 1's deadline (1 + 1 s; taken back at 4 s)
-    assert s.copies(2.0) == [Assign(2, 0, DEADLINE)]  # 2's deadline: 2 + 1.5 s
+    assert list(s.copies(2.0)) == [Assign(2, 0, DEADLINE)]  # 2's deadline: 2 + 1.5 s
     s.join(3, slots=1, seconds_per_gflop=1.0)
     s.expire(3.9)
-    decisions = s.copies(3.9)
+    decisions = list(s.copies(3.9))
     assert decisions[0] == Reclaim(1, 0, "late while another device was free")
     assert decisions[1] == Assign(3, 0, DEADLINE)
 
@@ -135,8 +135,8 @@ def test_stragglers_are_copied_only_when_nothing_is_queued_and_they_are_old_enou
     s.add_gemm(1, units(1, 1))
     assigned(s)
     s.join(2, slots=1, seconds_per_gflop=0.1)  # a free fast device: expects 0.1 s, copies after 0.5 s
-    assert s.copies(0.4) == []
-    assert s.copies(0.6) == [Assign(2, 0, SPECULATIVE)]
+    assert list(s.copies(0.4)) == []
+    assert list(s.copies(0.6)) == [Assign(2, 0, SPECULATIVE)]
     assert s.done(0, 2) == [1]  # the slow holder lost the race
     assert not s.units and not s.seats[1].inflight
 
@@ -268,9 +268,76 @@ class Books(RuleBasedStateMachine):
             live_own = sum(1 for u in s.units.values() if u.queued and u.home == device)
             assert seat.own_count == live_own
             if seat.free > 0:  # work-conserving: a free device is never idle beside work it may take
-                open_to_it = [u.spec.id for u in queued if device not in u.barred]
+                # ... except another's planned units that it would return later than their owner
+                open_to_it = [u.spec.id for u in queued if device not in u.barred
+                              and not (u.home is not None and u.spec.owner == u.home
+                                       and not s._sooner(seat, s.seats[u.home], u))]
                 assert not open_to_it, f"device {device} is free while {open_to_it} wait"
 
 
 Books.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBooks = Books.TestCase
+
+
+def test_a_slow_device_does_not_take_a_fast_devices_planned_unit_it_would_return_later() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=0.1)  # fast: 0.1 s a unit
+    s.join(2, slots=1, seconds_per_gflop=1.0)  # slow: 1 s a unit
+    s.add_gemm(1, units(1, 4, owner=1))
+    assert assigned(s) == [(1, 0)]  # the slow one would finish any of them after the fast one
+    s.done(0, 1)
+    s.add_gemm(2, units(2, 40, start=100, owner=1))  # a long queue: the slow one helps from its tail
+    got = dict((d, u) for d, u in assigned(s))
+    assert got[1] == 1 and got[2] == 139
+
+
+def test_a_paused_owners_planned_units_go_to_the_others() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=1e-4)  # claims to be very fast: planned everything
+    s.join(2, slots=1, seconds_per_gflop=1.0)
+    s.add_gemm(1, units(1, 6, owner=1))
+    assigned(s)
+    s.update(1, paused=True)
+    s.release(0, 1)  # a pause gives back what it held
+    got = []
+    for _ in range(10):
+        for d, u in assigned(s):
+            got.append(u)
+            s.done(u, d)
+    assert s.queued == 0 and sorted(got) == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_device_that_declined_a_steal_looks_again_once_its_own_work_is_done() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=4, seconds_per_gflop=0.1)
+    s.join(2, slots=2, seconds_per_gflop=0.5)
+    s.add_gemm(1, units(1, 2, owner=2))
+    s.add_gemm(2, units(2, 12, start=10, owner=1))
+    first = assigned(s)
+    assert {d for d, _ in first} == {1, 2}
+    s.update(1, seconds_per_gflop=5.0)  # the owner turned out slow
+    for d, u in first:
+        if d == 2:
+            s.done(u, 2)  # its own work done: it looks again
+    assert any(d == 2 for d, _ in assigned(s))
+
+
+def test_more_barred_units_than_a_scan_ahead_of_the_one_a_device_may_take() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=0.1)
+    s.add_gemm(1, units(1, 1))  # the unit only device 2 may take
+    assigned(s)
+    s.release(0, 1, bar=True)
+    s.update(1, paused=True)
+    s.join(2, slots=80, seconds_per_gflop=0.1)
+    s.add_gemm(2, units(2, 70, start=100))
+    assigned(s)
+    s.update(2, slots=1)
+    s.release(0, 2)
+    for uid in list(s.seats[2].inflight):
+        s.release(uid, 2, bar=True)  # 70 failures queue in front of it, barred for device 2
+    s.update(1, paused=False)
+    for _ in range(300):
+        for a in s.assign(0.0):
+            s.done(a.unit, a.device)
+    assert s.queued == 0 and not s.units
