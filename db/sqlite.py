@@ -337,18 +337,15 @@ class SQLiteStore:
         return ClaimedTile(row[0], row[1], row[2], row[3], row[4], row[5], issued)
 
     def claim_tile(self, device_id: int, prefer: Sequence[str], now: float) -> ClaimedTile | None:
-        with self.atomic() as c:
-            row = c.execute(_CLAIM, {"device": device_id, "prefer": json.dumps(list(prefer))}).fetchone()
-            if row is None:
-                return None
-            issued = "first" if row[6] is None else f"requeued after {row[6]}"
-            self._count(row[1], QUEUED, -1)
-            self._count(row[1], LEASED)
-            return self._lease(c, row, device_id, issued, now)
+        return self._from_queue(_CLAIM, {"device": device_id, "prefer": json.dumps(list(prefer))}, device_id, now)
 
     def lease_tile(self, tile_id: int, device_id: int, now: float) -> ClaimedTile | None:
+        return self._from_queue(_LEASE, {"tile": tile_id, "device": device_id}, device_id, now)
+
+    def _from_queue(self, sql: str, params: dict, device_id: int, now: float) -> ClaimedTile | None:
+        """Lease the queued tile ``sql`` picks (one UPDATE ... RETURNING), with its lease row."""
         with self.atomic() as c:
-            row = c.execute(_LEASE, {"tile": tile_id, "device": device_id}).fetchone()
+            row = c.execute(sql, params).fetchone()
             if row is None:
                 return None
             issued = "first" if row[6] is None else f"requeued after {row[6]}"
