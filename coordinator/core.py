@@ -57,7 +57,7 @@ from coordinator.protocol import (
     Release, ReleaseWhy, Result, Resume, Welcome, Work,
 )
 from coordinator.scheduler import Assign, Decision, FaultPolicy, Hold, Overdue, Reclaim, Scheduler, Seat, UnitSpec
-from coordinator.tiles import GemmKind, Tile, TilePlan, TilingPolicy, a_block, assemble, b_block
+from coordinator.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, a_block, assemble, b_block, piece_tiles
 from coordinator.verify import freivalds
 from db.store import BANNED, REVOKED, DeviceInfo, NewTile, Store
 
@@ -107,7 +107,7 @@ class GemmState:
     kind: GemmKind
     a: torch.Tensor
     b: torch.Tensor
-    plan: TilePlan
+    plan: TilePlan | TileList
     tiles: dict[int, Tile]  # tile id -> tile
     on_done: Callable[[torch.Tensor], None]
     sources: tuple[Source, Source]
@@ -116,7 +116,12 @@ class GemmState:
     parts: dict[int, torch.Tensor] = field(default_factory=dict)  # tile index -> verified C block
 
     def blocks_of(self, tile: Tile) -> tuple[BlockRef, BlockRef]:
+        """The blocks of the tile's first reduction piece."""
         return self.a_blocks[(tile.i, tile.p)], self.b_blocks[(tile.p, tile.j)]
+
+    def pairs_of(self, tile: Tile) -> list[tuple[BlockRef, BlockRef]]:
+        """The (A, B) blocks of every reduction piece the tile adds up."""
+        return [(self.a_blocks[(tile.i, q)], self.b_blocks[(q, tile.j)]) for q in range(tile.p, tile.p + tile.pieces)]
 
     def result_bytes(self, tile: Tile) -> int:
         return (tile.r1 - tile.r0) * (tile.c1 - tile.c0) * self.a.element_size()
@@ -556,10 +561,17 @@ class Core:
         dev.bytes_up += nbytes
         gemm = self.gemms[self._tile_gemm[msg.tile_id]]
         tile = gemm.tiles[msg.tile_id]
-        ra, rb = gemm.blocks_of(tile)
         started = time.perf_counter()
-        verdict = freivalds(ra.logical, rb.logical, msg.c, self.rng, compute_dtype=gemm.a.dtype,
-                            a_row_norms=ra.row_norms(), b_norm=rb.norm())
+        if tile.pieces == 1:
+            ra, rb = gemm.blocks_of(tile)
+            a_view, b_view, row_norms, b_norm = ra.logical, rb.logical, ra.row_norms(), rb.norm()
+        else:  # the pieces' range, as views; norms from the pieces' cached ones
+            pairs = gemm.pairs_of(tile)
+            a_view, b_view = a_block(gemm.a, tile), b_block(gemm.b, tile)
+            row_norms = torch.stack([ra.row_norms() for ra, _ in pairs]).square().sum(0).sqrt()
+            b_norm = math.sqrt(sum(rb.norm() ** 2 for _, rb in pairs))
+        verdict = freivalds(a_view, b_view, msg.c, self.rng, compute_dtype=gemm.a.dtype,
+                            a_row_norms=row_norms, b_norm=b_norm)
         self.verify_seconds += time.perf_counter() - started
         out: list[Outbound] = []
         sent, on_wire = self._sent.pop((msg.tile_id, dev.id), (0, None))
@@ -642,16 +654,16 @@ class Core:
         missing = msg.why is ReleaseWhy.MISSING_BLOCK
         if missing:  # every byte it claims to have lost is a byte sent again: charged as such
             resend = sum(ref.nbytes for tid in set(msg.tile_ids) if tid in dev.inflight
-                         for ref in self._blocks_of(tid) if ref.key in dev.blocks)
+                         for pair in self._pairs_of(tid) for ref in pair if ref.key in dev.blocks)
             if resend and not dev.resends.take(now, resend):
                 return self._drop(dev, CloseCode.RATE_LIMITED, "too many blocks to send again", now) + \
                     self._dispatch(now)
         reason = f"{msg.why.value}: {msg.reason}" if msg.reason else msg.why.value
         return self._give_back(dev, msg.tile_ids, reason, now, blocks_lost=missing, bar=not missing)
 
-    def _blocks_of(self, tile_id: int) -> tuple[BlockRef, BlockRef]:
+    def _pairs_of(self, tile_id: int) -> list[tuple[BlockRef, BlockRef]]:
         gemm = self.gemms[self._tile_gemm[tile_id]]
-        return gemm.blocks_of(gemm.tiles[tile_id])
+        return gemm.pairs_of(gemm.tiles[tile_id])
 
     def _give_back(
         self, dev: DeviceState, tile_ids: tuple[int, ...], reason: str, now: float, *, blocks_lost: bool,
@@ -671,7 +683,7 @@ class Core:
             self._lost_tile(dev, now)
             self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar)
             if blocks_lost:
-                for ref in self._blocks_of(tile_id):
+                for ref in {r.key: r for pair in self._pairs_of(tile_id) for r in pair}.values():
                     dev.lose(ref)
                     self.sched.drops_blocks(dev.id, (ref.key,))
                 self.sched.update(dev.id, full=dev.full)
@@ -757,8 +769,9 @@ class Core:
         sources = (self.sources.acquire(a, retain=kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)),
                    self.sources.acquire(b, retain=False))
         gemm_id = self.store.next_gemm_id()
-        a_blocks = {(t.i, t.p): block_ref(sources[0], gemm_id, f"a{t.i}.{t.p}", a_block(a, t)) for t in tiles}
-        b_blocks = {(t.p, t.j): block_ref(sources[1], gemm_id, f"b{t.p}.{t.j}", b_block(b, t)) for t in tiles}
+        pieces = [q for t in tiles for q in piece_tiles(plan, t)]  # one-piece tiles: the blocks
+        a_blocks = {(q.i, q.p): block_ref(sources[0], gemm_id, f"a{q.i}.{q.p}", a_block(a, q)) for q in pieces}
+        b_blocks = {(q.p, q.j): block_ref(sources[1], gemm_id, f"b{q.p}.{q.j}", b_block(b, q)) for q in pieces}
         new = [NewTile(t.index, a_blocks[(t.i, t.p)].key, b_blocks[(t.p, t.j)].key, t.flops) for t in tiles]
         ids = self.store.add_gemm(gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self._at(now))
         gemm = GemmState(gemm_id, kind, a, b, plan, dict(zip(ids, tiles)), on_done, sources, a_blocks, b_blocks)
@@ -878,13 +891,14 @@ class Core:
         return out
 
     def _work(self, dev: DeviceState, gemm: GemmState, tile_id: int) -> Work:
-        ra, rb = gemm.blocks_of(gemm.tiles[tile_id])
+        pairs = gemm.pairs_of(gemm.tiles[tile_id])
+        ra, rb = pairs[0]
         # Forget first: a namespace dropped and a block of a new one may share this message.
         forget = tuple(sorted(dev.forget))
         dev.forget.clear()
         blocks = []
         sent = 0
-        for ref in (ra, rb) if ra is not rb else (ra,):
+        for ref in {r.key: r for pair in pairs for r in pair}.values():
             if ref.key not in dev.blocks:
                 blocks.append(Block(ref.key, ref.wire()))
                 dev.hold(ref)
@@ -894,7 +908,8 @@ class Core:
         self._sent[(tile_id, dev.id)] = [sent, None]
         if dev.full:
             self.sched.update(dev.id, full=True)
-        return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget)
+        more = tuple(key for pa, pb in pairs[1:] for key in (pa.key, pb.key))
+        return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget, more)
 
     # ------------------------------------------------------------------ job
 

@@ -21,11 +21,11 @@ from typing import Callable, Mapping, Sequence
 
 from coordinator.costmodel import CostModelError, DeviceClass, Profile, PSProfile
 from coordinator.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
-from coordinator.tiles import GemmKind, TilePlan, TilingPolicy, even_cuts
+from coordinator.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
 from coordinator.tiles import plan_gemm as uniform_grid
 
-# Partitions the live data plane can run. Split-K is per piece (each piece a tile); a device
-# summing its own consecutive pieces needs a work message with several k-pieces (later).
+# Partitions the live data plane runs: all of them (split-K units that span several pieces go
+# out as one work message with several block pairs, summed by the device).
 LIVE_KINDS = frozenset({Kind.LOCAL, Kind.OUTPUT, Kind.GRID3D, Kind.SPLIT_K})
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
@@ -37,7 +37,7 @@ class Planner(str, Enum):
 
 @dataclass(frozen=True)
 class LivePlan:
-    tiles: TilePlan | None  # None: the PS multiplies itself
+    tiles: TilePlan | TileList | None  # None: the PS multiplies itself
     owners: Mapping[int, int]  # tile index -> the device it is planned for (absent: whoever is free)
     plan: Plan | None  # the model's prediction (None when no device could be priced)
 
@@ -130,7 +130,7 @@ class LivePlanner:
         self.ps = ps
         self.policy = policy
         # Tests force one partition kind through ``options.kinds``.
-        self.options = options or PlannerOptions(kinds=LIVE_KINDS, uniform=policy, local_sum=False)
+        self.options = options or PlannerOptions(kinds=LIVE_KINDS, uniform=policy)
         self._cache: OrderedDict[tuple, Plan | None] = OrderedDict()
         self._fleet: tuple | None = None  # (version, dtype), classes, members, devices
         self._limit = cache
@@ -162,11 +162,21 @@ class LivePlanner:
         if plan.kind is Kind.LOCAL:
             return LivePlan(None, {}, plan)
         rows, cols, parts = plan.grid
-        tiles = TilePlan(m, n, k, even_cuts(m, rows), even_cuts(n, cols), even_cuts(k, parts))
+        rc, cc, kc = even_cuts(m, rows), even_cuts(n, cols), even_cuts(k, parts)
+        units = realize(plan)
+        tiles: TilePlan | TileList
+        if plan.local_sum:  # a unit is a run of pieces: one tile, its device adds them up
+            ri, ci, ki = ({v: i for i, v in enumerate(cuts)} for cuts in (rc, cc, kc))
+            ordered = sorted(units, key=lambda u: (u.r0, u.c0, u.k0))
+            tiles = TileList(m, n, k, rc, cc, kc, tuple(
+                Tile(i, ri[u.r0], ci[u.c0], ki[u.k0], u.r0, u.r1, u.c0, u.c1, u.k0, u.k1, ki[u.k1] - ki[u.k0])
+                for i, u in enumerate(ordered)))
+        else:
+            tiles = TilePlan(m, n, k, rc, cc, kc)
         owners: dict[int, int] = {}
         if kind is not GemmKind.GRAD_WEIGHT:  # dW goes where its blocks are (the scheduler's affinity)
             index = {(t.r0, t.c0, t.k0): t.index for t in tiles.tiles}
-            for unit in realize(plan):
+            for unit in units:
                 owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
         return LivePlan(tiles, owners, plan)
 

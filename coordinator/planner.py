@@ -102,8 +102,7 @@ class PlannerOptions:
     kinds: frozenset[Kind] = frozenset(Kind)  # which candidates to consider (tests force one)
     uniform: TilingPolicy = field(default_factory=TilingPolicy)  # the baseline's grid
     max_cells: int = 1 << 16  # tiles per GEMM considered at most (bounds the plan's size)
-    local_sum: bool = True  # split-k may let a device add up its own pieces (the live data plane
-    # sends one piece per unit for now: it plans with False)
+    local_sum: bool = True  # split-k may let a device add up its own consecutive pieces
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_reliability <= 1:

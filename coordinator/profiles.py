@@ -39,6 +39,9 @@ PRIOR_UP = 5e6  # bytes/s (40 Mbit/s)
 PRIOR_RTT = 0.03  # seconds
 PRIOR_WEIGHT = 0.02  # observations' worth of belief in the priors: directions the data leave open keep them
 PRIOR_MEMORY = 1 << 30  # bytes for blocks, when the device states no budget
+# The most a device is planned to hold for its units in flight: one work frame carries a unit's
+# blocks (several pieces for a summed split-K unit), and clients refuse frames over 256 MiB.
+MAX_UNIT_MEMORY = 128 << 20
 LINK_BOUNDS = (1e4, 1e11)  # bytes/s: estimates are clamped to this (10 kB/s .. 100 GB/s)
 # A unit's fixed cost on the device (decode, launch, encode) is at most this: the rest of the
 # fitted intercept is latency, which prefetching hides.
@@ -179,7 +182,7 @@ class DeviceProfile:
         if self.seen_rate.seen:  # its claimed matmul time may flatter it; what it delivers may not
             rate = min(rate, SEEN_FACTOR * self.seen_rate.value)
         reliability = self.kept.value if self.kept.seen else 1.0
-        return Profile(gflops={dtype: rate}, memory=self.memory, down=down, up=up, rtt=rtt,
+        return Profile(gflops={dtype: rate}, memory=min(self.memory, MAX_UNIT_MEMORY), down=down, up=up, rtt=rtt,
                        reliability=min(1.0, max(0.0, reliability)),
                        overhead=min(rtt, DEVICE_OVERHEAD))
 

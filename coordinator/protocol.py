@@ -39,6 +39,7 @@ MAX_DIM = 1 << 27  # elements along one dimension (a 1-D speed-test payload reac
 MAX_ELEMENTS = 1 << 40  # elements of one tensor, counting a zero-size dim as 1 (far above any frame limit)
 MAX_SPEEDTEST_BYTES = 16 << 20
 MAX_IDS = 1024  # tile ids in one release or cancel
+MAX_PAIRS = 64  # extra (A, B) block pairs in one work message (split-K pieces a device sums)
 MAX_ID = (1 << 53) - 1  # ids stay exact in JSON and fit SQLite's int64
 NONCE_HEX = 64  # 32 random bytes, hex
 SECRET_HEX = 64
@@ -319,13 +320,25 @@ class Work:
     b_t: bool = False
     blocks: tuple[Block, ...] = ()
     forget: tuple[int, ...] = ()
+    # More (A, B) pairs, flattened: the tile is ``sum_i A_i @ B_i`` over consecutive reduction
+    # pieces (a device adds up its own split-K pieces and sends one partial).
+    more: tuple[str, ...] = ()
 
     def operands(self, cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(A, B)`` from a device's block cache, or None when a block is missing."""
-        a, b = cache.get(self.a), cache.get(self.b)
-        if a is None or b is None:
+        """``(A, B)`` from a device's block cache, or None when a block is missing. With more
+        pairs, ``A`` is their A blocks side by side and ``B`` their B blocks stacked, so that
+        ``A @ B`` is the sum of the pairs' products."""
+        keys = (self.a, self.b, *self.more)
+        blocks = [cache.get(key) for key in keys]
+        if any(blk is None for blk in blocks):
             return None
-        return (a.t() if self.a_t else a), (b.t() if self.b_t else b)
+        a = [(x.t() if self.a_t else x) for x in blocks[0::2]]  # type: ignore[union-attr]
+        b = [(x.t() if self.b_t else x) for x in blocks[1::2]]  # type: ignore[union-attr]
+        if len(a) == 1:
+            return a[0], b[0]
+        if any(x.shape[0] != a[0].shape[0] for x in a) or any(x.shape[1] != b[0].shape[1] for x in b):
+            return None  # pieces that do not line up: a coordinator bug, given back as missing
+        return torch.cat(a, dim=1), torch.cat(b, dim=0)
 
 
 @dataclass(frozen=True)
@@ -413,6 +426,8 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
             "blocks": [b.key for b in msg.blocks],
             "forget": list(msg.forget),
         }
+        if msg.more:  # absent when empty: one-pair work frames are unchanged
+            header["more"] = list(msg.more)
         tensors = [b.data for b in msg.blocks]
     elif isinstance(msg, Result):
         header = {"tile_id": msg.tile_id, "seconds": msg.seconds, "waited": msg.waited}
@@ -618,8 +633,12 @@ def _decode_work(header: dict[str, Any], tensors: list[torch.Tensor]) -> Work:
     flags = [header.get(f, False) for f in ("a_t", "b_t")]
     if not all(isinstance(f, bool) for f in flags):
         raise ProtocolError("work: 'a_t' and 'b_t' must be booleans")
-    plain = _fields_of(Work, header, skip=("a_t", "b_t", "blocks", "forget"))
-    return Work(a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, **plain)
+    more = header.get("more", [])
+    if not isinstance(more, list) or len(more) % 2 or len(more) > 2 * MAX_PAIRS:
+        raise ProtocolError(f"work: 'more' must be a list of up to {MAX_PAIRS} key pairs")
+    more = tuple(_check("work", "more", key_meta, key) for key in more)
+    plain = _fields_of(Work, header, skip=("a_t", "b_t", "blocks", "forget", "more"))
+    return Work(a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, more=more, **plain)
 
 
 # --------------------------------------------------------------------------- addresses

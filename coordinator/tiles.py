@@ -64,6 +64,7 @@ class Tile:
     c1: int
     k0: int
     k1: int
+    pieces: int = 1  # consecutive reduction pieces ``p .. p + pieces - 1`` the device sums itself
 
     @property
     def flops(self) -> int:
@@ -98,6 +99,33 @@ class TilePlan:
     @property
     def shape(self) -> tuple[int, int, int]:
         return len(self.row_cuts) - 1, len(self.col_cuts) - 1, len(self.k_cuts) - 1
+
+
+@dataclass(frozen=True)
+class TileList:
+    """Tiles that are not one grid: split-K units that each span a run of consecutive pieces
+    of ``k_cuts`` (a device adds up its pieces' products and sends one partial). Per output
+    cell, the runs partition the pieces, so exactly one of them starts at piece 0."""
+
+    m: int
+    n: int
+    k: int
+    row_cuts: tuple[int, ...]
+    col_cuts: tuple[int, ...]
+    k_cuts: tuple[int, ...]
+    tiles: tuple[Tile, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.row_cuts) - 1, len(self.col_cuts) - 1, len(self.k_cuts) - 1
+
+
+def piece_tiles(plan: TilePlan | TileList, t: Tile) -> list[Tile]:
+    """The one-piece tiles whose products ``t`` adds up (``[t]`` for a one-piece tile)."""
+    if t.pieces == 1:
+        return [t]
+    kc = plan.k_cuts
+    return [Tile(t.index, t.i, t.j, q, t.r0, t.r1, t.c0, t.c1, kc[q], kc[q + 1]) for q in range(t.p, t.p + t.pieces)]
 
 
 def even_cuts(size: int, parts: int) -> tuple[int, ...]:
@@ -163,7 +191,7 @@ def wire_layout(block: torch.Tensor) -> str:
     return "copy"
 
 
-def assemble(plan: TilePlan, parts: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def assemble(plan: TilePlan | TileList, parts: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Put the tiles' C blocks back together; split-K partials summed in tile order."""
     # No zero fill: the p == 0 tiles partition the output, so every element is written first.
     out = torch.empty(plan.m, plan.n, dtype=dtype)

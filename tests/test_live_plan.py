@@ -37,6 +37,7 @@ class Fleet:
         self.pending: list[Send] = []
         self.now = 100.0
         self.computed: dict[int, int] = {}
+        self.summed = 0  # work messages with more than one pair of blocks
 
     def join(self, name: str, gflops: float = 50.0, slots: int = 4) -> int:
         nonce = self.core.gate.challenge().nonce
@@ -62,6 +63,7 @@ class Fleet:
             item = self.pending.pop(0)
             work = item.message
             a, b = work.operands(self.blocks[item.device])
+            self.summed += bool(work.more)
             self.now += 0.001
             self.computed[item.device] = self.computed.get(item.device, 0) + 1
             self.route(self.core.handle(item.device, Result(work.tile_id, a @ b, 0.0005, 0.0), self.now))
@@ -87,10 +89,10 @@ class CoreEngine:
         return [box[i] for i in range(len(requests))]
 
 
-def make_core(kinds: frozenset[Kind] | None, planner: Planner = Planner.COST) -> Core:
+def make_core(kinds: frozenset[Kind] | None, planner: Planner = Planner.COST, local_sum: bool = False) -> Core:
     store = MemoryStore()
     job = store.create_job("test", {}, 10, 0.0)
-    options = PlannerOptions(kinds=kinds or LIVE_KINDS, **SMALL)
+    options = PlannerOptions(kinds=kinds or LIVE_KINDS, **{**SMALL, "local_sum": local_sum})
     live = LivePlanner(planner, SLOW_PS, POLICY, options)
     return Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=POLICY,
                 trust=TrustPolicy(probation_tiles=0, first_slots=8), planner=live)
@@ -106,10 +108,12 @@ def test_devices_with_similar_profiles_share_a_class_priced_at_the_weakest() -> 
     assert pair.profile.gflops["fp32"] <= 100 and pair.profile.down <= 1e7  # never better than measured
 
 
-@pytest.mark.parametrize("kind", [Kind.OUTPUT, Kind.SPLIT_K, Kind.GRID3D, Kind.LOCAL])
+@pytest.mark.parametrize("kind", [Kind.OUTPUT, Kind.SPLIT_K, "split-k-sum", Kind.GRID3D, Kind.LOCAL])
 @pytest.mark.parametrize("gemm", [GemmKind.FORWARD, GemmKind.GRAD_WEIGHT, GemmKind.PLAIN])
-def test_every_partition_kind_gives_the_product(kind: Kind, gemm: GemmKind) -> None:
-    core = make_core(frozenset({kind}))
+def test_every_partition_kind_gives_the_product(kind: Kind | str, gemm: GemmKind) -> None:
+    summed = kind == "split-k-sum"  # a device adds up its own pieces (work with several pairs)
+    kind = Kind.SPLIT_K if summed else kind
+    core = make_core(frozenset({kind}), local_sum=summed)
     fleet = Fleet(core)
     for i in range(4):
         fleet.join(f"d{i}")
@@ -128,6 +132,8 @@ def test_every_partition_kind_gives_the_product(kind: Kind, gemm: GemmKind) -> N
     torch.testing.assert_close(box["c"], a @ b, rtol=1e-5, atol=1e-4)
     if kind is Kind.LOCAL:
         assert not fleet.computed  # the PS kept it
+    if summed and gemm is GemmKind.FORWARD:
+        assert fleet.summed, "some device added up several pieces of one unit"
 
 
 def test_a_fast_device_is_planned_more_tiles_and_each_device_starts_on_its_own() -> None:
@@ -157,17 +163,27 @@ def local_losses() -> list[float]:
     return [r.loss for r in Trainer(TrainConfig(**CFG), LocalEngine()).run()]
 
 
-@pytest.mark.parametrize("kinds", [None, frozenset({Kind.OUTPUT}), frozenset({Kind.SPLIT_K}), frozenset({Kind.GRID3D}),
-                                   frozenset({Kind.LOCAL}), "uniform"],
-                         ids=["cost", "output", "split-k", "3d", "local", "uniform"])
+@pytest.mark.parametrize("kinds", [None, frozenset({Kind.OUTPUT}), frozenset({Kind.SPLIT_K}), "split-k-sum",
+                                   frozenset({Kind.GRID3D}), frozenset({Kind.LOCAL}), "uniform"],
+                         ids=["cost", "output", "split-k", "split-k-sum", "3d", "local", "uniform"])
 def test_training_with_each_partition_equals_local_torch(kinds, local_losses: list[float]) -> None:
-    core = make_core(None, Planner.UNIFORM) if kinds == "uniform" else make_core(kinds)
+    summed = kinds == "split-k-sum"
+    if kinds == "uniform":
+        core = make_core(None, Planner.UNIFORM)
+    elif summed:
+        kinds = frozenset({Kind.SPLIT_K})
+        core = make_core(kinds, local_sum=True)
+    else:
+        core = make_core(kinds)
     fleet = Fleet(core)
     for i in range(3):
         fleet.join(f"d{i}")
     losses = [r.loss for r in Trainer(TrainConfig(**CFG), CoreEngine(core, fleet)).run()]
     for got, want in zip(losses, local_losses):
         assert abs(got - want) <= 1e-5 * abs(want), (losses, local_losses)
+    if summed:
+        assert fleet.summed, "devices added up their own pieces"
+
     status = core.status(fleet.now)["plan"]
     if kinds not in (None, "uniform"):
         (kind,) = kinds

@@ -58,6 +58,28 @@ def test_work_round_trips_blocks_bit_exact(dtype: torch.dtype) -> None:
     assert out.operands({}) is None
 
 
+def test_work_with_more_pairs_multiplies_to_the_sum_of_their_products() -> None:
+    a1, a2, b1, b2 = torch.randn(5, 3), torch.randn(5, 2), torch.randn(4, 3), torch.randn(4, 2)  # B used transposed
+    blocks = tuple(Block(k, t) for k, t in (("a1", a1), ("a2", a2), ("b1", b1), ("b2", b2)))
+    msg = Work(tile_id=3, a="a1", b="b1", b_t=True, blocks=blocks, more=("a2", "b2"))
+    out = decode(encode(msg))
+    assert out == Work(tile_id=3, a="a1", b="b1", b_t=True, blocks=out.blocks, more=("a2", "b2"))
+    a, b = out.operands({blk.key: blk.data for blk in out.blocks})
+    torch.testing.assert_close(a @ b, a1 @ b1.t() + a2 @ b2.t())
+    assert out.operands({"a1": a1, "b1": b1, "a2": a2}) is None  # a missing block: given back
+    assert b'"more"' not in encode(Work(tile_id=3, a="a1", b="b1"))  # one-pair frames are unchanged
+
+
+@pytest.mark.parametrize("more", [["a"], ["a", 1], ["a", "b"] * 65, "ab", ["a", "b\x00"]])
+def test_work_with_bad_pairs_is_refused(more: object) -> None:
+    frame = encode(Work(tile_id=3, a="a1", b="b1"))
+    head_len = int.from_bytes(frame[4:8], "little")
+    header = json.loads(frame[8:8 + head_len])
+    header["more"] = more
+    with pytest.raises(ProtocolError):
+        decode(_frame(header))
+
+
 def test_result_round_trips_and_decoded_tensor_is_writable() -> None:
     c = torch.randn(7, 2)
     out = decode(encode(Result(tile_id=4, c=c, seconds=0.125)))
