@@ -454,7 +454,14 @@ class Worker:
                 self._cancelled.discard(work.tile_id)
                 self._assigned.discard(work.tile_id)
                 continue
-            operands = work.operands(blocks)
+            try:  # pieces summed on the device are joined here: that allocates
+                operands = work.operands(blocks)
+            except (RuntimeError, MemoryError) as exc:
+                log.error("tile %d: cannot gather its blocks (%s); releasing it", work.tile_id, exc)
+                self._assigned.discard(work.tile_id)
+                self._cancelled.discard(work.tile_id)
+                await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.COMPUTE_FAILED, str(exc)[:200])))
+                continue
             if operands is None:
                 # Never sit on a tile we cannot compute: give it back so the GEMM is not stalled.
                 log.error("tile %d names a block this device does not hold; releasing it", work.tile_id)

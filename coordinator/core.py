@@ -653,8 +653,9 @@ class Core:
         # tile goes to another device, never straight back to this one.
         missing = msg.why is ReleaseWhy.MISSING_BLOCK
         if missing:  # every byte it claims to have lost is a byte sent again: charged as such
-            resend = sum(ref.nbytes for tid in set(msg.tile_ids) if tid in dev.inflight
-                         for pair in self._pairs_of(tid) for ref in pair if ref.key in dev.blocks)
+            held = {ref.key: ref.nbytes for tid in set(msg.tile_ids) if tid in dev.inflight
+                    for pair in self._pairs_of(tid) for ref in pair if ref.key in dev.blocks}
+            resend = sum(held.values())
             if resend and not dev.resends.take(now, resend):
                 return self._drop(dev, CloseCode.RATE_LIMITED, "too many blocks to send again", now) + \
                     self._dispatch(now)
@@ -756,7 +757,8 @@ class Core:
         live = self._plan(m, n, k, kind)
         pred = self.prediction
         pred.planned.append(live.seconds)
-        label = live.plan.kind.value if live.plan is not None else "uniform"
+        label = "uniform" if live.plan is None else \
+            "split-k summed" if live.plan.local_sum and live.plan.kind.value == "split-k" else live.plan.kind.value
         pred.kinds[label] = pred.kinds.get(label, 0) + 1
         if live.tiles is None:  # cheaper here than shipped: the PS multiplies itself
             pred.local_gemms += 1
@@ -909,7 +911,8 @@ class Core:
         if dev.full:
             self.sched.update(dev.id, full=True)
         more = tuple(key for pa, pb in pairs[1:] for key in (pa.key, pb.key))
-        return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget, more)
+        more_t = tuple(flag for pa, pb in pairs[1:] for flag in (pa.transposed, pb.transposed))
+        return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget, more, more_t)
 
     # ------------------------------------------------------------------ job
 

@@ -13,6 +13,7 @@ whose measured profile flatters it therefore only gets a longer queue, which oth
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Callable, Mapping, Sequence
 
 from coordinator.costmodel import CostModelError, DeviceClass, Profile, PSProfile
 from coordinator.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
+from coordinator.protocol import MAX_PAIRS
 from coordinator.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
 from coordinator.tiles import plan_gemm as uniform_grid
 
@@ -167,6 +169,11 @@ class LivePlanner:
         tiles: TilePlan | TileList
         if plan.local_sum:  # a unit is a run of pieces: one tile, its device adds them up
             ri, ci, ki = ({v: i for i, v in enumerate(cuts)} for cuts in (rc, cc, kc))
+            # A work frame names at most 1 + MAX_PAIRS pairs: longer runs go as several units
+            # (each still summed on the device; the PS adds the few partials).
+            run = MAX_PAIRS + 1
+            units = [dataclasses.replace(u, k0=kc[q], k1=kc[min(q + run, ki[u.k1])])
+                     for u in units for q in range(ki[u.k0], ki[u.k1], run)]
             ordered = sorted(units, key=lambda u: (u.r0, u.c0, u.k0))
             tiles = TileList(m, n, k, rc, cc, kc, tuple(
                 Tile(i, ri[u.r0], ci[u.c0], ki[u.k0], u.r0, u.r1, u.c0, u.c1, u.k0, u.k1, ki[u.k1] - ki[u.k0])

@@ -39,9 +39,10 @@ PRIOR_UP = 5e6  # bytes/s (40 Mbit/s)
 PRIOR_RTT = 0.03  # seconds
 PRIOR_WEIGHT = 0.02  # observations' worth of belief in the priors: directions the data leave open keep them
 PRIOR_MEMORY = 1 << 30  # bytes for blocks, when the device states no budget
-# The most a device is planned to hold for its units in flight: one work frame carries a unit's
-# blocks (several pieces for a summed split-K unit), and clients refuse frames over 256 MiB.
-MAX_UNIT_MEMORY = 128 << 20
+# The most a device is planned to hold for its units in flight (two): a unit's blocks travel in
+# one work frame, and the server cuts a peer with more than ``Limits.outbound_queue`` (64 MiB)
+# queued for it, and one that asks for more than ``Limits.resends`` (32 MiB burst) again.
+MAX_UNIT_MEMORY = 32 << 20
 LINK_BOUNDS = (1e4, 1e11)  # bytes/s: estimates are clamped to this (10 kB/s .. 100 GB/s)
 # A unit's fixed cost on the device (decode, launch, encode) is at most this: the rest of the
 # fitted intercept is latency, which prefetching hides.

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Union
 
 import torch
 
-PROTOCOL_VERSION = 3  # 3: Result.waited (the coordinator apportions turnaround to measure links)
+PROTOCOL_VERSION = 4  # 3: result.waited; 4: work.more (a tile summed over several block pairs)
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
@@ -39,7 +39,9 @@ MAX_DIM = 1 << 27  # elements along one dimension (a 1-D speed-test payload reac
 MAX_ELEMENTS = 1 << 40  # elements of one tensor, counting a zero-size dim as 1 (far above any frame limit)
 MAX_SPEEDTEST_BYTES = 16 << 20
 MAX_IDS = 1024  # tile ids in one release or cancel
-MAX_PAIRS = 64  # extra (A, B) block pairs in one work message (split-K pieces a device sums)
+MAX_TENSORS = 16  # tensors in one frame
+MAX_PAIRS = MAX_TENSORS // 2 - 1  # (A, B) block pairs in one work message beyond the first: all its
+# pieces' blocks fit one frame even when the device holds none of them
 MAX_ID = (1 << 53) - 1  # ids stay exact in JSON and fit SQLite's int64
 NONCE_HEX = 64  # 32 random bytes, hex
 SECRET_HEX = 64
@@ -321,19 +323,22 @@ class Work:
     blocks: tuple[Block, ...] = ()
     forget: tuple[int, ...] = ()
     # More (A, B) pairs, flattened: the tile is ``sum_i A_i @ B_i`` over consecutive reduction
-    # pieces (a device adds up its own split-K pieces and sends one partial).
+    # pieces (a device adds up its own split-K pieces and sends one partial). ``more_t``: whether
+    # each of those blocks is used transposed (like ``a_t``, ``b_t``; blocks travel as laid out).
     more: tuple[str, ...] = ()
+    more_t: tuple[bool, ...] = ()
 
     def operands(self, cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(A, B)`` from a device's block cache, or None when a block is missing. With more
         pairs, ``A`` is their A blocks side by side and ``B`` their B blocks stacked, so that
         ``A @ B`` is the sum of the pairs' products."""
         keys = (self.a, self.b, *self.more)
+        flags = (self.a_t, self.b_t, *self.more_t)
         blocks = [cache.get(key) for key in keys]
-        if any(blk is None for blk in blocks):
+        if any(blk is None for blk in blocks) or len(flags) != len(keys):
             return None
-        a = [(x.t() if self.a_t else x) for x in blocks[0::2]]  # type: ignore[union-attr]
-        b = [(x.t() if self.b_t else x) for x in blocks[1::2]]  # type: ignore[union-attr]
+        used = [(x.t() if t else x) for x, t in zip(blocks, flags)]  # type: ignore[union-attr]
+        a, b = used[0::2], used[1::2]
         if len(a) == 1:
             return a[0], b[0]
         if any(x.shape[0] != a[0].shape[0] for x in a) or any(x.shape[1] != b[0].shape[1] for x in b):
@@ -428,6 +433,7 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
         }
         if msg.more:  # absent when empty: one-pair work frames are unchanged
             header["more"] = list(msg.more)
+            header["more_t"] = list(msg.more_t)
         tensors = [b.data for b in msg.blocks]
     elif isinstance(msg, Result):
         header = {"tile_id": msg.tile_id, "seconds": msg.seconds, "waited": msg.waited}
@@ -529,8 +535,8 @@ def _fields_of(cls: type, header: dict[str, Any], skip: tuple[str, ...] = ()) ->
 
 def _tensors(header: dict[str, Any], buf: bytearray, offset: int) -> list[torch.Tensor]:
     descs = header.get("tensors", [])
-    if not isinstance(descs, list) or len(descs) > 16:
-        raise ProtocolError("'tensors' must be a list of at most 16 descriptors", Code.BAD_TENSOR)
+    if not isinstance(descs, list) or len(descs) > MAX_TENSORS:
+        raise ProtocolError(f"'tensors' must be a list of at most {MAX_TENSORS} descriptors", Code.BAD_TENSOR)
     out: list[torch.Tensor] = []
     for d in descs:
         dtype_name = d.get("dtype") if isinstance(d, dict) else None
@@ -633,12 +639,18 @@ def _decode_work(header: dict[str, Any], tensors: list[torch.Tensor]) -> Work:
     flags = [header.get(f, False) for f in ("a_t", "b_t")]
     if not all(isinstance(f, bool) for f in flags):
         raise ProtocolError("work: 'a_t' and 'b_t' must be booleans")
-    more = header.get("more", [])
+    more, more_t = header.get("more", []), header.get("more_t", [])
     if not isinstance(more, list) or len(more) % 2 or len(more) > 2 * MAX_PAIRS:
         raise ProtocolError(f"work: 'more' must be a list of up to {MAX_PAIRS} key pairs")
+    if not isinstance(more_t, list) or len(more_t) != len(more) or not all(isinstance(f, bool) for f in more_t):
+        raise ProtocolError("work: 'more_t' must be one boolean per key of 'more'")
     more = tuple(_check("work", "more", key_meta, key) for key in more)
-    plain = _fields_of(Work, header, skip=("a_t", "b_t", "blocks", "forget", "more"))
-    return Work(a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, more=more, **plain)
+    plain = _fields_of(Work, header, skip=("a_t", "b_t", "blocks", "forget", "more", "more_t"))
+    pairs = [(plain.get("a"), plain.get("b")), *zip(more[0::2], more[1::2])]
+    if len(set(pairs)) != len(pairs):  # (at most 8 pairs: a repeated block costs at most that)
+        raise ProtocolError("work: a block pair appears twice")
+    return Work(a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, more=more, more_t=tuple(more_t),
+                **plain)
 
 
 # --------------------------------------------------------------------------- addresses

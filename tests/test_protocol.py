@@ -61,21 +61,27 @@ def test_work_round_trips_blocks_bit_exact(dtype: torch.dtype) -> None:
 def test_work_with_more_pairs_multiplies_to_the_sum_of_their_products() -> None:
     a1, a2, b1, b2 = torch.randn(5, 3), torch.randn(5, 2), torch.randn(4, 3), torch.randn(4, 2)  # B used transposed
     blocks = tuple(Block(k, t) for k, t in (("a1", a1), ("a2", a2), ("b1", b1), ("b2", b2)))
-    msg = Work(tile_id=3, a="a1", b="b1", b_t=True, blocks=blocks, more=("a2", "b2"))
+    msg = Work(tile_id=3, a="a1", b="b1", b_t=True, blocks=blocks, more=("a2", "b2"), more_t=(False, True))
     out = decode(encode(msg))
-    assert out == Work(tile_id=3, a="a1", b="b1", b_t=True, blocks=out.blocks, more=("a2", "b2"))
+    assert out == Work(tile_id=3, a="a1", b="b1", b_t=True, blocks=out.blocks, more=("a2", "b2"), more_t=(False, True))
     a, b = out.operands({blk.key: blk.data for blk in out.blocks})
     torch.testing.assert_close(a @ b, a1 @ b1.t() + a2 @ b2.t())
     assert out.operands({"a1": a1, "b1": b1, "a2": a2}) is None  # a missing block: given back
     assert b'"more"' not in encode(Work(tile_id=3, a="a1", b="b1"))  # one-pair frames are unchanged
 
 
-@pytest.mark.parametrize("more", [["a"], ["a", 1], ["a", "b"] * 65, "ab", ["a", "b\x00"]])
-def test_work_with_bad_pairs_is_refused(more: object) -> None:
+@pytest.mark.parametrize("more, more_t", [
+    (["a"], [False]), (["a", 1], [False, False]), (["a", "b"] * 8, [False, False] * 8), ("ab", [False, False]),
+    (["a", "b\x00"], [False, False]), (["a", "b"], [False]), (["a", "b"], [0, 1]), (["a1", "b1"], [False, False]),
+    (["a", "b", "a", "b"], [False] * 4),
+])
+def test_work_with_bad_pairs_is_refused(more: object, more_t: object) -> None:
+    # odd, not text, too many pairs (a frame carries at most 16 blocks), unprintable, flags that
+    # do not match the keys, a pair repeated
     frame = encode(Work(tile_id=3, a="a1", b="b1"))
     head_len = int.from_bytes(frame[4:8], "little")
     header = json.loads(frame[8:8 + head_len])
-    header["more"] = more
+    header["more"], header["more_t"] = more, more_t
     with pytest.raises(ProtocolError):
         decode(_frame(header))
 
@@ -116,12 +122,12 @@ def test_non_contiguous_tensors_are_sent_by_value() -> None:
 GOLDEN = {
     "challenge": (
         Challenge(nonce="ab" * 32, coordinator="c0ffee"),
-        b'CLV\x03\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"' + b"ab" * 32 + b'","tensors":[],"type":"challenge"}',
+        b'CLV\x04\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"' + b"ab" * 32 + b'","tensors":[],"type":"challenge"}',
     ),
     "hello": (
         Hello(name="n", token="t", platform="p", cores=2, memory_bytes=4, device="cpu", gflops=1.5, slots=2,
               client_version="0.2.0"),
-        b'CLV\x03\xd2\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
+        b'CLV\x04\xd2\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
         b'"identity":0,"memory_bytes":4,"name":"n","paused":"","platform":"p","proof":"","slots":2,"tensors":[],'
         b'"token":"t","type":"hello"}',
     ),
@@ -129,7 +135,7 @@ GOLDEN = {
         Work(tile_id=7, a="1.0.1x2", b="2.0.2x1", b_t=True, blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),
              forget=(3,)),
         bytes.fromhex(
-            "434c56039a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
+            "434c56049a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
             "625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274656e736f"
             "7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964223a372c2274"
             "797065223a22776f726b227d0000803f00000040"
@@ -138,7 +144,7 @@ GOLDEN = {
     "result": (
         Result(tile_id=7, c=torch.tensor([[0.5]]), seconds=0.25, waited=0.125),
         bytes.fromhex(
-            "434c5603650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
+            "434c5604650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
             "227368617065223a5b312c315d7d5d2c2274696c655f6964223a372c2274797065223a22726573756c74222c227761697465"
             "64223a302e3132357d0000003f"
         ),
