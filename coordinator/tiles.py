@@ -72,13 +72,24 @@ class Tile:
 
 
 @dataclass(frozen=True)
-class TilePlan:
+class _Cuts:
+    """A GEMM's iteration space cut along rows, columns and the reduction."""
+
     m: int
     n: int
     k: int
     row_cuts: tuple[int, ...]
     col_cuts: tuple[int, ...]
     k_cuts: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.row_cuts) - 1, len(self.col_cuts) - 1, len(self.k_cuts) - 1
+
+
+@dataclass(frozen=True)
+class TilePlan(_Cuts):
+    """Every cell of the grid is a tile."""
 
     @property
     def tiles(self) -> list[Tile]:
@@ -96,28 +107,14 @@ class TilePlan:
                     )
         return out
 
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return len(self.row_cuts) - 1, len(self.col_cuts) - 1, len(self.k_cuts) - 1
-
 
 @dataclass(frozen=True)
-class TileList:
+class TileList(_Cuts):
     """Tiles that are not one grid: split-K units that each span a run of consecutive pieces
     of ``k_cuts`` (a device adds up its pieces' products and sends one partial). Per output
     cell, the runs partition the pieces, so exactly one of them starts at piece 0."""
 
-    m: int
-    n: int
-    k: int
-    row_cuts: tuple[int, ...]
-    col_cuts: tuple[int, ...]
-    k_cuts: tuple[int, ...]
-    tiles: tuple[Tile, ...]
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return len(self.row_cuts) - 1, len(self.col_cuts) - 1, len(self.k_cuts) - 1
+    tiles: tuple[Tile, ...] = ()
 
 
 def piece_tiles(plan: TilePlan | TileList, t: Tile) -> list[Tile]:
