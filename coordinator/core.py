@@ -139,7 +139,6 @@ class DeviceState:
     asked: int  # the most tiles its owner wants in flight
     seat: Seat  # the scheduler's view: slots, tiles held, pause, speed
     standing: Standing
-    gflops: float  # benchmark at join, then a running estimate from verified tiles
     device: str
     last_seen: float
     messages: TokenBucket
@@ -238,8 +237,7 @@ class Prediction:
             self.measured = now - self.step_started
             busy = self.busy + (now - self.busy_since if self.busy_since is not None else 0.0)
             self.last_busy = busy
-            known = [p for p in self.planned if p is not None]
-            self.gemm_seconds = sum(known) if known and len(known) == len(self.planned) else None
+            self.gemm_seconds = self._planned_seconds()
             self.last_kinds = dict(self.kinds)
         self.step_started = now
         self.planned.clear()
@@ -252,13 +250,17 @@ class Prediction:
         """The PS's own seconds in the last finished step: its time with no GEMM out."""
         return None if self.measured is None or self.last_busy is None else max(0.0, self.measured - self.last_busy)
 
+    def _planned_seconds(self) -> float | None:
+        """The step's GEMMs' predicted seconds; None unless every one of them was priced."""
+        if not self.planned or any(p is None for p in self.planned):
+            return None
+        return float(sum(self.planned))  # type: ignore[arg-type]
+
     def current(self) -> float | None:
         """The step in progress, once its GEMMs are all submitted: their predicted seconds plus
         the PS's own time of the step before."""
-        known = [p for p in self.planned if p is not None]
-        if not known or len(known) != len(self.planned) or self.other is None:
-            return None
-        return sum(known) + self.other
+        gemms, other = self._planned_seconds(), self.other
+        return None if gemms is None or other is None else gemms + other
 
     def as_json(self) -> dict[str, Any]:
         """Predicted step = the GEMMs' predicted seconds + the PS's own time measured last step
@@ -329,7 +331,8 @@ class Core:
         self.dtype = "fp32"  # of the job's GEMMs: the dtype devices are measured and planned in
         self.prediction = Prediction()
         self._fleet_version = 0  # moves when the planner's view of the fleet may have changed
-        self._fleet_keys: dict[int, tuple[float, ...]] = {}
+        self._fleet_keys: dict[int, tuple[float, ...]] = {}  # each device's place on the planner's grid
+        self._measured: set[int] = set()  # devices with observations since the last plan
         self._dispatching = False
         self._sweep: list[int] = []  # devices still to look after in this tick round
         self._sweep_at = 0.0
@@ -380,7 +383,7 @@ class Core:
                                trusted=not standing.on_probation(self.trust), paused=bool(hello.paused))
         dev = DeviceState(
             device_id, admission.identity, admission.name, asked, seat, standing,
-            hello.gflops, hello.device, now, lim.messages.bucket(), standing.budgets[0],
+            hello.device, now, lim.messages.bucket(), standing.budgets[0],
             standing.budgets[1], lim.pauses.bucket(), lim.idle_frame, budget=hello.block_budget,
         )
         self.devices[device_id] = dev
@@ -576,8 +579,7 @@ class Core:
         out: list[Outbound] = []
         sent, on_wire = self._sent.pop((msg.tile_id, dev.id), (0, None))
         if not verdict.ok:
-            self.profiles[dev.id].failed(now)
-            self._fleet_changed(dev.id)
+            self._failed(dev.id, now)
             self.sched.release(msg.tile_id, dev.id, bar=True)
             self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
             self.store.credit_device(dev.id, rejected=1, now=self._at(now))
@@ -611,10 +613,7 @@ class Core:
         waited = min(msg.waited, max(0.0, dev.result_at - start) + WAIT_SLACK)
         dev.result_at = now
         self.profiles[dev.id].verified(tile.flops, msg.seconds, waited, now - start, sent, nbytes, now)
-        self._fleet_changed(dev.id)
-        if msg.seconds >= 1e-6:  # a device's own timing: believed only within physical reason
-            observed = min(gflop / msg.seconds, 1e7)
-            dev.gflops = (1 - EMA) * dev.gflops + EMA * observed if dev.gflops else observed
+        self._measured.add(dev.id)
         if gflop > 0:
             turnaround = (1 - EMA) * dev.seconds_per_gflop + EMA * (now - leased_at) / gflop
             self.sched.update(dev.id, seconds_per_gflop=min(turnaround, MAX_SECONDS_PER_GFLOP))
@@ -678,8 +677,7 @@ class Core:
             given += 1
             self._sent.pop((tile_id, dev.id), None)
             if bar:  # its compute failed
-                self.profiles[dev.id].failed(now)
-                self._fleet_changed(dev.id)
+                self._failed(dev.id, now)
             self.sched.release(tile_id, dev.id, bar=bar)
             self._lost_tile(dev, now)
             self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar)
@@ -794,20 +792,25 @@ class Core:
         def active() -> dict[int, Profile]:
             return {d: self.profiles[d].profile(self.dtype) for d, dev in self.devices.items() if dev.paused is None}
 
+        # Devices measured since the last plan: has any moved on the planner's grid? (Here, once
+        # per GEMM, rather than at every result.)
+        for device_id in self._measured:
+            profile = self.profiles.get(device_id)
+            key = None if profile is None else fleet_key(profile.profile(self.dtype), self.dtype)
+            if key is not None and self._fleet_keys.get(device_id) != key:
+                self._fleet_keys[device_id] = key
+                self._fleet_changed()
+        self._measured.clear()
         return self.planner.plan(m, n, k, kind, self.dtype, active, self._fleet_version)
 
-    def _fleet_changed(self, device_id: int | None = None) -> None:
-        """A device joined, left, paused or resumed (``None``), or ``device_id`` was measured."""
-        if device_id is None:
-            self._fleet_version += 1
-            return
-        profile = self.profiles.get(device_id)
-        if profile is None:
-            return
-        key = fleet_key(profile.profile(self.dtype), self.dtype)
-        if self._fleet_keys.get(device_id) != key:
-            self._fleet_keys[device_id] = key
-            self._fleet_version += 1
+    def _fleet_changed(self) -> None:
+        """A device joined, left, paused, resumed or moved on the planner's grid."""
+        self._fleet_version += 1
+
+    def _failed(self, device_id: int, now: float) -> None:
+        """A lease of the device ended without a verified result (its reliability)."""
+        self.profiles[device_id].failed(now)
+        self._measured.add(device_id)
 
     def _dispatch(self, now: float) -> list[Outbound]:
         """Ask the scheduler what to do now and do it: late leases and leases taken back, queued
@@ -851,8 +854,7 @@ class Core:
         """The scheduler revoked ``dev``'s lease; leases taken back in a row cut the device."""
         tile_id, reason = decision.unit, decision.reason
         self._sent.pop((tile_id, dev.id), None)
-        self.profiles[dev.id].failed(now)
-        self._fleet_changed(dev.id)
+        self._failed(dev.id, now)
         dev.cancel(tile_id)
         self._lost_tile(dev, now)
         # Barred from the tile: it goes to someone else, never straight back to this device.
@@ -947,7 +949,8 @@ class Core:
                 "id": row.id, "identity": row.identity_id, "name": row.name, "state": state, "device": row.device,
                 "tiles_done": row.tiles_done, "tiles_rejected": row.tiles_rejected, "tiles_lost": row.tiles_lost,
                 "tiles_revoked": row.tiles_revoked, "reliability": round(row.reliability, 4),
-                "gflops": round(live.gflops if live else row.gflops, 2),
+                # Its benchmark at join, then the rate measured from its verified tiles.
+                "gflops": round(self.profiles[row.id].measured_gflops(row.gflops) if live else row.gflops, 2),
                 "gflop_verified": round(row.gflop_verified, 3), "reason": row.reason,
                 "inflight": len(live.inflight) if live else 0, "slots": live.slots if live else 0,
                 "probation": live.standing.on_probation(self.trust) if live else None,

@@ -231,11 +231,11 @@ async def serve_job(
         plan = _plan(cfg, store, reporter, clock())
         job_id, train_cfg = plan.job_id, plan.train
         corpus = await asyncio.to_thread(load_corpus, train_cfg.data)  # fail fast on bad --data
-        # Verification vectors must be unpredictable to clients: OS entropy, never the public seed.
         # The cost model's view of this machine: its GEMM, verification and copy rates, measured.
         ps = await asyncio.to_thread(measure_ps, cfg.ps_link_gbps)
         if cfg.ps_gflops is not None:  # the operator keeps the coordinator's CPU for its own work
             ps = dataclasses.replace(ps, gflops={dtype: cfg.ps_gflops for dtype in ps.gflops})
+        # Verification vectors must be unpredictable to clients: OS entropy, never the public seed.
         core = Core(store, job_id, rng=np.random.default_rng(), policy=cfg.policy, faults=cfg.faults,
                     trust=cfg.trust, limits=cfg.limits, epoch=clock() - time.monotonic(),
                     job_name=f"{train_cfg.model}, {train_cfg.steps} steps", planner=cfg.planner, ps=ps)

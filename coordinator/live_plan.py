@@ -44,10 +44,6 @@ class LivePlan:
     plan: Plan | None  # the model's prediction (None when no device could be priced)
 
     @property
-    def local(self) -> bool:
-        return self.tiles is None
-
-    @property
     def seconds(self) -> float | None:
         return self.plan.seconds if self.plan is not None and math.isfinite(self.plan.seconds) else None
 
@@ -87,8 +83,7 @@ def fleet_classes(profiles: Mapping[int, Profile], dtype: str) -> tuple[list[Dev
         groups: dict[tuple[float, ...], tuple[Profile, list[int]]] = {}
         for device in sorted(profiles):
             p = _rounded(profiles[device], dtype, step)
-            key = (p.gflops[dtype], p.memory, p.down, p.up, p.rtt, p.reliability, p.overhead)
-            groups.setdefault(key, (p, []))[1].append(device)
+            groups.setdefault(_key(p, dtype), (p, []))[1].append(device)
         if len(groups) <= MAX_CLASSES or step >= 64:
             break
         step *= 2
@@ -101,16 +96,18 @@ def fleet_classes(profiles: Mapping[int, Profile], dtype: str) -> tuple[list[Dev
     return classes, members
 
 
+def _key(p: Profile, dtype: str) -> tuple[float, ...]:
+    return (p.gflops.get(dtype, 0.0), p.memory, p.down, p.up, p.rtt, p.reliability, p.overhead)
+
+
 def fleet_key(p: Profile, dtype: str) -> tuple[float, ...]:
     """A device's place on the finest grid: when it moves, the fleet's classes may change."""
-    r = _rounded(p, dtype)
-    return (r.gflops[dtype], r.memory, r.down, r.up, r.rtt, r.reliability, r.overhead)
+    return _key(_rounded(p, dtype), dtype)
 
 
 def signature(classes: Sequence[DeviceClass], dtype: str) -> tuple:
     """What a plan depends on in the fleet (a cache key)."""
-    return tuple((c.count, c.profile.gflops.get(dtype, 0.0), c.profile.memory, c.profile.down, c.profile.up,
-                  c.profile.rtt, c.profile.reliability, c.profile.overhead) for c in classes)
+    return tuple((c.count, *_key(c.profile, dtype)) for c in classes)
 
 
 def gemm_of(m: int, n: int, k: int, kind: GemmKind, dtype: str, policy: TilingPolicy) -> Gemm:
@@ -196,10 +193,3 @@ class LivePlanner:
             return plan_gemm(gemm, classes, self.ps, self.options)
         except CostModelError:
             return None
-
-
-def step_prediction(plans: Sequence[LivePlan]) -> float | None:
-    """Predicted GEMM seconds of a step: its GEMMs' plans in sequence (dX and dW of a layer run
-    together in practice, so this errs long)."""
-    seconds = [p.seconds for p in plans]
-    return None if any(s is None for s in seconds) else float(sum(s for s in seconds if s is not None))

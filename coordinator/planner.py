@@ -837,11 +837,6 @@ def plan_step(gemms: Iterable[tuple[Gemm, int]], fleet: Sequence[DeviceClass], p
     return StepPlan(tuple(plans), ps_other_seconds, fleet_flops)
 
 
-def classes_from(profiles: Mapping[str, Profile]) -> tuple[DeviceClass, ...]:
-    """Live devices as classes of one (the scheduler plans for each device by name)."""
-    return tuple(DeviceClass(name, 1, p) for name, p in sorted(profiles.items()))
-
-
 # --------------------------------------------------------------------------- realising a plan
 
 

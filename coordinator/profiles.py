@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from coordinator.costmodel import ITEMSIZE, Profile, PSProfile
 
 TAU = 120.0  # seconds: an observation this old weighs 1/e
@@ -99,45 +101,26 @@ class LinkFit:
         """(rtt seconds, down bytes/s, up bytes/s)."""
         # Ridge towards the prior: minimise |X b - t|^2 + w |b - prior|^2 (per coefficient,
         # scaled to the features' typical size so the prior is equally weak on each).
-        scale = [max(1e-12, self.xx[i][i] / max(self.weight, 1e-12)) for i in range(3)]
-        a = [[self.xx[i][j] + (PRIOR_WEIGHT * scale[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
-        b = [self.xy[i] + PRIOR_WEIGHT * scale[i] * self.prior[i] for i in range(3)]
-        coef = _solve3(a, b) if self.weight else list(self.prior)
+        xx, xy, prior = np.array(self.xx), np.array(self.xy), np.array(self.prior)
+        ridge = PRIOR_WEIGHT * np.maximum(1e-12, np.diag(xx) / max(self.weight, 1e-12))
+        a, b = xx + np.diag(ridge), xy + ridge * prior
+        coef = _solve(a, b) if self.weight else prior
         if coef[0] < 0:  # a negative latency is a collinear fit: solve again with none
-            coef = [0.0, *_solve2([row[1:] for row in a[1:]], b[1:])]
-        if not all(math.isfinite(c) for c in coef):
-            coef = list(self.prior)
-        rtt = min(max(coef[0], 0.0), 10.0)
+            coef = np.concatenate(([0.0], _solve(a[1:, 1:], b[1:])))
+        if not np.isfinite(coef).all():
+            coef = prior
+        rtt = min(max(float(coef[0]), 0.0), 10.0)
         lo, hi = LINK_BOUNDS
         down = min(max(MB / coef[1], lo), hi) if coef[1] > 0 else hi
         up = min(max(MB / coef[2], lo), hi) if coef[2] > 0 else hi
-        return rtt, down, up
+        return rtt, float(down), float(up)
 
 
-def _solve2(a: list[list[float]], b: list[float]) -> list[float]:
-    det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
-    if abs(det) < 1e-300:
-        return [math.nan, math.nan]
-    return [(b[0] * a[1][1] - a[0][1] * b[1]) / det, (a[0][0] * b[1] - b[0] * a[1][0]) / det]
-
-
-def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (3 unknowns)."""
-    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
-    n = 3
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-300:
-            return [math.nan] * n
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, n):
-            f = m[r][col] / m[col][col]
-            for c in range(col, n + 1):
-                m[r][c] -= f * m[col][c]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
-    return out
+def _solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    try:
+        return np.linalg.solve(a, b)
+    except np.linalg.LinAlgError:  # singular: no answer (the caller falls back to the prior)
+        return np.full(len(b), np.nan)
 
 
 @dataclass
@@ -174,6 +157,10 @@ class DeviceProfile:
     def failed(self, now: float) -> None:
         """A lease ended without a verified result (lost, taken back, rejected)."""
         self.kept.add(0.0, now)
+
+    def measured_gflops(self, claimed: float) -> float:
+        """Its matmul rate as measured from verified results, else ``claimed`` (for display)."""
+        return self.gflops.value if self.gflops.seen else claimed
 
     def profile(self, dtype: str = "fp32") -> Profile:
         """Its profile in ``dtype`` (the job's: the one its tiles are measured in)."""

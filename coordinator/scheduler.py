@@ -123,7 +123,6 @@ class _Unit:
     spec: UnitSpec
     home: int | None = None  # whose own queue it waits in (None: the shared queue)
     queued: bool = True
-    first_leased: float | None = None
     holders: dict[int, Hold] = field(default_factory=dict)
     barred: set[int] = field(default_factory=set)
 
@@ -184,11 +183,6 @@ class Scheduler:
     @property
     def queued(self) -> int:
         return self._queued
-
-    @property
-    def outstanding(self) -> int:
-        """Units leased to at least one device."""
-        return sum(1 for _ in self.holding())
 
     def holding(self) -> Iterable[tuple[int, dict[int, Hold]]]:
         return ((uid, u.holders) for uid, u in self.units.items() if u.holders)
@@ -381,8 +375,6 @@ class Scheduler:
         self._seq += 1
         hold = Hold(self._seq, now, now + window, now + 2 * window)
         u.holders[seat.id] = hold
-        if u.first_leased is None:
-            u.first_leased = now
         if len(u.holders) < self.faults.max_copies:
             self._thin.setdefault(uid, None)
         else:
