@@ -7,6 +7,10 @@ already here while this one computes); the computer runs each matmul in a worker
 connection keeps answering; the warden polls the idle/power probe twice a second and, when the
 policy says stop, pauses at once (the coordinator takes the tiles back). Every network failure
 becomes a reconnect with back-off.
+
+An optional ``Pacer`` makes the worker an emulated device (``cleave emulate``,
+emulator/devices.py): it delays each tile's start, the end of its compute and the delivery of
+its result to what a device of some profile would take. Without one nothing is delayed.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +61,26 @@ EXIT_AUTH = EXIT_USAGE
 _PERMANENT = {CloseCode.REVOKED: EXIT_AUTH, CloseCode.BANNED: EXIT_BANNED}
 
 Compute = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, float]"]
+
+
+class Pacer(Protocol):
+    """Paces an emulated device to a profile. Times are ``time.monotonic()`` seconds."""
+
+    def arrived(self, nbytes: int) -> float:
+        """A work frame of ``nbytes`` arrived just now: when its blocks are usable on the device."""
+        ...
+
+    async def start(self, ready: float) -> float:
+        """Wait until the tile usable at ``ready`` may start computing; returns that start."""
+        ...
+
+    async def finish(self, start: float, flops: float) -> float:
+        """Its product is done: wait out the rest of its paced compute; returns the compute seconds."""
+        ...
+
+    def deliver_at(self, nbytes: int) -> float:
+        """A result of ``nbytes`` is ready now: when it reaches the coordinator (sent then)."""
+        ...
 
 
 class ClientError(RuntimeError):
@@ -141,6 +165,7 @@ class Worker:
         probe: Probe | None = None,
         on_update: Callable[[WorkerStats], None] | None = None,
         on_decision: Callable[[Decision, object], None] | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = kernels.pick_device(cfg.device)
@@ -149,6 +174,7 @@ class Worker:
             threads = min(cfg.threads, cfg.policy.max_threads)
         kernels.configure(self.device, threads)
         self._custom_compute = compute
+        self._pacer = pacer
         self._on_update = on_update or (lambda stats: None)
         self._on_decision = on_decision or (lambda decision, reading: None)
         self.stats = WorkerStats(device=str(self.device))
@@ -175,6 +201,11 @@ class Worker:
         if self._custom_compute is not None:
             return self._custom_compute(a, b)
         return kernels.matmul(a, b, self.device)
+
+    @property
+    def connection(self) -> ClientConnection | None:
+        """The open websocket, if any (the emulator drops it to play a crash)."""
+        return self._ws
 
     def _set(self, state: str, error: str = "", reason: str | None = None) -> None:
         self.stats.state = state
@@ -323,8 +354,12 @@ class Worker:
         self._cancelled, self._assigned = set(), set()
         self._credit_before = self.stats.credit_gflop
         self._heard = time.monotonic()
-        tasks = [asyncio.create_task(self._compute_loop(ws, queue, blocks)),
+        # Paced results wait for their upload here, so the next tile computes meanwhile.
+        outbox: asyncio.Queue[tuple[float, bytes]] | None = None if self._pacer is None else asyncio.Queue()
+        tasks = [asyncio.create_task(self._compute_loop(ws, queue, blocks, outbox)),
                  asyncio.create_task(self._warden(ws))]
+        if outbox is not None:
+            tasks.append(asyncio.create_task(self._uplink(ws, outbox)))
         pulse = asyncio.create_task(self._heartbeat(ws, DEFAULT_HEARTBEAT))
         try:
             async for frame in ws:
@@ -349,7 +384,8 @@ class Worker:
                                 blocks[key] = blocks[key].cpu()
                             blocks[block.key] = block.data
                     self._assigned.add(msg.tile_id)
-                    queue.put_nowait((msg, time.monotonic()))
+                    arrived = time.monotonic() if self._pacer is None else self._pacer.arrived(len(frame))
+                    queue.put_nowait((msg, arrived))
                 elif isinstance(msg, Cancel):
                     # Another copy won: skip it, or drop its result. Cancels for tiles already answered
                     # need no memory.
@@ -445,10 +481,20 @@ class Worker:
         await ws.send(frame)
         self.stats.bytes_up += len(frame)
 
-    async def _compute_loop(self, ws: ClientConnection, queue: asyncio.Queue[tuple[Work, float]], blocks: dict[str, torch.Tensor]) -> None:
+    async def _uplink(self, ws: ClientConnection, outbox: asyncio.Queue[tuple[float, bytes]]) -> None:
+        """Paced results, in order, each sent when its emulated upload is over."""
+        while True:
+            at, frame = await outbox.get()
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            await self._send(ws, frame)
+
+    async def _compute_loop(self, ws: ClientConnection, queue: asyncio.Queue[tuple[Work, float]],
+                            blocks: dict[str, torch.Tensor], outbox: asyncio.Queue[tuple[float, bytes]] | None) -> None:
         loop = asyncio.get_running_loop()
+        pacer = self._pacer
         while True:
             work, arrived = await queue.get()
+            started = None if pacer is None else await pacer.start(arrived)  # an emulated device's turn
             if work.tile_id in self._cancelled or not self._allowed:
                 # Cancelled, or sent before the coordinator saw our pause: not ours any more.
                 self._cancelled.discard(work.tile_id)
@@ -470,7 +516,9 @@ class Worker:
                 await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.MISSING_BLOCK)))
                 continue
             a, b = operands
-            waited = time.monotonic() - arrived  # the coordinator counts it as the device's, not the link's
+            flops = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+            # The coordinator counts it as the device's, not the link's.
+            waited = (time.monotonic() if started is None else started) - arrived
             self._set("working")
             try:
                 try:
@@ -492,13 +540,19 @@ class Worker:
                 self.stats.last_error = f"tile failed: {exc}"
                 await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.COMPUTE_FAILED, str(exc)[:200])))
                 continue
+            if pacer is not None and started is not None:
+                seconds = await pacer.finish(started, flops)
             self._assigned.discard(work.tile_id)
             if work.tile_id in self._cancelled:  # cancelled (or paused) while computing: nobody wants it
                 self._cancelled.discard(work.tile_id)
                 continue
-            await self._send(ws, encode(Result(work.tile_id, c, seconds, waited)))
+            frame = encode(Result(work.tile_id, c, seconds, waited))
+            if pacer is None or outbox is None:
+                await self._send(ws, frame)
+            else:
+                outbox.put_nowait((pacer.deliver_at(len(frame)), frame))
             self.stats.tiles += 1
-            self.stats.flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+            self.stats.flops += flops
             self.stats.compute_seconds += seconds
             if queue.empty() and self._allowed:
                 self._set("waiting for work")

@@ -194,6 +194,11 @@ class Scheduler:
     def hold(self, unit: int, device: int) -> Hold | None:
         return self.holders(unit).get(device)
 
+    def next_deadline(self) -> float | None:
+        """When ``expire`` may next have something to say (a stale entry can make it early):
+        the simulator's virtual clock jumps there instead of ticking."""
+        return self._deadlines[0][0] if self._deadlines else None
+
     # ------------------------------------------------------------------ devices
 
     def join(self, device: int, *, slots: int, seconds_per_gflop: float, trusted: bool = True,

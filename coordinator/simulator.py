@@ -1,0 +1,730 @@
+"""A discrete-event simulation of training steps on a fleet: the live scheduler on a virtual clock.
+
+What is real here: the scheduler (coordinator/scheduler.py: the same ``Scheduler`` object the
+live ``Core`` drives, fed the same calls: ``join``, ``add_gemm``, ``holds_block``, ``expire``,
+``assign``, ``copies``, ``done``, ``release``, ``leave``), the planner (coordinator/live_plan.py:
+the live ``LivePlanner``, so every GEMM is cut and owned as the coordinator would cut and own it)
+and each device's standing (coordinator/identity.py: probation, slots, deadlines, cuts).
+
+What is modelled (docs/simulation.md derives each rule and validates it against emulated runs):
+
+* **no sockets, no tensors**: a unit's bytes and FLOP come from its tile; its result is honest;
+* **links are FIFO resources**: a work frame of B bytes leaves the PS's egress queue at
+  ``max(now, egress_free) + B / egress`` and crosses the device's downlink in ``B / down``; it is
+  usable when both are done, plus half a round trip. Results go back the same way through the
+  device's uplink and the PS's ingress. Each device computes one unit at a time;
+* **the PS's CPU is one FIFO**: it verifies every result (``Unit.verify_flops`` at
+  ``PSProfile.verify_flops`` plus ``unit_overhead``), assembles GEMM outputs and adds partials
+  (``memory_bw``), multiplies the GEMMs its plan keeps, and runs the non-GEMM work (attention,
+  AdamW) between GEMMs, in the order the training loop issues them;
+* **churn**: each device stays for an exponential session with its class's mean; a leave is a
+  clean close (seen at once) or a crash (seen after ``FaultPolicy.heartbeat_timeout``, as the
+  live coordinator's heartbeat sweep sees it), and the device is replaced by a newcomer of the
+  same class after an exponential delay. Randomness comes from ``seed`` only.
+
+The simulation is deterministic for a seed. It costs O(log n) per event and scheduler decision;
+a step of Llama-2-7B on 10,000 phones takes seconds (bench figure in docs/simulation.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile, PSProfile, local_seconds
+from coordinator.identity import Standing
+from coordinator.limits import TrustPolicy
+from coordinator.live_plan import LivePlanner, Planner
+from coordinator.planner import Kind
+from coordinator.presets import ModelShape
+from coordinator.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
+from coordinator.tiles import GemmKind, Tile, TilingPolicy
+
+# The live coordinator's estimates (coordinator/core.py): each defined once, there.
+from coordinator.core import CLAIM_GFLOPS, EMA, MAX_SECONDS_PER_GFLOP
+
+# Backward of softmax(QK^T)V is two products per forward product (as cleave plan prices it).
+ATTENTION_BACKWARD = 2
+# AdamW on the PS: fp32 master weights, per parameter it reads weight, gradient, m and v and
+# writes weight, m and v (cleave_cli/plan.py prices it the same way).
+ADAMW_BYTES = 28
+ASKED_SLOTS = 2  # what `cleave join` asks for by default (--slots)
+TICK = 0.05  # the live server's tick: while nothing is queued, copies are looked for this often
+
+
+class SimulationError(CostModelError):
+    """A simulation that cannot run (no device can compute, a bad option)."""
+
+
+# --------------------------------------------------------------------------- the step's program
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A GEMM operand as stored on the PS: which tensor, whether the GEMM reads it transposed,
+    and the stored tensor's width (a block is one contiguous run of memory only when it spans
+    whole stored rows; any other slice is copied and travels under a key of its own)."""
+
+    tensor: tuple  # namespace: ("X", step, group), ("dY", step, linear) or ("W", gemm)
+    transposed: bool
+    width: int
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    m: int
+    n: int
+    k: int
+    kind: GemmKind
+    a: Operand
+    b: Operand
+    label: str
+
+
+@dataclass(frozen=True)
+class PsWork:
+    seconds: float
+    what: str  # "attention" | "optimizer"
+
+
+Op = PsWork | tuple[GemmCall, ...]
+
+# Linears fed the same input tensor (a layer's q, k and v read one normed X; gate and up another):
+# their forward blocks of X are the same memory, so a device holding them needs them once.
+_SHARED_INPUT = {"q": "attn", "k": "attn", "v": "attn", "gate": "mlp", "up": "mlp"}
+
+
+def step_program(model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile, step: int = 0) -> list[Op]:
+    """The order in which one training step issues GEMMs and PS work: forward layer by layer
+    (attention on the PS between the projections and the output projection), the head, then
+    backward in reverse, each Linear's dX and dW submitted together, then AdamW."""
+    tokens = batch * seq
+    rate = ps.flops_per_s(dtype)
+    if rate <= 0:
+        raise SimulationError(f"the parameter server cannot compute in {dtype}")
+    attention = model.attention_flops(batch, seq) / model.n_layers / rate  # one layer's forward
+    linears = model.linears()
+    head, body = linears[-1], linears[:-1]
+    attn_names = {"q", "k", "v", "qkv"}
+    order: list[tuple[int, str, int, int]] = []  # (layer, name, in, out) in forward order
+    for layer in range(model.n_layers):
+        order += [(layer, lin.name, lin.in_features, lin.out_features) for lin in body]
+    order.append((model.n_layers, head.name, head.in_features, head.out_features))
+
+    def x_of(layer: int, name: str, fin: int) -> Operand:
+        group = _SHARED_INPUT.get(name, name)
+        return Operand(("X", step, layer, group), False, fin)
+
+    ops: list[Op] = []
+    for index, (layer, name, fin, fout) in enumerate(order):
+        w = Operand(("W", step, index, "fwd"), True, fin)  # W^T: the weight (out x in) transposed
+        ops.append((GemmCall(tokens, fout, fin, GemmKind.FORWARD, x_of(layer, name, fin), w, f"{name}.fwd"),))
+        if name in attn_names and (index + 1 == len(order) or order[index + 1][1] not in attn_names):
+            ops.append(PsWork(attention, "attention"))
+    for index in reversed(range(len(order))):
+        layer, name, fin, fout = order[index]
+        dy = Operand(("dY", step, index), False, fout)
+        dx = GemmCall(tokens, fin, fout, GemmKind.GRAD_INPUT, dy, Operand(("W", step, index, "dx"), False, fin),
+                      f"{name}.dx")
+        dw = GemmCall(fout, fin, tokens, GemmKind.GRAD_WEIGHT, Operand(("dY", step, index), True, fout),
+                      x_of(layer, name, fin), f"{name}.dw")
+        ops.append((dx, dw))
+        if name in ("o", "proj"):
+            ops.append(PsWork(ATTENTION_BACKWARD * attention, "attention"))
+    extra = ITEMSIZE[dtype] if dtype != "fp32" else 0
+    ops.append(PsWork(model.params * (ADAMW_BYTES + extra) / ps.memory_bw, "optimizer"))
+    return ops
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: ModelShape
+    fleet: tuple[DeviceClass, ...]
+    ps: PSProfile
+    batch: int = 8
+    seq: int = 256
+    dtype: str = "fp32"
+    seed: int = 0
+    steps: int = 1
+    planner: Planner = Planner.COST
+    policy: TilingPolicy = field(default_factory=TilingPolicy)
+    faults: FaultPolicy = field(default_factory=FaultPolicy)
+    trust: TrustPolicy = field(default_factory=TrustPolicy)
+    churn: bool = True  # sessions end (exponential, each class's mean session) and newcomers replace them
+    crash_share: float = 0.5  # of leaves, the share that are crashes (seen only by the heartbeat sweep)
+    rejoin_seconds: float = 60.0  # mean delay before a leaver's replacement joins
+    veterans: bool = True  # devices present at the start are off probation (a running fleet)
+    fail_at: float | None = None  # crash the busiest device this many seconds into the last step
+    slots: int = ASKED_SLOTS
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ITEMSIZE:
+            raise SimulationError(f"unknown dtype {self.dtype!r}; use one of {', '.join(ITEMSIZE)}")
+        for name in ("batch", "seq", "steps", "slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SimulationError(f"{name} must be a positive integer, got {value!r}")
+        if not 0 <= self.crash_share <= 1:
+            raise SimulationError(f"crash_share must be between 0 and 1, got {self.crash_share!r}")
+        if not sum(c.count for c in self.fleet):
+            raise SimulationError("the fleet has no devices")
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class StepStats:
+    """One step, from its first GEMM to the end of AdamW."""
+
+    seconds: float = 0.0
+    units: int = 0  # leases made (copies included)
+    copies: int = 0
+    reclaimed: int = 0
+    lost: int = 0  # leases that ended with their device's leave
+    local_gemms: int = 0
+    remote_gemms: int = 0
+    predicted: float = 0.0  # the planner's prediction for the step's GEMMs plus PS work
+    egress_bytes: float = 0.0
+    ingress_bytes: float = 0.0
+    ps_cpu: dict[str, float] = field(default_factory=lambda: {"verify": 0.0, "assembly": 0.0, "local_gemms": 0.0,
+                                                              "attention": 0.0, "optimizer": 0.0})
+    leaves: int = 0
+    joins: int = 0
+    ops: list[tuple[str, float, float]] = field(default_factory=list)  # (what, predicted, simulated) per op
+
+
+@dataclass
+class SimResult:
+    steps: list[StepStats]
+    devices: int  # at the start
+    device_compute: list[float]  # per device ever present: GEMM seconds over the run
+    device_down: list[float]  # seconds its downlink was busy
+    device_up: list[float]
+    device_bytes_down: list[float]
+    device_bytes_up: list[float]
+    recoveries: list[float]  # per crash of a device that held work: seconds until all its units were verified
+    kinds: Counter
+    events: int
+
+    @property
+    def step_s(self) -> float:
+        """Mean over the steps after the first when there are several (the first warms up
+        probation and the devices' speed estimates), else the one step."""
+        measured = self.steps[1:] if len(self.steps) > 1 else self.steps
+        return sum(s.seconds for s in measured) / len(measured)
+
+
+# --------------------------------------------------------------------------- devices and units
+
+
+@dataclass(eq=False)
+class _Device:
+    id: int
+    cls: str
+    profile: Profile
+    rate: float  # FLOP/s in the dtype
+    standing: Standing
+    joined: float
+    epoch: int = 0
+    alive: bool = True
+    down_free: float = 0.0
+    cpu_free: float = 0.0
+    up_free: float = 0.0
+    blocks: set = field(default_factory=set)
+    seconds_per_gflop: float = 1.0
+    result_gap: float | None = None
+    verified_at: float | None = None
+    compute_s: float = 0.0
+    down_s: float = 0.0
+    up_s: float = 0.0
+    bytes_down: float = 0.0
+    bytes_up: float = 0.0
+
+
+@dataclass(eq=False)
+class _Unit:
+    gemm: "_Gemm"
+    blocks: tuple[tuple[tuple, str, int], ...]  # (key, the scheduler's name for it, bytes) of every input block
+    flops: int
+    up: int
+    verify: float  # PS seconds to check it (with the per-unit overhead)
+    first: tuple  # key of its A block, for the scheduler
+    second: tuple
+
+
+@dataclass(eq=False)
+class _Gemm:
+    id: int
+    call: GemmCall
+    remaining: int
+    out_bytes: int
+    up_bytes: int = 0
+
+
+# Event kinds, in the order ties are broken at one instant.
+_ARRIVE, _UPLOAD, _RESULT, _HANDLE, _CPU_DONE, _LEAVE, _DETECT, _JOIN, _FAIL, _TICK = range(10)
+
+
+class Simulation:
+    """One run: ``run()`` simulates ``cfg.steps`` steps and returns their statistics."""
+
+    def __init__(self, cfg: SimConfig, *, scheduler: Scheduler | None = None) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.sched = scheduler if scheduler is not None else Scheduler(cfg.faults)
+        self.planner = LivePlanner(cfg.planner, cfg.ps, cfg.policy)
+        self.itemsize = ITEMSIZE[cfg.dtype]
+        self.now = 0.0
+        self._events: list[tuple] = []
+        self._seq = 0
+        self.devices: dict[int, _Device] = {}
+        self.gone: list[_Device] = []
+        self._next_device = 1
+        self._fleet_version = 0
+        self._profiles: dict[int, Profile] = {}
+        self.units: dict[int, _Unit] = {}
+        self._next_unit = 1
+        self._next_gemm = 1
+        self.gemms: dict[int, _Gemm] = {}
+        self._holders: dict[tuple, set[int]] = {}  # tensor namespace -> devices holding its blocks
+        self._leased: dict[tuple[int, int], int] = {}  # (unit, device) -> lease epoch of the device
+        self.egress_free = self.ingress_free = self.cpu_free = 0.0
+        self._tick_at = math.inf
+        self._outstanding = 0  # units of live GEMMs not yet verified
+        self._recovering: list[tuple[float, set[int]]] = []
+        self.recoveries: list[float] = []
+        self.kinds: Counter = Counter()
+        self._stats = StepStats()
+        self._op_done = False
+        self._pending_ops = 0
+        self.events = 0
+
+    # ------------------------------------------------------------------ clock
+
+    def _at(self, when: float, kind: int, *args: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (when, kind, self._seq, args))
+
+    # ------------------------------------------------------------------ devices
+
+    def _join(self, cls: DeviceClass, veteran: bool) -> None:
+        p = cls.profile
+        rate = p.flops_per_s(self.cfg.dtype)
+        if rate <= 0:
+            return  # it cannot multiply in the dtype: `cleave join` would not be offered work it fails
+        trust = self.cfg.trust
+        standing = Standing(trust.probation_tiles if veteran else 0)
+        d = _Device(self._next_device, cls.name, p, rate, standing, self.now)
+        self._next_device += 1
+        claim = min(max(rate / 1e9, CLAIM_GFLOPS[0]), CLAIM_GFLOPS[1])
+        d.seconds_per_gflop = 4.0 / claim  # as Core: 4x slower than claimed until it returns work
+        d.down_free = d.cpu_free = d.up_free = self.now
+        self.devices[d.id] = d
+        self.sched.join(d.id, slots=standing.slots(trust, self.cfg.slots), seconds_per_gflop=d.seconds_per_gflop,
+                        trusted=not standing.on_probation(trust))
+        if rate > 0:
+            self._profiles[d.id] = p
+        self._fleet_version += 1
+        if self.cfg.churn and math.isfinite(p.session):
+            self._at(self.now + self.rng.expovariate(1.0 / p.session), _LEAVE, d.id, d.epoch, cls)
+
+    def _remove(self, d: _Device, *, graceful: bool) -> None:
+        """The coordinator sees the device gone: its leases end, its blocks are forgotten."""
+        if d.id not in self.devices:
+            return
+        del self.devices[d.id]
+        self._profiles.pop(d.id, None)
+        self._fleet_version += 1
+        held = self.sched.leave(d.id)
+        for uid in held:
+            self._leased.pop((uid, d.id), None)
+        if not graceful:
+            self._stats.lost += len(held)
+        for key in {key[0] for key in d.blocks}:
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.discard(d.id)
+        d.alive = False
+        d.epoch += 1
+        self.gone.append(d)
+
+    def _regrade(self, d: _Device) -> None:
+        trust = self.cfg.trust
+        slots = d.standing.slots(trust, self.cfg.slots)
+        if d.result_gap is not None and d.result_gap > 0:
+            slots = min(slots, max(1, math.ceil(trust.prefetch_seconds / d.result_gap)))
+        self.sched.update(d.id, slots=slots, trusted=not d.standing.on_probation(trust))
+
+    # ------------------------------------------------------------------ GEMMs
+
+    def _key(self, op: Operand, gemm: int, which: str, r0: int, r1: int, c0: int, c1: int) -> tuple:
+        """A block's key as the live coordinator names it (coordinator/blocks.py): by the memory
+        it comes from when it is whole stored rows (as it lies, or transposed back), else a key
+        of this GEMM only (a strided slice is copied)."""
+        if op.transposed:
+            r0, r1, c0, c1 = c0, c1, r0, r1
+        if c0 == 0 and c1 == op.width:
+            return (op.tensor, r0, r1)
+        return (("G", gemm), which, r0, r1, c0, c1)
+
+    def _submit(self, call: GemmCall) -> None:
+        cfg = self.cfg
+        live = self.planner.plan(call.m, call.n, call.k, call.kind, cfg.dtype, self._profiles, self._fleet_version)
+        stats = self._stats
+        if live.plan is not None and live.seconds is not None:
+            stats.predicted += live.seconds
+        label = "uniform" if live.plan is None or live.plan.kind is Kind.UNIFORM else \
+            "split-k summed" if live.plan.local_sum and live.plan.kind is Kind.SPLIT_K else live.plan.kind.value
+        self.kinds[label] += 1
+        gid = self._next_gemm
+        self._next_gemm += 1
+        if live.tiles is None:  # the PS multiplies it
+            stats.local_gemms += 1
+            seconds = local_seconds(call.m, call.n, call.k, cfg.dtype, cfg.ps)
+            self._cpu(seconds, "local_gemms", gid)
+            self.gemms[gid] = _Gemm(gid, call, 1, 0)
+            return
+        stats.remote_gemms += 1
+        plan = live.tiles
+        kc = plan.k_cuts
+        s = self.itemsize
+        ps = cfg.ps
+        tiles = plan.tiles
+        gemm = _Gemm(gid, call, len(tiles), s * call.m * call.n)
+        self.gemms[gid] = gemm
+        specs = []
+        for t in tiles:
+            blocks: dict[tuple, int] = {}
+            for q in range(t.p, t.p + t.pieces):
+                k0, k1 = kc[q], kc[q + 1]
+                blocks[self._key(call.a, gid, "a", t.r0, t.r1, k0, k1)] = s * (t.r1 - t.r0) * (k1 - k0)
+                blocks[self._key(call.b, gid, "b", k0, k1, t.c0, t.c1)] = s * (k1 - k0) * (t.c1 - t.c0)
+            rows, cols, depth = t.r1 - t.r0, t.c1 - t.c0, t.k1 - t.k0
+            verify = 32.0 * (rows * depth + depth * cols + rows * cols) / ps.verify_flops + ps.unit_overhead
+            named = tuple((key, _name(key), size) for key, size in blocks.items())
+            uid = self._next_unit
+            self._next_unit += 1
+            unit = _Unit(gemm, named, t.flops, s * rows * cols, verify, named[0][0], named[1][0])
+            self.units[uid] = unit
+            gemm.up_bytes += unit.up
+            specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], t.flops, live.owners.get(t.index)))
+        self._outstanding += len(specs)
+        self.sched.add_gemm(gid, specs)
+
+    def _gemm_done(self, gemm: _Gemm) -> None:
+        """Every unit verified: the PS writes the output and adds partials (memory bound)."""
+        ps = self.cfg.ps
+        partial = max(0, gemm.up_bytes - gemm.out_bytes)
+        self.sched.drop_gemm(gemm.id)
+        self._cpu((gemm.out_bytes + 2 * partial) / ps.memory_bw, "assembly", gemm.id)
+
+    def _cpu(self, seconds: float, what: str, gemm: int | None = None) -> None:
+        start = max(self.now, self.cpu_free)
+        self.cpu_free = start + seconds
+        self._stats.ps_cpu[what] += seconds
+        self._at(self.cpu_free, _CPU_DONE, gemm)
+
+    def _forget(self, namespaces: Iterable[tuple]) -> None:
+        """Devices drop the blocks of tensors no GEMM will read again."""
+        for ns in namespaces:
+            for device in self._holders.pop(ns, ()):
+                d = self.devices.get(device)
+                if d is None:
+                    continue
+                gone = [key for key in d.blocks if key[0] == ns]
+                d.blocks.difference_update(gone)
+                self.sched.drops_blocks(device, [_name(k) for k in gone])
+
+    # ------------------------------------------------------------------ decisions
+
+    def _dispatch(self) -> None:
+        now, sched = self.now, self.sched
+        self._apply(sched.expire(now))
+        self._apply(sched.assign(now))
+        self._apply(sched.copies(now))
+        if sched.queued:
+            self._apply(sched.assign(now))
+        nxt = sched.next_deadline()
+        want = math.inf if nxt is None else max(nxt, now)
+        if self._outstanding and not sched.queued:  # speculative copies are looked for every tick
+            want = min(want, now + TICK)
+        if want < self._tick_at or self._tick_at <= now:
+            self._tick_at = want
+            if math.isfinite(want):
+                self._at(want, _TICK)
+
+    def _apply(self, decisions: Iterator[Decision]) -> None:
+        for decision in decisions:
+            d = self.devices.get(decision.device)
+            if d is None:
+                continue
+            if isinstance(decision, Assign):
+                self._lease(d, decision.unit, decision.copy)
+            elif isinstance(decision, Overdue):
+                d.standing.late()
+                self._regrade(d)
+            elif isinstance(decision, Reclaim):
+                self._leased.pop((decision.unit, d.id), None)
+                self._stats.reclaimed += 1
+                if d.standing.taken_back(self.cfg.trust):
+                    wait = d.standing.cut(self.cfg.trust, self.now)
+                    cls = DeviceClass(d.cls, 1, d.profile)
+                    self._remove(d, graceful=False)
+                    self._at(self.now + wait, _JOIN, cls)
+                else:
+                    self._regrade(d)
+
+    def _lease(self, d: _Device, uid: int, copy: str | None) -> None:
+        """Send the unit: its blocks the device lacks go through the PS's egress and the
+        device's downlink (FIFO each); it is computed when it has arrived and the device is free."""
+        unit = self.units[uid]
+        stats = self._stats
+        stats.units += 1
+        if copy is not None:
+            stats.copies += 1
+        nbytes = 0
+        for key, name, size in unit.blocks:
+            if key not in d.blocks:
+                d.blocks.add(key)
+                self.sched.holds_block(d.id, name)
+                self._holders.setdefault(key[0], set()).add(d.id)
+                nbytes += size
+        now = self.now
+        p = d.profile
+        egress_done = max(now, self.egress_free) + nbytes / self.cfg.ps.egress
+        self.egress_free = egress_done
+        start = max(now, d.down_free)
+        end = max(start + nbytes / p.down, egress_done)
+        d.down_s += nbytes / p.down
+        d.down_free = end
+        d.bytes_down += nbytes
+        stats.egress_bytes += nbytes
+        self._leased[(uid, d.id)] = d.epoch
+        self._at(end + p.rtt / 2, _ARRIVE, uid, d.id, d.epoch)
+
+    # ------------------------------------------------------------------ events
+
+    def _arrive(self, uid: int, device: int, epoch: int) -> None:
+        d = self.devices.get(device)
+        if d is None or d.epoch != epoch or not d.alive or self._leased.get((uid, device)) != epoch:
+            return  # gone, or the lease was cancelled before the work was computed
+        unit = self.units[uid]
+        start = max(self.now, d.cpu_free)
+        seconds = unit.flops / d.rate + d.profile.overhead
+        d.cpu_free = start + seconds
+        d.compute_s += seconds
+        self._at(d.cpu_free, _UPLOAD, uid, device, epoch)
+
+    def _upload(self, uid: int, device: int, epoch: int) -> None:
+        d = self.devices.get(device)
+        if d is None or d.epoch != epoch or not d.alive or self._leased.get((uid, device)) != epoch:
+            return
+        unit = self.units[uid]
+        now, p = self.now, d.profile
+        ingress_done = max(now, self.ingress_free) + unit.up / self.cfg.ps.ingress
+        self.ingress_free = ingress_done
+        start = max(now, d.up_free)
+        end = max(start + unit.up / p.up, ingress_done)
+        d.up_free = end
+        d.up_s += unit.up / p.up
+        d.bytes_up += unit.up
+        self._stats.ingress_bytes += unit.up
+        self._at(end + p.rtt / 2, _RESULT, uid, device, epoch)
+
+    def _result(self, uid: int, device: int, epoch: int) -> None:
+        """The result reached the PS: it waits for the CPU, which verifies it."""
+        d = self.devices.get(device)
+        unit = self.units.get(uid)
+        if d is None or d.epoch != epoch or unit is None or self._leased.get((uid, device)) != epoch:
+            return  # the device was dropped, or another copy won (its result is ignored unread)
+        start = max(self.now, self.cpu_free)
+        self.cpu_free = start + unit.verify
+        self._stats.ps_cpu["verify"] += unit.verify
+        self._at(self.cpu_free, _HANDLE, uid, device, epoch, self.now)
+
+    def _handle(self, uid: int, device: int, epoch: int, arrived: float) -> None:
+        """Core._on_result, once the CPU got to it: the first verified copy wins."""
+        d = self.devices.get(device)
+        if d is None or d.epoch != epoch or self._leased.pop((uid, device), None) != epoch:
+            return  # a copy that lost the race, or a lease taken back: ignored
+        hold = self.sched.hold(uid, device)
+        if hold is None:
+            return
+        leased_at = hold.leased_at
+        losers = self.sched.done(uid, device)
+        for loser in losers:
+            self._leased.pop((uid, loser), None)
+        unit = self.units.pop(uid)
+        trust = self.cfg.trust
+        d.standing.verified(trust)
+        if d.verified_at is not None:
+            gap = min(arrived - d.verified_at, MAX_SECONDS_PER_GFLOP)
+            d.result_gap = gap if d.result_gap is None else (1 - EMA) * d.result_gap + EMA * gap
+        d.verified_at = arrived
+        self._regrade(d)
+        gflop = unit.flops / 1e9
+        if gflop > 0:
+            turnaround = (1 - EMA) * d.seconds_per_gflop + EMA * (arrived - leased_at) / gflop
+            d.seconds_per_gflop = min(turnaround, MAX_SECONDS_PER_GFLOP)
+            self.sched.update(d.id, seconds_per_gflop=d.seconds_per_gflop)
+        self._outstanding -= 1
+        for since, held in self._recovering:
+            held.discard(uid)
+        self._settle_recoveries()
+        gemm = unit.gemm
+        gemm.remaining -= 1
+        if gemm.remaining == 0:
+            self._gemm_done(gemm)
+
+    def _settle_recoveries(self) -> None:
+        if self._recovering and any(not held for _, held in self._recovering):
+            self.recoveries += [self.now - since for since, held in self._recovering if not held]
+            self._recovering = [(since, held) for since, held in self._recovering if held]
+
+    def _crash_or_leave(self, device: int, epoch: int, cls: DeviceClass, crash: bool | None = None) -> None:
+        d = self.devices.get(device)
+        if d is None or d.epoch != epoch:
+            return
+        if crash is None:
+            crash = self.rng.random() < self.cfg.crash_share
+        self._stats.leaves += 1
+        held = {uid for uid, _ in self.sched.holding() if device in self.sched.holders(uid)} if crash else set()
+        if crash:
+            d.alive = False  # it stops answering; the coordinator notices after the heartbeat timeout
+            if held:
+                self._recovering.append((self.now, held))
+            self._at(self.now + self.cfg.faults.heartbeat_timeout, _DETECT, device, epoch)
+        else:
+            self._remove(d, graceful=True)
+        if self.cfg.churn:
+            self._at(self.now + self.rng.expovariate(1.0 / self.cfg.rejoin_seconds), _JOIN, cls)
+
+    def _fail_busiest(self) -> None:
+        """The injected failure: the device holding the most leases crashes now."""
+        counts: Counter = Counter()
+        for uid, holders in self.sched.holding():
+            counts.update(d for d in holders if self.devices.get(d) is not None and self.devices[d].alive)
+        if counts:
+            device = max(counts, key=lambda d: (counts[d], -d))
+            d = self.devices[device]
+            self._crash_or_leave(device, d.epoch, DeviceClass(d.cls, 1, d.profile), crash=True)
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
+        cfg = self.cfg
+        counts = [(cls, cls.count) for cls in cfg.fleet]
+        if not any(cls.profile.flops_per_s(cfg.dtype) > 0 and n for cls, n in counts) and \
+                cfg.ps.flops_per_s(cfg.dtype) <= 0:
+            raise SimulationError(f"neither the fleet nor the parameter server can compute in {cfg.dtype}")
+        for cls, n in counts:
+            for _ in range(n):
+                self._join(cls, cfg.veterans)
+        start_devices = len(self.devices)
+        steps = []
+        for step in range(cfg.steps):
+            if progress is not None:
+                progress(step, cfg.steps)
+            self._stats = StepStats()
+            began = self.now
+            if cfg.fail_at is not None and step == cfg.steps - 1:
+                self._at(began + cfg.fail_at, _FAIL)
+            program = step_program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step)
+            last: dict[tuple, int] = {}  # tensor -> the last op that reads it
+            for i, op in enumerate(program):
+                for call in () if isinstance(op, PsWork) else op:
+                    last[call.a.tensor] = last[call.b.tensor] = i
+            for i, op in enumerate(program):
+                self._run_op(op)
+                if not isinstance(op, PsWork):
+                    self._release(op, {t for call in op for t in (call.a.tensor, call.b.tensor) if last[t] == i})
+            self._stats.seconds = self.now - began
+            steps.append(self._stats)
+        everyone = list(self.devices.values()) + self.gone
+        return SimResult(
+            steps, start_devices,
+            [d.compute_s for d in everyone], [d.down_s for d in everyone], [d.up_s for d in everyone],
+            [d.bytes_down for d in everyone], [d.bytes_up for d in everyone], self.recoveries, self.kinds,
+            self.events,
+        )
+
+    def _run_op(self, op: Op) -> None:
+        """Issue one op and advance the clock until it completes."""
+        began, predicted = self.now, self._stats.predicted
+        if isinstance(op, PsWork):
+            self._pending_ops = 1
+            self._stats.predicted += op.seconds
+            self._cpu(op.seconds, op.what)
+        else:
+            self._pending_ops = len(op)
+            for call in op:
+                self._submit(call)
+            self._dispatch()
+        while self._pending_ops > 0:
+            if not self._events:
+                raise SimulationError(
+                    "the simulation stalled: work is queued that no device can take (every device left "
+                    "or is barred) and nothing is left to happen")
+            self._step_event()
+        what = op.what if isinstance(op, PsWork) else "+".join(call.label for call in op)
+        self._stats.ops.append((what, self._stats.predicted - predicted, self.now - began))
+
+    def _release(self, calls: tuple[GemmCall, ...], last: set[tuple]) -> None:
+        """A GEMM's copied blocks and its weight are forgotten at its end (the live coordinator
+        drops a source no GEMM retains), X and dY after the last GEMM that reads them."""
+        spaces: list[tuple] = list(last)
+        for call in calls:
+            gid = next(g for g, gm in self.gemms.items() if gm.call is call)
+            del self.gemms[gid]
+            spaces.append(("G", gid))
+        self._forget(spaces)
+
+    def _step_event(self) -> None:
+        when, kind, _, args = heapq.heappop(self._events)
+        self.now = max(self.now, when)
+        self.events += 1
+        if kind == _ARRIVE:
+            self._arrive(*args)
+        elif kind == _UPLOAD:
+            self._upload(*args)
+        elif kind == _RESULT:
+            self._result(*args)
+        elif kind == _HANDLE:
+            self._handle(*args)
+        elif kind == _CPU_DONE:
+            gid = args[0]
+            gemm = self.gemms.get(gid) if gid is not None else None
+            if gid is None or (gemm is not None and (gemm.remaining <= 0 or gemm.out_bytes == 0)):
+                self._pending_ops -= 1  # PS work, a local GEMM, or an assembled output: the op's part is done
+                if gemm is not None:
+                    gemm.remaining = -1
+        elif kind == _LEAVE:
+            self._crash_or_leave(*args)
+        elif kind == _DETECT:
+            device, epoch = args
+            d = self.devices.get(device)
+            if d is not None and d.epoch == epoch:
+                self._remove(d, graceful=False)
+        elif kind == _JOIN:
+            (cls,) = args
+            self._join(cls, False)
+            self._stats.joins += 1
+        elif kind == _FAIL:
+            self._fail_busiest()
+        elif kind == _TICK:
+            if when < self._tick_at:
+                return  # superseded by an earlier tick that already ran
+        self._dispatch()
+
+
+def _name(key: tuple) -> str:
+    """The scheduler knows blocks by string keys."""
+    return repr(key)
