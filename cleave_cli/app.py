@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cleave_cli import benchmark, coordinator, demo, emulate, join, plan, status, train
+from cleave_cli import benchmark, coordinator, demo, emulate, join, plan, simulate, status, train
 
 app = typer.Typer(
     name="cleave",
@@ -20,6 +20,7 @@ app.command("train")(train.train)
 app.command("demo")(demo.demo)
 app.command("benchmark")(benchmark.benchmark)
 app.command("plan")(plan.plan)
+app.command("simulate")(simulate.simulate)
 app.command("emulate")(emulate.emulate)
 
 

@@ -388,3 +388,73 @@ def plan_report(report: dict[str, Any]) -> Group:
             _bytes(use.get("memory_bytes", 0), binary=True) if use.get("used") else "-",
         )
     return Group(Panel(summary, title="cleave plan", border_style="blue", expand=False), gemms, classes)
+
+
+# --------------------------------------------------------------------------- cleave simulate
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
+    """One device count: Cleave's simulated step and its breakdown, beside the baselines."""
+    c, dtfm, cloud, speed = run["cleave"], run["dtfm"], run["cloud"], run["speedup"]
+    head = Table(title=f"{run['devices']:,} devices", title_justify="left", show_header=True, expand=False)
+    for name in ("", "seconds per batch", "tokens/s", "binds", "recovery after a crash"):
+        head.add_column(name, justify="right" if name else "left")
+    head.add_row("Cleave (simulated)", _seconds(c["step_s"]), _rate(c["tokens_per_s"] or 0.0), c["bound"],
+                 _seconds(c["recovery_s"]) if c["recovery_s"] is not None else "no work lost")
+    dtfm_row = ("DTFM-style pipeline", _seconds(dtfm["step_s"]), "-" if dtfm["step_s"] is None else
+                _rate(report["tokens"] / dtfm["step_s"]), dtfm["bound"] if dtfm["step_s"] is not None else
+                Text(dtfm["why"] or "infeasible"), _seconds(dtfm["recovery_s"]))
+    head.add_row(*dtfm_row)
+    head.add_row(f"cloud ({cloud['gpus']}x {cloud['gpu']}, {cloud['utilisation']:.0%} MFU)", _seconds(cloud["step_s"]),
+                 _rate(report["tokens"] / cloud["step_s"]), "compute" if cloud["fits"] else "memory", "-")
+    busy = Table(title="where the step goes (busiest device; PS totals)", title_justify="left")
+    busy.add_column("resource")
+    busy.add_column("busy", justify="right")
+    busy.add_column("share of the step", justify="right")
+    for key, label in (("compute", "device compute"), ("downlink", "device downlink"), ("uplink", "device uplink"),
+                       ("ps_egress", "PS egress"), ("ps_ingress", "PS ingress"), ("ps_cpu", "PS CPU")):
+        busy.add_row(label, _seconds(c["busy_s"][key]), _share(c["utilisation"][key]))
+    busy.add_row("stalls from churn", _seconds(c["stall_s"]), _share(c["stall_s"] / c["step_s"] if c["step_s"] else None))
+    cpu = ", ".join(f"{k.replace('_', ' ')} {_seconds(v)}" for k, v in c["ps_cpu_s"].items() if v)
+    b = c["bytes"]
+    lines = Text()
+    lines.append(f"PS CPU: {cpu or 'idle'}\n")
+    lines.append(f"bytes: PS sent {_bytes(b['ps_egress'])}, received {_bytes(b['ps_ingress'])}; per device "
+                 f"{_bytes(b['device_down_mean'])} down (at most {_bytes(b['device_down_max'])}), "
+                 f"{_bytes(b['device_up_mean'])} up\n")
+    parts = ", ".join(f"{k} {v}" for k, v in c["partitions"].items())
+    lines.append(f"GEMMs: {c['remote_gemms']} sent out, {c['local_gemms']} kept on the PS ({parts}); "
+                 f"{c['units']:,} leases, {c['copies']:,} copies, {c['lost']:,} lost to leaves; "
+                 f"{c['leaves']} leaves, {c['joins']} joins; {c['devices_used']:,} devices computed\n")
+    lines.append(f"the planner predicted {_seconds(c['predicted_s'])} for the last step; "
+                 f"speedup vs DTFM {_times(speed['vs_dtfm'])}, vs cloud {_times(speed['vs_cloud'])}; "
+                 f"simulated in {c['wall_s']:.1f} s ({c['events']:,} events)")
+    return Group(head, busy, lines)
+
+
+def simulate_report(report: dict[str, Any]) -> Group:
+    """``cleave simulate``: the ``--json`` object (cleave_cli/simulate.py) as tables."""
+    title = Text()
+    title.append(f"{report['model']['name']} ", style="bold")
+    title.append(f"({report['model']['params'] / 1e9:.3g} B parameters) on '{report['fleet_spec']}', batch "
+                 f"{report['batch_size']} x {report['seq_len']} {report['dtype']}"
+                 f"{' (bf16 on the wire)' if report['wire_dtype'] != report['dtype'] else ''}, PS link "
+                 f"{report['ps']['link_gbps']:g} Gbit/s, PS {report['ps']['gflops']:,.0f} GFLOP/s, "
+                 f"planner {report['planner']}, churn {'on' if report['churn'] else 'off'}, seed {report['seed']}")
+    runs = report.get("sweep") or [report]
+    parts: list[Any] = [title]
+    if len(runs) > 1:
+        table = Table(title="sweep: seconds per batch", title_justify="left")
+        for name in ("devices", "Cleave", "binds", "DTFM-style", "cloud", "vs DTFM", "vs cloud"):
+            table.add_column(name, justify="right")
+        for run in runs:
+            table.add_row(f"{run['devices']:,}", _seconds(run["cleave"]["step_s"]), run["cleave"]["bound"],
+                          _seconds(run["dtfm"]["step_s"]), _seconds(run["cloud"]["step_s"]),
+                          _times(run["speedup"]["vs_dtfm"]), _times(run["speedup"]["vs_cloud"]))
+        parts.append(table)
+    parts += [_sim_run(report, run) for run in runs]
+    return Group(*parts)

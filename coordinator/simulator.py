@@ -163,6 +163,7 @@ class SimConfig:
     veterans: bool = True  # devices present at the start are off probation (a running fleet)
     fail_at: float | None = None  # crash the busiest device this many seconds into the last step
     slots: int = ASKED_SLOTS
+    give_up: float = 7 * 86400.0  # simulated seconds one op may take before the run is declared stalled
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZE:
@@ -445,8 +446,16 @@ class Simulation:
 
     # ------------------------------------------------------------------ decisions
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, *, handler: bool = False) -> None:
+        """``Core._dispatch``: late leases, leases, copies. The live coordinator decides on its one
+        event loop, so while the PS's CPU is busy (verifying, assembling, attention) nothing is
+        decided but by the result handler that just ran: ticks wait for the loop to be free."""
         now, sched = self.now, self.sched
+        if not handler and self.cpu_free > now:
+            if self._tick_at <= now or self.cpu_free < self._tick_at:
+                self._tick_at = self.cpu_free
+                self._at(self.cpu_free, _TICK)
+            return
         self._apply(sched.expire(now))
         self._apply(sched.assign(now))
         self._apply(sched.copies(now))
@@ -583,6 +592,7 @@ class Simulation:
         gemm.remaining -= 1
         if gemm.remaining == 0:
             self._gemm_done(gemm)
+        self._dispatch(handler=True)
 
     def _settle_recoveries(self) -> None:
         if self._recovering and any(not held for _, held in self._recovering):
@@ -673,9 +683,13 @@ class Simulation:
                 raise SimulationError(
                     "the simulation stalled: work is queued that no device can take (every device left "
                     "or is barred) and nothing is left to happen")
+            if self.now - began > self.cfg.give_up:
+                raise SimulationError(
+                    f"the simulation stalled: one op ({_what(op)}) ran past {self.cfg.give_up:,.0f} simulated "
+                    f"seconds with {self._outstanding} units outstanding; churn faster than failures are "
+                    f"noticed (--heartbeat-timeout) can leave every lease on a departed device")
             self._step_event()
-        what = op.what if isinstance(op, PsWork) else "+".join(call.label for call in op)
-        self._stats.ops.append((what, self._stats.predicted - predicted, self.now - began))
+        self._stats.ops.append((_what(op), self._stats.predicted - predicted, self.now - began))
 
     def _release(self, calls: tuple[GemmCall, ...], last: set[tuple]) -> None:
         """A GEMM's copied blocks and its weight are forgotten at its end (the live coordinator
@@ -691,15 +705,19 @@ class Simulation:
         when, kind, _, args = heapq.heappop(self._events)
         self.now = max(self.now, when)
         self.events += 1
-        if kind == _ARRIVE:
+        if kind == _ARRIVE:  # device-side events change nothing the scheduler sees
             self._arrive(*args)
-        elif kind == _UPLOAD:
+            return
+        if kind == _UPLOAD:
             self._upload(*args)
-        elif kind == _RESULT:
+            return
+        if kind == _RESULT:
             self._result(*args)
-        elif kind == _HANDLE:
-            self._handle(*args)
-        elif kind == _CPU_DONE:
+            return
+        if kind == _HANDLE:
+            self._handle(*args)  # dispatches itself, as Core.handle does
+            return
+        if kind == _CPU_DONE:
             gid = args[0]
             gemm = self.gemms.get(gid) if gid is not None else None
             if gid is None or (gemm is not None and (gemm.remaining <= 0 or gemm.out_bytes == 0)):
@@ -725,6 +743,84 @@ class Simulation:
         self._dispatch()
 
 
+def _what(op: Op) -> str:
+    return op.what if isinstance(op, PsWork) else "+".join(call.label for call in op)
+
+
 def _name(key: tuple) -> str:
     """The scheduler knows blocks by string keys."""
     return repr(key)
+
+
+# --------------------------------------------------------------------------- recording and replay
+
+
+class SchedulerLog:
+    """A scheduler that records: every call that changes it and every decision it makes, in the
+    order they happened. Wrap the live coordinator's scheduler (``core.sched``) or the
+    simulator's; ``replay`` drives a fresh ``Scheduler`` with the same calls and checks that it
+    makes the same decisions (the simulator's scheduler is the live one, not a model of it)."""
+
+    CALLS = frozenset({"join", "leave", "update", "holds_block", "drops_blocks", "add_gemm", "drop_gemm",
+                       "release", "done", "expire", "assign", "copies"})
+    GENERATORS = frozenset({"assign", "copies"})
+
+    def __init__(self, inner: Scheduler) -> None:
+        self.inner = inner
+        self.entries: list[tuple] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.inner, name)
+        if name not in self.CALLS:
+            return attr
+
+        def call(*args: object, **kwargs: object) -> object:
+            index = len(self.entries)
+            self.entries.append(("call", index, name, args, dict(kwargs)))
+            result = attr(*args, **kwargs)
+            if name in self.GENERATORS:
+                return self._yields(index, result)
+            self.entries.append(("return", index, None if name == "join" else result))
+            return result
+
+        return call
+
+    def _yields(self, index: int, decisions: Iterator[Decision]) -> Iterator[Decision]:
+        for decision in decisions:
+            self.entries.append(("yield", index, decision))
+            yield decision
+        self.entries.append(("end", index))  # running it to its end has effects too (devices set aside)
+
+
+def replay(entries: Iterable[tuple], scheduler: Scheduler) -> int:
+    """Drive ``scheduler`` with a recorded log; raises ``AssertionError`` at the first decision
+    or result that differs. Returns how many decisions (leases, overdue leases, take-backs) it
+    made, each the same as recorded."""
+    running: dict[int, Iterator[Decision]] = {}
+    decisions = 0
+    for entry in entries:
+        tag, index = entry[0], entry[1]
+        if tag == "call":
+            _, _, name, args, kwargs = entry
+            result = getattr(scheduler, name)(*args, **kwargs)
+            if name in SchedulerLog.GENERATORS:
+                running[index] = result
+            else:
+                running[index] = iter([result])
+        elif tag == "yield":
+            got = next(running[index], None)
+            if got != entry[2]:
+                raise AssertionError(f"decision {decisions}: recorded {entry[2]!r}, replayed {got!r}")
+            decisions += 1
+        elif tag == "end":
+            extra = next(running.pop(index), None)
+            if extra is not None:
+                raise AssertionError(f"call {index}: recorded no more decisions, replayed {extra!r}")
+        else:
+            got = next(running.pop(index))
+            expected = entry[2]
+            if expected is not None and got != expected:
+                raise AssertionError(f"call {index}: recorded {expected!r}, replayed {got!r}")
+            if isinstance(expected, list):
+                decisions += sum(1 for d in expected if isinstance(d, (Assign, Overdue, Reclaim)))
+    return decisions

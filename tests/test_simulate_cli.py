@@ -1,0 +1,80 @@
+"""``cleave simulate``: one JSON object (or tables) with Cleave's simulated step beside the DTFM-style
+and cloud baselines, sweeps, a plot, and one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from cleave_cli import render
+from cleave_cli.app import app
+from coordinator.baselines import cloud_step, dtfm_step
+from coordinator.presets import model_shape, resolve_fleet
+
+RUNNER = CliRunner()
+FAST = ["--model", "small", "--fleet", "laptops", "--ps-gflops", "2", "--batch-size", "2", "--seq-len", "64"]
+
+
+def simulate(*args: str) -> dict:
+    result = RUNNER.invoke(app, ["simulate", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_holds_cleave_dtfm_and_cloud_step_times_and_the_breakdown() -> None:
+    report = simulate(*FAST, "--devices", "24", "--seed", "3")
+    assert report["cleave"]["step_s"] > 0 and report["cloud"]["step_s"] > 0
+    assert "step_s" in report["dtfm"]
+    c = report["cleave"]
+    assert c["remote_gemms"] > 25 and c["units"] > 0  # a 2 GFLOP/s PS ships most GEMMs
+    assert set(c["busy_s"]) == {"compute", "downlink", "uplink", "ps_egress", "ps_ingress", "ps_cpu"}
+    assert c["bound"] in {*c["busy_s"], "latency"}
+    assert c["bytes"]["ps_egress"] >= c["bytes"]["device_down_max"] > 0
+    assert c["recovery_s"] is None or c["recovery_s"] > 0
+    # The baselines are the pure functions' figures for the same model and fleet.
+    fleet = resolve_fleet("laptops", "fp32", 24)
+    model = model_shape("small")
+    assert report["cloud"]["step_s"] == pytest.approx(cloud_step(model, 2, 64, "fp32").step_s)
+    assert report["dtfm"]["step_s"] == pytest.approx(dtfm_step(model, fleet, 2, 64, "fp32").step_s)
+    assert report["speedup"]["vs_cloud"] == pytest.approx(report["cloud"]["step_s"] / c["step_s"])
+    # The same seed, the same answer.
+    again = simulate(*FAST, "--devices", "24", "--seed", "3")
+    assert again["cleave"]["steps_s"] == c["steps_s"]
+
+
+def test_a_sweep_reports_every_count_and_the_table_renders(tmp_path: Path) -> None:
+    report = simulate(*FAST, "--sweep", "4,16", "--no-churn")
+    assert [r["devices"] for r in report["sweep"]] == [4, 16]
+    assert len(report["cleave"]["step_s"]) == len(report["dtfm"]["step_s"]) == len(report["cloud"]["step_s"]) == 2
+    console = Console(file=io.StringIO(), width=160)
+    console.print(render.simulate_report(report))
+    text = console.file.getvalue()
+    assert "sweep" in text and "DTFM-style" in text and "PS egress" in text
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "sweep.png"
+    result = RUNNER.invoke(app, ["simulate", *FAST, "--sweep", "4,8", "--no-churn", "--plot", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sweep", "4,x"], "--sweep takes device counts"),
+    (["--devices", "0"], "--devices must be between"),
+    (["--dtype", "fp8"], "unknown --dtype"),
+    (["--model", "gpt-5"], "unknown model preset"),
+    (["--fleet", "nowhere"], "unknown fleet"),
+    (["--ps-link-gbps", "0"], "--ps-link-gbps must be above 0"),
+    (["--seq-len", "100000"], "exceeds"),
+])
+def test_bad_options_are_one_line_errors(args: list[str], message: str) -> None:
+    result = RUNNER.invoke(app, ["simulate", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and len(result.output.strip().splitlines()) == 1

@@ -1,0 +1,158 @@
+"""The simulator: the live scheduler and planner on a virtual clock (coordinator/simulator.py).
+
+The scheduler it drives is the live coordinator's: a recorded live run replays through a fresh
+``Scheduler`` to the same decisions, and so does a recorded simulation. The rest checks what the
+simulation must get right whatever the fleet: every unit verified once, bytes conserved, the
+binding resource named, churn and crashes recovered from, the same seed giving the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cleave_cli.simulate import _breakdown
+from coordinator.core import Core
+from coordinator.costmodel import DeviceClass, Profile, PSProfile
+from coordinator.limits import TrustPolicy
+from coordinator.live_plan import LivePlanner, Planner
+from coordinator.planner import PlannerOptions
+from coordinator.presets import model_shape, resolve_fleet
+from coordinator.scheduler import Assign, Scheduler
+from coordinator.simulator import (
+    GemmCall, PsWork, SchedulerLog, SimConfig, Simulation, SimulationError, replay, step_program,
+)
+from coordinator.tiles import GemmKind
+from coordinator.training.loop import TrainConfig, Trainer
+from db.memory import MemoryStore
+from tests.test_live_plan import POLICY, SMALL, SLOW_PS, CoreEngine, Fleet
+
+# A PS that ships every GEMM (it multiplies at 1 GFLOP/s) on a 10 Gbit/s link.
+SLOW = PSProfile.from_link(10, gflops={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0})
+
+
+def laptops(n: int) -> tuple[DeviceClass, ...]:
+    return resolve_fleet("laptops", "fp32", n)
+
+
+def run(**kw) -> Simulation:
+    cfg = SimConfig(**{"model": model_shape("small"), "fleet": laptops(16), "ps": SLOW, "churn": False, **kw})
+    sim = Simulation(cfg)
+    sim.result = sim.run()
+    return sim
+
+
+def test_a_recorded_live_run_replays_through_the_simulators_scheduler_to_the_same_decisions() -> None:
+    store = MemoryStore()
+    job = store.create_job("test", {}, 10, 0.0)
+    live = LivePlanner(Planner.COST, SLOW_PS, POLICY, PlannerOptions(**SMALL))
+    core = Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=POLICY,
+                trust=TrustPolicy(probation_tiles=2, first_slots=1), planner=live)
+    log = SchedulerLog(core.sched)
+    core.sched = log  # every call the live core makes, and every decision, recorded in order
+    fleet = Fleet(core)
+    for i, gflops in enumerate((50.0, 20.0, 5.0)):
+        fleet.join(f"d{i}", gflops=gflops, slots=2)
+    Trainer(TrainConfig(model="tiny", steps=2, batch_size=4, seq_len=64, seed=3), CoreEngine(core, fleet)).run()
+    assigned = [e for e in log.entries if e[0] == "yield" and isinstance(e[2], Assign)]
+    assert len(assigned) > 50 and len({e[2].device for e in assigned}) == 3
+    sim = Simulation(SimConfig(model_shape("tiny"), laptops(3), SLOW))
+    assert type(sim.sched) is type(log.inner) is Scheduler  # one class, one code path
+    assert replay(log.entries, sim.sched) >= len(assigned)
+
+
+def test_a_recorded_simulation_replays_to_the_same_decisions_and_only_uses_the_schedulers_calls() -> None:
+    fleet = tuple(DeviceClass(c.name, c.count, dataclasses.replace(c.profile, session=30.0)) for c in laptops(12))
+    cfg = SimConfig(model_shape("small"), fleet, SLOW, churn=True, seed=5, steps=2, rejoin_seconds=5.0)
+    log = SchedulerLog(Scheduler(cfg.faults))
+    result = Simulation(cfg, scheduler=log).run()  # type: ignore[arg-type]
+    assert sum(s.leaves for s in result.steps) > 0 and sum(s.joins for s in result.steps) > 0
+    assert {e[2] for e in log.entries if e[0] == "call"} <= SchedulerLog.CALLS
+    assert replay(log.entries, Scheduler(cfg.faults)) > 100
+
+
+def test_the_program_issues_every_gemm_of_a_step_in_the_training_loops_order() -> None:
+    model = model_shape("llama2-7b")
+    ops = step_program(model, 2, 128, "fp32", PSProfile())
+    calls = [c for op in ops if not isinstance(op, PsWork) for c in op]
+    assert len(calls) == 3 * (7 * model.n_layers + 1)  # q k v o gate up down per layer, and the head
+    assert sum(c.m * c.n * c.k * 2 for c in calls) == 6 * 2 * 128 * model.linear_params()
+    work = [op for op in ops if isinstance(op, PsWork)]
+    assert [w.what for w in work].count("attention") == 2 * model.n_layers and work[-1].what == "optimizer"
+    attention = sum(w.seconds for w in work if w.what == "attention")
+    assert attention == pytest.approx(3 * model.attention_flops(2, 128) / PSProfile().flops_per_s("fp32"))
+    first = [op for op in ops if not isinstance(op, PsWork)][0][0]
+    assert (first.kind, first.label) == (GemmKind.FORWARD, "q.fwd")
+    backward = [op for op in ops if not isinstance(op, PsWork) and len(op) == 2]
+    assert [c.kind for c in backward[0]] == [GemmKind.GRAD_INPUT, GemmKind.GRAD_WEIGHT]
+    assert backward[0][0].label == "head.dx" and backward[-1][0].label == "q.dx"
+    # q, k and v read one X: their forward blocks share keys; dW reads the X and dY of its layer.
+    q, k = calls[0], calls[1]
+    assert q.a.tensor == k.a.tensor
+    dw = backward[-1][1]
+    assert dw.b.tensor == q.a.tensor and dw.a.transposed
+
+
+def test_every_unit_is_verified_once_and_bytes_add_up() -> None:
+    sim = run(steps=2)
+    result = sim.result
+    assert not sim.units and sim._outstanding == 0  # every unit verified, nothing left over
+    steps = result.steps
+    assert all(s.remote_gemms == 75 and s.local_gemms == 0 for s in steps)  # the slow PS ships everything
+    assert sum(s.egress_bytes for s in steps) == pytest.approx(sum(result.device_bytes_down))
+    assert sum(s.ingress_bytes for s in steps) == pytest.approx(sum(result.device_bytes_up))
+    # Each GEMM's output comes up at least once.
+    outputs = 2 * sum(4 * c.m * c.n for op in step_program(sim.cfg.model, 8, 256, "fp32", SLOW)
+                      if not isinstance(op, PsWork) for c in op)
+    assert sum(s.ingress_bytes for s in steps) >= outputs
+    assert all(s.seconds > 0 for s in steps) and result.step_s == steps[1].seconds
+
+
+def test_the_same_seed_gives_the_same_run_and_another_seed_another_churn() -> None:
+    fleet = tuple(DeviceClass(c.name, c.count, dataclasses.replace(c.profile, session=5.0)) for c in laptops(16))
+    a, b, c = (run(fleet=fleet, churn=True, seed=s).result for s in (1, 1, 2))
+    assert [s.seconds for s in a.steps] == [s.seconds for s in b.steps] and a.events == b.events
+    assert (a.steps[0].leaves, a.steps[0].seconds) != (c.steps[0].leaves, c.steps[0].seconds)
+
+
+@pytest.mark.parametrize("what, ps, profile, bound", [
+    ("a thin PS link", PSProfile.from_link(0.05, gflops={"fp32": 1.0}), {}, "ps_egress"),
+    ("a slow PS CPU", dataclasses.replace(SLOW, verify_flops=2e7, unit_overhead=0.01), {}, "ps_cpu"),
+    ("slow devices", SLOW, {"gflops": {"fp32": 0.3}, "down": 1e9, "up": 1e9, "rtt": 0.001}, "compute"),
+    ("thin uplinks", SLOW, {"up": 3e5}, "uplink"),
+])
+def test_the_binding_resource_is_named(what: str, ps: PSProfile, profile: dict, bound: str) -> None:
+    fleet = tuple(DeviceClass(c.name, c.count, dataclasses.replace(c.profile, **profile)) for c in laptops(8))
+    # Uniform tiles: every GEMM goes out, whatever the cost model would keep home.
+    sim = run(model=model_shape("small"), fleet=fleet, ps=ps, batch=2, seq=64, planner=Planner.UNIFORM)
+    report = _breakdown(sim.result, sim.result.step_s, ps)
+    assert report["bound"] == bound, (what, report["busy_s"])
+
+
+def test_a_crashed_device_costs_only_its_outstanding_units_and_is_recovered_from() -> None:
+    calm = run(model=model_shape("small"), fleet=laptops(16)).result
+    t = calm.steps[0].seconds
+    crash = run(model=model_shape("small"), fleet=laptops(16), fail_at=0.5 * t).result
+    assert crash.recoveries, "the busiest device held units when it crashed"
+    # Its units come back through their deadlines (copies) or the heartbeat timeout, whichever first.
+    assert 0 < max(crash.recoveries) <= SimConfig(model_shape("tiny"), laptops(1), SLOW).faults.heartbeat_timeout + t
+    assert crash.steps[0].seconds >= t * 0.95
+
+
+def test_churn_faster_than_failures_are_noticed_is_reported_as_a_stall_not_a_hang() -> None:
+    # Sessions of 2 s against a 30 s heartbeat timeout: most seats are departed devices that
+    # still look free, and every lease lands on one of them.
+    fleet = tuple(DeviceClass(c.name, c.count, dataclasses.replace(c.profile, session=2.0)) for c in laptops(12))
+    with pytest.raises(SimulationError, match="stalled"):
+        run(fleet=fleet, churn=True, rejoin_seconds=0.5, seed=5, give_up=600.0)
+
+
+def test_no_device_able_to_compute_and_a_ps_that_cannot_either_is_a_clear_error() -> None:
+    fleet = (DeviceClass("x", 4, Profile(gflops={"fp32": 0.0}, memory=1 << 30, down=1e6, up=1e6)),)
+    ps = PSProfile(gflops={"fp32": 0.0})
+    with pytest.raises(SimulationError, match="can compute"):
+        Simulation(SimConfig(model_shape("tiny"), fleet, ps)).run()
+    with pytest.raises(SimulationError, match="positive integer"):
+        SimConfig(model_shape("tiny"), fleet, SLOW, batch=0)
