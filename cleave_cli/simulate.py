@@ -32,6 +32,9 @@ from coordinator.simulator import SimConfig, SimResult, Simulation
 MAX_DEVICES = 100_000  # every device is simulated one by one (its links, its leases)
 MAX_SWEEP = 16
 FAIL_AT = 0.5  # the injected crash comes this far into the (churn-free) step
+# When no resource is busy this share of the step, round trips and hand-offs set the pace: the
+# step is "latency" bound (GEMMs run one after another, each waits for its slowest unit).
+LATENCY_BOUND = 0.25
 
 
 def _finite(value: float | None) -> float | None:
@@ -73,8 +76,8 @@ def _breakdown(result: SimResult, step_s: float, ps: PSProfile) -> dict[str, Any
         "ps_cpu": sum(cpu.values()),
     }
     bound = max(busy, key=lambda k: busy[k])
-    if step_s > 0 and busy[bound] < 0.5 * step_s:
-        bound = "latency"  # no resource is busy half the step: round trips and hand-offs set the pace
+    if step_s > 0 and busy[bound] < LATENCY_BOUND * step_s:
+        bound = "latency"
     worked = [c for c in result.device_compute if c > 0]
     return {
         "busy_s": busy, "ps_cpu_s": cpu, "bound": bound,

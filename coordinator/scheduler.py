@@ -313,6 +313,12 @@ class Scheduler:
         for home in homes:
             heapq.heappush(self._steal, (-self.seats[home].own_count, home))
         self._moved()
+        # Planned owners look first: at scale most free seats have no unit of this GEMM and may
+        # not steal one (``_sooner``), and behind ``scan`` of them an owner would wait for the
+        # next dispatch (O(homes) here, so a dispatch still does bounded work).
+        for home in homes:
+            if home in self._ready:
+                self._ready.move_to_end(home, last=False)
 
     def drop_gemm(self, gemm: int) -> None:
         """The GEMM is done (or abandoned): forget its units."""

@@ -463,7 +463,7 @@ class Simulation:
             self._apply(sched.assign(now))
         nxt = sched.next_deadline()
         want = math.inf if nxt is None else max(nxt, now)
-        if self._outstanding and not sched.queued:  # speculative copies are looked for every tick
+        if self._outstanding:  # the live server ticks: copies, and devices set aside look again
             want = min(want, now + TICK)
         if want < self._tick_at or self._tick_at <= now:
             self._tick_at = want
