@@ -32,7 +32,7 @@ def test_every_command_has_help_and_a_docs_section() -> None:
     sections = dict(re.findall(r"^## (cleave [^\n]+)\n(.*?)(?=^## |\Z)", docs, flags=re.M | re.S))
     commands = _commands()
     assert set(commands) == {"cleave coordinator start", "cleave join", "cleave status", "cleave train", "cleave demo",
-                             "cleave benchmark", "cleave plan", "cleave emulate", "cleave coordinator devices list", "cleave coordinator devices revoke",
+                             "cleave benchmark", "cleave plan", "cleave simulate", "cleave emulate", "cleave coordinator devices list", "cleave coordinator devices revoke",
                              "cleave coordinator devices unban", "cleave coordinator token rotate"}
     for path, cmd in commands.items():
         assert cmd.help and cmd.help.strip(), f"{path} has no help"

@@ -1,0 +1,107 @@
+"""The comparison of docs/simulation.md: Cleave (simulated) against the DTFM-style and cloud
+baselines over models, fleets, device counts, PS links and downlink/uplink ratios.
+
+Every row is one ``cleave simulate`` report (cleave_cli/simulate.py ``simulate_one``: the
+simulation with churn and one injected crash, its churn-free twin, and both baselines), printed
+as a markdown table row. Then the "what closes the gap" rows: one configuration where Cleave
+ships its GEMMs, re-run with each lever.
+
+Run: ``.venv/bin/python bench/bench_comparison.py`` (``--quick`` for a smaller grid; ``--json``
+for the raw reports). Simulated time does not depend on this machine's load; wall time does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cleave_cli.plan import default_ps  # noqa: E402
+from cleave_cli.simulate import adjust_fleet, simulate_one  # noqa: E402
+from coordinator.costmodel import ITEMSIZE  # noqa: E402
+from coordinator.live_plan import Planner  # noqa: E402
+from coordinator.presets import resolve_fleet  # noqa: E402
+
+
+def fmt(value: float | None) -> str:
+    if value is None:
+        return "does not fit"
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def run(model: str, fleet: str, devices: int, gbps: float, ratio: float, *, batch: int, seq: int,
+        ps_gflops: float | None = None, planner: Planner = Planner.COST, wire_half: bool = False) -> dict:
+    ps = default_ps(gbps)
+    if ps_gflops is not None:
+        ps = dataclasses.replace(ps, gflops={d: ps_gflops for d in ITEMSIZE})
+    dtype = "bf16" if wire_half else "fp32"
+    classes = adjust_fleet(resolve_fleet(fleet, "fp32", devices), down_up_ratio=ratio, wire_half=wire_half,
+                           dtype=dtype)
+    return simulate_one(model, classes, ps, batch=batch, seq=seq, dtype=dtype, seed=0, steps=1, planner=planner,
+                        churn=True, heartbeat_timeout=30.0)
+
+
+def row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 and 1,024 devices, 10 and 400 Gbit/s only")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    counts = (16, 1024) if args.quick else (16, 256, 1024, 10_000)
+    links = (10.0, 400.0) if args.quick else (10.0, 100.0, 400.0)
+    reports = []
+    print(row(["model", "fleet", "devices", "PS Gbit/s", "down/up", "Cleave s", "binds", "DTFM s", "cloud s",
+               "Cleave vs DTFM", "recovery Cleave s", "recovery DTFM s"]))
+    print(row(["---"] * 12))
+    started = time.perf_counter()
+    for model, fleet, devices, gbps, ratio in itertools.product(("opt-13b", "llama2-7b"), ("phones", "laptops", "mixed"),
+                                                                 counts, links, (2.0, 10.0)):
+        r = run(model, fleet, devices, gbps, ratio, batch=args.batch_size, seq=args.seq_len)
+        reports.append({"model": model, "fleet": fleet, "devices": devices, "gbps": gbps, "ratio": ratio, **r})
+        c, d = r["cleave"], r["dtfm"]
+        vs = r["speedup"]["vs_dtfm"]
+        print(row([model, fleet, f"{devices:,}", f"{gbps:g}", f"{ratio:g}", fmt(c["step_s"]), c["bound"],
+                   fmt(d["step_s"]), fmt(r["cloud"]["step_s"]), "-" if vs is None else f"{vs:.3g}x",
+                   fmt(c["recovery_s"]) if c["recovery_s"] is not None else "none lost", fmt(d["recovery_s"])
+                   if d["step_s"] is not None else "-"]), flush=True)
+    print(f"\n({time.perf_counter() - started:.0f} s of wall time)\n", file=sys.stderr)
+    # What closes the gap: a coordinator that must ship (100 GFLOP/s of its own), one fleet.
+    base = dict(model="llama2-7b", fleet="mixed", devices=1024, gbps=10.0, ratio=10.0, batch=args.batch_size,
+                seq=args.seq_len, ps_gflops=100.0)
+    levers = [
+        ("round-robin tiles (--planner uniform)", dict(planner=Planner.UNIFORM)),
+        ("cost model: output, split-K, 3D, reuse (default)", {}),
+        ("... and a 100 Gbit/s PS link", dict(gbps=100.0)),
+        ("... and a 400 Gbit/s PS link", dict(gbps=400.0)),
+        ("... 400 Gbit/s and bf16 on the wire (--wire-half)", dict(gbps=400.0, wire_half=True)),
+    ]
+    print(row(["lever (llama2-7b, mixed, 1,024 devices, PS 100 GFLOP/s)", "Cleave s", "binds", "PS sent GB",
+               "PS CPU s", "DTFM s"]))
+    print(row(["---"] * 6))
+    for name, change in levers:
+        r = run(**{**base, **change})
+        reports.append({"lever": name, **r})
+        c = r["cleave"]
+        print(row([name, fmt(c["step_s"]), c["bound"], f"{c['bytes']['ps_egress'] / 1e9:.1f}",
+                   fmt(c["busy_s"]["ps_cpu"]), fmt(r["dtfm"]["step_s"])]), flush=True)
+    if args.json:
+        Path("comparison.json").write_text(json.dumps(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
