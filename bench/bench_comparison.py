@@ -6,7 +6,7 @@ simulation with churn and one injected crash, its churn-free twin, and both base
 as a markdown table row. Then the "what closes the gap" rows: one configuration where Cleave
 ships its GEMMs, re-run with each lever.
 
-Run: ``.venv/bin/python bench/bench_comparison.py`` (``--quick`` for a smaller grid; ``--json``
+Run: ``.venv/bin/python bench/bench_comparison.py`` (``--counts``, ``--links``, ``--ratios`` for a smaller grid; ``--json``
 for the raw reports). Simulated time does not depend on this machine's load; wall time does.
 """
 
@@ -56,20 +56,24 @@ def row(cells: list[str]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="16 and 1,024 devices, 10 and 400 Gbit/s only")
+    parser.add_argument("--counts", default="16,256,1024,10000", help="device counts")
+    parser.add_argument("--links", default="10,100,400", help="PS links, Gbit/s")
+    parser.add_argument("--ratios", default="2,10", help="downlink / uplink ratios")
+    parser.add_argument("--lever-devices", type=int, default=1024, help="fleet size of the 'what closes the gap' rows")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    counts = (16, 1024) if args.quick else (16, 256, 1024, 10_000)
-    links = (10.0, 400.0) if args.quick else (10.0, 100.0, 400.0)
+    counts = [int(c) for c in args.counts.split(",")]
+    links = [float(g) for g in args.links.split(",")]
+    ratios = [float(r) for r in args.ratios.split(",")]
     reports = []
     print(row(["model", "fleet", "devices", "PS Gbit/s", "down/up", "Cleave s", "binds", "DTFM s", "cloud s",
                "Cleave vs DTFM", "recovery Cleave s", "recovery DTFM s"]))
     print(row(["---"] * 12))
     started = time.perf_counter()
     for model, fleet, devices, gbps, ratio in itertools.product(("opt-13b", "llama2-7b"), ("phones", "laptops", "mixed"),
-                                                                 counts, links, (2.0, 10.0)):
+                                                                 counts, links, ratios):
         r = run(model, fleet, devices, gbps, ratio, batch=args.batch_size, seq=args.seq_len)
         reports.append({"model": model, "fleet": fleet, "devices": devices, "gbps": gbps, "ratio": ratio, **r})
         c, d = r["cleave"], r["dtfm"]
@@ -80,7 +84,7 @@ def main() -> int:
                    if d["step_s"] is not None else "-"]), flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s of wall time)\n", file=sys.stderr)
     # What closes the gap: a coordinator that must ship (100 GFLOP/s of its own), one fleet.
-    base = dict(model="llama2-7b", fleet="mixed", devices=1024, gbps=10.0, ratio=10.0, batch=args.batch_size,
+    base = dict(model="llama2-7b", fleet="mixed", devices=args.lever_devices, gbps=10.0, ratio=10.0, batch=args.batch_size,
                 seq=args.seq_len, ps_gflops=100.0)
     levers = [
         ("round-robin tiles (--planner uniform)", dict(planner=Planner.UNIFORM)),
@@ -89,7 +93,7 @@ def main() -> int:
         ("... and a 400 Gbit/s PS link", dict(gbps=400.0)),
         ("... 400 Gbit/s and bf16 on the wire (--wire-half)", dict(gbps=400.0, wire_half=True)),
     ]
-    print(row(["lever (llama2-7b, mixed, 1,024 devices, PS 100 GFLOP/s)", "Cleave s", "binds", "PS sent GB",
+    print(row([f"lever (llama2-7b, mixed, {args.lever_devices:,} devices, PS 100 GFLOP/s)", "Cleave s", "binds", "PS sent GB",
                "PS CPU s", "DTFM s"]))
     print(row(["---"] * 6))
     for name, change in levers:

@@ -428,8 +428,8 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
                  f"{_bytes(b['device_up_mean'])} up\n")
     parts = ", ".join(f"{k} {v}" for k, v in c["partitions"].items())
     lines.append(f"GEMMs: {c['remote_gemms']} sent out, {c['local_gemms']} kept on the PS ({parts}); "
-                 f"{c['units']:,} leases, {c['copies']:,} copies, {c['lost']:,} lost to leaves; "
-                 f"{c['leaves']} leaves, {c['joins']} joins; {c['devices_used']:,} devices computed\n")
+                 f"per step {c['units']:,.0f} leases, {c['copies']:,.0f} copies, {c['lost']:,.0f} lost to leaves; "
+                 f"{c['leaves']:.0f} leaves, {c['joins']:.0f} joins; {c['devices_used']:,} devices computed\n")
     lines.append(f"the planner predicted {_seconds(c['predicted_s'])} for the last step; "
                  f"speedup vs DTFM {_times(speed['vs_dtfm'])}, vs cloud {_times(speed['vs_cloud'])}; "
                  f"simulated in {c['wall_s']:.1f} s ({c['events']:,} events)")

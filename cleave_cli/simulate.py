@@ -22,7 +22,7 @@ from rich.console import Console
 from cleave_cli import render
 from cleave_cli.errors import CleaveError, friendly, stderr_console
 from cleave_cli.plan import MAX_BATCH, DType, default_ps
-from coordinator.baselines import cloud_step, dtfm_step, step_flops
+from coordinator.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
 from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, PSProfile
 from coordinator.live_plan import Planner
 from coordinator.presets import FLEETS, MODELS, model_shape, resolve_fleet
@@ -62,40 +62,37 @@ def adjust_fleet(classes: tuple[DeviceClass, ...], *, down_up_ratio: float | Non
 
 
 def _breakdown(result: SimResult, step_s: float, ps: PSProfile) -> dict[str, Any]:
-    steps = len(result.steps)
-    per = 1.0 / steps
-    egress = sum(s.egress_bytes for s in result.steps) * per
-    ingress = sum(s.ingress_bytes for s in result.steps) * per
-    cpu = {k: sum(s.ps_cpu[k] for s in result.steps) * per for k in result.steps[0].ps_cpu}
+    """Where the measured steps' time went (the warm-up step left out, as from ``step_s``)."""
+    steps = result.measured
+    per = 1.0 / len(steps)
+
+    def mean(attr: str) -> float:
+        return sum(getattr(s, attr) for s in steps) * per
+
+    egress, ingress = mean("egress_bytes"), mean("ingress_bytes")
+    cpu = {k: sum(s.ps_cpu[k] for s in steps) * per for k in steps[0].ps_cpu}
     busy = {
-        "compute": max(result.device_compute, default=0.0) * per,
-        "downlink": max(result.device_down, default=0.0) * per,
-        "uplink": max(result.device_up, default=0.0) * per,
-        "ps_egress": egress / ps.egress,
-        "ps_ingress": ingress / ps.ingress,
-        "ps_cpu": sum(cpu.values()),
+        "compute": mean("device_compute"), "downlink": mean("device_down"), "uplink": mean("device_up"),
+        "ps_egress": egress / ps.egress, "ps_ingress": ingress / ps.ingress, "ps_cpu": sum(cpu.values()),
     }
     bound = max(busy, key=lambda k: busy[k])
     if step_s > 0 and busy[bound] < LATENCY_BOUND * step_s:
         bound = "latency"
-    worked = [c for c in result.device_compute if c > 0]
     return {
         "busy_s": busy, "ps_cpu_s": cpu, "bound": bound,
         "utilisation": {k: _ratio(v, step_s) for k, v in busy.items()},
-        "devices_used": len(worked),
-        "device_compute_mean_s": (sum(worked) / len(worked) * per) if worked else 0.0,
+        "devices_used": round(mean("devices_used")),
         "bytes": {
             "ps_egress": egress, "ps_ingress": ingress,
-            "device_down_mean": statistics.fmean(result.device_bytes_down) * per if result.device_bytes_down else 0.0,
-            "device_down_max": max(result.device_bytes_down, default=0.0) * per,
-            "device_up_mean": statistics.fmean(result.device_bytes_up) * per if result.device_bytes_up else 0.0,
-            "device_up_max": max(result.device_bytes_up, default=0.0) * per,
+            "device_down_mean": mean("bytes_down_mean"), "device_down_max": mean("bytes_down_max"),
+            "device_up_mean": mean("bytes_up_mean"), "device_up_max": mean("bytes_up_max"),
         },
     }
 
 
 def simulate_one(model_name: str, classes: tuple[DeviceClass, ...], ps: PSProfile, *, batch: int, seq: int,
                  dtype: str, seed: int, steps: int, planner: Planner, churn: bool, heartbeat_timeout: float,
+                 baseline_dtype: str | None = None,
                  progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Simulate one fleet size and price the baselines: the report for one device count."""
     model = model_shape(model_name)
@@ -123,28 +120,32 @@ def simulate_one(model_name: str, classes: tuple[DeviceClass, ...], ps: PSProfil
         "predicted_s": stats.predicted,
         "tokens_per_s": _ratio(batch * seq, step_s),
         "flops_per_s": _ratio(step_flops(model, batch, seq), step_s),
-        "units": sum(s.units for s in stormy.steps), "copies": sum(s.copies for s in stormy.steps),
-        "reclaimed": sum(s.reclaimed for s in stormy.steps), "lost": sum(s.lost for s in stormy.steps),
-        "leaves": sum(s.leaves for s in stormy.steps), "joins": sum(s.joins for s in stormy.steps),
+        # Per measured step, as every figure of the report.
+        **{key: statistics.fmean(getattr(s, key) for s in stormy.measured)
+           for key in ("units", "copies", "reclaimed", "lost", "leaves", "joins")},
         "local_gemms": stats.local_gemms, "remote_gemms": stats.remote_gemms,
         "partitions": dict(sorted(stormy.kinds.items())),
-        "recovery_s": max(stormy.recoveries) if stormy.recoveries else None,
-        "recoveries": len(stormy.recoveries),
+        # The injected crash's: until every unit it had not delivered was verified elsewhere.
+        "recovery_s": stormy.injected_recovery,
+        "churn_recoveries_s": sorted(stormy.recoveries),
         "events": calm.events + stormy.events, "wall_s": wall,
     })
-    dtfm = dtfm_step(model, classes, batch, seq, dtype)
-    cloud = cloud_step(model, batch, seq, dtype)
+    # The baselines train in the job's dtype (bf16 on the wire is Cleave's lever, not theirs).
+    dtfm = dtfm_step(model, classes, batch, seq, baseline_dtype or dtype)
+    cloud = cloud_step(model, batch, seq, baseline_dtype or dtype)
     dtfm_json: dict[str, Any] = {"step_s": _finite(dtfm.step_s), "why": dtfm.why, "stages": dtfm.stages,
                                  "replicas": dtfm.replicas, "devices_used": dtfm.devices_used, "bound": dtfm.bound,
                                  "compute_s": dtfm.compute_s, "pipeline_comm_s": dtfm.pipeline_comm_s,
                                  "allreduce_s": dtfm.allreduce_s, "bubble_s": dtfm.bubble_s,
                                  "memory_per_device": dtfm.memory_per_device, "recovery_s": None}
-    if dtfm.step_s is not None:
+    if dtfm.step_s is not None and dtfm.stages:
         # DTFM has no per-tile recovery: a lost stage device stalls its pipeline until it is seen
-        # (the same heartbeat timeout), a replacement downloads the stage's state, and the step
-        # is run again (on average half of it was lost).
-        slowest_down = min(c.profile.down for c in classes if c.count)
-        dtfm_json["recovery_s"] = heartbeat_timeout + dtfm.memory_per_device / slowest_down + dtfm.step_s / 2
+        # (the same heartbeat timeout), a replacement downloads its stage's training state (weights,
+        # gradients, Adam: bytes_per_param per parameter) over the fastest downlink in the fleet,
+        # and the step runs again (on average half of it was lost). Every choice favours DTFM.
+        fastest_down = max(c.profile.down for c in classes if c.count)
+        state = bytes_per_param(baseline_dtype or dtype) * model.params / dtfm.stages
+        dtfm_json["recovery_s"] = heartbeat_timeout + state / fastest_down + dtfm.step_s / 2
     cloud_json = {"step_s": cloud.step_s, "gpus": cloud.gpus, "gpu": cloud.gpu, "utilisation": cloud.utilisation,
                   "peak_tflops": cloud.peak_tflops, "fits": cloud.fits, "source": cloud.source}
     return {
@@ -185,7 +186,7 @@ def build_report(*, model: str, fleet: str, devices: list[int | None], ps: PSPro
         classes = adjust_fleet(classes, down_up_ratio=down_up_ratio, wire_half=wire_half, dtype=wire)
         runs.append(simulate_one(model, classes, ps, batch=batch, seq=seq, dtype=wire, seed=seed, steps=steps,
                                  planner=planner, churn=churn, heartbeat_timeout=heartbeat_timeout,
-                                 progress=progress))
+                                 baseline_dtype=dtype, progress=progress))
     head = {
         "model": {"name": shape.name, "params": shape.params, "layers": shape.n_layers, "d_model": shape.d_model},
         "fleet_spec": fleet, "batch_size": batch, "seq_len": seq, "tokens": batch * seq, "dtype": dtype,
@@ -270,6 +271,9 @@ def simulate(
     against a DTFM-style edge baseline and a cloud baseline."""
     if dtype not in {d.value for d in DType}:
         raise CleaveError(f"unknown --dtype {dtype!r}; use one of {', '.join(d.value for d in DType)}", 2)
+    if wire_half and dtype != DType.FP32.value:
+        raise CleaveError("--wire-half is for fp32 training (blocks already travel in 2 bytes with --dtype "
+                          f"{dtype})", 2)
     counts: list[int | None] = parse_sweep(sweep) if sweep is not None else [devices]
     if devices is not None and not 1 <= devices <= MAX_DEVICES:
         raise CleaveError(f"--devices must be between 1 and {MAX_DEVICES:,}, got {devices}", 2)

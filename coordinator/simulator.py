@@ -163,7 +163,7 @@ class SimConfig:
     veterans: bool = True  # devices present at the start are off probation (a running fleet)
     fail_at: float | None = None  # crash the busiest device this many seconds into the last step
     slots: int = ASKED_SLOTS
-    give_up: float = 7 * 86400.0  # simulated seconds one op may take before the run is declared stalled
+    give_up: float = 3600.0  # simulated seconds without a verified unit before the run is declared stalled
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZE:
@@ -200,6 +200,15 @@ class StepStats:
     leaves: int = 0
     joins: int = 0
     ops: list[tuple[str, float, float]] = field(default_factory=list)  # (what, predicted, simulated) per op
+    # Devices in this step: the busiest one's seconds of compute and of each link, and bytes.
+    device_compute: float = 0.0
+    device_down: float = 0.0
+    device_up: float = 0.0
+    devices_used: int = 0
+    bytes_down_mean: float = 0.0  # over devices that computed in the step
+    bytes_down_max: float = 0.0
+    bytes_up_mean: float = 0.0
+    bytes_up_max: float = 0.0
 
 
 @dataclass
@@ -214,13 +223,18 @@ class SimResult:
     recoveries: list[float]  # per crash of a device that held work: seconds until all its units were verified
     kinds: Counter
     events: int
+    injected_recovery: float | None = None  # the injected crash's (``fail_at``)
+
+    @property
+    def measured(self) -> list["StepStats"]:
+        """The steps ``step_s`` averages."""
+        return self.steps[1:] if len(self.steps) > 1 else self.steps
 
     @property
     def step_s(self) -> float:
         """Mean over the steps after the first when there are several (the first warms up
         probation and the devices' speed estimates), else the one step."""
-        measured = self.steps[1:] if len(self.steps) > 1 else self.steps
-        return sum(s.seconds for s in measured) / len(measured)
+        return sum(s.seconds for s in self.measured) / len(self.measured)
 
 
 # --------------------------------------------------------------------------- devices and units
@@ -299,8 +313,12 @@ class Simulation:
         self._leased: dict[tuple[int, int], int] = {}  # (unit, device) -> lease epoch of the device
         self.egress_free = self.ingress_free = self.cpu_free = 0.0
         self._tick_at = math.inf
+        self._progress_at = 0.0  # when a unit was last verified
         self._outstanding = 0  # units of live GEMMs not yet verified
-        self._recovering: list[tuple[float, set[int]]] = []
+        self._recovering: dict[int, tuple[float, set[int]]] = {}  # crashed device -> (when, units lost)
+        self._arrived: set[tuple[int, int]] = set()  # (unit, device): its result reached the PS
+        self._injected: int | None = None
+        self.injected_recovery: float | None = None
         self.recoveries: list[float] = []
         self.kinds: Counter = Counter()
         self._stats = StepStats()
@@ -484,12 +502,18 @@ class Simulation:
                 self._leased.pop((decision.unit, d.id), None)
                 self._stats.reclaimed += 1
                 if d.standing.taken_back(self.cfg.trust):
-                    wait = d.standing.cut(self.cfg.trust, self.now)
-                    cls = DeviceClass(d.cls, 1, d.profile)
-                    self._remove(d, graceful=False)
-                    self._at(self.now + wait, _JOIN, cls)
+                    self._cut(d)
                 else:
                     self._regrade(d)
+
+    def _cut(self, d: _Device) -> None:
+        """Core._cut: it is dropped and may come back after its cool-off (a departed device that
+        was cut before anyone noticed it left does not come back: its replacement is on its way)."""
+        wait = d.standing.cut(self.cfg.trust, self.now)
+        back = d.alive
+        self._remove(d, graceful=False)
+        if back:
+            self._at(self.now + wait, _JOIN, DeviceClass(d.cls, 1, d.profile))
 
     def _lease(self, d: _Device, uid: int, copy: str | None) -> None:
         """Send the unit: its blocks the device lacks go through the PS's egress and the
@@ -517,6 +541,8 @@ class Simulation:
         d.bytes_down += nbytes
         stats.egress_bytes += nbytes
         self._leased[(uid, d.id)] = d.epoch
+        if not d.alive and d.id in self._recovering:  # leased to a departed device nobody noticed yet
+            self._recovering[d.id][1].add(uid)
         self._at(end + p.rtt / 2, _ARRIVE, uid, d.id, d.epoch)
 
     # ------------------------------------------------------------------ events
@@ -554,6 +580,7 @@ class Simulation:
         unit = self.units.get(uid)
         if d is None or d.epoch != epoch or unit is None or self._leased.get((uid, device)) != epoch:
             return  # the device was dropped, or another copy won (its result is ignored unread)
+        self._arrived.add((uid, device))
         start = max(self.now, self.cpu_free)
         self.cpu_free = start + unit.verify
         self._stats.ps_cpu["verify"] += unit.verify
@@ -569,10 +596,17 @@ class Simulation:
             return
         leased_at = hold.leased_at
         losers = self.sched.done(uid, device)
-        for loser in losers:
-            self._leased.pop((uid, loser), None)
-        unit = self.units.pop(uid)
         trust = self.cfg.trust
+        stallers = []
+        for loser in losers:  # Core: the other copies lost the race; too many in a row cut it
+            self._leased.pop((uid, loser), None)
+            other = self.devices.get(loser)
+            if other is not None:
+                if other.standing.overtaken(trust):
+                    stallers.append(other)
+                else:
+                    self._regrade(other)
+        unit = self.units.pop(uid)
         d.standing.verified(trust)
         if d.verified_at is not None:
             gap = min(arrived - d.verified_at, MAX_SECONDS_PER_GFLOP)
@@ -585,32 +619,45 @@ class Simulation:
             d.seconds_per_gflop = min(turnaround, MAX_SECONDS_PER_GFLOP)
             self.sched.update(d.id, seconds_per_gflop=d.seconds_per_gflop)
         self._outstanding -= 1
-        for since, held in self._recovering:
-            held.discard(uid)
-        self._settle_recoveries()
+        self._progress_at = self.now
+        self._delivered(uid, device)
         gemm = unit.gemm
         gemm.remaining -= 1
         if gemm.remaining == 0:
             self._gemm_done(gemm)
+        for other in stallers:
+            if other.id in self.devices:
+                self._cut(other)
         self._dispatch(handler=True)
 
-    def _settle_recoveries(self) -> None:
-        if self._recovering and any(not held for _, held in self._recovering):
-            self.recoveries += [self.now - since for since, held in self._recovering if not held]
-            self._recovering = [(since, held) for since, held in self._recovering if held]
+    def _delivered(self, uid: int, device: int) -> None:
+        """A unit was verified: crashes waiting on it may be over. O(crashes being recovered)."""
+        self._arrived.discard((uid, device))
+        done = []
+        for crashed, (since, held) in self._recovering.items():
+            held.discard(uid)
+            if not held:  # everything it lost is verified elsewhere
+                done.append(crashed)
+        for crashed in done:
+            since, _ = self._recovering.pop(crashed)
+            self.recoveries.append(self.now - since)
+            if crashed == self._injected:
+                self.injected_recovery = self.now - since
 
     def _crash_or_leave(self, device: int, epoch: int, cls: DeviceClass, crash: bool | None = None) -> None:
         d = self.devices.get(device)
-        if d is None or d.epoch != epoch:
-            return
+        if d is None or d.epoch != epoch or not d.alive:
+            return  # gone already (a crash not yet noticed cannot leave again)
         if crash is None:
             crash = self.rng.random() < self.cfg.crash_share
         self._stats.leaves += 1
-        held = {uid for uid, _ in self.sched.holding() if device in self.sched.holders(uid)} if crash else set()
         if crash:
             d.alive = False  # it stops answering; the coordinator notices after the heartbeat timeout
+            # Lost: what it holds whose result has not reached the PS, and whatever it is leased
+            # until it is noticed (``_lease``).
+            held = {uid for (uid, dev), _ in self._leased.items() if dev == device and (uid, dev) not in self._arrived}
             if held:
-                self._recovering.append((self.now, held))
+                self._recovering[device] = (self.now, held)
             self._at(self.now + self.cfg.faults.heartbeat_timeout, _DETECT, device, epoch)
         else:
             self._remove(d, graceful=True)
@@ -618,13 +665,14 @@ class Simulation:
             self._at(self.now + self.rng.expovariate(1.0 / self.cfg.rejoin_seconds), _JOIN, cls)
 
     def _fail_busiest(self) -> None:
-        """The injected failure: the device holding the most leases crashes now."""
-        counts: Counter = Counter()
-        for uid, holders in self.sched.holding():
-            counts.update(d for d in holders if self.devices.get(d) is not None and self.devices[d].alive)
+        """The injected failure: the device with the most units whose results have not reached
+        the PS crashes now."""
+        counts: Counter = Counter(dev for (uid, dev) in self._leased if (uid, dev) not in self._arrived
+                                  and self.devices.get(dev) is not None and self.devices[dev].alive)
         if counts:
             device = max(counts, key=lambda d: (counts[d], -d))
             d = self.devices[device]
+            self._injected = device
             self._crash_or_leave(device, d.epoch, DeviceClass(d.cls, 1, d.profile), crash=True)
 
     # ------------------------------------------------------------------ running
@@ -645,26 +693,51 @@ class Simulation:
                 progress(step, cfg.steps)
             self._stats = StepStats()
             began = self.now
+            before = {d.id: (d.compute_s, d.down_s, d.up_s, d.bytes_down, d.bytes_up) for d in self.devices.values()}
+            gone_before = len(self.gone)
             if cfg.fail_at is not None and step == cfg.steps - 1:
                 self._at(began + cfg.fail_at, _FAIL)
             program = step_program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step)
-            last: dict[tuple, int] = {}  # tensor -> the last op that reads it
+            # A tensor is forgotten after the last op that reads it, or (Core._complete) after the
+            # first dW that reads it: q's, k's and v's dW each send X again.
+            last: dict[tuple, int] = {}
             for i, op in enumerate(program):
                 for call in () if isinstance(op, PsWork) else op:
                     last[call.a.tensor] = last[call.b.tensor] = i
             for i, op in enumerate(program):
                 self._run_op(op)
                 if not isinstance(op, PsWork):
-                    self._release(op, {t for call in op for t in (call.a.tensor, call.b.tensor) if last[t] == i})
+                    self._release(op, {t for call in op for t in (call.a.tensor, call.b.tensor)
+                                       if last[t] == i or _dropped(program, i, t)})
             self._stats.seconds = self.now - began
+            self._device_figures(before, list(self.devices.values()) + self.gone[gone_before:])
             steps.append(self._stats)
         everyone = list(self.devices.values()) + self.gone
         return SimResult(
             steps, start_devices,
             [d.compute_s for d in everyone], [d.down_s for d in everyone], [d.up_s for d in everyone],
             [d.bytes_down for d in everyone], [d.bytes_up for d in everyone], self.recoveries, self.kinds,
-            self.events,
+            self.events, self.injected_recovery,
         )
+
+    def _device_figures(self, before: dict[int, tuple], present: list[_Device]) -> None:
+        """What each device did in the step just ended (O(devices), once per step)."""
+        st = self._stats
+        rows = []
+        for d in present:
+            c0, d0, u0, bd0, bu0 = before.get(d.id, (0.0, 0.0, 0.0, 0.0, 0.0))
+            rows.append((d.compute_s - c0, d.down_s - d0, d.up_s - u0, d.bytes_down - bd0, d.bytes_up - bu0))
+        worked = [r for r in rows if r[0] > 0]
+        st.devices_used = len(worked)
+        if rows:
+            st.device_compute = max(r[0] for r in rows)
+            st.device_down = max(r[1] for r in rows)
+            st.device_up = max(r[2] for r in rows)
+            st.bytes_down_max = max(r[3] for r in rows)
+            st.bytes_up_max = max(r[4] for r in rows)
+        if worked:
+            st.bytes_down_mean = sum(r[3] for r in worked) / len(worked)
+            st.bytes_up_mean = sum(r[4] for r in worked) / len(worked)
 
     def _run_op(self, op: Op) -> None:
         """Issue one op and advance the clock until it completes."""
@@ -675,19 +748,24 @@ class Simulation:
             self._cpu(op.seconds, op.what)
         else:
             self._pending_ops = len(op)
-            for call in op:
+            for call in op:  # Core.submit dispatches after each GEMM
                 self._submit(call)
-            self._dispatch()
+                self._dispatch()
         while self._pending_ops > 0:
             if not self._events:
                 raise SimulationError(
                     "the simulation stalled: work is queued that no device can take (every device left "
                     "or is barred) and nothing is left to happen")
-            if self.now - began > self.cfg.give_up:
+            if self.now - max(began, self._progress_at) > self.cfg.give_up:
+                departed = sum(1 for d in self.devices.values() if not d.alive)
+                barred = sum(1 for u in self.sched.units.values() if u.queued and len(u.barred) >= len(self.devices))
+                why = (f"{barred} queued units are barred for every device (each let its lease pass twice its "
+                       f"deadline)" if barred else
+                       f"{departed} of {len(self.devices)} seated devices have departed unnoticed "
+                       f"(sessions shorter than --heartbeat-timeout)" if departed else "no device finished its work")
                 raise SimulationError(
-                    f"the simulation stalled: one op ({_what(op)}) ran past {self.cfg.give_up:,.0f} simulated "
-                    f"seconds with {self._outstanding} units outstanding; churn faster than failures are "
-                    f"noticed (--heartbeat-timeout) can leave every lease on a departed device")
+                    f"the simulation stalled: no unit of {_what(op)} verified in {self.cfg.give_up:,.0f} simulated "
+                    f"seconds, {self._outstanding} outstanding: {why}")
             self._step_event()
         self._stats.ops.append((_what(op), self._stats.predicted - predicted, self.now - began))
 
@@ -741,6 +819,13 @@ class Simulation:
             if when < self._tick_at:
                 return  # superseded by an earlier tick that already ran
         self._dispatch()
+
+
+def _dropped(program: list[Op], index: int, tensor: tuple) -> bool:
+    """Did op ``index`` drop ``tensor`` (a dW that reads it)?"""
+    op = program[index]
+    return not isinstance(op, PsWork) and any(
+        c.kind is GemmKind.GRAD_WEIGHT and tensor in (c.a.tensor, c.b.tensor) for c in op)
 
 
 def _what(op: Op) -> str:

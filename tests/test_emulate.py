@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import subprocess
 import threading
@@ -102,8 +103,9 @@ def test_names_and_byzantine_choice_are_seeded() -> None:
 
 # --------------------------------------------------------------------------- a drill
 
-STEPS = 4
-DEVICES = 20
+# A larger drill for the record: CLEAVE_DRILL_DEVICES=100 CLEAVE_DRILL_STEPS=6 (docs/simulation.md).
+STEPS = int(os.environ.get("CLEAVE_DRILL_STEPS", "4"))
+DEVICES = int(os.environ.get("CLEAVE_DRILL_DEVICES", "20"))
 REL = 1e-4  # as tests/test_e2e.py
 FLEET = """
 [[class]]
@@ -140,7 +142,7 @@ def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path
     dashboard's status says so) and no honest device is."""
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(FLEET)
-    coord = Coordinator(tmp_path, "--min-devices", "10", "--heartbeat-timeout", "2", "--verbose",
+    coord = Coordinator(tmp_path, "--min-devices", str(DEVICES // 2), "--heartbeat-timeout", "2", "--verbose",
                         steps=STEPS)
     emu = Proc(cleave_cmd("emulate", coord.url, "--token", TOKEN, "--devices", str(DEVICES), "--fleet", str(fleet),
                           "--leave-rate", "3", "--away-seconds", "2", "--byzantine", "0.05", "--seed", "3",
@@ -173,26 +175,27 @@ def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path
 
     report = json.loads(next(line for line in emu.lines if line.startswith("{")))
     assert report["finished"] and report["devices"] == DEVICES
-    assert [c["devices"] for c in report["classes"]] == [15, 5]
+    assert [c["devices"] for c in report["classes"]] == [DEVICES - DEVICES // 4, DEVICES // 4]
     assert report["tiles"] > 0 and all(c["tiles"] > 0 for c in report["classes"])
     assert report["leaves"]["graceful"] >= 1 and report["leaves"]["crash"] >= 1, report["leaves"]  # churn happened
     assert report["rejoins"] >= 1
-    (forger,) = report["byzantine"]
-    assert report["banned"] == [forger]
-    assert report["forged"] >= 1 and report["forged_rejected"] >= 1
+    forgers = set(report["byzantine"])
+    assert len(forgers) == max(1, round(0.05 * DEVICES)) and set(report["banned"]) == forgers
+    assert report["forged"] >= len(forgers) and report["forged_rejected"] >= len(forgers)
     names = {d["name"] for d in report["device_list"]}
     assert len(names) == DEVICES and all(n.startswith(("emu-slow-", "emu-fast-")) for n in names)
 
     # The dashboard showed the forger banned, and only it; it never had a tile verified.
     banned = {d["name"] for s in snapshots for d in s["devices"] if d["state"] == "banned"}
-    assert banned == {forger}, banned
-    rows = [d for s in snapshots for d in s["devices"] if d["name"] == forger]
-    assert rows and all(d["tiles_done"] == 0 for d in rows) and rows[-1]["tiles_rejected"] >= 1
-    (state,) = coord.query("SELECT state FROM identities WHERE name = ?", forger)[0]
-    assert state == "banned"
-    assert coord.query("SELECT COUNT(*) FROM identities WHERE state = 'banned'") == [(1,)]
-    assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
-                       "WHERE d.name = ? AND l.outcome = 'verified'", forger) == [(0,)]
+    assert banned == forgers, banned
+    for forger in forgers:
+        rows = [d for s in snapshots for d in s["devices"] if d["name"] == forger]
+        assert rows and all(d["tiles_done"] == 0 for d in rows) and rows[-1]["tiles_rejected"] >= 1
+        (state,) = coord.query("SELECT state FROM identities WHERE name = ?", forger)[0]
+        assert state == "banned"
+        assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+                           "WHERE d.name = ? AND l.outcome = 'verified'", forger) == [(0,)]
+    assert coord.query("SELECT COUNT(*) FROM identities WHERE state = 'banned'") == [(len(forgers),)]
     # The coordinator saw graceful leaves, and lost connections: the forger's and crashes' (found
     # by heartbeat timeout, lost copies, or the reset when the device came back).
     assert len(re.findall(r"device \d+ left: left", coord.output)) >= 1, coord.output
