@@ -62,6 +62,7 @@ def main() -> int:
     parser.add_argument("--lever-devices", type=int, default=1024, help="fleet size of the 'what closes the gap' rows")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--no-levers", action="store_true", help="only the grid")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
@@ -83,6 +84,8 @@ def main() -> int:
                    fmt(c["recovery_s"]) if c["recovery_s"] is not None else "none lost", fmt(d["recovery_s"])
                    if d["step_s"] is not None else "-"]), flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s of wall time)\n", file=sys.stderr)
+    if args.no_levers:
+        return 0
     # What closes the gap: a coordinator that must ship (100 GFLOP/s of its own), one fleet.
     base = dict(model="llama2-7b", fleet="mixed", devices=args.lever_devices, gbps=10.0, ratio=10.0, batch=args.batch_size,
                 seq=args.seq_len, ps_gflops=100.0)

@@ -470,6 +470,8 @@ class Fleet:
                 dev.state = "finished" if self.finished else "stopped"
                 return
             dev.rejoins += 1
+            # A new session: nothing of the old one is still on its links or its processor.
+            dev.pacer.pacing.down_free = dev.pacer.pacing.compute_free = dev.pacer.pacing.up_free = -math.inf
             log.info("%s rejoins", dev.name)
 
     async def _leave(self, dev: EmulatedDevice, worker: Worker, task: asyncio.Task, crash: bool) -> bool:

@@ -211,3 +211,8 @@ def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path
             if d["state"] in ("working", "idle") and d["profile"] and d["profile"]["measured_results"]:
                 assert d["gflops"] <= rate[d["name"].split("-")[1]] * 1.05, d
     assert math.isfinite(report["seconds"])
+    # For the record (pytest -s): what the drill did.
+    print(json.dumps({"devices": DEVICES, "steps": STEPS, "losses": got, "local": want, "tiles": report["tiles"],
+                      "leaves": report["leaves"], "rejoins": report["rejoins"], "forgers": sorted(forgers),
+                      "banned": sorted(report["banned"]), "forged": report["forged"],
+                      "forged_rejected": report["forged_rejected"], "seconds": report["seconds"]}))
