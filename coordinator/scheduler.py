@@ -462,7 +462,8 @@ class Scheduler:
         return out
 
     def assign(self, now: float) -> Iterator[Assign]:
-        """Lease queued units to devices with free slots, one per device per round (FIFO). A
+        """Lease queued units to devices with free slots, one per device per round (FIFO, except
+        that a new GEMM's planned owners move to the front: ``add_gemm``). A
         generator: the caller acts on each lease (which may fill a device's block budget, see
         ``update``) before the next is decided."""
         misses = 0
