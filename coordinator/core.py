@@ -286,6 +286,13 @@ class Progress:
     state: str = "starting"
 
 
+def check_finite(a: torch.Tensor, b: torch.Tensor, kind: GemmKind) -> None:
+    """Honest devices would return NaN/Inf, verification would reject them all and ban innocent
+    volunteers: stop where the cause is (training diverged)."""
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        raise FloatingPointError(f"a {kind.value} GEMM input holds NaN or Inf: training diverged (try a lower --lr)")
+
+
 class Core:
     def __init__(
         self,
@@ -736,19 +743,18 @@ class Core:
     # ------------------------------------------------------------------ GEMMs
 
     def submit(
-        self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, now: float, on_done: Callable[[torch.Tensor], None]
+        self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, now: float, on_done: Callable[[torch.Tensor], None],
+        *, finite_checked: bool = False,
     ) -> tuple[int, list[Outbound]]:
-        """Queue ``a @ b`` as tiles; ``on_done(result)`` is called once every tile is verified."""
+        """Queue ``a @ b`` as tiles; ``on_done(result)`` is called once every tile is verified.
+        ``finite_checked``: the caller ran ``check_finite`` already (the server's trainer thread
+        does, so the event loop does not read every input once more)."""
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
         if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"unsupported GEMM dtypes {a.dtype}, {b.dtype}")
-        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
-            # Honest devices would return NaN/Inf, verification would reject them all and ban
-            # innocent volunteers: stop here, where the cause is (training diverged).
-            raise FloatingPointError(
-                f"a {kind.value} GEMM input holds NaN or Inf: training diverged (try a lower --lr)"
-            )
+        if not finite_checked:
+            check_finite(a, b, kind)
         m, k = a.shape
         n = b.shape[1]
         self.dtype = DTYPE_NAMES[str(a.dtype)]

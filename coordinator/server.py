@@ -34,7 +34,7 @@ import torch
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from coordinator.core import SHUTDOWN, AuthError, Close, Core, Limit, Outbound, Send
+from coordinator.core import SHUTDOWN, AuthError, Close, Core, Limit, Outbound, Send, check_finite
 from coordinator.limits import Limits
 from coordinator.listener import ConnectionCounter, bind
 from coordinator.protocol import (
@@ -427,7 +427,8 @@ class Server:
             future.add_done_callback(self._pending.discard)
             try:
                 _, out = self.core.submit(request.a, request.b, request.kind, self.clock(),
-                                          lambda result, f=future: None if f.done() else f.set_result(result))
+                                          lambda result, f=future: None if f.done() else f.set_result(result),
+                                          finite_checked=True)  # by RemoteEngine.run, off the loop
             except Exception as exc:  # surfaced in the trainer thread, not swallowed here
                 if not future.done():
                     future.set_exception(exc)
@@ -476,6 +477,8 @@ class RemoteEngine:
         self.loop.call_soon_threadsafe(lambda: self.server.core.begin_step(step, self.server.clock()))
 
     def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        for r in requests:  # here, on the trainer thread (idle while tiles are out), not on the loop
+            check_finite(r.a, r.b, r.kind)
         futures: list[concurrent.futures.Future[torch.Tensor]] = [concurrent.futures.Future() for _ in requests]
         self.loop.call_soon_threadsafe(self.server.submit, list(requests), futures)
         return [f.result() for f in futures]
