@@ -19,7 +19,7 @@ from rich.console import Console
 
 from cleave_cli import render
 from cleave_cli.errors import CleaveError, friendly, is_terminal, stderr_console
-from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, PSProfile
+from coordinator.costmodel import ADAMW_BYTES, ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, PSProfile
 from coordinator.planner import Gemm, Kind, Plan, StepPlan, baseline, plan_step
 from coordinator.presets import FLEETS, MODELS, ModelShape, model_shape, resolve_fleet, step_gemms
 
@@ -36,12 +36,6 @@ class DType(str, Enum):
 MAX_DEVICES = 1_000_000
 MAX_BATCH = 65_536
 
-# AdamW on the PS keeps fp32 master weights: per parameter it reads weight, gradient, m and v
-# (16 bytes) and writes weight, m and v (12 bytes). Training in a 2-byte dtype also writes the
-# weights' low-precision copy that devices receive.
-ADAMW_BYTES = 28
-# Backward of softmax(QK^T)V is two products per forward product (dQ and dK; dP and dV).
-ATTENTION_PASSES = 3
 DEFAULT_LINK_GBPS = 10.0
 
 

@@ -17,14 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
-from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile
+from coordinator.costmodel import ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, Profile
 from coordinator.presets import ModelShape, step_gemms
 
 # --------------------------------------------------------------------------- constants
 
-# Backward of softmax(QK^T)V is two products per forward product (as cleave_cli/plan.py's
-# ATTENTION_PASSES): a step's attention costs 3x its forward FLOP.
-ATTENTION_PASSES = 3
 # Each weight costs 2 FLOP (a multiply-add) per token in each of a Linear's three GEMMs: forward,
 # input gradient, weight gradient (coordinator/presets.py step_gemms: 6 x tokens x weights).
 GEMM_FLOP_PER_WEIGHT_TOKEN = 6

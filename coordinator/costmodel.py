@@ -22,6 +22,14 @@ ITEMSIZE: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 VERIFY_ROUNDS = 16
 # Units a device holds at once: the one it computes and the one it prefetches.
 IN_FLIGHT = 2
+# The PS's own work per step besides the GEMMs it hands out (cleave plan, the simulator and the
+# baselines price it alike). Backward of softmax(QK^T)V is two products per forward product (dQ
+# and dK; dP and dV): attention costs 3x its forward FLOP.
+ATTENTION_PASSES = 3
+# AdamW on the PS keeps fp32 master weights: per parameter it reads weight, gradient, m and v
+# (16 bytes) and writes weight, m and v (12 bytes). Training in a 2-byte dtype also writes the
+# weights' low-precision copy that devices receive.
+ADAMW_BYTES = 28
 
 
 class CostModelError(ValueError):

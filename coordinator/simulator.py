@@ -35,25 +35,22 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile, PSProfile, local_seconds
+from coordinator.costmodel import (
+    ADAMW_BYTES, ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, Profile, PSProfile, local_seconds,
+)
 from coordinator.identity import Standing
 from coordinator.limits import TrustPolicy
 from coordinator.live_plan import LivePlanner, Planner
 from coordinator.planner import Kind
 from coordinator.presets import ModelShape
 from coordinator.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
-from coordinator.tiles import GemmKind, Tile, TilingPolicy
+from coordinator.tiles import GemmKind, TilingPolicy
 
 # The live coordinator's estimates (coordinator/core.py): each defined once, there.
 from coordinator.core import CLAIM_GFLOPS, EMA, MAX_SECONDS_PER_GFLOP
+from coordinator.server import TICK  # the live server's tick: copies and deferred devices look again
 
-# Backward of softmax(QK^T)V is two products per forward product (as cleave plan prices it).
-ATTENTION_BACKWARD = 2
-# AdamW on the PS: fp32 master weights, per parameter it reads weight, gradient, m and v and
-# writes weight, m and v (cleave_cli/plan.py prices it the same way).
-ADAMW_BYTES = 28
 ASKED_SLOTS = 2  # what `cleave join` asks for by default (--slots)
-TICK = 0.05  # the live server's tick: while nothing is queued, copies are looked for this often
 
 
 class SimulationError(CostModelError):
@@ -134,7 +131,7 @@ def step_program(model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProf
                       x_of(layer, name, fin), f"{name}.dw")
         ops.append((dx, dw))
         if name in ("o", "proj"):
-            ops.append(PsWork(ATTENTION_BACKWARD * attention, "attention"))
+            ops.append(PsWork((ATTENTION_PASSES - 1) * attention, "attention"))
     extra = ITEMSIZE[dtype] if dtype != "fp32" else 0
     ops.append(PsWork(model.params * (ADAMW_BYTES + extra) / ps.memory_bw, "optimizer"))
     return ops
@@ -271,8 +268,6 @@ class _Unit:
     flops: int
     up: int
     verify: float  # PS seconds to check it (with the per-unit overhead)
-    first: tuple  # key of its A block, for the scheduler
-    second: tuple
 
 
 @dataclass(eq=False)
@@ -431,7 +426,7 @@ class Simulation:
             named = tuple((key, _name(key), size) for key, size in blocks.items())
             uid = self._next_unit
             self._next_unit += 1
-            unit = _Unit(gemm, named, t.flops, s * rows * cols, verify, named[0][0], named[1][0])
+            unit = _Unit(gemm, named, t.flops, s * rows * cols, verify)
             self.units[uid] = unit
             gemm.up_bytes += unit.up
             specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], t.flops, live.owners.get(t.index)))

@@ -22,7 +22,7 @@ from coordinator.planner import PlannerOptions
 from coordinator.presets import model_shape, resolve_fleet
 from coordinator.scheduler import Assign, Scheduler
 from coordinator.simulator import (
-    GemmCall, PsWork, SchedulerLog, SimConfig, Simulation, SimulationError, replay, step_program,
+    PsWork, SchedulerLog, SimConfig, Simulation, SimulationError, replay, step_program,
 )
 from coordinator.tiles import GemmKind
 from coordinator.training.loop import TrainConfig, Trainer
