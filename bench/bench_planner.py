@@ -50,27 +50,30 @@ def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def start_coordinator(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str, list[str]]:
+    """``cleave coordinator start ARGS`` on a free port; returns it, its URL and its first lines."""
+    coord = subprocess.Popen([sys.executable, "-m", "cleave_cli", "coordinator", "start", "--port", "0", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    lines = []
+    assert coord.stdout is not None
+    for line in coord.stdout:
+        lines.append(line)
+        if m := URL.search(line):
+            return coord, m.group(1), lines
+    raise SystemExit("coordinator did not start:\n" + "".join(lines))
+
+
 def run_job(planner: str, scenario: str, steps: int, slow: float, tmp: Path) -> list[dict]:
     """One job; returns its per-step metrics rows."""
     py = sys.executable
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     metrics = tmp / f"{scenario}-{planner}.jsonl"
     spec = SCENARIOS[scenario]
-    coord = subprocess.Popen(
-        [py, "-m", "cleave_cli", "coordinator", "start", "--port", "0", "--db", str(tmp / f"{scenario}-{planner}.db"),
-         "--token", TOKEN, "--operator-token", OPERATOR, "--steps", str(steps), "--model", spec["model"],
-         "--min-devices", "2", "--planner", planner, "--metrics", str(metrics), "--quiet", *spec["extra"]],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-    url = None
-    lines = []
+    coord, url, lines = start_coordinator(
+        ["--db", str(tmp / f"{scenario}-{planner}.db"), "--token", TOKEN, "--operator-token", OPERATOR,
+         "--steps", str(steps), "--model", spec["model"], "--min-devices", "2", "--planner", planner,
+         "--metrics", str(metrics), "--quiet", *spec["extra"]], env)
     assert coord.stdout is not None
-    for line in coord.stdout:
-        lines.append(line)
-        if m := URL.search(line):
-            url = m.group(1)
-            break
-    if url is None:
-        raise SystemExit("coordinator did not start:\n" + "".join(lines))
     clients = [
         subprocess.Popen([py, "-m", "cleave_cli", "join", url, "--token", TOKEN, "--threads", "1", "--once", "--quiet",
                           "--always", "--name", "fast"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -32,8 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-TOKEN, OPERATOR = "bench-join-token-1234", "bench-operator-token-1234"
-URL = re.compile(r"(wss?://[0-9.]+:\d+)")
+from bench_planner import OPERATOR, TOKEN, start_coordinator  # noqa: E402
 
 # Slow enough that 200 of them compute for real on one core of this machine within their pace.
 FLEET = """
@@ -66,21 +64,11 @@ def emulated(count: int, args: argparse.Namespace, fleet: Path, tmp: Path) -> li
     py = sys.executable
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     metrics = tmp / f"emu-{count}.jsonl"
-    coord = subprocess.Popen(
-        [py, "-m", "cleave_cli", "coordinator", "start", "--port", "0", "--db", str(tmp / f"emu-{count}.db"),
-         "--token", TOKEN, "--operator-token", OPERATOR, "--steps", str(args.steps), "--model", args.model,
-         "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--min-devices", str(count),
-         "--planner", args.planner, "--metrics", str(metrics), "--quiet"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
-    url, lines = None, []
+    coord, url, lines = start_coordinator(
+        ["--db", str(tmp / f"emu-{count}.db"), "--token", TOKEN, "--operator-token", OPERATOR, "--steps",
+         str(args.steps), "--model", args.model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+         "--min-devices", str(count), "--planner", args.planner, "--metrics", str(metrics), "--quiet"], env)
     assert coord.stdout is not None
-    for line in coord.stdout:
-        lines.append(line)
-        if m := URL.search(line):
-            url = m.group(1)
-            break
-    if url is None:
-        raise SystemExit("coordinator did not start:\n" + "".join(lines))
     emu = subprocess.Popen([py, "-m", "cleave_cli", "emulate", url, "--token", TOKEN, "--devices", str(count),
                             "--fleet", str(fleet), "--quiet", "--seed", "1"],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -167,32 +167,48 @@ def build_report(model_name: str, fleet_spec: str, devices: int | None, link_gbp
     }
 
 
-@friendly
-def plan(
-    model: Annotated[str, typer.Option("--model", help=f"Model preset: {', '.join(MODELS)}.")] = "small",
-    fleet: Annotated[str, typer.Option(
-        "--fleet", help=f"Fleet preset ({', '.join(FLEETS)}) or a TOML fleet file (docs/presets.md).")] = "laptops",
-    devices: Annotated[Optional[int], typer.Option(
-        "--devices", help="Rescale the fleet to N devices, keeping its proportions. Default: its own counts.")] = None,
-    ps_link_gbps: Annotated[float, typer.Option(
-        "--ps-link-gbps", help="The parameter server's link in Gbit/s, each way.")] = DEFAULT_LINK_GBPS,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 8,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence (at most the model's positions).")] = 256,
-    dtype: Annotated[str, typer.Option("--dtype", help="Training dtype: fp32, bf16 or fp16.")] = DType.FP32.value,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
-) -> None:
-    """Predict how every GEMM of one training step would be cut over a fleet, the step's time,
-    traffic and memory, and the speedup over round-robin tiles."""
+# Options of the commands that price a model on a fleet (cleave plan, cleave simulate).
+ModelPreset = Annotated[str, typer.Option("--model", help=f"Model preset: {', '.join(MODELS)}.")]
+FleetSpec = Annotated[str, typer.Option(
+    "--fleet", help=f"Fleet preset ({', '.join(FLEETS)}) or a TOML fleet file (docs/presets.md).")]
+Devices = Annotated[Optional[int], typer.Option(
+    "--devices", help="Rescale the fleet to N devices, keeping its proportions. Default: its own counts.")]
+PsLinkGbps = Annotated[float, typer.Option("--ps-link-gbps", help="The parameter server's link in Gbit/s, each way.")]
+BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
+SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence (at most the model's positions).")]
+DTypeName = Annotated[str, typer.Option("--dtype", help="Training dtype: fp32, bf16 or fp16.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")]
+
+
+def check_options(dtype: str, devices: int | None, batch_size: int, seq_len: int, ps_link_gbps: float,
+                  max_devices: int = MAX_DEVICES) -> None:
+    """The shared options' bounds, as one-line usage errors."""
     if dtype not in {d.value for d in DType}:
         raise CleaveError(f"unknown --dtype {dtype!r}; use one of {', '.join(d.value for d in DType)}", 2)
-    if devices is not None and not 1 <= devices <= MAX_DEVICES:
-        raise CleaveError(f"--devices must be between 1 and {MAX_DEVICES:,}, got {devices}", 2)
+    if devices is not None and not 1 <= devices <= max_devices:
+        raise CleaveError(f"--devices must be between 1 and {max_devices:,}, got {devices}", 2)
     if not 1 <= batch_size <= MAX_BATCH:
         raise CleaveError(f"--batch-size must be between 1 and {MAX_BATCH:,}, got {batch_size}", 2)
     if seq_len < 1:
         raise CleaveError(f"--seq-len must be at least 1, got {seq_len}", 2)
     if not (math.isfinite(ps_link_gbps) and 0 < ps_link_gbps <= 1e6):
         raise CleaveError(f"--ps-link-gbps must be above 0 and at most 1,000,000, got {ps_link_gbps}", 2)
+
+
+@friendly
+def plan(
+    model: ModelPreset = "small",
+    fleet: FleetSpec = "laptops",
+    devices: Devices = None,
+    ps_link_gbps: PsLinkGbps = DEFAULT_LINK_GBPS,
+    batch_size: BatchSize = 8,
+    seq_len: SeqLen = 256,
+    dtype: DTypeName = DType.FP32.value,
+    as_json: AsJson = False,
+) -> None:
+    """Predict how every GEMM of one training step would be cut over a fleet, the step's time,
+    traffic and memory, and the speedup over round-robin tiles."""
+    check_options(dtype, devices, batch_size, seq_len, ps_link_gbps)
     # Transient: a terminal sees it while the baseline is priced, a pipe or a file never does.
     with stderr_console().status("planning ...") as status:
         report = build_report(model, fleet, devices, ps_link_gbps, batch_size, seq_len, dtype, status.update)

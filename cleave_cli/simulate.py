@@ -21,11 +21,14 @@ from rich.console import Console
 
 from cleave_cli import render
 from cleave_cli.errors import CleaveError, friendly, stderr_console
-from cleave_cli.plan import MAX_BATCH, DType, default_ps
+from cleave_cli.plan import (
+    DEFAULT_LINK_GBPS, AsJson, BatchSize, Devices, DTypeName, DType, FleetSpec, ModelPreset, PsLinkGbps, SeqLen,
+    check_options, default_ps,
+)
 from coordinator.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
 from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, PSProfile
 from coordinator.live_plan import Planner
-from coordinator.presets import FLEETS, MODELS, model_shape, resolve_fleet
+from coordinator.presets import model_shape, resolve_fleet
 from coordinator.scheduler import FaultPolicy
 from coordinator.simulator import SimConfig, SimResult, Simulation
 
@@ -240,20 +243,17 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 @friendly
 def simulate(
-    model: Annotated[str, typer.Option("--model", help=f"Model preset: {', '.join(MODELS)}.")] = "small",
-    fleet: Annotated[str, typer.Option(
-        "--fleet", help=f"Fleet preset ({', '.join(FLEETS)}) or a TOML fleet file (docs/presets.md).")] = "laptops",
-    devices: Annotated[Optional[int], typer.Option(
-        "--devices", help="Rescale the fleet to N devices, keeping its proportions. Default: its own counts.")] = None,
+    model: ModelPreset = "small",
+    fleet: FleetSpec = "laptops",
+    devices: Devices = None,
     sweep: Annotated[Optional[str], typer.Option(
         "--sweep", help="Several device counts, e.g. 16,64,256,1024,4096 (overrides --devices).")] = None,
-    ps_link_gbps: Annotated[float, typer.Option(
-        "--ps-link-gbps", help="The parameter server's link in Gbit/s, each way.")] = 10.0,
+    ps_link_gbps: PsLinkGbps = DEFAULT_LINK_GBPS,
     ps_gflops: Annotated[Optional[float], typer.Option(
         "--ps-gflops", help="The parameter server's own GEMM rate (GFLOP/s). Default: a server, 1000.")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per step.")] = 8,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 256,
-    dtype: Annotated[str, typer.Option("--dtype", help="Training dtype: fp32, bf16 or fp16.")] = DType.FP32.value,
+    batch_size: BatchSize = 8,
+    seq_len: SeqLen = 256,
+    dtype: DTypeName = DType.FP32.value,
     seed: Annotated[int, typer.Option("--seed", help="Seeds sessions, crashes and rejoins.")] = 0,
     steps: Annotated[int, typer.Option("--steps", help="Steps to simulate (more than one: the first is warm-up).")] = 1,
     planner: Annotated[Planner, typer.Option("--planner", help="cost: the cost model's plan per GEMM; uniform: the fixed grid.")] = Planner.COST,
@@ -265,26 +265,17 @@ def simulate(
     heartbeat_timeout: Annotated[float, typer.Option(
         "--heartbeat-timeout", help="Seconds of silence before a crashed device is noticed.")] = FaultPolicy().heartbeat_timeout,
     plot_path: Annotated[Optional[str], typer.Option("--plot", help="Draw seconds per batch against devices to this PNG.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """Simulate training steps of a model on a fleet with the live scheduler on a virtual clock,
     against a DTFM-style edge baseline and a cloud baseline."""
-    if dtype not in {d.value for d in DType}:
-        raise CleaveError(f"unknown --dtype {dtype!r}; use one of {', '.join(d.value for d in DType)}", 2)
+    check_options(dtype, devices, batch_size, seq_len, ps_link_gbps, MAX_DEVICES)
     if wire_half and dtype != DType.FP32.value:
         raise CleaveError("--wire-half is for fp32 training (blocks already travel in 2 bytes with --dtype "
                           f"{dtype})", 2)
     counts: list[int | None] = parse_sweep(sweep) if sweep is not None else [devices]
-    if devices is not None and not 1 <= devices <= MAX_DEVICES:
-        raise CleaveError(f"--devices must be between 1 and {MAX_DEVICES:,}, got {devices}", 2)
-    if not 1 <= batch_size <= MAX_BATCH:
-        raise CleaveError(f"--batch-size must be between 1 and {MAX_BATCH:,}, got {batch_size}", 2)
-    if seq_len < 1:
-        raise CleaveError(f"--seq-len must be at least 1, got {seq_len}", 2)
     if not 1 <= steps <= 100:
         raise CleaveError(f"--steps must be between 1 and 100, got {steps}", 2)
-    if not (math.isfinite(ps_link_gbps) and 0 < ps_link_gbps <= 1e6):
-        raise CleaveError(f"--ps-link-gbps must be above 0 and at most 1,000,000, got {ps_link_gbps}", 2)
     if ps_gflops is not None and not (math.isfinite(ps_gflops) and 0 < ps_gflops <= 1e7):
         raise CleaveError(f"--ps-gflops must be above 0 and at most 10,000,000, got {ps_gflops}", 2)
     if down_up_ratio is not None and not (math.isfinite(down_up_ratio) and 0 < down_up_ratio <= 1000):
