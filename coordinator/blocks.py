@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from coordinator.tiles import wire_layout
@@ -33,6 +34,18 @@ class Source:
     version: int
     users: int = 0  # live GEMMs reading it
     retained: bool = False  # a later GEMM will read it again (X and dY until their dW)
+
+
+def row_norms(wire: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``||A_i||`` for the rows of ``wire`` (of ``wire.t()`` when ``transposed``), read from the
+    contiguous wire tensor: on a transposed view torch's norms run up to 20x slower."""
+    if not transposed:
+        return torch.linalg.vector_norm(wire, dim=1)
+    if wire.dtype in (torch.float32, torch.float64):  # column norms: numpy's einsum streams the
+        # rows once without a temporary, 3-4x faster than torch's (w * w).sum(0) here
+        w = wire.detach().numpy()
+        return torch.from_numpy(np.sqrt(np.einsum("ij,ij->j", w, w)))
+    return (wire * wire).sum(0).sqrt()
 
 
 @dataclass(eq=False)
@@ -60,9 +73,7 @@ class BlockRef:
     def row_norms(self) -> torch.Tensor:
         """``||A_i||`` for every row of the logical block, computed once per block."""
         if self._row_norms is None:
-            w = self.wire()
-            # On the contiguous wire tensor: 20x faster than on a transposed view.
-            self._row_norms = (w * w).sum(0).sqrt() if self.transposed else torch.linalg.vector_norm(w, dim=1)
+            self._row_norms = row_norms(self.wire(), self.transposed)
         return self._row_norms
 
     def norm(self) -> float:

@@ -321,6 +321,7 @@ async def serve_job(
                 reporter.finished(results, final)
             finally:
                 ticker.cancel()
+                server.stop_verifying()  # before the store closes: a late verdict writes to it
     except BaseException:
         if plan is not None:
             # Resumable if it trained at all (or was resumed); a start that failed before its

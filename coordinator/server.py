@@ -30,11 +30,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
-from coordinator.core import SHUTDOWN, AuthError, Close, Core, Limit, Outbound, Send, check_finite
+from coordinator.core import SHUTDOWN, AuthError, Check, Close, Core, Limit, Outbound, Product, Send, check_finite
 from coordinator.limits import Limits
 from coordinator.listener import ConnectionCounter, bind
 from coordinator.protocol import (
@@ -42,6 +43,7 @@ from coordinator.protocol import (
     StatusRequest, Work, decode, encode, encode_parts,
 )
 from coordinator.training.linear import GemmRequest
+from coordinator.verify import Verdict
 
 log = logging.getLogger("cleave.server")
 
@@ -107,11 +109,18 @@ class Server:
         self.observers = 0
         self.refused = 0  # connections refused at a cap after the upgrade
         self.outbound_bytes = 0  # queued on every connection together
-        self._pending: set[concurrent.futures.Future[torch.Tensor]] = set()
+        self._pending: set[concurrent.futures.Future[Product]] = set()
         self._devices_changed = asyncio.Event()
         self._device_count = 0
         self._aborted: str | None = None
         self._closing = False
+        # Results are verified on a thread of their own (torch releases the GIL in the products),
+        # so the loop keeps framing and sending while a check runs. One thread: checks of one
+        # device's results run in arrival order, and its generator is never shared. Seeded from
+        # the Core's (OS entropy in a job), so a seeded test stays reproducible.
+        self._verifier: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first check
+        self._verify_rng = np.random.default_rng(core.rng.integers(0, 2**63, size=4))
+        self._checks: set[asyncio.Future[tuple[Verdict, float]]] = set()
 
     # ------------------------------------------------------------------ connection counting
 
@@ -187,7 +196,11 @@ class Server:
                     conn.queue.put_nowait((CloseCode.PROTOCOL, _reason(reason)))
                     break
                 try:
-                    self.deliver(self.core.handle(device_id, msg, self.clock()))
+                    got = self.core.receive(device_id, msg, self.clock())
+                    if isinstance(got, Check):
+                        self._verify(got)
+                    else:
+                        self.deliver(got)
                 except Exception:  # a bug must not pass silently, nor take the server down
                     log.exception("handling %s from device %d failed", msg.TYPE, device_id)
                     reason = f"internal error on {msg.TYPE}"
@@ -338,6 +351,38 @@ class Server:
             except (TimeoutError, asyncio.TimeoutError):
                 conn.writer.cancel()
 
+    def _verify(self, check: Check) -> None:
+        """Verify a result off the loop; ``settle`` acts on the verdict back on the loop. What is
+        pending is bounded by the tiles leased: a device's second result for a tile under check
+        is refused by the Core."""
+        if self._verifier is None:
+            self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
+        future = asyncio.get_running_loop().run_in_executor(self._verifier, check.run, self._verify_rng)
+        self._checks.add(future)
+        future.add_done_callback(lambda f: self._checked(check, f))
+
+    def _checked(self, check: Check, future: asyncio.Future[tuple[Verdict, float]]) -> None:
+        self._checks.discard(future)
+        if future.cancelled():  # the server is stopping
+            return
+        try:
+            verdict, seconds = future.result()
+            self.deliver(self.core.settle(check, verdict, seconds, self.clock()))
+        except Exception:  # a bug in verification must stop the job, not pass a result unchecked
+            log.exception("verifying tile %d of device %d failed", check.msg.tile_id, check.dev.id)
+            self.abort("internal error in the coordinator's verification (see the log)")
+
+    def stop_verifying(self) -> None:
+        """Drop the checks still pending (the job is over; their results are not needed)."""
+        for future in list(self._checks):
+            future.cancel()
+        if self._verifier is not None:
+            self._verifier.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def checks_pending(self) -> int:
+        return len(self._checks)
+
     def deliver(self, outbound: Sequence[Outbound]) -> None:
         """Queue the Core's messages on their sockets (never blocks the loop)."""
         for item in outbound:
@@ -417,7 +462,7 @@ class Server:
 
     # ------------------------------------------------------------------ GEMMs from the trainer thread
 
-    def submit(self, requests: Sequence[GemmRequest], futures: Sequence[concurrent.futures.Future[torch.Tensor]]) -> None:
+    def submit(self, requests: Sequence[GemmRequest], futures: Sequence[concurrent.futures.Future[Product]]) -> None:
         """Runs on the loop: queue each GEMM; its future resolves when all its tiles are verified."""
         for request, future in zip(requests, futures):
             if self._aborted is not None:  # shutting down: the trainer thread must not wait forever
@@ -426,9 +471,10 @@ class Server:
             self._pending.add(future)
             future.add_done_callback(self._pending.discard)
             try:
+                # Checked for NaN by RemoteEngine.run and assembled by it, on the trainer thread.
                 _, out = self.core.submit(request.a, request.b, request.kind, self.clock(),
                                           lambda result, f=future: None if f.done() else f.set_result(result),
-                                          finite_checked=True)  # by RemoteEngine.run, off the loop
+                                          finite_checked=True, lazy=True)
             except Exception as exc:  # surfaced in the trainer thread, not swallowed here
                 if not future.done():
                     future.set_exception(exc)
@@ -479,6 +525,7 @@ class RemoteEngine:
     def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
         for r in requests:  # here, on the trainer thread (idle while tiles are out), not on the loop
             check_finite(r.a, r.b, r.kind)
-        futures: list[concurrent.futures.Future[torch.Tensor]] = [concurrent.futures.Future() for _ in requests]
+        futures: list[concurrent.futures.Future[Product]] = [concurrent.futures.Future() for _ in requests]
         self.loop.call_soon_threadsafe(self.server.submit, list(requests), futures)
-        return [f.result() for f in futures]
+        # Each GEMM is put together here (partial sums, or the PS's own product), off the loop.
+        return [f.result()() for f in futures]

@@ -1,0 +1,139 @@
+"""Verification off the event loop: ``Core.receive`` hands a result out as a ``Check`` and
+``Core.settle`` acts on its verdict later. Whatever happens in between (the device leaves, another
+copy wins, the device answers twice), a forgery never enters the model and still counts against
+whoever sent it, and a good result that comes too late is dropped like a losing copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from coordinator.core import Check, Core, FaultPolicy, Send
+from coordinator.limits import TrustPolicy
+from coordinator.protocol import Cancel, CloseCode, Error, Result, Work
+from coordinator.tiles import GemmKind, TilingPolicy
+from db.memory import MemoryStore
+from test_core import Fleet, corrupt, honest, submit
+
+
+FAULTS = FaultPolicy(heartbeat=1.0, heartbeat_timeout=5.0, lease_floor=2.0, lease_factor=4.0,
+                     speculate_after=0.5, speculate_factor=2.0, max_copies=2)
+
+
+def _core(probation_tiles: int = 0, faults: FaultPolicy | None = None) -> Core:
+    store = MemoryStore()
+    job = store.create_job("test", {}, 10, 0.0)
+    policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
+    return Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=policy, faults=faults,
+                trust=TrustPolicy(probation_tiles=probation_tiles, first_slots=8))
+
+
+def _receive(fleet: Fleet, device: int, compute=honest) -> tuple[Check, Work]:
+    """The device computes its first pending work; its result is received, not yet settled."""
+    i = next(i for i, item in enumerate(fleet.pending) if item.device == device)
+    work = fleet.pending.pop(i).message
+    assert isinstance(work, Work)
+    a, b = work.operands(fleet.blocks[device])
+    fleet.now += 0.01
+    got = fleet.core.receive(device, Result(work.tile_id, compute(a, b), 0.001), fleet.now)
+    assert isinstance(got, Check)
+    return got, work
+
+
+def test_receive_then_settle_gives_the_same_product_as_handle() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    d = fleet.join("a")
+    a, b = torch.randn(100, 70), torch.randn(70, 90)
+    box = submit(core, fleet, a, b)
+    while fleet.pending:
+        check, _ = _receive(fleet, d)
+        verdict, seconds = check.run(np.random.default_rng(1))
+        assert verdict.ok and seconds >= 0
+        fleet.route(core.settle(check, verdict, seconds, fleet.now))
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    assert core.verify_seconds > 0
+
+
+def test_a_second_result_for_a_tile_under_check_is_refused_and_not_checked_twice() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    d = fleet.join("a")
+    submit(core, fleet, torch.randn(64, 64), torch.randn(64, 64))
+    check, work = _receive(fleet, d)
+    again = core.receive(d, Result(work.tile_id, check.msg.c.clone(), 0.001), fleet.now)
+    assert isinstance(again, list) and len(again) == 1
+    assert isinstance(again[0], Send) and isinstance(again[0].message, Error)
+    assert again[0].message.code == "not_leased"
+    verdict, seconds = check.run(core.rng)
+    fleet.route(core.settle(check, verdict, seconds, fleet.now))
+    assert core.status(fleet.now)["tiles"]["verified"] == 1
+
+
+def test_a_forgery_whose_device_left_during_the_check_still_bans_it() -> None:
+    core = _core(probation_tiles=20)  # a newcomer: one forgery bans it
+    fleet = Fleet(core)
+    d = fleet.join("forger", slots=1)
+    submit(core, fleet, torch.randn(64, 64), torch.randn(64, 64))
+    check, _ = _receive(fleet, d, corrupt)
+    identity = core.devices[d].identity
+    fleet.route(core.disconnect(d, fleet.now, "connection closed"))  # gone before the verdict
+    verdict, seconds = check.run(core.rng)
+    assert not verdict.ok
+    assert core.settle(check, verdict, seconds, fleet.now) == []
+    assert core.gate.states([identity])[identity] == "banned"
+    assert core.status(fleet.now)["tiles"]["verified"] == 0
+
+
+def test_a_forgery_is_rejected_banned_and_redone_when_the_device_is_still_there() -> None:
+    core = _core(probation_tiles=20)
+    fleet = Fleet(core)
+    forger = fleet.join("forger", slots=1)
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    box = submit(core, fleet, a, b)
+    check, _ = _receive(fleet, forger, corrupt)
+    verdict, seconds = check.run(core.rng)
+    out = core.settle(check, verdict, seconds, fleet.now)
+    fleet.route(out)
+    assert fleet.closed[forger] == CloseCode.BANNED
+    assert "result" not in box  # nothing of it reached the product
+    fleet.join("honest")
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_good_result_settled_after_another_copy_won_is_dropped() -> None:
+    core = _core(faults=FAULTS)
+    fleet = Fleet(core)
+    slow = fleet.join("slow", slots=1)
+    a, b = torch.randn(16, 32), torch.randn(32, 16)
+    box = submit(core, fleet, a, b)  # one tile
+    check, work = _receive(fleet, slow)  # answered; its check is still running
+    fast = fleet.join("fast", slots=1)
+    fleet.now += 1.0  # past the lease's speculation point: a copy goes to the idle device
+    fleet.route(core.tick(fleet.now))
+    assert [p.message.tile_id for p in fleet.pending if p.device == fast] == [work.tile_id]
+    fleet.step(only=fast)
+    assert "result" in box
+    # The slow device is told to drop its copy, but it did answer: not counted as a staller.
+    assert any(isinstance(m, Cancel) for m in fleet.inbox[slow])
+    assert core.devices[slow].standing.unanswered == 0
+    verdict, seconds = check.run(core.rng)
+    assert verdict.ok
+    assert core.settle(check, verdict, seconds, fleet.now) == []  # too late: dropped, no credit
+    assert core.devices[slow].tiles_done == 0 and not core.devices[slow].checking
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_lazy_submit_hands_out_a_product_the_caller_computes() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    fleet.join("a")
+    a, b = torch.randn(100, 70), torch.randn(70, 90)
+    box: dict = {}
+    _, out = core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda r: box.setdefault("product", r), lazy=True)
+    fleet.route(out)
+    fleet.drain()
+    product = box["product"]
+    assert callable(product)
+    torch.testing.assert_close(product(), a @ b, rtol=1e-5, atol=1e-5)
