@@ -8,8 +8,10 @@ object with a virtual clock. ``now`` is monotonic seconds; records in the store 
 Flow of one GEMM: ``submit`` plans its tiles and queues them in the store; ``_dispatch`` leases
 queued tiles to devices with free slots (preferring tiles whose input blocks the device already
 holds) and emits ``Work`` messages carrying only the blocks that device lacks; ``handle(Result)``
-verifies the C block with Freivalds' check before it is kept; once every tile is verified the
-GEMM is assembled and ``on_done`` receives ``A @ B``.
+verifies the C block with Freivalds' check before it is kept (or ``receive`` hands the check out
+to run on another thread and ``settle`` takes its verdict); once every tile is verified the
+GEMM is assembled and ``on_done`` receives ``A @ B`` (or, with ``lazy``, a function that
+assembles it on the caller's thread).
 
 Devices are untrusted (see docs/security.md):
 
@@ -134,11 +136,13 @@ class GemmState:
         return len(self.parts) == len(self.tiles)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Check:
     """A device's result and what its verification reads: the GEMM's own operand views and
-    their blocks, whose norms are cached per block. ``run`` reads the operands and the result
-    and nothing else of the Core's, so it may run on another thread."""
+    their blocks. ``run`` reads the operands and the result and touches nothing of the Core's
+    but the blocks' norm caches (a race there only computes the same norm twice), so it may run
+    on another thread. The operands stay as they are while the GEMM is live (the trainer waits
+    for it); ``settle`` trusts no verdict of a check whose GEMM had completed."""
 
     dev: DeviceState
     msg: Result
@@ -147,6 +151,7 @@ class Check:
     a: torch.Tensor  # the tile's A range, a view of the GEMM's operand
     b: torch.Tensor
     pairs: tuple[tuple[BlockRef, BlockRef], ...]  # the blocks of its reduction pieces
+    arrived: float  # when the result was received: its timings count from here, not the verdict
 
     def run(self, rng: np.random.Generator) -> tuple[Verdict, float]:
         """The verdict and the seconds it took (``rng``: never seen by a device; not shared
@@ -323,7 +328,8 @@ def _all_finite(t: torch.Tensor) -> bool:
     # A NaN or an infinity anywhere makes the sum NaN or infinite, never finite, so a finite sum
     # proves every element finite. One reduction runs ~18x faster than isfinite().all(), which
     # writes a mask of the whole tensor; only a sum that overflowed needs the exact pass.
-    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+    total = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()  # no half overflow
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
 
 
 def check_finite(a: torch.Tensor, b: torch.Tensor, kind: GemmKind) -> None:
@@ -490,6 +496,16 @@ class Core:
     # ------------------------------------------------------------------ messages
 
     def handle(self, device_id: int, msg: Message, now: float) -> list[Outbound]:
+        """Act on one message from a device; a result is verified here, on this thread."""
+        got = self.receive(device_id, msg, now)
+        if not isinstance(got, Check):
+            return got
+        verdict, seconds = got.run(self.rng)
+        return self.settle(got, verdict, seconds, now)
+
+    def receive(self, device_id: int, msg: Message, now: float) -> list[Outbound] | Check:
+        """``handle``, except that a result to verify comes back as a ``Check``: the caller runs
+        it (on another thread if it likes: see ``Check``) and passes its verdict to ``settle``."""
         dev = self.devices.get(device_id)
         if dev is None:
             return []
@@ -497,7 +513,7 @@ class Core:
         if not dev.messages.take(now):
             return self._drop(dev, CloseCode.RATE_LIMITED, "too many messages", now) + self._dispatch(now)
         if isinstance(msg, Result):
-            return self._on_result(dev, msg, now)
+            return self._check_of(dev, msg)
         if isinstance(msg, Heartbeat):
             return []
         if isinstance(msg, Release):
@@ -601,26 +617,6 @@ class Core:
         """A lease of ``dev`` ended without its result: it may still send one for a while."""
         dev.big_until = now + self.limits.result_grace
 
-    def _on_result(self, dev: DeviceState, msg: Result, now: float) -> list[Outbound]:
-        check = self._check_of(dev, msg)
-        if not isinstance(check, Check):
-            return check
-        verdict, seconds = check.run(self.rng)
-        return self.settle(check, verdict, seconds, now)
-
-    def receive(self, device_id: int, msg: Message, now: float) -> list[Outbound] | Check:
-        """``handle``, except that a result to verify comes back as a ``Check``: the caller runs
-        it (off the event loop: it touches no Core state) and passes its verdict to ``settle``."""
-        if not isinstance(msg, Result):
-            return self.handle(device_id, msg, now)
-        dev = self.devices.get(device_id)
-        if dev is None:
-            return []
-        dev.last_seen = now
-        if not dev.messages.take(now):
-            return self._drop(dev, CloseCode.RATE_LIMITED, "too many messages", now) + self._dispatch(now)
-        return self._check_of(dev, msg)
-
     def _check_of(self, dev: DeviceState, msg: Result) -> list[Outbound] | Check:
         if msg.tile_id not in dev.inflight:
             if dev.cancelled.pop(msg.tile_id, False) is None:  # a copy that lost the race: ignored
@@ -633,30 +629,36 @@ class Core:
         tile = gemm.tiles[msg.tile_id]
         if tile.pieces == 1:
             ra, rb = gemm.blocks_of(tile)
-            return Check(dev, msg, gemm, tile, ra.logical, rb.logical, ((ra, rb),))
+            return Check(dev, msg, gemm, tile, ra.logical, rb.logical, ((ra, rb),), dev.last_seen)
         # The pieces' range, as views; norms from the pieces' cached ones.
-        return Check(dev, msg, gemm, tile, a_block(gemm.a, tile), b_block(gemm.b, tile), tuple(gemm.pairs_of(tile)))
+        return Check(dev, msg, gemm, tile, a_block(gemm.a, tile), b_block(gemm.b, tile), tuple(gemm.pairs_of(tile)),
+                     dev.last_seen)
 
     def settle(self, check: Check, verdict: Verdict, seconds: float, now: float) -> list[Outbound]:
         """Act on a result's verdict. The device may have left, or lost the tile to a copy or a
         deadline, while it was checked: a good result then comes too late and is dropped (as a
-        losing copy's would be), a forgery still counts against its identity."""
+        losing copy's would be), a forgery still counts against its identity. Once the GEMM has
+        completed, its operands may have changed under the check (an optimizer step): then the
+        verdict means nothing and is dropped, whatever it says."""
         dev, msg, gemm, tile = check.dev, check.msg, check.gemm, check.tile
         dev.checking.discard(msg.tile_id)
         self.verify_seconds += seconds
         current = self.devices.get(dev.id) is dev and msg.tile_id in dev.inflight
         if not current:
-            if verdict.ok:
+            if verdict.ok or self.gemms.get(gemm.id) is not gemm:
                 return []
             self.store.credit_device(dev.id, rejected=1, now=self._at(now))
             dev.tiles_rejected += 1
-            if dev.standing.rejected(self.trust):
-                self.gate.ban(dev.identity, "results failed verification", self._at(now))
-                if self.devices.get(dev.id) is dev:
-                    return self._drop(dev, CloseCode.BANNED, "results failed verification", now, "banned") + \
-                        self._dispatch(now)
-            return []
+            if not dev.standing.rejected(self.trust):
+                return []
+            reason = "results failed verification"
+            self.gate.ban(dev.identity, reason, self._at(now))
+            live = self.devices.get(self._by_identity.get(dev.identity, -1))  # this session or a newer one
+            if live is None:
+                return []
+            return self._drop(live, CloseCode.BANNED, reason, now, "banned") + self._dispatch(now)
         leased_at = dev.inflight[msg.tile_id]
+        arrived = check.arrived
         nbytes = msg.c.numel() * msg.c.element_size()
         dev.bytes_up += nbytes
         out: list[Outbound] = []
@@ -683,9 +685,9 @@ class Core:
         dev.tiles_done += 1
         dev.standing.verified(self.trust)
         if dev.verified_at is not None:  # its throughput: seconds between verified results
-            gap = min(now - dev.verified_at, MAX_SECONDS_PER_GFLOP)
+            gap = min(arrived - dev.verified_at, MAX_SECONDS_PER_GFLOP)
             dev.result_gap = gap if dev.result_gap is None else (1 - EMA) * dev.result_gap + EMA * gap
-        dev.verified_at = now
+        dev.verified_at = arrived
         self._regrade(dev)
         dev.compute_seconds += msg.seconds
         # From its work frame going on the wire (not from the lease: a frame queued behind the
@@ -694,11 +696,11 @@ class Core:
         # A tile waits on a device only behind the work before it, which was done by the time
         # its result arrived here: a claimed wait beyond that is not believed.
         waited = min(msg.waited, max(0.0, dev.result_at - start) + WAIT_SLACK)
-        dev.result_at = now
-        self.profiles[dev.id].verified(tile.flops, msg.seconds, waited, now - start, sent, nbytes, now)
+        dev.result_at = arrived
+        self.profiles[dev.id].verified(tile.flops, msg.seconds, waited, arrived - start, sent, nbytes, arrived)
         self._measured.add(dev.id)
         if gflop > 0:
-            turnaround = (1 - EMA) * dev.seconds_per_gflop + EMA * (now - leased_at) / gflop
+            turnaround = (1 - EMA) * dev.seconds_per_gflop + EMA * (arrived - leased_at) / gflop
             self.sched.update(dev.id, seconds_per_gflop=min(turnaround, MAX_SECONDS_PER_GFLOP))
         stallers = []
         for loser in losers:  # other copies lost the race: tell their devices to drop them

@@ -123,7 +123,8 @@ CONNECTION_OVERHEAD = 64 << 10  # per connection: objects, tasks, buffers (bench
 def inbound_per_connection(frame: int, limits: Limits) -> int:
     """Bytes one connection can make the coordinator hold on the way in with frames of at most
     ``frame`` bytes: ``max_queue`` complete frames buffered before reading pauses, one in the
-    handler's hands and its decoded (writable) copy, and the library's read buffer, which holds
+    handler's hands and one under verification (the handler waits for its verdict before
+    the next message), and the library's read buffer, which holds
     a partial frame or what one socket read brought in past the queue (at most ``READ_CHUNK``)."""
     return (limits.max_queue + 2) * frame + max(frame, READ_CHUNK)
 

@@ -24,6 +24,7 @@ import json
 import math
 import struct
 import sys
+import warnings
 from urllib.parse import urlsplit
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum, IntEnum
@@ -455,6 +456,12 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
 
 # --------------------------------------------------------------------------- decoding
 
+# torch warns, once per process, that a tensor over read-only memory (a received frame) could be
+# written through; ours are never written (see decode). Spent here, where it is expected.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(b"\0", dtype=torch.uint8)
+
 
 def _clean(value: str) -> str:
     return "".join(ch if ch.isprintable() else " " for ch in value)
@@ -533,7 +540,7 @@ def _fields_of(cls: type, header: dict[str, Any], skip: tuple[str, ...] = ()) ->
     return kwargs
 
 
-def _tensors(header: dict[str, Any], buf: bytearray, offset: int) -> list[torch.Tensor]:
+def _tensors(header: dict[str, Any], buf: bytes | bytearray, offset: int) -> list[torch.Tensor]:
     descs = header.get("tensors", [])
     if not isinstance(descs, list) or len(descs) > MAX_TENSORS:
         raise ProtocolError(f"'tensors' must be a list of at most {MAX_TENSORS} descriptors", Code.BAD_TENSOR)
@@ -603,8 +610,10 @@ def decode(frame: bytes | bytearray | memoryview | str) -> Message:
         raise ProtocolError("header length runs past the frame (truncated?)", Code.TRUNCATED)
     header = _header(bytes(frame[_PREFIX.size : _PREFIX.size + head_len]))
     kind = header["type"]
-    # One copy into a writable buffer so tensors are zero-copy views of it.
-    buf = bytearray(frame)
+    # Tensors are views of the frame as received (websockets hands over immutable bytes): no
+    # copy of the payload. Decoded tensors are only ever read (a result is verified and summed
+    # into the product; a block is multiplied), never written in place.
+    buf = frame if isinstance(frame, (bytes, bytearray)) else bytes(frame)
     tensors = _tensors(header, buf, _PREFIX.size + head_len)
     if kind == "work":
         return _decode_work(header, tensors)

@@ -2,7 +2,11 @@
 
 Everything here runs on one asyncio event loop, and so does every Core call: the Core and the
 store have a single writer and need no locks. The trainer runs in its own thread and reaches the
-Core only through ``RemoteEngine``, which hops onto the loop with ``call_soon_threadsafe``.
+Core only through ``RemoteEngine``, which hops onto the loop with ``call_soon_threadsafe``; it
+also puts each GEMM's tiles together itself (``submit(lazy=True)``). A result's Freivalds check
+runs on a verifier thread (``Core.receive`` hands it out as a ``Check``, torch releases the GIL
+in its products) and its verdict comes back to the loop (``Core.settle``); a device's next
+message waits for that verdict, so what each device sends still acts in order.
 
 What a peer may cost is bounded (``Limits``; the formula is in docs/security.md):
 
@@ -50,6 +54,7 @@ log = logging.getLogger("cleave.server")
 TICK = 0.05  # seconds between Core.tick calls: deadlines, heartbeats, speculation
 CHUNK = 256 << 10  # large replies go out in fragments of this size, so a slow reader costs little
 REFUSE_GRACE = 0.2  # seconds a refused peer has to answer our close before its socket is dropped
+CHECK_WAIT = 10.0  # seconds a closed connection's last result may take to be judged before it is let go
 _zeros: bytearray | None = None  # shared payload of every speed-test reply (never written)
 
 
@@ -74,6 +79,10 @@ class _Conn:
     sending: _Frame | None = None  # the frame being written now (still counted)
     done: bool = False  # its writer has ended: nothing more is queued or counted
     cut: str | None = None  # why the server cut this peer
+    # Its result under check (at most one: the next message waits for its verdict, so the
+    # device's messages act in the order sent and the frames held stay within the stated bound).
+    check: asyncio.Future[tuple[Verdict, float]] | None = None
+    checked: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -121,6 +130,7 @@ class Server:
         self._verifier: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first check
         self._verify_rng = np.random.default_rng(core.rng.integers(0, 2**63, size=4))
         self._checks: set[asyncio.Future[tuple[Verdict, float]]] = set()
+        self._stopped = False
 
     # ------------------------------------------------------------------ connection counting
 
@@ -195,10 +205,12 @@ class Server:
                     reason = f"{exc.code.value}: {exc}"
                     conn.queue.put_nowait((CloseCode.PROTOCOL, _reason(reason)))
                     break
+                if conn.check is not None:  # its last result's verdict comes first
+                    await conn.checked.wait()
                 try:
                     got = self.core.receive(device_id, msg, self.clock())
                     if isinstance(got, Check):
-                        self._verify(got)
+                        self._verify(got, conn)
                     else:
                         self.deliver(got)
                 except Exception:  # a bug must not pass silently, nor take the server down
@@ -215,6 +227,11 @@ class Server:
             if ws.close_code == 1009:  # a frame over its limit: do not read (and discard) the rest of it
                 ws.transport.abort()
         finally:
+            if conn.check is not None:  # a forgery is still judged (and banned) while it is here
+                try:
+                    await asyncio.wait_for(conn.checked.wait(), CHECK_WAIT)
+                except (TimeoutError, asyncio.TimeoutError):
+                    pass
             if self.conns.get(device_id) is conn:
                 del self.conns[device_id]
             if conn.cut is not None:
@@ -351,37 +368,43 @@ class Server:
             except (TimeoutError, asyncio.TimeoutError):
                 conn.writer.cancel()
 
-    def _verify(self, check: Check) -> None:
-        """Verify a result off the loop; ``settle`` acts on the verdict back on the loop. What is
-        pending is bounded by the tiles leased: a device's second result for a tile under check
-        is refused by the Core."""
+    def _verify(self, check: Check, conn: _Conn) -> None:
+        """Verify a result off the loop; ``settle`` acts on the verdict back on the loop, as soon
+        as it is known. One check per connection at a time (the handler waits before the next
+        message), so pending checks are bounded by the connections."""
+        if self._stopped:  # the job is over: nobody needs the result
+            check.dev.checking.discard(check.msg.tile_id)
+            return
         if self._verifier is None:
             self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
         future = asyncio.get_running_loop().run_in_executor(self._verifier, check.run, self._verify_rng)
         self._checks.add(future)
-        future.add_done_callback(lambda f: self._checked(check, f))
+        conn.check = future
+        conn.checked.clear()
+        future.add_done_callback(lambda f: self._checked(check, conn, f))
 
-    def _checked(self, check: Check, future: asyncio.Future[tuple[Verdict, float]]) -> None:
+    def _checked(self, check: Check, conn: _Conn, future: asyncio.Future[tuple[Verdict, float]]) -> None:
         self._checks.discard(future)
-        if future.cancelled():  # the server is stopping
-            return
         try:
+            if future.cancelled():  # the server is stopping
+                return
             verdict, seconds = future.result()
             self.deliver(self.core.settle(check, verdict, seconds, self.clock()))
-        except Exception:  # a bug in verification must stop the job, not pass a result unchecked
+        except Exception:  # a bug in verification must stop the job, never pass a result unchecked
             log.exception("verifying tile %d of device %d failed", check.msg.tile_id, check.dev.id)
             self.abort("internal error in the coordinator's verification (see the log)")
+        finally:
+            if conn.check is future:
+                conn.check = None
+                conn.checked.set()
 
     def stop_verifying(self) -> None:
         """Drop the checks still pending (the job is over; their results are not needed)."""
+        self._stopped = True
         for future in list(self._checks):
             future.cancel()
         if self._verifier is not None:
             self._verifier.shutdown(wait=False, cancel_futures=True)
-
-    @property
-    def checks_pending(self) -> int:
-        return len(self._checks)
 
     def deliver(self, outbound: Sequence[Outbound]) -> None:
         """Queue the Core's messages on their sockets (never blocks the loop)."""

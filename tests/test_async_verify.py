@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from coordinator.core import Check, Core, FaultPolicy, Send
+from coordinator import auth
+from coordinator.core import Check, Close, Core, FaultPolicy, Send
 from coordinator.limits import TrustPolicy
-from coordinator.protocol import Cancel, CloseCode, Error, Result, Work
+from coordinator.protocol import Cancel, CloseCode, Credential, Error, Hello, Result, Work
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
 from test_core import Fleet, corrupt, honest, submit
@@ -137,3 +138,60 @@ def test_lazy_submit_hands_out_a_product_the_caller_computes() -> None:
     product = box["product"]
     assert callable(product)
     torch.testing.assert_close(product(), a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_check_whose_gemm_completed_meanwhile_is_dropped_even_if_it_fails() -> None:
+    """The losing copy's check runs after the winner completed the GEMM and the trainer stepped
+    the weight in place: its verdict compares against changed operands and means nothing."""
+    core = _core(probation_tiles=20, faults=FAULTS)
+    fleet = Fleet(core)
+    slow = fleet.join("slow", slots=1)
+    a, w = torch.randn(16, 32), torch.randn(32, 16)
+    box = submit(core, fleet, a, w)
+    fast = fleet.join("fast", slots=1)
+    fleet.now += 1.0
+    fleet.route(core.tick(fleet.now))  # a copy for the idle device
+    check_fast, _ = _receive(fleet, fast)
+    check_slow, _ = _receive(fleet, slow)  # answered too, before the copy's verdict
+    verdict, seconds = check_fast.run(np.random.default_rng(1))
+    fleet.route(core.settle(check_fast, verdict, seconds, fleet.now))
+    assert "result" in box
+    w.add_(0.01)  # the optimizer's step, on the trainer's thread
+    stale, seconds = check_slow.run(np.random.default_rng(2))
+    assert not stale.ok  # against the new weight, the honest result fails
+    identity = core.devices[slow].identity
+    assert core.settle(check_slow, stale, seconds, fleet.now) == []
+    assert slow in core.devices and core.gate.states([identity])[identity] != "banned"
+    assert core.devices[slow].tiles_rejected == 0
+
+
+def test_a_forger_that_reconnects_before_its_verdict_is_banned_and_dropped() -> None:
+    core = _core(probation_tiles=20)
+    fleet = Fleet(core)
+    d = fleet.join("forger", slots=1)
+    cred = next(m for m in fleet.inbox[d] if isinstance(m, Credential))
+    submit(core, fleet, torch.randn(64, 64), torch.randn(64, 64))
+    check, _ = _receive(fleet, d, corrupt)
+    fleet.route(core.disconnect(d, fleet.now, "connection closed"))
+    fleet.now += 1
+    nonce = core.gate.challenge().nonce
+    proof = auth.proof(bytes.fromhex(cred.secret), cred.identity, bytes.fromhex(nonce)).hex()
+    d2, _ = core.connect(Hello(identity=cred.identity, proof=proof, name="forger", slots=1), nonce, fleet.now)
+    verdict, seconds = check.run(core.rng)
+    out = core.settle(check, verdict, seconds, fleet.now)
+    assert any(isinstance(o, Close) and o.device == d2 and o.code == CloseCode.BANNED for o in out)
+    assert d2 not in core.devices
+    assert core.gate.states([cred.identity])[cred.identity] == "banned"
+
+
+def test_timings_count_from_the_result_arriving_not_from_its_verdict() -> None:
+    core = _core()
+    fleet = Fleet(core)
+    d = fleet.join("a", slots=1)
+    submit(core, fleet, torch.randn(64, 64), torch.randn(64, 64))
+    check, _ = _receive(fleet, d)
+    arrived = fleet.now
+    verdict, seconds = check.run(core.rng)
+    core.settle(check, verdict, seconds, arrived + 30.0)  # a long queue before the verifier
+    assert core.devices[d].verified_at == arrived
+    assert core.devices[d].result_at == arrived

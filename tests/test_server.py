@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed
 from conftest import ROOT, TIMEOUT
 from coordinator.core import Core, Send
 from coordinator.limits import Limits, TrustPolicy
-from coordinator.protocol import Challenge, Code, Credential, Error, Hello, Result, Welcome, Work, decode, encode
+from coordinator.protocol import Challenge, Code, Credential, Error, Hello, Leave, Result, Welcome, Work, decode, encode
 from coordinator.server import Server, listen
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
@@ -38,6 +38,14 @@ async def _closed(ws: ClientConnection) -> tuple[int | None, str | None]:
     return ws.close_code, ws.close_reason
 
 
+async def _enrol(ws: ClientConnection, slots: int) -> None:
+    """A new device's handshake: challenge, hello with the join token, credential, welcome."""
+    assert isinstance(decode(await ws.recv()), Challenge)
+    await ws.send(encode(Hello(token="tok", name="d", slots=slots)))
+    assert isinstance(decode(await ws.recv()), Credential)
+    assert isinstance(decode(await ws.recv()), Welcome)
+
+
 def test_a_peer_that_never_says_hello_is_dropped_with_a_reason() -> None:
     async def run() -> tuple[object, tuple[int | None, str | None]]:
         server = _server(hello_timeout=0.2)
@@ -58,10 +66,7 @@ def test_gemm_over_real_websockets_equals_dense_product() -> None:
         async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
             async with connect(url, compression=None, max_size=None) as ws:
-                assert isinstance(decode(await ws.recv()), Challenge)
-                await ws.send(encode(Hello(token="tok", name="d", slots=2)))
-                assert isinstance(decode(await ws.recv()), Credential)
-                assert isinstance(decode(await ws.recv()), Welcome)
+                await _enrol(ws, slots=2)
                 a, b = torch.randn(70, 20), torch.randn(20, 45)
                 done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
                 gemm_id, out = server.core.submit(a, b, GemmKind.FORWARD, server.clock(), done.set_result)
@@ -277,3 +282,32 @@ def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
         return left
 
     assert asyncio.run(run()) == [0, 0, 0]
+
+
+def test_a_result_then_leave_is_verified_before_the_leave_acts() -> None:
+    """Results are checked on the verifier thread, yet a device's messages act in the order it
+    sent them: a result sent just before Leave is verified and credited, not lost with the lease."""
+    async def run() -> dict:
+        server = _server()
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            async with connect(url, compression=None, max_size=None) as ws:
+                await _enrol(ws, slots=1)
+                a, b = torch.randn(16, 20), torch.randn(20, 16)  # one tile
+                _, out = server.core.submit(a, b, GemmKind.FORWARD, server.clock(), lambda r: None)
+                server.deliver(out)
+                work = decode(await asyncio.wait_for(ws.recv(), TIMEOUT))
+                assert isinstance(work, Work)
+                operands = work.operands({blk.key: blk.data for blk in work.blocks})
+                assert operands is not None
+                await ws.send(encode(Result(work.tile_id, operands[0] @ operands[1])))
+                await ws.send(encode(Leave("owner is back")))
+                await _closed(ws)
+            for _ in range(100):
+                if not server.core.devices:
+                    break
+                await asyncio.sleep(0.02)
+            return server.core.status(server.clock())["tiles"]
+
+    tiles = asyncio.run(run())
+    assert tiles["verified"] == 1
