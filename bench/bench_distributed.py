@@ -35,6 +35,15 @@ The first ``--warmup-steps`` steps of both runs are skipped by every figure. The
   and timed in turn, summed over the step's tiles. Also shown: the check's products
   ``|A(BR) - CR|`` alone (R: its n x 16 random vectors), without its tolerance norms and checks.
 
+* **coordinator tile overhead**: the coordinator process's CPU seconds per step (event loop,
+  trainer thread, verifier thread) minus what plain torch spends outside its GEMMs (its CPU per
+  step minus the clients' matmul seconds, which stand for its GEMMs), over the clients' matmul
+  seconds: what shipping GEMMs costs the PS in verification, framing, websockets, assembly,
+  the store and scheduling, per second of GEMM the clients do.
+* **the demo**: ``cleave demo``'s job (tiny, batch 8 x 64, ``--demo-steps``, default 100) through
+  ``--clients`` local clients with the demo's round-robin tiles and with the cost model, wall
+  time over plain torch's, as the demo prints it (process starts and joins included).
+
 The losses of both runs are also compared (they should agree to ~1e-4 relative).
 """
 
@@ -49,6 +58,7 @@ import os
 import sqlite3
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -123,18 +133,21 @@ class ProgressUI:
 class LocalRun:
     threads: int
     steps: list[StepResult]
+    cpu_s: list[float]  # process CPU seconds of each step (every torch thread)
 
 
 def run_local(train: TrainConfig, threads: int, ui: ProgressUI) -> LocalRun:
     torch.set_num_threads(threads)
     task = ui.phase(f"local torch ({threads} threads)", train.steps)
     trainer = Trainer(train)
-    steps = []
+    steps, cpu = [], []
     while trainer.step < train.steps:
+        started = time.process_time()
         r = trainer.train_step()
+        cpu.append(time.process_time() - started)
         steps.append(r)
         ui.advance(task, f"step {r.step}: {r.seconds * 1e3:.0f} ms, loss {r.loss:.4f}")
-    return LocalRun(threads, steps)
+    return LocalRun(threads, steps, cpu)
 
 
 # ---------------------------------------------------------------------------- phase 2: distributed
@@ -151,6 +164,7 @@ class Snapshot:
     mb_up: float
     compute_s: float  # sum over live devices of client-reported matmul seconds
     verify_s: float  # coordinator seconds inside freivalds()
+    cpu_s: float  # the coordinator process's CPU seconds so far (event loop, trainer, verifier)
 
 
 def _snapshot(result: StepResult, status: dict[str, Any]) -> Snapshot:
@@ -158,7 +172,7 @@ def _snapshot(result: StepResult, status: dict[str, Any]) -> Snapshot:
     return Snapshot(
         step=result.step, seconds=result.seconds, loss=result.loss,
         mb_down=float(result.extra.get("mb_down", 0.0)), mb_up=float(result.extra.get("mb_up", 0.0)),
-        compute_s=float(compute), verify_s=float(status["verify"]["seconds"]),
+        compute_s=float(compute), verify_s=float(status["verify"]["seconds"]), cpu_s=time.process_time(),
     )
 
 
@@ -316,6 +330,8 @@ class Figures:
     traffic: dict[str, Any]
     verify: dict[str, Any]
     loss: dict[str, Any]
+    coordinator: dict[str, Any]
+    demo: dict[str, Any] | None
     tiles: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -336,7 +352,8 @@ def _gemm_step_offset(gemms: list[tuple[int, str, int, int, int, int]], steps: i
     return 1 - values[0]
 
 
-def compute_figures(args: argparse.Namespace, local: LocalRun, dist: DistributedRun, timings: list[TileTiming]) -> Figures:
+def compute_figures(args: argparse.Namespace, local: LocalRun, dist: DistributedRun, timings: list[TileTiming],
+                    demo: dict[str, Any] | None = None) -> Figures:
     warm = args.warmup_steps
     measured = args.steps - warm
 
@@ -362,6 +379,15 @@ def compute_figures(args: argparse.Namespace, local: LocalRun, dist: Distributed
     micro_matmul = sum(t.matmul_s * t.per_step for t in timings)
     micro_verify = sum(t.verify_s * t.per_step for t in timings)
     micro_products = sum(t.products_s * t.per_step for t in timings)
+
+    # The coordinator's CPU beyond what plain torch spends outside its GEMMs (the PS's own
+    # non-GEMM work, which both runs do): verification, framing, websockets, assembly, the
+    # store, scheduling. Plain torch's GEMM CPU is taken as the clients' matmul seconds (the same
+    # FLOPs on one thread each; smaller tiles run a little slower, so this errs high).
+    coord_cpu = delta("cpu_s") / measured
+    local_cpu = _mean(local.cpu_s[warm:])
+    matmul = compute / measured
+    overhead = coord_cpu - max(0.0, local_cpu - matmul)
 
     d_loss, l_loss = [s.loss for s in snaps], [r.loss for r in local.steps]
     rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(d_loss, l_loss, strict=True))
@@ -402,9 +428,45 @@ def compute_figures(args: argparse.Namespace, local: LocalRun, dist: Distributed
                       "repeats": args.micro_repeats, "threads": 1},
         },
         loss={"local_final": l_loss[-1], "distributed_final": d_loss[-1], "max_relative_diff": rel},
+        coordinator={"cpu_s_per_step": coord_cpu, "local_cpu_s_per_step": local_cpu, "client_matmul_s_per_step": matmul,
+                     "overhead_s_per_step": overhead, "overhead_ratio": overhead / matmul if matmul else 0.0},
+        demo=demo,
         tiles=[{**asdict(t.shape), "per_step": t.per_step, "matmul_s": t.matmul_s, "verify_s": t.verify_s,
                 "products_s": t.products_s, "ratio": t.ratio} for t in timings],
     )
+
+
+# ---------------------------------------------------------------------------- phase 4: the demo
+
+
+def run_demo(steps: int, clients: int, ui: ProgressUI) -> dict[str, Any]:
+    """``cleave demo``'s job (tiny, batch 8 x 64): its wall time through local clients, with the
+    demo's round-robin tiles and with the cost model, against plain torch, as the demo reports."""
+    train = TrainConfig(model="tiny", steps=steps, batch_size=8, seq_len=64)
+    out: dict[str, Any] = {"steps": steps, "clients": clients}
+    for planner in (Planner.UNIFORM, Planner.COST):
+        task = ui.phase(f"demo job, --planner {planner.value}", 1)
+        with tempfile.TemporaryDirectory(prefix="cleave-bench-demo-") as tmp:
+            cfg = CoordinatorConfig(train=train, port=0, db=str(Path(tmp) / "demo.db"), token=new_token(),
+                                    min_devices=clients, planner=planner)
+            started = time.perf_counter()
+            outcome = asyncio.run(serve_with_local_clients(cfg, BenchReporter(ui, steps), clients=clients, threads=1,
+                                                           name="demo", exit_timeout=CLIENT_EXIT_TIMEOUT_S,
+                                                           quiet_clients=True))
+            wall = time.perf_counter() - started
+            with sqlite3.connect(Path(tmp) / "demo.db") as conn:
+                tiles = int(conn.execute("SELECT COALESCE(SUM(tiles), 0) FROM gemms").fetchone()[0])
+        out[planner.value] = {"wall_s": wall, "train_s": sum(r.seconds for r in outcome.results), "tiles": tiles,
+                              "final_loss": outcome.results[-1].loss}
+        ui.advance(task, f"{wall:.1f} s, {tiles} tiles")
+    task = ui.phase("demo job, plain torch", 1)
+    started = time.perf_counter()
+    local = Trainer(train).run()
+    out["local"] = {"wall_s": time.perf_counter() - started, "final_loss": local[-1].loss}
+    ui.advance(task, f"{out['local']['wall_s']:.1f} s")
+    for planner in (Planner.UNIFORM, Planner.COST):
+        out[planner.value]["ratio"] = out[planner.value]["wall_s"] / out["local"]["wall_s"]
+    return out
 
 
 # ---------------------------------------------------------------------------- output
@@ -446,6 +508,19 @@ def render(fig: Figures, console: Console, show_tiles: bool) -> None:
     table.add_row("    its products |A(BR) - CR|\n    alone (R: n x 16; no norms)",
                   f"{vf['micro']['products_s_per_step'] * 1e3:.1f} ms", f"{vf['micro']['matmul_s_per_step'] * 1e3:.1f} ms",
                   f"{vf['micro']['products_ratio']:.1%}")
+    co = fig.coordinator
+    table.add_row("5. coordinator tile overhead\n   CPU beyond plain torch's non-GEMM / client matmul",
+                  f"{co['overhead_s_per_step'] * 1e3:,.0f} ms", f"{co['client_matmul_s_per_step'] * 1e3:,.0f} ms",
+                  f"{co['overhead_ratio']:.1%}")
+    table.add_row("   coordinator CPU per step\n   (plain torch's whole step)",
+                  f"{co['cpu_s_per_step'] * 1e3:,.0f} ms", f"{co['local_cpu_s_per_step'] * 1e3:,.0f} ms",
+                  f"{co['cpu_s_per_step'] / co['local_cpu_s_per_step']:.2f}x" if co["local_cpu_s_per_step"] else "-")
+    if fig.demo is not None:
+        dm = fig.demo
+        for planner in ("uniform", "cost"):
+            table.add_row(f"6. cleave demo, --planner {planner}\n   tiny, {dm['steps']} steps: wall / plain torch",
+                          f"{dm[planner]['wall_s']:.1f} s ({dm[planner]['tiles']:,} tiles)",
+                          f"{dm['local']['wall_s']:.1f} s", f"{dm[planner]['ratio']:.2f}x")
     console.print(table)
     if show_tiles:
         tiles = Table(title="Freivalds micro-benchmark per tile shape (1 thread, medians)", title_justify="left")
@@ -487,6 +562,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local-threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the plain-torch baseline and of the coordinator (default: all cores)")
     p.add_argument("--micro-repeats", type=int, default=7, help="timed repeats per tile shape (default: 7)")
+    p.add_argument("--demo-steps", type=int, default=100,
+                   help="steps of the demo job timed last (cleave demo's default: 100; 0 skips it)")
     p.add_argument("--tiles", action="store_true", help="also print the micro-benchmark per tile shape")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -495,8 +572,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("need 0 <= --warmup-steps < --steps")
     if not 1 <= args.clients <= 16:
         p.error("--clients must be between 1 and 16")
-    if args.client_threads < 1 or args.local_threads < 1 or args.micro_repeats < 1:
-        p.error("--client-threads, --local-threads and --micro-repeats must be >= 1")
+    if args.client_threads < 1 or args.local_threads < 1 or args.micro_repeats < 1 or args.demo_steps < 0:
+        p.error("--client-threads, --local-threads and --micro-repeats must be >= 1, --demo-steps >= 0")
     return args
 
 
@@ -511,9 +588,10 @@ def main(argv: list[str] | None = None) -> int:
         offset = _gemm_step_offset(dist.gemms, args.steps)
         last_step = [(kind, m, n, k, tiles) for s, kind, m, n, k, tiles in dist.gemms if s + offset == args.steps]
         timings = micro_benchmark(last_step, args.clients, args.micro_repeats, ui)
+        demo = run_demo(args.demo_steps, args.clients, ui) if args.demo_steps > 0 else None
     finally:
         ui.close()
-    figures = compute_figures(args, local, dist, timings)
+    figures = compute_figures(args, local, dist, timings, demo)
     if args.json:
         print(json.dumps(asdict(figures), indent=2))
     else:

@@ -44,7 +44,7 @@ RATE = 200  # samples per second per thread
 # (category, substrings of a frame "function (file:line)"): the innermost matching frame decides.
 RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("verification", ("/verify.py",)),
-    ("assembly and partial sums", ("assemble (", "_complete (")),
+    ("assembly and partial sums", ("assemble (", "Core._complete (")),  # not run_until_complete
     ("framing (encode/decode)", ("/protocol.py",)),
     ("websocket I/O", ("/websockets/",)),
     ("store (SQLite)", ("/db/", "sqlite")),
@@ -54,7 +54,8 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("PS GEMMs", ("LocalEngine",)),
     ("model, non-GEMM (norms, attention, loss)", ("/training/",)),
 )
-IDLE = ("select (", "epoll", "poll (", "wait (threading.py", "_wait_for_tstate_lock", "sleep (", "waitpid")
+IDLE = ("select (", "_worker (concurrent/futures/thread.py",  # an executor thread between jobs
+        "epoll", "poll (", "wait (threading.py", "_wait_for_tstate_lock", "sleep (", "waitpid")
 
 
 def categorise(frames: list[str]) -> str:
