@@ -22,6 +22,7 @@ from coordinator.identity import JOIN_TOKEN, OPERATOR_TOKEN, store_token
 from coordinator.job import STRONG_TOKEN, CoordinatorConfig, new_token, run_job
 from coordinator.limits import Limits
 from coordinator.live_plan import Planner
+from coordinator.protocol import WireDtype
 from coordinator.tiles import TilingPolicy
 from db.sqlite import SQLiteStore
 from db.store import ACTIVE, BANNED, REVOKED
@@ -82,6 +83,7 @@ def start(
         "--ps-gflops", help="The GEMM rate the cost model may count on from this coordinator, in GFLOP/s "
         "(default: measured at start). Lower it to keep its CPU for verification and the model's other work: "
         "fewer GEMMs stay on it.")] = None,
+    wire_dtype: opt.WireDtypeOpt = WireDtype.FP32,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the URL, tokens and final result.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every device that joins or leaves.")] = False,
 ) -> None:
@@ -108,7 +110,7 @@ def start(
         faults=FaultPolicy(heartbeat=min(2.0, heartbeat_timeout / 5), heartbeat_timeout=heartbeat_timeout,
                            lease_floor=lease_floor),
         limits=limits, checkpoint_every=checkpoint_every, new_job=new_job, planner=planner,
-        ps_link_gbps=ps_link_gbps, ps_gflops=ps_gflops,
+        ps_link_gbps=ps_link_gbps, ps_gflops=ps_gflops, wire_dtype=wire_dtype,
     )
     reporter = ConsoleReporter(console, live=is_terminal(), quiet=quiet)
     try:

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from coordinator.protocol import WireDtype
 from coordinator.training.loop import TrainConfig
 
 _D = TrainConfig()
@@ -24,6 +25,12 @@ Data = Annotated[
 Metrics = Annotated[
     Optional[Path], typer.Option("--metrics", help="Write one JSON object per step (step, loss, tokens, seconds, ...).")
 ]
+
+WireDtypeOpt = Annotated[WireDtype, typer.Option(
+    "--wire-dtype", case_sensitive=False,
+    help="What GEMM operands and results travel as: fp32 (exact, the default), or bf16 / fp16, which halve the "
+    "bytes but round the operands, so losses drift from plain torch's (docs/cli.md has the measured drift). "
+    "Devices still multiply and sum in float32 unless half precision is faster on them.")]
 
 
 def train_config(model: str, steps: int, batch_size: int, seq_len: int, lr: float, seed: int, data: Path | None) -> TrainConfig:

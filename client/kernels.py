@@ -31,17 +31,49 @@ def configure(device: torch.device, threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
     if device.type == "cuda":
-        # TF32 would fail float32 verification: keep full-precision products.
+        # TF32 would fail float32 verification: keep full-precision products. Half-precision
+        # tiles (the opt-in wire) must be summed in float32 too: no reduced-precision split-K.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device, non_blocking=False)
 
 
+_HALF_FAST: dict[tuple[str, torch.dtype], bool] = {}  # measured once per device type and dtype
+
+
+def half_is_fast(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` multiplies faster than float32 here (measured once, at a tile-like size).
+    Many CPUs without native half-precision units run bf16 and fp16 far slower than float32."""
+    key = (device.type, dtype)
+    if key not in _HALF_FAST:
+        try:
+            half = gemm_gflops(device, size=256, seconds=0.05, dtype=dtype)
+        except RuntimeError:  # no kernel for it here
+            half = 0.0
+        _HALF_FAST[key] = half > gemm_gflops(device, size=256, seconds=0.05)
+    return _HALF_FAST[key]
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
-    """Compute one tile; returns the C block on the CPU and the seconds the product took."""
+    """Compute one tile; returns the C block on the CPU and the seconds the product took.
+
+    Half-precision tiles are multiplied and summed in float32, then rounded once, unless the
+    device's half-precision path is faster (the result must come back in the tile's dtype)."""
+    if a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and not half_is_fast(device, a.dtype):
+        started = time.perf_counter()
+        c = (a.float() @ b.float()).to(a.dtype)
+        seconds = time.perf_counter() - started
+        return (c if device.type == "cpu" else c.cpu()), seconds
+    return _product(a, b, device)
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
+    """``a @ b`` in the operands' dtype, timed to completion on the device."""
     started = time.perf_counter()
     c = a @ b
     if device.type == "cuda":
@@ -56,12 +88,12 @@ def gemm_gflops(device: torch.device, size: int = 512, seconds: float = 0.3, dty
     """A quick self-benchmark at a tile-like shape: best of repeated ``size^3`` products."""
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    matmul(a, b, device)  # warm-up
+    _product(a, b, device)  # warm-up
     best = float("inf")
     deadline = time.perf_counter() + seconds
     runs = 0
     while runs < 3 or time.perf_counter() < deadline:
-        best = min(best, matmul(a, b, device)[1])
+        best = min(best, _product(a, b, device)[1])
         runs += 1
         if runs >= 200:
             break

@@ -119,6 +119,7 @@ class GemmState:
     b_blocks: dict[tuple[int, int], BlockRef]  # (p, j) -> B[ks p, cols j]
     parts: dict[int, torch.Tensor] = field(default_factory=dict)  # tile index -> verified C block
     lazy: bool = False  # on_done gets a Product: the caller assembles, off the event loop
+    out_dtype: torch.dtype | None = None  # of the assembled product (float32 for half-precision wire tiles)
 
     def blocks_of(self, tile: Tile) -> tuple[BlockRef, BlockRef]:
         """The blocks of the tile's first reduction piece."""
@@ -163,7 +164,14 @@ class Check:
         else:
             row_norms = torch.stack([ra.row_norms() for ra, _ in self.pairs]).square().sum(0).sqrt()
             b_norm = math.sqrt(sum(rb.norm() ** 2 for _, rb in self.pairs))
-        verdict = freivalds(self.a, self.b, self.msg.c, rng, compute_dtype=self.gemm.a.dtype,
+        gemm = self.gemm
+        if gemm.out_dtype == torch.float32 and gemm.a.dtype != torch.float32:
+            # The half-precision wire of a float32 job: devices sum in float32 and round once,
+            # and only that rounding is tolerated (coordinator/verify.py, ROUNDING_FACTOR).
+            compute, rounded_to = torch.float32, gemm.a.dtype
+        else:
+            compute, rounded_to = gemm.a.dtype, None
+        verdict = freivalds(self.a, self.b, self.msg.c, rng, compute_dtype=compute, rounded_to=rounded_to,
                             a_row_norms=row_norms, b_norm=b_norm)
         return verdict, time.perf_counter() - started
 
@@ -332,11 +340,16 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
 
 
-def check_finite(a: torch.Tensor, b: torch.Tensor, kind: GemmKind) -> None:
+def check_finite(a: torch.Tensor, b: torch.Tensor, kind: GemmKind, cast: str | None = None) -> None:
     """Honest devices would return NaN/Inf, verification would reject them all and ban innocent
-    volunteers: stop where the cause is (training diverged)."""
-    if not (_all_finite(a) and _all_finite(b)):
-        raise FloatingPointError(f"a {kind.value} GEMM input holds NaN or Inf: training diverged (try a lower --lr)")
+    volunteers: stop where the cause is (training diverged, or ``cast``: a value too large for the
+    wire dtype the float32 operands were cast to)."""
+    if _all_finite(a) and _all_finite(b):
+        return
+    if cast is not None:
+        raise FloatingPointError(f"a {kind.value} GEMM input is NaN or Inf once cast to {cast} for the wire "
+                                 f"(fp16 holds magnitudes up to 65,504: try --wire-dtype bf16, or fp32)")
+    raise FloatingPointError(f"a {kind.value} GEMM input holds NaN or Inf: training diverged (try a lower --lr)")
 
 
 class Core:
@@ -788,7 +801,7 @@ class Core:
         return cut
 
     def _complete(self, gemm: GemmState, now: float) -> None:
-        product = functools.partial(assemble, gemm.plan, gemm.parts, gemm.a.dtype)
+        product = functools.partial(assemble, gemm.plan, gemm.parts, gemm.out_dtype or gemm.a.dtype)
         self.store.finish_gemm(gemm.id, self._at(now))
         self.sched.drop_gemm(gemm.id)
         for tid in gemm.tiles:
@@ -824,13 +837,15 @@ class Core:
 
     def submit(
         self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, now: float, on_done: Callable[[torch.Tensor], None],
-        *, finite_checked: bool = False, lazy: bool = False,
+        *, finite_checked: bool = False, lazy: bool = False, out_dtype: torch.dtype | None = None,
     ) -> tuple[int, list[Outbound]]:
         """Queue ``a @ b`` as tiles; ``on_done(result)`` is called once every tile is verified.
         ``finite_checked``: the caller ran ``check_finite`` already (the server's trainer thread
         does, so the event loop does not read every input once more). ``lazy``: ``on_done`` gets
         a ``Product`` instead, and the caller's thread puts the tiles together (or multiplies a
-        GEMM kept on the PS) rather than the event loop."""
+        GEMM kept on the PS) rather than the event loop. ``out_dtype``: the product's dtype when
+        it differs from the operands' (half-precision wire operands of a float32 job: the tiles'
+        results are summed and returned in float32)."""
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
         if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -848,7 +863,8 @@ class Core:
         pred.kinds[label] = pred.kinds.get(label, 0) + 1
         if live.tiles is None:  # cheaper here than shipped: the PS multiplies itself
             pred.local_gemms += 1
-            product = functools.partial(torch.matmul, a.detach(), b.detach())
+            out = out_dtype or a.dtype
+            product = functools.partial(torch.matmul, a.detach().to(out), b.detach().to(out))
             on_done(product if lazy else product())
             return -1, []
         plan = live.tiles
@@ -864,7 +880,7 @@ class Core:
         new = [NewTile(t.index, a_blocks[(t.i, t.p)].key, b_blocks[(t.p, t.j)].key, t.flops) for t in tiles]
         ids = self.store.add_gemm(gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self._at(now))
         gemm = GemmState(gemm_id, kind, a, b, plan, dict(zip(ids, tiles)), on_done, sources, a_blocks, b_blocks,
-                         lazy=lazy)
+                         lazy=lazy, out_dtype=out_dtype)
         if not self.gemms and pred.busy_since is None:
             pred.busy_since = now
         self.gemms[gemm_id] = gemm

@@ -30,7 +30,7 @@ from coordinator.core import Core, FaultPolicy
 from coordinator.limits import Limits, TrustPolicy
 from coordinator.live_plan import Planner
 from coordinator.profiles import measure_ps
-from coordinator.protocol import is_loopback
+from coordinator.protocol import WireDtype, is_loopback
 from coordinator.server import RemoteEngine, Server, listen
 from coordinator.tiles import TilingPolicy
 from coordinator.training.data import load_corpus
@@ -60,6 +60,7 @@ class CoordinatorConfig:
     planner: Planner = Planner.COST  # how GEMMs are cut and shared out (--planner)
     ps_link_gbps: float = 10.0  # the coordinator's link, each way (--ps-link-gbps)
     ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
+    wire_dtype: WireDtype = WireDtype.FP32  # what float32 operands and results travel as (--wire-dtype)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -276,7 +277,7 @@ async def serve_job(
             checkpoint.prune(store.checkpoints(job_id))
 
         def train() -> None:  # in the trainer thread
-            trainer = Trainer(train_cfg, RemoteEngine(server, loop), corpus=corpus)
+            trainer = Trainer(train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus)
             if plan.resume is not None and plan.resume.state is not None:
                 trainer.load_state_dict(plan.resume.state)
             while trainer.step < train_cfg.steps:

@@ -53,6 +53,20 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
+
+class WireDtype(str, Enum):
+    """What a float32 job's GEMM operands and results travel as (``--wire-dtype``). Half
+    precision halves the bytes but rounds the operands: opt-in, never exact (docs/cli.md)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def torch(self) -> torch.dtype | None:
+        """The dtype float32 operands are cast to, or None: they travel as they are."""
+        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("Cleave's wire format assumes a little-endian machine")
 

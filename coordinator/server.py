@@ -44,7 +44,7 @@ from coordinator.limits import Limits
 from coordinator.listener import ConnectionCounter, bind
 from coordinator.protocol import (
     DEVICE_MESSAGES, MAX_SPEEDTEST_BYTES, CloseCode, Code, Hello, Leave, ProtocolError, SpeedTest, StatusReply,
-    StatusRequest, Work, decode, encode, encode_parts,
+    StatusRequest, WireDtype, Work, decode, encode, encode_parts,
 )
 from coordinator.training.linear import GemmRequest
 from coordinator.verify import Verdict
@@ -485,9 +485,11 @@ class Server:
 
     # ------------------------------------------------------------------ GEMMs from the trainer thread
 
-    def submit(self, requests: Sequence[GemmRequest], futures: Sequence[concurrent.futures.Future[Product]]) -> None:
-        """Runs on the loop: queue each GEMM; its future resolves when all its tiles are verified."""
-        for request, future in zip(requests, futures):
+    def submit(self, requests: Sequence[GemmRequest], futures: Sequence[concurrent.futures.Future[Product]],
+               out_dtypes: Sequence[torch.dtype | None] | None = None) -> None:
+        """Runs on the loop: queue each GEMM; its future resolves when all its tiles are verified.
+        ``out_dtypes``: each product's dtype where it differs from its operands' (wire casts)."""
+        for request, future, out_dtype in zip(requests, futures, out_dtypes or [None] * len(requests)):
             if self._aborted is not None:  # shutting down: the trainer thread must not wait forever
                 future.set_exception(JobAborted(self._aborted))
                 continue
@@ -497,7 +499,7 @@ class Server:
                 # Checked for NaN by RemoteEngine.run and assembled by it, on the trainer thread.
                 _, out = self.core.submit(request.a, request.b, request.kind, self.clock(),
                                           lambda result, f=future: None if f.done() else f.set_result(result),
-                                          finite_checked=True, lazy=True)
+                                          finite_checked=True, lazy=True, out_dtype=out_dtype)
             except Exception as exc:  # surfaced in the trainer thread, not swallowed here
                 if not future.done():
                     future.set_exception(exc)
@@ -535,20 +537,43 @@ def listen(server: Server, host: str, port: int, tls: ssl.SSLContext | None = No
 
 
 class RemoteEngine:
-    """The MatmulEngine the trainer sees: GEMMs become tiles on volunteers."""
+    """The MatmulEngine the trainer sees: GEMMs become tiles on volunteers.
 
-    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+    With a half-precision ``wire``, float32 operands are cast here, on the trainer thread, and
+    the products come back in float32. Each operand's whole tensor is cast once per step and
+    the GEMM reads a view of the copy, laid out as the original: the forward's X and the dW
+    that reads it again then share blocks, as in float32."""
+
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop, wire: WireDtype = WireDtype.FP32) -> None:
         self.server = server
         self.loop = loop
+        self.wire = wire
+        self._casts: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_step(self, step: int) -> None:
+        self._casts.clear()  # the step's activations and the weights before their update
         # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
         self.loop.call_soon_threadsafe(lambda: self.server.core.begin_step(step, self.server.clock()))
 
+    def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if not base.is_contiguous():
+            return t.detach().to(dtype)
+        key = (base.untyped_storage().data_ptr(), base._version, tuple(base.shape))
+        hit = self._casts.get(key)
+        if hit is None:  # the original is kept with its copy: its memory cannot be reused meanwhile
+            hit = self._casts[key] = (base, base.detach().to(dtype))
+        return hit[1].as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
+
     def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
-        for r in requests:  # here, on the trainer thread (idle while tiles are out), not on the loop
-            check_finite(r.a, r.b, r.kind)
+        dtype = self.wire.torch
+        cast = [r.a.dtype == torch.float32 and dtype is not None for r in requests]
+        requests = [GemmRequest(self._cast(r.a, dtype), self._cast(r.b, dtype), r.kind) if c and dtype else r
+                    for r, c in zip(requests, cast)]
+        for r, c in zip(requests, cast):  # here, on the trainer thread (idle while tiles are out), not on the loop
+            check_finite(r.a, r.b, r.kind, self.wire.value if c else None)
         futures: list[concurrent.futures.Future[Product]] = [concurrent.futures.Future() for _ in requests]
-        self.loop.call_soon_threadsafe(self.server.submit, list(requests), futures)
+        out = [torch.float32 if c else None for c in cast]
+        self.loop.call_soon_threadsafe(self.server.submit, list(requests), futures, out)
         # Each GEMM is put together here (partial sums, or the PS's own product), off the loop.
         return [f.result()() for f in futures]

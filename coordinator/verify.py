@@ -62,6 +62,11 @@ GAMMA = 10.0
 TARGET_BOUND = 2.0**-40
 # An honest row satisfies ||C_i|| <= ||A_i|| ||B||_2 <= ||A_i|| ||B||_F up to rounding.
 NORM_CAP = 2.0
+# A result summed in float32 and then rounded to a half dtype (``rounded_to``: the opt-in
+# half-precision wire) carries a row error ||e_i|| <= u ||C_i||, u its unit roundoff. Each round
+# adds e_i . r, a sum of independent terms bounded by |e_ij| / 2, so Hoeffding puts it beyond
+# ROUNDING_FACTOR * R_RMS * ||e_i|| with probability 2 exp(-2 (16 R_RMS)^2) ~ 1e-18 a round.
+ROUNDING_FACTOR = 16.0
 
 # Entries of R: uniform on [-1/2, 1/2), drawn as float32 (24-bit grid, see _GRID), rms 1/sqrt(12).
 R_RMS = 1.0 / math.sqrt(12.0)
@@ -136,15 +141,16 @@ def tolerance(
     compute_dtype: torch.dtype = torch.float32,
     a_row_norms: torch.Tensor | None = None,
     b_norm: float | None = None,
+    rounded_to: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``tol_i`` for every row (vectors of unit variance), in the check's working dtype.
 
     Public so that tests, benchmarks and forgers use the very formula ``freivalds`` uses.
     """
-    work = _work_dtype(a.dtype)
+    work, result = _work_dtype(a.dtype), a.dtype
     if a.dtype != work:
         a, b, c, a_row_norms, b_norm = a.to(work), b.to(work), c.to(work), None, None
-    return torch.from_numpy(_bounds(a, b, c, compute_dtype, a_row_norms, b_norm)[0])
+    return torch.from_numpy(_bounds(a, b, c, compute_dtype, a_row_norms, b_norm, result, rounded_to)[0])
 
 
 def detection_threshold(
@@ -166,8 +172,11 @@ def _bounds(
     compute_dtype: torch.dtype,
     a_row_norms: torch.Tensor | None,
     b_norm: float | None,
+    result_dtype: torch.dtype,
+    rounded_to: torch.dtype | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tol, ||C_i||, ||A_i|| ||B||_F) per row, for operands already in the working dtype.
+    """(tol, ||C_i||, ||A_i|| ||B||_F) per row, for operands already in the working dtype;
+    ``result_dtype``: the dtype the device returned C in.
 
     Per-row arithmetic runs in numpy: on a few hundred values each torch call costs 5-10 us
     of dispatch right after a GEMM, several times numpy's.
@@ -184,7 +193,14 @@ def _bounds(
     # rounding with the dtype the check runs in (float32 for half-precision operands).
     product = torch.finfo(compute_dtype).eps * ab
     check = torch.finfo(work).eps * math.sqrt(c.shape[1]) * np.minimum(c_norms, ab)
-    tol = TOL_FACTOR * (product + check) + torch.finfo(work).tiny
+    # Below its normal range a result's rounding is absolute, not relative: up to half the
+    # subnormal spacing per element (2^-25 in fp16, where small gradients live; negligible in
+    # bf16 and float32).
+    out = torch.finfo(result_dtype)
+    subnormal = math.sqrt(c.shape[1]) * out.smallest_normal * out.eps
+    tol = TOL_FACTOR * (product + check + subnormal) + torch.finfo(work).tiny
+    if rounded_to is not None:  # summed in compute_dtype, then rounded once (see ROUNDING_FACTOR)
+        tol = tol + ROUNDING_FACTOR * torch.finfo(rounded_to).eps / 2 * np.minimum(c_norms, ab)
     return tol, c_norms, ab
 
 
@@ -198,6 +214,7 @@ def freivalds(
     rounds: int = ROUNDS,
     a_row_norms: torch.Tensor | None = None,
     b_norm: float | None = None,
+    rounded_to: torch.dtype | None = None,
 ) -> Verdict:
     """Check that ``c`` is ``a @ b`` computed honestly in ``compute_dtype``.
 
@@ -205,6 +222,8 @@ def freivalds(
     default ``rounds`` a result with a row off by ``GAMMA`` tolerances or more passes with
     probability at most ``acceptance_bound()``; fewer rounds weaken that bound.
     ``a_row_norms`` and ``b_norm`` may be passed to share them between tiles of one block.
+    ``rounded_to``: C was summed in ``compute_dtype`` (float32) and then rounded once to this
+    half dtype (the half-precision wire): its rounding is tolerated, nothing more.
     """
     m, k = a.shape
     k2, n = b.shape
@@ -221,11 +240,11 @@ def freivalds(
     if k == 0:
         ok = not bool(c.any())
         return Verdict(ok, "" if ok else "nonzero result of an empty product", 0.0 if ok else float("inf"))
-    work = _work_dtype(a.dtype)
+    work, result = _work_dtype(a.dtype), a.dtype
     if a.dtype != work:  # checked in float32, with norms of our own (see _work_dtype)
         a, b, c = a.to(work), b.to(work), c.to(work)
         a_row_norms, b_norm = None, None
-    tol, c_norms, ab = _bounds(a, b, c, compute_dtype, a_row_norms, b_norm)
+    tol, c_norms, ab = _bounds(a, b, c, compute_dtype, a_row_norms, b_norm, result, rounded_to)
     # NaN and Inf in C show in its row norms; `not x <= y` is also true for NaN.
     over = ~(c_norms <= NORM_CAP * ab)
     if over.any():

@@ -1,0 +1,109 @@
+"""``--wire-dtype bf16|fp16``: float32 jobs whose GEMM operands and results travel in half
+precision. Opt-in and not exact: it halves the bytes, keeps every honest result verified, and its
+losses stay near plain torch's (docs/cli.md has the measured drift)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.core import check_finite
+from coordinator.protocol import WireDtype
+from coordinator.server import RemoteEngine
+from coordinator.tiles import GemmKind
+from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.verify import freivalds
+from client import kernels
+from procs import Coordinator, join
+
+STEPS = 6
+
+
+def _job(tmp: Path, wire: str) -> tuple[list[dict], int]:
+    tmp.mkdir()
+    coord = Coordinator(tmp, "--min-devices", "2", "--wire-dtype", wire, steps=STEPS, planner="uniform")
+    clients = [join(coord.url, f"c{i}") for i in range(2)]
+    assert coord.wait() == 0, coord.output
+    assert all(c.wait() == 0 for c in clients)
+    rejected = coord.query("SELECT COUNT(*) FROM leases WHERE outcome = 'rejected'")[0][0]
+    return coord.rows(), rejected
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_a_half_precision_wire_halves_the_bytes_and_stays_near_plain_torch(tmp_path: Path, wire: str) -> None:
+    exact, _ = _job(tmp_path / "fp32", "fp32")
+    half, rejected = _job(tmp_path / wire, wire)
+    assert rejected == 0  # every honest half-precision result verified
+    local = [r.loss for r in Trainer(TrainConfig(steps=STEPS)).run()]
+    for row, want in zip(half, local, strict=True):
+        assert abs(row["loss"] - want) <= 2e-2 * abs(want)  # rounded operands: near, not equal
+    assert any(row["loss"] != want for row, want in zip(half, local))
+    down = half[-1]["mb_down"] / exact[-1]["mb_down"]
+    up = half[-1]["mb_up"] / exact[-1]["mb_up"]
+    assert 0.4 < down < 0.6 and 0.4 < up < 0.6, (down, up)
+
+
+def test_fp16_results_of_tiny_gradients_pass_and_forgeries_still_fail() -> None:
+    """Below fp16's normal range a result's rounding is absolute (half of 2^-24): the bound
+    allows it, so small gradients never get an honest device rejected; a real error still fails."""
+    rng = np.random.default_rng(0)
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randn(128, 192, generator=gen) * 1e-3).half()
+    b = (torch.randn(192, 64, generator=gen) * 1e-3).half()
+    c = (a.float() @ b.float()).half()  # entries ~1e-5: subnormal in fp16
+    assert freivalds(a, b, c, rng, compute_dtype=torch.float16).ok
+    forged = c.clone()
+    forged[5, 7] += 1e-3  # far above any rounding of this product
+    assert not freivalds(a, b, forged, rng, compute_dtype=torch.float16).ok
+
+
+def test_values_beyond_fp16_fail_with_a_clear_error_before_any_tile_goes_out() -> None:
+    big = torch.full((4, 4), 1e5).half()  # inf in fp16
+    with pytest.raises(FloatingPointError, match="once cast to fp16 for the wire.*--wire-dtype bf16"):
+        check_finite(big, torch.ones(4, 4).half(), GemmKind.FORWARD, "fp16")
+
+
+def test_each_tensor_is_cast_once_a_step_and_its_views_share_the_copy() -> None:
+    engine = RemoteEngine(server=None, loop=None, wire=WireDtype.BF16)  # type: ignore[arg-type]  # casts only
+    x = torch.randn(64, 32)
+    whole, rows, cols_t = engine._cast(x, torch.bfloat16), engine._cast(x[16:48], torch.bfloat16), \
+        engine._cast(x.t(), torch.bfloat16)
+    assert whole.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() == cols_t.untyped_storage().data_ptr()
+    torch.testing.assert_close(rows, x[16:48].bfloat16())
+    torch.testing.assert_close(cols_t, x.t().bfloat16())
+    x.add_(1.0)  # an in-place change (an optimizer step): a new copy, not a stale one
+    torch.testing.assert_close(engine._cast(x, torch.bfloat16), x.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_client_returns_half_tiles_computed_as_float32_rounded_once_or_natively(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    a, b = torch.randn(64, 96, generator=gen).to(dtype), torch.randn(96, 32, generator=gen).to(dtype)
+    c, seconds = kernels.matmul(a, b, torch.device("cpu"))
+    assert c.dtype == dtype and seconds >= 0
+    want = (a.float() @ b.float()).to(dtype)
+    if kernels.half_is_fast(torch.device("cpu"), dtype):
+        torch.testing.assert_close(c, a @ b)
+    else:
+        assert torch.equal(c, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_wire_bound_tolerates_one_rounding_and_catches_a_row_off_by_a_third(dtype: torch.dtype) -> None:
+    """Summed in float32 and rounded once: only that rounding is tolerated. The bound for work
+    done in half precision throughout (compute_dtype=dtype) would let this forgery through."""
+    rng = np.random.default_rng(3)
+    gen = torch.Generator().manual_seed(3)
+    for m, k, n in ((128, 512, 128), (384, 2048, 128), (128, 64, 512)):
+        a, b = torch.randn(m, k, generator=gen).to(dtype), torch.randn(k, n, generator=gen).to(dtype)
+        for c in (a @ b, (a.float() @ b.float()).to(dtype)):  # native and upcast: both honest
+            verdict = freivalds(a, b, c, rng, compute_dtype=torch.float32, rounded_to=dtype)
+            assert verdict.ok and verdict.worst_ratio < 0.5
+        forged = (a.float() @ b.float()).to(dtype)
+        forged[3] += (forged[3].float().norm() / 3 / n**0.5).to(dtype)  # row 3 off by a third of its norm
+        assert not freivalds(a, b, forged, rng, compute_dtype=torch.float32, rounded_to=dtype).ok
+    if dtype == torch.bfloat16:
+        assert freivalds(a, b, forged, rng, compute_dtype=dtype).ok  # what the loose bound allows
