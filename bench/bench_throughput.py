@@ -81,43 +81,46 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
     operands = [(torch.randn(args.size, args.k, generator=rng), torch.randn(args.k, args.size, generator=rng))
                 for _ in range(args.gemms)]
     loop = asyncio.get_running_loop()
-    verified = 0
     stop = False
 
     sizes: list[int] = []  # tiles of each GEMM, as the planner cut it
 
     def pump(i: int) -> None:
         a, b = operands[i]
-        tiles = 0
 
         def done(_: object) -> None:
-            nonlocal verified
-            verified += tiles
             if not stop:
                 loop.call_soon(pump, i)
 
         gemm_id, out = core.submit(a, b, GemmKind.FORWARD, server.clock(), done)
-        tiles = len(core.gemms[gemm_id].tiles)
-        sizes.append(tiles)
+        sizes.append(len(core.gemms[gemm_id].tiles))
         server.deliver(out)
 
     async with listen(server, "127.0.0.1", 0) as ws_server:
         ticker = asyncio.create_task(server.tick_forever())
         url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+        log = open(db.with_suffix(".emulator.log"), "w")  # noqa: SIM115 -- closed below
         emulator = subprocess.Popen(
             [sys.executable, "-m", "cleave_cli", "emulate", url, "--token", TOKEN, "--devices", str(args.devices),
              "--fleet", args.fleet, "--slots", str(args.slots), "--threads", "1"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             await asyncio.wait_for(server.wait_for_devices(args.devices), args.join_timeout)
             for i in range(args.gemms):
                 pump(i)
             await asyncio.sleep(args.warmup)
-            t0, cpu0, v0, ver0 = time.perf_counter(), time.process_time(), verified, _thread_cpu("cleave-verify")
+            # Tiles verified as the store counts them: whole GEMMs would blur the window's edges.
+            t0, cpu0, ver0 = time.perf_counter(), time.process_time(), _thread_cpu("cleave-verify")
+            v0 = core.store.tile_counts(core.job_id)["verified"]
             await asyncio.sleep(args.seconds)
-            t1, cpu1, v1, ver1 = time.perf_counter(), time.process_time(), verified, _thread_cpu("cleave-verify")
-            stop = True
+            t1, cpu1, ver1 = time.perf_counter(), time.process_time(), _thread_cpu("cleave-verify")
+            v1 = core.store.tile_counts(core.job_id)["verified"]
+        except BaseException:
+            log.flush()
+            print(db.with_suffix(".emulator.log").read_text()[-2000:], file=sys.stderr)
+            raise
         finally:
+            stop = True
             server.deliver(core.finish(server.clock()))
             await server.close_all("benchmark over", timeout=5.0)
             ticker.cancel()
@@ -126,6 +129,7 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
                 emulator.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 emulator.kill()
+            log.close()
     store.close()  # after the server: its handlers record each device leaving
     tiles = v1 - v0
     wall, cpu = t1 - t0, cpu1 - cpu0

@@ -48,14 +48,18 @@ _HALF_FAST: dict[tuple[str, torch.dtype], bool] = {}  # measured once per device
 
 def half_is_fast(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``dtype`` multiplies faster than float32 here (measured once, at a tile-like size).
-    Many CPUs without native half-precision units run bf16 and fp16 far slower than float32."""
+    Many CPUs without native half-precision units run bf16 and fp16 far slower than float32.
+    Only CPU and CUDA qualify: their half-precision kernels sum in float32 (CUDA's with reduced
+    precision reductions off, see ``configure``), which verification requires; MPS's need not."""
     key = (device.type, dtype)
     if key not in _HALF_FAST:
-        try:
-            half = gemm_gflops(device, size=256, seconds=0.05, dtype=dtype)
-        except RuntimeError:  # no kernel for it here
-            half = 0.0
-        _HALF_FAST[key] = half > gemm_gflops(device, size=256, seconds=0.05)
+        fast = False
+        if device.type in ("cpu", "cuda"):
+            try:
+                fast = gemm_gflops(device, size=256, seconds=0.1, dtype=dtype) > gemm_gflops(device, size=256, seconds=0.1)
+            except (RuntimeError, TypeError):  # no kernel for it here
+                fast = False
+        _HALF_FAST[key] = fast
     return _HALF_FAST[key]
 
 
@@ -65,10 +69,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[torc
     Half-precision tiles are multiplied and summed in float32, then rounded once, unless the
     device's half-precision path is faster (the result must come back in the tile's dtype)."""
     if a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype and not half_is_fast(device, a.dtype):
-        started = time.perf_counter()
-        c = (a.float() @ b.float()).to(a.dtype)
-        seconds = time.perf_counter() - started
-        return (c if device.type == "cpu" else c.cpu()), seconds
+        c, seconds = _product(a.float(), b.float(), device)
+        return c.to(a.dtype), seconds
     return _product(a, b, device)
 
 

@@ -158,7 +158,9 @@ class Check:
         """The verdict and the seconds it took (``rng``: never seen by a device; not shared
         between threads)."""
         started = time.perf_counter()
-        if len(self.pairs) == 1:
+        if self.a.dtype not in (torch.float32, torch.float64):  # the check takes norms of its own
+            row_norms, b_norm = None, None
+        elif len(self.pairs) == 1:
             (ra, rb), = self.pairs
             row_norms, b_norm = ra.row_norms(), rb.norm()
         else:
@@ -838,6 +840,7 @@ class Core:
     def submit(
         self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, now: float, on_done: Callable[[torch.Tensor], None],
         *, finite_checked: bool = False, lazy: bool = False, out_dtype: torch.dtype | None = None,
+        kept: Product | None = None,
     ) -> tuple[int, list[Outbound]]:
         """Queue ``a @ b`` as tiles; ``on_done(result)`` is called once every tile is verified.
         ``finite_checked``: the caller ran ``check_finite`` already (the server's trainer thread
@@ -845,7 +848,8 @@ class Core:
         a ``Product`` instead, and the caller's thread puts the tiles together (or multiplies a
         GEMM kept on the PS) rather than the event loop. ``out_dtype``: the product's dtype when
         it differs from the operands' (half-precision wire operands of a float32 job: the tiles'
-        results are summed and returned in float32)."""
+        results are summed and returned in float32). ``kept``: the product should the planner
+        keep the GEMM here (the wire's float32 originals), instead of ``a @ b``."""
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
         if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -864,7 +868,7 @@ class Core:
         if live.tiles is None:  # cheaper here than shipped: the PS multiplies itself
             pred.local_gemms += 1
             out = out_dtype or a.dtype
-            product = functools.partial(torch.matmul, a.detach().to(out), b.detach().to(out))
+            product = kept or functools.partial(torch.matmul, a.detach().to(out), b.detach().to(out))
             on_done(product if lazy else product())
             return -1, []
         plan = live.tiles

@@ -236,6 +236,8 @@ async def serve_job(
         ps = await asyncio.to_thread(measure_ps, cfg.ps_link_gbps)
         if cfg.ps_gflops is not None:  # the operator keeps the coordinator's CPU for its own work
             ps = dataclasses.replace(ps, gflops={dtype: cfg.ps_gflops for dtype in ps.gflops})
+        elif cfg.wire_dtype.torch is not None:  # half-precision wire: a GEMM kept here runs in float32
+            ps = dataclasses.replace(ps, gflops={**ps.gflops, cfg.wire_dtype.value: ps.gflops["fp32"]})
         # Verification vectors must be unpredictable to clients: OS entropy, never the public seed.
         core = Core(store, job_id, rng=np.random.default_rng(), policy=cfg.policy, faults=cfg.faults,
                     trust=cfg.trust, limits=cfg.limits, epoch=clock() - time.monotonic(),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import ssl
 import time
@@ -46,6 +47,7 @@ from coordinator.protocol import (
     DEVICE_MESSAGES, MAX_SPEEDTEST_BYTES, CloseCode, Code, Hello, Leave, ProtocolError, SpeedTest, StatusReply,
     StatusRequest, WireDtype, Work, decode, encode, encode_parts,
 )
+from coordinator.tiles import GemmKind
 from coordinator.training.linear import GemmRequest
 from coordinator.verify import Verdict
 
@@ -486,10 +488,13 @@ class Server:
     # ------------------------------------------------------------------ GEMMs from the trainer thread
 
     def submit(self, requests: Sequence[GemmRequest], futures: Sequence[concurrent.futures.Future[Product]],
-               out_dtypes: Sequence[torch.dtype | None] | None = None) -> None:
+               out_dtypes: Sequence[torch.dtype | None] | None = None,
+               kept: Sequence[Product | None] | None = None) -> None:
         """Runs on the loop: queue each GEMM; its future resolves when all its tiles are verified.
-        ``out_dtypes``: each product's dtype where it differs from its operands' (wire casts)."""
-        for request, future, out_dtype in zip(requests, futures, out_dtypes or [None] * len(requests)):
+        ``out_dtypes``: each product's dtype where it differs from its operands' (wire casts);
+        ``kept``: how to compute it should the planner keep it on the PS (from the originals)."""
+        none = [None] * len(requests)
+        for request, future, out_dtype, local in zip(requests, futures, out_dtypes or none, kept or none):
             if self._aborted is not None:  # shutting down: the trainer thread must not wait forever
                 future.set_exception(JobAborted(self._aborted))
                 continue
@@ -499,7 +504,7 @@ class Server:
                 # Checked for NaN by RemoteEngine.run and assembled by it, on the trainer thread.
                 _, out = self.core.submit(request.a, request.b, request.kind, self.clock(),
                                           lambda result, f=future: None if f.done() else f.set_result(result),
-                                          finite_checked=True, lazy=True, out_dtype=out_dtype)
+                                          finite_checked=True, lazy=True, out_dtype=out_dtype, kept=local)
             except Exception as exc:  # surfaced in the trainer thread, not swallowed here
                 if not future.done():
                     future.set_exception(exc)
@@ -548,32 +553,65 @@ class RemoteEngine:
         self.server = server
         self.loop = loop
         self.wire = wire
-        self._casts: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # base's identity -> (base, its copy)
 
     def begin_step(self, step: int) -> None:
         self._casts.clear()  # the step's activations and the weights before their update
         # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
         self.loop.call_soon_threadsafe(lambda: self.server.core.begin_step(step, self.server.clock()))
 
-    def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
         base = t._base if t._base is not None else t
+        # Two tensors over one storage (slices detached from a larger one) differ by offset.
+        return base, (base.untyped_storage().data_ptr(), base.storage_offset(), tuple(base.shape), base.dtype,
+                      base._version)
+
+    def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        base, key = self._key(t)
         if not base.is_contiguous():
             return t.detach().to(dtype)
-        key = (base.untyped_storage().data_ptr(), base._version, tuple(base.shape))
         hit = self._casts.get(key)
         if hit is None:  # the original is kept with its copy: its memory cannot be reused meanwhile
             hit = self._casts[key] = (base, base.detach().to(dtype))
         return hit[1].as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
 
-    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+    def _wire_for(self, r: GemmRequest) -> torch.dtype | None:
+        """The dtype this GEMM travels in: the wire's, unless its operands are not float32 or,
+        for fp16, its products could pass fp16's range (|C_ij| <= ||A_i|| ||B_j||): a GEMM whose
+        honest results would round to Inf goes exact instead, never to be rejected."""
         dtype = self.wire.torch
-        cast = [r.a.dtype == torch.float32 and dtype is not None for r in requests]
-        requests = [GemmRequest(self._cast(r.a, dtype), self._cast(r.b, dtype), r.kind) if c and dtype else r
-                    for r, c in zip(requests, cast)]
-        for r, c in zip(requests, cast):  # here, on the trainer thread (idle while tiles are out), not on the loop
-            check_finite(r.a, r.b, r.kind, self.wire.value if c else None)
-        futures: list[concurrent.futures.Future[Product]] = [concurrent.futures.Future() for _ in requests]
-        out = [torch.float32 if c else None for c in cast]
-        self.loop.call_soon_threadsafe(self.server.submit, list(requests), futures, out)
+        if dtype is None or r.a.dtype != torch.float32 or r.b.dtype != torch.float32:
+            return None
+        if dtype == torch.float16 and r.a.numel() and r.b.numel():
+            bound = float(torch.linalg.vector_norm(r.a, dim=1).max()) * float(torch.linalg.vector_norm(r.b, dim=0).max())
+            if not bound <= torch.finfo(torch.float16).max / 2:
+                return None
+        return dtype
+
+    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        sent, out, kept = [], [], []
+        for r in requests:  # here, on the trainer thread (idle while tiles are out), not on the loop
+            check_finite(r.a, r.b, r.kind)
+            dtype = self._wire_for(r)
+            if dtype is None:
+                sent.append(r)
+                out.append(None)
+                kept.append(None)
+                continue
+            half = GemmRequest(self._cast(r.a, dtype), self._cast(r.b, dtype), r.kind)
+            if dtype == torch.float16:  # fp16 cannot hold what float32 can (bf16 can)
+                check_finite(half.a, half.b, r.kind, self.wire.value)
+            sent.append(half)
+            out.append(torch.float32)
+            # Kept on the PS, a GEMM is multiplied from the float32 originals: exact, and as fast.
+            kept.append(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
+        futures: list[concurrent.futures.Future[Product]] = [concurrent.futures.Future() for _ in sent]
+        self.loop.call_soon_threadsafe(self.server.submit, sent, futures, out, kept)
         # Each GEMM is put together here (partial sums, or the PS's own product), off the loop.
-        return [f.result()() for f in futures]
+        products = [f.result()() for f in futures]
+        for r in requests:  # dW is the last to read its X and dY: their copies can go now
+            if r.kind is GemmKind.GRAD_WEIGHT:
+                for t in (r.a, r.b):
+                    self._casts.pop(self._key(t)[1], None)
+        return products

@@ -67,6 +67,10 @@ NORM_CAP = 2.0
 # adds e_i . r, a sum of independent terms bounded by |e_ij| / 2, so Hoeffding puts it beyond
 # ROUNDING_FACTOR * R_RMS * ||e_i|| with probability 2 exp(-2 (16 R_RMS)^2) ~ 1e-18 a round.
 ROUNDING_FACTOR = 16.0
+# The 2^-40 guarantee then covers a wire row error from GAMMA * ROUNDING_FACTOR * u of the row's
+# norm: 0.625 in bf16, 0.078 in fp16. Below 1, so replacing a row outright is always caught.
+if not all(GAMMA * ROUNDING_FACTOR * torch.finfo(d).eps / 2 < 1 for d in (torch.bfloat16, torch.float16)):
+    raise ImportError("GAMMA * ROUNDING_FACTOR * u must stay below 1 for every wire dtype")
 
 # Entries of R: uniform on [-1/2, 1/2), drawn as float32 (24-bit grid, see _GRID), rms 1/sqrt(12).
 R_RMS = 1.0 / math.sqrt(12.0)
@@ -160,9 +164,10 @@ def detection_threshold(
     *,
     compute_dtype: torch.dtype = torch.float32,
     gamma: float = GAMMA,
+    rounded_to: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``Delta_i = gamma tol_i``: a row error this large is caught except w.p. acceptance_bound."""
-    return gamma * tolerance(a, b, c, compute_dtype=compute_dtype)
+    return gamma * tolerance(a, b, c, compute_dtype=compute_dtype, rounded_to=rounded_to)
 
 
 def _bounds(
@@ -195,10 +200,10 @@ def _bounds(
     check = torch.finfo(work).eps * math.sqrt(c.shape[1]) * np.minimum(c_norms, ab)
     # Below its normal range a result's rounding is absolute, not relative: up to half the
     # subnormal spacing per element (2^-25 in fp16, where small gradients live; negligible in
-    # bf16 and float32).
+    # bf16 and float32), a bounded error per element that ROUNDING_FACTOR covers (Hoeffding).
     out = torch.finfo(result_dtype)
-    subnormal = math.sqrt(c.shape[1]) * out.smallest_normal * out.eps
-    tol = TOL_FACTOR * (product + check + subnormal) + torch.finfo(work).tiny
+    subnormal = ROUNDING_FACTOR * math.sqrt(c.shape[1]) * out.smallest_normal * out.eps / 2
+    tol = TOL_FACTOR * (product + check) + subnormal + torch.finfo(work).tiny
     if rounded_to is not None:  # summed in compute_dtype, then rounded once (see ROUNDING_FACTOR)
         tol = tol + ROUNDING_FACTOR * torch.finfo(rounded_to).eps / 2 * np.minimum(c_norms, ab)
     return tol, c_norms, ab

@@ -13,11 +13,14 @@ import torch
 from coordinator.core import check_finite
 from coordinator.protocol import WireDtype
 from coordinator.server import RemoteEngine
+from coordinator.planner import Kind
 from coordinator.tiles import GemmKind
+from coordinator.training.linear import GemmRequest
 from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.verify import freivalds
 from client import kernels
 from procs import Coordinator, join
+from test_live_plan import Fleet, make_core
 
 STEPS = 6
 
@@ -107,3 +110,36 @@ def test_the_wire_bound_tolerates_one_rounding_and_catches_a_row_off_by_a_third(
         assert not freivalds(a, b, forged, rng, compute_dtype=torch.float32, rounded_to=dtype).ok
     if dtype == torch.bfloat16:
         assert freivalds(a, b, forged, rng, compute_dtype=dtype).ok  # what the loose bound allows
+
+
+def test_slices_detached_from_one_storage_get_copies_of_their_own() -> None:
+    engine = RemoteEngine(server=None, loop=None, wire=WireDtype.BF16)  # type: ignore[arg-type]  # casts only
+    big = torch.randn(8, 16)
+    first, second = big[2:6].detach(), big[4:8].detach()  # same storage and shape, other offsets
+    torch.testing.assert_close(engine._cast(first, torch.bfloat16), first.bfloat16())
+    torch.testing.assert_close(engine._cast(second, torch.bfloat16), second.bfloat16())
+
+
+def test_an_fp16_gemm_whose_products_could_overflow_travels_exact() -> None:
+    engine = RemoteEngine(server=None, loop=None, wire=WireDtype.FP16)  # type: ignore[arg-type]
+    small = GemmRequest(torch.randn(64, 32), torch.randn(32, 16), GemmKind.FORWARD)
+    assert engine._wire_for(small) == torch.float16
+    large = GemmRequest(torch.full((64, 1024), 100.0), torch.ones(1024, 16), GemmKind.FORWARD)  # |C| = 102,400
+    assert engine._wire_for(large) is None  # in float32: honest devices never return Inf
+    assert RemoteEngine(None, None, WireDtype.BF16)._wire_for(large) == torch.bfloat16  # type: ignore[arg-type]
+
+
+def test_a_gemm_kept_on_the_coordinator_is_computed_as_the_engine_says() -> None:
+    """RemoteEngine passes the float32 originals' product as ``kept``: a wire GEMM the planner
+    keeps on the PS is then exact, not the rounded operands' product."""
+    core = make_core(frozenset({Kind.LOCAL}))
+    fleet = Fleet(core)
+    fleet.join("d")
+    a, b = torch.randn(192, 256), torch.randn(256, 160)
+    exact = a.double() @ b.double()  # stands for the originals' product: distinguishable from a @ b
+    box: dict = {}
+    _, out = core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda c: box.setdefault("c", c), kept=lambda: exact)
+    fleet.route(out)
+    fleet.drain()
+    assert core.prediction.kinds == {"local": 1} and not fleet.computed
+    assert box["c"] is exact
