@@ -63,6 +63,23 @@ def start_coordinator(args: list[str], env: dict[str, str]) -> tuple[subprocess.
     raise SystemExit("coordinator did not start:\n" + "".join(lines))
 
 
+def finish_job(coord: subprocess.Popen, lines: list[str], others: list[subprocess.Popen], metrics: Path,
+               timeout: float = 30.0) -> list[dict]:
+    """Wait for the coordinator to end the job, then for ``others`` (killed after ``timeout``);
+    returns its ``--metrics`` rows, or exits with its output when it failed."""
+    assert coord.stdout is not None
+    rest = coord.stdout.read()
+    code = coord.wait()
+    for proc in others:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if code != 0:
+        raise SystemExit(f"coordinator exited {code}:\n" + "".join(lines) + rest)
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+
+
 def run_job(planner: str, scenario: str, steps: int, slow: float, tmp: Path) -> list[dict]:
     """One job; returns its per-step metrics rows."""
     py = sys.executable
@@ -73,7 +90,6 @@ def run_job(planner: str, scenario: str, steps: int, slow: float, tmp: Path) -> 
         ["--db", str(tmp / f"{scenario}-{planner}.db"), "--token", TOKEN, "--operator-token", OPERATOR,
          "--steps", str(steps), "--model", spec["model"], "--min-devices", "2", "--planner", planner,
          "--metrics", str(metrics), "--quiet", *spec["extra"]], env)
-    assert coord.stdout is not None
     clients = [
         subprocess.Popen([py, "-m", "cleave_cli", "join", url, "--token", TOKEN, "--threads", "1", "--once", "--quiet",
                           "--always", "--name", "fast"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
@@ -81,16 +97,7 @@ def run_job(planner: str, scenario: str, steps: int, slow: float, tmp: Path) -> 
         subprocess.Popen([py, str(ROOT / "tests" / "doubles.py"), "slowed", url, TOKEN, "slow", str(slow)], cwd=ROOT,
                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
     ]
-    rest = coord.stdout.read()
-    code = coord.wait()
-    for c in clients:
-        try:
-            c.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            c.kill()
-    if code != 0:
-        raise SystemExit(f"coordinator exited {code}:\n" + "".join(lines) + rest)
-    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return finish_job(coord, lines, clients, metrics)
 
 
 def figures(rows: list[dict], warmup: int) -> dict:

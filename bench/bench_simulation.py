@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_planner import OPERATOR, TOKEN, start_coordinator  # noqa: E402
+from bench_planner import OPERATOR, TOKEN, finish_job, start_coordinator  # noqa: E402
 
 # Slow enough that 200 of them compute for real on one core of this machine within their pace.
 FLEET = """
@@ -68,20 +68,10 @@ def emulated(count: int, args: argparse.Namespace, fleet: Path, tmp: Path) -> li
         ["--db", str(tmp / f"emu-{count}.db"), "--token", TOKEN, "--operator-token", OPERATOR, "--steps",
          str(args.steps), "--model", args.model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
          "--min-devices", str(count), "--planner", args.planner, "--metrics", str(metrics), "--quiet"], env)
-    assert coord.stdout is not None
     emu = subprocess.Popen([py, "-m", "cleave_cli", "emulate", url, "--token", TOKEN, "--devices", str(count),
                             "--fleet", str(fleet), "--quiet", "--seed", "1"],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    rest = coord.stdout.read()
-    code = coord.wait()
-    try:
-        emu.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        emu.kill()
-    if code != 0:
-        raise SystemExit(f"coordinator exited {code}:\n" + "".join(lines) + rest)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [r["seconds"] for r in rows]
+    return [r["seconds"] for r in finish_job(coord, lines, [emu], metrics, timeout=60)]
 
 
 def core_seconds_per_result(devices: int) -> float:

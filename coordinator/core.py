@@ -662,16 +662,8 @@ class Core:
         if not current:
             if verdict.ok or self.gemms.get(gemm.id) is not gemm:
                 return []
-            self.store.credit_device(dev.id, rejected=1, now=self._at(now))
-            dev.tiles_rejected += 1
-            if not dev.standing.rejected(self.trust):
-                return []
-            reason = "results failed verification"
-            self.gate.ban(dev.identity, reason, self._at(now))
-            live = self.devices.get(self._by_identity.get(dev.identity, -1))  # this session or a newer one
-            if live is None:
-                return []
-            return self._drop(live, CloseCode.BANNED, reason, now, "banned") + self._dispatch(now)
+            dropped = self._forged(dev, now)
+            return dropped + self._dispatch(now) if dropped else []
         leased_at = dev.inflight[msg.tile_id]
         arrived = check.arrived
         nbytes = msg.c.numel() * msg.c.element_size()
@@ -682,14 +674,8 @@ class Core:
             self._failed(dev.id, now)
             self.sched.release(msg.tile_id, dev.id, bar=True)
             self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
-            self.store.credit_device(dev.id, rejected=1, now=self._at(now))
-            dev.tiles_rejected += 1
             out.append(self._send(dev.id, Error(Code.REJECTED, f"tile {msg.tile_id} failed verification: {verdict.reason}"), now))
-            if dev.standing.rejected(self.trust):
-                reason = "results failed verification"
-                self.gate.ban(dev.identity, reason, self._at(now))
-                out.extend(self._drop(dev, CloseCode.BANNED, reason, now, "banned"))
-            return out + self._dispatch(now)
+            return out + self._forged(dev, now) + self._dispatch(now)
         kind = gemm.kind.value
         self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
         losers = self.sched.done(msg.tile_id, dev.id)
@@ -739,6 +725,18 @@ class Core:
                 out.extend(self._cut(other, f"{other.standing.unanswered} tiles in a row went to other "
                                             f"devices without a result from it", now))
         return out + self._dispatch(now)
+
+    def _forged(self, dev: DeviceState, now: float) -> list[Outbound]:
+        """Count a rejected result against its identity; when that bans it, drop the identity's
+        live session (this one, or a newer one if it reconnected meanwhile)."""
+        self.store.credit_device(dev.id, rejected=1, now=self._at(now))
+        dev.tiles_rejected += 1
+        if not dev.standing.rejected(self.trust):
+            return []
+        reason = "results failed verification"
+        self.gate.ban(dev.identity, reason, self._at(now))
+        live = self.devices.get(self._by_identity.get(dev.identity, -1))
+        return [] if live is None else self._drop(live, CloseCode.BANNED, reason, now, "banned")
 
     def _on_pause(self, dev: DeviceState, reason: str, now: float) -> list[Outbound]:
         """The owner needs the machine: its tiles go to others at once; it stays connected."""

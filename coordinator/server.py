@@ -40,6 +40,7 @@ import torch
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from coordinator.blocks import row_norms
 from coordinator.core import SHUTDOWN, AuthError, Check, Close, Core, Limit, Outbound, Product, Send, check_finite
 from coordinator.limits import Limits
 from coordinator.listener import ConnectionCounter, bind
@@ -541,6 +542,11 @@ def listen(server: Server, host: str, port: int, tls: ssl.SSLContext | None = No
     )
 
 
+def _row_norms(t: torch.Tensor) -> torch.Tensor:
+    """``||t_i||`` per row, read along memory whether ``t`` lies as it is or transposed."""
+    return row_norms(t.t(), True) if t.t().is_contiguous() else row_norms(t.contiguous(), False)
+
+
 class RemoteEngine:
     """The MatmulEngine the trainer sees: GEMMs become tiles on volunteers.
 
@@ -584,7 +590,7 @@ class RemoteEngine:
         if dtype is None or r.a.dtype != torch.float32 or r.b.dtype != torch.float32:
             return None
         if dtype == torch.float16 and r.a.numel() and r.b.numel():
-            bound = float(torch.linalg.vector_norm(r.a, dim=1).max()) * float(torch.linalg.vector_norm(r.b, dim=0).max())
+            bound = float(_row_norms(r.a).max()) * float(_row_norms(r.b.t()).max())
             if not bound <= torch.finfo(torch.float16).max / 2:
                 return None
         return dtype
