@@ -47,7 +47,7 @@ from coordinator.core import Core
 from coordinator.limits import Limits
 from coordinator.server import Server, listen
 from coordinator.tiles import GemmKind, TilingPolicy
-from db.sqlite import SQLiteStore
+from db.sqlite import GROUP_SECONDS, SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-throughput-token"
@@ -71,7 +71,7 @@ def _thread_cpu(name_prefix: str) -> float:
 
 
 async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
-    store = SQLiteStore(str(db))
+    store = SQLiteStore(str(db), group_seconds=GROUP_SECONDS)  # as a job opens it
     job = store.create_job("throughput", {}, 1, time.time())
     policy = TilingPolicy(max_edge=args.tile, min_edge=min(8, args.tile), min_k=args.k, min_tile_flops=1)
     core = Core(store, job, join_token=TOKEN, operator_token=TOKEN + "-op", rng=np.random.default_rng(),

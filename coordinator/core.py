@@ -587,6 +587,7 @@ class Core:
                 dev.frame_limit = self.limits.idle_frame
                 out.append(Limit(dev.id, dev.frame_limit))
         out.extend(self._dispatch(now))
+        self.store.flush()  # the hot path's grouped writes are durable within a tick or two
         return out
 
     def _check_standings(self, now: float) -> list[Outbound]:

@@ -35,7 +35,7 @@ from coordinator.server import RemoteEngine, Server, listen
 from coordinator.tiles import TilingPolicy
 from coordinator.training.data import load_corpus
 from coordinator.training.loop import ConfigError, StepResult, TrainConfig, Trainer
-from db.sqlite import SQLiteStore
+from db.sqlite import GROUP_SECONDS, SQLiteStore
 from db.store import CheckpointRow
 
 
@@ -224,7 +224,7 @@ async def serve_job(
     deadlines run on the monotonic clock."""
     loop = asyncio.get_running_loop()
     tls = server_tls(cfg.certfile, cfg.keyfile)
-    store = SQLiteStore(cfg.db)
+    store = SQLiteStore(cfg.db, group_seconds=GROUP_SECONDS)
     metrics: _Metrics | None = None
     plan: _Plan | None = None
     results: list[StepResult] = []

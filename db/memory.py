@@ -353,5 +353,8 @@ class MemoryStore:
             count += 1
         return count
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass

@@ -4,6 +4,14 @@ One connection, used by the coordinator's event-loop thread only (one writer). E
 multi-statement change runs in ``BEGIN IMMEDIATE ... COMMIT``; a tile is claimed with a single
 ``UPDATE ... RETURNING``. ``synchronous=NORMAL`` under WAL: a power cut may lose the last
 transactions but never corrupts the file, and commits cost microseconds, not an fsync.
+
+Group commit (``group_seconds > 0``, as a coordinator runs): the per-tile writes of the hot path
+(leases, their ends, credits, GEMM rows) share one transaction that is committed once it is
+``group_seconds`` old, at the next ``flush()`` (the server's 50 ms tick), by any other write,
+or at ``close()``. Each call stays atomic on its own (a savepoint inside the group). A crash
+loses at most that window of tile bookkeeping, which a restart abandons anyway (its operands
+died with the process); writes that must outlive a crash (bans, enrolments, steps, job
+states, checkpoints) commit at once, taking the group with them.
 """
 
 from __future__ import annotations
@@ -11,10 +19,11 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import sqlite_utils
 
@@ -25,6 +34,7 @@ from db.store import (
     StoreError,
 )
 
+GROUP_SECONDS = 0.05  # a running coordinator's group-commit window (see the module doc)
 _COUNT_KEYS = (QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "revoked", "requeued",
                "speculative", "expired")
 _DEVICE_COLS = ("id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen, tiles_done,"
@@ -68,8 +78,16 @@ RETURNING id, gemm_id, idx, a_key, b_key, attempts
 
 
 class SQLiteStore:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(
+        self, path: str | Path, *, group_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0.0 <= group_seconds <= 1.0:
+            raise ValueError(f"group_seconds must be in [0, 1], got {group_seconds}")
         self.path = str(path)
+        self.group_seconds = group_seconds
+        self._clock = clock
+        self._group_since: float | None = None  # when the open group transaction began
+        self._depth = 0  # atomic blocks open inside this call chain
         try:
             # Created private: it holds token hashes and the devices' stored keys. SQLite gives
             # its -wal and -shm files the same permissions.
@@ -92,29 +110,69 @@ class SQLiteStore:
 
     @contextmanager
     def atomic(self) -> Iterator[sqlite3.Connection]:
-        if self.conn.in_transaction:  # nested: a savepoint
-            self.conn.execute("SAVEPOINT nested")
-            try:
+        """One write that commits at once (with any group it joins), or rolls back alone."""
+        if self._depth or self.conn.in_transaction:  # nested, or joining an open group
+            with self._savepoint():
                 yield self.conn
-            except BaseException:
-                self.conn.execute("ROLLBACK TO nested")
-                raise
-            self.conn.execute("RELEASE nested")
+            if not self._depth:
+                self.flush()
             return
         self.conn.execute("BEGIN IMMEDIATE")
+        self._depth += 1
         try:
             yield self.conn
         except BaseException:
             self.conn.execute("ROLLBACK")
             raise
+        finally:
+            self._depth -= 1
         self.conn.execute("COMMIT")
+
+    @contextmanager
+    def _grouped(self) -> Iterator[sqlite3.Connection]:
+        """A hot-path write: atomic on its own, committed with the group (see the module doc)."""
+        if not self.group_seconds or self._depth:
+            with self.atomic() as c:
+                yield c
+            return
+        if not self.conn.in_transaction:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self._group_since = self._clock()
+        with self._savepoint():
+            yield self.conn
+        if self._group_since is not None and self._clock() - self._group_since >= self.group_seconds:
+            self.flush()
+
+    @contextmanager
+    def _savepoint(self) -> Iterator[None]:
+        self.conn.execute("SAVEPOINT part")
+        self._depth += 1
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK TO part")
+            self.conn.execute("RELEASE part")
+            raise
+        finally:
+            self._depth -= 1
+        self.conn.execute("RELEASE part")
+
+    def flush(self) -> None:
+        """Commit the open group of hot-path writes, if any."""
+        if self.conn.in_transaction and not self._depth:
+            self.conn.execute("COMMIT")
+        self._group_since = None
+
+    def _write(self, sql: str, params: Any = (), *, grouped: bool = False) -> sqlite3.Cursor:
+        with (self._grouped() if grouped else self.atomic()) as c:
+            return c.execute(sql, params)
 
     def _one(self, sql: str, params: Any = ()) -> tuple | None:
         return self.conn.execute(sql, params).fetchone()
 
     # --- job and steps
     def mark_devices_offline(self, reason: str) -> None:
-        self.conn.execute("UPDATE devices SET state = 'offline', reason = ? WHERE state IN ('online', 'paused')",
+        self._write("UPDATE devices SET state = 'offline', reason = ? WHERE state IN ('online', 'paused')",
                           (reason,))
 
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
@@ -137,7 +195,7 @@ class SQLiteStore:
 
     def set_job_state(self, job_id: int, state: str, now: float) -> None:
         done = now if state in ("finished", "failed") else None
-        self.conn.execute(
+        self._write(
             "UPDATE jobs SET state = ?, finished_at = COALESCE(?, finished_at) WHERE id = ?", (state, done, job_id)
         )
 
@@ -160,7 +218,7 @@ class SQLiteStore:
 
     # --- identities and settings
     def enrol(self, name: str, key: bytes, now: float) -> int:
-        cur = self.conn.execute(
+        cur = self._write(
             "INSERT INTO identities (name, key, state, reason, created_at, last_seen) VALUES (?, ?, ?, '', ?, ?)",
             (name, key, ACTIVE, now, now),
         )
@@ -188,8 +246,8 @@ class SQLiteStore:
     def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None:
         if state not in IDENTITY_STATES:
             raise StoreError(f"an identity cannot be {state!r}")
-        cur = self.conn.execute("UPDATE identities SET state = ?, reason = ?, last_seen = ? WHERE id = ?",
-                                (state, reason, now, identity_id))
+        cur = self._write("UPDATE identities SET state = ?, reason = ?, last_seen = ? WHERE id = ?",
+                          (state, reason, now, identity_id))
         if cur.rowcount != 1:
             raise StoreError(f"no identity {identity_id}")
 
@@ -210,8 +268,8 @@ class SQLiteStore:
         return str(row[0]) if row is not None else None
 
     def set_setting(self, key: str, value: str) -> None:
-        self.conn.execute("INSERT INTO settings (key, value) VALUES (?, ?) "
-                          "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
+        self._write("INSERT INTO settings (key, value) VALUES (?, ?) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
 
     def _version(self) -> int:
         row = self._one("PRAGMA data_version")
@@ -245,7 +303,7 @@ class SQLiteStore:
             return int(cur.lastrowid)
 
     def set_device_state(self, device_id: int, state: str, now: float, reason: str = "") -> None:
-        cur = self.conn.execute(
+        cur = self._write(
             "UPDATE devices SET state = ?, reason = ?, last_seen = ? WHERE id = ?", (state, reason, now, device_id)
         )
         if cur.rowcount != 1:
@@ -255,11 +313,11 @@ class SQLiteStore:
         self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, revoked: int = 0,
         gflop: float = 0.0, now: float,
     ) -> None:
-        cur = self.conn.execute(
+        cur = self._write(
             "UPDATE devices SET tiles_done = tiles_done + ?, tiles_rejected = tiles_rejected + ?,"
             " tiles_lost = tiles_lost + ?, tiles_revoked = tiles_revoked + ?, gflop_verified = gflop_verified + ?,"
             " last_seen = ? WHERE id = ?",
-            (verified, rejected, lost, revoked, gflop, now, device_id),
+            (verified, rejected, lost, revoked, gflop, now, device_id), grouped=True,
         )
         if cur.rowcount != 1:
             raise StoreError(f"no device {device_id}")
@@ -289,7 +347,7 @@ class SQLiteStore:
         self, gemm_id: int, job_id: int, step: int, kind: str, shape: tuple[int, int, int],
         tiles: Sequence[NewTile], now: float,
     ) -> list[int]:
-        with self.atomic() as c:
+        with self._grouped() as c:
             m, n, k = shape
             gid = int(c.execute(
                 "INSERT INTO gemms (id, job_id, step, kind, m, n, k, tiles, created_at) VALUES (?,?,?,?,?,?,?,?,?)",
@@ -310,7 +368,7 @@ class SQLiteStore:
         return ids
 
     def finish_gemm(self, gemm_id: int, now: float) -> None:
-        self.conn.execute("UPDATE gemms SET done_at = ? WHERE id = ?", (now, gemm_id))
+        self._write("UPDATE gemms SET done_at = ? WHERE id = ?", (now, gemm_id), grouped=True)
 
     def _job_of(self, gemm_id: int) -> int:
         if gemm_id not in self._gemm_job:
@@ -344,7 +402,7 @@ class SQLiteStore:
 
     def _from_queue(self, sql: str, params: dict, device_id: int, now: float) -> ClaimedTile | None:
         """Lease the queued tile ``sql`` picks (one UPDATE ... RETURNING), with its lease row."""
-        with self.atomic() as c:
+        with self._grouped() as c:
             row = c.execute(sql, params).fetchone()
             if row is None:
                 return None
@@ -356,7 +414,7 @@ class SQLiteStore:
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         if issued not in (SPECULATIVE, DEADLINE):
             raise StoreError(f"a copy is issued as {SPECULATIVE!r} or {DEADLINE!r}, not {issued!r}")
-        with self.atomic() as c:
+        with self._grouped() as c:
             row = c.execute(_CLAIM_COPY, {"tile": tile_id, "device": device_id}).fetchone()
             return None if row is None else self._lease(c, row, device_id, issued, now)
 
@@ -365,7 +423,7 @@ class SQLiteStore:
     ) -> LeaseEnd:
         if outcome not in OUTCOMES or outcome == "cancelled":
             raise StoreError(f"a lease cannot be ended as {outcome!r}")
-        with self.atomic() as c:
+        with self._grouped() as c:
             cur = c.execute(
                 "UPDATE leases SET ended_at = ?, outcome = ?, reason = ? "
                 "WHERE tile_id = ? AND device_id = ? AND ended_at IS NULL",
@@ -452,7 +510,7 @@ class SQLiteStore:
 
     # --- checkpoints and resuming
     def add_checkpoint(self, row: CheckpointRow) -> None:
-        self.conn.execute(
+        self._write(
             "INSERT INTO checkpoints (job_id, step, path, sha256, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
             (row.job_id, row.step, row.path, row.sha256, row.bytes, row.created_at),
         )
@@ -488,4 +546,5 @@ class SQLiteStore:
             return cur.rowcount
 
     def close(self) -> None:
+        self.flush()
         self.conn.close()

@@ -13,9 +13,12 @@ from db.sqlite import SQLiteStore
 from db.store import DEADLINE, SPECULATIVE, CheckpointRow, DeviceInfo, NewTile, Store, StoreError
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", "sqlite-grouped"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    s: Store = MemoryStore() if request.param == "memory" else SQLiteStore(tmp_path / "s.db")
+    # "sqlite-grouped": as a coordinator runs it, hot-path writes sharing one transaction (a
+    # window no test reaches, so only flush() and durable writes commit them).
+    s: Store = MemoryStore() if request.param == "memory" else \
+        SQLiteStore(tmp_path / "s.db", group_seconds=0.0 if request.param == "sqlite" else 1.0)
     yield s
     s.close()
 
@@ -411,3 +414,77 @@ def test_the_sqlite_file_is_private(tmp_path: Path) -> None:
     store.set_setting("join_token_sha256", "00")
     assert stat.S_IMODE((tmp_path / "private.db").stat().st_mode) == 0o600
     store.close()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _seen_by_another_process(path: Path, job: int) -> dict[str, int]:
+    other = SQLiteStore(path)
+    try:
+        return other.recount(job)
+    finally:
+        other.close()
+
+
+def test_group_commit_holds_hot_writes_until_the_window_or_a_flush(tmp_path: Path) -> None:
+    clock = _Clock()
+    path = tmp_path / "g.db"
+    store = SQLiteStore(path, group_seconds=0.05, clock=clock)
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _, tiles = _gemm(store, job, n=4)
+    assert _seen_by_another_process(path, job)["queued"] == 0  # the GEMM's rows wait in the group
+    store.lease_tile(tiles[0], d, 1.0)
+    clock.now = 0.06  # the group is older than its window: the next hot write commits it
+    store.lease_tile(tiles[1], d, 1.0)
+    assert _seen_by_another_process(path, job)["leased"] == 2
+    store.end_lease(tiles[0], d, "verified", 2.0)
+    store.credit_device(d, verified=1, gflop=1.0, now=2.0)
+    assert _seen_by_another_process(path, job)["verified"] == 0
+    store.flush()  # the server's tick
+    assert _seen_by_another_process(path, job)["verified"] == 1
+    assert _seen_by_another_process(path, job) == store.recount(job)
+    store.close()
+
+
+def test_a_durable_write_commits_the_group_and_close_flushes(tmp_path: Path) -> None:
+    path = tmp_path / "g.db"
+    store = SQLiteStore(path, group_seconds=1.0)
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _, tiles = _gemm(store, job, n=2)
+    store.lease_tile(tiles[0], d, 1.0)
+    store.record_step(job, 1, 2.0, 8, 0.1, 3.0)  # a step is durable at once, with the group before it
+    assert _seen_by_another_process(path, job)["leased"] == 1
+    store.lease_tile(tiles[1], d, 1.0)
+    store.close()
+    assert _seen_by_another_process(path, job)["leased"] == 2
+
+
+def test_a_failed_write_in_a_group_rolls_back_alone(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "g.db", group_seconds=1.0)
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _, tiles = _gemm(store, job, n=2)
+    store.lease_tile(tiles[0], d, 1.0)
+    with pytest.raises(StoreError):
+        store.end_lease(tiles[1], d, "verified", 2.0)  # never leased: refused, nothing written
+    with pytest.raises(StoreError):
+        store.credit_device(999, verified=1, now=2.0)
+    store.end_lease(tiles[0], d, "verified", 2.0)
+    store.flush()
+    assert store.recount(job) == store.tile_counts(job)
+    assert (store.recount(job)["verified"], store.recount(job)["queued"]) == (1, 1)
+    assert [lease.outcome for lease in store.leases(tiles[0])] == ["verified"]
+    store.close()
+
+
+def test_group_window_is_bounded() -> None:
+    with pytest.raises(ValueError, match="group_seconds"):
+        SQLiteStore(":memory:", group_seconds=5.0)
