@@ -40,6 +40,11 @@ The first ``--warmup-steps`` steps of both runs are skipped by every figure. The
   step minus the clients' matmul seconds, which stand for its GEMMs), over the clients' matmul
   seconds: what shipping GEMMs costs the PS in verification, framing, websockets, assembly,
   the store and scheduling, per second of GEMM the clients do.
+* **wire floor**: what moving this step's bytes costs the machine's CPU with nothing else done
+  (``wire_floor.py``: plain websockets on loopback, both ends, measured in this run), and the
+  step ratio that leaves even if every other overhead were zero: plain torch's CPU per step
+  plus that wire CPU, spread over every core, over plain torch's step time. A lower bound on
+  figure 1 for this model, batch and wire dtype on this machine.
 * **the demo**: ``cleave demo``'s job (tiny, batch 8 x 64, ``--demo-steps``, default 100) through
   ``--clients`` local clients with the demo's round-robin tiles and with the cost model, wall
   time over plain torch's, as the demo prints it (process starts and joins included).
@@ -73,12 +78,14 @@ from rich.table import Table
 from cleave_cli.local import serve_with_local_clients
 from coordinator.job import CoordinatorConfig, JobOutcome, Listening, new_token
 from coordinator.live_plan import Planner
+from coordinator.protocol import WireDtype
 from coordinator.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from timing import interleaved_medians
+import wire_floor
 from coordinator.verify import ROUNDS, freivalds, random_vectors
 
-FLOAT32_BYTES = 4
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element on the wire
 CLIENT_EXIT_TIMEOUT_S = 30.0
 TABLE_WIDTH = 120
 
@@ -225,13 +232,15 @@ def _read_gemms(db: Path) -> list[tuple[int, str, int, int, int, int]]:
     return [(int(s), str(kind), int(m), int(n), int(k), int(t)) for s, kind, m, n, k, t in rows]
 
 
-def run_distributed(train: TrainConfig, threads: int, clients: int, client_threads: int, ui: ProgressUI) -> DistributedRun:
+def run_distributed(train: TrainConfig, threads: int, clients: int, client_threads: int, ui: ProgressUI,
+                    wire_dtype: WireDtype = WireDtype.FP32) -> DistributedRun:
     torch.set_num_threads(threads)
     reporter = BenchReporter(ui, train.steps)
     with tempfile.TemporaryDirectory(prefix="cleave-bench-") as tmp:
         db = Path(tmp) / "bench.db"
         cfg = CoordinatorConfig(train=train, port=0, db=str(db), token=new_token(), min_devices=clients,
-                                planner=Planner.UNIFORM)  # its micro-benchmark re-plans the fixed grid
+                                planner=Planner.UNIFORM,  # its micro-benchmark re-plans the fixed grid
+                                wire_dtype=wire_dtype)
         outcome = asyncio.run(serve_with_local_clients(cfg, reporter, clients=clients, threads=client_threads,
                                                        name="bench", exit_timeout=CLIENT_EXIT_TIMEOUT_S,
                                                        quiet_clients=True))
@@ -332,6 +341,7 @@ class Figures:
     loss: dict[str, Any]
     coordinator: dict[str, Any]
     demo: dict[str, Any] | None
+    wire_floor: dict[str, Any] | None = None
     tiles: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -353,7 +363,7 @@ def _gemm_step_offset(gemms: list[tuple[int, str, int, int, int, int]], steps: i
 
 
 def compute_figures(args: argparse.Namespace, local: LocalRun, dist: DistributedRun, timings: list[TileTiming],
-                    demo: dict[str, Any] | None = None) -> Figures:
+                    demo: dict[str, Any] | None = None, wire: dict[str, Any] | None = None) -> Figures:
     warm = args.warmup_steps
     measured = args.steps - warm
 
@@ -371,8 +381,9 @@ def compute_figures(args: argparse.Namespace, local: LocalRun, dist: Distributed
 
     offset = _gemm_step_offset(dist.gemms, args.steps)
     window = [g for g in dist.gemms if g[0] + offset > warm]
-    min_down = sum(FLOAT32_BYTES * (m * k + k * n) for _, _, m, n, k, _ in window) / measured
-    min_up = sum(FLOAT32_BYTES * m * n for _, _, m, n, k, _ in window) / measured
+    size = WIRE_BYTES[args.wire_dtype]
+    min_down = sum(size * (m * k + k * n) for _, _, m, n, k, _ in window) / measured
+    min_up = sum(size * m * n for _, _, m, n, k, _ in window) / measured
     real_down = delta("mb_down") * 1e6 / measured
     real_up = delta("mb_up") * 1e6 / measured
 
@@ -389,6 +400,15 @@ def compute_figures(args: argparse.Namespace, local: LocalRun, dist: Distributed
     matmul = compute / measured
     overhead = coord_cpu - max(0.0, local_cpu - matmul)
 
+    floor: dict[str, Any] | None = None
+    if wire is not None:
+        cores = os.cpu_count() or 1
+        wire_cpu = (real_down + real_up) * wire["cpu_s_per_gb"] / 1e9
+        local_wall = _mean(local_s)
+        floor_wall = max(local_wall, (local_cpu + wire_cpu) / cores)
+        floor = {**wire, "cores": cores, "wire_cpu_s_per_step": wire_cpu, "local_cpu_s_per_step": local_cpu,
+                 "floor_step_s": floor_wall, "floor_ratio": floor_wall / local_wall}
+
     d_loss, l_loss = [s.loss for s in snaps], [r.loss for r in local.steps]
     rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(d_loss, l_loss, strict=True))
 
@@ -398,8 +418,8 @@ def compute_figures(args: argparse.Namespace, local: LocalRun, dist: Distributed
             "model": args.model, "steps": args.steps, "warmup_steps": warm, "measured_steps": measured,
             "batch_size": args.batch_size, "seq_len": args.seq_len, "tokens_per_step": args.batch_size * args.seq_len,
             "clients": dist.clients, "client_threads": dist.client_threads, "local_threads": local.threads,
-            "coordinator_threads": local.threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "gemms_per_step": len(window) // measured, "tiles_per_step": sum(t.per_step for t in timings),
+            "coordinator_threads": args.coordinator_threads or local.threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "wire_dtype": args.wire_dtype, "gemms_per_step": len(window) // measured, "tiles_per_step": sum(t.per_step for t in timings),
         },
         step_time={
             "local_s": _mean(local_s), "distributed_s": _mean(dist_s),
@@ -431,6 +451,7 @@ def compute_figures(args: argparse.Namespace, local: LocalRun, dist: Distributed
         coordinator={"cpu_s_per_step": coord_cpu, "local_cpu_s_per_step": local_cpu, "client_matmul_s_per_step": matmul,
                      "overhead_s_per_step": overhead, "overhead_ratio": overhead / matmul if matmul else 0.0},
         demo=demo,
+        wire_floor=floor,
         tiles=[{**asdict(t.shape), "per_step": t.per_step, "matmul_s": t.matmul_s, "verify_s": t.verify_s,
                 "products_s": t.products_s, "ratio": t.ratio} for t in timings],
     )
@@ -489,6 +510,13 @@ def render(fig: Figures, console: Console, show_tiles: bool) -> None:
         f"1. step time\n   {c['clients']} clients x {c['client_threads']} thr / torch x {c['local_threads']} thr",
         f"{st['distributed_s'] * 1e3:,.0f} ms", f"{st['local_s'] * 1e3:,.0f} ms", f"{st['ratio']:.2f}x",
     )
+    if fig.wire_floor is not None:
+        wf = fig.wire_floor
+        table.add_row("1b. wire floor: CPU to move this step's\n    bytes alone (websockets, loopback)",
+                      f"{wf['wire_cpu_s_per_step'] * 1e3:,.0f} ms", f"{wf['local_cpu_s_per_step'] * 1e3:,.0f} ms",
+                      f"{wf['cpu_s_per_gb']:.2f} s/GB")
+        table.add_row(f"    step ratio left if nothing else cost:\n    (torch CPU + wire CPU) / {wf['cores']} cores",
+                      f"{wf['floor_step_s'] * 1e3:,.0f} ms", f"{st['local_s'] * 1e3:,.0f} ms", f"{wf['floor_ratio']:.2f}x")
     table.add_row(
         "2. client time in matmul\n   compute_s / (wall x clients)",
         f"{cs['compute_s']:.2f} s", f"{cs['wall_s']:.2f} s x {cs['clients']}", f"{cs['share']:.1%}",
@@ -561,9 +589,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client-threads", type=int, default=1, help="torch threads per client (default: 1)")
     p.add_argument("--local-threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the plain-torch baseline and of the coordinator (default: all cores)")
+    p.add_argument("--coordinator-threads", type=int, default=0,
+                   help="torch threads of the coordinator (default: --local-threads)")
     p.add_argument("--micro-repeats", type=int, default=7, help="timed repeats per tile shape (default: 7)")
     p.add_argument("--demo-steps", type=int, default=100,
                    help="steps of the demo job timed last (cleave demo's default: 100; 0 skips it)")
+    p.add_argument("--wire-dtype", choices=[w.value for w in WireDtype], default=WireDtype.FP32.value,
+                   help="the distributed job's --wire-dtype (default: fp32, exact)")
+    p.add_argument("--wire-mb", type=int, default=256,
+                   help="MB each way for the wire floor (default: 256; 0 skips it)")
     p.add_argument("--tiles", action="store_true", help="also print the micro-benchmark per tile shape")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -572,7 +606,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("need 0 <= --warmup-steps < --steps")
     if not 1 <= args.clients <= 16:
         p.error("--clients must be between 1 and 16")
-    if args.client_threads < 1 or args.local_threads < 1 or args.micro_repeats < 1 or args.demo_steps < 0:
+    if args.wire_mb < 0:
+        p.error("--wire-mb must be >= 0")
+    if args.client_threads < 1 or args.local_threads < 1 or args.micro_repeats < 1 or args.demo_steps < 0 \
+            or args.coordinator_threads < 0:
         p.error("--client-threads, --local-threads and --micro-repeats must be >= 1, --demo-steps >= 0")
     return args
 
@@ -584,14 +621,20 @@ def main(argv: list[str] | None = None) -> int:
     ui = ProgressUI(enabled=not args.quiet)
     try:
         local = run_local(train, args.local_threads, ui)
-        dist = run_distributed(train, args.local_threads, args.clients, args.client_threads, ui)
+        dist = run_distributed(train, args.coordinator_threads or args.local_threads, args.clients, args.client_threads, ui,
+                               WireDtype(args.wire_dtype))
         offset = _gemm_step_offset(dist.gemms, args.steps)
         last_step = [(kind, m, n, k, tiles) for s, kind, m, n, k, tiles in dist.gemms if s + offset == args.steps]
         timings = micro_benchmark(last_step, args.clients, args.micro_repeats, ui)
         demo = run_demo(args.demo_steps, args.clients, ui) if args.demo_steps > 0 else None
+        wire = None
+        if args.wire_mb > 0:
+            task = ui.phase("wire floor: plain websockets on loopback", 1)
+            wire = wire_floor.measure(args.wire_mb)
+            ui.advance(task, f"{wire['cpu_s_per_gb']:.2f} CPU s/GB")
     finally:
         ui.close()
-    figures = compute_figures(args, local, dist, timings, demo)
+    figures = compute_figures(args, local, dist, timings, demo, wire)
     if args.json:
         print(json.dumps(asdict(figures), indent=2))
     else:

@@ -120,6 +120,7 @@ class GemmState:
     parts: dict[int, torch.Tensor] = field(default_factory=dict)  # tile index -> verified C block
     lazy: bool = False  # on_done gets a Product: the caller assembles, off the event loop
     out_dtype: torch.dtype | None = None  # of the assembled product (float32 for half-precision wire tiles)
+    deferred: bool = False  # nobody waits on it before the step's end (a weight gradient)
 
     def blocks_of(self, tile: Tile) -> tuple[BlockRef, BlockRef]:
         """The blocks of the tile's first reduction piece."""
@@ -839,7 +840,7 @@ class Core:
     def submit(
         self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, now: float, on_done: Callable[[torch.Tensor], None],
         *, finite_checked: bool = False, lazy: bool = False, out_dtype: torch.dtype | None = None,
-        kept: Product | None = None,
+        kept: Product | None = None, deferred: bool = False,
     ) -> tuple[int, list[Outbound]]:
         """Queue ``a @ b`` as tiles; ``on_done(result)`` is called once every tile is verified.
         ``finite_checked``: the caller ran ``check_finite`` already (the server's trainer thread
@@ -848,7 +849,9 @@ class Core:
         GEMM kept on the PS) rather than the event loop. ``out_dtype``: the product's dtype when
         it differs from the operands' (half-precision wire operands of a float32 job: the tiles'
         results are summed and returned in float32). ``kept``: the product should the planner
-        keep the GEMM here (the wire's float32 originals), instead of ``a @ b``."""
+        keep the GEMM here (the wire's float32 originals), instead of ``a @ b``. ``deferred``:
+        nobody waits on this product until the step ends (a weight gradient): its tiles queue
+        behind those of GEMMs submitted later without it, which the trainer waits on."""
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
         if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -883,15 +886,17 @@ class Core:
         new = [NewTile(t.index, a_blocks[(t.i, t.p)].key, b_blocks[(t.p, t.j)].key, t.flops) for t in tiles]
         ids = self.store.add_gemm(gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self._at(now))
         gemm = GemmState(gemm_id, kind, a, b, plan, dict(zip(ids, tiles)), on_done, sources, a_blocks, b_blocks,
-                         lazy=lazy, out_dtype=out_dtype)
+                         lazy=lazy, out_dtype=out_dtype, deferred=deferred)
         if not self.gemms and pred.busy_since is None:
             pred.busy_since = now
         self.gemms[gemm_id] = gemm
         for tid in ids:
             self._tile_gemm[tid] = gemm_id
         owners = live.owners
+        # Ahead of deferred GEMMs' queued tiles (FIFO otherwise): the trainer waits on this one.
+        front = not deferred and any(g.deferred for g in self.gemms.values() if g is not gemm)
         self.sched.add_gemm(gemm_id, [UnitSpec(tid, gemm_id, nt.a_key, nt.b_key, nt.flops, owners.get(t.index))
-                                      for tid, nt, t in zip(ids, new, tiles)])
+                                      for tid, nt, t in zip(ids, new, tiles)], front=front)
         return gemm_id, self._dispatch(now)
 
     def _plan(self, m: int, n: int, k: int, kind: GemmKind) -> LivePlan:

@@ -293,20 +293,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ work
 
-    def add_gemm(self, gemm: int, units: Sequence[UnitSpec]) -> None:
+    def add_gemm(self, gemm: int, units: Sequence[UnitSpec], *, front: bool = False) -> None:
         """Queue a GEMM's units. A unit's owner is the plan's device if it is connected, else a
-        connected device already holding both of its blocks (or one), else nobody."""
+        connected device already holding both of its blocks (or one), else nobody. ``front``:
+        ahead of every unit queued before (in their order): someone waits on this GEMM, while
+        the queued ones (deferred weight gradients) are needed only at the end of the step."""
         ids = []
         homes: set[int] = set()
-        for spec in units:
+        for spec in reversed(units) if front else units:
             u = _Unit(spec)
             self.units[spec.id] = u
             ids.append(spec.id)
             home = spec.owner if spec.owner in self.seats else self._affinity(spec)
-            self._enqueue(u, home)
+            self._enqueue(u, home, front=front)
             if home is not None:
                 homes.add(home)
-        self._gemm_units[gemm] = ids
+        self._gemm_units[gemm] = ids[::-1] if front else ids
         if len(self._steal) > 2 * len(self.seats) + 64:  # stale entries: rebuild, O(P) amortised
             self._steal = [(-s.own_count, d) for d, s in self.seats.items() if s.own_count > 0]
             heapq.heapify(self._steal)
@@ -357,7 +359,10 @@ class Scheduler:
                 self._shared.append(u.spec.id)
             return
         seat = self.seats[home]
-        seat.own.append(u.spec.id)
+        if front:
+            seat.own.appendleft(u.spec.id)
+        else:
+            seat.own.append(u.spec.id)
         seat.own_count += 1
 
     def _own_less(self, u: _Unit) -> None:

@@ -67,7 +67,10 @@ class JobAborted(RuntimeError):
 
 @dataclass(frozen=True)
 class _Frame:
-    data: bytes
+    # One frame, or a work message's fragments: its header, then views of its blocks (never
+    # copied here; a GEMM's operands do not change while it is live).
+    data: bytes | list[bytes | memoryview]
+    size: int
     control: bool  # anything but work: counted against Limits.control_queue
     tile: int | None = None  # a work frame's tile: the Core learns when it goes on the wire
 
@@ -335,10 +338,10 @@ class Server:
             self._drain(conn)
 
     def _sent(self, conn: _Conn, item: _Frame) -> None:
-        conn.queued_bytes -= len(item.data)
-        self.outbound_bytes -= len(item.data)
+        conn.queued_bytes -= item.size
+        self.outbound_bytes -= item.size
         if item.control:
-            conn.control_bytes -= len(item.data)
+            conn.control_bytes -= item.size
 
     def _uncount_sending(self, conn: _Conn) -> None:
         if conn.sending is not None:
@@ -416,9 +419,15 @@ class Server:
             if conn is None or conn.cut is not None or conn.done:
                 continue
             if isinstance(item, Send):
-                work = isinstance(item.message, Work)
-                frame = _Frame(encode(item.message), not work, item.message.tile_id if work else None)
-                self.traffic.bytes_down += len(frame.data)
+                msg = item.message
+                if isinstance(msg, Work) and msg.blocks:
+                    parts = _fragments(encode_parts(msg))
+                    frame = _Frame(parts, sum(len(p) for p in parts), False, msg.tile_id)
+                else:
+                    data = encode(msg)
+                    work = isinstance(msg, Work)
+                    frame = _Frame(data, len(data), not work, msg.tile_id if work else None)
+                self.traffic.bytes_down += frame.size
                 self._queue(conn, frame)
             elif isinstance(item, Limit):
                 conn.ws.protocol.max_message_size = item.nbytes
@@ -430,7 +439,7 @@ class Server:
     def _queue(self, conn: _Conn, frame: _Frame) -> None:
         """Queue a frame, within the per-connection and global outbound bounds."""
         lim = self.limits
-        size = len(frame.data)
+        size = frame.size
         conn.queued_bytes += size
         self.outbound_bytes += size
         if frame.control:
@@ -490,10 +499,11 @@ class Server:
 
     def submit(self, requests: Sequence[GemmRequest], futures: Sequence[concurrent.futures.Future[Product]],
                out_dtypes: Sequence[torch.dtype | None] | None = None,
-               kept: Sequence[Product | None] | None = None) -> None:
+               kept: Sequence[Product | None] | None = None, deferred: bool = False) -> None:
         """Runs on the loop: queue each GEMM; its future resolves when all its tiles are verified.
         ``out_dtypes``: each product's dtype where it differs from its operands' (wire casts);
-        ``kept``: how to compute it should the planner keep it on the PS (from the originals)."""
+        ``kept``: how to compute it should the planner keep it on the PS (from the originals);
+        ``deferred``: needed only at the step's end (see ``Core.submit``)."""
         none = [None] * len(requests)
         for request, future, out_dtype, local in zip(requests, futures, out_dtypes or none, kept or none):
             if self._aborted is not None:  # shutting down: the trainer thread must not wait forever
@@ -505,7 +515,8 @@ class Server:
                 # Checked for NaN by RemoteEngine.run and assembled by it, on the trainer thread.
                 _, out = self.core.submit(request.a, request.b, request.kind, self.clock(),
                                           lambda result, f=future: None if f.done() else f.set_result(result),
-                                          finite_checked=True, lazy=True, out_dtype=out_dtype, kept=local)
+                                          finite_checked=True, lazy=True, out_dtype=out_dtype, kept=local,
+                                          deferred=deferred)
             except Exception as exc:  # surfaced in the trainer thread, not swallowed here
                 if not future.done():
                     future.set_exception(exc)
@@ -526,7 +537,12 @@ def _speedtest_reply(nbytes: int) -> list[bytes | memoryview]:
     if _zeros is None:
         _zeros = bytearray(MAX_SPEEDTEST_BYTES)
     payload = torch.frombuffer(_zeros, dtype=torch.uint8, count=nbytes) if nbytes else torch.zeros(0, dtype=torch.uint8)
-    head, *rest = encode_parts(SpeedTest(nbytes, payload))
+    return _fragments(encode_parts(SpeedTest(nbytes, payload)))
+
+
+def _fragments(parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """A message's header, then its payload views cut in CHUNK fragments (no copies)."""
+    head, *rest = parts
     return [head, *(view[i : i + CHUNK] for view in rest for i in range(0, len(view), CHUNK))]
 
 
@@ -560,9 +576,11 @@ class RemoteEngine:
         self.loop = loop
         self.wire = wire
         self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # base's identity -> (base, its copy)
+        self._deferred: list[tuple[torch.Tensor, concurrent.futures.Future[Product]]] = []  # (param, its dW)
 
     def begin_step(self, step: int) -> None:
         self._casts.clear()  # the step's activations and the weights before their update
+        self._deferred.clear()  # left over only by a step that failed
         # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
         self.loop.call_soon_threadsafe(lambda: self.server.core.begin_step(step, self.server.clock()))
 
@@ -596,6 +614,26 @@ class RemoteEngine:
         return dtype
 
     def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        futures = self._submit(requests, deferred=False)
+        # Each GEMM is put together here (partial sums, or the PS's own product), off the loop.
+        return [f.result()() for f in futures]
+
+    def defer(self, request: GemmRequest, param: torch.Tensor) -> None:
+        """Start ``request`` (a weight gradient) and add its product to ``param.grad`` at
+        ``finish_backward``: backward goes on to the layers below meanwhile, and the GEMMs it
+        waits on go ahead of this one's tiles on the devices."""
+        (future,) = self._submit([request], deferred=True)
+        self._deferred.append((param, future))
+
+    def finish_backward(self) -> None:
+        """Wait for the deferred weight gradients and add each to its parameter's ``.grad``, in
+        the order backward produced them (as autograd would have, had it waited)."""
+        deferred, self._deferred = self._deferred, []
+        for param, future in deferred:
+            grad = future.result()()
+            param.grad = grad if param.grad is None else param.grad + grad
+
+    def _submit(self, requests: Sequence[GemmRequest], *, deferred: bool) -> list[concurrent.futures.Future[Product]]:
         sent, out, kept = [], [], []
         for r in requests:  # here, on the trainer thread (idle while tiles are out), not on the loop
             check_finite(r.a, r.b, r.kind)
@@ -613,11 +651,10 @@ class RemoteEngine:
             # Kept on the PS, a GEMM is multiplied from the float32 originals: exact, and as fast.
             kept.append(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
         futures: list[concurrent.futures.Future[Product]] = [concurrent.futures.Future() for _ in sent]
-        self.loop.call_soon_threadsafe(self.server.submit, sent, futures, out, kept)
-        # Each GEMM is put together here (partial sums, or the PS's own product), off the loop.
-        products = [f.result()() for f in futures]
-        for r in requests:  # dW is the last to read its X and dY: their copies can go now
+        self.loop.call_soon_threadsafe(functools.partial(self.server.submit, sent, futures, out, kept,
+                                                         deferred=deferred))
+        for r in requests:  # dW is the last to read its X and dY: their copies can go now (its GEMM holds them)
             if r.kind is GemmKind.GRAD_WEIGHT:
                 for t in (r.a, r.b):
                     self._casts.pop(self._key(t)[1], None)
-        return products
+        return futures

@@ -401,3 +401,23 @@ def test_a_take_back_that_cuts_a_device_never_leaves_the_store_and_scheduler_apa
         while f.step():
             pass
     assert len(box) == 2 and not core.gemms
+
+
+def test_a_gemm_the_trainer_waits_on_overtakes_a_deferred_weight_gradient(core: Core) -> None:
+    fleet = Fleet(core)
+    d = fleet.join("solo", slots=1)
+    x, dy, w = torch.randn(96, 40), torch.randn(96, 48), torch.randn(48, 40)
+    boxes: dict[str, torch.Tensor] = {}
+    gid_w, out = core.submit(dy.t(), x, GemmKind.GRAD_WEIGHT, fleet.now, lambda r: boxes.setdefault("dw", r),
+                             deferred=True)
+    fleet.route(out)
+    gid_x, out = core.submit(dy, w, GemmKind.GRAD_INPUT, fleet.now, lambda r: boxes.setdefault("dx", r))
+    fleet.route(out)
+    assert len(core.gemms[gid_w].tiles) > 1 and len(core.gemms[gid_x].tiles) > 1
+    while "dx" not in boxes:  # one dW tile was out already (its one slot); then every dX tile
+        assert fleet.step()
+    assert len(core.gemms[gid_w].parts) <= 1
+    fleet.drain()
+    torch.testing.assert_close(boxes["dx"], dy @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(boxes["dw"], dy.t() @ x, rtol=1e-5, atol=1e-5)
+    assert d in core.devices

@@ -76,6 +76,27 @@ def test_a_released_unit_is_first_in_line_and_a_barred_device_never_gets_it_agai
     assert assigned(s) == [(2, 0)]  # the released unit before the newer one
 
 
+def test_a_gemm_queued_in_front_goes_before_units_queued_earlier_in_its_own_order() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=0.1, paused=True)
+    s.join(2, slots=1, seconds_per_gflop=0.1, paused=True)
+    s.add_gemm(1, units(1, 3))  # a deferred weight gradient: shared queue
+    s.add_gemm(2, units(2, 2, start=10, owner=1))  # an owned queue too
+    s.add_gemm(3, units(3, 3, start=20), front=True)  # the trainer waits on this one
+    s.add_gemm(4, units(4, 2, start=30, owner=1), front=True)
+    s.update(1, paused=False)
+    s.update(2, paused=False)
+    order = []
+    while s.queued:
+        for device, unit in assigned(s):
+            order.append(unit)
+            s.done(unit, device)
+    shared = [u for u in order if u < 10 or 20 <= u < 30]
+    owned = [u for u in order if 10 <= u < 20 or u >= 30]
+    assert shared == [20, 21, 22, 0, 1, 2]
+    assert owned == [30, 31, 10, 11]
+
+
 def test_a_device_barred_from_everything_queued_is_not_asked_again_until_the_queue_changes() -> None:
     s = Scheduler(FAULTS)
     s.join(1, slots=1, seconds_per_gflop=0.1)

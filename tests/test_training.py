@@ -33,6 +33,68 @@ class TiledLocalEngine:
         return out
 
 
+class DeferringLocalEngine(TiledLocalEngine):
+    """Weight gradients taken in the background, as the coordinator's RemoteEngine takes them:
+    computed only at ``finish_backward``, after backward has gone all the way down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[tuple[torch.Tensor, GemmRequest]] = []
+        self.order: list[str] = []
+
+    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        self.order.extend(r.kind.value for r in requests)
+        return super().run(requests)
+
+    def defer(self, request: GemmRequest, param: torch.Tensor) -> None:
+        self.order.append("dw (deferred)")
+        self.pending.append((param, request))
+
+    def finish_backward(self) -> None:
+        pending, self.pending = self.pending, []
+        for param, request in pending:
+            (grad,) = super().run([request])
+            param.grad = grad if param.grad is None else param.grad + grad
+
+
+def test_deferred_weight_gradients_equal_autograds_with_shared_and_tied_weights() -> None:
+    torch.manual_seed(3)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(11, 16)
+            self.mid = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 11, bias=False)
+            self.head.weight = self.emb.weight  # tied: autograd's grad and a deferred dW add up
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.emb(ids)
+            h = self.mid(torch.tanh(self.mid(h)))  # one Linear used twice: two deferred dWs
+            return self.head(h)
+
+    ref, net = Net(), Net()
+    net.load_state_dict(ref.state_dict())
+    engine = DeferringLocalEngine()
+    assert offload_linears(net, engine) == 2
+    ids = torch.randint(0, 11, (4, 7))
+    ref(ids).square().mean().backward()
+    net(ids).square().mean().backward()
+    assert net.mid.weight.grad is None and len(engine.pending) == 3  # nothing until backward is over
+    assert "dw" not in engine.order and engine.order.count("dw (deferred)") == 3
+    engine.finish_backward()
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_training_with_deferred_weight_gradients_equals_plain_training() -> None:
+    cfg = TrainConfig(steps=3, seq_len=32, batch_size=4)
+    plain = [r.loss for r in Trainer(cfg).run()]
+    engine = DeferringLocalEngine()
+    assert [r.loss for r in Trainer(cfg, engine).run()] == pytest.approx(plain, rel=1e-5)
+    assert engine.order.count("dw (deferred)") > 0 and "dw" not in engine.order
+
+
 def test_offloaded_linear_matches_nn_linear_forward_and_backward() -> None:
     torch.manual_seed(0)
     ref = nn.Linear(37, 53, bias=True)

@@ -9,6 +9,10 @@
 
 through ``engine.run``, which may compute them locally or as tiles on volunteers. Bias, reshapes
 and everything else stay here, on the parameter server. The model never knows about the network.
+
+An engine may also take weight gradients in the background (``DeferringEngine``): nothing below
+a layer needs its dW, so backward goes on down while the devices compute it, and the trainer
+collects every dW into ``.grad`` with ``engine.finish_backward()`` before the optimizer reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +39,16 @@ class MatmulEngine(Protocol):
         ...
 
 
+class DeferringEngine(MatmulEngine, Protocol):
+    def defer(self, request: GemmRequest, param: torch.Tensor) -> None:
+        """Start ``request``; its product is added to ``param.grad`` by ``finish_backward``."""
+        ...
+
+    def finish_backward(self) -> None:
+        """Wait for every deferred product and add it to its parameter's ``.grad``."""
+        ...
+
+
 class LocalEngine:
     """Plain torch matmul: the reference every other engine must agree with."""
 
@@ -47,6 +61,7 @@ class _TiledLinearFn(torch.autograd.Function):
     def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, engine: MatmulEngine) -> torch.Tensor:
         ctx.save_for_backward(x2d, weight)
         ctx.engine = engine
+        ctx.param = weight  # the parameter itself, whose .grad a deferred dW goes into
         (y,) = engine.run([GemmRequest(x2d, weight.t(), GemmKind.FORWARD)])
         return y
 
@@ -56,12 +71,16 @@ class _TiledLinearFn(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         requests = []
+        defer = getattr(ctx.engine, "defer", None)
+        if want_w and defer is not None and ctx.param.is_leaf:
+            defer(GemmRequest(grad_y.t(), x2d, GemmKind.GRAD_WEIGHT), ctx.param)
+            want_w = False  # autograd leaves .grad alone; finish_backward adds it
         if want_x:
             requests.append(GemmRequest(grad_y, weight, GemmKind.GRAD_INPUT))
         if want_w:
             requests.append(GemmRequest(grad_y.t(), x2d, GemmKind.GRAD_WEIGHT))
         # dX and dW are independent: submitted together, they are tiled and computed together.
-        results = iter(ctx.engine.run(requests))
+        results = iter(ctx.engine.run(requests) if requests else ())
         grad_x = next(results) if want_x else None
         grad_w = next(results) if want_w else None
         return grad_x, grad_w, None

@@ -86,6 +86,8 @@ class Trainer:
         self.offloaded = offload_linears(self.model, engine) if engine is not None else 0
         # Engines that label their GEMMs by step (the coordinator's) hear when each step starts.
         self.begin_step: Callable[[int], None] | None = getattr(engine, "begin_step", None)
+        # Engines that compute weight gradients in the background hand them over after backward.
+        self.finish_backward: Callable[[], None] | None = getattr(engine, "finish_backward", None)
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -140,6 +142,8 @@ class Trainer:
         assert loss is not None
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.finish_backward is not None:
+            self.finish_backward()
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=False)
         self.optimizer.step()
