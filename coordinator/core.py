@@ -333,6 +333,7 @@ class Progress:
     loss: float | None = None
     tokens_per_s: float = 0.0
     state: str = "starting"
+    gemm_share: dict[str, Any] | None = None  # flops.GemmShare.to_dict(), once the model is built
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -876,7 +877,8 @@ class Core:
         plan = live.tiles
         tiles = plan.tiles
         a, b = a.detach(), b.detach()
-        # Forward's X and dX's dY are read again by the dW that follows: keep them on devices.
+        # Forward's X and dX's dY are read again by their dW (a deferred dW may come first: then
+        # whichever of the two finishes last lets dY go): keep them on devices.
         sources = (self.sources.acquire(a, retain=kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)),
                    self.sources.acquire(b, retain=False))
         gemm_id = self.store.next_gemm_id()
@@ -1078,7 +1080,7 @@ class Core:
                                         "speculative", "cancelled", "lost", "revoked")}
         return {
             "job": {"name": self.job_name, "step": p.step, "steps": p.steps, "loss": p.loss,
-                    "state": p.state, "tokens_per_s": round(p.tokens_per_s, 1)},
+                    "state": p.state, "tokens_per_s": round(p.tokens_per_s, 1), "gemm_share": p.gemm_share},
             "devices": listed,
             "device_counts": {"connected": len(self.devices), **self.store.device_states(self.job_id)},
             "tiles": tiles,

@@ -34,6 +34,7 @@ from coordinator.protocol import WireDtype, is_loopback
 from coordinator.server import RemoteEngine, Server, listen
 from coordinator.tiles import TilingPolicy
 from coordinator.training.data import load_corpus
+from coordinator.training.flops import GemmShare, gemm_share
 from coordinator.training.loop import ConfigError, StepResult, TrainConfig, Trainer
 from db.sqlite import GROUP_SECONDS, SQLiteStore
 from db.store import CheckpointRow
@@ -225,6 +226,7 @@ async def serve_job(
     loop = asyncio.get_running_loop()
     tls = server_tls(cfg.certfile, cfg.keyfile)
     store = SQLiteStore(cfg.db, group_seconds=GROUP_SECONDS)
+    store.schedule_flush = lambda: loop.call_soon(store.flush)  # each turn's tile writes, one commit
     metrics: _Metrics | None = None
     plan: _Plan | None = None
     results: list[StepResult] = []
@@ -278,8 +280,14 @@ async def serve_job(
             store.add_checkpoint(row)
             checkpoint.prune(store.checkpoints(job_id))
 
+        def shared(share: GemmShare) -> None:  # on the loop
+            core.progress.gemm_share = share.to_dict()
+            reporter.note(share.summary())
+
         def train() -> None:  # in the trainer thread
             trainer = Trainer(train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus)
+            # Counted on the model itself, before the first step (nothing is sent, no draw is used).
+            loop.call_soon_threadsafe(shared, gemm_share(trainer.model, train_cfg.seq_len))
             if plan.resume is not None and plan.resume.state is not None:
                 trainer.load_state_dict(plan.resume.state)
             while trainer.step < train_cfg.steps:

@@ -67,8 +67,10 @@ class JobAborted(RuntimeError):
 
 @dataclass(frozen=True)
 class _Frame:
-    # One frame, or a work message's fragments: its header, then views of its blocks (never
-    # copied here; a GEMM's operands do not change while it is live).
+    # One frame, or a large work message's fragments: its header, then views of its blocks (not
+    # copied). A GEMM's operands do not change while it is live; a frame that outlives its GEMM
+    # (a cancelled copy's) may carry weights the optimizer is updating, under keys of a source
+    # version no later work names: its result is dropped, its blocks never read again.
     data: bytes | list[bytes | memoryview]
     size: int
     control: bool  # anything but work: counted against Limits.control_queue
@@ -420,11 +422,14 @@ class Server:
                 continue
             if isinstance(item, Send):
                 msg = item.message
-                if isinstance(msg, Work) and msg.blocks:
-                    parts = _fragments(encode_parts(msg))
+                parts = encode_parts(msg) if isinstance(msg, Work) and msg.blocks else None
+                if parts is not None and sum(len(p) for p in parts) > CHUNK:
+                    # Large: views of the blocks in fragments. Small ones are joined: one frame
+                    # costs less than two, and the copy is cheap.
+                    parts = _fragments(parts)
                     frame = _Frame(parts, sum(len(p) for p in parts), False, msg.tile_id)
                 else:
-                    data = encode(msg)
+                    data = encode(msg) if parts is None else b"".join(parts)
                     work = isinstance(msg, Work)
                     frame = _Frame(data, len(data), not work, msg.tile_id if work else None)
                 self.traffic.bytes_down += frame.size
@@ -577,10 +582,12 @@ class RemoteEngine:
         self.wire = wire
         self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # base's identity -> (base, its copy)
         self._deferred: list[tuple[torch.Tensor, concurrent.futures.Future[Product]]] = []  # (param, its dW)
+        self._evict: list[tuple] = []  # casts of deferred dWs' operands, dropped at the next GEMM waited on
 
     def begin_step(self, step: int) -> None:
         self._casts.clear()  # the step's activations and the weights before their update
         self._deferred.clear()  # left over only by a step that failed
+        self._evict.clear()
         # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
         self.loop.call_soon_threadsafe(lambda: self.server.core.begin_step(step, self.server.clock()))
 
@@ -653,8 +660,13 @@ class RemoteEngine:
         futures: list[concurrent.futures.Future[Product]] = [concurrent.futures.Future() for _ in sent]
         self.loop.call_soon_threadsafe(functools.partial(self.server.submit, sent, futures, out, kept,
                                                          deferred=deferred))
-        for r in requests:  # dW is the last to read its X and dY: their copies can go now (its GEMM holds them)
-            if r.kind is GemmKind.GRAD_WEIGHT:
-                for t in (r.a, r.b):
-                    self._casts.pop(self._key(t)[1], None)
+        # dW is the last to read its X and dY: their copies can go (its GEMM holds them), once
+        # the dX that a deferred dW precedes has cast the same dY (the next GEMM waited on).
+        evict = [self._key(t)[1] for r in requests if r.kind is GemmKind.GRAD_WEIGHT for t in (r.a, r.b)]
+        if deferred:
+            self._evict.extend(evict)
+        else:
+            for key in (*self._evict, *evict):
+                self._casts.pop(key, None)
+            self._evict.clear()
         return futures

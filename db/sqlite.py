@@ -6,9 +6,13 @@ multi-statement change runs in ``BEGIN IMMEDIATE ... COMMIT``; a tile is claimed
 transactions but never corrupts the file, and commits cost microseconds, not an fsync.
 
 Group commit (``group_seconds > 0``, as a coordinator runs): the per-tile writes of the hot path
-(leases, their ends, credits, GEMM rows) share one transaction that is committed once it is
-``group_seconds`` old, at the next ``flush()`` (the server's 50 ms tick), by any other write,
-or at ``close()``. Each call stays atomic on its own (a savepoint inside the group). A crash
+(leases, their ends, credits, GEMM rows) share one transaction that is committed at the end of
+the event loop's turn (``schedule_flush``), once it is ``group_seconds`` old, at any
+``flush()``, by any other write, or at ``close()``. After a group commits, no new one opens
+for as long as it held the write lock; hot writes meanwhile commit one by one, with the lock
+free between them. Groups therefore hold the lock at most about half the time, and another
+process's write (an operator revoking a device) gets in within its busy timeout however busy
+the coordinator is. Each call stays atomic on its own (a savepoint inside the group). A crash
 loses at most that window of tile bookkeeping, which a restart abandons anyway (its operands
 died with the process); writes that must outlive a crash (bans, enrolments, steps, job
 states, checkpoints) commit at once, taking the group with them.
@@ -17,6 +21,7 @@ states, checkpoints) commit at once, taking the group with them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import time
@@ -88,6 +93,11 @@ class SQLiteStore:
         self._clock = clock
         self._group_since: float | None = None  # when the open group transaction began
         self._depth = 0  # atomic blocks open inside this call chain
+        self._cool_until = -math.inf  # no group before then (see _grouped)
+        self._closed = False
+        # Called when a group opens: a server sets it to commit at the end of the event loop's
+        # current turn, so the write lock is free whenever the loop waits for sockets.
+        self.schedule_flush: Callable[[], None] | None = None
         try:
             # Created private: it holds token hashes and the devices' stored keys. SQLite gives
             # its -wal and -shm files the same permissions.
@@ -136,8 +146,15 @@ class SQLiteStore:
                 yield c
             return
         if not self.conn.in_transaction:
+            now = self._clock()
+            if now < self._cool_until:  # the lock's other half: one transaction per write, gaps between
+                with self.atomic() as c:
+                    yield c
+                return
             self.conn.execute("BEGIN IMMEDIATE")
-            self._group_since = self._clock()
+            self._group_since = now
+            if self.schedule_flush is not None:
+                self.schedule_flush()
         with self._savepoint():
             yield self.conn
         if self._group_since is not None and self._clock() - self._group_since >= self.group_seconds:
@@ -149,7 +166,10 @@ class SQLiteStore:
         self._depth += 1
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
+            if not self.conn.in_transaction:  # SQLite rolled back the whole group (disk full, I/O)
+                self._group_since = None
+                raise StoreError(f"a write failed and took its transaction with it: {exc}") from exc
             self.conn.execute("ROLLBACK TO part")
             self.conn.execute("RELEASE part")
             raise
@@ -159,8 +179,13 @@ class SQLiteStore:
 
     def flush(self) -> None:
         """Commit the open group of hot-path writes, if any."""
+        if self._closed:  # a flush scheduled before close() ran late
+            return
         if self.conn.in_transaction and not self._depth:
             self.conn.execute("COMMIT")
+            if self._group_since is not None:  # no new group for as long as this one held the lock
+                now = self._clock()
+                self._cool_until = now + (now - self._group_since)
         self._group_since = None
 
     def _write(self, sql: str, params: Any = (), *, grouped: bool = False) -> sqlite3.Cursor:
@@ -547,4 +572,5 @@ class SQLiteStore:
 
     def close(self) -> None:
         self.flush()
+        self._closed = True
         self.conn.close()

@@ -444,6 +444,9 @@ def test_group_commit_holds_hot_writes_until_the_window_or_a_flush(tmp_path: Pat
     clock.now = 0.06  # the group is older than its window: the next hot write commits it
     store.lease_tile(tiles[1], d, 1.0)
     assert _seen_by_another_process(path, job)["leased"] == 2
+    store.lease_tile(tiles[2], d, 1.0)  # as long after as the group held the lock: one by one
+    assert _seen_by_another_process(path, job)["leased"] == 3
+    clock.now = 0.2  # then grouped again
     store.end_lease(tiles[0], d, "verified", 2.0)
     store.credit_device(d, verified=1, gflop=1.0, now=2.0)
     assert _seen_by_another_process(path, job)["verified"] == 0
@@ -488,3 +491,46 @@ def test_a_failed_write_in_a_group_rolls_back_alone(tmp_path: Path) -> None:
 def test_group_window_is_bounded() -> None:
     with pytest.raises(ValueError, match="group_seconds"):
         SQLiteStore(":memory:", group_seconds=5.0)
+
+
+def test_another_process_writes_while_a_busy_coordinator_groups_its_commits(tmp_path: Path) -> None:
+    """An operator's revoke must not wait out the coordinator's group commits: they hold the
+    write lock for at most about half the time, one event-loop turn at a time."""
+    import asyncio
+    import threading
+    import time
+
+    path = tmp_path / "busy.db"
+    store = SQLiteStore(path, group_seconds=1.0)
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    stop, busy = threading.Event(), threading.Event()
+    writes = 0
+
+    async def coordinator() -> None:
+        nonlocal writes
+        loop = asyncio.get_running_loop()
+        store.schedule_flush = lambda: loop.call_soon(store.flush)
+        while not stop.is_set():
+            for _ in range(20):  # a turn's results: their credits
+                store.credit_device(d, verified=1, now=1.0)
+                writes += 1
+            busy.set()
+            await asyncio.sleep(0)
+        store.flush()
+
+    thread = threading.Thread(target=asyncio.run, args=(coordinator(),))
+    thread.start()
+    try:
+        assert busy.wait(10)
+        operator = SQLiteStore(path)  # `cleave devices revoke` in another process
+        started = time.monotonic()
+        operator.set_setting("revoked", "yes")
+        waited = time.monotonic() - started
+        operator.close()
+    finally:
+        stop.set()
+        thread.join(10)
+    assert waited < 1.0, f"the operator's write waited {waited:.2f} s"
+    assert store.setting("revoked") == "yes" and store.devices(job)[0].tiles_done == writes
+    store.close()

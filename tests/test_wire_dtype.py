@@ -143,3 +143,28 @@ def test_a_gemm_kept_on_the_coordinator_is_computed_as_the_engine_says() -> None
     fleet.drain()
     assert core.prediction.kinds == {"local": 1} and not fleet.computed
     assert box["c"] is exact
+
+
+class _RecordingLoop:
+    """Stands for the event loop: records what RemoteEngine submits, answers nothing."""
+
+    def __init__(self) -> None:
+        self.submitted: list[GemmRequest] = []
+
+    def call_soon_threadsafe(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        self.submitted.extend(fn.args[0])  # functools.partial(server.submit, requests, ...)
+
+
+def test_a_deferred_dw_and_the_dx_after_it_share_one_cast_of_dy() -> None:
+    """Backward defers dW before it runs dX: dY's copy must outlive dW's submission, or dX
+    casts it again (new blocks on the wire, and a retained source no dW ever releases)."""
+    loop = _RecordingLoop()
+    engine = RemoteEngine(server=type("S", (), {"submit": lambda *a, **k: None})(), loop=loop,  # type: ignore[arg-type]
+                          wire=WireDtype.BF16)
+    x, dy, w = torch.randn(64, 32), torch.randn(64, 48), torch.randn(48, 32)
+    engine.defer(GemmRequest(dy.t(), x, GemmKind.GRAD_WEIGHT), torch.nn.Parameter(torch.zeros(48, 32)))
+    engine._submit([GemmRequest(dy, w, GemmKind.GRAD_INPUT)], deferred=False)
+    dw, dx = loop.submitted
+    assert dw.a.untyped_storage().data_ptr() == dx.a.untyped_storage().data_ptr()
+    # dW was the last reader of X and dY: their copies go after dX; W's stays for the step.
+    assert [base for base, _ in engine._casts.values()] == [w]

@@ -64,12 +64,14 @@ def load_corpus(source: str | Path | None = None, max_bytes: int = DEFAULT_MAX_B
 
 
 class ByteBatches:
-    """Random windows of a byte corpus; the RNG is injected so a seed fixes every batch."""
+    """Random windows of a corpus of bytes (or of token ids, for a model with a tokenizer); the
+    RNG is injected so a seed fixes every batch."""
 
-    def __init__(self, data: bytes, seq_len: int, batch_size: int, rng: np.random.Generator) -> None:
+    def __init__(self, data: bytes | torch.Tensor, seq_len: int, batch_size: int, rng: np.random.Generator) -> None:
+        unit = "tokens" if isinstance(data, torch.Tensor) and data.dtype != torch.uint8 else "bytes"
         if len(data) <= seq_len + 1:
-            raise DataError(f"corpus of {len(data)} bytes is shorter than --seq-len {seq_len} + 1")
-        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            raise DataError(f"corpus of {len(data)} {unit} is shorter than --seq-len {seq_len} + 1")
+        self.tokens = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.seq_len, self.batch_size, self.rng = seq_len, batch_size, rng
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:

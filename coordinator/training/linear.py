@@ -17,6 +17,7 @@ collects every dW into ``.grad`` with ``engine.finish_backward()`` before the op
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -57,63 +58,94 @@ class LocalEngine:
 
 
 class _TiledLinearFn(torch.autograd.Function):
+    """``y = x2d @ W^T`` (``nn.Linear``: W is out x in) or ``y = x2d @ W`` (``in_out``: a
+    ``transformers`` ``Conv1D``, W is in x out), with its three GEMMs through the engine."""
+
     @staticmethod
-    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, engine: MatmulEngine) -> torch.Tensor:
+    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, engine: MatmulEngine, in_out: bool) -> torch.Tensor:
         ctx.save_for_backward(x2d, weight)
         ctx.engine = engine
+        ctx.in_out = in_out
         ctx.param = weight  # the parameter itself, whose .grad a deferred dW goes into
-        (y,) = engine.run([GemmRequest(x2d, weight.t(), GemmKind.FORWARD)])
+        (y,) = engine.run([GemmRequest(x2d, weight if in_out else weight.t(), GemmKind.FORWARD)])
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x2d, weight = ctx.saved_tensors
         grad_y = grad_y.contiguous()
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # dW has W's layout: dY^T X (out x in) for a Linear, X^T dY (in x out) for a Conv1D.
+        dw = GemmRequest(x2d.t(), grad_y, GemmKind.GRAD_WEIGHT) if ctx.in_out else \
+            GemmRequest(grad_y.t(), x2d, GemmKind.GRAD_WEIGHT)
         requests = []
         defer = getattr(ctx.engine, "defer", None)
         if want_w and defer is not None and ctx.param.is_leaf:
-            defer(GemmRequest(grad_y.t(), x2d, GemmKind.GRAD_WEIGHT), ctx.param)
+            defer(dw, ctx.param)
             want_w = False  # autograd leaves .grad alone; finish_backward adds it
         if want_x:
-            requests.append(GemmRequest(grad_y, weight, GemmKind.GRAD_INPUT))
+            requests.append(GemmRequest(grad_y, weight.t() if ctx.in_out else weight, GemmKind.GRAD_INPUT))
         if want_w:
-            requests.append(GemmRequest(grad_y.t(), x2d, GemmKind.GRAD_WEIGHT))
+            requests.append(dw)
         # dX and dW are independent: submitted together, they are tiled and computed together.
         results = iter(ctx.engine.run(requests) if requests else ())
         grad_x = next(results) if want_x else None
         grad_w = next(results) if want_w else None
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 class TiledLinear(nn.Module):
-    """Drop-in ``nn.Linear`` whose GEMMs go through ``engine``."""
+    """Drop-in ``nn.Linear`` (or ``transformers`` ``Conv1D``) whose GEMMs go through ``engine``;
+    it shares the original's parameters (tied weights stay tied)."""
 
-    def __init__(self, linear: nn.Linear, engine: MatmulEngine) -> None:
+    def __init__(self, linear: nn.Module, engine: MatmulEngine) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_out = not isinstance(linear, nn.Linear)  # a Conv1D keeps W as (in, out)
+        if self.in_out:
+            self.in_features, self.out_features = linear.weight.shape
+        else:
+            self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.engine = engine
+        self.replaced = type(linear).__name__
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features).contiguous()  # (tokens, in)
-        y = _TiledLinearFn.apply(x2d, self.weight, self.engine)  # (tokens, out)
+        y = _TiledLinearFn.apply(x2d, self.weight, self.engine, self.in_out)  # (tokens, out)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"replaces={self.replaced}")
+
+
+def _conv1d_type() -> type | None:
+    """``transformers``' Conv1D (GPT-2's projections), if transformers is loaded: a model
+    built from it means it is, and a preset never needs it imported."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
 
 
 def offload_linears(model: nn.Module, engine: MatmulEngine) -> int:
-    """Replace every ``nn.Linear`` in ``model`` (in place, parameters shared); returns how many."""
+    """Replace every linear-like module of ``model`` (in place, parameters shared): ``nn.Linear``
+    and its subclasses, and ``transformers``' ``Conv1D``. Returns how many. A module that calls
+    its weight directly rather than through its child's ``forward`` (``nn.MultiheadAttention``'s
+    ``out_proj``) keeps that GEMM on the PS; ``gemm_share`` counts what actually went out."""
+    conv1d = _conv1d_type()
+    kinds = (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if isinstance(child, kinds) and not isinstance(child, TiledLinear) and child.weight.dim() == 2:
                 setattr(parent, name, TiledLinear(child, engine))
                 count += 1
     return count

@@ -15,9 +15,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from coordinator.training import models
 from coordinator.training.data import ByteBatches, load_corpus
 from coordinator.training.linear import MatmulEngine, offload_linears
-from coordinator.training.model import Transformer, preset
 
 
 class ConfigError(ValueError):
@@ -39,14 +39,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         try:
-            cfg = preset(self.model)
+            max_seq = models.max_seq_len(self.model)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         checks = [
             (1 <= self.steps <= 10_000_000, f"--steps must be between 1 and 10,000,000, got {self.steps}"),
             (1 <= self.batch_size <= 4096, f"--batch-size must be between 1 and 4096, got {self.batch_size}"),
-            (2 <= self.seq_len <= cfg.max_seq_len,
-             f"--seq-len must be between 2 and {cfg.max_seq_len} for model {self.model}, got {self.seq_len}"),
+            (2 <= self.seq_len <= max_seq,
+             f"--seq-len must be between 2 and {max_seq} for model {self.model}, got {self.seq_len}"),
             (math.isfinite(self.lr) and 0 < self.lr <= 1, f"--lr must be in (0, 1], got {self.lr}"),
             (0 <= self.seed < 2**63, f"--seed must be a non-negative 64-bit integer, got {self.seed}"),
             (self.weight_decay >= 0 and self.grad_clip >= 0 and self.warmup >= 0, "negative optimizer setting"),
@@ -82,7 +82,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, engine: MatmulEngine | None = None, corpus: bytes | None = None) -> None:
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
-        self.model = Transformer(preset(cfg.model))
+        try:
+            self.model = models.build(cfg.model)
+        except ValueError as exc:  # an hf:DIR that transformers cannot build
+            raise ConfigError(str(exc)) from None
         self.offloaded = offload_linears(self.model, engine) if engine is not None else 0
         # Engines that label their GEMMs by step (the coordinator's) hear when each step starts.
         self.begin_step: Callable[[int], None] | None = getattr(engine, "begin_step", None)
@@ -95,7 +98,11 @@ class Trainer:
             lr=cfg.lr, betas=(0.9, 0.95), foreach=False,
         )
         data = corpus if corpus is not None else load_corpus(cfg.data)
-        self.batches = ByteBatches(data, cfg.seq_len, cfg.batch_size, np.random.default_rng(cfg.seed))
+        try:
+            ids = models.tokens(cfg.model, data)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.batches = ByteBatches(ids, cfg.seq_len, cfg.batch_size, np.random.default_rng(cfg.seed))
         self.step = 0
         self.tokens_seen = 0
 
