@@ -13,6 +13,7 @@ from rich.text import Text
 from client.kernels import DeviceUnavailable
 from client.runner import ClientError
 from coordinator.protocol import ProtocolError
+from coordinator.server import JobAborted
 from coordinator.training.data import DataError
 from coordinator.training.loop import ConfigError
 from db.store import StoreError
@@ -53,7 +54,7 @@ def friendly(fn: F) -> F:
             raise fail(str(exc), exc.exit_code) from None
         except USAGE_ERRORS as exc:
             raise fail(str(exc), 2) from None
-        except FloatingPointError as exc:
+        except (FloatingPointError, JobAborted) as exc:
             raise fail(str(exc), 1) from None
         except (StoreError, ProtocolError, OSError) as exc:
             raise fail(str(exc) or type(exc).__name__, 1) from None

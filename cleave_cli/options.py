@@ -12,7 +12,9 @@ from coordinator.training.loop import TrainConfig
 
 _D = TrainConfig()
 
-Model = Annotated[str, typer.Option("--model", help="Model preset: tiny (seconds on a CPU), small (~11M params), base (~45M).")]
+Model = Annotated[str, typer.Option("--model", help="Model preset: tiny (seconds on a CPU), small (~11M params), base "
+                                    "(~45M); or hf:DIR, a transformers causal LM from folder DIR (config.json, "
+                                    "optional model.safetensors and tokenizer; needs pip install 'cleave[hf]').")]
 Steps = Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens (bytes) per sequence.")]

@@ -88,6 +88,9 @@ def dashboard(status: dict[str, Any]) -> Group:
     summary.add_row("step", f"{step}/{steps}" + (f"  ({100 * step / steps:.0f}%)" if steps else ""))
     summary.add_row("loss", _num(job.get("loss")))
     summary.add_row("throughput", f"{job.get('tokens_per_s', 0):,.0f} tokens/s")
+    share = job.get("gemm_share")
+    if isinstance(share, dict) and isinstance(share.get("share"), (int, float)):
+        summary.add_row("to devices", f"{share['share']:.1%} of the model's GEMM FLOPs")
     summary.add_row(
         "tiles",
         f"{tiles.get('verified', 0):,} verified, {tiles.get('leased', 0):,} leased, "

@@ -72,6 +72,7 @@ SHUTDOWN = "coordinator stopped"
 CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
 EMA = 0.2  # weight of a new observation in a device's running estimates
 STANDING_CHECK = 1.0  # seconds between looks for an operator's revocations and token rotations
+STUCK_GRACE = 60.0  # seconds a tile failed everywhere twice waits for a new device before the job stops
 SWEEP = 0.5  # seconds in which tick looks after every device once (heartbeats, silence, credit)
 TICK_GUESS = 0.05  # the server's tick interval: the first tick of a sweep already takes its share
 # A device's claimed speed only sets its first deadlines, and only within these bounds.
@@ -101,7 +102,14 @@ class Limit:
     nbytes: int
 
 
-Outbound = Send | Close | Limit
+@dataclass(frozen=True)
+class Abort:
+    """Training cannot go on: the server fails every GEMM in flight with this reason."""
+
+    reason: str
+
+
+Outbound = Send | Close | Limit | Abort
 Product = Callable[[], torch.Tensor]  # a GEMM's result, computed when called (``submit(lazy=True)``)
 
 
@@ -408,6 +416,9 @@ class Core:
         self._sweep_at = 0.0
         self._sweep_len = 0
         self._checked_at = -float("inf")
+        self._reopened: set[int] = set()  # tiles re-opened once after every device failed them
+        self._stuck_since: dict[int, float] = {}  # re-opened tiles failed everywhere again: since when
+        self._aborted = False  # an Abort went out
         self.progress = Progress(steps=store.job(job_id).steps)
         self.finished = False
         self.verify_seconds = 0.0
@@ -567,6 +578,7 @@ class Core:
         if now - self._checked_at >= STANDING_CHECK:
             self._checked_at = now
             out.extend(self._check_standings(now))
+            out.extend(self._unstick(now))
         if not self._sweep:
             self._sweep = list(self.devices)
             self._sweep_at, self._sweep_len = now, len(self._sweep)
@@ -591,6 +603,39 @@ class Core:
         out.extend(self._dispatch(now))
         self.store.flush()  # the hot path's grouped writes are durable within a tick or two
         return out
+
+    def _unstick(self, now: float) -> list[Outbound]:
+        """A queued tile that every device here has failed would wait forever, and training
+        with it: it is re-opened once (each device may try it again); failed everywhere a second
+        time, it waits ``STUCK_GRACE`` for a device that may take it, then the job stops with
+        the reason rather than hang."""
+        reopened = False
+        stuck = self.sched.stuck()
+        for tile_id in [t for t in self._stuck_since if t not in stuck]:  # someone took it meanwhile
+            del self._stuck_since[tile_id]
+        for tile_id in stuck:
+            gemm = self.gemms.get(self._tile_gemm.get(tile_id, -1))
+            if gemm is None:
+                continue
+            failures = [lease for lease in self.store.leases(tile_id) if lease.outcome in ("rejected", "released",
+                                                                                           "revoked")]
+            last = f"{failures[-1].outcome}: {failures[-1].reason}" if failures else "unknown"
+            if tile_id in self._reopened:  # a device that joins within the grace may still take it
+                since = self._stuck_since.setdefault(tile_id, now)
+                if now - since < STUCK_GRACE or self._aborted:
+                    continue
+                self._aborted = True  # said once: the trainer stops at its next GEMM
+                m, k = gemm.a.shape
+                return [Abort(f"tile {tile_id} of a {gemm.kind.value} GEMM ({m}x{k} @ {k}x{gemm.b.shape[1]}) failed "
+                              f"on every connected device, twice ({len(failures)} attempts; last {last}), and no "
+                              f"other device came to take it within {STUCK_GRACE:.0f} s")]
+            self._reopened.add(tile_id)
+            self.sched.unbar(tile_id)
+            self.store.unbar_tile(tile_id)
+            log.warning("tile %d was failed by every connected device (last %s); each may try it once more",
+                        tile_id, last)
+            reopened = True
+        return self._dispatch(now) if reopened else []
 
     def _check_standings(self, now: float) -> list[Outbound]:
         """An operator may have revoked or banned an identity, or rotated a token, from another
@@ -809,6 +854,8 @@ class Core:
         self.sched.drop_gemm(gemm.id)
         for tid in gemm.tiles:
             self._tile_gemm.pop(tid, None)
+            self._reopened.discard(tid)
+            self._stuck_since.pop(tid, None)
         # dW is the last reader of its X and dY: their cached pieces can go everywhere.
         last_use = gemm.kind is GemmKind.GRAD_WEIGHT
         for src in gemm.sources:

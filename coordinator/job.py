@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import secrets
 import socket
@@ -34,10 +35,13 @@ from coordinator.protocol import WireDtype, is_loopback
 from coordinator.server import RemoteEngine, Server, listen
 from coordinator.tiles import TilingPolicy
 from coordinator.training.data import load_corpus
+from coordinator.training import models
 from coordinator.training.flops import GemmShare, gemm_share
 from coordinator.training.loop import ConfigError, StepResult, TrainConfig, Trainer
 from db.sqlite import GROUP_SECONDS, SQLiteStore
 from db.store import CheckpointRow
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -286,8 +290,13 @@ async def serve_job(
 
         def train() -> None:  # in the trainer thread
             trainer = Trainer(train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus)
+            loop.call_soon_threadsafe(reporter.note, f"model: {models.describe(train_cfg.model)}, "
+                                                     f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters")
             # Counted on the model itself, before the first step (nothing is sent, no draw is used).
-            loop.call_soon_threadsafe(shared, gemm_share(trainer.model, train_cfg.seq_len))
+            try:
+                loop.call_soon_threadsafe(shared, gemm_share(trainer.model, train_cfg.seq_len))
+            except Exception:  # a report only: training goes on without it
+                log.exception("could not count the model's GEMM FLOPs; the share stays unknown")
             if plan.resume is not None and plan.resume.state is not None:
                 trainer.load_state_dict(plan.resume.state)
             while trainer.step < train_cfg.steps:

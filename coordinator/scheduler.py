@@ -176,6 +176,7 @@ class Scheduler:
         self._late: OrderedDict[int, None] = OrderedDict()  # units with a late, uncopied lease
         self._thin: OrderedDict[int, None] = OrderedDict()  # outstanding units short of their copies
         self._holders_of: dict[str, set[int]] = {}  # block key -> seats holding it
+        self._barred_units: set[int] = set()  # units some device may not take (it failed them)
         self._seq = 0
 
     # ------------------------------------------------------------------ views
@@ -410,6 +411,7 @@ class Scheduler:
             return False
         if bar:
             u.barred.add(device)
+            self._barred_units.add(uid)
         if u.holders:
             if len(u.holders) < self.faults.max_copies:
                 self._thin.setdefault(uid, None)
@@ -442,7 +444,26 @@ class Scheduler:
         u.holders.clear()
         self._late.pop(unit, None)
         self._thin.pop(unit, None)
+        self._barred_units.discard(unit)
         return losers
+
+    def stuck(self) -> list[int]:
+        """Queued units that no device here may take: every connected one failed them (O(units
+        with a bar)); a paused device that did not will take them once it resumes. Nobody would
+        ever lease them; the caller must decide."""
+        able = set(self.seats)
+        if not able:
+            return []
+        self._barred_units &= self.units.keys()  # dropped GEMMs' units
+        return sorted(uid for uid in self._barred_units if self.units[uid].queued and able <= self.units[uid].barred)
+
+    def unbar(self, unit: int) -> None:
+        """Let every device take ``unit`` again."""
+        u = self.units.get(unit)
+        if u is not None:
+            u.barred.clear()
+            self._barred_units.discard(unit)
+            self._moved()
 
     # ------------------------------------------------------------------ dispatch
 

@@ -41,7 +41,9 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.blocks import row_norms
-from coordinator.core import SHUTDOWN, AuthError, Check, Close, Core, Limit, Outbound, Product, Send, check_finite
+from coordinator.core import (
+    SHUTDOWN, Abort, AuthError, Check, Close, Core, Limit, Outbound, Product, Send, check_finite,
+)
 from coordinator.limits import Limits
 from coordinator.listener import ConnectionCounter, bind
 from coordinator.protocol import (
@@ -417,6 +419,10 @@ class Server:
     def deliver(self, outbound: Sequence[Outbound]) -> None:
         """Queue the Core's messages on their sockets (never blocks the loop)."""
         for item in outbound:
+            if isinstance(item, Abort):  # training cannot go on: the trainer hears why
+                log.error("stopping the job: %s", item.reason)
+                self.abort(item.reason)
+                continue
             conn = self.conns.get(item.device)
             if conn is None or conn.cut is not None or conn.done:
                 continue
@@ -436,6 +442,7 @@ class Server:
                 self._queue(conn, frame)
             elif isinstance(item, Limit):
                 conn.ws.protocol.max_message_size = item.nbytes
+
             elif isinstance(item, Close) and item.code == CloseCode.SILENT:
                 self._abort(conn)  # a frozen peer reads nothing: a closing handshake would hang
             else:

@@ -326,6 +326,11 @@ class MemoryStore:
     def leases(self, tile_id: int) -> list[LeaseRow]:
         return copy.deepcopy(self._leases.get(tile_id, []))
 
+    def unbar_tile(self, tile_id: int) -> None:
+        if tile_id not in self._tiles:
+            raise StoreError(f"no tile {tile_id}")
+        self._tiles[tile_id].barred.clear()
+
     # --- checkpoints and resuming
     def add_checkpoint(self, row: CheckpointRow) -> None:
         self._checkpoints.append(row)

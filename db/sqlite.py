@@ -533,6 +533,10 @@ class SQLiteStore:
             "WHERE tile_id = ? ORDER BY id", (tile_id,),
         )]
 
+    def unbar_tile(self, tile_id: int) -> None:
+        if self._write("UPDATE tiles SET barred = '[]' WHERE id = ?", (tile_id,)).rowcount != 1:
+            raise StoreError(f"no tile {tile_id}")
+
     # --- checkpoints and resuming
     def add_checkpoint(self, row: CheckpointRow) -> None:
         self._write(

@@ -273,6 +273,9 @@ class Store(Protocol):
     def leases(self, tile_id: int) -> list[LeaseRow]: ...
 
     # --- checkpoints and resuming
+    def unbar_tile(self, tile_id: int) -> None:
+        """Every device may take the tile again (it had been failed by every device there was)."""
+        ...
     def add_checkpoint(self, row: CheckpointRow) -> None: ...
     def checkpoints(self, job_id: int) -> list[CheckpointRow]:
         """Newest first."""

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.core import AuthError, Close, Core, Limit, Outbound, Send
+from coordinator.core import Abort, AuthError, Close, Core, Limit, Outbound, Send
 from coordinator.limits import TrustPolicy
-from coordinator.protocol import CloseCode, Credential, Credit, Error, Finished, Hello, Leave, Result, Welcome, Work
+from coordinator.protocol import (
+    CloseCode, Credential, Credit, Error, Finished, Heartbeat, Hello, Leave, Release, ReleaseWhy, Result, Welcome,
+    Work,
+)
 from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
 
@@ -421,3 +424,55 @@ def test_a_gemm_the_trainer_waits_on_overtakes_a_deferred_weight_gradient(core: 
     torch.testing.assert_close(boxes["dx"], dy @ w, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(boxes["dw"], dy.t() @ x, rtol=1e-5, atol=1e-5)
     assert d in core.devices
+
+
+def test_a_tile_every_device_failed_is_reopened_once_then_the_job_stops_with_the_reason(core: Core) -> None:
+    fleet = Fleet(core)
+    devices = [fleet.join("a", slots=1), fleet.join("b", slots=1)]
+    box = submit(core, fleet, torch.randn(8, 16), torch.randn(16, 8))  # one tile
+
+    def everyone_fails() -> None:  # each device in turn: its compute fails (an OOM, say)
+        for _ in devices:
+            (work,) = fleet.pending
+            fleet.pending.clear()
+            tile = work.message.tile_id
+            fleet.route(core.handle(work.device, Release((tile,), ReleaseWhy.COMPUTE_FAILED, "out of memory"), fleet.now))
+        assert not fleet.pending and core.sched.stuck() == [tile]  # nobody may take it now
+
+    everyone_fails()
+    fleet.now += 2.0
+    out = core.tick(fleet.now)
+    assert not any(isinstance(o, Abort) for o in out)
+    fleet.route(out)
+    assert len(fleet.pending) == 1  # re-opened: a device has it again
+    everyone_fails()
+    fleet.now += 2.0
+    assert not any(isinstance(o, Abort) for o in core.tick(fleet.now))  # a new device may still come
+    fleet.now += 61.0
+    for d in devices:  # still here (they answer heartbeats)
+        fleet.route(core.handle(d, Heartbeat(fleet.now), fleet.now))
+    aborts = [o for o in core.tick(fleet.now) if isinstance(o, Abort)]
+    assert len(aborts) == 1 and "failed on every connected device, twice" in aborts[0].reason
+    assert "out of memory" in aborts[0].reason and "result" not in box
+
+
+def test_a_tile_failed_everywhere_twice_waits_for_a_new_device_that_can_take_it(core: Core) -> None:
+    fleet = Fleet(core)
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    devices = [fleet.join("a", slots=1)]
+    box = submit(core, fleet, a, b)
+    for _ in range(2):  # failed, re-opened, failed again
+        (work,) = fleet.pending
+        fleet.pending.clear()
+        fleet.route(core.handle(work.device, Release((work.message.tile_id,), ReleaseWhy.COMPUTE_FAILED, "oom"),
+                                fleet.now))
+        fleet.now += 2.0
+        out = core.tick(fleet.now)
+        assert not any(isinstance(o, Abort) for o in out)
+        fleet.route(out)
+    devices.append(fleet.join("newcomer", slots=1))  # within the grace
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    fleet.now += 120.0
+    fleet.route(core.handle(devices[0], Heartbeat(fleet.now), fleet.now))
+    assert not any(isinstance(o, Abort) for o in core.tick(fleet.now))

@@ -42,6 +42,12 @@ def test_dashboard_shows_job_tiles_and_every_device() -> None:
     assert "12.5 MB down" in out
     assert "5 re-queued, 1 expired, 7 speculative, 6 cancelled, 2 lost" in out
     assert "98.4%" in out
+    assert "to devices" not in out  # not counted yet: nothing claimed
+
+
+def test_dashboard_shows_the_share_of_gemm_flops_sent_to_devices() -> None:
+    status = {**STATUS, "job": {**STATUS["job"], "gemm_share": {"share": 0.9333, "left_on_ps": {"h.0.attn": 1.0}}}}
+    assert "93.3% of the model's GEMM FLOPs" in _text(render.dashboard(status), width=140)
 
 
 def test_dashboard_before_any_device_joined() -> None:

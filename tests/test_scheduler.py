@@ -362,3 +362,22 @@ def test_more_barred_units_than_a_scan_ahead_of_the_one_a_device_may_take() -> N
         for a in s.assign(0.0):
             s.done(a.unit, a.device)
     assert s.queued == 0 and not s.units
+
+
+def test_a_unit_every_able_device_failed_is_stuck_until_unbarred() -> None:
+    s = Scheduler(FAULTS)
+    for d in (1, 2, 3):
+        s.join(d, slots=1, seconds_per_gflop=0.1)
+    s.update(3, paused=True)  # a paused device could not take it anyway
+    s.add_gemm(1, units(1, 1))
+    failed = []
+    for _ in range(2):
+        ((device, unit),) = assigned(s)
+        s.release(unit, device, bar=True)
+        failed.append(device)
+    assert sorted(failed) == [1, 2]
+    assert s.stuck() == [] and assigned(s) == []  # device 3 may take it once it resumes
+    s.leave(3)
+    assert s.stuck() == [0]  # every device here failed it
+    s.unbar(0)
+    assert s.stuck() == [] and len(assigned(s)) == 1

@@ -227,6 +227,7 @@ def test_a_device_that_holds_tiles_without_answering_is_cut_and_must_cool_off(he
             fleet.now += 1.0
             fleet.route(core.handle(staller, Heartbeat(), fleet.now))
             fleet.route(core.tick(fleet.now))
+            fleet.pending = [p for p in fleet.pending if p.device != staller]  # nor any tile it gets again
             fleet.drain()
             if staller not in core.devices or not core.devices[staller].inflight:
                 break
@@ -240,8 +241,9 @@ def test_a_device_that_holds_tiles_without_answering_is_cut_and_must_cool_off(he
     counts = core.status(fleet.now)["tiles"]
     if helper:  # speculation finished its tiles before their deadlines: lost to copies
         assert counts["cancelled"] >= TRUST.cut_unanswered and counts["queued"] == counts["leased"] == 0
-    else:  # nobody else: each tile is taken back at twice its deadline, and waits for another device
-        assert counts["revoked"] == TRUST.cut_after and counts["queued"] == TRUST.cut_after
+    else:  # nobody else: each tile is taken back at twice its deadline (a tile it alone failed
+        # is re-opened to it once, and it may take that one again once it is back)
+        assert counts["revoked"] >= TRUST.cut_after and counts["queued"] + counts["leased"] == TRUST.cut_after
 
 
 def test_three_stallers_cannot_hold_a_tile_from_a_free_honest_device() -> None:
@@ -514,11 +516,18 @@ def test_devices_barred_from_everything_queued_are_not_asked_again_until_the_que
     fleet = Fleet(core)
     broken = [fleet.join(f"broken{i}", slots=1) for i in range(5)]
     submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))  # one tile
-    for d in broken:  # each fails it: barred from it, and it goes to the next
-        held = [t for t in core.devices[d].inflight]
-        if held:
-            fleet.route(core.handle(d, Release(tuple(held), ReleaseWhy.COMPUTE_FAILED), fleet.now))
-    fleet.pending.clear()
+
+    def everyone_fails() -> None:
+        for d in broken:  # each fails it: barred from it, and it goes to the next
+            held = [t for t in core.devices[d].inflight]
+            if held:
+                fleet.route(core.handle(d, Release(tuple(held), ReleaseWhy.COMPUTE_FAILED), fleet.now))
+        fleet.pending.clear()
+
+    everyone_fails()
+    fleet.now += 1.0
+    fleet.route(core.tick(fleet.now))  # failed everywhere: re-opened once (tests/test_core.py)
+    everyone_fails()
     calls = []
     claim = core.store.claim_tile
     core.store.claim_tile = lambda *a, **k: calls.append(a[0]) or claim(*a, **k)  # type: ignore[method-assign]

@@ -114,6 +114,7 @@ def gemm_share(model: nn.Module, seq_len: int) -> GemmShare:
         rest = flops - sum(counts[o] for o in nearest)
         if rest > 0:
             label = name.split(".", 1)[1] if "." in name else "(top level)"
+            label = label.removeprefix("inner.")  # hf.HFCausalLM's wrapper: name modules as transformers does
             own[label] = own.get(label, 0.0) + rest
     spread = sum(own.values())
     left = {name: on_ps * f / spread for name, f in own.items()} if spread else {}

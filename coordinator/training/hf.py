@@ -1,7 +1,8 @@
 """Causal language models from Hugging Face ``transformers``, by folder: ``--model hf:DIR``.
 
 DIR holds a ``config.json`` (any causal LM ``AutoModelForCausalLM`` knows) and optionally
-weights (``model.safetensors``: safetensors only, never pickle) and a tokenizer
+weights (``model.safetensors``, or shards with ``model.safetensors.index.json``: safetensors
+only; pickled ``.bin``/``.pt`` weights are refused)  and a tokenizer
 (``tokenizer.json`` or the files ``AutoTokenizer`` reads). Without weights the model starts
 from a random init drawn from ``--seed``; without a tokenizer the text is fed as byte ids,
 which needs a vocabulary of at least 256. Nothing is ever downloaded: every load is
@@ -23,7 +24,8 @@ from torch import nn
 
 PREFIX = "hf:"
 BYTE_VOCAB = 256
-WEIGHTS = "model.safetensors"
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
+_PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")  # weights only a pickle loader reads: refused
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
@@ -36,7 +38,7 @@ def is_hf(name: str) -> bool:
 
 
 def _transformers() -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the network, whatever is asked
+    os.environ["HF_HUB_OFFLINE"] = "1"  # never reach the network, whatever is asked
     try:
         import transformers
     except ImportError:
@@ -53,7 +55,7 @@ class HFSpec:
     model_type: str
     vocab_size: int
     max_seq_len: int
-    weights: bool  # model.safetensors is there
+    weights: bool  # model.safetensors (or its shards and their index) is there
     tokenizer: bool  # a tokenizer is there: --data is tokenized with it
 
 
@@ -70,17 +72,23 @@ def spec(name: str) -> HFSpec:
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     seq = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 1 << 20
     has_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
+    weights = any((path / f).is_file() for f in WEIGHTS)
+    pickles = sorted(p.name for pattern in _PICKLES for p in path.glob(pattern))
+    if pickles and not weights:  # never start from a random init while weights sit beside it
+        raise HFError(f"--model {name}: its weights ({', '.join(pickles[:3])}) are pickles, which Cleave never "
+                      "loads; convert them to model.safetensors (transformers: save_pretrained)")
     if not has_tokenizer and vocab < BYTE_VOCAB:
         raise HFError(f"--model {name}: a vocabulary of {vocab} cannot hold byte ids (256) and there is no "
                       "tokenizer in the folder")
-    return HFSpec(path, str(raw.get("model_type", "?")), vocab, int(seq), (path / WEIGHTS).is_file(), has_tokenizer)
+    return HFSpec(path, str(raw.get("model_type", "?")), vocab, int(seq), weights, has_tokenizer)
 
 
 def _config(path: Path, name: str) -> Any:
     transformers = _transformers()
     try:
-        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+        # Never the folder's own Python (``auto_map``): transformers would otherwise ask on stdin.
+        return transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
         raise HFError(f"--model {name}: transformers cannot read its config ({str(exc).splitlines()[0]})") from None
 
 
@@ -101,18 +109,19 @@ class HFCausalLM(nn.Module):
         return logits, loss
 
 
-def build(name: str, *, meta: bool = False) -> HFCausalLM:
+def build(name: str) -> HFCausalLM:
     """The model of ``hf:DIR`` in float32: its weights if the folder has them, else a random
-    init from torch's current seed (the trainer seeds it). ``meta``: its shapes only."""
+    init from torch's current seed (the trainer seeds it)."""
     s = spec(name)
     transformers = _transformers()
     try:
-        if s.weights and not meta:
+        if s.weights:
             inner = transformers.AutoModelForCausalLM.from_pretrained(
-                str(s.path), local_files_only=True, use_safetensors=True, dtype=torch.float32)
+                str(s.path), local_files_only=True, use_safetensors=True, trust_remote_code=False, dtype=torch.float32)
         else:
-            inner = transformers.AutoModelForCausalLM.from_config(_config(s.path, name), dtype=torch.float32)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            inner = transformers.AutoModelForCausalLM.from_config(_config(s.path, name), trust_remote_code=False,
+                                                                  dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise HFError(f"--model {name}: transformers cannot build it ({str(exc).splitlines()[0]})") from None
     return HFCausalLM(inner)
 
@@ -122,8 +131,8 @@ def tokenize(name: str, text: bytes) -> torch.Tensor:
     s = spec(name)
     transformers = _transformers()
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(s.path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+        tok = transformers.AutoTokenizer.from_pretrained(str(s.path), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
         raise HFError(f"--model {name}: transformers cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
     ids = tok(text.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
     out = torch.tensor(ids, dtype=torch.int64)

@@ -1,7 +1,8 @@
 """The one seam between a model and the network: Linear layers that call an injected matmul.
 
-``offload_linears(model, engine)`` swaps every ``nn.Linear`` of *any* torch model for a
-``TiledLinear`` that shares its parameters. Forward and backward then run their three GEMMs
+``offload_linears(model, engine)`` swaps every linear-like module of *any* torch model
+(``nn.Linear``, ``transformers``' ``Conv1D``, and their subclasses that keep the base
+``forward``) for a ``TiledLinear`` that shares its parameters. Forward and backward then run their three GEMMs
 
     forward   Y  = X  @ W^T      (tokens x out)      output tiles
     backward  dX = dY @ W        (tokens x in)       output tiles
@@ -135,17 +136,27 @@ def _conv1d_type() -> type | None:
     return Conv1D
 
 
+def _is_plain_linear(module: nn.Module, conv1d: type | None) -> bool:
+    """An ``nn.Linear`` (or ``Conv1D``), or a subclass that computes exactly what it does: its
+    ``forward`` is the base class's. A subclass with its own ``forward`` (a MoE router that
+    returns top-k indices, a block-diagonal layer) is left alone, on the PS."""
+    for base in (nn.Linear,) if conv1d is None else (nn.Linear, conv1d):
+        if isinstance(module, base):
+            return type(module).forward is base.forward and module.weight.dim() == 2
+    return False
+
+
 def offload_linears(model: nn.Module, engine: MatmulEngine) -> int:
     """Replace every linear-like module of ``model`` (in place, parameters shared): ``nn.Linear``
-    and its subclasses, and ``transformers``' ``Conv1D``. Returns how many. A module that calls
-    its weight directly rather than through its child's ``forward`` (``nn.MultiheadAttention``'s
-    ``out_proj``) keeps that GEMM on the PS; ``gemm_share`` counts what actually went out."""
+    and ``transformers``' ``Conv1D``, and their subclasses that keep the base ``forward``.
+    Returns how many. What stays on the PS (attention's products, a subclass with a ``forward``
+    of its own, a module that reads a child's weight directly, as ``nn.MultiheadAttention``
+    does its ``out_proj``'s) is what ``flops.gemm_share`` counts and names."""
     conv1d = _conv1d_type()
-    kinds = (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, kinds) and not isinstance(child, TiledLinear) and child.weight.dim() == 2:
+            if _is_plain_linear(child, conv1d):
                 setattr(parent, name, TiledLinear(child, engine))
                 count += 1
     return count

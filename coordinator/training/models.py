@@ -17,7 +17,7 @@ def describe(name: str) -> str:
         s = hf.spec(name)
         return (f"{s.model_type} from {s.path} ({'its weights' if s.weights else 'random init'}, "
                 f"{'its tokenizer' if s.tokenizer else 'byte ids'})")
-    return f"the built-in {name!r} preset"
+    return f"the built-in {name} preset"
 
 
 def max_seq_len(name: str) -> int:
@@ -30,10 +30,9 @@ def max_seq_len(name: str) -> int:
     return preset(name).max_seq_len
 
 
-def build(name: str, *, meta: bool = False) -> nn.Module:
-    """A fresh model from torch's current seed (the caller seeds), or ``hf:DIR``'s weights.
-    ``meta``: only its shapes matter (built under ``torch.device("meta")``; weights not read)."""
-    return hf.build(name, meta=meta) if hf.is_hf(name) else Transformer(preset(name))
+def build(name: str) -> nn.Module:
+    """A fresh model from torch's current seed (the caller seeds), or ``hf:DIR``'s weights."""
+    return hf.build(name) if hf.is_hf(name) else Transformer(preset(name))
 
 
 def tokens(name: str, text: bytes) -> torch.Tensor:
