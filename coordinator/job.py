@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import numpy as np
+from torch import nn
 
 from coordinator import checkpoint
 from coordinator.checkpoint import Resume
@@ -66,6 +67,7 @@ class CoordinatorConfig:
     ps_link_gbps: float = 10.0  # the coordinator's link, each way (--ps-link-gbps)
     ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
     wire_dtype: WireDtype = WireDtype.FP32  # what float32 operands and results travel as (--wire-dtype)
+    model_factory: Callable[[], nn.Module] | None = None  # builds a custom:LABEL model (docs/api.md)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -85,6 +87,8 @@ class CoordinatorConfig:
             raise ValueError(f"--ps-gflops must be between 0.001 and 1e7, got {self.ps_gflops}")
         if not (0 <= self.checkpoint_every <= 10_000_000):
             raise ValueError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
+        if (self.model_factory is not None) != models.is_custom(self.train.model):
+            raise ValueError("a model_factory goes with a model named custom:LABEL, and only with one")
 
 
 @dataclass
@@ -289,7 +293,8 @@ async def serve_job(
             reporter.note(share.summary())
 
         def train() -> None:  # in the trainer thread
-            trainer = Trainer(train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus)
+            trainer = Trainer(train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus,
+                              model_factory=cfg.model_factory)
             loop.call_soon_threadsafe(reporter.note, f"model: {models.describe(train_cfg.model)}, "
                                                      f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters")
             # Counted on the model itself, before the first step (nothing is sent, no draw is used).

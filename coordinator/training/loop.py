@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch import nn
 
 from coordinator.training import models
 from coordinator.training.data import ByteBatches, load_corpus
@@ -79,11 +80,16 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, engine: MatmulEngine | None = None, corpus: bytes | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, engine: MatmulEngine | None = None, corpus: bytes | None = None,
+                 model_factory: Callable[[], nn.Module] | None = None) -> None:
+        """``model_factory``: builds the model of a ``custom:LABEL`` job (docs/api.md); it is
+        called after the seed is set, so it gives the same weights wherever it runs."""
         self.cfg = cfg
+        if (model_factory is not None) != models.is_custom(cfg.model):
+            raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
         torch.manual_seed(cfg.seed)
         try:
-            self.model = models.build(cfg.model)
+            self.model = model_factory() if model_factory is not None else models.build(cfg.model)
         except ValueError as exc:  # an hf:DIR that transformers cannot build
             raise ConfigError(str(exc)) from None
         self.offloaded = offload_linears(self.model, engine) if engine is not None else 0

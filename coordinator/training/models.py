@@ -1,5 +1,6 @@
-"""The models a job can train, by name: a built-in preset (``tiny``, ``small``, ``base``) or a
-``transformers`` causal LM from a folder (``hf:DIR``, see ``hf.py``). Every model is called as
+"""The models a job can train, by name: a built-in preset (``tiny``, ``small``, ``base``), a
+``transformers`` causal LM from a folder (``hf:DIR``, see ``hf.py``), or ``custom:LABEL``, a
+model built by a factory given through the Python API (docs/api.md). Every model is called as
 ``model(ids, targets) -> (logits, loss)``."""
 
 from __future__ import annotations
@@ -11,8 +12,17 @@ from coordinator.training import hf
 from coordinator.training.model import PRESETS, Transformer, preset
 
 
+CUSTOM = "custom:"  # a model given as a factory (docs/api.md); the rest of the name labels it
+
+
+def is_custom(name: str) -> bool:
+    return name.startswith(CUSTOM)
+
+
 def describe(name: str) -> str:
     """One line for help texts and errors: what ``name`` is."""
+    if is_custom(name):
+        return f"{name[len(CUSTOM):]!r}, a model of your own"
     if hf.is_hf(name):
         s = hf.spec(name)
         return (f"{s.model_type} from {s.path} ({'its weights' if s.weights else 'random init'}, "
@@ -24,6 +34,10 @@ def max_seq_len(name: str) -> int:
     """The longest sequence the model takes (raises ValueError for an unknown or unusable name)."""
     if hf.is_hf(name):
         return hf.spec(name).max_seq_len
+    if is_custom(name):
+        if not name[len(CUSTOM):].strip() or not name.isprintable() or len(name) > 200:
+            raise ValueError("a custom model is named custom:LABEL, LABEL 1 to 192 printable characters")
+        return 1 << 20  # the model checks its own lengths
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or hf:DIR for a "
                          "transformers model in folder DIR")
@@ -32,6 +46,8 @@ def max_seq_len(name: str) -> int:
 
 def build(name: str) -> nn.Module:
     """A fresh model from torch's current seed (the caller seeds), or ``hf:DIR``'s weights."""
+    if is_custom(name):
+        raise ValueError(f"model {name!r} is built by the model_factory passed with it (docs/api.md)")
     return hf.build(name) if hf.is_hf(name) else Transformer(preset(name))
 
 

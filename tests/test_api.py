@@ -1,0 +1,46 @@
+"""The Python API of docs/api.md: a model of one's own, trained through real local clients, with
+the losses of plain torch. The example is read from the doc and run as written."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import ROOT
+from coordinator.training.loop import ConfigError, TrainConfig, Trainer
+
+
+def _example() -> str:
+    doc = (ROOT / "docs" / "api.md").read_text()
+    (code,) = re.findall(r"## Example.*?```python\n(.*?)```", doc, re.S)
+    return code
+
+
+def test_the_documented_example_trains_through_clients_like_plain_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    scope: dict = {"__name__": "example"}
+    exec(compile(_example(), "docs/api.md", "exec"), scope)  # noqa: S102 -- our own doc's code
+    outcome, local = scope["outcome"], scope["local"]
+    got, want = [r.loss for r in outcome.results], [r.loss for r in local]
+    assert len(got) == len(want) == 20
+    assert got == pytest.approx(want, rel=1e-4)
+    assert want[-1] < want[0] - 0.5  # it learns
+    assert outcome.status["job"]["gemm_share"]["share"] == pytest.approx(1.0)  # no attention: every GEMM
+    assert sum(d["tiles_done"] for d in outcome.status["devices"]) > 0
+
+
+def test_a_custom_model_needs_its_factory() -> None:
+    cfg = TrainConfig(model="custom:mine", steps=1, seq_len=4096)  # the model checks lengths itself
+    with pytest.raises(ConfigError, match="model_factory"):
+        Trainer(cfg)
+    with pytest.raises(ConfigError, match="custom:LABEL"):
+        Trainer(TrainConfig(model="tiny", steps=1), model_factory=lambda: nn.Linear(2, 2))
+
+
+def test_the_factory_is_called_after_seeding() -> None:
+    cfg = TrainConfig(model="custom:mine", steps=1)
+    weights = [Trainer(cfg, model_factory=lambda: nn.Linear(4, 4)).model.weight.detach().clone() for _ in range(2)]
+    assert torch.equal(*weights)
+
