@@ -342,6 +342,7 @@ class Progress:
     tokens_per_s: float = 0.0
     state: str = "starting"
     gemm_share: dict[str, Any] | None = None  # flops.GemmShare.to_dict(), once the model is built
+    tokens: int = 0  # trained by this coordinator
 
 
 def _all_finite(t: torch.Tensor) -> bool:

@@ -278,6 +278,8 @@ async def serve_job(
             metrics.write(result.metrics())
             store.record_step(job_id, result.step, result.loss, result.tokens, result.seconds, clock(), extra)
             trained_tokens += result.tokens
+            core.progress.tokens = trained_tokens
+            server.metrics.step(result.seconds)
             elapsed = time.perf_counter() - started
             core.progress.loss = result.loss if math.isfinite(result.loss) else None
             core.progress.step = result.step

@@ -38,9 +38,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request, Response
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.blocks import row_norms
+from coordinator.metrics import PATH as METRICS_PATH, Metrics
 from coordinator.core import (
     SHUTDOWN, Abort, AuthError, Check, Close, Core, Limit, Outbound, Product, Send, check_finite,
 )
@@ -124,6 +126,7 @@ class Server:
         self.limits = limits or core.limits
         self.conns: dict[int, _Conn] = {}
         self.traffic = Traffic()
+        self.metrics = Metrics(self._books, clock)
         self.counter = ConnectionCounter(self.limits)  # fed by the listening socket (listen())
         self.observers = 0
         self.refused = 0  # connections refused at a cap after the upgrade
@@ -305,6 +308,31 @@ class Server:
             return
         finally:
             self.observers -= 1
+
+    def _books(self) -> dict[str, Any]:
+        """What ``/metrics`` reports: the job's counts, read when scraped (O(1) but for the
+        devices' states, one indexed GROUP BY)."""
+        core, p = self.core, self.core.progress
+        tiles = core.store.tile_counts(core.job_id)
+        return {
+            "job": {"step": p.step, "loss": p.loss, "tokens_per_s": p.tokens_per_s, "gemm_share": p.gemm_share},
+            "tokens_trained": p.tokens, "tiles": tiles, "queue_depth": tiles["queued"],
+            "traffic": {"bytes_down": self.traffic.bytes_down, "bytes_up": self.traffic.bytes_up},
+            "verify": {"seconds": core.verify_seconds}, "gemms_in_flight": len(core.gemms),
+            "device_counts": {"connected": len(core.devices), **core.store.device_states(core.job_id)},
+        }
+
+    def http(self, connection: ServerConnection, request: Request) -> Response | None:
+        """Plain HTTP on the websocket port: ``GET /metrics`` (Prometheus). Anything else goes on
+        to the websocket handshake (which answers 426 to a request that is not an upgrade)."""
+        if request.path.split("?", 1)[0] != METRICS_PATH:
+            return None
+        status, content_type, body = self.metrics.render()
+        response = connection.respond(status, body.decode())
+        del response.headers["Content-Type"]
+        response.headers["Content-Type"] = content_type
+        response.headers["Cache-Control"] = "no-store"
+        return response
 
     def status(self) -> dict[str, Any]:
         snapshot = self.core.status(self.clock())
@@ -567,6 +595,7 @@ def listen(server: Server, host: str, port: int, tls: ssl.SSLContext | None = No
         max_size=lim.pre_auth_frame,  # raised per peer once it is authenticated
         max_queue=lim.max_queue,
         ping_interval=20, ping_timeout=120, close_timeout=2,  # a frozen peer never answers a close
+        process_request=server.http,  # GET /metrics
     )
 
 

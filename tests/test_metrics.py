@@ -1,0 +1,121 @@
+"""Prometheus metrics: scraped over real HTTP on the coordinator's port during a real job with
+two `cleave join` clients, and checked against the store's own rows."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from procs import TOKEN, join  # noqa: E402
+from coordinator import metrics as metrics_mod  # noqa: E402
+from coordinator.job import CoordinatorConfig, serve_job  # noqa: E402
+from coordinator.live_plan import Planner  # noqa: E402
+from coordinator.server import Server  # noqa: E402
+from coordinator.training.loop import StepResult, TrainConfig  # noqa: E402
+
+STEPS = 12
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+class _Checker:
+    """A Reporter that, at every step (on the event loop, so nothing moves meanwhile), renders the
+    metrics afresh and compares them with the store's rows and the server's counters."""
+
+    def __init__(self) -> None:
+        self.server: Server | None = None
+        self.checked = 0
+
+    def listening(self, info: Any) -> None: ...
+    def note(self, text: str) -> None: ...
+    def waiting(self, have: int, want: int) -> None: ...
+    def finished(self, results: list[StepResult], status: dict) -> None: ...
+
+    def step(self, result: StepResult, status: dict) -> None:
+        assert self.server is not None
+        core = self.server.core
+        got = _samples(prometheus_client.generate_latest(self.server.metrics.registry).decode())
+        rows = core.store.recount(core.job_id)  # from the rows themselves
+        for outcome in metrics_mod.TILE_OUTCOMES:
+            assert got[("cleave_tiles_total", (("outcome", outcome),))] == rows[outcome], outcome
+        assert got[("cleave_queue_depth", ())] == rows["queued"]
+        assert got[("cleave_steps_total", ())] == result.step
+        assert got[("cleave_loss", ())] == pytest.approx(result.loss)
+        assert got[("cleave_tokens_total", ())] == result.step * result.tokens
+        assert got[("cleave_step_seconds_count", ())] == result.step
+        assert got[("cleave_step_seconds_sum", ())] > 0
+        assert got[("cleave_bytes_total", (("direction", "down"),))] == self.server.traffic.bytes_down
+        assert got[("cleave_bytes_total", (("direction", "up"),))] == self.server.traffic.bytes_up
+        for state, n in core.store.device_states(core.job_id).items():
+            assert got[("cleave_devices", (("state", state),))] == n
+        self.checked += 1
+
+
+def _scrape(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def test_metrics_are_scraped_over_http_during_a_job_and_agree_with_the_store(tmp_path: Path) -> None:
+    checker = _Checker()
+    cfg = CoordinatorConfig(train=TrainConfig(steps=STEPS), port=0, db=str(tmp_path / "m.db"), token=TOKEN,
+                            min_devices=2, planner=Planner.UNIFORM)
+
+    async def run() -> tuple[list, list]:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[str] = loop.create_future()
+        job = asyncio.create_task(serve_job(cfg, checker, ready=ready.set_result,
+                                            on_start=lambda s: setattr(checker, "server", s)))
+        url = await ready
+        http = url.replace("ws://", "http://")
+        clients = [join(url, f"m{i}") for i in range(2)]
+        scrapes = []
+        while not job.done():
+            scrapes.append(await asyncio.to_thread(_scrape, http + "/metrics?format=text"))
+            if len(scrapes) == 1:  # any other plain request is still no websocket: 426, as before
+                assert (await asyncio.to_thread(_scrape, http + "/"))[0] == 426
+            await asyncio.sleep(0.2)
+        await job
+        return scrapes, [c.wait() for c in clients]
+
+    scrapes, codes = asyncio.run(run())
+    assert codes == [0, 0] and checker.checked == STEPS
+    assert all(status == 200 for status, _, _ in scrapes)
+    served = [_samples(text) for _, _, text in scrapes]
+    assert served and all(ctype == prometheus_client.CONTENT_TYPE_LATEST for status, ctype, _ in scrapes)
+    steps = [m[("cleave_steps_total", ())] for m in served]
+    assert steps == sorted(steps) and steps[-1] > 0  # it moved while we watched, never backwards
+    verified = [m[("cleave_tiles_total", (("outcome", "verified"),))] for m in served]
+    assert verified == sorted(verified) and verified[-1] > 0
+
+
+def test_a_coordinator_without_prometheus_client_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(metrics_mod, "CollectorRegistry", None)
+    status, ctype, body = metrics_mod.Metrics(lambda: {}).render()
+    assert status == 404 and b"pip install 'cleave[metrics]'" in body and ctype.startswith("text/plain")
+
+
+def test_scrapes_in_a_loop_render_at_most_once_a_second() -> None:
+    calls = []
+    now = [0.0]
+    m = metrics_mod.Metrics(lambda: calls.append(1) or {}, clock=lambda: now[0])
+    for _ in range(50):
+        assert m.render()[0] == 200
+    now[0] += 1.0
+    m.render()
+    assert len(calls) == 2
