@@ -256,6 +256,9 @@ async def serve_job(
         start_step = plan.resume.step if plan.resume else 0
         core.progress.step = start_step
         server = Server(core, time.monotonic, cfg.limits)
+        if plan.resume:  # the dashboard's curve starts with the steps before the checkpoint
+            for row in store.steps(job_id):
+                server.dashboard.step(row.step, row.loss)
         if on_start is not None:
             on_start(server)
         metrics = _Metrics(cfg.metrics, keep_until=start_step if plan.resume else None)
@@ -279,7 +282,7 @@ async def serve_job(
             store.record_step(job_id, result.step, result.loss, result.tokens, result.seconds, clock(), extra)
             trained_tokens += result.tokens
             core.progress.tokens = trained_tokens
-            server.metrics.step(result.seconds)
+            server.record_step(result.step, result.loss, result.seconds)
             elapsed = time.perf_counter() - started
             core.progress.loss = result.loss if math.isfinite(result.loss) else None
             core.progress.step = result.step

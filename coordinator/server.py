@@ -42,6 +42,7 @@ from websockets.http11 import Request, Response
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.blocks import row_norms
+from coordinator.dashboard import Dashboard, handles as dashboard_handles
 from coordinator.metrics import PATH as METRICS_PATH, Metrics
 from coordinator.core import (
     SHUTDOWN, Abort, AuthError, Check, Close, Core, Limit, Outbound, Product, Send, check_finite,
@@ -127,6 +128,7 @@ class Server:
         self.conns: dict[int, _Conn] = {}
         self.traffic = Traffic()
         self.metrics = Metrics(self._books, clock)
+        self.dashboard = Dashboard(self.status, core.is_operator, clock)
         self.counter = ConnectionCounter(self.limits)  # fed by the listening socket (listen())
         self.observers = 0
         self.refused = 0  # connections refused at a cap after the upgrade
@@ -322,16 +324,32 @@ class Server:
             "device_counts": {"connected": len(core.devices), **core.store.device_states(core.job_id)},
         }
 
+    def record_step(self, step: int, loss: float, seconds: float) -> None:
+        """A step finished (on the loop): the metrics' histogram and the dashboard's curve."""
+        self.metrics.step(seconds)
+        self.dashboard.step(step, loss)
+
     def http(self, connection: ServerConnection, request: Request) -> Response | None:
-        """Plain HTTP on the websocket port: ``GET /metrics`` (Prometheus). Anything else goes on
-        to the websocket handshake (which answers 426 to a request that is not an upgrade)."""
-        if request.path.split("?", 1)[0] != METRICS_PATH:
+        """Plain HTTP on the websocket port: the dashboard (``/``, its assets, ``/api/status``)
+        and ``GET /metrics`` (Prometheus). A websocket upgrade, or any other path, goes on to
+        the handshake (which answers 426 to a request that is not an upgrade)."""
+        if request.headers.get("Upgrade", "").lower() == "websocket":
             return None
-        status, content_type, body = self.metrics.render()
-        response = connection.respond(status, body.decode())
-        del response.headers["Content-Type"]
+        path = request.path.split("?", 1)[0]
+        if path == METRICS_PATH:
+            status, content_type, body = self.metrics.render()
+            headers = {"Cache-Control": "no-store"}
+        elif dashboard_handles(path):
+            status, content_type, body, headers = self.dashboard.respond(path, request.headers.get("Authorization"))
+        else:
+            return None
+        response = connection.respond(status, "")
+        response.body = body
+        del response.headers["Content-Type"], response.headers["Content-Length"]
         response.headers["Content-Type"] = content_type
-        response.headers["Cache-Control"] = "no-store"
+        response.headers["Content-Length"] = str(len(body))
+        for name, value in headers.items():
+            response.headers[name] = value
         return response
 
     def status(self) -> dict[str, Any]:
@@ -595,7 +613,7 @@ def listen(server: Server, host: str, port: int, tls: ssl.SSLContext | None = No
         max_size=lim.pre_auth_frame,  # raised per peer once it is authenticated
         max_queue=lim.max_queue,
         ping_interval=20, ping_timeout=120, close_timeout=2,  # a frozen peer never answers a close
-        process_request=server.http,  # GET /metrics
+        process_request=server.http,  # the dashboard and GET /metrics
     )
 
 

@@ -244,6 +244,18 @@ def test_tls_end_to_end_with_a_private_ca_and_plain_ws_refused_off_this_machine(
     assert untrusting.wait() == 2 and "certificate does not verify" in untrusting.output
     status = _cli("status", "--url", url, "--token", OPERATOR, "--json", "--cafile", str(cafile))
     assert status.returncode == 0, status.stderr
+    # The dashboard and the metrics are served over the same TLS.
+    import ssl
+    import urllib.request
+
+    context = ssl.create_default_context(cafile=str(cafile))
+    page = url.replace("wss://", "https://")
+    with urllib.request.urlopen(page + "/", context=context, timeout=TIMEOUT) as r:
+        assert r.status == 200 and b'src="/static/dashboard.js"' in r.read()
+    with urllib.request.urlopen(page + "/api/status", context=context, timeout=TIMEOUT) as r:
+        assert json.loads(r.read())["job"]["steps"] == steps
+    with urllib.request.urlopen(page + "/metrics", context=context, timeout=TIMEOUT) as r:
+        assert b"cleave_steps_total" in r.read()
     client = join(url, "trusting", "--cafile", str(cafile))
     assert coord.wait() == 0, coord.output
     assert client.wait() == 0, client.output

@@ -1,0 +1,118 @@
+"""The web dashboard: plain HTTP on the coordinator's own port, beside the websockets.
+
+``GET /`` serves a page (``coordinator/web``: HTML, CSS and JavaScript shipped in the package,
+nothing fetched from anywhere else) that polls ``GET /api/status`` once a second: the job's
+progress, loss curve, tokens per second, tile counts and the leaderboard. With the operator
+token (``Authorization: Bearer TOKEN``; the page takes it from ``/#token=...`` and keeps it in
+the tab, never in a URL the server sees) the reply adds the devices table: state, measured
+compute and links. A request with a wrong token gets 401 and the public view.
+
+Cost to the coordinator is bounded whatever the request rate: each view is built at most once
+per ``MIN_INTERVAL`` and served from that copy otherwise, and the loss curve is kept in memory
+with at most ``CURVE_POINTS`` points (every other point is dropped when it fills, so a long job
+keeps an even sample of its whole run).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from typing import Any, Callable
+
+PATH_API = "/api/status"
+ASSETS = {  # path -> (file in coordinator/web, content type)
+    "/": ("index.html", "text/html; charset=utf-8"),
+    "/index.html": ("index.html", "text/html; charset=utf-8"),
+    "/static/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/static/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+}
+MIN_INTERVAL = 1.0  # seconds between two builds of a view
+CURVE_POINTS = 1000
+HEADERS = {  # the page loads only what this server serves, and nobody frames it
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def handles(path: str) -> bool:
+    return path == PATH_API or path in ASSETS
+
+
+class Curve:
+    """(step, loss) points of the run, evenly thinned to at most ``limit``."""
+
+    def __init__(self, limit: int = CURVE_POINTS) -> None:
+        self.limit, self.stride, self.points = limit, 1, []  # type: ignore[var-annotated]
+        self._seen = 0
+
+    def add(self, step: int, loss: float) -> None:
+        self._seen += 1
+        if (self._seen - 1) % self.stride:
+            return
+        self.points.append((step, round(float(loss), 6)))
+        if len(self.points) >= self.limit:
+            self.points = self.points[::2]
+            self.stride *= 2
+
+
+class Dashboard:
+    def __init__(self, status: Callable[[], dict[str, Any]], is_operator: Callable[[str], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.status, self.is_operator, self.clock = status, is_operator, clock
+        self.curve = Curve()
+        self._views: dict[bool, tuple[float, bytes]] = {}
+        self._assets: dict[str, bytes] = {}
+
+    def step(self, step: int, loss: float) -> None:
+        if loss == loss and abs(loss) != float("inf"):  # a NaN or Inf step is not drawn
+            self.curve.add(step, loss)
+
+    def respond(self, path: str, authorization: str | None) -> tuple[int, str, bytes, dict[str, str]]:
+        """(HTTP status, content type, body, headers) for a GET of ``path``."""
+        if path in ASSETS:
+            name, content_type = ASSETS[path]
+            if name not in self._assets:
+                self._assets[name] = (resources.files("coordinator") / "web" / name).read_bytes()
+            return 200, content_type, self._assets[name], HEADERS
+        operator, status = False, 200
+        if authorization:
+            scheme, _, secret = authorization.partition(" ")
+            operator = scheme.lower() == "bearer" and bool(secret) and self.is_operator(secret.strip())
+            status = 200 if operator else 401
+        return status, "application/json", self._view(operator), HEADERS
+
+    def _view(self, operator: bool) -> bytes:
+        now = self.clock()
+        cached = self._views.get(operator)
+        if cached is None or now - cached[0] >= MIN_INTERVAL:
+            cached = self._views[operator] = (now, json.dumps(self._build(operator), allow_nan=False).encode())
+        return cached[1]
+
+    def _build(self, operator: bool) -> dict[str, Any]:
+        s = self.status()
+        job = s.get("job", {})
+        share = (job.get("gemm_share") or {}).get("share")
+        out: dict[str, Any] = {
+            "job": {"name": job.get("name"), "state": job.get("state"), "step": job.get("step"),
+                    "steps": job.get("steps"), "loss": _finite(job.get("loss")),
+                    "tokens_per_s": job.get("tokens_per_s"), "gemm_share": share},
+            "tiles": {k: s.get("tiles", {}).get(k, 0) for k in ("queued", "leased", "verified", "rejected")},
+            "connected": s.get("device_counts", {}).get("connected", 0),
+            "leaderboard": [{"name": r["name"], "gflop": r["gflop"], "tiles": r["tiles"]} for r in s.get("leaderboard", [])],
+            "losses": self.curve.points,
+        }
+        if operator:
+            out["devices"] = [{
+                "name": d["name"], "state": d["state"], "device": d["device"], "gflops": d["gflops"],
+                "down_mbps": (d.get("profile") or {}).get("down_mbps"), "up_mbps": (d.get("profile") or {}).get("up_mbps"),
+                "tiles_done": d["tiles_done"], "tiles_rejected": d["tiles_rejected"], "reliability": d["reliability"],
+            } for d in s.get("devices", [])]
+        return out
+
+
+def _finite(x: Any) -> Any:
+    return x if isinstance(x, (int, float)) and x == x and abs(x) != float("inf") else None
