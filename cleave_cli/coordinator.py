@@ -60,6 +60,7 @@ def start(
     lr: opt.Lr = D.lr,
     seed: opt.Seed = D.seed,
     data: opt.Data = None,
+    precision: opt.Precision = D.precision,
     metrics: opt.Metrics = None,
     min_devices: Annotated[int, typer.Option("--min-devices", help="Wait until this many devices joined before step 1.")] = 1,
     tile_size: Annotated[int, typer.Option("--tile-size", help="Largest output-tile edge in rows/columns.")] = 512,
@@ -102,7 +103,7 @@ def start(
                     max_unauthenticated=min(Limits().max_unauthenticated, max_connections),
                     max_observers=min(Limits().max_observers, max_connections))
     cfg = CoordinatorConfig(
-        train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data),
+        train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision),
         host=host, port=port, db=str(db), token=token, operator_token=operator_token,
         certfile=str(certfile) if certfile else None, keyfile=str(keyfile) if keyfile else None,
         metrics=str(metrics) if metrics else None,

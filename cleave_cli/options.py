@@ -20,6 +20,10 @@ BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens (bytes) per sequence.")]
 Lr = Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate (warm-up, then cosine decay).")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of weights and batches: the same seed gives the same losses.")]
+Precision = Annotated[str, typer.Option(
+    "--precision", help="How a step computes: fp32 (exact, the default); bf16 (weights and activations in "
+    "bfloat16); fp16 (float32 weights, float16 autocast, a loss scaler); autocast (float32 weights, bfloat16 "
+    "autocast). docs/cli.md has each mode's measured distance from float32.")]
 Data = Annotated[
     Optional[Path],
     typer.Option("--data", help="UTF-8 text file or folder to train on. Default: this Python's standard library sources."),
@@ -35,9 +39,10 @@ WireDtypeOpt = Annotated[WireDtype, typer.Option(
     "Devices still multiply and sum in float32 unless half precision is faster on them.")]
 
 
-def train_config(model: str, steps: int, batch_size: int, seq_len: int, lr: float, seed: int, data: Path | None) -> TrainConfig:
+def train_config(model: str, steps: int, batch_size: int, seq_len: int, lr: float, seed: int, data: Path | None,
+                 precision: str = "fp32") -> TrainConfig:
     return TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-                       data=str(data) if data is not None else None)
+                       data=str(data) if data is not None else None, precision=precision)
 
 
 DEFAULTS = _D

@@ -83,13 +83,14 @@ class Dashboard:
             scheme, _, secret = authorization.partition(" ")
             operator = scheme.lower() == "bearer" and bool(secret) and self.is_operator(secret.strip())
             status = 200 if operator else 401
-        return status, "application/json", self._view(operator), HEADERS
+        headers = HEADERS if status == 200 else {**HEADERS, "WWW-Authenticate": 'Bearer realm="cleave operator"'}
+        return status, "application/json", self._view(operator), headers
 
     def _view(self, operator: bool) -> bytes:
         now = self.clock()
         cached = self._views.get(operator)
         if cached is None or now - cached[0] >= MIN_INTERVAL:
-            cached = self._views[operator] = (now, json.dumps(self._build(operator), allow_nan=False).encode())
+            cached = self._views[operator] = (now, json.dumps(self._build(operator)).encode())
         return cached[1]
 
     def _build(self, operator: bool) -> dict[str, Any]:

@@ -203,6 +203,11 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
         job_id = store.create_job(f"{cfg.train.model} x {cfg.train.steps} steps", cfg.train.to_dict(),
                                   cfg.train.steps, now)
         return _Plan(job_id, cfg.train, None)
+    stored = unfinished.config.get("model")
+    if (models.is_custom(stored or "") or cfg.model_factory is not None) and stored != cfg.train.model:
+        # A factory builds only the model it was given for: never another job's.
+        raise ConfigError(f"job {unfinished.id} in {cfg.db} trains {stored!r}, not {cfg.train.model!r}; pass "
+                          "--new-job (new_job=True) to start a new one")
     try:
         train = TrainConfig(**unfinished.config)
     except (TypeError, ConfigError) as exc:
@@ -251,7 +256,8 @@ async def serve_job(
         # Verification vectors must be unpredictable to clients: OS entropy, never the public seed.
         core = Core(store, job_id, rng=np.random.default_rng(), policy=cfg.policy, faults=cfg.faults,
                     trust=cfg.trust, limits=cfg.limits, epoch=clock() - time.monotonic(),
-                    job_name=f"{train_cfg.model}, {train_cfg.steps} steps", planner=cfg.planner, ps=ps)
+                    job_name=f"{models.public_name(train_cfg.model)}, {train_cfg.steps} steps", planner=cfg.planner,
+                    ps=ps)
         tokens = _tokens(cfg, core, reporter)
         start_step = plan.resume.step if plan.resume else 0
         core.progress.step = start_step

@@ -333,16 +333,24 @@ class Server:
         """Plain HTTP on the websocket port: the dashboard (``/``, its assets, ``/api/status``)
         and ``GET /metrics`` (Prometheus). A websocket upgrade, or any other path, goes on to
         the handshake (which answers 426 to a request that is not an upgrade)."""
-        if request.headers.get("Upgrade", "").lower() == "websocket":
+        upgrade = request.headers.get_all("Upgrade")
+        if any(u.lower() == "websocket" for u in upgrade):
             return None
         path = request.path.split("?", 1)[0]
-        if path == METRICS_PATH:
-            status, content_type, body = self.metrics.render()
-            headers = {"Cache-Control": "no-store"}
-        elif dashboard_handles(path):
-            status, content_type, body, headers = self.dashboard.respond(path, request.headers.get("Authorization"))
-        else:
-            return None
+        try:
+            if path == METRICS_PATH:
+                status, content_type, body = self.metrics.render()
+                headers = {"Cache-Control": "no-store"}
+            elif dashboard_handles(path):
+                auth = request.headers.get_all("Authorization")
+                # Two Authorization headers are one too many: answered as a wrong token.
+                status, content_type, body, headers = self.dashboard.respond(
+                    path, auth[0] if len(auth) == 1 else ("invalid" if auth else None))
+            else:
+                return None
+        except Exception:  # a bug must not take the port down, nor pass silently
+            log.exception("answering GET %s failed", path[:100])
+            return connection.respond(500, "internal error\n")
         response = connection.respond(status, "")
         response.body = body
         del response.headers["Content-Type"], response.headers["Content-Length"]

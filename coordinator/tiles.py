@@ -189,16 +189,20 @@ def wire_layout(block: torch.Tensor) -> str:
 
 
 def assemble(plan: TilePlan | TileList, parts: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Put the tiles' C blocks back together; split-K partials summed in tile order."""
+    """Put the tiles' C blocks back together; split-K partials summed in tile order, in float32
+    whatever the tiles' dtype (half-precision partial sums would round at every addition), and
+    rounded to ``dtype`` once."""
+    split = any(t.p for t in plan.tiles)
+    work = torch.float32 if split and dtype in (torch.float16, torch.bfloat16) else dtype
     # No zero fill: the p == 0 tiles partition the output, so every element is written first.
-    out = torch.empty(plan.m, plan.n, dtype=dtype)
+    out = torch.empty(plan.m, plan.n, dtype=work)
     for t in plan.tiles:  # fixed order => deterministic sums whatever the arrival order
         block = parts[t.index]
         if t.p == 0:
             out[t.r0 : t.r1, t.c0 : t.c1] = block
         else:
             out[t.r0 : t.r1, t.c0 : t.c1] += block
-    return out
+    return out if work == dtype else out.to(dtype)
 
 
 def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tiles: Iterable[Tile], plan: TilePlan) -> torch.Tensor:

@@ -44,3 +44,20 @@ def test_the_factory_is_called_after_seeding() -> None:
     weights = [Trainer(cfg, model_factory=lambda: nn.Linear(4, 4)).model.weight.detach().clone() for _ in range(2)]
     assert torch.equal(*weights)
 
+
+
+def test_an_unfinished_job_of_another_model_is_never_resumed_with_this_factory(tmp_path) -> None:  # noqa: ANN001
+    from coordinator.job import CoordinatorConfig, _plan
+    from db.sqlite import SQLiteStore
+
+    store = SQLiteStore(tmp_path / "j.db")
+    store.create_job("a", TrainConfig(model="custom:A", steps=5).to_dict(), 5, 0.0)  # left unfinished
+    other = CoordinatorConfig(train=TrainConfig(model="custom:B", steps=5), model_factory=lambda: nn.Linear(2, 2),
+                              db=str(tmp_path / "j.db"))
+
+    class Quiet:
+        def note(self, text: str) -> None: ...
+
+    with pytest.raises(ConfigError, match="trains 'custom:A', not 'custom:B'.*--new-job"):
+        _plan(other, store, Quiet(), 1.0)  # type: ignore[arg-type]
+    store.close()

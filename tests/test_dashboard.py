@@ -49,6 +49,15 @@ def _text(dom: str, element: str) -> str:
     return m.group(1).strip()
 
 
+def _raw(http: str, request: bytes) -> bytes:
+    import socket
+
+    host, port = http.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        return s.recv(65536)
+
+
 def _get(url: str, token: str | None = None) -> tuple[int, dict, dict]:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
@@ -81,6 +90,8 @@ def test_the_dashboard_renders_live_numbers_and_hides_operator_data_without_the_
         seen["api"] = await asyncio.to_thread(_get, http + "/api/status")
         seen["wrong"] = await asyncio.to_thread(_get, http + "/api/status", "not-the-operator-token")
         seen["joiner"] = await asyncio.to_thread(_get, http + "/api/status", TOKEN)  # a volunteer's token
+        seen["doubled"] = await asyncio.to_thread(_raw, http, b"GET /api/status HTTP/1.1\r\nHost: x\r\n"
+                                                  b"Authorization: Bearer a\r\nAuthorization: Bearer b\r\n\r\n")
         await job
         seen["codes"] = [c.wait() for c in clients]
         return seen
@@ -101,8 +112,9 @@ def test_the_dashboard_renders_live_numbers_and_hides_operator_data_without_the_
     status, headers, body = seen["api"]
     assert status == 200 and "devices" not in body and body["job"]["steps"] == STEPS
     assert "default-src 'self'" in headers["Content-Security-Policy"]
-    for status, _, body in (seen["wrong"], seen["joiner"]):
-        assert status == 401 and "devices" not in body
+    for status, headers, body in (seen["wrong"], seen["joiner"]):
+        assert status == 401 and "devices" not in body and headers["WWW-Authenticate"].startswith("Bearer")
+    assert seen["doubled"].startswith(b"HTTP/1.1 401")  # refused, not an internal error
 
 
 def test_names_from_volunteers_are_never_html_and_the_curve_stays_bounded() -> None:

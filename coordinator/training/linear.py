@@ -114,9 +114,20 @@ class TiledLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features).contiguous()  # (tokens, in)
-        y = _TiledLinearFn.apply(x2d, self.weight, self.engine, self.in_out)  # (tokens, out)
-        if self.bias is not None:
-            y = y + self.bias
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):
+            # As F.linear under autocast: both operands (and the bias) in the autocast dtype. The
+            # cast weight is no leaf, so its gradient flows back through the cast to the float32
+            # parameter (autograd's, not deferred).
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x2d, weight = x2d.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        elif x2d.dtype != weight.dtype:
+            raise TypeError(f"{self.replaced} input is {x2d.dtype} but its weight is {weight.dtype} (as nn.Linear, "
+                            "outside autocast both must match)")
+        y = _TiledLinearFn.apply(x2d, weight, self.engine, self.in_out)  # (tokens, out)
+        if bias is not None:
+            y = y + bias
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

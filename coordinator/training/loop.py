@@ -25,6 +25,13 @@ class ConfigError(ValueError):
     pass
 
 
+# How a step computes: fp32; bf16 (weights, activations and optimizer state in bfloat16); fp16
+# (float32 weights, forward under float16 autocast, a dynamic loss scaler); autocast (float32
+# weights, forward under bfloat16 autocast). The loss is always returned as a float.
+PRECISIONS = ("fp32", "bf16", "fp16", "autocast")
+_AUTOCAST = {"fp16": torch.float16, "autocast": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     model: str = "tiny"
@@ -37,6 +44,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     warmup: int = 10
+    precision: str = "fp32"  # fp32 | bf16 (weights too) | fp16 (autocast, loss scaler) | autocast (bf16)
 
     def __post_init__(self) -> None:
         try:
@@ -51,6 +59,7 @@ class TrainConfig:
             (math.isfinite(self.lr) and 0 < self.lr <= 1, f"--lr must be in (0, 1], got {self.lr}"),
             (0 <= self.seed < 2**63, f"--seed must be a non-negative 64-bit integer, got {self.seed}"),
             (self.weight_decay >= 0 and self.grad_clip >= 0 and self.warmup >= 0, "negative optimizer setting"),
+            (self.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -92,6 +101,10 @@ class Trainer:
             self.model = model_factory() if model_factory is not None else models.build(cfg.model)
         except ValueError as exc:  # an hf:DIR that transformers cannot build
             raise ConfigError(str(exc)) from None
+        if cfg.precision == "bf16":
+            self.model.to(torch.bfloat16)
+        self.autocast = _AUTOCAST.get(cfg.precision)
+        self.scaler = torch.amp.GradScaler("cpu") if cfg.precision == "fp16" else None
         self.offloaded = offload_linears(self.model, engine) if engine is not None else 0
         # Engines that label their GEMMs by step (the coordinator's) hear when each step starts.
         self.begin_step: Callable[[int], None] | None = getattr(engine, "begin_step", None)
@@ -122,11 +135,15 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "data_rng": self.batches.rng.bit_generator.state,
             "config": self.cfg.to_dict(),
+            **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("config") != self.cfg.to_dict():
+        saved = {"precision": "fp32", **(state.get("config") or {})}  # checkpoints from before --precision
+        if saved != self.cfg.to_dict():
             raise ConfigError("the checkpoint was written by a job with other options")
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
@@ -151,15 +168,22 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = self.batches.next()  # (B, T)
-        _, loss = self.model(x, y)
+        with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            _, loss = self.model(x, y)
         assert loss is not None
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if self.finish_backward is not None:
             self.finish_backward()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients
         if self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=False)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)  # skipped when a gradient overflowed fp16
+            self.scaler.update()
         self.tokens_seen += x.numel()
         return StepResult(self.step, float(loss.item()), x.numel(), time.perf_counter() - started, lr)
 

@@ -5,6 +5,8 @@ model built by a factory given through the Python API (docs/api.md). Every model
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -17,6 +19,14 @@ CUSTOM = "custom:"  # a model given as a factory (docs/api.md); the rest of the 
 
 def is_custom(name: str) -> bool:
     return name.startswith(CUSTOM)
+
+
+def public_name(name: str) -> str:
+    """The name shown to anyone (the dashboard's job name): an ``hf:DIR`` folder's last part
+    only, never the operator's path."""
+    if hf.is_hf(name):
+        return f"{hf.PREFIX}{Path(name[len(hf.PREFIX):]).expanduser().name}"
+    return name
 
 
 def describe(name: str) -> str:
@@ -35,7 +45,7 @@ def max_seq_len(name: str) -> int:
     if hf.is_hf(name):
         return hf.spec(name).max_seq_len
     if is_custom(name):
-        if not name[len(CUSTOM):].strip() or not name.isprintable() or len(name) > 200:
+        if not name[len(CUSTOM):].strip() or not name.isprintable() or len(name) > len(CUSTOM) + 192:
             raise ValueError("a custom model is named custom:LABEL, LABEL 1 to 192 printable characters")
         return 1 << 20  # the model checks its own lengths
     if name not in PRESETS:

@@ -76,9 +76,12 @@ function draw(s) {
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
 
+let timer = null;
+
 async function poll() {
-  const secret = token();
+  clearTimeout(timer);
   try {
+    const secret = token();
     const reply = await fetch("/api/status", { headers: secret ? { Authorization: `Bearer ${secret}` } : {},
       cache: "no-store" });
     if (reply.status === 401) {
@@ -89,7 +92,7 @@ async function poll() {
   } catch (err) {
     $("job-state").textContent = "coordinator unreachable";
   }
-  setTimeout(poll, POLL_MS);
+  timer = setTimeout(poll, POLL_MS);
 }
 
 $("token-button").addEventListener("click", () => {
