@@ -176,9 +176,11 @@ class Check:
             row_norms = torch.stack([ra.row_norms() for ra, _ in self.pairs]).square().sum(0).sqrt()
             b_norm = math.sqrt(sum(rb.norm() ** 2 for _, rb in self.pairs))
         gemm = self.gemm
-        if gemm.out_dtype == torch.float32 and gemm.a.dtype != torch.float32:
-            # The half-precision wire of a float32 job: devices sum in float32 and round once,
-            # and only that rounding is tolerated (coordinator/verify.py, ROUNDING_FACTOR).
+        if gemm.a.dtype in (torch.float16, torch.bfloat16):
+            # Half tiles (the half-precision wire, or a bf16/fp16/autocast job): devices sum in
+            # float32 and round once (client/kernels.py), and only that rounding is tolerated
+            # (coordinator/verify.py, ROUNDING_FACTOR). A tolerance of the half dtype's own
+            # products would let a forged bf16 tile through.
             compute, rounded_to = torch.float32, gemm.a.dtype
         else:
             compute, rounded_to = gemm.a.dtype, None

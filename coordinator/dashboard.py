@@ -90,7 +90,7 @@ class Dashboard:
         now = self.clock()
         cached = self._views.get(operator)
         if cached is None or now - cached[0] >= MIN_INTERVAL:
-            cached = self._views[operator] = (now, json.dumps(self._build(operator)).encode())
+            cached = self._views[operator] = (now, json.dumps(_clean(self._build(operator)), allow_nan=False).encode())
         return cached[1]
 
     def _build(self, operator: bool) -> dict[str, Any]:
@@ -113,6 +113,17 @@ class Dashboard:
                 "tiles_done": d["tiles_done"], "tiles_rejected": d["tiles_rejected"], "reliability": d["reliability"],
             } for d in s.get("devices", [])]
         return out
+
+
+def _clean(x: Any) -> Any:
+    """JSON a browser parses: NaN and infinities (a diverged loss, an unmeasured rate) as null."""
+    if isinstance(x, float):
+        return _finite(x)
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
 
 
 def _finite(x: Any) -> Any:

@@ -625,6 +625,15 @@ def listen(server: Server, host: str, port: int, tls: ssl.SSLContext | None = No
     )
 
 
+def _fits_fp16(r: GemmRequest) -> bool:
+    """Whether every product of ``r`` stays within fp16's range (|C_ij| <= ||A_i|| ||B_j||),
+    with a factor 2 to spare; the norms are taken in float32."""
+    if not (r.a.numel() and r.b.numel()):
+        return True
+    bound = float(_row_norms(r.a.float()).max()) * float(_row_norms(r.b.t().float()).max())
+    return bound <= torch.finfo(torch.float16).max / 2
+
+
 def _row_norms(t: torch.Tensor) -> torch.Tensor:
     """``||t_i||`` per row, read along memory whether ``t`` lies as it is or transposed."""
     return row_norms(t.t(), True) if t.t().is_contiguous() else row_norms(t.contiguous(), False)
@@ -645,6 +654,9 @@ class RemoteEngine:
         self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # base's identity -> (base, its copy)
         self._deferred: list[tuple[torch.Tensor, concurrent.futures.Future[Product]]] = []  # (param, its dW)
         self._evict: list[tuple] = []  # casts of deferred dWs' operands, dropped at the next GEMM waited on
+        # Set by a Trainer with a loss scaler: a GEMM with Inf or NaN inputs is an fp16 overflow
+        # the scaler will skip, not divergence. It is multiplied here instead of stopping the job.
+        self.overflow_here = False
 
     def begin_step(self, step: int) -> None:
         self._casts.clear()  # the step's activations and the weights before their update
@@ -676,10 +688,8 @@ class RemoteEngine:
         dtype = self.wire.torch
         if dtype is None or r.a.dtype != torch.float32 or r.b.dtype != torch.float32:
             return None
-        if dtype == torch.float16 and r.a.numel() and r.b.numel():
-            bound = float(_row_norms(r.a).max()) * float(_row_norms(r.b.t()).max())
-            if not bound <= torch.finfo(torch.float16).max / 2:
-                return None
+        if dtype == torch.float16 and not _fits_fp16(r):
+            return None
         return dtype
 
     def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
@@ -704,8 +714,27 @@ class RemoteEngine:
 
     def _submit(self, requests: Sequence[GemmRequest], *, deferred: bool) -> list[concurrent.futures.Future[Product]]:
         sent, out, kept = [], [], []
+        mine: list[concurrent.futures.Future[Product] | None] = []  # per request: answered here, or None
         for r in requests:  # here, on the trainer thread (idle while tiles are out), not on the loop
-            check_finite(r.a, r.b, r.kind)
+            try:
+                check_finite(r.a, r.b, r.kind)
+            except FloatingPointError:
+                if not self.overflow_here:
+                    raise
+                # A loss scaler's overflow (fp16): the step will be skipped. Never sent (honest
+                # devices' Inf results would fail verification); multiplied here, as torch would.
+                done: concurrent.futures.Future[Product] = concurrent.futures.Future()
+                done.set_result(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
+                mine.append(done)
+                continue
+            if r.a.dtype == torch.float16 and not _fits_fp16(r):
+                # Its honest products could pass fp16's range: torch gives Inf, devices would be
+                # rejected for it. Multiplied here (an fp16 job's, or a loss scaler's, business).
+                done = concurrent.futures.Future()
+                done.set_result(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
+                mine.append(done)
+                continue
+            mine.append(None)
             dtype = self._wire_for(r)
             if dtype is None:
                 sent.append(r)
@@ -720,8 +749,9 @@ class RemoteEngine:
             # Kept on the PS, a GEMM is multiplied from the float32 originals: exact, and as fast.
             kept.append(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
         futures: list[concurrent.futures.Future[Product]] = [concurrent.futures.Future() for _ in sent]
-        self.loop.call_soon_threadsafe(functools.partial(self.server.submit, sent, futures, out, kept,
-                                                         deferred=deferred))
+        if sent:
+            self.loop.call_soon_threadsafe(functools.partial(self.server.submit, sent, futures, out, kept,
+                                                             deferred=deferred))
         # dW is the last to read its X and dY: their copies can go (its GEMM holds them), once
         # the dX that a deferred dW precedes has cast the same dY (the next GEMM waited on).
         evict = [self._key(t)[1] for r in requests if r.kind is GemmKind.GRAD_WEIGHT for t in (r.a, r.b)]
@@ -731,4 +761,5 @@ class RemoteEngine:
             for key in (*self._evict, *evict):
                 self._casts.pop(key, None)
             self._evict.clear()
-        return futures
+        sent_futures = iter(futures)
+        return [f if f is not None else next(sent_futures) for f in mine]

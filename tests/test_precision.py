@@ -7,12 +7,17 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import ROOT, TIMEOUT
 from procs import Coordinator, cleave_cmd, env, join, metrics
-from coordinator.tiles import TilePlan, assemble, plan_gemm, GemmKind, TilingPolicy
+from test_core import Fleet
+from coordinator.core import Core
+from coordinator.limits import TrustPolicy
+from coordinator.tiles import GemmKind, TilePlan, TilingPolicy, assemble, plan_gemm
+from db.memory import MemoryStore
 
 STEPS = 8
 NEAR = {"bf16": 2e-2, "fp16": 1e-3, "autocast": 1e-3}  # relative, per step, over these few steps
@@ -52,3 +57,34 @@ def test_split_k_partials_of_half_tiles_are_summed_in_float32_and_rounded_once(d
     for t in plan.tiles:  # what summing in the half dtype would give
         naive[t.r0:t.r1, t.c0:t.c1] += parts[t.index]
     assert (ours - exact).abs().mean() < (naive.double() - exact).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_forged_half_tiles_of_a_half_precision_job_are_rejected(dtype: torch.dtype) -> None:
+    """A bf16 job's tiles are checked against one rounding of a float32 sum, not against bf16
+    products: a result of zeros, negated or random fails; the honest one passes."""
+    def forgery(kind: str):  # noqa: ANN202
+        def compute(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            honest = (a.float() @ b.float()).to(a.dtype)
+            return {"zeros": torch.zeros_like(honest), "negated": -honest,
+                    "random": torch.randn_like(honest.float()).to(a.dtype) * honest.float().std().to(a.dtype)}[kind]
+        return compute
+
+    for kind in ("zeros", "negated", "random"):
+        store = MemoryStore()
+        core = Core(store, store.create_job("t", {}, 1, 0.0), join_token="tok", operator_token="op",
+                    rng=np.random.default_rng(), policy=TilingPolicy(max_edge=64, min_edge=16, min_k=1024,
+                                                                     min_tile_flops=1),
+                    trust=TrustPolicy(probation_tiles=0, first_slots=8))
+        fleet = Fleet(core)
+        liar = fleet.join("liar", compute=forgery(kind), slots=1)
+        a, b = torch.randn(64, 1024).to(dtype), torch.randn(1024, 64).to(dtype)
+        box: dict = {}
+        _, out = core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda c: box.setdefault("c", c))
+        fleet.route(out)
+        assert fleet.step(only=liar)
+        assert core.status(fleet.now)["tiles"]["rejected"] == 1, kind
+        fleet.join("honest", slots=1)
+        fleet.drain()
+        torch.testing.assert_close(box["c"].float(), (a.float() @ b.float()), rtol=2e-2, atol=2e-1)
+        assert core.status(fleet.now)["tiles"]["rejected"] >= 1

@@ -168,3 +168,31 @@ def test_a_deferred_dw_and_the_dx_after_it_share_one_cast_of_dy() -> None:
     assert dw.a.untyped_storage().data_ptr() == dx.a.untyped_storage().data_ptr()
     # dW was the last reader of X and dY: their copies go after dX; W's stays for the step.
     assert [base for base, _ in engine._casts.values()] == [w]
+
+
+def test_a_loss_scalers_overflow_is_multiplied_here_not_sent_nor_fatal() -> None:
+    """fp16 with a loss scaler: a scaled gradient that overflowed reaches a GEMM as Inf. Torch
+    would multiply it and the scaler would skip the step; sent out, honest devices' Inf results
+    would fail verification. Without a scaler the same input stops the job (it diverged)."""
+    loop = _RecordingLoop()
+    engine = RemoteEngine(server=type("S", (), {"submit": lambda *a, **k: None})(), loop=loop,  # type: ignore[arg-type]
+                          wire=WireDtype.FP32)
+    dy = torch.full((8, 4), float("inf"), dtype=torch.float16)
+    w = torch.ones(4, 6, dtype=torch.float16)
+    ok = GemmRequest(torch.ones(8, 4, dtype=torch.float16), w, GemmKind.FORWARD)
+    with pytest.raises(FloatingPointError):
+        engine._submit([GemmRequest(dy, w, GemmKind.GRAD_INPUT)], deferred=False)
+    engine.overflow_here = True
+    overflow, normal = engine._submit([GemmRequest(dy, w, GemmKind.GRAD_INPUT), ok], deferred=False)
+    assert torch.isinf(overflow.result()()).all()
+    assert loop.submitted == [ok] and not normal.done()  # only the finite GEMM went to the devices
+
+
+def test_an_fp16_gemm_whose_finite_products_would_overflow_is_multiplied_here() -> None:
+    loop = _RecordingLoop()
+    engine = RemoteEngine(server=type("S", (), {"submit": lambda *a, **k: None})(), loop=loop,  # type: ignore[arg-type]
+                          wire=WireDtype.FP32)
+    big = GemmRequest(torch.full((4, 512), 300.0, dtype=torch.float16), torch.ones(512, 4, dtype=torch.float16),
+                      GemmKind.GRAD_WEIGHT)  # finite inputs, products 153,600 > fp16's 65,504
+    (product,) = engine._submit([big], deferred=False)
+    assert torch.isinf(product.result()()).all() and loop.submitted == []  # as torch gives, nothing sent

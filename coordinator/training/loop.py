@@ -105,6 +105,8 @@ class Trainer:
             self.model.to(torch.bfloat16)
         self.autocast = _AUTOCAST.get(cfg.precision)
         self.scaler = torch.amp.GradScaler("cpu") if cfg.precision == "fp16" else None
+        if self.scaler is not None and hasattr(engine, "overflow_here"):
+            engine.overflow_here = True  # an overflowing step is the scaler's to skip (RemoteEngine)
         self.offloaded = offload_linears(self.model, engine) if engine is not None else 0
         # Engines that label their GEMMs by step (the coordinator's) hear when each step starts.
         self.begin_step: Callable[[int], None] | None = getattr(engine, "begin_step", None)
