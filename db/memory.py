@@ -125,7 +125,8 @@ class MemoryStore:
     def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
         totals: dict[int, list[float]] = {}
         for d in self._devices.values():
-            if d.identity_id is not None and d.identity_id in self._identities:
+            if d.identity_id is not None and d.identity_id in self._identities \
+                    and self._identities[d.identity_id][0].state == ACTIVE:
                 t = totals.setdefault(d.identity_id, [0.0, 0])
                 t[0] += d.gflop_verified
                 t[1] += d.tiles_done

@@ -279,7 +279,8 @@ class SQLiteStore:
     def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
         return [LeaderRow(int(r[0]), r[1], float(r[2]), int(r[3])) for r in self.conn.execute(
             "SELECT i.id, i.name, SUM(d.gflop_verified) AS g, SUM(d.tiles_done) FROM devices d"
-            " JOIN identities i ON i.id = d.identity_id GROUP BY i.id HAVING g > 0 ORDER BY g DESC, i.id LIMIT ?", (limit,)
+            " JOIN identities i ON i.id = d.identity_id WHERE i.state = ? GROUP BY i.id HAVING g > 0"
+            " ORDER BY g DESC, i.id LIMIT ?", (ACTIVE, limit)
         )]
 
     def identity_total(self, identity_id: int) -> tuple[float, int]:

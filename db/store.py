@@ -200,7 +200,8 @@ class Store(Protocol):
     def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]: ...
     def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None: ...
     def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
-        """Verified GFLOP and tiles per identity over every job, best first."""
+        """Verified GFLOP and tiles per active identity over every job, best first (a banned or
+        revoked one is not ranked: the leaderboard is public)."""
         ...
     def identity_total(self, identity_id: int) -> tuple[float, int]:
         """Verified GFLOP and tiles of one identity over every job."""

@@ -361,6 +361,7 @@ def test_identities_own_their_device_rows_credit_and_state(store: Store) -> None
 
     store.set_identity_state(alice, "banned", "results failed verification", now=6.0)
     assert store.identity_states([alice, mallory, 999]) == {alice: "banned", mallory: "active"}
+    assert [r.identity_id for r in store.leaderboard()] == [mallory]  # banned or revoked: not ranked
     assert [i.id for i in store.identities()] == [mallory, alice]  # newest first
     with pytest.raises(StoreError):
         store.set_identity_state(alice, "sleepy", "", now=6.0)
