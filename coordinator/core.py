@@ -620,13 +620,15 @@ class Core:
             gemm = self.gemms.get(self._tile_gemm.get(tile_id, -1))
             if gemm is None:
                 continue
-            failures = [lease for lease in self.store.leases(tile_id) if lease.outcome in ("rejected", "released",
-                                                                                           "revoked")]
-            last = f"{failures[-1].outcome}: {failures[-1].reason}" if failures else "unknown"
             if tile_id in self._reopened:  # a device that joins within the grace may still take it
                 since = self._stuck_since.setdefault(tile_id, now)
                 if now - since < STUCK_GRACE or self._aborted:
                     continue
+            # Read from the store only now: a tile waiting out its grace costs nothing per second.
+            failures = [lease for lease in self.store.leases(tile_id) if lease.outcome in ("rejected", "released",
+                                                                                           "revoked")]
+            last = f"{failures[-1].outcome}: {failures[-1].reason}" if failures else "unknown"
+            if tile_id in self._reopened:
                 self._aborted = True  # said once: the trainer stops at its next GEMM
                 m, k = gemm.a.shape
                 return [Abort(f"tile {tile_id} of a {gemm.kind.value} GEMM ({m}x{k} @ {k}x{gemm.b.shape[1]}) failed "

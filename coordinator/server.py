@@ -718,19 +718,14 @@ class RemoteEngine:
         for r in requests:  # here, on the trainer thread (idle while tiles are out), not on the loop
             try:
                 check_finite(r.a, r.b, r.kind)
+                # Honest fp16 products that could pass fp16's range would be rejected as Inf.
+                here = r.a.dtype == torch.float16 and not _fits_fp16(r)
             except FloatingPointError:
                 if not self.overflow_here:
                     raise
-                # A loss scaler's overflow (fp16): the step will be skipped. Never sent (honest
-                # devices' Inf results would fail verification); multiplied here, as torch would.
+                here = True  # a loss scaler's overflow: the step will be skipped
+            if here:  # multiplied here, as torch would (Inf); never sent to honest devices
                 done: concurrent.futures.Future[Product] = concurrent.futures.Future()
-                done.set_result(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
-                mine.append(done)
-                continue
-            if r.a.dtype == torch.float16 and not _fits_fp16(r):
-                # Its honest products could pass fp16's range: torch gives Inf, devices would be
-                # rejected for it. Multiplied here (an fp16 job's, or a loss scaler's, business).
-                done = concurrent.futures.Future()
                 done.set_result(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
                 mine.append(done)
                 continue
