@@ -56,6 +56,8 @@ class _Checker:
         assert got[("cleave_tokens_total", ())] == result.step * result.tokens
         assert got[("cleave_step_seconds_count", ())] == result.step
         assert got[("cleave_step_seconds_sum", ())] > 0
+        assert got[("cleave_verify_seconds_total", ())] == pytest.approx(core.verify_seconds)
+        assert got[("cleave_tokens_per_second", ())] == pytest.approx(core.progress.tokens_per_s)
         assert got[("cleave_bytes_total", (("direction", "down"),))] == self.server.traffic.bytes_down
         assert got[("cleave_bytes_total", (("direction", "up"),))] == self.server.traffic.bytes_up
         for state, n in core.store.device_states(core.job_id).items():
