@@ -6,7 +6,8 @@ simulation with churn and one injected crash, its churn-free twin, and both base
 as a markdown table row. Then the "what closes the gap" rows: one configuration where Cleave
 ships its GEMMs, re-run with each lever.
 
-Run: ``.venv/bin/python bench/bench_comparison.py`` (``--counts``, ``--links``, ``--ratios`` for a smaller grid; ``--json``
+Run: ``.venv/bin/python bench/bench_comparison.py`` (``--counts``, ``--links``, ``--ratios`` for a smaller grid;
+``--json``
 for the raw reports). Simulated time does not depend on this machine's load; wall time does.
 """
 
@@ -25,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 from cleave_cli.plan import default_ps  # noqa: E402
 from cleave_cli.simulate import adjust_fleet, simulate_one  # noqa: E402
-from coordinator.costmodel import ITEMSIZE  # noqa: E402
-from coordinator.live_plan import Planner  # noqa: E402
-from coordinator.presets import resolve_fleet  # noqa: E402
+from coordinator.engine.live_plan import Planner  # noqa: E402
+from coordinator.planning.costmodel import ITEMSIZE  # noqa: E402
+from coordinator.whatif.presets import resolve_fleet  # noqa: E402
 
 
 def fmt(value: float | None) -> str:
@@ -38,16 +39,37 @@ def fmt(value: float | None) -> str:
     return f"{value:.3g}"
 
 
-def run(model: str, fleet: str, devices: int, gbps: float, ratio: float, *, batch: int, seq: int,
-        ps_gflops: float | None = None, planner: Planner = Planner.COST, wire_half: bool = False) -> dict:
+def run(
+    model: str,
+    fleet: str,
+    devices: int,
+    gbps: float,
+    ratio: float,
+    *,
+    batch: int,
+    seq: int,
+    ps_gflops: float | None = None,
+    planner: Planner = Planner.COST,
+    wire_half: bool = False,
+) -> dict:
     ps = default_ps(gbps)
     if ps_gflops is not None:
         ps = dataclasses.replace(ps, gflops={d: ps_gflops for d in ITEMSIZE})
     dtype = "bf16" if wire_half else "fp32"
-    classes = adjust_fleet(resolve_fleet(fleet, "fp32", devices), down_up_ratio=ratio, wire_half=wire_half,
-                           dtype=dtype)
-    return simulate_one(model, classes, ps, batch=batch, seq=seq, dtype=dtype, seed=0, steps=1, planner=planner,
-                        churn=True, heartbeat_timeout=30.0)
+    classes = adjust_fleet(resolve_fleet(fleet, "fp32", devices), down_up_ratio=ratio, wire_half=wire_half, dtype=dtype)
+    return simulate_one(
+        model,
+        classes,
+        ps,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        seed=0,
+        steps=1,
+        planner=planner,
+        churn=True,
+        heartbeat_timeout=30.0,
+    )
 
 
 def row(cells: list[str]) -> str:
@@ -69,26 +91,66 @@ def main() -> int:
     links = [float(g) for g in args.links.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
     reports = []
-    print(row(["model", "fleet", "devices", "PS Gbit/s", "down/up", "Cleave s", "binds", "DTFM s", "cloud s",
-               "Cleave vs DTFM", "recovery Cleave s", "recovery DTFM s"]))
+    print(
+        row(
+            [
+                "model",
+                "fleet",
+                "devices",
+                "PS Gbit/s",
+                "down/up",
+                "Cleave s",
+                "binds",
+                "DTFM s",
+                "cloud s",
+                "Cleave vs DTFM",
+                "recovery Cleave s",
+                "recovery DTFM s",
+            ]
+        )
+    )
     print(row(["---"] * 12))
     started = time.perf_counter()
-    for model, fleet, devices, gbps, ratio in itertools.product(("opt-13b", "llama2-7b"), ("phones", "laptops", "mixed"),
-                                                                 counts, links, ratios):
+    for model, fleet, devices, gbps, ratio in itertools.product(
+        ("opt-13b", "llama2-7b"), ("phones", "laptops", "mixed"), counts, links, ratios
+    ):
         r = run(model, fleet, devices, gbps, ratio, batch=args.batch_size, seq=args.seq_len)
         reports.append({"model": model, "fleet": fleet, "devices": devices, "gbps": gbps, "ratio": ratio, **r})
         c, d = r["cleave"], r["dtfm"]
         vs = r["speedup"]["vs_dtfm"]
-        print(row([model, fleet, f"{devices:,}", f"{gbps:g}", f"{ratio:g}", fmt(c["step_s"]), c["bound"],
-                   fmt(d["step_s"]), fmt(r["cloud"]["step_s"]), "-" if vs is None else f"{vs:.3g}x",
-                   fmt(c["recovery_s"]) if c["recovery_s"] is not None else "none lost", fmt(d["recovery_s"])
-                   if d["step_s"] is not None else "-"]), flush=True)
+        print(
+            row(
+                [
+                    model,
+                    fleet,
+                    f"{devices:,}",
+                    f"{gbps:g}",
+                    f"{ratio:g}",
+                    fmt(c["step_s"]),
+                    c["bound"],
+                    fmt(d["step_s"]),
+                    fmt(r["cloud"]["step_s"]),
+                    "-" if vs is None else f"{vs:.3g}x",
+                    fmt(c["recovery_s"]) if c["recovery_s"] is not None else "none lost",
+                    fmt(d["recovery_s"]) if d["step_s"] is not None else "-",
+                ]
+            ),
+            flush=True,
+        )
     print(f"\n({time.perf_counter() - started:.0f} s of wall time)\n", file=sys.stderr)
     if args.no_levers:
         return 0
     # What closes the gap: a coordinator that must ship (100 GFLOP/s of its own), one fleet.
-    base = dict(model="llama2-7b", fleet="mixed", devices=args.lever_devices, gbps=10.0, ratio=10.0, batch=args.batch_size,
-                seq=args.seq_len, ps_gflops=100.0)
+    base = dict(
+        model="llama2-7b",
+        fleet="mixed",
+        devices=args.lever_devices,
+        gbps=10.0,
+        ratio=10.0,
+        batch=args.batch_size,
+        seq=args.seq_len,
+        ps_gflops=100.0,
+    )
     levers = [
         ("round-robin tiles (--planner uniform)", dict(planner=Planner.UNIFORM)),
         ("cost model: output, split-K, 3D, reuse (default)", {}),
@@ -96,15 +158,36 @@ def main() -> int:
         ("... and a 400 Gbit/s PS link", dict(gbps=400.0)),
         ("... 400 Gbit/s and bf16 on the wire (--wire-half)", dict(gbps=400.0, wire_half=True)),
     ]
-    print(row([f"lever (llama2-7b, mixed, {args.lever_devices:,} devices, PS 100 GFLOP/s)", "Cleave s", "binds", "PS sent GB",
-               "PS CPU s", "DTFM s"]))
+    print(
+        row(
+            [
+                f"lever (llama2-7b, mixed, {args.lever_devices:,} devices, PS 100 GFLOP/s)",
+                "Cleave s",
+                "binds",
+                "PS sent GB",
+                "PS CPU s",
+                "DTFM s",
+            ]
+        )
+    )
     print(row(["---"] * 6))
     for name, change in levers:
         r = run(**{**base, **change})
         reports.append({"lever": name, **r})
         c = r["cleave"]
-        print(row([name, fmt(c["step_s"]), c["bound"], f"{c['bytes']['ps_egress'] / 1e9:.1f}",
-                   fmt(c["busy_s"]["ps_cpu"]), fmt(r["dtfm"]["step_s"])]), flush=True)
+        print(
+            row(
+                [
+                    name,
+                    fmt(c["step_s"]),
+                    c["bound"],
+                    f"{c['bytes']['ps_egress'] / 1e9:.1f}",
+                    fmt(c["busy_s"]["ps_cpu"]),
+                    fmt(r["dtfm"]["step_s"]),
+                ]
+            ),
+            flush=True,
+        )
     if args.json:
         Path("comparison.json").write_text(json.dumps(reports))
     return 0

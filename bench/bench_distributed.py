@@ -54,7 +54,9 @@ The losses of both runs are also compared (they should agree to ~1e-4 relative).
 
 from __future__ import annotations
 
+# isort: off
 import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+# isort: on
 
 import argparse
 import asyncio
@@ -71,19 +73,19 @@ from typing import Any
 
 import numpy as np
 import torch
+import wire_floor
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from timing import interleaved_medians
 
 from cleave_cli.local import serve_with_local_clients
+from coordinator.engine.live_plan import Planner
 from coordinator.job import CoordinatorConfig, JobOutcome, Listening, new_token
-from coordinator.live_plan import Planner
-from coordinator.protocol import WireDtype
-from coordinator.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
+from coordinator.planning.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
-from timing import interleaved_medians
-import wire_floor
-from coordinator.verify import ROUNDS, freivalds, random_vectors
+from coordinator.wire.messages import WireDtype
+from coordinator.wire.verify import ROUNDS, freivalds, random_vectors
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element on the wire
 CLIENT_EXIT_TIMEOUT_S = 30.0
@@ -103,8 +105,12 @@ class ProgressUI:
         self._progress: Progress | None = None
         if self.live:
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console,
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=self.console,
             )
             self._progress.start()
 
@@ -177,9 +183,14 @@ class Snapshot:
 def _snapshot(result: StepResult, status: dict[str, Any]) -> Snapshot:
     compute = sum(d["compute_s"] or 0.0 for d in status.get("devices", []))
     return Snapshot(
-        step=result.step, seconds=result.seconds, loss=result.loss,
-        mb_down=float(result.extra.get("mb_down", 0.0)), mb_up=float(result.extra.get("mb_up", 0.0)),
-        compute_s=float(compute), verify_s=float(status["verify"]["seconds"]), cpu_s=time.process_time(),
+        step=result.step,
+        seconds=result.seconds,
+        loss=result.loss,
+        mb_down=float(result.extra.get("mb_down", 0.0)),
+        mb_up=float(result.extra.get("mb_up", 0.0)),
+        compute_s=float(compute),
+        verify_s=float(status["verify"]["seconds"]),
+        cpu_s=time.process_time(),
     )
 
 
@@ -232,18 +243,38 @@ def _read_gemms(db: Path) -> list[tuple[int, str, int, int, int, int]]:
     return [(int(s), str(kind), int(m), int(n), int(k), int(t)) for s, kind, m, n, k, t in rows]
 
 
-def run_distributed(train: TrainConfig, threads: int, clients: int, client_threads: int, ui: ProgressUI,
-                    wire_dtype: WireDtype = WireDtype.FP32) -> DistributedRun:
+def run_distributed(
+    train: TrainConfig,
+    threads: int,
+    clients: int,
+    client_threads: int,
+    ui: ProgressUI,
+    wire_dtype: WireDtype = WireDtype.FP32,
+) -> DistributedRun:
     torch.set_num_threads(threads)
     reporter = BenchReporter(ui, train.steps)
     with tempfile.TemporaryDirectory(prefix="cleave-bench-") as tmp:
         db = Path(tmp) / "bench.db"
-        cfg = CoordinatorConfig(train=train, port=0, db=str(db), token=new_token(), min_devices=clients,
-                                planner=Planner.UNIFORM,  # its micro-benchmark re-plans the fixed grid
-                                wire_dtype=wire_dtype)
-        outcome = asyncio.run(serve_with_local_clients(cfg, reporter, clients=clients, threads=client_threads,
-                                                       name="bench", exit_timeout=CLIENT_EXIT_TIMEOUT_S,
-                                                       quiet_clients=True))
+        cfg = CoordinatorConfig(
+            train=train,
+            port=0,
+            db=str(db),
+            token=new_token(),
+            min_devices=clients,
+            planner=Planner.UNIFORM,  # its micro-benchmark re-plans the fixed grid
+            wire_dtype=wire_dtype,
+        )
+        outcome = asyncio.run(
+            serve_with_local_clients(
+                cfg,
+                reporter,
+                clients=clients,
+                threads=client_threads,
+                name="bench",
+                exit_timeout=CLIENT_EXIT_TIMEOUT_S,
+                quiet_clients=True,
+            )
+        )
         gemms = _read_gemms(db)
     return DistributedRun(clients, client_threads, reporter.snapshots, outcome, gemms)
 
@@ -274,6 +305,7 @@ class TileTiming:
 
 def _operands(kind: GemmKind, m: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``a (m x k)`` and ``b (k x n)`` with the memory layout ``TiledLinear`` gives the engine."""
+
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
@@ -285,7 +317,10 @@ def _operands(kind: GemmKind, m: int, n: int, k: int, gen: torch.Generator) -> t
 
 
 def micro_benchmark(
-    step_gemms: list[tuple[str, int, int, int, int]], devices: int, repeats: int, ui: ProgressUI,
+    step_gemms: list[tuple[str, int, int, int, int]],
+    devices: int,
+    repeats: int,
+    ui: ProgressUI,
 ) -> list[TileTiming]:
     """Time matmul and Freivalds on every distinct tile of one step's GEMMs, one thread.
 
@@ -311,13 +346,16 @@ def micro_benchmark(
     task = ui.phase("Freivalds micro-benchmark (1 thread)", len(example))
     out = []
     try:
-        for shape, (kind, m, n, k, tile) in sorted(example.items(), key=lambda kv: (kv[0].kind, -kv[0].rows * kv[0].cols * kv[0].ks)):
+        for shape, (kind, m, n, k, tile) in sorted(
+            example.items(), key=lambda kv: (kv[0].kind, -kv[0].rows * kv[0].cols * kv[0].ks)
+        ):
             a, b = _operands(GemmKind(kind), m, n, k, gen)
             ab, bb = a_block(a, tile), b_block(b, tile)
             c = ab @ bb
             r = random_vectors(shape.cols, ROUNDS, rng)  # the check's n x 16 vectors
             matmul_s, verify_s, products_s = interleaved_medians(
-                [lambda: ab @ bb, lambda: freivalds(ab, bb, c, rng), lambda: (ab @ (bb @ r) - c @ r).abs()], repeats,
+                [lambda: ab @ bb, lambda: freivalds(ab, bb, c, rng), lambda: (ab @ (bb @ r) - c @ r).abs()],  # noqa: B023 - timed here
+                repeats,
             )
             if not freivalds(ab, bb, c, rng).ok:
                 raise RuntimeError(f"an honest tile {shape} failed Freivalds' check")
@@ -362,8 +400,14 @@ def _gemm_step_offset(gemms: list[tuple[int, str, int, int, int, int]], steps: i
     return 1 - values[0]
 
 
-def compute_figures(args: argparse.Namespace, local: LocalRun, dist: DistributedRun, timings: list[TileTiming],
-                    demo: dict[str, Any] | None = None, wire: dict[str, Any] | None = None) -> Figures:
+def compute_figures(
+    args: argparse.Namespace,
+    local: LocalRun,
+    dist: DistributedRun,
+    timings: list[TileTiming],
+    demo: dict[str, Any] | None = None,
+    wire: dict[str, Any] | None = None,
+) -> Figures:
     warm = args.warmup_steps
     measured = args.steps - warm
 
@@ -406,8 +450,14 @@ def compute_figures(args: argparse.Namespace, local: LocalRun, dist: Distributed
         wire_cpu = (real_down + real_up) * wire["cpu_s_per_gb"] / 1e9
         local_wall = _mean(local_s)
         floor_wall = max(local_wall, (local_cpu + wire_cpu) / cores)
-        floor = {**wire, "cores": cores, "wire_cpu_s_per_step": wire_cpu, "local_cpu_s_per_step": local_cpu,
-                 "floor_step_s": floor_wall, "floor_ratio": floor_wall / local_wall}
+        floor = {
+            **wire,
+            "cores": cores,
+            "wire_cpu_s_per_step": wire_cpu,
+            "local_cpu_s_per_step": local_cpu,
+            "floor_step_s": floor_wall,
+            "floor_ratio": floor_wall / local_wall,
+        }
 
     d_loss, l_loss = [s.loss for s in snaps], [r.loss for r in local.steps]
     rel = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(d_loss, l_loss, strict=True))
@@ -415,45 +465,86 @@ def compute_figures(args: argparse.Namespace, local: LocalRun, dist: Distributed
     status = dist.outcome.status
     return Figures(
         config={
-            "model": args.model, "steps": args.steps, "warmup_steps": warm, "measured_steps": measured,
-            "batch_size": args.batch_size, "seq_len": args.seq_len, "tokens_per_step": args.batch_size * args.seq_len,
-            "clients": dist.clients, "client_threads": dist.client_threads, "local_threads": local.threads,
-            "coordinator_threads": args.coordinator_threads or local.threads, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "wire_dtype": args.wire_dtype, "gemms_per_step": len(window) // measured, "tiles_per_step": sum(t.per_step for t in timings),
+            "model": args.model,
+            "steps": args.steps,
+            "warmup_steps": warm,
+            "measured_steps": measured,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "tokens_per_step": args.batch_size * args.seq_len,
+            "clients": dist.clients,
+            "client_threads": dist.client_threads,
+            "local_threads": local.threads,
+            "coordinator_threads": args.coordinator_threads or local.threads,
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "wire_dtype": args.wire_dtype,
+            "gemms_per_step": len(window) // measured,
+            "tiles_per_step": sum(t.per_step for t in timings),
         },
         step_time={
-            "local_s": _mean(local_s), "distributed_s": _mean(dist_s),
+            "local_s": _mean(local_s),
+            "distributed_s": _mean(dist_s),
             "ratio": _mean(dist_s) / _mean(local_s),
-            "local_steps_s": [r.seconds for r in local.steps], "distributed_steps_s": [s.seconds for s in snaps],
+            "local_steps_s": [r.seconds for r in local.steps],
+            "distributed_steps_s": [s.seconds for s in snaps],
         },
         client_matmul_share={
-            "compute_s": compute, "wall_s": wall, "clients": dist.clients,
+            "compute_s": compute,
+            "wall_s": wall,
+            "clients": dist.clients,
             "share": compute / (wall * dist.clients) if wall else 0.0,
         },
         traffic={
-            "down_bytes_per_step": real_down, "up_bytes_per_step": real_up,
-            "min_down_bytes_per_step": min_down, "min_up_bytes_per_step": min_up,
-            "down_ratio": real_down / min_down, "up_ratio": real_up / min_up,
+            "down_bytes_per_step": real_down,
+            "up_bytes_per_step": real_up,
+            "min_down_bytes_per_step": min_down,
+            "min_up_bytes_per_step": min_up,
+            "down_ratio": real_down / min_down,
+            "up_ratio": real_up / min_up,
             "total_ratio": (real_down + real_up) / (min_down + min_up),
-            "job_total_mb_down": status["traffic"]["mb_down"], "job_total_mb_up": status["traffic"]["mb_up"],
+            "job_total_mb_down": status["traffic"]["mb_down"],
+            "job_total_mb_up": status["traffic"]["mb_up"],
         },
         verify={
-            "in_run": {"verify_s": verify_s, "compute_s": compute, "ratio": verify_s / compute if compute else 0.0,
-                       "worst_honest_ratio": status["verify"]["worst_honest_ratio"],
-                       "tiles_rejected": status["tiles"]["rejected"]},
-            "micro": {"verify_s_per_step": micro_verify, "matmul_s_per_step": micro_matmul,
-                      "ratio": micro_verify / micro_matmul if micro_matmul else 0.0,
-                      "products_s_per_step": micro_products,
-                      "products_ratio": micro_products / micro_matmul if micro_matmul else 0.0,
-                      "repeats": args.micro_repeats, "threads": 1},
+            "in_run": {
+                "verify_s": verify_s,
+                "compute_s": compute,
+                "ratio": verify_s / compute if compute else 0.0,
+                "worst_honest_ratio": status["verify"]["worst_honest_ratio"],
+                "tiles_rejected": status["tiles"]["rejected"],
+            },
+            "micro": {
+                "verify_s_per_step": micro_verify,
+                "matmul_s_per_step": micro_matmul,
+                "ratio": micro_verify / micro_matmul if micro_matmul else 0.0,
+                "products_s_per_step": micro_products,
+                "products_ratio": micro_products / micro_matmul if micro_matmul else 0.0,
+                "repeats": args.micro_repeats,
+                "threads": 1,
+            },
         },
         loss={"local_final": l_loss[-1], "distributed_final": d_loss[-1], "max_relative_diff": rel},
-        coordinator={"cpu_s_per_step": coord_cpu, "local_cpu_s_per_step": local_cpu, "client_matmul_s_per_step": matmul,
-                     "overhead_s_per_step": overhead, "overhead_ratio": overhead / matmul if matmul else 0.0},
+        coordinator={
+            "cpu_s_per_step": coord_cpu,
+            "local_cpu_s_per_step": local_cpu,
+            "client_matmul_s_per_step": matmul,
+            "overhead_s_per_step": overhead,
+            "overhead_ratio": overhead / matmul if matmul else 0.0,
+        },
         demo=demo,
         wire_floor=floor,
-        tiles=[{**asdict(t.shape), "per_step": t.per_step, "matmul_s": t.matmul_s, "verify_s": t.verify_s,
-                "products_s": t.products_s, "ratio": t.ratio} for t in timings],
+        tiles=[
+            {
+                **asdict(t.shape),
+                "per_step": t.per_step,
+                "matmul_s": t.matmul_s,
+                "verify_s": t.verify_s,
+                "products_s": t.products_s,
+                "ratio": t.ratio,
+            }
+            for t in timings
+        ],
     )
 
 
@@ -468,17 +559,35 @@ def run_demo(steps: int, clients: int, ui: ProgressUI) -> dict[str, Any]:
     for planner in (Planner.UNIFORM, Planner.COST):
         task = ui.phase(f"demo job, --planner {planner.value}", 1)
         with tempfile.TemporaryDirectory(prefix="cleave-bench-demo-") as tmp:
-            cfg = CoordinatorConfig(train=train, port=0, db=str(Path(tmp) / "demo.db"), token=new_token(),
-                                    min_devices=clients, planner=planner)
+            cfg = CoordinatorConfig(
+                train=train,
+                port=0,
+                db=str(Path(tmp) / "demo.db"),
+                token=new_token(),
+                min_devices=clients,
+                planner=planner,
+            )
             started = time.perf_counter()
-            outcome = asyncio.run(serve_with_local_clients(cfg, BenchReporter(ui, steps), clients=clients, threads=1,
-                                                           name="demo", exit_timeout=CLIENT_EXIT_TIMEOUT_S,
-                                                           quiet_clients=True))
+            outcome = asyncio.run(
+                serve_with_local_clients(
+                    cfg,
+                    BenchReporter(ui, steps),
+                    clients=clients,
+                    threads=1,
+                    name="demo",
+                    exit_timeout=CLIENT_EXIT_TIMEOUT_S,
+                    quiet_clients=True,
+                )
+            )
             wall = time.perf_counter() - started
             with sqlite3.connect(Path(tmp) / "demo.db") as conn:
                 tiles = int(conn.execute("SELECT COALESCE(SUM(tiles), 0) FROM gemms").fetchone()[0])
-        out[planner.value] = {"wall_s": wall, "train_s": sum(r.seconds for r in outcome.results), "tiles": tiles,
-                              "final_loss": outcome.results[-1].loss}
+        out[planner.value] = {
+            "wall_s": wall,
+            "train_s": sum(r.seconds for r in outcome.results),
+            "tiles": tiles,
+            "final_loss": outcome.results[-1].loss,
+        }
         ui.advance(task, f"{wall:.1f} s, {tiles} tiles")
     task = ui.phase("demo job, plain torch", 1)
     started = time.perf_counter()
@@ -499,8 +608,10 @@ def _mb(nbytes: float) -> str:
 
 def render(fig: Figures, console: Console, show_tiles: bool) -> None:
     c, st, cs, tr, vf = fig.config, fig.step_time, fig.client_matmul_share, fig.traffic, fig.verify
-    title = (f"Cleave distributed vs local: {c['model']} model, batch {c['batch_size']} x seq {c['seq_len']}, "
-             f"{c['measured_steps']} measured steps after {c['warmup_steps']} warm-up")
+    title = (
+        f"Cleave distributed vs local: {c['model']} model, batch {c['batch_size']} x seq {c['seq_len']}, "
+        f"{c['measured_steps']} measured steps after {c['warmup_steps']} warm-up"
+    )
     table = Table(title=title, title_justify="left", show_lines=True)
     table.add_column("figure")
     table.add_column("measured", justify="right")
@@ -508,62 +619,118 @@ def render(fig: Figures, console: Console, show_tiles: bool) -> None:
     table.add_column("ratio", justify="right", style="bold")
     table.add_row(
         f"1. step time\n   {c['clients']} clients x {c['client_threads']} thr / torch x {c['local_threads']} thr",
-        f"{st['distributed_s'] * 1e3:,.0f} ms", f"{st['local_s'] * 1e3:,.0f} ms", f"{st['ratio']:.2f}x",
+        f"{st['distributed_s'] * 1e3:,.0f} ms",
+        f"{st['local_s'] * 1e3:,.0f} ms",
+        f"{st['ratio']:.2f}x",
     )
     if fig.wire_floor is not None:
         wf = fig.wire_floor
-        table.add_row("1b. wire floor: CPU to move this step's\n    bytes alone (websockets, loopback)",
-                      f"{wf['wire_cpu_s_per_step'] * 1e3:,.0f} ms", f"{wf['local_cpu_s_per_step'] * 1e3:,.0f} ms",
-                      f"{wf['cpu_s_per_gb']:.2f} s/GB")
-        table.add_row(f"    step ratio left if nothing else cost:\n    (torch CPU + wire CPU) / {wf['cores']} cores",
-                      f"{wf['floor_step_s'] * 1e3:,.0f} ms", f"{st['local_s'] * 1e3:,.0f} ms", f"{wf['floor_ratio']:.2f}x")
+        table.add_row(
+            "1b. wire floor: CPU to move this step's\n    bytes alone (websockets, loopback)",
+            f"{wf['wire_cpu_s_per_step'] * 1e3:,.0f} ms",
+            f"{wf['local_cpu_s_per_step'] * 1e3:,.0f} ms",
+            f"{wf['cpu_s_per_gb']:.2f} s/GB",
+        )
+        table.add_row(
+            f"    step ratio left if nothing else cost:\n    (torch CPU + wire CPU) / {wf['cores']} cores",
+            f"{wf['floor_step_s'] * 1e3:,.0f} ms",
+            f"{st['local_s'] * 1e3:,.0f} ms",
+            f"{wf['floor_ratio']:.2f}x",
+        )
     table.add_row(
         "2. client time in matmul\n   compute_s / (wall x clients)",
-        f"{cs['compute_s']:.2f} s", f"{cs['wall_s']:.2f} s x {cs['clients']}", f"{cs['share']:.1%}",
+        f"{cs['compute_s']:.2f} s",
+        f"{cs['wall_s']:.2f} s x {cs['clients']}",
+        f"{cs['share']:.1%}",
     )
-    table.add_row("3. bytes/step down\n   frames / sum 4(mk + kn)",
-                  _mb(tr["down_bytes_per_step"]), _mb(tr["min_down_bytes_per_step"]), f"{tr['down_ratio']:.2f}x")
-    table.add_row("   bytes/step up\n   frames / sum 4mn",
-                  _mb(tr["up_bytes_per_step"]), _mb(tr["min_up_bytes_per_step"]), f"{tr['up_ratio']:.2f}x")
-    table.add_row("   bytes/step, both ways",
-                  _mb(tr["down_bytes_per_step"] + tr["up_bytes_per_step"]),
-                  _mb(tr["min_down_bytes_per_step"] + tr["min_up_bytes_per_step"]), f"{tr['total_ratio']:.2f}x")
-    table.add_row("4a. Freivalds, in run\n    verify s / client matmul s",
-                  f"{vf['in_run']['verify_s']:.3f} s", f"{vf['in_run']['compute_s']:.2f} s", f"{vf['in_run']['ratio']:.1%}")
-    table.add_row(f"4b. Freivalds, micro-bench\n    {c['tiles_per_step']} tiles/step, 1 thread",
-                  f"{vf['micro']['verify_s_per_step'] * 1e3:.1f} ms", f"{vf['micro']['matmul_s_per_step'] * 1e3:.1f} ms",
-                  f"{vf['micro']['ratio']:.1%}")
-    table.add_row("    its products |A(BR) - CR|\n    alone (R: n x 16; no norms)",
-                  f"{vf['micro']['products_s_per_step'] * 1e3:.1f} ms", f"{vf['micro']['matmul_s_per_step'] * 1e3:.1f} ms",
-                  f"{vf['micro']['products_ratio']:.1%}")
+    table.add_row(
+        "3. bytes/step down\n   frames / sum 4(mk + kn)",
+        _mb(tr["down_bytes_per_step"]),
+        _mb(tr["min_down_bytes_per_step"]),
+        f"{tr['down_ratio']:.2f}x",
+    )
+    table.add_row(
+        "   bytes/step up\n   frames / sum 4mn",
+        _mb(tr["up_bytes_per_step"]),
+        _mb(tr["min_up_bytes_per_step"]),
+        f"{tr['up_ratio']:.2f}x",
+    )
+    table.add_row(
+        "   bytes/step, both ways",
+        _mb(tr["down_bytes_per_step"] + tr["up_bytes_per_step"]),
+        _mb(tr["min_down_bytes_per_step"] + tr["min_up_bytes_per_step"]),
+        f"{tr['total_ratio']:.2f}x",
+    )
+    table.add_row(
+        "4a. Freivalds, in run\n    verify s / client matmul s",
+        f"{vf['in_run']['verify_s']:.3f} s",
+        f"{vf['in_run']['compute_s']:.2f} s",
+        f"{vf['in_run']['ratio']:.1%}",
+    )
+    table.add_row(
+        f"4b. Freivalds, micro-bench\n    {c['tiles_per_step']} tiles/step, 1 thread",
+        f"{vf['micro']['verify_s_per_step'] * 1e3:.1f} ms",
+        f"{vf['micro']['matmul_s_per_step'] * 1e3:.1f} ms",
+        f"{vf['micro']['ratio']:.1%}",
+    )
+    table.add_row(
+        "    its products |A(BR) - CR|\n    alone (R: n x 16; no norms)",
+        f"{vf['micro']['products_s_per_step'] * 1e3:.1f} ms",
+        f"{vf['micro']['matmul_s_per_step'] * 1e3:.1f} ms",
+        f"{vf['micro']['products_ratio']:.1%}",
+    )
     co = fig.coordinator
-    table.add_row("5. coordinator tile overhead\n   CPU beyond plain torch's non-GEMM / client matmul",
-                  f"{co['overhead_s_per_step'] * 1e3:,.0f} ms", f"{co['client_matmul_s_per_step'] * 1e3:,.0f} ms",
-                  f"{co['overhead_ratio']:.1%}")
-    table.add_row("   coordinator CPU per step\n   (plain torch's whole step)",
-                  f"{co['cpu_s_per_step'] * 1e3:,.0f} ms", f"{co['local_cpu_s_per_step'] * 1e3:,.0f} ms",
-                  f"{co['cpu_s_per_step'] / co['local_cpu_s_per_step']:.2f}x" if co["local_cpu_s_per_step"] else "-")
+    table.add_row(
+        "5. coordinator tile overhead\n   CPU beyond plain torch's non-GEMM / client matmul",
+        f"{co['overhead_s_per_step'] * 1e3:,.0f} ms",
+        f"{co['client_matmul_s_per_step'] * 1e3:,.0f} ms",
+        f"{co['overhead_ratio']:.1%}",
+    )
+    table.add_row(
+        "   coordinator CPU per step\n   (plain torch's whole step)",
+        f"{co['cpu_s_per_step'] * 1e3:,.0f} ms",
+        f"{co['local_cpu_s_per_step'] * 1e3:,.0f} ms",
+        f"{co['cpu_s_per_step'] / co['local_cpu_s_per_step']:.2f}x" if co["local_cpu_s_per_step"] else "-",
+    )
     if fig.demo is not None:
         dm = fig.demo
         for planner in ("uniform", "cost"):
-            table.add_row(f"6. cleave demo, --planner {planner}\n   tiny, {dm['steps']} steps: wall / plain torch",
-                          f"{dm[planner]['wall_s']:.1f} s ({dm[planner]['tiles']:,} tiles)",
-                          f"{dm['local']['wall_s']:.1f} s", f"{dm[planner]['ratio']:.2f}x")
+            table.add_row(
+                f"6. cleave demo, --planner {planner}\n   tiny, {dm['steps']} steps: wall / plain torch",
+                f"{dm[planner]['wall_s']:.1f} s ({dm[planner]['tiles']:,} tiles)",
+                f"{dm['local']['wall_s']:.1f} s",
+                f"{dm[planner]['ratio']:.2f}x",
+            )
     console.print(table)
     if show_tiles:
         tiles = Table(title="Freivalds micro-benchmark per tile shape (1 thread, medians)", title_justify="left")
-        for name, justify in (("kind", "left"), ("tile A @ B", "left"), ("tiles/step", "right"),
-                              ("a @ b", "right"), ("freivalds", "right"), ("ratio", "right"),
-                              ("products only", "right"), ("ratio", "right")):
+        for name, justify in (
+            ("kind", "left"),
+            ("tile A @ B", "left"),
+            ("tiles/step", "right"),
+            ("a @ b", "right"),
+            ("freivalds", "right"),
+            ("ratio", "right"),
+            ("products only", "right"),
+            ("ratio", "right"),
+        ):
             tiles.add_column(name, justify=justify)  # type: ignore[arg-type]
         for t in fig.tiles:
-            tiles.add_row(t["kind"], f"{t['rows']}x{t['ks']} @ {t['ks']}x{t['cols']}", str(t["per_step"]),
-                          f"{t['matmul_s'] * 1e3:.2f} ms", f"{t['verify_s'] * 1e3:.3f} ms", f"{t['ratio']:.1%}",
-                          f"{t['products_s'] * 1e3:.3f} ms", f"{t['products_s'] / t['matmul_s']:.1%}")
+            tiles.add_row(
+                t["kind"],
+                f"{t['rows']}x{t['ks']} @ {t['ks']}x{t['cols']}",
+                str(t["per_step"]),
+                f"{t['matmul_s'] * 1e3:.2f} ms",
+                f"{t['verify_s'] * 1e3:.3f} ms",
+                f"{t['ratio']:.1%}",
+                f"{t['products_s'] * 1e3:.3f} ms",
+                f"{t['products_s'] / t['matmul_s']:.1%}",
+            )
         console.print(tiles)
     lo = fig.loss
     console.print(
-        f"plain torch ran with {c['local_threads']} torch threads ({c['cpu_count']} cores); the coordinator process used "
+        f"plain torch ran with {c['local_threads']} torch threads ({c['cpu_count']} cores); "
+        f"the coordinator process used "
         f"{c['coordinator_threads']} and shares those cores with the {c['clients']} clients. "
         f"{c['gemms_per_step']} GEMMs and {c['tiles_per_step']} tiles per step. "
         f"Final loss {lo['distributed_final']:.4f} distributed vs {lo['local_final']:.4f} local "
@@ -587,17 +754,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=TrainConfig().seed)
     p.add_argument("--clients", type=int, default=2, help="local client processes (default: 2)")
     p.add_argument("--client-threads", type=int, default=1, help="torch threads per client (default: 1)")
-    p.add_argument("--local-threads", type=int, default=os.cpu_count() or 1,
-                   help="torch threads of the plain-torch baseline and of the coordinator (default: all cores)")
-    p.add_argument("--coordinator-threads", type=int, default=0,
-                   help="torch threads of the coordinator (default: --local-threads)")
+    p.add_argument(
+        "--local-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of the plain-torch baseline and of the coordinator (default: all cores)",
+    )
+    p.add_argument(
+        "--coordinator-threads", type=int, default=0, help="torch threads of the coordinator (default: --local-threads)"
+    )
     p.add_argument("--micro-repeats", type=int, default=7, help="timed repeats per tile shape (default: 7)")
-    p.add_argument("--demo-steps", type=int, default=100,
-                   help="steps of the demo job timed last (cleave demo's default: 100; 0 skips it)")
-    p.add_argument("--wire-dtype", choices=[w.value for w in WireDtype], default=WireDtype.FP32.value,
-                   help="the distributed job's --wire-dtype (default: fp32, exact)")
-    p.add_argument("--wire-mb", type=int, default=256,
-                   help="MB each way for the wire floor (default: 256; 0 skips it)")
+    p.add_argument(
+        "--demo-steps",
+        type=int,
+        default=100,
+        help="steps of the demo job timed last (cleave demo's default: 100; 0 skips it)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=[w.value for w in WireDtype],
+        default=WireDtype.FP32.value,
+        help="the distributed job's --wire-dtype (default: fp32, exact)",
+    )
+    p.add_argument("--wire-mb", type=int, default=256, help="MB each way for the wire floor (default: 256; 0 skips it)")
     p.add_argument("--tiles", action="store_true", help="also print the micro-benchmark per tile shape")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of tables")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -608,21 +787,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--clients must be between 1 and 16")
     if args.wire_mb < 0:
         p.error("--wire-mb must be >= 0")
-    if args.client_threads < 1 or args.local_threads < 1 or args.micro_repeats < 1 or args.demo_steps < 0 \
-            or args.coordinator_threads < 0:
+    if (
+        args.client_threads < 1
+        or args.local_threads < 1
+        or args.micro_repeats < 1
+        or args.demo_steps < 0
+        or args.coordinator_threads < 0
+    ):
         p.error("--client-threads, --local-threads and --micro-repeats must be >= 1, --demo-steps >= 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    train = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-                        seed=args.seed)
+    train = TrainConfig(
+        model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
+    )
     ui = ProgressUI(enabled=not args.quiet)
     try:
         local = run_local(train, args.local_threads, ui)
-        dist = run_distributed(train, args.coordinator_threads or args.local_threads, args.clients, args.client_threads, ui,
-                               WireDtype(args.wire_dtype))
+        dist = run_distributed(
+            train,
+            args.coordinator_threads or args.local_threads,
+            args.clients,
+            args.client_threads,
+            ui,
+            WireDtype(args.wire_dtype),
+        )
         offset = _gemm_step_offset(dist.gemms, args.steps)
         last_step = [(kind, m, n, k, tiles) for s, kind, m, n, k, tiles in dist.gemms if s + offset == args.steps]
         timings = micro_benchmark(last_step, args.clients, args.micro_repeats, ui)

@@ -42,17 +42,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import cleave_cli  # noqa: E402,F401 - OMP_WAIT_POLICY and the websocket upgrade limits
 import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 
+import cleave_cli  # noqa: E402,F401 - OMP_WAIT_POLICY and the websocket upgrade limits
 from cleave_cli.status import fetch_status  # noqa: E402
-from coordinator import auth  # noqa: E402
-from coordinator.limits import HEADROOM, Limits, memory_bound, peer_costs  # noqa: E402
-from coordinator.protocol import Challenge, Heartbeat, Hello, Welcome, decode, encode  # noqa: E402
+from coordinator.engine.limits import HEADROOM, Limits, memory_bound, peer_costs  # noqa: E402
+from coordinator.wire import auth  # noqa: E402
+from coordinator.wire.messages import Challenge, Heartbeat, Hello, Welcome, decode, encode  # noqa: E402
 from db.sqlite import SQLiteStore  # noqa: E402
 
 TOKEN, OPERATOR = "bench-join", "bench-operator"
@@ -97,7 +97,7 @@ class Sampler:
     last: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
 
-    def start(self) -> "Sampler":
+    def start(self) -> Sampler:
         threading.Thread(target=self._run, daemon=True).start()
         return self
 
@@ -143,15 +143,25 @@ async def _wait_steps(path: Path, count: int, after: int) -> list[dict]:
         await asyncio.sleep(0.1)
 
 
-async def _idle_device(url: str, identity: int, secret: bytes, ready: asyncio.Event, stop: asyncio.Event,
-                       opened: list[int]) -> None:
+async def _idle_device(
+    url: str, identity: int, secret: bytes, ready: asyncio.Event, stop: asyncio.Event, opened: list[int]
+) -> None:
     """An enrolled device whose owner is busy: connects with its credential, pauses, heartbeats."""
     async with connect(url, compression=None, max_size=None, open_timeout=60, ping_interval=None) as ws:
         challenge = decode(await ws.recv())
         assert isinstance(challenge, Challenge)
         proof = auth.proof(secret, identity, bytes.fromhex(challenge.nonce))
-        await ws.send(encode(Hello(name=f"idle-{identity}", identity=identity, proof=proof.hex(), slots=1,
-                                   paused="the owner is at the keyboard")))
+        await ws.send(
+            encode(
+                Hello(
+                    name=f"idle-{identity}",
+                    identity=identity,
+                    proof=proof.hex(),
+                    slots=1,
+                    paused="the owner is at the keyboard",
+                )
+            )
+        )
         while not isinstance(decode(await ws.recv()), Welcome):
             pass
         opened.append(identity)
@@ -176,7 +186,9 @@ async def _drain(ws: ClientConnection) -> None:
         pass
 
 
-async def _crowd(url: str, credentials: list[tuple[int, bytes]], stop: asyncio.Event) -> tuple[list[asyncio.Task], list[int]]:
+async def _crowd(
+    url: str, credentials: list[tuple[int, bytes]], stop: asyncio.Event
+) -> tuple[list[asyncio.Task], list[int]]:
     opened: list[int] = []
     tasks = []
     for start in range(0, len(credentials), 50):  # in waves: a crowd arrives, not a single burst
@@ -200,8 +212,10 @@ def _junk(port: int, stop: threading.Event, big: bool, counts: dict[str, int]) -
             continue
         try:
             key = base64.b64encode(os.urandom(16))
-            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                      b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            s.sendall(
+                b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
             counts["opened"] += 1
             if big:  # declares a 96 MiB frame, sends its first MiB, and waits to be thrown out
                 s.sendall(b"\x82\xff" + struct.pack(">Q", 96 << 20) + os.urandom(4) + bytes(1 << 20))
@@ -246,16 +260,68 @@ async def drill(args: argparse.Namespace) -> dict:
         port = _free_port()
         url = f"ws://127.0.0.1:{port}"
         coordinator = subprocess.Popen(
-            [sys.executable, "-m", "cleave_cli", "coordinator", "start", "--port", str(port), "--db", str(db),
-             "--token", TOKEN, "--operator-token", OPERATOR, "--model", args.model, "--steps", "1000000",
-             "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--min-devices", "2",
-             "--checkpoint-every", "0", "--metrics", str(metrics), "--quiet"],
-            env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "cleave_cli",
+                "coordinator",
+                "start",
+                "--port",
+                str(port),
+                "--db",
+                str(db),
+                "--token",
+                TOKEN,
+                "--operator-token",
+                OPERATOR,
+                "--model",
+                args.model,
+                "--steps",
+                "1000000",
+                "--batch-size",
+                str(args.batch_size),
+                "--seq-len",
+                str(args.seq_len),
+                "--min-devices",
+                "2",
+                "--checkpoint-every",
+                "0",
+                "--metrics",
+                str(metrics),
+                "--quiet",
+            ],
+            env=_env(),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        clients = [subprocess.Popen(
-            [sys.executable, "-m", "cleave_cli", "join", url, "--token", TOKEN, "--quiet", "--threads", "1",
-             "--device", "cpu", "--always", "--name", f"worker-{i}"],
-            env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+        clients = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "cleave_cli",
+                    "join",
+                    url,
+                    "--token",
+                    TOKEN,
+                    "--quiet",
+                    "--threads",
+                    "1",
+                    "--device",
+                    "cpu",
+                    "--always",
+                    "--name",
+                    f"worker-{i}",
+                ],
+                env=_env(),
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for i in range(2)
+        ]
         sampler = Sampler(coordinator.pid).start()
         cpu = _Cpu(coordinator.pid)
         stop_crowd, stop_junk = asyncio.Event(), threading.Event()
@@ -271,8 +337,10 @@ async def drill(args: argparse.Namespace) -> dict:
             cpu_quiet = cpu.mark()
             last = quiet[-1]["step"]
             before_crowd = sampler.settle()
-            err.print(f"quiet: {statistics.mean(r['seconds'] for r in quiet) * 1e3:.1f} ms/step; "
-                      f"connecting {args.enrolled} enrolled idle devices ...")
+            err.print(
+                f"quiet: {statistics.mean(r['seconds'] for r in quiet) * 1e3:.1f} ms/step; "
+                f"connecting {args.enrolled} enrolled idle devices ..."
+            )
             t0 = time.monotonic()
             tasks, opened = await _crowd(url, credentials, stop_crowd)
             connect_s = time.monotonic() - t0
@@ -283,8 +351,10 @@ async def drill(args: argparse.Namespace) -> dict:
             crowd = await _wait_steps(metrics, args.phase_steps, last)
             cpu_crowd = cpu.mark()
             last = crowd[-1]["step"]
-            err.print(f"with the crowd: {statistics.mean(r['seconds'] for r in crowd) * 1e3:.1f} ms/step; "
-                      f"adding {args.junk} unauthenticated pests ...")
+            err.print(
+                f"with the crowd: {statistics.mean(r['seconds'] for r in crowd) * 1e3:.1f} ms/step; "
+                f"adding {args.junk} unauthenticated pests ..."
+            )
             for i in range(args.junk):
                 t = threading.Thread(target=_junk, args=(port, stop_junk, i % 2 == 1, junk_counts), daemon=True)
                 t.start()
@@ -313,62 +383,106 @@ async def drill(args: argparse.Namespace) -> dict:
     lim = Limits()
     bound = memory_bound(lim, devices_holding=2, largest_result=16 << 20, largest_frame=16 << 20)
     cost = peer_costs(lim, largest_result=16 << 20)
-    present = (args.enrolled * cost["idle_device"] + min(args.junk, lim.max_unauthenticated + HEADROOM)
-               * cost["unauthenticated"] + 2 * cost["working_device"] + lim.outbound_total + (16 << 20))
+    present = (
+        args.enrolled * cost["idle_device"]
+        + min(args.junk, lim.max_unauthenticated + HEADROOM) * cost["unauthenticated"]
+        + 2 * cost["working_device"]
+        + lim.outbound_total
+        + (16 << 20)
+    )
     mean = lambda rows: statistics.mean(r["seconds"] for r in rows)  # noqa: E731
     tiles = status["tiles"]["verified"]
     compute = sum(d.get("compute_s") or 0.0 for d in status["devices"])
     return {
-        "config": {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                   "enrolled": args.enrolled, "junk": args.junk, "phase_steps": args.phase_steps},
-        "memory": {"before_crowd_mb": round(before_crowd / 1e6, 1), "with_crowd_mb": round(with_crowd / 1e6, 1),
-                   "per_enrolled_connection_kib": round((with_crowd - before_crowd) / max(1, len(opened)) / 1024, 1),
-                   "peak_mb": round(sampler.peak / 1e6, 1), "bound_total_mb": round(bound["total"] / 1e6, 1),
-                   "bound_for_this_crowd_mb": round(present / 1e6, 1),
-                   "growth_mb": round((sampler.peak - before_crowd) / 1e6, 1),
-                   "bound_terms_mb": {k: round(v / 1e6, 1) for k, v in bound.items()}},
-        "step_s": {"quiet": mean(quiet), "enrolled_crowd": mean(crowd), "crowd_and_pests": mean(pests),
-                   "ratio_crowd": mean(crowd) / mean(quiet), "ratio_crowd_and_pests": mean(pests) / mean(quiet)},
-        "crowd": {"connected": len(opened), "connect_s": round(connect_s, 2),
-                  "coordinator_connections": status.get("connections", {})},
+        "config": {
+            "model": args.model,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "enrolled": args.enrolled,
+            "junk": args.junk,
+            "phase_steps": args.phase_steps,
+        },
+        "memory": {
+            "before_crowd_mb": round(before_crowd / 1e6, 1),
+            "with_crowd_mb": round(with_crowd / 1e6, 1),
+            "per_enrolled_connection_kib": round((with_crowd - before_crowd) / max(1, len(opened)) / 1024, 1),
+            "peak_mb": round(sampler.peak / 1e6, 1),
+            "bound_total_mb": round(bound["total"] / 1e6, 1),
+            "bound_for_this_crowd_mb": round(present / 1e6, 1),
+            "growth_mb": round((sampler.peak - before_crowd) / 1e6, 1),
+            "bound_terms_mb": {k: round(v / 1e6, 1) for k, v in bound.items()},
+        },
+        "step_s": {
+            "quiet": mean(quiet),
+            "enrolled_crowd": mean(crowd),
+            "crowd_and_pests": mean(pests),
+            "ratio_crowd": mean(crowd) / mean(quiet),
+            "ratio_crowd_and_pests": mean(pests) / mean(quiet),
+        },
+        "crowd": {
+            "connected": len(opened),
+            "connect_s": round(connect_s, 2),
+            "coordinator_connections": status.get("connections", {}),
+        },
         "pests": junk_counts,
         "cpu": {"quiet": cpu_quiet, "enrolled_crowd": cpu_crowd, "crowd_and_pests": cpu_pests},
-        "verify": {"seconds": status["verify"]["seconds"], "tiles": tiles,
-                   "ms_per_tile": 1e3 * status["verify"]["seconds"] / tiles if tiles else 0.0,
-                   "over_client_matmul": status["verify"]["seconds"] / compute if compute else 0.0,
-                   "worst_honest_ratio": status["verify"]["worst_honest_ratio"]},
+        "verify": {
+            "seconds": status["verify"]["seconds"],
+            "tiles": tiles,
+            "ms_per_tile": 1e3 * status["verify"]["seconds"] / tiles if tiles else 0.0,
+            "over_client_matmul": status["verify"]["seconds"] / compute if compute else 0.0,
+            "worst_honest_ratio": status["verify"]["worst_honest_ratio"],
+        },
     }
 
 
 def _table(r: dict) -> Table:
     m, s, v = r["memory"], r["step_s"], r["verify"]
     c = r["config"]
-    table = Table(title=f"hostile crowd: {c['model']} (batch {c['batch_size']} x seq {c['seq_len']}), "
-                        f"{c['enrolled']} enrolled idle devices, {c['junk']} unauthenticated pests")
+    table = Table(
+        title=f"hostile crowd: {c['model']} (batch {c['batch_size']} x seq {c['seq_len']}), "
+        f"{c['enrolled']} enrolled idle devices, {c['junk']} unauthenticated pests"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_column("", justify="right")
-    table.add_row("memory per enrolled idle connection", f"{m['per_enrolled_connection_kib']:,.1f} KiB",
-                  f"{r['crowd']['connected']:,} connected in {r['crowd']['connect_s']:.1f} s")
-    table.add_row("coordinator RSS: before the crowd / with it", f"{m['before_crowd_mb']:,.0f} / {m['with_crowd_mb']:,.0f} MB", "")
-    table.add_row("coordinator RSS: peak", f"{m['peak_mb']:,.0f} MB",
-                  f"+{m['growth_mb']:,.0f} MB over the quiet job")
-    table.add_row("stated bound: for this crowd / at the default caps", f"{m['bound_for_this_crowd_mb']:,.0f} MB",
-                  f"{m['bound_total_mb']:,.0f} MB")
+    table.add_row(
+        "memory per enrolled idle connection",
+        f"{m['per_enrolled_connection_kib']:,.1f} KiB",
+        f"{r['crowd']['connected']:,} connected in {r['crowd']['connect_s']:.1f} s",
+    )
+    table.add_row(
+        "coordinator RSS: before the crowd / with it", f"{m['before_crowd_mb']:,.0f} / {m['with_crowd_mb']:,.0f} MB", ""
+    )
+    table.add_row("coordinator RSS: peak", f"{m['peak_mb']:,.0f} MB", f"+{m['growth_mb']:,.0f} MB over the quiet job")
+    table.add_row(
+        "stated bound: for this crowd / at the default caps",
+        f"{m['bound_for_this_crowd_mb']:,.0f} MB",
+        f"{m['bound_total_mb']:,.0f} MB",
+    )
     cpu = r["cpu"]
 
     def load(phase: str) -> str:
         return f"coordinator {cpu[phase]['coordinator']:.2f}, crowd {cpu[phase]['crowd']:.2f} cores"
 
     table.add_row("step time: quiet", f"{s['quiet'] * 1e3:,.1f} ms  1.00x", load("quiet"))
-    table.add_row("step time: with the idle crowd", f"{s['enrolled_crowd'] * 1e3:,.1f} ms  {s['ratio_crowd']:.2f}x",
-                  load("enrolled_crowd"))
-    table.add_row("step time: crowd + pests", f"{s['crowd_and_pests'] * 1e3:,.1f} ms  "
-                  f"{s['ratio_crowd_and_pests']:.2f}x", load("crowd_and_pests"))
+    table.add_row(
+        "step time: with the idle crowd",
+        f"{s['enrolled_crowd'] * 1e3:,.1f} ms  {s['ratio_crowd']:.2f}x",
+        load("enrolled_crowd"),
+    )
+    table.add_row(
+        "step time: crowd + pests",
+        f"{s['crowd_and_pests'] * 1e3:,.1f} ms  {s['ratio_crowd_and_pests']:.2f}x",
+        load("crowd_and_pests"),
+    )
     p = r["pests"]
     table.add_row("pests: connections opened / cut / refused", f"{p['opened']:,} / {p['cut']:,} / {p['refused']:,}", "")
-    table.add_row("verification per tile (in the run)", f"{v['ms_per_tile']:.3f} ms",
-                  f"{v['over_client_matmul']:.1%} of client matmul")
+    table.add_row(
+        "verification per tile (in the run)",
+        f"{v['ms_per_tile']:.3f} ms",
+        f"{v['over_client_matmul']:.1%} of client matmul",
+    )
     table.add_row("worst honest residual / tolerance", f"{v['worst_honest_ratio']:.3f}", "")
     return table
 

@@ -52,8 +52,14 @@ def log(text: str) -> None:
 
 def start_coordinator(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str, list[str]]:
     """``cleave coordinator start ARGS`` on a free port; returns it, its URL and its first lines."""
-    coord = subprocess.Popen([sys.executable, "-m", "cleave_cli", "coordinator", "start", "--port", "0", *args],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env)
+    coord = subprocess.Popen(
+        [sys.executable, "-m", "cleave_cli", "coordinator", "start", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     lines = []
     assert coord.stdout is not None
     for line in coord.stdout:
@@ -63,8 +69,9 @@ def start_coordinator(args: list[str], env: dict[str, str]) -> tuple[subprocess.
     raise SystemExit("coordinator did not start:\n" + "".join(lines))
 
 
-def finish_job(coord: subprocess.Popen, lines: list[str], others: list[subprocess.Popen], metrics: Path,
-               timeout: float = 30.0) -> list[dict]:
+def finish_job(
+    coord: subprocess.Popen, lines: list[str], others: list[subprocess.Popen], metrics: Path, timeout: float = 30.0
+) -> list[dict]:
     """Wait for the coordinator to end the job, then for ``others`` (killed after ``timeout``);
     returns its ``--metrics`` rows, or exits with its output when it failed."""
     assert coord.stdout is not None
@@ -87,15 +94,58 @@ def run_job(planner: str, scenario: str, steps: int, slow: float, tmp: Path) -> 
     metrics = tmp / f"{scenario}-{planner}.jsonl"
     spec = SCENARIOS[scenario]
     coord, url, lines = start_coordinator(
-        ["--db", str(tmp / f"{scenario}-{planner}.db"), "--token", TOKEN, "--operator-token", OPERATOR,
-         "--steps", str(steps), "--model", spec["model"], "--min-devices", "2", "--planner", planner,
-         "--metrics", str(metrics), "--quiet", *spec["extra"]], env)
+        [
+            "--db",
+            str(tmp / f"{scenario}-{planner}.db"),
+            "--token",
+            TOKEN,
+            "--operator-token",
+            OPERATOR,
+            "--steps",
+            str(steps),
+            "--model",
+            spec["model"],
+            "--min-devices",
+            "2",
+            "--planner",
+            planner,
+            "--metrics",
+            str(metrics),
+            "--quiet",
+            *spec["extra"],
+        ],
+        env,
+    )
     clients = [
-        subprocess.Popen([py, "-m", "cleave_cli", "join", url, "--token", TOKEN, "--threads", "1", "--once", "--quiet",
-                          "--always", "--name", "fast"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL),
-        subprocess.Popen([py, str(ROOT / "tests" / "doubles.py"), "slowed", url, TOKEN, "slow", str(slow)], cwd=ROOT,
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen(
+            [
+                py,
+                "-m",
+                "cleave_cli",
+                "join",
+                url,
+                "--token",
+                TOKEN,
+                "--threads",
+                "1",
+                "--once",
+                "--quiet",
+                "--always",
+                "--name",
+                "fast",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [py, str(ROOT / "tests" / "doubles.py"), "slowed", url, TOKEN, "slow", str(slow)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
     ]
     return finish_job(coord, lines, clients, metrics)
 
@@ -108,7 +158,8 @@ def figures(rows: list[dict], warmup: int) -> dict:
     return {
         "step_s": statistics.fmean(seconds),
         "predicted_s": statistics.fmean(r["predicted_s"] for r in kept if r.get("predicted_s") is not None)
-        if errors else None,
+        if errors
+        else None,
         "prediction_error": statistics.median(errors) if errors else None,
         "mb_down_per_step": (last["mb_down"] - first["mb_down"]) / len(kept),
         "mb_up_per_step": (last["mb_up"] - first["mb_up"]) / len(kept),
@@ -135,15 +186,21 @@ def main() -> int:
                 res[planner] = figures(run_job(planner, scenario, args.steps, args.slow, Path(tmp)), args.warmup)
                 log(f"  {time.perf_counter() - started:.0f} s")
             res["speedup"] = res["uniform"]["step_s"] / res["cost"]["step_s"]
-            res["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(res["cost"]["losses"],
-                                                                               res["uniform"]["losses"]))
+            res["max_loss_rel_diff"] = max(
+                abs(a - b) / abs(b) for a, b in zip(res["cost"]["losses"], res["uniform"]["losses"])
+            )
             out["scenarios"][scenario] = res
     from bench_scheduler import bench_core, bench_scheduler
 
     log(f"scheduler at {args.devices:,} devices ...")
     out["scheduler_us_per_decision"] = {
-        "100": bench_scheduler(100, 5000) * 1e6, str(args.devices): bench_scheduler(args.devices, 5000) * 1e6}
-    out["core_us_per_result"] = {"100": bench_core(100, 1000) * 1e6, str(args.devices): bench_core(args.devices, 1000) * 1e6}
+        "100": bench_scheduler(100, 5000) * 1e6,
+        str(args.devices): bench_scheduler(args.devices, 5000) * 1e6,
+    }
+    out["core_us_per_result"] = {
+        "100": bench_core(100, 1000) * 1e6,
+        str(args.devices): bench_core(args.devices, 1000) * 1e6,
+    }
     if args.json:
         print(json.dumps(out))
         return 0
@@ -154,13 +211,19 @@ def main() -> int:
             f = res[planner]
             pred = "-" if f["predicted_s"] is None else f"{f['predicted_s']:.3f}"
             err = "-" if f["prediction_error"] is None else f"{100 * f['prediction_error']:.1f}%"
-            print(f"{name:<8} {planner:<8} {f['step_s']:>8.3f} {pred:>10} {err:>9} {f['mb_down_per_step']:>9.1f} "
-                  f"{f['mb_up_per_step']:>8.1f}")
-        print(f"{name:<8} speedup of cost over uniform: {res['speedup']:.2f}x   "
-              f"(losses agree to {res['max_loss_rel_diff']:.1e} relative)")
+            print(
+                f"{name:<8} {planner:<8} {f['step_s']:>8.3f} {pred:>10} {err:>9} {f['mb_down_per_step']:>9.1f} "
+                f"{f['mb_up_per_step']:>8.1f}"
+            )
+        print(
+            f"{name:<8} speedup of cost over uniform: {res['speedup']:.2f}x   "
+            f"(losses agree to {res['max_loss_rel_diff']:.1e} relative)"
+        )
     s, c = out["scheduler_us_per_decision"], out["core_us_per_result"]
-    print(f"scheduler per message: {s['100']:.1f} us at 100 devices, {s[str(args.devices)]:.1f} us at {args.devices:,}; "
-          f"Core.handle(Result): {c['100']:.1f} us and {c[str(args.devices)]:.1f} us")
+    print(
+        f"scheduler per message: {s['100']:.1f} us at 100 devices, {s[str(args.devices)]:.1f} us at {args.devices:,}; "
+        f"Core.handle(Result): {c['100']:.1f} us and {c[str(args.devices)]:.1f} us"
+    )
     return 0
 
 

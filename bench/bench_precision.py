@@ -13,8 +13,6 @@ final loss against float32's plain torch. Progress goes to stderr.
 
 from __future__ import annotations
 
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
-
 import argparse
 import asyncio
 import json
@@ -23,13 +21,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench_distributed import BenchReporter, ProgressUI
 from rich.console import Console
 from rich.table import Table
 
-from bench_distributed import BenchReporter, ProgressUI
+import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 from cleave_cli.local import serve_with_local_clients
+from coordinator.engine.live_plan import Planner
 from coordinator.job import CoordinatorConfig, new_token
-from coordinator.live_plan import Planner
 from coordinator.training.loop import PRECISIONS, TrainConfig, Trainer
 
 
@@ -48,14 +47,28 @@ def measure(model: str, steps: int, modes: list[str], clients: int, ui: Progress
         if mode == "fp32" or reference is None:
             reference = local if mode == "fp32" else reference
         with tempfile.TemporaryDirectory(prefix="cleave-bench-precision-") as tmp:
-            cfg = CoordinatorConfig(train=train, port=0, db=str(Path(tmp) / "p.db"), token=new_token(),
-                                    min_devices=clients, planner=Planner.UNIFORM)
-            outcome = asyncio.run(serve_with_local_clients(cfg, BenchReporter(ui, steps), clients=clients, threads=1,
-                                                           name=mode, quiet_clients=True))
+            cfg = CoordinatorConfig(
+                train=train,
+                port=0,
+                db=str(Path(tmp) / "p.db"),
+                token=new_token(),
+                min_devices=clients,
+                planner=Planner.UNIFORM,
+            )
+            outcome = asyncio.run(
+                serve_with_local_clients(
+                    cfg, BenchReporter(ui, steps), clients=clients, threads=1, name=mode, quiet_clients=True
+                )
+            )
         dist = [r.loss for r in outcome.results]
         diffs = _rel(dist, local)
-        out["modes"][mode] = {"max_rel_diff": max(diffs), "final_rel_diff": diffs[-1], "local_final": local[-1],
-                              "distributed_final": dist[-1], "rejected": outcome.status["tiles"]["rejected"]}
+        out["modes"][mode] = {
+            "max_rel_diff": max(diffs),
+            "final_rel_diff": diffs[-1],
+            "local_final": local[-1],
+            "distributed_final": dist[-1],
+            "rejected": outcome.status["tiles"]["rejected"],
+        }
     fp32 = out["modes"].get("fp32")
     for row in out["modes"].values():
         row["final_vs_fp32"] = None if fp32 is None else row["local_final"] / fp32["local_final"] - 1
@@ -78,14 +91,22 @@ def main() -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    table = Table(title=f"{args.model}, {args.steps} steps, {args.clients} clients: distributed vs plain torch, same mode",
-                  title_justify="left")
+    table = Table(
+        title=f"{args.model}, {args.steps} steps, {args.clients} clients: distributed vs plain torch, same mode",
+        title_justify="left",
+    )
     for name in ("mode", "max rel. diff", "final rel. diff", "final loss (torch)", "vs fp32 torch", "rejected"):
         table.add_column(name, justify="left" if name == "mode" else "right")
     for mode, r in result["modes"].items():
         vs = "-" if r["final_vs_fp32"] is None else f"{r['final_vs_fp32']:+.2%}"
-        table.add_row(mode, f"{r['max_rel_diff']:.2e}", f"{r['final_rel_diff']:.2e}", f"{r['local_final']:.4f}", vs,
-                      str(r["rejected"]))
+        table.add_row(
+            mode,
+            f"{r['max_rel_diff']:.2e}",
+            f"{r['final_rel_diff']:.2e}",
+            f"{r['local_final']:.4f}",
+            vs,
+            str(r["rejected"]),
+        )
     Console(highlight=False).print(table)
     return 0
 

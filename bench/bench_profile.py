@@ -5,8 +5,8 @@ join`` processes) under py-spy (``pip install py-spy``; it samples this process 
 the coordinator runs unmodified), then sorts every sample of every coordinator thread into what
 it was doing, by the innermost frame that names a part of Cleave:
 
-* verification (coordinator/verify.py), assembly and partial sums (tiles.assemble, Core._complete),
-  framing (coordinator/protocol.py encode/decode), websocket I/O (the websockets package),
+* verification (coordinator/wire/verify.py), assembly and partial sums (tiles.assemble, Core._complete),
+  framing (coordinator/wire/messages.py encode/decode), websocket I/O (the websockets package),
   the store (db/, SQLite), scheduling and planning (scheduler, planner, live_plan), other Core
   bookkeeping (core.py), the optimizer (torch.optim, clipping), the model's non-GEMM work
   (coordinator/training: norms, attention, loss, on the PS), GEMMs the PS multiplies itself;
@@ -21,7 +21,9 @@ as bench_distributed.py). Needs ptrace rights over this process (root, or
 
 from __future__ import annotations
 
+# isort: off
 import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+# isort: on
 
 import argparse
 import json
@@ -54,8 +56,16 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("PS GEMMs", ("LocalEngine",)),
     ("model, non-GEMM (norms, attention, loss)", ("/training/",)),
 )
-IDLE = ("select (", "_worker (concurrent/futures/thread.py",  # an executor thread between jobs
-        "epoll", "poll (", "wait (threading.py", "_wait_for_tstate_lock", "sleep (", "waitpid")
+IDLE = (
+    "select (",
+    "_worker (concurrent/futures/thread.py",  # an executor thread between jobs
+    "epoll",
+    "poll (",
+    "wait (threading.py",
+    "_wait_for_tstate_lock",
+    "sleep (",
+    "waitpid",
+)
 
 
 def categorise(frames: list[str]) -> str:
@@ -115,9 +125,26 @@ def main() -> int:
     train = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
     with tempfile.TemporaryDirectory(prefix="cleave-bench-profile-") as tmp:
         out = Path(tmp) / "profile.txt"
-        proc = subprocess.Popen([spy, "record", "--pid", str(os.getpid()), "--format", "raw", "--output", str(out),
-                                 "--rate", str(RATE), "--threads", "--idle", "--nonblocking"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                spy,
+                "record",
+                "--pid",
+                str(os.getpid()),
+                "--format",
+                "raw",
+                "--output",
+                str(out),
+                "--rate",
+                str(RATE),
+                "--threads",
+                "--idle",
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(1.0)  # attached before the job starts
         if proc.poll() is not None:
             raise SystemExit(f"py-spy could not attach: {proc.stderr.read() if proc.stderr else ''}".strip())
@@ -132,21 +159,33 @@ def main() -> int:
             proc.wait(timeout=60)
         per_thread, core = parse(out)
     steps = [s.seconds for s in dist.snapshots] if dist.snapshots and hasattr(dist.snapshots[0], "seconds") else []
-    report = {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps,
-              "clients": args.clients, "wall_s": wall, "rate": RATE, "threads": {}}
+    report = {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "clients": args.clients,
+        "wall_s": wall,
+        "rate": RATE,
+        "threads": {},
+    }
     for thread, counts in sorted(per_thread.items(), key=lambda kv: -sum(kv[1].values())):
         total = sum(counts.values())
         if total < RATE or counts["idle (waiting: sockets, tiles)"] == total:  # helpers: client reapers
             continue
-        report["threads"][thread] = {name: {"seconds": n / RATE, "share": n / total} for name, n in counts.most_common()}
+        report["threads"][thread] = {
+            name: {"seconds": n / RATE, "share": n / total} for name, n in counts.most_common()
+        }
     if steps:
         report["step_s"] = sum(steps) / len(steps)
     report["core_bookkeeping_top"] = {k: n / RATE for k, n in core.most_common(8)}
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{args.model}, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, {args.clients} clients x "
-          f"{args.client_threads} thread; job wall {wall:.1f} s; samples at {RATE}/s per thread")
+    print(
+        f"{args.model}, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, {args.clients} clients x "
+        f"{args.client_threads} thread; job wall {wall:.1f} s; samples at {RATE}/s per thread"
+    )
     for thread, cats in report["threads"].items():
         print(f"\nthread {thread}:")
         for name, v in cats.items():

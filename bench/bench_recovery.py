@@ -30,13 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import cleave_cli  # noqa: E402,F401 - sets OMP_WAIT_POLICY before torch loads
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+import cleave_cli  # noqa: E402,F401 - sets OMP_WAIT_POLICY before torch loads
+from coordinator.engine.live_plan import Planner  # noqa: E402
 from coordinator.job import CoordinatorConfig, serve_job  # noqa: E402
-from coordinator.live_plan import Planner  # noqa: E402
-from coordinator.server import Server  # noqa: E402
+from coordinator.net.server import Server  # noqa: E402
 from coordinator.training.loop import StepResult, TrainConfig  # noqa: E402
 
 TOKEN = "bench"
@@ -48,8 +48,24 @@ def _env() -> dict[str, str]:
 
 
 def _join(url: str, name: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cleave_cli", "join", url, "--token", TOKEN, "--once", "--quiet",
-           "--threads", "1", "--device", "cpu", "--always", "--name", name]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cleave_cli",
+        "join",
+        url,
+        "--token",
+        TOKEN,
+        "--once",
+        "--quiet",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--always",
+        "--name",
+        name,
+    ]
     return subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -72,10 +88,18 @@ async def client_kills(model: str, kills: int, tmp: Path) -> list[dict]:
     ready: asyncio.Future[str] = loop.create_future()
     box: dict[str, Server] = {}
     reporter = _Quiet()
-    cfg = CoordinatorConfig(train=TrainConfig(model=model, steps=10_000, seq_len=256 if model != "tiny" else 64),
-                            port=0, db=str(tmp / "kills.db"), token=TOKEN, min_devices=3, checkpoint_every=0,
-                            planner=Planner.UNIFORM)  # every GEMM as tiles: recovery is what is measured
-    job = asyncio.create_task(serve_job(cfg, reporter, ready=ready.set_result, on_start=lambda s: box.setdefault("s", s)))
+    cfg = CoordinatorConfig(
+        train=TrainConfig(model=model, steps=10_000, seq_len=256 if model != "tiny" else 64),
+        port=0,
+        db=str(tmp / "kills.db"),
+        token=TOKEN,
+        min_devices=3,
+        checkpoint_every=0,
+        planner=Planner.UNIFORM,
+    )  # every GEMM as tiles: recovery is what is measured
+    job = asyncio.create_task(
+        serve_job(cfg, reporter, ready=ready.set_result, on_start=lambda s: box.setdefault("s", s))
+    )
     url = await ready
     procs = {f"c{i}": _join(url, f"c{i}") for i in range(3)}
     samples: list[dict] = []
@@ -126,9 +150,30 @@ def _steps(metrics: Path) -> int:
 
 
 def _coordinator(tmp: Path, model: str, every: int, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cleave_cli", "coordinator", "start", "--port", str(port), "--db", str(tmp / "ck.db"),
-           "--token", TOKEN, "--model", model, "--steps", "10000", "--checkpoint-every", str(every), "--min-devices", "2",
-           "--metrics", str(tmp / "ck.jsonl"), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cleave_cli",
+        "coordinator",
+        "start",
+        "--port",
+        str(port),
+        "--db",
+        str(tmp / "ck.db"),
+        "--token",
+        TOKEN,
+        "--model",
+        model,
+        "--steps",
+        "10000",
+        "--checkpoint-every",
+        str(every),
+        "--min-devices",
+        "2",
+        "--metrics",
+        str(tmp / "ck.jsonl"),
+        "--quiet",
+    ]
     if model != "tiny":
         cmd += ["--seq-len", "256"]
     return subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -197,12 +242,18 @@ def main() -> None:
     table.add_column("what")
     table.add_column("time", justify="right")
     table.add_column("detail")
-    table.add_row("client SIGKILL -> its tiles verified elsewhere (median)", f"{median * 1000:.1f} ms",
-                  f"{len(kills)} kills; max {max(seconds) * 1000:.1f} ms; "
-                  f"{statistics.mean(k['tiles'] for k in kills):.1f} tiles held on average")
-    table.add_row("coordinator SIGKILL -> back at the same step (restart)", f"{restart['seconds']:.2f} s",
-                  f"process start, checkpoint load, reconnects, {restart['lost_steps']} steps recomputed "
-                  f"(checkpoint every {args.checkpoint_every})")
+    table.add_row(
+        "client SIGKILL -> its tiles verified elsewhere (median)",
+        f"{median * 1000:.1f} ms",
+        f"{len(kills)} kills; max {max(seconds) * 1000:.1f} ms; "
+        f"{statistics.mean(k['tiles'] for k in kills):.1f} tiles held on average",
+    )
+    table.add_row(
+        "coordinator SIGKILL -> back at the same step (restart)",
+        f"{restart['seconds']:.2f} s",
+        f"process start, checkpoint load, reconnects, {restart['lost_steps']} steps recomputed "
+        f"(checkpoint every {args.checkpoint_every})",
+    )
     table.add_row("ratio", f"{result['ratio_restart_over_kill']:,.0f}x", "checkpoint restart / device loss")
     Console().print(table)
 

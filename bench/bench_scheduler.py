@@ -2,7 +2,7 @@
 
 Two measurements, each at every fleet size, in one run:
 
-* ``scheduler``: the pure scheduler (coordinator/scheduler.py) alone. Every device holds two
+* ``scheduler``: the pure scheduler (coordinator/engine/scheduler.py) alone. Every device holds two
   units; each "message" is one verified result followed by the dispatch it triggers (deadlines,
   a new lease, copies), exactly the calls ``Core.handle`` makes.
 * ``core``: the whole ``Core`` with an in-memory store: real Hello/Work/Result messages, real
@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from coordinator.core import Core, FaultPolicy, Send  # noqa: E402
-from coordinator.limits import Limits, Rate, TrustPolicy  # noqa: E402
-from coordinator.protocol import Hello, Result, Work  # noqa: E402
-from coordinator.scheduler import Assign, Scheduler, UnitSpec  # noqa: E402
-from coordinator.tiles import GemmKind, TilingPolicy  # noqa: E402
+from coordinator.engine.core import Core, FaultPolicy, Send  # noqa: E402
+from coordinator.engine.limits import Limits, Rate, TrustPolicy  # noqa: E402
+from coordinator.engine.scheduler import Assign, Scheduler, UnitSpec  # noqa: E402
+from coordinator.planning.tiles import GemmKind, TilingPolicy  # noqa: E402
+from coordinator.wire.messages import Hello, Result, Work  # noqa: E402
 from db.memory import MemoryStore  # noqa: E402
 
 FAULTS = FaultPolicy(heartbeat=5.0, heartbeat_timeout=1e6, lease_floor=1e5)  # no deadline fires mid-run
@@ -50,8 +50,17 @@ def bench_scheduler(devices: int, messages: int, seed: int = 0) -> float:
     def submit() -> None:
         nonlocal next_unit, gemm
         gemm += 1
-        specs = [UnitSpec(next_unit + i, gemm, f"a{gemm}.{i % 64}", f"b{gemm}.{i // 64}", 10**8,
-                          owner=(i % devices) if i % 2 else None) for i in range(units_per_gemm)]
+        specs = [
+            UnitSpec(
+                next_unit + i,
+                gemm,
+                f"a{gemm}.{i % 64}",
+                f"b{gemm}.{i // 64}",
+                10**8,
+                owner=(i % devices) if i % 2 else None,
+            )
+            for i in range(units_per_gemm)
+        ]
         next_unit += units_per_gemm
         s.add_gemm(gemm, specs)
 
@@ -90,8 +99,16 @@ def bench_core(devices: int, messages: int, seed: int = 0) -> float:
     job = store.create_job("bench", {}, 1, 0.0)
     limits = Limits(enrolments=Rate(1e9, 1e9), messages=Rate(1e9, 1e9))
     policy = TilingPolicy(max_edge=16, min_edge=16, min_k=16, tiles_per_device=1, min_tile_flops=1)
-    core = Core(store, job, join_token="tok", rng=np.random.default_rng(seed), policy=policy, faults=FAULTS,
-                trust=TrustPolicy(probation_tiles=0), limits=limits)
+    core = Core(
+        store,
+        job,
+        join_token="tok",
+        rng=np.random.default_rng(seed),
+        policy=policy,
+        faults=FAULTS,
+        trust=TrustPolicy(probation_tiles=0),
+        limits=limits,
+    )
     works: dict[int, list[Work]] = {}
     blocks: dict[int, dict[str, torch.Tensor]] = {}
     now = 1.0

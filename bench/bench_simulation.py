@@ -2,7 +2,7 @@
 
 For each device count: a real coordinator (``cleave coordinator start``) trains the model with
 ``cleave emulate`` devices (real clients on real websockets, computing for real, paced to the
-fleet's profiles); then the simulator (coordinator/simulator.py) runs the same model, batch,
+fleet's profiles); then the simulator (coordinator/whatif/simulator.py) runs the same model, batch,
 fleet and planner with the coordinator's own profile measured on this machine: its GEMM,
 verification and copy rates (``measure_ps``) and its CPU per result (``Core.handle``, timed as
 bench/bench_scheduler.py times it, plus the server's framing of a work frame and a result).
@@ -65,12 +65,54 @@ def emulated(count: int, args: argparse.Namespace, fleet: Path, tmp: Path) -> li
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     metrics = tmp / f"emu-{count}.jsonl"
     coord, url, lines = start_coordinator(
-        ["--db", str(tmp / f"emu-{count}.db"), "--token", TOKEN, "--operator-token", OPERATOR, "--steps",
-         str(args.steps), "--model", args.model, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-         "--min-devices", str(count), "--planner", args.planner, "--metrics", str(metrics), "--quiet"], env)
-    emu = subprocess.Popen([py, "-m", "cleave_cli", "emulate", url, "--token", TOKEN, "--devices", str(count),
-                            "--fleet", str(fleet), "--quiet", "--seed", "1"],
-                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            "--db",
+            str(tmp / f"emu-{count}.db"),
+            "--token",
+            TOKEN,
+            "--operator-token",
+            OPERATOR,
+            "--steps",
+            str(args.steps),
+            "--model",
+            args.model,
+            "--batch-size",
+            str(args.batch_size),
+            "--seq-len",
+            str(args.seq_len),
+            "--min-devices",
+            str(count),
+            "--planner",
+            args.planner,
+            "--metrics",
+            str(metrics),
+            "--quiet",
+        ],
+        env,
+    )
+    emu = subprocess.Popen(
+        [
+            py,
+            "-m",
+            "cleave_cli",
+            "emulate",
+            url,
+            "--token",
+            TOKEN,
+            "--devices",
+            str(count),
+            "--fleet",
+            str(fleet),
+            "--quiet",
+            "--seed",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return [r["seconds"] for r in finish_job(coord, lines, [emu], metrics, timeout=60)]
 
 
@@ -81,13 +123,22 @@ def core_seconds_per_result(devices: int) -> float:
 
 
 def simulated(count: int, args: argparse.Namespace, fleet: Path, ps) -> list[float]:
-    from coordinator.live_plan import Planner
-    from coordinator.presets import model_shape, resolve_fleet
-    from coordinator.simulator import SimConfig, Simulation
+    from coordinator.engine.live_plan import Planner
+    from coordinator.whatif.presets import model_shape, resolve_fleet
+    from coordinator.whatif.simulator import SimConfig, Simulation
 
-    cfg = SimConfig(model_shape(args.model), resolve_fleet(str(fleet), "fp32", count), ps, batch=args.batch_size,
-                    seq=args.seq_len, steps=args.steps, planner=Planner(args.planner), churn=False, veterans=False,
-                    seed=1)
+    cfg = SimConfig(
+        model_shape(args.model),
+        resolve_fleet(str(fleet), "fp32", count),
+        ps,
+        batch=args.batch_size,
+        seq=args.seq_len,
+        steps=args.steps,
+        planner=Planner(args.planner),
+        churn=False,
+        veterans=False,
+        seed=1,
+    )
     return [s.seconds for s in Simulation(cfg).run().steps]
 
 
@@ -104,18 +155,32 @@ def main() -> int:
     args = parser.parse_args()
     import dataclasses
 
-    from coordinator.profiles import measure_ps
+    from coordinator.engine.profiles import measure_ps
 
     counts = [int(c) for c in args.counts.split(",")]
     ps = measure_ps(10.0)
     per_result = core_seconds_per_result(max(counts))
     ps = dataclasses.replace(ps, unit_overhead=per_result)
-    log(f"PS measured: {ps.gflops['fp32']:.0f} GFLOP/s, verify {ps.verify_flops / 1e9:.0f} GFLOP/s, "
-        f"copies {ps.memory_bw / 1e9:.1f} GB/s, {per_result * 1e6:.0f} us per result")
-    out: dict = {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "planner": args.planner,
-                 "steps": args.steps, "warmup": args.warmup, "fleet": FLEET, "ps": {
-                     "gflops": ps.gflops["fp32"], "verify_gflops": ps.verify_flops / 1e9,
-                     "memory_bw": ps.memory_bw, "unit_overhead": ps.unit_overhead}, "runs": []}
+    log(
+        f"PS measured: {ps.gflops['fp32']:.0f} GFLOP/s, verify {ps.verify_flops / 1e9:.0f} GFLOP/s, "
+        f"copies {ps.memory_bw / 1e9:.1f} GB/s, {per_result * 1e6:.0f} us per result"
+    )
+    out: dict = {
+        "model": args.model,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "planner": args.planner,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "fleet": FLEET,
+        "ps": {
+            "gflops": ps.gflops["fp32"],
+            "verify_gflops": ps.verify_flops / 1e9,
+            "memory_bw": ps.memory_bw,
+            "unit_overhead": ps.unit_overhead,
+        },
+        "runs": [],
+    }
     with tempfile.TemporaryDirectory(prefix="cleave-bench-sim-") as tmp:
         fleet = Path(tmp) / "fleet.toml"
         fleet.write_text(FLEET)
@@ -130,15 +195,26 @@ def main() -> int:
             sim_wall = time.perf_counter() - started
             kept = slice(args.warmup, None)
             e, s = statistics.fmean(emu[kept]), statistics.fmean(sim[kept])
-            out["runs"].append({"devices": count, "emulated_s": e, "simulated_s": s, "ratio": s / e,
-                                "emulated_steps": emu, "simulated_steps": sim, "emulated_wall_s": emu_wall,
-                                "simulated_wall_s": sim_wall})
+            out["runs"].append(
+                {
+                    "devices": count,
+                    "emulated_s": e,
+                    "simulated_s": s,
+                    "ratio": s / e,
+                    "emulated_steps": emu,
+                    "simulated_steps": sim,
+                    "emulated_wall_s": emu_wall,
+                    "simulated_wall_s": sim_wall,
+                }
+            )
             log(f"  emulated {e:.3f} s/step, simulated {s:.3f} s/step ({s / e:.2f}x)")
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{args.model}, batch {args.batch_size} x {args.seq_len}, --planner {args.planner}, steps "
-          f"{args.warmup + 1}-{args.steps}")
+    print(
+        f"{args.model}, batch {args.batch_size} x {args.seq_len}, --planner {args.planner}, steps "
+        f"{args.warmup + 1}-{args.steps}"
+    )
     print(f"{'devices':>8} {'emulated s':>11} {'simulated s':>12} {'sim/emu':>8}")
     for r in out["runs"]:
         print(f"{r['devices']:>8} {r['emulated_s']:>11.3f} {r['simulated_s']:>12.3f} {r['ratio']:>8.2f}")

@@ -23,7 +23,9 @@ Figures, over ``--seconds`` after ``--warmup`` seconds (devices enrol and leave 
 
 from __future__ import annotations
 
+# isort: off
 import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+# isort: on
 
 import argparse
 import asyncio
@@ -43,10 +45,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from coordinator.core import Core
-from coordinator.limits import Limits
-from coordinator.server import Server, listen
-from coordinator.tiles import GemmKind, TilingPolicy
+from coordinator.engine.core import Core
+from coordinator.engine.limits import Limits
+from coordinator.net.server import Server, listen
+from coordinator.planning.tiles import GemmKind, TilingPolicy
 from db.sqlite import GROUP_SECONDS, SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,12 +78,22 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
     store.schedule_flush = lambda: loop.call_soon(store.flush)
     job = store.create_job("throughput", {}, 1, time.time())
     policy = TilingPolicy(max_edge=args.tile, min_edge=min(8, args.tile), min_k=args.k, min_tile_flops=1)
-    core = Core(store, job, join_token=TOKEN, operator_token=TOKEN + "-op", rng=np.random.default_rng(),
-                policy=policy, limits=Limits(), epoch=time.time() - time.monotonic())
+    core = Core(
+        store,
+        job,
+        join_token=TOKEN,
+        operator_token=TOKEN + "-op",
+        rng=np.random.default_rng(),
+        policy=policy,
+        limits=Limits(),
+        epoch=time.time() - time.monotonic(),
+    )
     server = Server(core, time.monotonic)
     rng = torch.Generator().manual_seed(0)
-    operands = [(torch.randn(args.size, args.k, generator=rng), torch.randn(args.k, args.size, generator=rng))
-                for _ in range(args.gemms)]
+    operands = [
+        (torch.randn(args.size, args.k, generator=rng), torch.randn(args.k, args.size, generator=rng))
+        for _ in range(args.gemms)
+    ]
     loop = asyncio.get_running_loop()
     stop = False
 
@@ -103,9 +115,27 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
         url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
         log = open(db.with_suffix(".emulator.log"), "w")  # noqa: SIM115 -- closed below
         emulator = subprocess.Popen(
-            [sys.executable, "-m", "cleave_cli", "emulate", url, "--token", TOKEN, "--devices", str(args.devices),
-             "--fleet", args.fleet, "--slots", str(args.slots), "--threads", "1"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "cleave_cli",
+                "emulate",
+                url,
+                "--token",
+                TOKEN,
+                "--devices",
+                str(args.devices),
+                "--fleet",
+                args.fleet,
+                "--slots",
+                str(args.slots),
+                "--threads",
+                "1",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             await asyncio.wait_for(server.wait_for_devices(args.devices), args.join_timeout)
             for i in range(args.gemms):
@@ -137,10 +167,17 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
     wall, cpu = t1 - t0, cpu1 - cpu0
     per_tile = cpu / tiles if tiles else float("inf")
     return {
-        "devices": args.devices, "fleet": args.fleet, "tile": args.tile, "k": args.k, "size": args.size,
-        "tiles_per_gemm": max(sizes, default=0), "seconds": wall, "tiles": tiles,
+        "devices": args.devices,
+        "fleet": args.fleet,
+        "tile": args.tile,
+        "k": args.k,
+        "size": args.size,
+        "tiles_per_gemm": max(sizes, default=0),
+        "seconds": wall,
+        "tiles": tiles,
         "tiles_per_s": tiles / wall if wall else 0.0,
-        "cpu_s": cpu, "cpu_ms_per_tile": 1e3 * per_tile,
+        "cpu_s": cpu,
+        "cpu_ms_per_tile": 1e3 * per_tile,
         "tiles_per_cpu_s": 1.0 / per_tile if tiles else 0.0,
         "verifier_cpu_share": (ver1 - ver0) / cpu if cpu else 0.0,
         "goal_tiles_per_s": GOAL_TILES_PER_S,
@@ -148,9 +185,11 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
 
 
 def render(r: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"Coordinator throughput: {r['devices']} emulated devices ({r['fleet']}), "
-                        f"{r['tile']}x{r['tile']} tiles (k = {r['k']}), {r['seconds']:.1f} s measured",
-                  title_justify="left")
+    table = Table(
+        title=f"Coordinator throughput: {r['devices']} emulated devices ({r['fleet']}), "
+        f"{r['tile']}x{r['tile']} tiles (k = {r['k']}), {r['seconds']:.1f} s measured",
+        title_justify="left",
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("verified tiles per second (goal 5,000)", f"{r['tiles_per_s']:,.0f}")
@@ -158,8 +197,11 @@ def render(r: dict[str, Any], console: Console) -> None:
     table.add_row("tiles per second that CPU allows on one core", f"{r['tiles_per_cpu_s']:,.0f}")
     table.add_row("share of that CPU on the verifier thread", f"{r['verifier_cpu_share']:.1%}")
     console.print(table)
-    console.print(f"{r['tiles']:,} tiles verified; {r['tiles_per_gemm']} tiles per GEMM of {r['size']}x{r['k']} @ "
-                  f"{r['k']}x{r['size']}. The emulator shares this machine's cores.", style="dim")
+    console.print(
+        f"{r['tiles']:,} tiles verified; {r['tiles_per_gemm']} tiles per GEMM of {r['size']}x{r['k']} @ "
+        f"{r['k']}x{r['size']}. The emulator shares this machine's cores.",
+        style="dim",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

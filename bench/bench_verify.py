@@ -12,7 +12,7 @@ turn (interleaved, so that all see the same machine load) and their medians comp
 * **GEMM**: ``a @ b``, operands laid out as the trainer passes them (a dW tile's ``a`` is a
   transposed view of ``dY``);
 * **old**: the check as first landed: one +-1 (Rademacher) vector, norms computed per call;
-* **new**: ``coordinator.verify.freivalds`` with its defaults (``ROUNDS`` uniform vectors),
+* **new**: ``coordinator.wire.verify.freivalds`` with its defaults (``ROUNDS`` uniform vectors),
   norms computed per call;
 * **old, shared norms** and **new, shared norms**: the same with ``a_row_norms`` and ``b_norm``
   passed in, as the coordinator does (it computes them once per block and shares them between
@@ -33,16 +33,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: 2 cores sha
 import argparse
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
-
-from coordinator.verify import ROUNDS, _row_norms, freivalds, rademacher, random_vectors
 from timing import interleaved_medians
+
+from coordinator.wire.verify import ROUNDS, _row_norms, freivalds, rademacher, random_vectors
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,14 @@ SHAPES = [
 ]
 
 
-def old_check(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, rng: np.random.Generator,
-              a_row_norms: torch.Tensor | None = None, b_norm: float | None = None) -> bool:
+def old_check(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    rng: np.random.Generator,
+    a_row_norms: torch.Tensor | None = None,
+    b_norm: float | None = None,
+) -> bool:
     """The check as first landed (one +-1 vector, TOL_FACTOR 16), for its cost only: it is unsound."""
     eps = torch.finfo(torch.float32).eps
     row_norms = _row_norms(a) if a_row_norms is None else a_row_norms
@@ -125,7 +131,7 @@ GEN_SIZES = [(512, 1), (512, 16), (1024, 16), (2048, 16), (4096, 8), (4096, 16)]
 def time_generators(repeats: int, rng: np.random.Generator, gen: torch.Generator) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for n, t in GEN_SIZES:
-        fns = [lambda f=f: f(n, t, rng, gen) for f in GENERATORS.values()]
+        fns = [lambda f=f: f(n, t, rng, gen) for f in GENERATORS.values()]  # noqa: B023 - timed here
         medians = interleaved_medians(fns, repeats * 10)
         out[f"{n}x{t}"] = dict(zip(GENERATORS, medians))
     return out
@@ -136,25 +142,44 @@ def _ms(s: float) -> str:
 
 
 def render(timings: list[ShapeTiming], generators: dict[str, dict[str, float]] | None, console: Console) -> None:
-    table = Table(title=f"Freivalds' check vs the GEMM, 1 thread, medians (new: {ROUNDS} uniform vectors)",
-                  title_justify="left")
-    for name in ("tile", "GEMM", "old", "new", "new/old", "old, shared", "new, shared", "new/old",
-                 "R", "norms", "products"):
+    table = Table(
+        title=f"Freivalds' check vs the GEMM, 1 thread, medians (new: {ROUNDS} uniform vectors)", title_justify="left"
+    )
+    for name in (
+        "tile",
+        "GEMM",
+        "old",
+        "new",
+        "new/old",
+        "old, shared",
+        "new, shared",
+        "new/old",
+        "R",
+        "norms",
+        "products",
+    ):
         table.add_column(name, justify="left" if name == "tile" else "right")
     for t in timings:
         table.add_row(
-            t.shape, _ms(t.gemm_s),
-            f"{_ms(t.old_s)}\n{t.old_s / t.gemm_s:.1%}", f"{_ms(t.new_s)}\n{t.new_s / t.gemm_s:.1%}",
+            t.shape,
+            _ms(t.gemm_s),
+            f"{_ms(t.old_s)}\n{t.old_s / t.gemm_s:.1%}",
+            f"{_ms(t.new_s)}\n{t.new_s / t.gemm_s:.1%}",
             f"{t.new_s / t.old_s:.2f}x",
             f"{_ms(t.old_shared_norms_s)}\n{t.old_shared_norms_s / t.gemm_s:.1%}",
             f"{_ms(t.new_shared_norms_s)}\n{t.new_shared_norms_s / t.gemm_s:.1%}",
             f"{t.new_shared_norms_s / t.old_shared_norms_s:.2f}x",
-            f"{t.draw_s / t.new_s:.0%}", f"{t.norms_s / t.new_s:.0%}", f"{t.products_s / t.new_s:.0%}",
+            f"{t.draw_s / t.new_s:.0%}",
+            f"{t.norms_s / t.new_s:.0%}",
+            f"{t.products_s / t.new_s:.0%}",
         )
     console.print(table)
-    console.print("old: 1 +-1 vector; new: freivalds(). Second lines: share of the GEMM's time. \"shared\": A's row "
-                  "norms and ||B|| passed in, as the coordinator does. R, norms, products: share of the new check "
-                  "(norms computed per call).", style="dim")
+    console.print(
+        "old: 1 +-1 vector; new: freivalds(). Second lines: share of the GEMM's time. \"shared\": A's row "
+        "norms and ||B|| passed in, as the coordinator does. R, norms, products: share of the new check "
+        "(norms computed per call).",
+        style="dim",
+    )
     if generators:
         gtable = Table(title="Drawing R (n x t), 1 thread, medians in microseconds", title_justify="left")
         gtable.add_column("generator")

@@ -15,8 +15,6 @@ with ``--json``.
 
 from __future__ import annotations
 
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
-
 import argparse
 import asyncio
 import json
@@ -27,34 +25,57 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_distributed import CLIENT_EXIT_TIMEOUT_S, BenchReporter, ProgressUI  # noqa: E402
 
 from cleave_cli.local import serve_with_local_clients  # noqa: E402
+from coordinator.engine.live_plan import Planner  # noqa: E402
 from coordinator.job import CoordinatorConfig, new_token  # noqa: E402
-from coordinator.live_plan import Planner  # noqa: E402
-from coordinator.protocol import WireDtype  # noqa: E402
 from coordinator.training.loop import TrainConfig, Trainer  # noqa: E402
+from coordinator.wire.messages import WireDtype  # noqa: E402
 
 WARMUP = 2
 
 
 def run(train: TrainConfig, wire: WireDtype, clients: int, local: list[float], ui: ProgressUI) -> dict:
     with tempfile.TemporaryDirectory(prefix="cleave-bench-wire-") as tmp:
-        cfg = CoordinatorConfig(train=train, port=0, db=str(Path(tmp) / "wire.db"), token=new_token(),
-                                min_devices=clients, planner=Planner.UNIFORM, wire_dtype=wire)
-        out = asyncio.run(serve_with_local_clients(cfg, BenchReporter(ui, train.steps), clients=clients, threads=1,
-                                                   name="wire", exit_timeout=CLIENT_EXIT_TIMEOUT_S,
-                                                   quiet_clients=True))
+        cfg = CoordinatorConfig(
+            train=train,
+            port=0,
+            db=str(Path(tmp) / "wire.db"),
+            token=new_token(),
+            min_devices=clients,
+            planner=Planner.UNIFORM,
+            wire_dtype=wire,
+        )
+        out = asyncio.run(
+            serve_with_local_clients(
+                cfg,
+                BenchReporter(ui, train.steps),
+                clients=clients,
+                threads=1,
+                name="wire",
+                exit_timeout=CLIENT_EXIT_TIMEOUT_S,
+                quiet_clients=True,
+            )
+        )
     losses = [r.loss for r in out.results]
     rel = [abs(x - y) / abs(y) for x, y in zip(losses, local, strict=True)]
     last, measured = out.results[-1].extra, out.results[WARMUP:] or out.results
-    return {"wire": wire.value, "mb_down_per_step": last["mb_down"] / train.steps,
-            "mb_up_per_step": last["mb_up"] / train.steps,
-            "step_s": sum(r.seconds for r in measured) / len(measured),
-            "max_rel_loss_diff": max(rel), "final_rel_loss_diff": rel[-1], "final_loss": losses[-1],
-            "local_final_loss": local[-1], "tiles_rejected": out.status["tiles"]["rejected"],
-            "worst_honest_ratio": out.status["verify"]["worst_honest_ratio"]}
+    return {
+        "wire": wire.value,
+        "mb_down_per_step": last["mb_down"] / train.steps,
+        "mb_up_per_step": last["mb_up"] / train.steps,
+        "step_s": sum(r.seconds for r in measured) / len(measured),
+        "max_rel_loss_diff": max(rel),
+        "final_rel_loss_diff": rel[-1],
+        "final_loss": losses[-1],
+        "local_final_loss": local[-1],
+        "tiles_rejected": out.status["tiles"]["rejected"],
+        "worst_honest_ratio": out.status["verify"]["worst_honest_ratio"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,15 +100,33 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(json.dumps(row))
         return 0
-    table = Table(title=f"--wire-dtype: {args.model}, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
-                        f"{args.clients} clients", title_justify="left")
-    for name in ("wire", "MB down/step", "MB up/step", "step", "max loss drift", "final drift", "rejected",
-                 "worst honest"):
+    table = Table(
+        title=f"--wire-dtype: {args.model}, batch {args.batch_size} x {args.seq_len}, {args.steps} steps, "
+        f"{args.clients} clients",
+        title_justify="left",
+    )
+    for name in (
+        "wire",
+        "MB down/step",
+        "MB up/step",
+        "step",
+        "max loss drift",
+        "final drift",
+        "rejected",
+        "worst honest",
+    ):
         table.add_column(name, justify="left" if name == "wire" else "right")
     for r in rows:
-        table.add_row(r["wire"], f"{r['mb_down_per_step']:.1f}", f"{r['mb_up_per_step']:.1f}", f"{r['step_s']:.3f} s",
-                      f"{r['max_rel_loss_diff']:.1e}", f"{r['final_rel_loss_diff']:.1e}", str(r["tiles_rejected"]),
-                      f"{r['worst_honest_ratio']:.3f}")
+        table.add_row(
+            r["wire"],
+            f"{r['mb_down_per_step']:.1f}",
+            f"{r['mb_up_per_step']:.1f}",
+            f"{r['step_s']:.3f} s",
+            f"{r['max_rel_loss_diff']:.1e}",
+            f"{r['final_rel_loss_diff']:.1e}",
+            str(r["tiles_rejected"]),
+            f"{r['worst_honest_ratio']:.3f}",
+        )
     Console(highlight=False).print(table)
     return 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def interleaved_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:

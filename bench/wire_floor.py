@@ -25,7 +25,7 @@ from typing import Any
 
 from websockets.asyncio.server import ServerConnection, serve
 
-CHUNK = 256 << 10  # coordinator/server.py's fragment size
+CHUNK = 256 << 10  # coordinator/net/server.py's fragment size
 _CLIENT = r"""
 import asyncio, json, sys, time
 from websockets.asyncio.client import connect
@@ -66,16 +66,23 @@ async def _measure(count: int, size: int) -> dict[str, Any]:
     async with serve(handler, "127.0.0.1", 0, compression=None, max_size=None) as server:
         port = server.sockets[0].getsockname()[1]
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _CLIENT, str(port), str(count), str(size), stdout=subprocess.PIPE)
+            sys.executable, "-c", _CLIENT, str(port), str(count), str(size), stdout=subprocess.PIPE
+        )
         assert child.stdout is not None
         line = await child.stdout.readline()
         server_cpu, wall = await done
         await child.wait()
     client_cpu = float(json.loads(line)["cpu_s"])
     moved = 2 * count * size
-    return {"bytes": moved, "message_bytes": size, "wall_s": wall, "server_cpu_s": server_cpu,
-            "client_cpu_s": client_cpu, "cpu_s_per_gb": (server_cpu + client_cpu) / moved * 1e9,
-            "server_cpu_s_per_gb": server_cpu / moved * 1e9}
+    return {
+        "bytes": moved,
+        "message_bytes": size,
+        "wall_s": wall,
+        "server_cpu_s": server_cpu,
+        "client_cpu_s": client_cpu,
+        "cpu_s_per_gb": (server_cpu + client_cpu) / moved * 1e9,
+        "server_cpu_s_per_gb": server_cpu / moved * 1e9,
+    }
 
 
 def measure(mb: int = 256, message: int = 1 << 20) -> dict[str, Any]:

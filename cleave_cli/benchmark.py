@@ -4,25 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
 from cleave_cli import options as opt
 from cleave_cli import render
-from cleave_cli.errors import CleaveError, friendly
-from client.connection import URLRefused, check_url
+from cleave_cli.errors import friendly
 from client import benchmark as bench
 from client import kernels
+from client.connection import URLRefused, check_url
+from coordinator.wire.errors import CleaveError, ConfigError
 
 
 @friendly
 def benchmark(
-    device: Annotated[str, typer.Option(help="Device to measure: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for the GEMMs. Default: torch's choice.")] = None,
-    url: Annotated[Optional[str], typer.Option("--url", help="Also measure round trip and throughput to this coordinator.")] = None,
-    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's operator token (needed with --url).")] = None,
+    device: Annotated[
+        str, typer.Option(help="Device to measure: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")
+    ] = "auto",
+    threads: Annotated[int | None, typer.Option(help="CPU threads for the GEMMs. Default: torch's choice.")] = None,
+    url: Annotated[
+        str | None, typer.Option("--url", help="Also measure round trip and throughput to this coordinator.")
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", help="The coordinator's operator token (needed with --url).")
+    ] = None,
     cafile: opt.CaFile = None,
     insecure: opt.Insecure = False,
     seconds: Annotated[float, typer.Option(help="Seconds per GEMM measurement.")] = 0.4,
@@ -31,16 +38,16 @@ def benchmark(
     """Measure GEMM GFLOP/s (float32, bfloat16, float16 where supported) at tile-like shapes,
     usable memory and, with --url, the link to a coordinator. Refreshes the cache `cleave join` uses."""
     if not 0.05 <= seconds <= 60:
-        raise CleaveError(f"--seconds must be between 0.05 and 60, got {seconds}", 2)
+        raise ConfigError(f"--seconds must be between 0.05 and 60, got {seconds}")
     if threads is not None and not 1 <= threads <= 1024:
-        raise CleaveError(f"--threads must be between 1 and 1024, got {threads}", 2)
+        raise ConfigError(f"--threads must be between 1 and 1024, got {threads}")
     if url is not None and not token:
-        raise CleaveError("--url needs --token (the coordinator checks it before answering)", 2)
+        raise ConfigError("--url needs --token (the coordinator checks it before answering)")
     if url is not None:
         try:
             check_url(url, insecure=insecure)
         except URLRefused as exc:
-            raise CleaveError(str(exc), 2) from None
+            raise ConfigError(str(exc)) from None
     dev = kernels.pick_device(device)
     kernels.configure(dev, threads)
     err = Console(stderr=True, highlight=False)
@@ -60,4 +67,3 @@ def benchmark(
         console.out(json.dumps(result.to_dict(), sort_keys=True))
     else:
         console.print(render.benchmark_table(result))
-

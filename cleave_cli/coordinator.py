@@ -6,7 +6,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -14,22 +14,24 @@ from rich.logging import RichHandler
 
 from cleave_cli import options as opt
 from cleave_cli import render
-from cleave_cli.errors import CleaveError, friendly, is_terminal, stderr_console
+from cleave_cli.errors import friendly, is_terminal, stderr_console
 from cleave_cli.progress import ConsoleReporter
-from coordinator.auth import token_hash
-from coordinator.core import FaultPolicy
-from coordinator.identity import JOIN_TOKEN, OPERATOR_TOKEN, store_token
+from coordinator.engine.core import FaultPolicy
+from coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN, store_token
+from coordinator.engine.limits import Limits
+from coordinator.engine.live_plan import Planner
 from coordinator.job import STRONG_TOKEN, CoordinatorConfig, new_token, run_job
-from coordinator.limits import Limits
-from coordinator.live_plan import Planner
-from coordinator.protocol import WireDtype
-from coordinator.tiles import TilingPolicy
+from coordinator.planning.tiles import TilingPolicy
+from coordinator.wire.auth import token_hash
+from coordinator.wire.errors import ConfigError
+from coordinator.wire.messages import WireDtype
 from db.sqlite import SQLiteStore
 from db.store import ACTIVE, BANNED, REVOKED
 
 app = typer.Typer(help="Run a coordinator (parameter server + tile queue) and manage it.", no_args_is_help=True)
-devices_app = typer.Typer(help="The devices enrolled on a coordinator's --db: list, revoke, unban.",
-                          no_args_is_help=True)
+devices_app = typer.Typer(
+    help="The devices enrolled on a coordinator's --db: list, revoke, unban.", no_args_is_help=True
+)
 token_app = typer.Typer(help="The coordinator's join and operator tokens.", no_args_is_help=True)
 app.add_typer(devices_app, name="devices")
 app.add_typer(token_app, name="token")
@@ -39,7 +41,9 @@ Db = Annotated[Path, typer.Option(help="The coordinator's SQLite file.")]
 
 def setup_logging(console: Console, verbose: bool) -> None:
     handler = RichHandler(console=console, show_path=False, markup=False, rich_tracebacks=False)
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler], format="%(message)s", force=True)
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, handlers=[handler], format="%(message)s", force=True
+    )
 
 
 @app.command("start")
@@ -47,12 +51,27 @@ def setup_logging(console: Console, verbose: bool) -> None:
 def start(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 to accept other machines).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one (printed).")] = 8765,
-    db: Annotated[Path, typer.Option(help="SQLite file holding the job, devices and tile history.")] = Path("cleave.db"),
-    token: Annotated[Optional[str], typer.Option(help="Join token devices enrol with. Default: the database's, else a generated one (printed).")] = None,
-    operator_token: Annotated[Optional[str], typer.Option("--operator-token", help="Token for cleave status and link tests. Default: the database's, else a generated one (printed).")] = None,
-    certfile: Annotated[Optional[Path], typer.Option("--certfile", help="Serve wss:// with this certificate chain (PEM).")] = None,
-    keyfile: Annotated[Optional[Path], typer.Option("--keyfile", help="The private key of --certfile (PEM).")] = None,
-    max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most; more are refused with close code 1013.")] = Limits().max_connections,
+    db: Annotated[Path, typer.Option(help="SQLite file holding the job, devices and tile history.")] = Path(
+        "cleave.db"
+    ),
+    token: Annotated[
+        str | None,
+        typer.Option(help="Join token devices enrol with. Default: the database's, else a generated one (printed)."),
+    ] = None,
+    operator_token: Annotated[
+        str | None,
+        typer.Option(
+            "--operator-token",
+            help="Token for cleave status and link tests. Default: the database's, else a generated one (printed).",
+        ),
+    ] = None,
+    certfile: Annotated[
+        Path | None, typer.Option("--certfile", help="Serve wss:// with this certificate chain (PEM).")
+    ] = None,
+    keyfile: Annotated[Path | None, typer.Option("--keyfile", help="The private key of --certfile (PEM).")] = None,
+    max_connections: Annotated[
+        int, typer.Option("--max-connections", help="Open connections at most; more are refused with close code 1013.")
+    ] = Limits().max_connections,
     model: opt.Model = D.model,
     steps: opt.Steps = D.steps,
     batch_size: opt.BatchSize = D.batch_size,
@@ -62,28 +81,56 @@ def start(
     data: opt.Data = None,
     precision: opt.Precision = D.precision,
     metrics: opt.Metrics = None,
-    min_devices: Annotated[int, typer.Option("--min-devices", help="Wait until this many devices joined before step 1.")] = 1,
+    min_devices: Annotated[
+        int, typer.Option("--min-devices", help="Wait until this many devices joined before step 1.")
+    ] = 1,
     tile_size: Annotated[int, typer.Option("--tile-size", help="Largest output-tile edge in rows/columns.")] = 512,
-    checkpoint_every: Annotated[int, typer.Option(
-        "--checkpoint-every", help="Checkpoint the parameter server every N steps (0: only at the end).")] = 50,
-    heartbeat_timeout: Annotated[float, typer.Option(
-        "--heartbeat-timeout", help="Seconds of silence after which a device is dropped (its tiles are copied "
-        "elsewhere once their deadlines pass, usually sooner).")] = 30.0,
-    lease_floor: Annotated[float, typer.Option(
-        "--lease-floor", help="Seconds every lease deadline allows at least (a tile is copied once its deadline "
-        "passes, and taken back at twice it).")] = FaultPolicy().lease_floor,
-    new_job: Annotated[bool, typer.Option(
-        "--new-job", help="Start a new job even if --db holds an unfinished one (default: resume it).")] = False,
-    planner: Annotated[Planner, typer.Option(
-        "--planner", help="How each GEMM is cut and shared out: 'cost' (the cost model picks the partition and "
-        "each device's share from measured profiles) or 'uniform' (a fixed grid dealt to whoever is free).",
-        case_sensitive=False)] = Planner.COST,
-    ps_link_gbps: Annotated[float, typer.Option(
-        "--ps-link-gbps", help="This coordinator's network link in Gbit/s each way, for the cost model.")] = 10.0,
-    ps_gflops: Annotated[Optional[float], typer.Option(
-        "--ps-gflops", help="The GEMM rate the cost model may count on from this coordinator, in GFLOP/s "
-        "(default: measured at start). Lower it to keep its CPU for verification and the model's other work: "
-        "fewer GEMMs stay on it.")] = None,
+    checkpoint_every: Annotated[
+        int,
+        typer.Option("--checkpoint-every", help="Checkpoint the parameter server every N steps (0: only at the end)."),
+    ] = 50,
+    heartbeat_timeout: Annotated[
+        float,
+        typer.Option(
+            "--heartbeat-timeout",
+            help="Seconds of silence after which a device is dropped (its tiles are copied "
+            "elsewhere once their deadlines pass, usually sooner).",
+        ),
+    ] = 30.0,
+    lease_floor: Annotated[
+        float,
+        typer.Option(
+            "--lease-floor",
+            help="Seconds every lease deadline allows at least (a tile is copied once its deadline "
+            "passes, and taken back at twice it).",
+        ),
+    ] = FaultPolicy().lease_floor,
+    new_job: Annotated[
+        bool,
+        typer.Option("--new-job", help="Start a new job even if --db holds an unfinished one (default: resume it)."),
+    ] = False,
+    planner: Annotated[
+        Planner,
+        typer.Option(
+            "--planner",
+            help="How each GEMM is cut and shared out: 'cost' (the cost model picks the partition and "
+            "each device's share from measured profiles) or 'uniform' (a fixed grid dealt to whoever is free).",
+            case_sensitive=False,
+        ),
+    ] = Planner.COST,
+    ps_link_gbps: Annotated[
+        float,
+        typer.Option("--ps-link-gbps", help="This coordinator's network link in Gbit/s each way, for the cost model."),
+    ] = 10.0,
+    ps_gflops: Annotated[
+        float | None,
+        typer.Option(
+            "--ps-gflops",
+            help="The GEMM rate the cost model may count on from this coordinator, in GFLOP/s "
+            "(default: measured at start). Lower it to keep its CPU for verification and the model's other work: "
+            "fewer GEMMs stay on it.",
+        ),
+    ] = None,
     wire_dtype: opt.WireDtypeOpt = WireDtype.FP32,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the URL, tokens and final result.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every device that joins or leaves.")] = False,
@@ -92,26 +139,40 @@ def start(
     console = Console(highlight=False)
     setup_logging(Console(stderr=True), verbose)
     if not 16 <= tile_size <= 16384:
-        raise ValueError(f"--tile-size must be between 16 and 16384, got {tile_size}")
+        raise ConfigError(f"--tile-size must be between 16 and 16384, got {tile_size}")
     if not 0.5 <= heartbeat_timeout <= 3600:
-        raise ValueError(f"--heartbeat-timeout must be between 0.5 and 3600 s, got {heartbeat_timeout}")
+        raise ConfigError(f"--heartbeat-timeout must be between 0.5 and 3600 s, got {heartbeat_timeout}")
     if not 0.1 <= lease_floor <= 3600:
-        raise ValueError(f"--lease-floor must be between 0.1 and 3600 s, got {lease_floor}")
+        raise ConfigError(f"--lease-floor must be between 0.1 and 3600 s, got {lease_floor}")
     if not 1 <= max_connections <= 1_000_000:
-        raise ValueError(f"--max-connections must be between 1 and 1,000,000, got {max_connections}")
-    limits = Limits(max_connections=max_connections,
-                    max_unauthenticated=min(Limits().max_unauthenticated, max_connections),
-                    max_observers=min(Limits().max_observers, max_connections))
+        raise ConfigError(f"--max-connections must be between 1 and 1,000,000, got {max_connections}")
+    limits = Limits(
+        max_connections=max_connections,
+        max_unauthenticated=min(Limits().max_unauthenticated, max_connections),
+        max_observers=min(Limits().max_observers, max_connections),
+    )
     cfg = CoordinatorConfig(
         train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision),
-        host=host, port=port, db=str(db), token=token, operator_token=operator_token,
-        certfile=str(certfile) if certfile else None, keyfile=str(keyfile) if keyfile else None,
+        host=host,
+        port=port,
+        db=str(db),
+        token=token,
+        operator_token=operator_token,
+        certfile=str(certfile) if certfile else None,
+        keyfile=str(keyfile) if keyfile else None,
         metrics=str(metrics) if metrics else None,
-        min_devices=min_devices, policy=TilingPolicy(max_edge=tile_size, min_edge=min(64, tile_size)),
-        faults=FaultPolicy(heartbeat=min(2.0, heartbeat_timeout / 5), heartbeat_timeout=heartbeat_timeout,
-                           lease_floor=lease_floor),
-        limits=limits, checkpoint_every=checkpoint_every, new_job=new_job, planner=planner,
-        ps_link_gbps=ps_link_gbps, ps_gflops=ps_gflops, wire_dtype=wire_dtype,
+        min_devices=min_devices,
+        policy=TilingPolicy(max_edge=tile_size, min_edge=min(64, tile_size)),
+        faults=FaultPolicy(
+            heartbeat=min(2.0, heartbeat_timeout / 5), heartbeat_timeout=heartbeat_timeout, lease_floor=lease_floor
+        ),
+        limits=limits,
+        checkpoint_every=checkpoint_every,
+        new_job=new_job,
+        planner=planner,
+        ps_link_gbps=ps_link_gbps,
+        ps_gflops=ps_gflops,
+        wire_dtype=wire_dtype,
     )
     reporter = ConsoleReporter(console, live=is_terminal(), quiet=quiet)
     try:
@@ -122,7 +183,7 @@ def start(
 
 def _open(db: Path) -> SQLiteStore:
     if not db.exists():
-        raise CleaveError(f"no database at {db} (pass the coordinator's --db)", 2)
+        raise ConfigError(f"no database at {db} (pass the coordinator's --db)")
     return SQLiteStore(db)
 
 
@@ -135,7 +196,7 @@ def devices_list(
 ) -> None:
     """List enrolled devices: state, record and verified work (works while the coordinator runs)."""
     if not 1 <= limit <= 1_000_000:
-        raise CleaveError(f"--limit must be between 1 and 1,000,000, got {limit}", 2)
+        raise ConfigError(f"--limit must be between 1 and 1,000,000, got {limit}")
     store = _open(db)
     try:
         rows = store.identities(limit)
@@ -143,8 +204,9 @@ def devices_list(
         store.close()
     console = Console(highlight=False)
     if as_json:
-        console.out(json.dumps([{**row.__dict__, "reliability": round(row.reliability, 4)} for row in rows],
-                               sort_keys=True))
+        console.out(
+            json.dumps([{**row.__dict__, "reliability": round(row.reliability, 4)} for row in rows], sort_keys=True)
+        )
     else:
         console.print(render.identities(rows))
 
@@ -154,9 +216,9 @@ def _set_state(db: Path, identity: int, want: str, reason: str, allowed_from: tu
     try:
         row = store.identity(identity)
         if row is None:
-            raise CleaveError(f"no device #{identity} in {db}", 2)
+            raise ConfigError(f"no device #{identity} in {db}")
         if row.state not in allowed_from:
-            raise CleaveError(f"device #{identity} ({row.name}) is {row.state}", 2)
+            raise ConfigError(f"device #{identity} ({row.name}) is {row.state}")
         store.set_identity_state(identity, want, reason, time.time())
         return row.name
     finally:
@@ -192,22 +254,27 @@ def devices_unban(
 @friendly
 def token_rotate(
     db: Db = Path("cleave.db"),
-    operator: Annotated[bool, typer.Option("--operator", help="Rotate the operator token instead of the join token.")] = False,
-    token: Annotated[Optional[str], typer.Option(help="The new token. Default: a generated one (printed).")] = None,
+    operator: Annotated[
+        bool, typer.Option("--operator", help="Rotate the operator token instead of the join token.")
+    ] = False,
+    token: Annotated[str | None, typer.Option(help="The new token. Default: a generated one (printed).")] = None,
 ) -> None:
     """Replace the join token (enrolled devices are not affected: they use their credentials) or
     the operator token. A running coordinator on --db uses the new one within a second."""
     new = token if token is not None else new_token()
     if not (new.strip() and new.isprintable() and len(new) <= 256):
-        raise CleaveError("--token must be 1 to 256 printable characters", 2)
+        raise ConfigError("--token must be 1 to 256 printable characters")
     if len(new) < STRONG_TOKEN:
-        stderr_console().print(f"warning: a token of {len(new)} characters can be searched for by anyone who copies "
-                               "the database; generated tokens have 22", style="yellow")
+        stderr_console().print(
+            f"warning: a token of {len(new)} characters can be searched for by anyone who copies "
+            "the database; generated tokens have 22",
+            style="yellow",
+        )
     store = _open(db)
     try:
         mine, other = (OPERATOR_TOKEN, JOIN_TOKEN) if operator else (JOIN_TOKEN, OPERATOR_TOKEN)
         if store.setting(other) == token_hash(new).hex():
-            raise CleaveError("the join and operator tokens must differ", 2)
+            raise ConfigError("the join and operator tokens must differ")
         store_token(store, mine, new)
     finally:
         store.close()

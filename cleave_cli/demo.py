@@ -14,12 +14,13 @@ from rich.console import Console
 
 from cleave_cli import options as opt
 from cleave_cli import render
-from cleave_cli.errors import CleaveError, friendly, is_terminal
-from cleave_cli.progress import ConsoleReporter
+from cleave_cli.errors import friendly, is_terminal
 from cleave_cli.local import serve_with_local_clients
+from cleave_cli.progress import ConsoleReporter
+from coordinator.engine.live_plan import Planner
 from coordinator.job import CoordinatorConfig, new_token
-from coordinator.live_plan import Planner
 from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.wire.errors import CleaveError, ConfigError
 
 MATCH_TOLERANCE = 1e-4  # relative, per step
 
@@ -37,21 +38,32 @@ def demo(
     seq_len: opt.SeqLen = 64,
     seed: opt.Seed = TrainConfig().seed,
     threads: Annotated[int, typer.Option(help="CPU threads per client.")] = 1,
-    planner: Annotated[Planner, typer.Option(
-        "--planner", case_sensitive=False,
-        help="'uniform' (the demo's default) deals every GEMM to the clients as tiles, to show them at work; "
-        "'cost' lets the cost model decide, and it keeps the tiny model's GEMMs on the coordinator, where "
-        "they are cheaper than shipped.")] = Planner.UNIFORM,
+    planner: Annotated[
+        Planner,
+        typer.Option(
+            "--planner",
+            case_sensitive=False,
+            help="'uniform' (the demo's default) deals every GEMM to the clients as tiles, to show them at work; "
+            "'cost' lets the cost model decide, and it keeps the tiny model's GEMMs on the coordinator, where "
+            "they are cheaper than shipped.",
+        ),
+    ] = Planner.UNIFORM,
 ) -> None:
     """Train the default model on a coordinator with local clients, then compare with plain torch."""
     if not 1 <= clients <= 16:
-        raise CleaveError(f"--clients must be between 1 and 16, got {clients}", 2)
+        raise ConfigError(f"--clients must be between 1 and 16, got {clients}")
     console = Console(highlight=False)
     train = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed)
     console.rule(f"[bold]cleave demo: {model} model, {steps} steps, {clients} clients, text = Python's stdlib")
     with tempfile.TemporaryDirectory(prefix="cleave-demo-") as tmp:
-        cfg = CoordinatorConfig(train=train, port=0, db=str(Path(tmp) / "cleave.db"), token=new_token(),
-                                min_devices=clients, planner=planner)
+        cfg = CoordinatorConfig(
+            train=train,
+            port=0,
+            db=str(Path(tmp) / "cleave.db"),
+            token=new_token(),
+            min_devices=clients,
+            planner=planner,
+        )
         reporter = ConsoleReporter(console, live=is_terminal())
         started = time.perf_counter()
         try:
@@ -63,13 +75,18 @@ def demo(
     started = time.perf_counter()
     local = Trainer(train).run()
     local_seconds = time.perf_counter() - started
-    d, l = [r.loss for r in dist], [r.loss for r in local]
-    diff = max_relative_diff(d, l)
-    console.print(render.comparison(
-        [("first loss", d[0], l[0]), ("final loss", d[-1], l[-1]),
-         ("wall time", f"{dist_seconds:.1f} s", f"{local_seconds:.1f} s")],
-        diff, MATCH_TOLERANCE,
-    ))
+    ours, theirs = [r.loss for r in dist], [r.loss for r in local]
+    diff = max_relative_diff(ours, theirs)
+    console.print(
+        render.comparison(
+            [
+                ("first loss", ours[0], theirs[0]),
+                ("final loss", ours[-1], theirs[-1]),
+                ("wall time", f"{dist_seconds:.1f} s", f"{local_seconds:.1f} s"),
+            ],
+            diff,
+            MATCH_TOLERANCE,
+        )
+    )
     if diff > MATCH_TOLERANCE:
         raise CleaveError(f"losses differ by {diff:.2e} (relative), more than {MATCH_TOLERANCE:g}")
-

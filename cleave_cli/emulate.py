@@ -20,9 +20,10 @@ from rich.table import Table
 from rich.text import Text
 
 from cleave_cli import options as opt
-from cleave_cli.errors import CleaveError, friendly, is_terminal, stderr_console
-from coordinator.costmodel import ITEMSIZE
-from coordinator.presets import FLEETS, resolve_fleet
+from cleave_cli.errors import friendly, is_terminal, stderr_console
+from coordinator.planning.costmodel import ITEMSIZE
+from coordinator.whatif.presets import FLEETS, resolve_fleet
+from coordinator.wire.errors import CleaveError, ConfigError
 from emulator.devices import Fleet, FleetConfig
 
 MAX_DEVICES = 10_000
@@ -34,10 +35,13 @@ def progress_line(snap: dict[str, Any]) -> Text:
     line.append(f"{snap['connected']}/{snap['devices']} connected", style="bold")
     if snap["away"]:
         line.append(f" ({snap['away']} away)")
-    line.append(f" · {snap['tiles']:,} tiles · down {snap['bytes_down'] / 1e6:,.1f} MB, up {snap['bytes_up'] / 1e6:,.1f} MB")
+    line.append(
+        f" · {snap['tiles']:,} tiles · down {snap['bytes_down'] / 1e6:,.1f} MB, up {snap['bytes_up'] / 1e6:,.1f} MB"
+    )
     if snap["forged"] or snap["banned"]:
-        line.append(f" · forged {snap['forged']} sent, {snap['forged_rejected']} rejected, {snap['banned']} banned",
-                    style="red")
+        line.append(
+            f" · forged {snap['forged']} sent, {snap['forged_rejected']} rejected, {snap['banned']} banned", style="red"
+        )
     line.append(f" · {snap['overruns']:,} overruns", style="yellow" if snap["overruns"] else "")
     line.append(f" · {snap['leaves']} leaves ({snap['crashes']} crashes), {snap['rejoins']} rejoins")
     return line
@@ -46,45 +50,125 @@ def progress_line(snap: dict[str, Any]) -> Text:
 def summary_table(report: dict[str, Any]) -> Group:
     """The final summary: one row per device class, then the totals."""
     table = Table(title=f"cleave emulate: {report['devices']} devices on {report['url']}")
-    for col in ("class", "devices", "GFLOP/s", "down / up Mbit/s", "RTT", "tiles", "rejected", "overruns",
-                "leaves", "rejoins", "byzantine", "banned"):
+    for col in (
+        "class",
+        "devices",
+        "GFLOP/s",
+        "down / up Mbit/s",
+        "RTT",
+        "tiles",
+        "rejected",
+        "overruns",
+        "leaves",
+        "rejoins",
+        "byzantine",
+        "banned",
+    ):
         table.add_column(col, justify="left" if col == "class" else "right", no_wrap=True)
     for c in report["classes"]:
-        table.add_row(Text(c["name"]), str(c["devices"]), f"{c['gflops']:,.3g}",
-                      f"{c['down_mbps']:,.3g} / {c['up_mbps']:,.3g}", f"{c['rtt_ms']:,.3g} ms", f"{c['tiles']:,}",
-                      f"{c['rejected']:,}", f"{c['overruns']:,}", str(c["leaves"]), str(c["rejoins"]),
-                      str(c["byzantine"]), str(c["banned"]))
+        table.add_row(
+            Text(c["name"]),
+            str(c["devices"]),
+            f"{c['gflops']:,.3g}",
+            f"{c['down_mbps']:,.3g} / {c['up_mbps']:,.3g}",
+            f"{c['rtt_ms']:,.3g} ms",
+            f"{c['tiles']:,}",
+            f"{c['rejected']:,}",
+            f"{c['overruns']:,}",
+            str(c["leaves"]),
+            str(c["rejoins"]),
+            str(c["byzantine"]),
+            str(c["banned"]),
+        )
     verdict = "the job finished" if report["finished"] else "stopped before the job finished"
-    lines = [table, Text(
-        f"{verdict} after {report['seconds']:,.1f} s: {report['tiles']:,} tiles computed, {report['rejected']:,} "
-        f"rejected; {report['forged']:,} forged results sent by {len(report['byzantine'])} byzantine devices, "
-        f"{len(report['banned'])} devices banned; {report['leaves']['graceful']} graceful leaves, "
-        f"{report['leaves']['crash']} crashes, {report['rejoins']} rejoins")]
+    lines = [
+        table,
+        Text(
+            f"{verdict} after {report['seconds']:,.1f} s: {report['tiles']:,} tiles computed, {report['rejected']:,} "
+            f"rejected; {report['forged']:,} forged results sent by {len(report['byzantine'])} byzantine devices, "
+            f"{len(report['banned'])} devices banned; {report['leaves']['graceful']} graceful leaves, "
+            f"{report['leaves']['crash']} crashes, {report['rejoins']} rejoins"
+        ),
+    ]
     if report["overruns"]:
-        lines.append(Text(f"{report['overruns']:,} tiles took longer on this host than their profile allows: the "
-                          "fleet ran slower than emulated (lower its rates or raise --speed)", style="yellow"))
+        lines.append(
+            Text(
+                f"{report['overruns']:,} tiles took longer on this host than their profile allows: the "
+                "fleet ran slower than emulated (lower its rates or raise --speed)",
+                style="yellow",
+            )
+        )
     return Group(*lines)
 
 
 @friendly
 def emulate(
     url: Annotated[str, typer.Argument(help="Coordinator address, e.g. ws://127.0.0.1:8765")],
-    token: Annotated[str, typer.Option("--token", help="The coordinator's join token: every emulated device enrols with it.")],
-    devices: Annotated[int, typer.Option("--devices", help="Devices to emulate; the fleet's classes keep their proportions.")],
-    fleet: Annotated[str, typer.Option("--fleet", help=f"Fleet preset ({', '.join(FLEETS)}) or a TOML fleet file (docs/presets.md): each device gets its class's profile.")],
-    leave_rate: Annotated[float, typer.Option("--leave-rate", help="Leaves per device per minute (exponential); half graceful, half crashes. 0: nobody leaves.")] = 0.0,
-    away_seconds: Annotated[float, typer.Option("--away-seconds", help="Mean seconds a device stays away before it rejoins (exponential).")] = 10.0,
-    byzantine: Annotated[float, typer.Option("--byzantine", help="Share of devices that return forged results (at least one when above 0).")] = 0.0,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of who forges, and of every device's leaves and forgeries.")] = 0,
-    dtype: Annotated[str, typer.Option("--dtype", help="Which of the profiles' rates to pace compute with: fp32, bf16 or fp16 (the job's dtype).")] = "fp32",
-    speed: Annotated[float, typer.Option("--speed", help="Slow motion: every paced time is X times the profile's (X > 1 lets a slow host emulate a fast fleet).")] = 1.0,
-    threads: Annotated[int, typer.Option("--threads", help="Real products computed at once (one torch thread each), shared by all devices.")] = 1,
+    token: Annotated[
+        str, typer.Option("--token", help="The coordinator's join token: every emulated device enrols with it.")
+    ],
+    devices: Annotated[
+        int, typer.Option("--devices", help="Devices to emulate; the fleet's classes keep their proportions.")
+    ],
+    fleet: Annotated[
+        str,
+        typer.Option(
+            "--fleet",
+            help=f"Fleet preset ({', '.join(FLEETS)}) or a TOML fleet file (docs/presets.md): "
+            "each device gets its class's profile.",
+        ),
+    ],
+    leave_rate: Annotated[
+        float,
+        typer.Option(
+            "--leave-rate",
+            help="Leaves per device per minute (exponential); half graceful, half crashes. 0: nobody leaves.",
+        ),
+    ] = 0.0,
+    away_seconds: Annotated[
+        float, typer.Option("--away-seconds", help="Mean seconds a device stays away before it rejoins (exponential).")
+    ] = 10.0,
+    byzantine: Annotated[
+        float,
+        typer.Option("--byzantine", help="Share of devices that return forged results (at least one when above 0)."),
+    ] = 0.0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of who forges, and of every device's leaves and forgeries.")
+    ] = 0,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            "--dtype", help="Which of the profiles' rates to pace compute with: fp32, bf16 or fp16 (the job's dtype)."
+        ),
+    ] = "fp32",
+    speed: Annotated[
+        float,
+        typer.Option(
+            "--speed",
+            help="Slow motion: every paced time is X times the profile's "
+            "(X > 1 lets a slow host emulate a fast fleet).",
+        ),
+    ] = 1.0,
+    threads: Annotated[
+        int,
+        typer.Option(
+            "--threads", help="Real products computed at once (one torch thread each), shared by all devices."
+        ),
+    ] = 1,
     slots: Annotated[int, typer.Option("--slots", help="Tiles each device asks to hold (prefetch).")] = 2,
-    magnitude: Annotated[float, typer.Option("--magnitude", help="Size of forged errors, in detection thresholds.")] = 4.0,
-    interval: Annotated[float, typer.Option("--interval", help="Seconds between progress lines when not on a terminal.")] = 5.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON summary at the end (progress goes to stderr).")] = False,
+    magnitude: Annotated[
+        float, typer.Option("--magnitude", help="Size of forged errors, in detection thresholds.")
+    ] = 4.0,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between progress lines when not on a terminal.")
+    ] = 5.0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON summary at the end (progress goes to stderr).")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress; only the summary.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every leave, crash, rejoin and ban (to stderr).")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Log every leave, crash, rejoin and ban (to stderr).")
+    ] = False,
     cafile: opt.CaFile = None,
     insecure: opt.Insecure = False,
 ) -> None:
@@ -92,17 +176,30 @@ def emulate(
     client and computes its tiles for real, paced to its class's compute rate and links. Exits
     when the coordinator finishes the job, or on Ctrl-C (every device leaves gracefully)."""
     if not 1 <= devices <= MAX_DEVICES:
-        raise CleaveError(f"--devices must be between 1 and {MAX_DEVICES:,}, got {devices}", 2)
+        raise ConfigError(f"--devices must be between 1 and {MAX_DEVICES:,}, got {devices}")
     if dtype not in ITEMSIZE:
-        raise CleaveError(f"unknown --dtype {dtype!r}; use one of {', '.join(ITEMSIZE)}", 2)
+        raise ConfigError(f"unknown --dtype {dtype!r}; use one of {', '.join(ITEMSIZE)}")
     if not 0.1 <= interval <= 3600:
-        raise CleaveError(f"--interval must be between 0.1 and 3600 s, got {interval}", 2)
+        raise ConfigError(f"--interval must be between 0.1 and 3600 s, got {interval}")
     if not 1 <= slots <= 8:
-        raise CleaveError(f"--slots must be between 1 and 8, got {slots}", 2)
+        raise ConfigError(f"--slots must be between 1 and 8, got {slots}")
     classes = resolve_fleet(fleet, dtype, devices)
-    cfg = FleetConfig(url=url, token=token, classes=classes, dtype=dtype, speed=speed, leave_rate=leave_rate,
-                      away_seconds=away_seconds, byzantine=byzantine, seed=seed, magnitude=magnitude,
-                      compute_threads=threads, slots=slots, cafile=str(cafile) if cafile else None, insecure=insecure)
+    cfg = FleetConfig(
+        url=url,
+        token=token,
+        classes=classes,
+        dtype=dtype,
+        speed=speed,
+        leave_rate=leave_rate,
+        away_seconds=away_seconds,
+        byzantine=byzantine,
+        seed=seed,
+        magnitude=magnitude,
+        compute_threads=threads,
+        slots=slots,
+        cafile=str(cafile) if cafile else None,
+        insecure=insecure,
+    )
     runner = Fleet(cfg)
     # N devices' warnings (a rejected forgery, a reconnect) would drown the progress: the summary counts them.
     logging.getLogger("cleave.client").setLevel(logging.ERROR)
@@ -120,7 +217,7 @@ def emulate(
     else:
         out.print(summary_table(report))
     if not (report["finished"] or stopped):
-        raise CleaveError("every device stopped before the job finished", 1)
+        raise CleaveError("every device stopped before the job finished")
 
 
 async def _run(fleet: Fleet, console: Console, *, live: bool, quiet: bool, interval: float) -> tuple[dict, bool]:

@@ -1,33 +1,28 @@
-"""One place where Cleave's errors become a one-line message and an exit code."""
+"""One place where Cleave's errors become a one-line message and an exit code.
+
+Every error Cleave raises derives from ``CleaveError``, and its branch states the exit code
+(coordinator/wire/errors.py draws the tree): 1 a failure, 2 bad usage or options, 3 a banned
+device. Anything else is a bug and keeps its traceback, except what the operating system says
+(``OSError``: a port in use, a file that cannot be written) and a diverged run, which are one line
+and exit 1 too.
+"""
 
 from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
-from client.kernels import DeviceUnavailable
-from client.runner import ClientError
-from coordinator.protocol import ProtocolError
-from coordinator.server import JobAborted
-from coordinator.training.data import DataError
-from coordinator.training.loop import ConfigError
-from db.store import StoreError
+from coordinator.wire.errors import CleaveError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Exit codes: 0 ok, 1 failure, 2 bad usage or options, 3+ set by the error itself.
-USAGE_ERRORS = (ConfigError, DataError, DeviceUnavailable, ValueError)
-
-
-class CleaveError(RuntimeError):
-    def __init__(self, message: str, exit_code: int = 1) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 
 
 def fail(message: str, code: int) -> typer.Exit:
@@ -39,7 +34,7 @@ def fail(message: str, code: int) -> typer.Exit:
 
 
 def friendly(fn: F) -> F:
-    """Turn the project's exceptions into one line on stderr and a non-zero exit."""
+    """Turn the project's exceptions into one line on stderr and their branch's exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -47,17 +42,11 @@ def friendly(fn: F) -> F:
             return fn(*args, **kwargs)
         except KeyboardInterrupt:
             Console(stderr=True).print("interrupted")
-            raise typer.Exit(130) from None
-        except ClientError as exc:
-            raise fail(str(exc), exc.exit_code) from None
+            raise typer.Exit(INTERRUPTED) from None
         except CleaveError as exc:
-            raise fail(str(exc), exc.exit_code) from None
-        except USAGE_ERRORS as exc:
-            raise fail(str(exc), 2) from None
-        except (FloatingPointError, JobAborted) as exc:
-            raise fail(str(exc), 1) from None
-        except (StoreError, ProtocolError, OSError) as exc:
-            raise fail(str(exc) or type(exc).__name__, 1) from None
+            raise fail(str(exc) or type(exc).__name__, exc.exit_code) from None
+        except OSError as exc:  # the boundary with the operating system
+            raise fail(str(exc) or type(exc).__name__, CleaveError.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -6,7 +6,7 @@ import asyncio
 import signal
 import time
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -45,7 +45,7 @@ class _Display:
             self._last = now
         self._state = stats.state
 
-    def __enter__(self) -> "_Display":
+    def __enter__(self) -> _Display:
         if self.live is not None:
             self.live.start()
         return self
@@ -76,54 +76,128 @@ class _Explain:
 
 @friendly
 def join(
-    url: Annotated[Optional[str], typer.Argument(help="Coordinator address, e.g. ws://192.168.1.10:8765")] = None,
-    token: Annotated[Optional[str], typer.Option("--token", help="The coordinator's join token: enrols this device once; later runs use the stored credential.")] = None,
-    device: Annotated[str, typer.Option(help="Where tiles run: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")] = "auto",
-    threads: Annotated[Optional[int], typer.Option(help="CPU threads for tile math. Default: the config's max_threads, else torch's choice.")] = None,
-    name: Annotated[Optional[str], typer.Option(help="Name shown on the coordinator's dashboard and leaderboard. Default: host name.")] = None,
+    url: Annotated[str | None, typer.Argument(help="Coordinator address, e.g. ws://192.168.1.10:8765")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            help="The coordinator's join token: enrols this device once; later runs use the stored credential.",
+        ),
+    ] = None,
+    device: Annotated[
+        str, typer.Option(help="Where tiles run: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")
+    ] = "auto",
+    threads: Annotated[
+        int | None,
+        typer.Option(help="CPU threads for tile math. Default: the config's max_threads, else torch's choice."),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option(help="Name shown on the coordinator's dashboard and leaderboard. Default: host name.")
+    ] = None,
     once: Annotated[bool, typer.Option("--once", help="Exit 0 when the coordinator reports the job finished.")] = False,
-    slots: Annotated[int, typer.Option(help="Tiles kept in flight (prefetch), so compute never waits on the network.")] = 2,
-    config: Annotated[Optional[Path], typer.Option("--config", help=f"Policy file (TOML). Default: {default_config_path()} if it exists.")] = None,
-    show_config: Annotated[bool, typer.Option("--show-config", help="Print the policy in force (defaults, file, flags) and exit.")] = False,
-    idle_minutes: Annotated[Optional[float], typer.Option("--idle-minutes", help="Work only after keyboard and mouse were idle this long.")] = None,
-    require_ac: Annotated[Optional[bool], typer.Option("--require-ac/--allow-battery", help="Work only on mains power (default), or on battery too.")] = None,
-    min_battery: Annotated[Optional[float], typer.Option("--min-battery", help="With --allow-battery: stop below this charge (percent).")] = None,
-    max_cpu: Annotated[Optional[float], typer.Option("--max-cpu", help="Pause while other programs use more than this share of the CPU (percent).")] = None,
-    max_temp: Annotated[Optional[float], typer.Option("--max-temp", help="Pause above this temperature (degrees C, hottest sensor).")] = None,
-    hours: Annotated[Optional[str], typer.Option("--hours", help="Work only in these hours, e.g. 22:00-07:00.")] = None,
-    max_memory_mb: Annotated[Optional[int], typer.Option("--max-memory-mb", help="Cap on memory for cached tile blocks (MB).")] = None,
-    always: Annotated[bool, typer.Option("--always", help="Ignore the idle, power, load and heat rules (dedicated machines, demos).")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Explain what each probe reads and every policy decision.")] = False,
+    slots: Annotated[
+        int, typer.Option(help="Tiles kept in flight (prefetch), so compute never waits on the network.")
+    ] = 2,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help=f"Policy file (TOML). Default: {default_config_path()} if it exists."),
+    ] = None,
+    show_config: Annotated[
+        bool, typer.Option("--show-config", help="Print the policy in force (defaults, file, flags) and exit.")
+    ] = False,
+    idle_minutes: Annotated[
+        float | None, typer.Option("--idle-minutes", help="Work only after keyboard and mouse were idle this long.")
+    ] = None,
+    require_ac: Annotated[
+        bool | None,
+        typer.Option("--require-ac/--allow-battery", help="Work only on mains power (default), or on battery too."),
+    ] = None,
+    min_battery: Annotated[
+        float | None, typer.Option("--min-battery", help="With --allow-battery: stop below this charge (percent).")
+    ] = None,
+    max_cpu: Annotated[
+        float | None,
+        typer.Option("--max-cpu", help="Pause while other programs use more than this share of the CPU (percent)."),
+    ] = None,
+    max_temp: Annotated[
+        float | None, typer.Option("--max-temp", help="Pause above this temperature (degrees C, hottest sensor).")
+    ] = None,
+    hours: Annotated[str | None, typer.Option("--hours", help="Work only in these hours, e.g. 22:00-07:00.")] = None,
+    max_memory_mb: Annotated[
+        int | None, typer.Option("--max-memory-mb", help="Cap on memory for cached tile blocks (MB).")
+    ] = None,
+    always: Annotated[
+        bool, typer.Option("--always", help="Ignore the idle, power, load and heat rules (dedicated machines, demos).")
+    ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Explain what each probe reads and every policy decision.")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No live display (for services).")] = False,
     cafile: opt.CaFile = None,
     insecure: opt.Insecure = False,
-    credentials: Annotated[Optional[Path], typer.Option("--credentials", help=f"File of this machine's device credentials. Default: {default_credentials()}.")] = None,
-    new_identity: Annotated[bool, typer.Option("--new-identity", help="Enrol again with --token as a new device, replacing the stored credential.")] = False,
-    probe_file: Annotated[Optional[Path], typer.Option("--probe-file", hidden=True, help="Testing: read probe values from this JSON file.")] = None,
+    credentials: Annotated[
+        Path | None,
+        typer.Option(
+            "--credentials", help=f"File of this machine's device credentials. Default: {default_credentials()}."
+        ),
+    ] = None,
+    new_identity: Annotated[
+        bool,
+        typer.Option(
+            "--new-identity", help="Enrol again with --token as a new device, replacing the stored credential."
+        ),
+    ] = False,
+    probe_file: Annotated[
+        Path | None, typer.Option("--probe-file", hidden=True, help="Testing: read probe values from this JSON file.")
+    ] = None,
 ) -> None:
     """Join a coordinator: pull tiles, compute them with torch, send them back, only while the
     machine is idle and plugged in (by default). Ctrl-C leaves gracefully."""
     overrides: dict[str, Any] = {
-        "idle_minutes": idle_minutes, "require_ac": require_ac, "min_battery": min_battery, "max_other_cpu": max_cpu,
-        "max_temp": max_temp, "hours": hours, "max_memory_mb": max_memory_mb, "max_threads": threads,
+        "idle_minutes": idle_minutes,
+        "require_ac": require_ac,
+        "min_battery": min_battery,
+        "max_other_cpu": max_cpu,
+        "max_temp": max_temp,
+        "hours": hours,
+        "max_memory_mb": max_memory_mb,
+        "max_threads": threads,
     }
     if always:
         rules = PolicyConfig.always()
-        overrides.update({k: getattr(rules, k) for k in ("idle_minutes", "require_ac", "min_battery",
-                                                         "max_other_cpu", "max_temp", "resume_after")}, hours="")
+        overrides.update(
+            {
+                k: getattr(rules, k)
+                for k in ("idle_minutes", "require_ac", "min_battery", "max_other_cpu", "max_temp", "resume_after")
+            },
+            hours="",
+        )
     policy, used = load_config(config, overrides)
     console = Console(highlight=False)
     if show_config:
-        source = f"# policy from {used} and flags" if used else f"# defaults and flags ({default_config_path()} not found)"
+        source = (
+            f"# policy from {used} and flags" if used else f"# defaults and flags ({default_config_path()} not found)"
+        )
         console.out(f"{source}\n{policy.to_toml()}", highlight=False)
         return
     if url is None:
         raise typer.BadParameter("URL is required (unless --show-config)")
     if new_identity and not token:
         raise typer.BadParameter("--new-identity needs --token (the join token) to enrol")
-    cfg = WorkerConfig(url=url, token=token or "", name=name or machine_name()[:64], device=device, threads=threads,
-                       slots=slots, once=once, policy=policy, cafile=str(cafile) if cafile else None,
-                       insecure=insecure, credentials=credentials, new_identity=new_identity)
+    cfg = WorkerConfig(
+        url=url,
+        token=token or "",
+        name=name or machine_name()[:64],
+        device=device,
+        threads=threads,
+        slots=slots,
+        once=once,
+        policy=policy,
+        cafile=str(cafile) if cafile else None,
+        insecure=insecure,
+        credentials=credentials,
+        new_identity=new_identity,
+    )
     probe = FileProbe(probe_file, SystemProbe()) if probe_file is not None else SystemProbe()
     with _Display(console, url, live=is_terminal(), quiet=quiet) as display:
         worker = Worker(cfg, probe=probe, on_update=display, on_decision=_Explain(console) if verbose else None)
@@ -131,8 +205,11 @@ def join(
     if not quiet:
         s = worker.stats
         who = f"device #{s.identity}" if s.identity else repr(cfg.name)
-        console.print(f"left: {s.tiles:,} tiles computed, {s.credit_gflop:,.2f} GFLOP verified to your credit "
-                      f"({s.credit_total_gflop:,.2f} in total for {who}), {s.rejected} rejected", highlight=False)
+        console.print(
+            f"left: {s.tiles:,} tiles computed, {s.credit_gflop:,.2f} GFLOP verified to your credit "
+            f"({s.credit_total_gflop:,.2f} in total for {who}), {s.rejected} rejected",
+            highlight=False,
+        )
     raise typer.Exit(code)
 
 

@@ -6,13 +6,19 @@ import asyncio
 import sys
 from pathlib import Path
 
-from cleave_cli.errors import CleaveError
 from coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
+from coordinator.wire.errors import CleaveError
 
 
 async def serve_with_local_clients(
-    cfg: CoordinatorConfig, reporter: Reporter, *, clients: int, threads: int, name: str = "laptop",
-    exit_timeout: float = 30.0, quiet_clients: bool = False,
+    cfg: CoordinatorConfig,
+    reporter: Reporter,
+    *,
+    clients: int,
+    threads: int,
+    name: str = "laptop",
+    exit_timeout: float = 30.0,
+    quiet_clients: bool = False,
 ) -> JobOutcome:
     """Serve ``cfg``'s job and start ``clients`` `cleave join --once --always` processes for it."""
     loop = asyncio.get_running_loop()
@@ -25,11 +31,27 @@ async def serve_with_local_clients(
     output = asyncio.subprocess.DEVNULL if quiet_clients else None
     procs = [
         await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "cleave_cli", "join", url, "--token", str(cfg.token), "--once", "--quiet",
-            "--threads", str(threads), "--name", f"{name}-{i + 1}", "--device", "cpu", "--always",
+            sys.executable,
+            "-m",
+            "cleave_cli",
+            "join",
+            url,
+            "--token",
+            str(cfg.token),
+            "--once",
+            "--quiet",
+            "--threads",
+            str(threads),
+            "--name",
+            f"{name}-{i + 1}",
+            "--device",
+            "cpu",
+            "--always",
             # Beside the job's database: a throwaway job's credentials do not belong in the user's folder.
-            "--credentials", str(Path(cfg.db).resolve().parent / "credentials.json"),
-            stdin=asyncio.subprocess.DEVNULL, stdout=output,
+            "--credentials",
+            str(Path(cfg.db).resolve().parent / "credentials.json"),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=output,
         )
         for i in range(clients)
     ]

@@ -3,55 +3,94 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from coordinator.protocol import WireDtype
 from coordinator.training.loop import TrainConfig
+from coordinator.wire.messages import WireDtype
 
 _D = TrainConfig()
 
-Model = Annotated[str, typer.Option("--model", help="Model preset: tiny (seconds on a CPU), small (~11M params), base "
-                                    "(~45M); or hf:DIR, a transformers causal LM from folder DIR (config.json, "
-                                    "optional model.safetensors and tokenizer; needs pip install 'cleave[hf]').")]
+Model = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        help="Model preset: tiny (seconds on a CPU), small (~11M params), base "
+        "(~45M); or hf:DIR, a transformers causal LM from folder DIR (config.json, "
+        "optional model.safetensors and tokenizer; needs pip install 'cleave[hf]').",
+    ),
+]
 Steps = Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens (bytes) per sequence.")]
 Lr = Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate (warm-up, then cosine decay).")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of weights and batches: the same seed gives the same losses.")]
-Precision = Annotated[str, typer.Option(
-    "--precision", help="How a step computes: fp32 (exact, the default); bf16 (weights and activations in "
-    "bfloat16); fp16 (float32 weights, float16 autocast, a loss scaler); autocast (float32 weights, bfloat16 "
-    "autocast). docs/cli.md has each mode's measured distance from float32.")]
+Precision = Annotated[
+    str,
+    typer.Option(
+        "--precision",
+        help="How a step computes: fp32 (exact, the default); bf16 (weights and activations in "
+        "bfloat16); fp16 (float32 weights, float16 autocast, a loss scaler); autocast (float32 weights, bfloat16 "
+        "autocast). docs/cli.md has each mode's measured distance from float32.",
+    ),
+]
 Data = Annotated[
-    Optional[Path],
-    typer.Option("--data", help="UTF-8 text file or folder to train on. Default: this Python's standard library sources."),
+    Path | None,
+    typer.Option(
+        "--data", help="UTF-8 text file or folder to train on. Default: this Python's standard library sources."
+    ),
 ]
 Metrics = Annotated[
-    Optional[Path], typer.Option("--metrics", help="Write one JSON object per step (step, loss, tokens, seconds, ...).")
+    Path | None, typer.Option("--metrics", help="Write one JSON object per step (step, loss, tokens, seconds, ...).")
 ]
 
-WireDtypeOpt = Annotated[WireDtype, typer.Option(
-    "--wire-dtype", case_sensitive=False,
-    help="What GEMM operands and results travel as: fp32 (exact, the default), or bf16 / fp16, which halve the "
-    "bytes but round the operands, so losses drift from plain torch's (docs/cli.md has the measured drift). "
-    "Devices still multiply and sum in float32 unless half precision is faster on them.")]
+WireDtypeOpt = Annotated[
+    WireDtype,
+    typer.Option(
+        "--wire-dtype",
+        case_sensitive=False,
+        help="What GEMM operands and results travel as: fp32 (exact, the default), or bf16 / fp16, which halve the "
+        "bytes but round the operands, so losses drift from plain torch's (docs/cli.md has the measured drift). "
+        "Devices still multiply and sum in float32 unless half precision is faster on them.",
+    ),
+]
 
 
-def train_config(model: str, steps: int, batch_size: int, seq_len: int, lr: float, seed: int, data: Path | None,
-                 precision: str = "fp32") -> TrainConfig:
-    return TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed,
-                       data=str(data) if data is not None else None, precision=precision)
+def train_config(
+    model: str,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+    seed: int,
+    data: Path | None,
+    precision: str = "fp32",
+) -> TrainConfig:
+    return TrainConfig(
+        model=model,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+        seed=seed,
+        data=str(data) if data is not None else None,
+        precision=precision,
+    )
 
 
 DEFAULTS = _D
 
 CaFile = Annotated[
-    Optional[Path],
-    typer.Option("--cafile", help="Verify the coordinator's wss:// certificate against this CA (PEM) instead of the system's."),
+    Path | None,
+    typer.Option(
+        "--cafile", help="Verify the coordinator's wss:// certificate against this CA (PEM) instead of the system's."
+    ),
 ]
 Insecure = Annotated[
     bool,
-    typer.Option("--insecure", help="Allow unencrypted ws:// to a host other than this machine (tokens and blocks travel in clear)."),
+    typer.Option(
+        "--insecure",
+        help="Allow unencrypted ws:// to a host other than this machine (tokens and blocks travel in clear).",
+    ),
 ]

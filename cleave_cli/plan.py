@@ -1,6 +1,6 @@
 """``cleave plan``: how the cost model would cut every GEMM of one training step over a fleet.
 
-Pure planning (coordinator/planner.py) over named inputs (coordinator/presets.py); this module
+Pure planning (coordinator/planning/planner.py) over named inputs (coordinator/whatif/presets.py); this module
 only picks the parameter server's profile, prices the PS's own non-GEMM work, and turns the
 plans into one JSON-ready report that the table (render.plan_report) and ``--json`` share.
 """
@@ -11,17 +11,26 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import Annotated, Any, Callable, Optional, Sequence
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from cleave_cli import render
-from cleave_cli.errors import CleaveError, friendly, is_terminal, stderr_console
-from coordinator.costmodel import ADAMW_BYTES, ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, PSProfile
-from coordinator.planner import Gemm, Kind, Plan, StepPlan, baseline, plan_step
-from coordinator.presets import FLEETS, MODELS, ModelShape, model_shape, resolve_fleet, step_gemms
+from cleave_cli.errors import friendly, is_terminal, stderr_console
+from coordinator.planning.costmodel import (
+    ADAMW_BYTES,
+    ATTENTION_PASSES,
+    ITEMSIZE,
+    CostModelError,
+    DeviceClass,
+    PSProfile,
+)
+from coordinator.planning.planner import Gemm, Kind, Plan, StepPlan, baseline, plan_step
+from coordinator.whatif.presets import FLEETS, MODELS, ModelShape, model_shape, resolve_fleet, step_gemms
+from coordinator.wire.errors import ConfigError
 
 
 class DType(str, Enum):
@@ -75,30 +84,64 @@ def _ratio(num: float | None, den: float) -> float | None:
 
 def _class_json(cls: DeviceClass, dtype: str) -> dict[str, Any]:
     p = cls.profile
-    return {"name": cls.name, "count": cls.count, "gflops": p.gflops.get(dtype, 0.0), "memory": p.memory,
-            "down": p.down, "up": p.up, "rtt": p.rtt, "session": _finite(p.session), "reliability": p.reliability}
+    return {
+        "name": cls.name,
+        "count": cls.count,
+        "gflops": p.gflops.get(dtype, 0.0),
+        "memory": p.memory,
+        "down": p.down,
+        "up": p.up,
+        "rtt": p.rtt,
+        "session": _finite(p.session),
+        "reliability": p.reliability,
+    }
 
 
 def _gemm_json(plan: Plan, count: int, base: Plan | None) -> dict[str, Any]:
     g = plan.gemm
     layer, _, kind = g.label.rpartition(".")
     return {
-        "layer": layer, "kind": kind, "m": g.m, "n": g.n, "k": g.k, "count": count,
-        "partition": plan.kind.value, "grid": list(plan.grid), "seconds": _finite(plan.seconds),
-        "devices": plan.devices, "units": plan.units, "bound": plan.bound,
-        "compute_seconds": plan.compute_seconds, "down_seconds": plan.down_seconds, "up_seconds": plan.up_seconds,
-        "ps_seconds": plan.ps_seconds, "egress_bytes": plan.egress_bytes, "ingress_bytes": plan.ingress_bytes,
+        "layer": layer,
+        "kind": kind,
+        "m": g.m,
+        "n": g.n,
+        "k": g.k,
+        "count": count,
+        "partition": plan.kind.value,
+        "grid": list(plan.grid),
+        "seconds": _finite(plan.seconds),
+        "devices": plan.devices,
+        "units": plan.units,
+        "bound": plan.bound,
+        "compute_seconds": plan.compute_seconds,
+        "down_seconds": plan.down_seconds,
+        "up_seconds": plan.up_seconds,
+        "ps_seconds": plan.ps_seconds,
+        "egress_bytes": plan.egress_bytes,
+        "ingress_bytes": plan.ingress_bytes,
         "egress_floor_bytes": plan.egress_floor,
         "baseline_seconds": _finite(base.seconds) if base is not None else None,
         "baseline_grid": list(base.grid) if base is not None else None,
-        "shares": [{"class": s.name, "devices": s.devices, "pieces": s.pieces, "per_device": s.per_device,
-                    "units": s.units, "memory_bytes": s.memory, "seconds": _finite(s.seconds),
-                    "down_bytes": s.down_bytes, "up_bytes": s.up_bytes} for s in plan.shares],
+        "shares": [
+            {
+                "class": s.name,
+                "devices": s.devices,
+                "pieces": s.pieces,
+                "per_device": s.per_device,
+                "units": s.units,
+                "memory_bytes": s.memory,
+                "seconds": _finite(s.seconds),
+                "down_bytes": s.down_bytes,
+                "up_bytes": s.up_bytes,
+            }
+            for s in plan.shares
+        ],
     }
 
 
-def _baselines(step: StepPlan, fleet: Sequence[DeviceClass], ps: PSProfile,
-               progress: Callable[[int, int], None]) -> list[Plan | None]:
+def _baselines(
+    step: StepPlan, fleet: Sequence[DeviceClass], ps: PSProfile, progress: Callable[[int, int], None]
+) -> list[Plan | None]:
     # The label is only a name: same-shaped GEMMs (q and o, fc1.fwd and fc2.dx) share one pricing.
     cache: dict[Gemm, Plan | None] = {}
     out = []
@@ -111,16 +154,24 @@ def _baselines(step: StepPlan, fleet: Sequence[DeviceClass], ps: PSProfile,
     return out
 
 
-def build_report(model_name: str, fleet_spec: str, devices: int | None, link_gbps: float, batch: int, seq: int,
-                 dtype: str, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def build_report(
+    model_name: str,
+    fleet_spec: str,
+    devices: int | None,
+    link_gbps: float,
+    batch: int,
+    seq: int,
+    dtype: str,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     """Plan one step and price the round-robin baseline; the JSON object of ``--json``."""
     model = model_shape(model_name)
     if seq > model.max_seq_len:
-        raise CleaveError(f"--seq-len {seq} exceeds {model.name}'s {model.max_seq_len} positions", 2)
+        raise ConfigError(f"--seq-len {seq} exceeds {model.name}'s {model.max_seq_len} positions")
     fleet = resolve_fleet(fleet_spec, dtype, devices)
     total = sum(cls.count for cls in fleet)
     if total > MAX_DEVICES:
-        raise CleaveError(f"the fleet has {total:,} devices; cleave plan prices at most {MAX_DEVICES:,}", 2)
+        raise ConfigError(f"the fleet has {total:,} devices; cleave plan prices at most {MAX_DEVICES:,}")
     ps = default_ps(link_gbps)
     attention, optimizer = ps_other_seconds(model, batch, seq, dtype, ps)
     progress(f"planning {model.name} on {total:,} devices ...")
@@ -138,29 +189,58 @@ def build_report(model_name: str, fleet_spec: str, devices: int | None, link_gbp
     classes = []
     for cls in fleet:
         shares = [s for plan, _ in step.plans for s in plan.shares if s.name == cls.name]
-        classes.append({"name": cls.name, "count": cls.count, "used": max((s.devices for s in shares), default=0),
-                        "memory_bytes": max((s.memory for s in shares), default=0),
-                        "budget_bytes": cls.profile.memory})
+        classes.append(
+            {
+                "name": cls.name,
+                "count": cls.count,
+                "used": max((s.devices for s in shares), default=0),
+                "memory_bytes": max((s.memory for s in shares), default=0),
+                "budget_bytes": cls.profile.memory,
+            }
+        )
     return {
         "model": {"name": model.name, "params": model.params, "layers": model.n_layers, "d_model": model.d_model},
-        "fleet": {"spec": fleet_spec, "devices": total, "gflops": step.fleet_flops / 1e9,
-                  "classes": [_class_json(cls, dtype) for cls in fleet]},
-        "ps": {"link_gbps": link_gbps, "egress": ps.egress, "ingress": ps.ingress, "gflops": ps.gflops[dtype],
-               "verify_gflops": ps.verify_flops / 1e9, "memory_bw": ps.memory_bw, "unit_overhead": ps.unit_overhead},
-        "batch_size": batch, "seq_len": seq, "tokens": batch * seq, "dtype": dtype,
+        "fleet": {
+            "spec": fleet_spec,
+            "devices": total,
+            "gflops": step.fleet_flops / 1e9,
+            "classes": [_class_json(cls, dtype) for cls in fleet],
+        },
+        "ps": {
+            "link_gbps": link_gbps,
+            "egress": ps.egress,
+            "ingress": ps.ingress,
+            "gflops": ps.gflops[dtype],
+            "verify_gflops": ps.verify_flops / 1e9,
+            "memory_bw": ps.memory_bw,
+            "unit_overhead": ps.unit_overhead,
+        },
+        "batch_size": batch,
+        "seq_len": seq,
+        "tokens": batch * seq,
+        "dtype": dtype,
         "step": {
-            "seconds": step.seconds, "tokens_per_s": batch * seq / step.seconds, "gemm_seconds": step.gemm_seconds,
+            "seconds": step.seconds,
+            "tokens_per_s": batch * seq / step.seconds,
+            "gemm_seconds": step.gemm_seconds,
             "ps_other_seconds": step.ps_other_seconds,
-            "attention_seconds": attention, "optimizer_seconds": optimizer,
-            "compute_seconds": step.total("compute_seconds"), "down_seconds": step.total("down_seconds"),
-            "up_seconds": step.total("up_seconds"), "ps_seconds": step.total("ps_seconds"),
-            "seconds_by_bound": by_bound, "flops": step.flops, "offloaded_flops": offloaded,
+            "attention_seconds": attention,
+            "optimizer_seconds": optimizer,
+            "compute_seconds": step.total("compute_seconds"),
+            "down_seconds": step.total("down_seconds"),
+            "up_seconds": step.total("up_seconds"),
+            "ps_seconds": step.total("ps_seconds"),
+            "seconds_by_bound": by_bound,
+            "flops": step.flops,
+            "offloaded_flops": offloaded,
             "utilisation": step.utilisation,
             "fleet_utilisation": _ratio(offloaded, step.seconds * step.fleet_flops) or 0.0,
             "devices": max((plan.devices for plan, _ in step.plans), default=0),
-            "egress_bytes": step.total("egress_bytes"), "ingress_bytes": step.total("ingress_bytes"),
+            "egress_bytes": step.total("egress_bytes"),
+            "ingress_bytes": step.total("ingress_bytes"),
             "egress_floor_bytes": step.total("egress_floor"),
-            "baseline_seconds": base_step, "speedup": _ratio(base_step, step.seconds),
+            "baseline_seconds": base_step,
+            "speedup": _ratio(base_step, step.seconds),
         },
         "gemms": [_gemm_json(plan, count, base) for (plan, count), base in zip(step.plans, bases)],
         "classes": classes,
@@ -169,10 +249,13 @@ def build_report(model_name: str, fleet_spec: str, devices: int | None, link_gbp
 
 # Options of the commands that price a model on a fleet (cleave plan, cleave simulate).
 ModelPreset = Annotated[str, typer.Option("--model", help=f"Model preset: {', '.join(MODELS)}.")]
-FleetSpec = Annotated[str, typer.Option(
-    "--fleet", help=f"Fleet preset ({', '.join(FLEETS)}) or a TOML fleet file (docs/presets.md).")]
-Devices = Annotated[Optional[int], typer.Option(
-    "--devices", help="Rescale the fleet to N devices, keeping its proportions. Default: its own counts.")]
+FleetSpec = Annotated[
+    str, typer.Option("--fleet", help=f"Fleet preset ({', '.join(FLEETS)}) or a TOML fleet file (docs/presets.md).")
+]
+Devices = Annotated[
+    int | None,
+    typer.Option("--devices", help="Rescale the fleet to N devices, keeping its proportions. Default: its own counts."),
+]
 PsLinkGbps = Annotated[float, typer.Option("--ps-link-gbps", help="The parameter server's link in Gbit/s, each way.")]
 BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence (at most the model's positions).")]
@@ -180,19 +263,20 @@ DTypeName = Annotated[str, typer.Option("--dtype", help="Training dtype: fp32, b
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")]
 
 
-def check_options(dtype: str, devices: int | None, batch_size: int, seq_len: int, ps_link_gbps: float,
-                  max_devices: int = MAX_DEVICES) -> None:
+def check_options(
+    dtype: str, devices: int | None, batch_size: int, seq_len: int, ps_link_gbps: float, max_devices: int = MAX_DEVICES
+) -> None:
     """The shared options' bounds, as one-line usage errors."""
     if dtype not in {d.value for d in DType}:
-        raise CleaveError(f"unknown --dtype {dtype!r}; use one of {', '.join(d.value for d in DType)}", 2)
+        raise ConfigError(f"unknown --dtype {dtype!r}; use one of {', '.join(d.value for d in DType)}")
     if devices is not None and not 1 <= devices <= max_devices:
-        raise CleaveError(f"--devices must be between 1 and {max_devices:,}, got {devices}", 2)
+        raise ConfigError(f"--devices must be between 1 and {max_devices:,}, got {devices}")
     if not 1 <= batch_size <= MAX_BATCH:
-        raise CleaveError(f"--batch-size must be between 1 and {MAX_BATCH:,}, got {batch_size}", 2)
+        raise ConfigError(f"--batch-size must be between 1 and {MAX_BATCH:,}, got {batch_size}")
     if seq_len < 1:
-        raise CleaveError(f"--seq-len must be at least 1, got {seq_len}", 2)
+        raise ConfigError(f"--seq-len must be at least 1, got {seq_len}")
     if not (math.isfinite(ps_link_gbps) and 0 < ps_link_gbps <= 1e6):
-        raise CleaveError(f"--ps-link-gbps must be above 0 and at most 1,000,000, got {ps_link_gbps}", 2)
+        raise ConfigError(f"--ps-link-gbps must be above 0 and at most 1,000,000, got {ps_link_gbps}")
 
 
 @friendly

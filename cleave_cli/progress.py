@@ -38,8 +38,12 @@ class ConsoleReporter:
 
     def _start_live(self, steps: int) -> None:
         self._progress = Progress(
-            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(), console=self.console,
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
         )
         self._task = self._progress.add_task("train", total=steps, info="")
         self._live = Live(self._progress, console=self.console, refresh_per_second=8)
@@ -59,7 +63,9 @@ class ConsoleReporter:
         now = time.monotonic()
         if result.step in (1, steps) or now - self._last_print >= 1.0:
             self._last_print = now
-            self.console.print(render.step_line(result.step, steps, result.loss, result.seconds, status), soft_wrap=True)
+            self.console.print(
+                render.step_line(result.step, steps, result.loss, result.seconds, status), soft_wrap=True
+            )
 
     def finished(self, results: list[StepResult], status: dict[str, Any]) -> None:
         if self._live is not None:
@@ -69,7 +75,8 @@ class ConsoleReporter:
             self.console.print(
                 f"done: {last.step} steps, final loss {last.loss:.4f}; "
                 f"tiles {status['tiles']['verified']:,} verified, {status['tiles']['rejected']:,} rejected",
-                style="bold green", highlight=False,
+                style="bold green",
+                highlight=False,
             )
 
     def close(self) -> None:

@@ -7,7 +7,8 @@ markup: a volunteer named ``[/bold]`` must show as that, not break the dashboard
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Group
 from rich.panel import Panel
@@ -24,8 +25,14 @@ def _mb(value: float) -> str:
 
 
 def step_line(
-    step: int, steps: int, loss: float, seconds: float, status: dict[str, Any] | None, tokens_per_s: float = 0.0,
-    *, show_step: bool = True,
+    step: int,
+    steps: int,
+    loss: float,
+    seconds: float,
+    status: dict[str, Any] | None,
+    tokens_per_s: float = 0.0,
+    *,
+    show_step: bool = True,
 ) -> Text:
     """One line per step; ``status`` is the coordinator's snapshot, or None for a local run."""
     text = Text()
@@ -70,8 +77,11 @@ def listening(info: Any) -> Text:
     if notes:
         text.append(f"\n({'; '.join(notes)}; `cleave coordinator token rotate` replaces one)", style="dim")
     if info.exposed:
-        text.append("\nwarning: unencrypted ws:// on a network address: tokens and blocks travel in clear. "
-                    "Serve wss:// with --certfile and --keyfile.", style="bold yellow")
+        text.append(
+            "\nwarning: unencrypted ws:// on a network address: tokens and blocks travel in clear. "
+            "Serve wss:// with --certfile and --keyfile.",
+            style="bold yellow",
+        )
     return text
 
 
@@ -106,8 +116,10 @@ def dashboard(status: dict[str, Any]) -> Group:
     plan = status.get("plan")
     if plan:
         predicted, measured = plan.get("predicted_step_s"), plan.get("measured_step_s")
-        line = f"{plan.get('planner', '?')} planner: step {_num(predicted, '{:.3f} s')} predicted, " \
-               f"{_num(measured, '{:.3f} s')} measured"
+        line = (
+            f"{plan.get('planner', '?')} planner: step {_num(predicted, '{:.3f} s')} predicted, "
+            f"{_num(measured, '{:.3f} s')} measured"
+        )
         kinds = plan.get("partitions") or {}
         if kinds:
             line += "  (" + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + ")"
@@ -116,18 +128,37 @@ def dashboard(status: dict[str, Any]) -> Group:
     if traffic:
         summary.add_row("traffic", f"{_mb(traffic.get('mb_down', 0))} down, {_mb(traffic.get('mb_up', 0))} up")
     devices = Table(title="devices", expand=True)
-    for col, justify in [("name", "left"), ("state", "left"), ("device", "left"), ("GFLOP/s", "right"),
-                         ("Mbit/s ↓/↑", "right"), ("tiles", "right"), ("rejected", "right"),
-                         ("lost", "right"), ("reliability", "right"), ("verified GFLOP", "right")]:
+    for col, justify in [
+        ("name", "left"),
+        ("state", "left"),
+        ("device", "left"),
+        ("GFLOP/s", "right"),
+        ("Mbit/s ↓/↑", "right"),
+        ("tiles", "right"),
+        ("rejected", "right"),
+        ("lost", "right"),
+        ("reliability", "right"),
+        ("verified GFLOP", "right"),
+    ]:
         devices.add_column(col, justify=justify)  # type: ignore[arg-type]
-    style = {"working": "green", "idle": "cyan", "paused": "yellow", "offline": "dim", "banned": "bold red",
-             "revoked": "red"}
+    style = {
+        "working": "green",
+        "idle": "cyan",
+        "paused": "yellow",
+        "offline": "dim",
+        "banned": "bold red",
+        "revoked": "red",
+    }
     for d in status.get("devices", []):
         state = d.get("state", "")
         reason = f" ({d['reason']})" if d.get("reason") and state not in ("working", "idle") else ""  # paused: why
         devices.add_row(
-            Text(str(d.get("name", ""))), Text(state + reason, style=style.get(state, "")), Text(str(d.get("device", ""))),
-            f"{d.get('gflops', 0):.1f}", _links(d.get("profile")), f"{d.get('tiles_done', 0):,}",
+            Text(str(d.get("name", ""))),
+            Text(state + reason, style=style.get(state, "")),
+            Text(str(d.get("device", ""))),
+            f"{d.get('gflops', 0):.1f}",
+            _links(d.get("profile")),
+            f"{d.get('tiles_done', 0):,}",
             Text(f"{d.get('tiles_rejected', 0):,}", style="red" if d.get("tiles_rejected") else ""),
             f"{d.get('tiles_lost', 0):,}",
             Text(f"{100 * d.get('reliability', 1.0):.1f}%", style="yellow" if d.get("reliability", 1.0) < 0.9 else ""),
@@ -140,7 +171,8 @@ def dashboard(status: dict[str, Any]) -> Group:
     total = sum(v for k, v in counts.items() if k != "connected")
     if total > listed:
         devices.caption = f"{listed} of {total} devices listed: " + ", ".join(
-            f"{v:,} {k}" for k, v in sorted(counts.items()) if k != "connected")
+            f"{v:,} {k}" for k, v in sorted(counts.items()) if k != "connected"
+        )
     parts: list[Any] = [Panel(summary, title="cleave", border_style="blue"), devices]
     if status.get("leaderboard"):
         board = Table(title="leaderboard: verified work by device", expand=True)
@@ -189,8 +221,11 @@ def client_panel(stats: Any, url: str) -> Panel:
         tiles.append(f", {stats.rejected} rejected", style="red")
     grid.add_row("tiles", tiles)
     grid.add_row("speed", f"{stats.gflops:,.1f} GFLOP/s while computing")
-    grid.add_row("credit", f"{stats.credit_gflop:,.2f} GFLOP verified (this session), "
-                           f"{stats.credit_total_gflop:,.2f} in total for this device")
+    grid.add_row(
+        "credit",
+        f"{stats.credit_gflop:,.2f} GFLOP verified (this session), "
+        f"{stats.credit_total_gflop:,.2f} in total for this device",
+    )
     grid.add_row("traffic", f"{stats.bytes_down / 1e6:,.1f} MB down, {stats.bytes_up / 1e6:,.1f} MB up")
     grid.add_row("uptime", _duration(stats.uptime))
     if stats.last_error and stats.state in ("reconnecting", "connecting"):
@@ -200,6 +235,7 @@ def client_panel(stats: Any, url: str) -> Panel:
 
 def probe_report(reading: Any) -> Text:
     """What ``cleave join --verbose`` can see of the machine, and why not where it cannot."""
+
     def show(value: Any, fmt: str) -> str:
         return "unknown" if value is None else fmt.format(value)
 
@@ -250,16 +286,37 @@ def benchmark_table(result: Any) -> Table:
 def identities(rows: Sequence[Any]) -> Table:
     """``cleave coordinator devices list``: enrolled devices, newest first."""
     table = Table(title="enrolled devices", expand=True)
-    for col, justify in [("#", "right"), ("name", "left"), ("state", "left"), ("enrolled", "left"),
-                         ("last seen", "left"), ("tiles done", "right"), ("rejected", "right"), ("lost", "right"),
-                         ("taken back", "right"), ("reliability", "right"), ("verified GFLOP", "right"),
-                         ("reason", "left")]:
+    for col, justify in [
+        ("#", "right"),
+        ("name", "left"),
+        ("state", "left"),
+        ("enrolled", "left"),
+        ("last seen", "left"),
+        ("tiles done", "right"),
+        ("rejected", "right"),
+        ("lost", "right"),
+        ("taken back", "right"),
+        ("reliability", "right"),
+        ("verified GFLOP", "right"),
+        ("reason", "left"),
+    ]:
         table.add_column(col, justify=justify, no_wrap=col != "reason")  # type: ignore[arg-type]
     style = {"active": "green", "banned": "bold red", "revoked": "red"}
     for r in rows:
-        table.add_row(str(r.id), Text(r.name), Text(r.state, style=style.get(r.state, "")), _when(r.created_at),
-                      _when(r.last_seen), f"{r.tiles_done:,}", f"{r.tiles_rejected:,}", f"{r.tiles_lost:,}",
-                      f"{r.tiles_revoked:,}", f"{100 * r.reliability:.1f}%", f"{r.gflop_verified:,.2f}", Text(r.reason))
+        table.add_row(
+            str(r.id),
+            Text(r.name),
+            Text(r.state, style=style.get(r.state, "")),
+            _when(r.created_at),
+            _when(r.last_seen),
+            f"{r.tiles_done:,}",
+            f"{r.tiles_rejected:,}",
+            f"{r.tiles_lost:,}",
+            f"{r.tiles_revoked:,}",
+            f"{100 * r.reliability:.1f}%",
+            f"{r.gflop_verified:,.2f}",
+            Text(r.reason),
+        )
     if not rows:
         table.add_row("", "(no device has enrolled yet)", *[""] * 10)
     return table
@@ -278,11 +335,16 @@ def comparison(rows: Sequence[tuple[str, float, float]], max_rel_diff: float, to
     table.add_column("cleave (tiles on clients)", justify="right")
     table.add_column("local torch", justify="right")
     for label, dist, local in rows:
-        table.add_row(label, f"{dist:.6f}" if isinstance(dist, float) else str(dist),
-                      f"{local:.6f}" if isinstance(local, float) else str(local))
+        table.add_row(
+            label,
+            f"{dist:.6f}" if isinstance(dist, float) else str(dist),
+            f"{local:.6f}" if isinstance(local, float) else str(local),
+        )
     verdict = Text(f"max relative loss difference over all steps: {max_rel_diff:.2e} ", style="bold")
-    verdict.append("(match)" if max_rel_diff <= tolerance else "(MISMATCH)",
-                   style="bold green" if max_rel_diff <= tolerance else "bold red")
+    verdict.append(
+        "(match)" if max_rel_diff <= tolerance else "(MISMATCH)",
+        style="bold green" if max_rel_diff <= tolerance else "bold red",
+    )
     table.caption = verdict.plain
     return table
 
@@ -303,7 +365,9 @@ def _seconds(value: float | None) -> str:
 
 def _bytes(value: float, binary: bool = False) -> str:
     """Traffic in decimal units (a link's Mbit/s are decimal), memory in binary ones."""
-    base, units = (1024.0, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (1000.0, ("B", "kB", "MB", "GB", "TB", "PB"))
+    base, units = (
+        (1024.0, ("B", "KiB", "MiB", "GiB", "TiB", "PiB")) if binary else (1000.0, ("B", "kB", "MB", "GB", "TB", "PB"))
+    )
     for unit in units[:-1]:
         if abs(value) < base:
             return f"{value:.3g} {unit}" if unit != "B" else f"{value:.0f} B"
@@ -334,60 +398,129 @@ def plan_report(report: dict[str, Any]) -> Group:
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column()
-    summary.add_row("model", Text(f"{model['name']}: {model['params'] / 1e6:,.1f}M parameters, "
-                                  f"{report['batch_size']:,} x {report['seq_len']:,} = {report['tokens']:,} tokens "
-                                  f"per step, {dtype}"))
-    summary.add_row("fleet", Text(f"{fleet['spec']}: {fleet['devices']:,} devices in {len(fleet['classes'])} "
-                                  f"classes, {_flops(fleet['gflops'] * 1e9)} in {dtype}"))
-    summary.add_row("parameter server", f"{ps['link_gbps']:g} Gbit/s each way, {_flops(ps['gflops'] * 1e9)} in {dtype}, "
-                                        f"verifies at {_flops(ps['verify_gflops'] * 1e9)}, memory {_bytes(ps['memory_bw'])}/s")
-    summary.add_row("step", Text(f"{_seconds(step['seconds'])} predicted, "
-                                 f"{_rate(report['tokens'] / step['seconds'])} tokens/s", style="bold green"))
-    summary.add_row("", f"GEMMs {_seconds(step['gemm_seconds'])} + parameter server's own work "
-                        f"{_seconds(step['ps_other_seconds'])} (attention {_seconds(step['attention_seconds'])}, "
-                        f"AdamW {_seconds(step['optimizer_seconds'])})")
+    summary.add_row(
+        "model",
+        Text(
+            f"{model['name']}: {model['params'] / 1e6:,.1f}M parameters, "
+            f"{report['batch_size']:,} x {report['seq_len']:,} = {report['tokens']:,} tokens "
+            f"per step, {dtype}"
+        ),
+    )
+    summary.add_row(
+        "fleet",
+        Text(
+            f"{fleet['spec']}: {fleet['devices']:,} devices in {len(fleet['classes'])} "
+            f"classes, {_flops(fleet['gflops'] * 1e9)} in {dtype}"
+        ),
+    )
+    summary.add_row(
+        "parameter server",
+        f"{ps['link_gbps']:g} Gbit/s each way, {_flops(ps['gflops'] * 1e9)} in {dtype}, "
+        f"verifies at {_flops(ps['verify_gflops'] * 1e9)}, memory {_bytes(ps['memory_bw'])}/s",
+    )
+    summary.add_row(
+        "step",
+        Text(
+            f"{_seconds(step['seconds'])} predicted, {_rate(report['tokens'] / step['seconds'])} tokens/s",
+            style="bold green",
+        ),
+    )
+    summary.add_row(
+        "",
+        f"GEMMs {_seconds(step['gemm_seconds'])} + parameter server's own work "
+        f"{_seconds(step['ps_other_seconds'])} (attention {_seconds(step['attention_seconds'])}, "
+        f"AdamW {_seconds(step['optimizer_seconds'])})",
+    )
     bound = step["seconds_by_bound"]
-    summary.add_row("GEMM time by limit", ", ".join(f"{name} {_seconds(bound[key])}" for key, name in
-                                                     (("compute", "compute"), ("down", "downlink"), ("up", "uplink"),
-                                                      ("ps", "PS work"))))
-    summary.add_row("busiest stage sums", f"compute {_seconds(step['compute_seconds'])}, downlink "
-                                          f"{_seconds(step['down_seconds'])}, uplink {_seconds(step['up_seconds'])}, "
-                                          f"PS work {_seconds(step['ps_seconds'])} (stages overlap within a GEMM)")
+    summary.add_row(
+        "GEMM time by limit",
+        ", ".join(
+            f"{name} {_seconds(bound[key])}"
+            for key, name in (("compute", "compute"), ("down", "downlink"), ("up", "uplink"), ("ps", "PS work"))
+        ),
+    )
+    summary.add_row(
+        "busiest stage sums",
+        f"compute {_seconds(step['compute_seconds'])}, downlink "
+        f"{_seconds(step['down_seconds'])}, uplink {_seconds(step['up_seconds'])}, "
+        f"PS work {_seconds(step['ps_seconds'])} (stages overlap within a GEMM)",
+    )
     floor = step["egress_floor_bytes"]
-    summary.add_row("PS traffic", f"egress {_bytes(step['egress_bytes'])} (floor for these partitions "
-                                  f"{_bytes(floor)}" + (f", {step['egress_bytes'] / floor:.2f}x" if floor else "")
-                                  + f"), ingress {_bytes(step['ingress_bytes'])}")
-    busy = (f"at most {step['devices']:,} devices busy at once" if step["devices"]
-            else "no device used: the PS computes every GEMM itself")
-    summary.add_row("fleet utilisation", f"{100 * step['fleet_utilisation']:.3g}% ({100 * step['utilisation']:.3g}% "
-                                         f"counting GEMMs the PS keeps); {busy}")
+    summary.add_row(
+        "PS traffic",
+        f"egress {_bytes(step['egress_bytes'])} (floor for these partitions "
+        f"{_bytes(floor)}"
+        + (f", {step['egress_bytes'] / floor:.2f}x" if floor else "")
+        + f"), ingress {_bytes(step['ingress_bytes'])}",
+    )
+    busy = (
+        f"at most {step['devices']:,} devices busy at once"
+        if step["devices"]
+        else "no device used: the PS computes every GEMM itself"
+    )
+    summary.add_row(
+        "fleet utilisation",
+        f"{100 * step['fleet_utilisation']:.3g}% ({100 * step['utilisation']:.3g}% "
+        f"counting GEMMs the PS keeps); {busy}",
+    )
     verdict = Text(f"{_seconds(step['baseline_seconds'])} per step")
     if step["speedup"] is not None:
         verdict.append(f"  ->  {_times(step['speedup'])} faster with this plan", style="bold")
     summary.add_row("round-robin tiles", verdict)
 
     gemms = Table(title="GEMMs (seconds each; a step runs each x times)", title_justify="left")
-    for col, justify in [("GEMM", "left"), ("x", "right"), ("m x n x k", "right"), ("partition", "left"),
-                         ("grid r x c x k", "right"), ("devices", "right"), ("seconds", "right"), ("bound", "left"),
-                         ("egress", "right"), ("floor", "right"), ("round-robin", "right")]:
+    for col, justify in [
+        ("GEMM", "left"),
+        ("x", "right"),
+        ("m x n x k", "right"),
+        ("partition", "left"),
+        ("grid r x c x k", "right"),
+        ("devices", "right"),
+        ("seconds", "right"),
+        ("bound", "left"),
+        ("egress", "right"),
+        ("floor", "right"),
+        ("round-robin", "right"),
+    ]:
         gemms.add_column(col, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for g in report["gemms"]:
         gemms.add_row(
-            Text(f"{g['layer']}.{g['kind']}"), f"{g['count']:,}", f"{g['m']}x{g['n']}x{g['k']}", g["partition"],
-            "x".join(str(v) for v in g["grid"]), f"{g['devices']:,}", _seconds(g["seconds"]), g["bound"],
-            _bytes(g["egress_bytes"]), _bytes(g["egress_floor_bytes"]), _seconds(g["baseline_seconds"]),
+            Text(f"{g['layer']}.{g['kind']}"),
+            f"{g['count']:,}",
+            f"{g['m']}x{g['n']}x{g['k']}",
+            g["partition"],
+            "x".join(str(v) for v in g["grid"]),
+            f"{g['devices']:,}",
+            _seconds(g["seconds"]),
+            g["bound"],
+            _bytes(g["egress_bytes"]),
+            _bytes(g["egress_floor_bytes"]),
+            _seconds(g["baseline_seconds"]),
         )
 
     classes = Table(title="device classes", title_justify="left")
-    for col in ("class", "devices", "used (most)", f"GFLOP/s {dtype}", "down / up Mbit/s", "RTT", "memory budget",
-                "busiest device needs"):
+    for col in (
+        "class",
+        "devices",
+        "used (most)",
+        f"GFLOP/s {dtype}",
+        "down / up Mbit/s",
+        "RTT",
+        "memory budget",
+        "busiest device needs",
+    ):
         classes.add_column(col, justify="left" if col == "class" else "right", no_wrap=True)
     usage = {c["name"]: c for c in report["classes"]}
     for c in fleet["classes"]:
         use = usage.get(c["name"], {})
         classes.add_row(
-            Text(c["name"]), f"{c['count']:,}", f"{use.get('used', 0):,}", _rate(c["gflops"]),
-            f"{c['down'] * 8 / 1e6:,.4g} / {c['up'] * 8 / 1e6:,.4g}", _seconds(c["rtt"]), _bytes(c["memory"], binary=True),
+            Text(c["name"]),
+            f"{c['count']:,}",
+            f"{use.get('used', 0):,}",
+            _rate(c["gflops"]),
+            f"{c['down'] * 8 / 1e6:,.4g} / {c['up'] * 8 / 1e6:,.4g}",
+            _seconds(c["rtt"]),
+            _bytes(c["memory"], binary=True),
             _bytes(use.get("memory_bytes", 0), binary=True) if use.get("used") else "-",
         )
     return Group(Panel(summary, title="cleave plan", border_style="blue", expand=False), gemms, classes)
@@ -406,36 +539,64 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
     head = Table(title=f"{run['devices']:,} devices", title_justify="left", show_header=True, expand=False)
     for name in ("", "seconds per batch", "tokens/s", "binds", "recovery after a crash"):
         head.add_column(name, justify="right" if name else "left")
-    head.add_row("Cleave (simulated)", _seconds(c["step_s"]), _rate(c["tokens_per_s"] or 0.0), c["bound"],
-                 _seconds(c["recovery_s"]) if c["recovery_s"] is not None else "no work lost")
-    dtfm_row = ("DTFM-style pipeline", _seconds(dtfm["step_s"]), "-" if dtfm["step_s"] is None else
-                _rate(report["tokens"] / dtfm["step_s"]), dtfm["bound"] if dtfm["step_s"] is not None else
-                Text(dtfm["why"] or "infeasible"), _seconds(dtfm["recovery_s"]))
+    head.add_row(
+        "Cleave (simulated)",
+        _seconds(c["step_s"]),
+        _rate(c["tokens_per_s"] or 0.0),
+        c["bound"],
+        _seconds(c["recovery_s"]) if c["recovery_s"] is not None else "no work lost",
+    )
+    dtfm_row = (
+        "DTFM-style pipeline",
+        _seconds(dtfm["step_s"]),
+        "-" if dtfm["step_s"] is None else _rate(report["tokens"] / dtfm["step_s"]),
+        dtfm["bound"] if dtfm["step_s"] is not None else Text(dtfm["why"] or "infeasible"),
+        _seconds(dtfm["recovery_s"]),
+    )
     head.add_row(*dtfm_row)
-    head.add_row(f"cloud ({cloud['gpus']}x {cloud['gpu']}, {cloud['utilisation']:.0%} MFU)", _seconds(cloud["step_s"]),
-                 _rate(report["tokens"] / cloud["step_s"]), "compute" if cloud["fits"] else "memory", "-")
+    head.add_row(
+        f"cloud ({cloud['gpus']}x {cloud['gpu']}, {cloud['utilisation']:.0%} MFU)",
+        _seconds(cloud["step_s"]),
+        _rate(report["tokens"] / cloud["step_s"]),
+        "compute" if cloud["fits"] else "memory",
+        "-",
+    )
     busy = Table(title="where the step goes (busiest device; PS totals)", title_justify="left")
     busy.add_column("resource")
     busy.add_column("busy", justify="right")
     busy.add_column("share of the step", justify="right")
-    for key, label in (("compute", "device compute"), ("downlink", "device downlink"), ("uplink", "device uplink"),
-                       ("ps_egress", "PS egress"), ("ps_ingress", "PS ingress"), ("ps_cpu", "PS CPU")):
+    for key, label in (
+        ("compute", "device compute"),
+        ("downlink", "device downlink"),
+        ("uplink", "device uplink"),
+        ("ps_egress", "PS egress"),
+        ("ps_ingress", "PS ingress"),
+        ("ps_cpu", "PS CPU"),
+    ):
         busy.add_row(label, _seconds(c["busy_s"][key]), _share(c["utilisation"][key]))
-    busy.add_row("stalls from churn", _seconds(c["stall_s"]), _share(c["stall_s"] / c["step_s"] if c["step_s"] else None))
+    busy.add_row(
+        "stalls from churn", _seconds(c["stall_s"]), _share(c["stall_s"] / c["step_s"] if c["step_s"] else None)
+    )
     cpu = ", ".join(f"{k.replace('_', ' ')} {_seconds(v)}" for k, v in c["ps_cpu_s"].items() if v)
     b = c["bytes"]
     lines = Text()
     lines.append(f"PS CPU: {cpu or 'idle'}\n")
-    lines.append(f"bytes: PS sent {_bytes(b['ps_egress'])}, received {_bytes(b['ps_ingress'])}; per device "
-                 f"{_bytes(b['device_down_mean'])} down (at most {_bytes(b['device_down_max'])}), "
-                 f"{_bytes(b['device_up_mean'])} up\n")
+    lines.append(
+        f"bytes: PS sent {_bytes(b['ps_egress'])}, received {_bytes(b['ps_ingress'])}; per device "
+        f"{_bytes(b['device_down_mean'])} down (at most {_bytes(b['device_down_max'])}), "
+        f"{_bytes(b['device_up_mean'])} up\n"
+    )
     parts = ", ".join(f"{k} {v}" for k, v in c["partitions"].items())
-    lines.append(f"GEMMs: {c['remote_gemms']} sent out, {c['local_gemms']} kept on the PS ({parts}); "
-                 f"per step {c['units']:,.0f} leases, {c['copies']:,.0f} copies, {c['lost']:,.0f} lost to leaves; "
-                 f"{c['leaves']:.0f} leaves, {c['joins']:.0f} joins; {c['devices_used']:,} devices computed\n")
-    lines.append(f"the planner predicted {_seconds(c['predicted_s'])} for the last step; "
-                 f"speedup vs DTFM {_times(speed['vs_dtfm'])}, vs cloud {_times(speed['vs_cloud'])}; "
-                 f"simulated in {c['wall_s']:.1f} s ({c['events']:,} events)")
+    lines.append(
+        f"GEMMs: {c['remote_gemms']} sent out, {c['local_gemms']} kept on the PS ({parts}); "
+        f"per step {c['units']:,.0f} leases, {c['copies']:,.0f} copies, {c['lost']:,.0f} lost to leaves; "
+        f"{c['leaves']:.0f} leaves, {c['joins']:.0f} joins; {c['devices_used']:,} devices computed\n"
+    )
+    lines.append(
+        f"the planner predicted {_seconds(c['predicted_s'])} for the last step; "
+        f"speedup vs DTFM {_times(speed['vs_dtfm'])}, vs cloud {_times(speed['vs_cloud'])}; "
+        f"simulated in {c['wall_s']:.1f} s ({c['events']:,} events)"
+    )
     return Group(head, busy, lines)
 
 
@@ -443,11 +604,13 @@ def simulate_report(report: dict[str, Any]) -> Group:
     """``cleave simulate``: the ``--json`` object (cleave_cli/simulate.py) as tables."""
     title = Text()
     title.append(f"{report['model']['name']} ", style="bold")
-    title.append(f"({report['model']['params'] / 1e9:.3g} B parameters) on '{report['fleet_spec']}', batch "
-                 f"{report['batch_size']} x {report['seq_len']} {report['dtype']}"
-                 f"{' (bf16 on the wire)' if report['wire_dtype'] != report['dtype'] else ''}, PS link "
-                 f"{report['ps']['link_gbps']:g} Gbit/s, PS {report['ps']['gflops']:,.0f} GFLOP/s, "
-                 f"planner {report['planner']}, churn {'on' if report['churn'] else 'off'}, seed {report['seed']}")
+    title.append(
+        f"({report['model']['params'] / 1e9:.3g} B parameters) on '{report['fleet_spec']}', batch "
+        f"{report['batch_size']} x {report['seq_len']} {report['dtype']}"
+        f"{' (bf16 on the wire)' if report['wire_dtype'] != report['dtype'] else ''}, PS link "
+        f"{report['ps']['link_gbps']:g} Gbit/s, PS {report['ps']['gflops']:,.0f} GFLOP/s, "
+        f"planner {report['planner']}, churn {'on' if report['churn'] else 'off'}, seed {report['seed']}"
+    )
     runs = report.get("sweep") or [report]
     parts: list[Any] = [title]
     if len(runs) > 1:
@@ -455,9 +618,15 @@ def simulate_report(report: dict[str, Any]) -> Group:
         for name in ("devices", "Cleave", "binds", "DTFM-style", "cloud", "vs DTFM", "vs cloud"):
             table.add_column(name, justify="right")
         for run in runs:
-            table.add_row(f"{run['devices']:,}", _seconds(run["cleave"]["step_s"]), run["cleave"]["bound"],
-                          _seconds(run["dtfm"]["step_s"]), _seconds(run["cloud"]["step_s"]),
-                          _times(run["speedup"]["vs_dtfm"]), _times(run["speedup"]["vs_cloud"]))
+            table.add_row(
+                f"{run['devices']:,}",
+                _seconds(run["cleave"]["step_s"]),
+                run["cleave"]["bound"],
+                _seconds(run["dtfm"]["step_s"]),
+                _seconds(run["cloud"]["step_s"]),
+                _times(run["speedup"]["vs_dtfm"]),
+                _times(run["speedup"]["vs_cloud"]),
+            )
         parts.append(table)
     parts += [_sim_run(report, run) for run in runs]
     return Group(*parts)

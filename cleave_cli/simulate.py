@@ -1,7 +1,7 @@
 """``cleave simulate``: what a fleet would do with a model, before anyone is recruited.
 
-The simulation itself is coordinator/simulator.py (the live scheduler and planner on a virtual
-clock); the baselines are coordinator/baselines.py. This module picks the inputs, runs the
+The simulation itself is coordinator/whatif/simulator.py (the live scheduler and planner on a virtual
+clock); the baselines are coordinator/whatif/baselines.py. This module picks the inputs, runs the
 simulation (twice: without churn, to price the stalls churn causes, and with churn and one
 injected crash, to measure recovery), and builds one JSON-ready report that the table
 (render.simulate_report), ``--json`` and ``--plot`` share.
@@ -14,23 +14,35 @@ import json
 import math
 import statistics
 import time
-from typing import Annotated, Any, Callable, Optional
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
 from cleave_cli import render
-from cleave_cli.errors import CleaveError, friendly, stderr_console
+from cleave_cli.errors import friendly, stderr_console
 from cleave_cli.plan import (
-    DEFAULT_LINK_GBPS, AsJson, BatchSize, Devices, DTypeName, DType, FleetSpec, ModelPreset, PsLinkGbps, SeqLen,
-    check_options, default_ps,
+    DEFAULT_LINK_GBPS,
+    AsJson,
+    BatchSize,
+    Devices,
+    DType,
+    DTypeName,
+    FleetSpec,
+    ModelPreset,
+    PsLinkGbps,
+    SeqLen,
+    check_options,
+    default_ps,
 )
-from coordinator.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
-from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, PSProfile
-from coordinator.live_plan import Planner
-from coordinator.presets import model_shape, resolve_fleet
-from coordinator.scheduler import FaultPolicy
-from coordinator.simulator import SimConfig, SimResult, Simulation
+from coordinator.engine.live_plan import Planner
+from coordinator.engine.scheduler import FaultPolicy
+from coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, PSProfile
+from coordinator.whatif.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
+from coordinator.whatif.presets import model_shape, resolve_fleet
+from coordinator.whatif.simulator import SimConfig, SimResult, Simulation
+from coordinator.wire.errors import CleaveError, ConfigError
 
 MAX_DEVICES = 100_000  # every device is simulated one by one (its links, its leases)
 MAX_SWEEP = 16
@@ -48,8 +60,9 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return _finite(num / den) if num is not None and den else None
 
 
-def adjust_fleet(classes: tuple[DeviceClass, ...], *, down_up_ratio: float | None, wire_half: bool,
-                 dtype: str) -> tuple[DeviceClass, ...]:
+def adjust_fleet(
+    classes: tuple[DeviceClass, ...], *, down_up_ratio: float | None, wire_half: bool, dtype: str
+) -> tuple[DeviceClass, ...]:
     """``--down-up-ratio``: every class's uplink becomes its downlink over the ratio.
     ``--wire-half``: blocks and results travel in 2 bytes while devices compute in fp32 (their
     fp32 rate is what the half dtype runs at)."""
@@ -75,34 +88,66 @@ def _breakdown(result: SimResult, step_s: float, ps: PSProfile) -> dict[str, Any
     egress, ingress = mean("egress_bytes"), mean("ingress_bytes")
     cpu = {k: sum(s.ps_cpu[k] for s in steps) * per for k in steps[0].ps_cpu}
     busy = {
-        "compute": mean("device_compute"), "downlink": mean("device_down"), "uplink": mean("device_up"),
-        "ps_egress": egress / ps.egress, "ps_ingress": ingress / ps.ingress, "ps_cpu": sum(cpu.values()),
+        "compute": mean("device_compute"),
+        "downlink": mean("device_down"),
+        "uplink": mean("device_up"),
+        "ps_egress": egress / ps.egress,
+        "ps_ingress": ingress / ps.ingress,
+        "ps_cpu": sum(cpu.values()),
     }
     bound = max(busy, key=lambda k: busy[k])
     if step_s > 0 and busy[bound] < LATENCY_BOUND * step_s:
         bound = "latency"
     return {
-        "busy_s": busy, "ps_cpu_s": cpu, "bound": bound,
+        "busy_s": busy,
+        "ps_cpu_s": cpu,
+        "bound": bound,
         "utilisation": {k: _ratio(v, step_s) for k, v in busy.items()},
         "devices_used": round(mean("devices_used")),
         "bytes": {
-            "ps_egress": egress, "ps_ingress": ingress,
-            "device_down_mean": mean("bytes_down_mean"), "device_down_max": mean("bytes_down_max"),
-            "device_up_mean": mean("bytes_up_mean"), "device_up_max": mean("bytes_up_max"),
+            "ps_egress": egress,
+            "ps_ingress": ingress,
+            "device_down_mean": mean("bytes_down_mean"),
+            "device_down_max": mean("bytes_down_max"),
+            "device_up_mean": mean("bytes_up_mean"),
+            "device_up_max": mean("bytes_up_max"),
         },
     }
 
 
-def simulate_one(model_name: str, classes: tuple[DeviceClass, ...], ps: PSProfile, *, batch: int, seq: int,
-                 dtype: str, seed: int, steps: int, planner: Planner, churn: bool, heartbeat_timeout: float,
-                 baseline_dtype: str | None = None,
-                 progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def simulate_one(
+    model_name: str,
+    classes: tuple[DeviceClass, ...],
+    ps: PSProfile,
+    *,
+    batch: int,
+    seq: int,
+    dtype: str,
+    seed: int,
+    steps: int,
+    planner: Planner,
+    churn: bool,
+    heartbeat_timeout: float,
+    baseline_dtype: str | None = None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     """Simulate one fleet size and price the baselines: the report for one device count."""
     model = model_shape(model_name)
     devices = sum(c.count for c in classes)
     faults = FaultPolicy(heartbeat_timeout=heartbeat_timeout)
-    base = SimConfig(model, classes, ps, batch=batch, seq=seq, dtype=dtype, seed=seed, steps=steps,
-                     planner=planner, faults=faults, churn=False)
+    base = SimConfig(
+        model,
+        classes,
+        ps,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        seed=seed,
+        steps=steps,
+        planner=planner,
+        faults=faults,
+        churn=False,
+    )
     started = time.perf_counter()
     progress(f"simulating {model.name} on {devices:,} devices (no churn) ...")
     calm = Simulation(base).run()
@@ -115,32 +160,47 @@ def simulate_one(model_name: str, classes: tuple[DeviceClass, ...], ps: PSProfil
     step_s = stormy.step_s
     stats = stormy.steps[-1]
     report = _breakdown(stormy, step_s, ps)
-    report.update({
-        "step_s": step_s,
-        "steps_s": [s.seconds for s in stormy.steps],
-        "calm_step_s": calm.step_s,
-        "stall_s": max(0.0, step_s - calm.step_s),
-        "predicted_s": stats.predicted,
-        "tokens_per_s": _ratio(batch * seq, step_s),
-        "flops_per_s": _ratio(step_flops(model, batch, seq), step_s),
-        # Per measured step, as every figure of the report.
-        **{key: statistics.fmean(getattr(s, key) for s in stormy.measured)
-           for key in ("units", "copies", "reclaimed", "lost", "leaves", "joins")},
-        "local_gemms": stats.local_gemms, "remote_gemms": stats.remote_gemms,
-        "partitions": dict(sorted(stormy.kinds.items())),
-        # The injected crash's: until every unit it had not delivered was verified elsewhere.
-        "recovery_s": stormy.injected_recovery,
-        "churn_recoveries_s": sorted(stormy.recoveries),
-        "events": calm.events + stormy.events, "wall_s": wall,
-    })
+    report.update(
+        {
+            "step_s": step_s,
+            "steps_s": [s.seconds for s in stormy.steps],
+            "calm_step_s": calm.step_s,
+            "stall_s": max(0.0, step_s - calm.step_s),
+            "predicted_s": stats.predicted,
+            "tokens_per_s": _ratio(batch * seq, step_s),
+            "flops_per_s": _ratio(step_flops(model, batch, seq), step_s),
+            # Per measured step, as every figure of the report.
+            **{
+                key: statistics.fmean(getattr(s, key) for s in stormy.measured)
+                for key in ("units", "copies", "reclaimed", "lost", "leaves", "joins")
+            },
+            "local_gemms": stats.local_gemms,
+            "remote_gemms": stats.remote_gemms,
+            "partitions": dict(sorted(stormy.kinds.items())),
+            # The injected crash's: until every unit it had not delivered was verified elsewhere.
+            "recovery_s": stormy.injected_recovery,
+            "churn_recoveries_s": sorted(stormy.recoveries),
+            "events": calm.events + stormy.events,
+            "wall_s": wall,
+        }
+    )
     # The baselines train in the job's dtype (bf16 on the wire is Cleave's lever, not theirs).
     dtfm = dtfm_step(model, classes, batch, seq, baseline_dtype or dtype)
     cloud = cloud_step(model, batch, seq, baseline_dtype or dtype)
-    dtfm_json: dict[str, Any] = {"step_s": _finite(dtfm.step_s), "why": dtfm.why, "stages": dtfm.stages,
-                                 "replicas": dtfm.replicas, "devices_used": dtfm.devices_used, "bound": dtfm.bound,
-                                 "compute_s": dtfm.compute_s, "pipeline_comm_s": dtfm.pipeline_comm_s,
-                                 "allreduce_s": dtfm.allreduce_s, "bubble_s": dtfm.bubble_s,
-                                 "memory_per_device": dtfm.memory_per_device, "recovery_s": None}
+    dtfm_json: dict[str, Any] = {
+        "step_s": _finite(dtfm.step_s),
+        "why": dtfm.why,
+        "stages": dtfm.stages,
+        "replicas": dtfm.replicas,
+        "devices_used": dtfm.devices_used,
+        "bound": dtfm.bound,
+        "compute_s": dtfm.compute_s,
+        "pipeline_comm_s": dtfm.pipeline_comm_s,
+        "allreduce_s": dtfm.allreduce_s,
+        "bubble_s": dtfm.bubble_s,
+        "memory_per_device": dtfm.memory_per_device,
+        "recovery_s": None,
+    }
     if dtfm.step_s is not None and dtfm.stages:
         # DTFM has no per-tile recovery: a lost stage device stalls its pipeline until it is seen
         # (the same heartbeat timeout), a replacement downloads its stage's training state (weights,
@@ -149,16 +209,38 @@ def simulate_one(model_name: str, classes: tuple[DeviceClass, ...], ps: PSProfil
         fastest_down = max(c.profile.down for c in classes if c.count)
         state = bytes_per_param(baseline_dtype or dtype) * model.params / dtfm.stages
         dtfm_json["recovery_s"] = heartbeat_timeout + state / fastest_down + dtfm.step_s / 2
-    cloud_json = {"step_s": cloud.step_s, "gpus": cloud.gpus, "gpu": cloud.gpu, "utilisation": cloud.utilisation,
-                  "peak_tflops": cloud.peak_tflops, "fits": cloud.fits, "source": cloud.source}
+    cloud_json = {
+        "step_s": cloud.step_s,
+        "gpus": cloud.gpus,
+        "gpu": cloud.gpu,
+        "utilisation": cloud.utilisation,
+        "peak_tflops": cloud.peak_tflops,
+        "fits": cloud.fits,
+        "source": cloud.source,
+    }
     return {
         "devices": devices,
-        "fleet": [{"name": c.name, "count": c.count, "gflops": c.profile.gflops.get(dtype, 0.0),
-                   "down": c.profile.down, "up": c.profile.up, "rtt": c.profile.rtt, "memory": c.profile.memory,
-                   "session": _finite(c.profile.session)} for c in classes],
-        "cleave": report, "dtfm": dtfm_json, "cloud": cloud_json,
-        "speedup": {"vs_dtfm": _ratio(dtfm_json["step_s"], step_s), "vs_cloud": _ratio(cloud.step_s, step_s),
-                    "recovery_vs_dtfm": _ratio(dtfm_json["recovery_s"], report["recovery_s"])},
+        "fleet": [
+            {
+                "name": c.name,
+                "count": c.count,
+                "gflops": c.profile.gflops.get(dtype, 0.0),
+                "down": c.profile.down,
+                "up": c.profile.up,
+                "rtt": c.profile.rtt,
+                "memory": c.profile.memory,
+                "session": _finite(c.profile.session),
+            }
+            for c in classes
+        ],
+        "cleave": report,
+        "dtfm": dtfm_json,
+        "cloud": cloud_json,
+        "speedup": {
+            "vs_dtfm": _ratio(dtfm_json["step_s"], step_s),
+            "vs_cloud": _ratio(cloud.step_s, step_s),
+            "recovery_vs_dtfm": _ratio(dtfm_json["recovery_s"], report["recovery_s"]),
+        },
     }
 
 
@@ -166,54 +248,103 @@ def parse_sweep(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise CleaveError(f"--sweep takes device counts separated by commas, got {text!r}", 2) from None
+        raise ConfigError(f"--sweep takes device counts separated by commas, got {text!r}") from None
     if not counts or len(counts) > MAX_SWEEP or any(not 1 <= c <= MAX_DEVICES for c in counts):
-        raise CleaveError(f"--sweep takes 1 to {MAX_SWEEP} counts, each from 1 to {MAX_DEVICES:,}", 2)
+        raise ConfigError(f"--sweep takes 1 to {MAX_SWEEP} counts, each from 1 to {MAX_DEVICES:,}")
     return counts
 
 
-def build_report(*, model: str, fleet: str, devices: list[int | None], ps: PSProfile, link_gbps: float,
-                 batch: int, seq: int, dtype: str, seed: int, steps: int, planner: Planner, churn: bool,
-                 down_up_ratio: float | None, wire_half: bool, heartbeat_timeout: float,
-                 progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def build_report(
+    *,
+    model: str,
+    fleet: str,
+    devices: list[int | None],
+    ps: PSProfile,
+    link_gbps: float,
+    batch: int,
+    seq: int,
+    dtype: str,
+    seed: int,
+    steps: int,
+    planner: Planner,
+    churn: bool,
+    down_up_ratio: float | None,
+    wire_half: bool,
+    heartbeat_timeout: float,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     shape = model_shape(model)
     if seq > shape.max_seq_len:
-        raise CleaveError(f"--seq-len {seq} exceeds {shape.name}'s {shape.max_seq_len} positions", 2)
+        raise ConfigError(f"--seq-len {seq} exceeds {shape.name}'s {shape.max_seq_len} positions")
     wire = "bf16" if wire_half else dtype
     runs = []
     for count in devices:
         classes = resolve_fleet(fleet, dtype, count)
         if sum(c.count for c in classes) > MAX_DEVICES:
-            raise CleaveError(f"the fleet has {sum(c.count for c in classes):,} devices; "
-                              f"cleave simulate runs at most {MAX_DEVICES:,}", 2)
+            raise ConfigError(
+                f"the fleet has {sum(c.count for c in classes):,} devices; cleave simulate runs at most {MAX_DEVICES:,}"
+            )
         classes = adjust_fleet(classes, down_up_ratio=down_up_ratio, wire_half=wire_half, dtype=wire)
-        runs.append(simulate_one(model, classes, ps, batch=batch, seq=seq, dtype=wire, seed=seed, steps=steps,
-                                 planner=planner, churn=churn, heartbeat_timeout=heartbeat_timeout,
-                                 baseline_dtype=dtype, progress=progress))
+        runs.append(
+            simulate_one(
+                model,
+                classes,
+                ps,
+                batch=batch,
+                seq=seq,
+                dtype=wire,
+                seed=seed,
+                steps=steps,
+                planner=planner,
+                churn=churn,
+                heartbeat_timeout=heartbeat_timeout,
+                baseline_dtype=dtype,
+                progress=progress,
+            )
+        )
     head = {
         "model": {"name": shape.name, "params": shape.params, "layers": shape.n_layers, "d_model": shape.d_model},
-        "fleet_spec": fleet, "batch_size": batch, "seq_len": seq, "tokens": batch * seq, "dtype": dtype,
-        "wire_dtype": wire, "seed": seed, "steps": steps, "planner": planner.value, "churn": churn,
+        "fleet_spec": fleet,
+        "batch_size": batch,
+        "seq_len": seq,
+        "tokens": batch * seq,
+        "dtype": dtype,
+        "wire_dtype": wire,
+        "seed": seed,
+        "steps": steps,
+        "planner": planner.value,
+        "churn": churn,
         "down_up_ratio": down_up_ratio,
-        "ps": {"link_gbps": link_gbps, "egress": ps.egress, "ingress": ps.ingress, "gflops": ps.gflops.get(wire),
-               "verify_gflops": ps.verify_flops / 1e9, "memory_bw": ps.memory_bw, "unit_overhead": ps.unit_overhead},
+        "ps": {
+            "link_gbps": link_gbps,
+            "egress": ps.egress,
+            "ingress": ps.ingress,
+            "gflops": ps.gflops.get(wire),
+            "verify_gflops": ps.verify_flops / 1e9,
+            "memory_bw": ps.memory_bw,
+            "unit_overhead": ps.unit_overhead,
+        },
     }
     if len(runs) == 1:
         return {**head, **runs[0]}
-    return {**head, "sweep": runs,
-            "cleave": {"step_s": [r["cleave"]["step_s"] for r in runs]},
-            "dtfm": {"step_s": [r["dtfm"]["step_s"] for r in runs]},
-            "cloud": {"step_s": [r["cloud"]["step_s"] for r in runs]}}
+    return {
+        **head,
+        "sweep": runs,
+        "cleave": {"step_s": [r["cleave"]["step_s"] for r in runs]},
+        "dtfm": {"step_s": [r["dtfm"]["step_s"] for r in runs]},
+        "cloud": {"step_s": [r["cloud"]["step_s"] for r in runs]},
+    }
 
 
 def plot(report: dict[str, Any], path: str) -> None:
     """Per-batch time against device count for Cleave and the baselines (matplotlib, an extra)."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # files only: never a window
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CleaveError("--plot needs matplotlib: pip install 'cleave[plot]'", 2) from None
+        raise ConfigError("--plot needs matplotlib: pip install 'cleave[plot]'") from None
     runs = report.get("sweep") or [report]
     xs = [r["devices"] for r in runs]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
@@ -222,21 +353,27 @@ def plot(report: dict[str, Any], path: str) -> None:
     if dtfm:
         ax.plot(*zip(*dtfm), "s--", label="DTFM-style pipeline + data parallel")
     cloud = runs[0]["cloud"]
-    ax.axhline(cloud["step_s"], color="grey", linestyle=":",
-               label=f"cloud: {cloud['gpus']}x {cloud['gpu']} at {cloud['utilisation']:.0%} MFU")
+    ax.axhline(
+        cloud["step_s"],
+        color="grey",
+        linestyle=":",
+        label=f"cloud: {cloud['gpus']}x {cloud['gpu']} at {cloud['utilisation']:.0%} MFU",
+    )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("devices")
     ax.set_ylabel("seconds per batch")
-    ax.set_title(f"{report['model']['name']} on {report['fleet_spec']}, batch {report['batch_size']} x "
-                 f"{report['seq_len']}, PS link {report['ps']['link_gbps']:g} Gbit/s")
+    ax.set_title(
+        f"{report['model']['name']} on {report['fleet_spec']}, batch {report['batch_size']} x "
+        f"{report['seq_len']}, PS link {report['ps']['link_gbps']:g} Gbit/s"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     try:
         fig.savefig(path)
     except OSError as exc:
-        raise CleaveError(f"cannot write {path}: {exc.strerror or exc}", 1) from None
+        raise CleaveError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
 
@@ -246,54 +383,81 @@ def simulate(
     model: ModelPreset = "small",
     fleet: FleetSpec = "laptops",
     devices: Devices = None,
-    sweep: Annotated[Optional[str], typer.Option(
-        "--sweep", help="Several device counts, e.g. 16,64,256,1024,4096 (overrides --devices).")] = None,
+    sweep: Annotated[
+        str | None,
+        typer.Option("--sweep", help="Several device counts, e.g. 16,64,256,1024,4096 (overrides --devices)."),
+    ] = None,
     ps_link_gbps: PsLinkGbps = DEFAULT_LINK_GBPS,
-    ps_gflops: Annotated[Optional[float], typer.Option(
-        "--ps-gflops", help="The parameter server's own GEMM rate (GFLOP/s). Default: a server, 1000.")] = None,
+    ps_gflops: Annotated[
+        float | None,
+        typer.Option("--ps-gflops", help="The parameter server's own GEMM rate (GFLOP/s). Default: a server, 1000."),
+    ] = None,
     batch_size: BatchSize = 8,
     seq_len: SeqLen = 256,
     dtype: DTypeName = DType.FP32.value,
     seed: Annotated[int, typer.Option("--seed", help="Seeds sessions, crashes and rejoins.")] = 0,
     steps: Annotated[int, typer.Option("--steps", help="Steps to simulate (more than one: the first is warm-up).")] = 1,
-    planner: Annotated[Planner, typer.Option("--planner", help="cost: the cost model's plan per GEMM; uniform: the fixed grid.")] = Planner.COST,
-    churn: Annotated[bool, typer.Option("--churn/--no-churn", help="Devices leave (sessions from the fleet) and are replaced.")] = True,
-    down_up_ratio: Annotated[Optional[float], typer.Option(
-        "--down-up-ratio", help="Set every device's uplink to its downlink over this ratio.")] = None,
-    wire_half: Annotated[bool, typer.Option(
-        "--wire-half", help="Blocks and results travel in bf16; devices compute at their fp32 rate.")] = False,
-    heartbeat_timeout: Annotated[float, typer.Option(
-        "--heartbeat-timeout", help="Seconds of silence before a crashed device is noticed.")] = FaultPolicy().heartbeat_timeout,
-    plot_path: Annotated[Optional[str], typer.Option("--plot", help="Draw seconds per batch against devices to this PNG.")] = None,
+    planner: Annotated[
+        Planner, typer.Option("--planner", help="cost: the cost model's plan per GEMM; uniform: the fixed grid.")
+    ] = Planner.COST,
+    churn: Annotated[
+        bool, typer.Option("--churn/--no-churn", help="Devices leave (sessions from the fleet) and are replaced.")
+    ] = True,
+    down_up_ratio: Annotated[
+        float | None, typer.Option("--down-up-ratio", help="Set every device's uplink to its downlink over this ratio.")
+    ] = None,
+    wire_half: Annotated[
+        bool, typer.Option("--wire-half", help="Blocks and results travel in bf16; devices compute at their fp32 rate.")
+    ] = False,
+    heartbeat_timeout: Annotated[
+        float, typer.Option("--heartbeat-timeout", help="Seconds of silence before a crashed device is noticed.")
+    ] = FaultPolicy().heartbeat_timeout,
+    plot_path: Annotated[
+        str | None, typer.Option("--plot", help="Draw seconds per batch against devices to this PNG.")
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
     """Simulate training steps of a model on a fleet with the live scheduler on a virtual clock,
     against a DTFM-style edge baseline and a cloud baseline."""
     check_options(dtype, devices, batch_size, seq_len, ps_link_gbps, MAX_DEVICES)
     if wire_half and dtype != DType.FP32.value:
-        raise CleaveError("--wire-half is for fp32 training (blocks already travel in 2 bytes with --dtype "
-                          f"{dtype})", 2)
+        raise ConfigError(f"--wire-half is for fp32 training (blocks already travel in 2 bytes with --dtype {dtype})")
     counts: list[int | None] = parse_sweep(sweep) if sweep is not None else [devices]
     if not 1 <= steps <= 100:
-        raise CleaveError(f"--steps must be between 1 and 100, got {steps}", 2)
+        raise ConfigError(f"--steps must be between 1 and 100, got {steps}")
     if ps_gflops is not None and not (math.isfinite(ps_gflops) and 0 < ps_gflops <= 1e7):
-        raise CleaveError(f"--ps-gflops must be above 0 and at most 10,000,000, got {ps_gflops}", 2)
+        raise ConfigError(f"--ps-gflops must be above 0 and at most 10,000,000, got {ps_gflops}")
     if down_up_ratio is not None and not (math.isfinite(down_up_ratio) and 0 < down_up_ratio <= 1000):
-        raise CleaveError(f"--down-up-ratio must be above 0 and at most 1000, got {down_up_ratio}", 2)
+        raise ConfigError(f"--down-up-ratio must be above 0 and at most 1000, got {down_up_ratio}")
     if not (math.isfinite(heartbeat_timeout) and FaultPolicy().heartbeat < heartbeat_timeout <= 3600):
-        raise CleaveError(f"--heartbeat-timeout must be above {FaultPolicy().heartbeat:g} s and at most 3600, "
-                          f"got {heartbeat_timeout}", 2)
+        raise ConfigError(
+            f"--heartbeat-timeout must be above {FaultPolicy().heartbeat:g} s and at most 3600, got {heartbeat_timeout}"
+        )
     ps = default_ps(ps_link_gbps)
     if ps_gflops is not None:
         ps = dataclasses.replace(ps, gflops={d: ps_gflops for d in ITEMSIZE})
     with stderr_console().status("simulating ...") as status:
         try:
-            report = build_report(model=model, fleet=fleet, devices=counts, ps=ps, link_gbps=ps_link_gbps,
-                                  batch=batch_size, seq=seq_len, dtype=dtype, seed=seed, steps=steps,
-                                  planner=planner, churn=churn, down_up_ratio=down_up_ratio, wire_half=wire_half,
-                                  heartbeat_timeout=heartbeat_timeout, progress=status.update)
+            report = build_report(
+                model=model,
+                fleet=fleet,
+                devices=counts,
+                ps=ps,
+                link_gbps=ps_link_gbps,
+                batch=batch_size,
+                seq=seq_len,
+                dtype=dtype,
+                seed=seed,
+                steps=steps,
+                planner=planner,
+                churn=churn,
+                down_up_ratio=down_up_ratio,
+                wire_half=wire_half,
+                heartbeat_timeout=heartbeat_timeout,
+                progress=status.update,
+            )
         except CostModelError as exc:
-            raise CleaveError(str(exc), 2) from None
+            raise ConfigError(str(exc)) from None
     if plot_path is not None:
         plot(report, plot_path)
     if as_json:

@@ -6,7 +6,8 @@ import contextlib
 import json
 import ssl
 import time
-from typing import Annotated, Any, Iterator
+from collections.abc import Iterator
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -16,9 +17,11 @@ from websockets.sync.client import ClientConnection, connect
 
 from cleave_cli import options as opt
 from cleave_cli import render
-from cleave_cli.errors import CleaveError, friendly, is_terminal
+from cleave_cli.errors import friendly, is_terminal
 from client.connection import URLRefused, check_url, client_tls
-from coordinator.protocol import Challenge, CloseCode, ProtocolError, StatusReply, StatusRequest, decode, encode
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.errors import CleaveError, ConfigError, ProtocolError
+from coordinator.wire.messages import Challenge, StatusReply, StatusRequest, decode, encode
 
 TIMEOUT = 10.0  # seconds to wait for any answer
 
@@ -29,7 +32,7 @@ def _ask(ws: ClientConnection, token: str) -> dict[str, Any]:
         reply = decode(ws.recv(timeout=TIMEOUT))
     except ConnectionClosed:
         if ws.close_code == CloseCode.AUTH:
-            raise CleaveError(f"the coordinator refused the token ({ws.close_reason})", 2) from None
+            raise ConfigError(f"the coordinator refused the token ({ws.close_reason})") from None
         raise CleaveError(f"the coordinator closed the connection ({ws.close_code} {ws.close_reason})") from None
     except TimeoutError:
         raise CleaveError(f"the coordinator did not answer within {TIMEOUT:g} s") from None
@@ -49,13 +52,13 @@ def _open(url: str, cafile: str | None = None, insecure: bool = False) -> Iterat
         check_url(url, insecure=insecure)
         tls = client_tls(url, cafile)
     except URLRefused as exc:
-        raise CleaveError(str(exc), 2) from None
+        raise ConfigError(str(exc)) from None
     try:
         conn = connect(url, compression=None, max_size=64 << 20, open_timeout=TIMEOUT, proxy=None, ssl=tls)
     except InvalidURI as exc:
-        raise CleaveError(f"bad coordinator URL: {exc}", 2) from None
+        raise ConfigError(f"bad coordinator URL: {exc}") from None
     except ssl.SSLCertVerificationError as exc:
-        raise CleaveError(f"the coordinator's TLS certificate does not verify: {exc.verify_message}", 2) from None
+        raise ConfigError(f"the coordinator's TLS certificate does not verify: {exc.verify_message}") from None
     except (OSError, InvalidHandshake, TimeoutError) as exc:
         raise CleaveError(f"cannot reach a coordinator at {url}: {exc}") from None
     with conn as ws:
@@ -70,17 +73,23 @@ def _open(url: str, cafile: str | None = None, insecure: bool = False) -> Iterat
 
 @friendly
 def status(
-    token: Annotated[str, typer.Option("--token", help="The coordinator's operator token (required; not the join token).")],
+    token: Annotated[
+        str, typer.Option("--token", help="The coordinator's operator token (required; not the join token).")
+    ],
     url: Annotated[str, typer.Option("--url", help="Coordinator address.")] = "ws://127.0.0.1:8765",
     cafile: opt.CaFile = None,
     insecure: opt.Insecure = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (job, devices, tiles) and exit.")] = False,
-    watch: Annotated[bool, typer.Option("--watch/--once", help="Keep the dashboard live (default on a terminal).")] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object (job, devices, tiles) and exit.")
+    ] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch/--once", help="Keep the dashboard live (default on a terminal).")
+    ] = True,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 1.0,
 ) -> None:
     """Show the job's step and loss, throughput, devices and the tile queue."""
     if not 0.5 <= interval <= 3600:
-        raise CleaveError(f"--interval must be between 0.5 and 3600 s, got {interval}", 2)
+        raise ConfigError(f"--interval must be between 0.5 and 3600 s, got {interval}")
     console = Console(highlight=False)
     ca = str(cafile) if cafile else None
     if as_json:

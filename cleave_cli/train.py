@@ -9,16 +9,19 @@ from rich.console import Console
 
 from cleave_cli import options as opt
 from cleave_cli import render
-from cleave_cli.errors import CleaveError, friendly
+from cleave_cli.errors import friendly
 from coordinator.job import metrics_line
 from coordinator.training.loop import Trainer
+from coordinator.wire.errors import ConfigError
 
 D = opt.DEFAULTS
 
 
 @friendly
 def train(
-    local: Annotated[bool, typer.Option("--local", help="Train in this process with plain torch (the baseline).")] = False,
+    local: Annotated[
+        bool, typer.Option("--local", help="Train in this process with plain torch (the baseline).")
+    ] = False,
     model: opt.Model = D.model,
     steps: opt.Steps = D.steps,
     batch_size: opt.BatchSize = D.batch_size,
@@ -32,7 +35,7 @@ def train(
 ) -> None:
     """Train locally with the coordinator's exact options, for a side-by-side comparison."""
     if not local:
-        raise CleaveError("distributed training runs with `cleave coordinator start`; use --local for the baseline", 2)
+        raise ConfigError("distributed training runs with `cleave coordinator start`; use --local for the baseline")
     cfg = opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision)
     console = Console(highlight=False)
     trainer = Trainer(cfg)
@@ -48,7 +51,10 @@ def train(
                 out.write(metrics_line(result.metrics()) + "\n")
                 out.flush()
             if not quiet:
-                console.print(render.step_line(result.step, cfg.steps, result.loss, result.seconds, None, tokens / elapsed), soft_wrap=True)
+                console.print(
+                    render.step_line(result.step, cfg.steps, result.loss, result.seconds, None, tokens / elapsed),
+                    soft_wrap=True,
+                )
     finally:
         if out is not None:
             out.close()

@@ -84,10 +84,16 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, size: int, seconds: f
         return None
 
 
-def run(device: torch.device, *, seconds: float = 0.5, shapes: tuple[int, ...] = SHAPES,
-        dtypes: tuple[str, ...] = tuple(DTYPES)) -> BenchmarkResult:
-    result = BenchmarkResult(str(device), torch.get_num_threads(), torch.__version__, machine_id(),
-                             usable_memory(device))
+def run(
+    device: torch.device,
+    *,
+    seconds: float = 0.5,
+    shapes: tuple[int, ...] = SHAPES,
+    dtypes: tuple[str, ...] = tuple(DTYPES),
+) -> BenchmarkResult:
+    result = BenchmarkResult(
+        str(device), torch.get_num_threads(), torch.__version__, machine_id(), usable_memory(device)
+    )
     for name in dtypes:
         for size in shapes:
             gflops = measure_gemm(device, DTYPES[name], size, seconds)
@@ -136,18 +142,20 @@ def quick_gflops(
 # --------------------------------------------------------------------------- link
 
 
-async def measure_link(url: str, token: str, *, rounds: int = 20, nbytes: int = 8 << 20,
-                       cafile: str | None = None) -> LinkFigure:
+async def measure_link(
+    url: str, token: str, *, rounds: int = 20, nbytes: int = 8 << 20, cafile: str | None = None
+) -> LinkFigure:
     """Round trip and throughput to a coordinator, as an observer. ``token`` is the operator
     token: the coordinator checks it before it answers."""
     from websockets.asyncio.client import connect
 
     from client.connection import client_tls
-    from coordinator.protocol import Challenge, SpeedTest, decode, encode
+    from coordinator.wire.messages import Challenge, SpeedTest, decode, encode
 
     empty = torch.zeros(0, dtype=torch.uint8)
-    async with connect(url, compression=None, max_size=2 * nbytes, open_timeout=10, proxy=None,
-                       ssl=client_tls(url, cafile)) as ws:
+    async with connect(
+        url, compression=None, max_size=2 * nbytes, open_timeout=10, proxy=None, ssl=client_tls(url, cafile)
+    ) as ws:
         if not isinstance(decode(await ws.recv()), Challenge):
             raise RuntimeError("the coordinator did not greet us with a challenge (another version?)")
         await ws.send(encode(SpeedTest(0, empty, token=token)))  # the first one authenticates

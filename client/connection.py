@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ssl
 
-from coordinator.protocol import is_loopback, url_host
+from coordinator.wire.addresses import is_loopback, url_host
+from coordinator.wire.errors import ConfigError
 
 
-class URLRefused(ValueError):
+class URLRefused(ConfigError):
     """A coordinator URL this client will not use as given."""
 
 

@@ -15,12 +15,13 @@ import contextlib
 import datetime as dt
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 from urllib.parse import urlsplit
 
 from client.paths import user_dir
+from coordinator.wire.errors import ConfigError
 
 try:  # POSIX advisory locks; elsewhere concurrent enrolments may race (a second identity, no harm)
     import fcntl
@@ -28,7 +29,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 
-class CredentialError(RuntimeError):
+class CredentialError(ConfigError):
     """The credentials file cannot be read or written."""
 
 
@@ -77,8 +78,11 @@ class CredentialStore:
         with self._locked():
             entries = self._read()
             entries[self._key(coordinator, name, credential.url)] = {
-                "identity": credential.identity, "secret": credential.secret.hex(), "url": credential.url,
-                "name": name, "enrolled": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "identity": credential.identity,
+                "secret": credential.secret.hex(),
+                "url": credential.url,
+                "name": name,
+                "enrolled": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             }
             self._write(entries)
 

@@ -19,9 +19,10 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import psutil
 
@@ -119,8 +120,10 @@ class SystemProbe:
         if session and shutil.which("loginctl"):
             out = self._run(["loginctl", "show-session", session, "-p", "IdleHint", "-p", "IdleSinceHintMonotonic"])
             return _logind_idle(out, time.clock_gettime(time.CLOCK_MONOTONIC))
-        notes["input"] = ("no graphical or logind session to ask (headless?): keyboard and mouse activity "
-                          "unknown, so only CPU load, power and heat decide")
+        notes["input"] = (
+            "no graphical or logind session to ask (headless?): keyboard and mouse activity "
+            "unknown, so only CPU load, power and heat decide"
+        )
         return None
 
     # --- heat

@@ -6,9 +6,11 @@ import time
 
 import torch
 
+from coordinator.wire.errors import ConfigError
 
-class DeviceUnavailable(RuntimeError):
-    pass
+
+class DeviceUnavailable(ConfigError):
+    """``--device`` names a device this machine does not have."""
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -56,7 +58,9 @@ def half_is_fast(device: torch.device, dtype: torch.dtype) -> bool:
         fast = False
         if device.type in ("cpu", "cuda"):
             try:
-                fast = gemm_gflops(device, size=256, seconds=0.1, dtype=dtype) > gemm_gflops(device, size=256, seconds=0.1)
+                fast = gemm_gflops(device, size=256, seconds=0.1, dtype=dtype) > gemm_gflops(
+                    device, size=256, seconds=0.1
+                )
             except (RuntimeError, TypeError):  # no kernel for it here
                 fast = False
         _HALF_FAST[key] = fast
@@ -86,7 +90,9 @@ def _product(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[to
     return (c if device.type == "cpu" else c.cpu()), seconds
 
 
-def gemm_gflops(device: torch.device, size: int = 512, seconds: float = 0.3, dtype: torch.dtype = torch.float32) -> float:
+def gemm_gflops(
+    device: torch.device, size: int = 512, seconds: float = 0.3, dtype: torch.dtype = torch.float32
+) -> float:
     """A quick self-benchmark at a tile-like shape: best of repeated ``size^3`` products."""
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)

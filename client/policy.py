@@ -18,6 +18,7 @@ from typing import Any
 
 from client.idle import Reading
 from client.paths import user_dir
+from coordinator.wire.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,8 +31,8 @@ TEMP_MARGIN = 10.0  # ... only below max_temp minus this
 CPU_SMOOTHING = 0.4  # weight of a new CPU sample: one busy second is not a trend
 
 
-class PolicyError(ValueError):
-    pass
+class PolicyError(ConfigError):
+    """A volunteer's policy (client.toml or flags) that cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +63,11 @@ class PolicyConfig:
         parse_hours(self.hours)
 
     @classmethod
-    def always(cls) -> "PolicyConfig":
+    def always(cls) -> PolicyConfig:
         """No rules: dedicated machines, demos and tests (``cleave join --always``)."""
-        return cls(idle_minutes=0.0, require_ac=False, min_battery=0.0, max_other_cpu=100.0, max_temp=120.0,
-                   resume_after=0.0)
+        return cls(
+            idle_minutes=0.0, require_ac=False, min_battery=0.0, max_other_cpu=100.0, max_temp=120.0, resume_after=0.0
+        )
 
     def to_toml(self) -> str:
         lines = ["[policy]"]

@@ -22,9 +22,10 @@ import logging
 import random
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -37,12 +38,29 @@ from client.credentials import Credential as StoredCredential
 from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
-from coordinator import auth
-from coordinator.protocol import (
-    Cancel, Challenge, CloseCode, Code, Credential, Credit, Error, Finished, Heartbeat, Hello, Leave, Pause,
-    ProtocolError, Release, ReleaseWhy, Result, Resume, Welcome, Work, decode, encode,
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
+from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
+from coordinator.wire.messages import (
+    Cancel,
+    Challenge,
+    Credential,
+    Credit,
+    Error,
+    Finished,
+    Heartbeat,
+    Hello,
+    Leave,
+    Pause,
+    Release,
+    Result,
+    Resume,
+    Welcome,
+    Work,
+    decode,
+    encode,
 )
-from coordinator.verify import freivalds
+from coordinator.wire.verify import freivalds
 
 log = logging.getLogger("cleave.client")
 
@@ -53,12 +71,12 @@ CHALLENGE_TIMEOUT = 10.0  # seconds for the coordinator's first frame
 DEFAULT_HEARTBEAT = 2.0  # until the coordinator's Welcome says otherwise
 SILENCE_FACTOR = 15  # a coordinator silent this many heartbeats is gone (a big Work frame takes a while)
 
-# Exit codes of ``cleave join``: bad options, a refused token and a revoked credential are usage
-# errors (2); a ban is 3. A service manager should not restart on either.
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BANNED = 0, 1, 2, 3
-EXIT_AUTH = EXIT_USAGE
+# Exit codes of ``cleave join``, from the error tree: bad options, a refused token and a revoked
+# credential are usage errors (``Refused``, 2); a ban is 3. A service manager should not restart
+# on either.
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BANNED = 0, ClientError.exit_code, Refused.exit_code, Banned.exit_code
 # Closes after which reconnecting cannot help.
-_PERMANENT = {CloseCode.REVOKED: EXIT_AUTH, CloseCode.BANNED: EXIT_BANNED}
+_PERMANENT: dict[CloseCode, type[ClientError]] = {CloseCode.REVOKED: Refused, CloseCode.BANNED: Banned}
 
 Compute = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, float]"]
 
@@ -83,14 +101,6 @@ class Pacer(Protocol):
         ...
 
 
-class ClientError(RuntimeError):
-    """A failure the client cannot retry its way out of (bad URL, wrong token, banned)."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_ERROR) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 @dataclass(frozen=True)
 class WorkerConfig:
     url: str
@@ -113,17 +123,17 @@ class WorkerConfig:
         try:
             check_url(self.url, insecure=self.insecure)
         except URLRefused as exc:
-            raise ClientError(str(exc), EXIT_USAGE) from None
+            raise Refused(str(exc)) from None
         if not (self.name and len(self.name) <= MAX_NAME and self.name.isprintable()):
-            raise ClientError(f"--name must be 1 to {MAX_NAME} printable characters, got {self.name!r}", EXIT_USAGE)
+            raise Refused(f"--name must be 1 to {MAX_NAME} printable characters, got {self.name!r}")
         if len(self.token) > 256 or not self.token.isprintable():
-            raise ClientError("--token must be at most 256 printable characters", EXIT_USAGE)
+            raise Refused("--token must be at most 256 printable characters")
         if self.threads is not None and not (1 <= self.threads <= 1024):
-            raise ClientError(f"--threads must be between 1 and 1024, got {self.threads}", EXIT_USAGE)
+            raise Refused(f"--threads must be between 1 and 1024, got {self.threads}")
         if not (1 <= self.slots <= 8):
-            raise ClientError(f"--slots must be between 1 and 8, got {self.slots}", EXIT_USAGE)
+            raise Refused(f"--slots must be between 1 and 8, got {self.slots}")
         if not (0.05 <= self.poll_seconds <= 60):
-            raise ClientError("the probe poll interval must be between 0.05 and 60 s", EXIT_USAGE)
+            raise Refused("the probe poll interval must be between 0.05 and 60 s")
 
 
 @dataclass
@@ -195,7 +205,7 @@ class Worker:
         try:
             self._tls = client_tls(cfg.url, cfg.cafile)
         except URLRefused as exc:
-            raise ClientError(str(exc), EXIT_USAGE) from None
+            raise Refused(str(exc)) from None
 
     def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self._custom_compute is not None:
@@ -271,8 +281,14 @@ class Worker:
                 self._set("connecting")
                 try:
                     async with connect(
-                        self.cfg.url, compression=None, max_size=MAX_FRAME, open_timeout=10,
-                        ping_interval=20, ping_timeout=120, proxy=None, ssl=self._tls,
+                        self.cfg.url,
+                        compression=None,
+                        max_size=MAX_FRAME,
+                        open_timeout=10,
+                        ping_interval=20,
+                        ping_timeout=120,
+                        proxy=None,
+                        ssl=self._tls,
                     ) as ws:
                         self._ws = ws
                         delay = 0.5
@@ -281,12 +297,11 @@ class Worker:
                             break
                         outcome = await self._session(ws)
                 except InvalidURI as exc:
-                    raise ClientError(f"bad coordinator URL: {exc}", EXIT_USAGE) from None
+                    raise Refused(f"bad coordinator URL: {exc}") from None
                 except ssl.SSLCertVerificationError as exc:
                     # Never retried silently: a certificate that does not verify is a wrong address,
                     # a missing --cafile, or someone in the middle.
-                    raise ClientError(f"the coordinator's TLS certificate does not verify: {exc.verify_message}",
-                                      EXIT_USAGE) from None
+                    raise Refused(f"the coordinator's TLS certificate does not verify: {exc.verify_message}") from None
                 except (OSError, InvalidHandshake, ConnectionClosed, TimeoutError, asyncio.TimeoutError) as exc:
                     outcome = f"coordinator unavailable ({type(exc).__name__}: {exc})".strip()
                 finally:
@@ -320,23 +335,33 @@ class Worker:
         """Our answer to the coordinator's challenge: a proof with the stored credential, or the
         join token to enrol. Returns (hello, enrolling)."""
         common = dict(
-            name=self.cfg.name, platform=sysinfo.describe_platform()[:128], cores=min(sysinfo.cores(), 1 << 16),
-            memory_bytes=min(sysinfo.memory_bytes(), 1 << 50), device=self.device.type,
-            gflops=min(round(self.stats.benchmark_gflops, 3), 1e7), slots=self.cfg.slots, client_version=VERSION,
+            name=self.cfg.name,
+            platform=sysinfo.describe_platform()[:128],
+            cores=min(sysinfo.cores(), 1 << 16),
+            memory_bytes=min(sysinfo.memory_bytes(), 1 << 50),
+            device=self.device.type,
+            gflops=min(round(self.stats.benchmark_gflops, 3), 1e7),
+            slots=self.cfg.slots,
+            client_version=VERSION,
             block_budget=min(self._block_budget(), 1 << 50),
             paused="" if self._allowed else (self.stats.reason or "paused by its owner"),  # still paused from before
         )
         try:
-            credential = None if self.cfg.new_identity and not self._enrolled else \
-                self._credentials.get(challenge.coordinator, self.cfg.name, self.cfg.url)
+            credential = (
+                None
+                if self.cfg.new_identity and not self._enrolled
+                else self._credentials.get(challenge.coordinator, self.cfg.name, self.cfg.url)
+            )
         except CredentialError as exc:
-            raise ClientError(str(exc), EXIT_USAGE) from None
+            raise Refused(str(exc)) from None
         if credential is not None:
             answer = auth.proof(credential.secret, credential.identity, bytes.fromhex(challenge.nonce))
             return Hello(identity=credential.identity, proof=answer.hex(), **common), False
         if not self.cfg.token:
-            raise ClientError(f"no credential for this coordinator under the name {self.cfg.name!r} in "
-                              f"{self._credentials.path}; pass --token (the join token) to enrol", EXIT_USAGE)
+            raise Refused(
+                f"no credential for this coordinator under the name {self.cfg.name!r} in "
+                f"{self._credentials.path}; pass --token (the join token) to enrol"
+            )
         return Hello(token=self.cfg.token, **common), True
 
     async def _session(self, ws: ClientConnection) -> str:
@@ -356,8 +381,10 @@ class Worker:
         self._heard = time.monotonic()
         # Paced results wait for their upload here, so the next tile computes meanwhile.
         outbox: asyncio.Queue[tuple[float, bytes]] | None = None if self._pacer is None else asyncio.Queue()
-        tasks = [asyncio.create_task(self._compute_loop(ws, queue, blocks, outbox)),
-                 asyncio.create_task(self._warden(ws))]
+        tasks = [
+            asyncio.create_task(self._compute_loop(ws, queue, blocks, outbox)),
+            asyncio.create_task(self._warden(ws)),
+        ]
         if outbox is not None:
             tasks.append(asyncio.create_task(self._uplink(ws, outbox)))
         pulse = asyncio.create_task(self._heartbeat(ws, DEFAULT_HEARTBEAT))
@@ -423,13 +450,15 @@ class Worker:
             return "stopped"
         if code == CloseCode.AUTH:
             if enrolling:
-                raise ClientError(f"the coordinator refused the join token ({reason})", EXIT_AUTH)
+                raise Refused(f"the coordinator refused the join token ({reason})")
             # Never dropped silently: a server that refuses it may not be the one that issued it.
-            raise ClientError(f"the coordinator refused this device's credential ({reason}); if its database "
-                              "was replaced, enrol again with --new-identity --token JOIN-TOKEN", EXIT_AUTH)
+            raise Refused(
+                f"the coordinator refused this device's credential ({reason}); if its database "
+                "was replaced, enrol again with --new-identity --token JOIN-TOKEN"
+            )
         if code in _PERMANENT:
             what = "banned this device" if code == CloseCode.BANNED else "refused this device"
-            raise ClientError(f"the coordinator {what}: {reason}", _PERMANENT[CloseCode(code)])
+            raise _PERMANENT[CloseCode(code)](f"the coordinator {what}: {reason}")
         return f"connection closed ({code} {reason})".strip()
 
     def _store_credential(self, msg: Credential) -> None:
@@ -437,13 +466,14 @@ class Worker:
         if self._coordinator is None:
             return
         try:
-            self._credentials.put(self._coordinator, self.cfg.name,
-                                  StoredCredential(msg.identity, bytes.fromhex(msg.secret), self.cfg.url))
+            self._credentials.put(
+                self._coordinator,
+                self.cfg.name,
+                StoredCredential(msg.identity, bytes.fromhex(msg.secret), self.cfg.url),
+            )
         except CredentialError as exc:  # the session works; the next one enrols again
             log.warning("%s; this device will enrol again next time", exc)
             self.stats.last_error = str(exc)
-
-
 
     async def _warden(self, ws: ClientConnection) -> None:
         """Keep the owner's rules: pause the moment they say stop, resume when they allow."""
@@ -488,8 +518,13 @@ class Worker:
             await asyncio.sleep(max(0.0, at - time.monotonic()))
             await self._send(ws, frame)
 
-    async def _compute_loop(self, ws: ClientConnection, queue: asyncio.Queue[tuple[Work, float]],
-                            blocks: dict[str, torch.Tensor], outbox: asyncio.Queue[tuple[float, bytes]] | None) -> None:
+    async def _compute_loop(
+        self,
+        ws: ClientConnection,
+        queue: asyncio.Queue[tuple[Work, float]],
+        blocks: dict[str, torch.Tensor],
+        outbox: asyncio.Queue[tuple[float, bytes]] | None,
+    ) -> None:
         loop = asyncio.get_running_loop()
         pacer = self._pacer
         while True:

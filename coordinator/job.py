@@ -19,26 +19,29 @@ import secrets
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 from torch import nn
 
-from coordinator import checkpoint
-from coordinator.checkpoint import Resume
-from coordinator.core import Core, FaultPolicy
-from coordinator.limits import Limits, TrustPolicy
-from coordinator.live_plan import Planner
-from coordinator.profiles import measure_ps
-from coordinator.protocol import WireDtype, is_loopback
-from coordinator.server import RemoteEngine, Server, listen
-from coordinator.tiles import TilingPolicy
+from coordinator.engine.core import Core, FaultPolicy
+from coordinator.engine.limits import Limits, TrustPolicy
+from coordinator.engine.live_plan import Planner
+from coordinator.engine.profiles import measure_ps
+from coordinator.net.remote import RemoteEngine
+from coordinator.net.server import Server, listen
+from coordinator.planning.tiles import TilingPolicy
+from coordinator.training import checkpoint, models
+from coordinator.training.checkpoint import Resume
 from coordinator.training.data import load_corpus
-from coordinator.training import models
 from coordinator.training.flops import GemmShare, gemm_share
-from coordinator.training.loop import ConfigError, StepResult, TrainConfig, Trainer
+from coordinator.training.loop import StepResult, TrainConfig, Trainer
+from coordinator.wire.addresses import is_loopback
+from coordinator.wire.errors import ConfigError
+from coordinator.wire.messages import WireDtype
 from db.sqlite import GROUP_SECONDS, SQLiteStore
 from db.store import CheckpointRow
 
@@ -71,24 +74,24 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
-            raise ValueError(f"--port must be between 0 and 65535, got {self.port}")
+            raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
         if not (0 <= self.min_devices <= 100_000):
-            raise ValueError(f"--min-devices must be between 0 and 100000, got {self.min_devices}")
+            raise ConfigError(f"--min-devices must be between 0 and 100000, got {self.min_devices}")
         for flag, value in (("--token", self.token), ("--operator-token", self.operator_token)):
             if value is not None and not (value.strip() and value.isprintable() and len(value) <= 256):
-                raise ValueError(f"{flag} must be 1 to 256 printable characters")
+                raise ConfigError(f"{flag} must be 1 to 256 printable characters")
         if self.token is not None and self.token == self.operator_token:
-            raise ValueError("--operator-token must differ from the join token (--token)")
+            raise ConfigError("--operator-token must differ from the join token (--token)")
         if (self.certfile is None) != (self.keyfile is None):
-            raise ValueError("--certfile and --keyfile go together")
+            raise ConfigError("--certfile and --keyfile go together")
         if not (0.001 <= self.ps_link_gbps <= 10_000):
-            raise ValueError(f"--ps-link-gbps must be between 0.001 and 10000, got {self.ps_link_gbps}")
+            raise ConfigError(f"--ps-link-gbps must be between 0.001 and 10000, got {self.ps_link_gbps}")
         if self.ps_gflops is not None and not (0.001 <= self.ps_gflops <= 1e7):
-            raise ValueError(f"--ps-gflops must be between 0.001 and 1e7, got {self.ps_gflops}")
+            raise ConfigError(f"--ps-gflops must be between 0.001 and 1e7, got {self.ps_gflops}")
         if not (0 <= self.checkpoint_every <= 10_000_000):
-            raise ValueError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
+            raise ConfigError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
         if (self.model_factory is not None) != models.is_custom(self.train.model):
-            raise ValueError("a model_factory goes with a model named custom:LABEL, and only with one")
+            raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
 
 
 @dataclass
@@ -200,14 +203,17 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
     abandoned = store.abandon_unfinished(None, now)
     store.mark_devices_offline("coordinator restarted")
     if unfinished is None:
-        job_id = store.create_job(f"{cfg.train.model} x {cfg.train.steps} steps", cfg.train.to_dict(),
-                                  cfg.train.steps, now)
+        job_id = store.create_job(
+            f"{cfg.train.model} x {cfg.train.steps} steps", cfg.train.to_dict(), cfg.train.steps, now
+        )
         return _Plan(job_id, cfg.train, None)
     stored = unfinished.config.get("model")
     if (models.is_custom(stored or "") or cfg.model_factory is not None) and stored != cfg.train.model:
         # A factory builds only the model it was given for: never another job's.
-        raise ConfigError(f"job {unfinished.id} in {cfg.db} trains {stored!r}, not {cfg.train.model!r}; pass "
-                          "--new-job (new_job=True) to start a new one")
+        raise ConfigError(
+            f"job {unfinished.id} in {cfg.db} trains {stored!r}, not {cfg.train.model!r}; pass "
+            "--new-job (new_job=True) to start a new one"
+        )
     try:
         train = TrainConfig(**unfinished.config)
     except (TypeError, ConfigError) as exc:
@@ -216,8 +222,10 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
     for why in resume.skipped:
         reporter.note(f"{why}; trying an older one")
     where = f"its checkpoint of step {resume.step}" if resume.state is not None else "the start (no usable checkpoint)"
-    reporter.note(f"resuming job {unfinished.id} ({train.model}, {train.steps} steps, options as first given) "
-                  f"from {where}; pass --new-job to start over instead")
+    reporter.note(
+        f"resuming job {unfinished.id} ({train.model}, {train.steps} steps, options as first given) "
+        f"from {where}; pass --new-job to start over instead"
+    )
     if abandoned:
         reporter.note(f"{abandoned} tiles in flight when the last coordinator stopped will be recomputed")
     store.truncate_steps(unfinished.id, resume.step)
@@ -254,10 +262,19 @@ async def serve_job(
         elif cfg.wire_dtype.torch is not None:  # half-precision wire: a GEMM kept here runs in float32
             ps = dataclasses.replace(ps, gflops={**ps.gflops, cfg.wire_dtype.value: ps.gflops["fp32"]})
         # Verification vectors must be unpredictable to clients: OS entropy, never the public seed.
-        core = Core(store, job_id, rng=np.random.default_rng(), policy=cfg.policy, faults=cfg.faults,
-                    trust=cfg.trust, limits=cfg.limits, epoch=clock() - time.monotonic(),
-                    job_name=f"{models.public_name(train_cfg.model)}, {train_cfg.steps} steps", planner=cfg.planner,
-                    ps=ps)
+        core = Core(
+            store,
+            job_id,
+            rng=np.random.default_rng(),
+            policy=cfg.policy,
+            faults=cfg.faults,
+            trust=cfg.trust,
+            limits=cfg.limits,
+            epoch=clock() - time.monotonic(),
+            job_name=f"{models.public_name(train_cfg.model)}, {train_cfg.steps} steps",
+            planner=cfg.planner,
+            ps=ps,
+        )
         tokens = _tokens(cfg, core, reporter)
         start_step = plan.resume.step if plan.resume else 0
         core.progress.step = start_step
@@ -278,9 +295,12 @@ async def serve_job(
             nonlocal trained_tokens
             t = server.traffic
             predicted = core.prediction.current()  # its GEMMs were all submitted: it is over
-            extra = {"devices": len(core.devices), "mb_down": round(t.bytes_down / 1e6, 3),
-                     "mb_up": round(t.bytes_up / 1e6, 3),
-                     "predicted_s": None if predicted is None else round(predicted, 4)}
+            extra = {
+                "devices": len(core.devices),
+                "mb_down": round(t.bytes_down / 1e6, 3),
+                "mb_up": round(t.bytes_up / 1e6, 3),
+                "predicted_s": None if predicted is None else round(predicted, 4),
+            }
             result = StepResult(result.step, result.loss, result.tokens, result.seconds, result.lr, extra)
             results.append(result)
             assert metrics is not None
@@ -304,10 +324,14 @@ async def serve_job(
             reporter.note(share.summary())
 
         def train() -> None:  # in the trainer thread
-            trainer = Trainer(train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus,
-                              model_factory=cfg.model_factory)
-            loop.call_soon_threadsafe(reporter.note, f"model: {models.describe(train_cfg.model)}, "
-                                                     f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters")
+            trainer = Trainer(
+                train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus, model_factory=cfg.model_factory
+            )
+            loop.call_soon_threadsafe(
+                reporter.note,
+                f"model: {models.describe(train_cfg.model)}, "
+                f"{sum(p.numel() for p in trainer.model.parameters()):,} parameters",
+            )
             # Counted on the model itself, before the first step (nothing is sent, no draw is used).
             try:
                 loop.call_soon_threadsafe(shared, gemm_share(trainer.model, train_cfg.seq_len))
@@ -330,8 +354,15 @@ async def serve_job(
                 port = ws_server.sockets[0].getsockname()[1] if ws_server.sockets else cfg.port
                 scheme = "wss" if tls else "ws"
                 url = f"{scheme}://{cfg.host}:{port}"
-                reporter.listening(Listening(url, _public_url(scheme, cfg.host, port), *tokens, tls=tls is not None,
-                                             exposed=tls is None and not is_loopback(cfg.host)))
+                reporter.listening(
+                    Listening(
+                        url,
+                        _public_url(scheme, cfg.host, port),
+                        *tokens,
+                        tls=tls is not None,
+                        exposed=tls is None and not is_loopback(cfg.host),
+                    )
+                )
                 if ready is not None:
                     ready(url)
                 core.progress.state = "waiting for devices"
@@ -389,11 +420,12 @@ def _tokens(cfg: CoordinatorConfig, core: Core, reporter: Reporter) -> tuple[str
     gate.set_tokens(join=join, operator=operator)
     for which, token in (("join", cfg.token), ("operator", cfg.operator_token)):
         if token is not None and len(token) < STRONG_TOKEN:
-            reporter.note(f"the {which} token is short ({len(token)} characters): anyone who copies the database "
-                          f"could search for it; generated tokens have 22")
+            reporter.note(
+                f"the {which} token is short ({len(token)} characters): anyone who copies the database "
+                f"could search for it; generated tokens have 22"
+            )
     return join, operator, tuple(generated)
 
 
 def run_job(cfg: CoordinatorConfig, reporter: Reporter) -> JobOutcome:
     return asyncio.run(serve_job(cfg, reporter))
-

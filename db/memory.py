@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
+from coordinator.wire.errors import StoreError
 from db.store import (
-    ABANDONED, ACTIVE, IDENTITY_STATES, LEASED, OUTCOMES, QUEUED, VERIFIED, CheckpointRow, ClaimedTile, DeviceInfo,
-    DeviceRow, IdentityRow, JobRow, LeaderRow, LeaseEnd, LeaseRow, NewTile, StepRow, StoreError, DEADLINE,
+    ABANDONED,
+    ACTIVE,
+    DEADLINE,
+    IDENTITY_STATES,
+    LEASED,
+    OUTCOMES,
+    QUEUED,
     SPECULATIVE,
+    VERIFIED,
+    CheckpointRow,
+    ClaimedTile,
+    DeviceInfo,
+    DeviceRow,
+    IdentityRow,
+    JobRow,
+    LeaderRow,
+    LeaseEnd,
+    LeaseRow,
+    NewTile,
+    StepRow,
 )
 
 
@@ -71,7 +90,13 @@ class MemoryStore:
             job.finished_at = now
 
     def record_step(
-        self, job_id: int, step: int, loss: float, tokens: int, seconds: float, now: float,
+        self,
+        job_id: int,
+        step: int,
+        loss: float,
+        tokens: int,
+        seconds: float,
+        now: float,
         extra: dict[str, Any] | None = None,
     ) -> None:
         self._steps[job_id][step] = StepRow(step, loss, tokens, seconds, now, dict(extra or {}))
@@ -125,8 +150,11 @@ class MemoryStore:
     def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
         totals: dict[int, list[float]] = {}
         for d in self._devices.values():
-            if d.identity_id is not None and d.identity_id in self._identities \
-                    and self._identities[d.identity_id][0].state == ACTIVE:
+            if (
+                d.identity_id is not None
+                and d.identity_id in self._identities
+                and self._identities[d.identity_id][0].state == ACTIVE
+            ):
                 t = totals.setdefault(d.identity_id, [0.0, 0])
                 t[0] += d.gflop_verified
                 t[1] += d.tiles_done
@@ -154,14 +182,29 @@ class MemoryStore:
             for d in self._devices.values():
                 if d.identity_id == identity_id and self._device_job[d.id] == job_id:
                     d.name, d.platform, d.cores, d.memory_bytes, d.device, d.gflops = (
-                        info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops)
+                        info.name,
+                        info.platform,
+                        info.cores,
+                        info.memory_bytes,
+                        info.device,
+                        info.gflops,
+                    )
                     d.state, d.reason, d.last_seen = "online", "", now
                     return d.id
         did = self._id("device")
         self._device_job[did] = job_id
         self._devices[did] = DeviceRow(
-            did, info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops,
-            "online", now, now, identity_id=identity_id,
+            did,
+            info.name,
+            info.platform,
+            info.cores,
+            info.memory_bytes,
+            info.device,
+            info.gflops,
+            "online",
+            now,
+            now,
+            identity_id=identity_id,
         )
         return did
 
@@ -175,8 +218,15 @@ class MemoryStore:
         d.state, d.reason, d.last_seen = state, reason, now
 
     def credit_device(
-        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, revoked: int = 0,
-        gflop: float = 0.0, now: float,
+        self,
+        device_id: int,
+        *,
+        verified: int = 0,
+        rejected: int = 0,
+        lost: int = 0,
+        revoked: int = 0,
+        gflop: float = 0.0,
+        now: float,
     ) -> None:
         d = self._device(device_id)
         d.tiles_done += verified
@@ -187,8 +237,11 @@ class MemoryStore:
         d.last_seen = now
 
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
-        rows = [copy.copy(d) for _, d in sorted(self._devices.items())
-                if self._device_job[d.id] == job_id and (states is None or d.state in states)]
+        rows = [
+            copy.copy(d)
+            for _, d in sorted(self._devices.items())
+            if self._device_job[d.id] == job_id and (states is None or d.state in states)
+        ]
         return rows if limit is None else rows[:limit]
 
     def device_states(self, job_id: int) -> dict[str, int]:
@@ -203,8 +256,14 @@ class MemoryStore:
         return self._next["gemm"]
 
     def add_gemm(
-        self, gemm_id: int, job_id: int, step: int, kind: str, shape: tuple[int, int, int],
-        tiles: Sequence[NewTile], now: float,
+        self,
+        gemm_id: int,
+        job_id: int,
+        step: int,
+        kind: str,
+        shape: tuple[int, int, int],
+        tiles: Sequence[NewTile],
+        now: float,
     ) -> list[int]:
         if gemm_id != self._next["gemm"]:
             raise StoreError(f"GEMM id {gemm_id} is not the next id {self._next['gemm']}")
@@ -296,7 +355,9 @@ class MemoryStore:
         return LeaseEnd(True)
 
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
-        return [tid for tid in self.leased_to(device_id) if self.end_lease(tid, device_id, outcome, now, reason).requeued]
+        return [
+            tid for tid in self.leased_to(device_id) if self.end_lease(tid, device_id, outcome, now, reason).requeued
+        ]
 
     def leased_to(self, device_id: int) -> list[int]:
         return sorted(tid for tid in self._tiles if any(lease.device_id == device_id for lease in self._open(tid)))
@@ -307,8 +368,22 @@ class MemoryStore:
         return self._tiles[tile_id].state
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
-        counts = dict.fromkeys((QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "revoked",
-                                "requeued", "speculative", "expired"), 0)
+        counts = dict.fromkeys(
+            (
+                QUEUED,
+                LEASED,
+                VERIFIED,
+                ABANDONED,
+                "rejected",
+                "lost",
+                "cancelled",
+                "revoked",
+                "requeued",
+                "speculative",
+                "expired",
+            ),
+            0,
+        )
         for t in self._tiles.values():
             if self._gemms[t.gemm_id]["job_id"] != job_id:
                 continue

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import sqlite_utils
 
@@ -19,43 +19,105 @@ def migration(fn: Migration) -> Migration:
 @migration
 def m001_initial(db: sqlite_utils.Database) -> None:
     db["jobs"].create(
-        {"id": int, "name": str, "config": str, "state": str, "step": int, "steps": int,
-         "created_at": float, "finished_at": float},
-        pk="id", not_null={"name", "config", "state"},
+        {
+            "id": int,
+            "name": str,
+            "config": str,
+            "state": str,
+            "step": int,
+            "steps": int,
+            "created_at": float,
+            "finished_at": float,
+        },
+        pk="id",
+        not_null={"name", "config", "state"},
     )
     db["steps"].create(
         {"job_id": int, "step": int, "loss": float, "tokens": int, "seconds": float, "at": float, "extra": str},
-        pk=("job_id", "step"), foreign_keys=[("job_id", "jobs", "id")],
+        pk=("job_id", "step"),
+        foreign_keys=[("job_id", "jobs", "id")],
     )
     db["devices"].create(
-        {"id": int, "job_id": int, "name": str, "platform": str, "cores": int, "memory_bytes": int, "device": str,
-         "gflops": float, "state": str, "joined_at": float, "last_seen": float, "tiles_done": int,
-         "tiles_rejected": int, "tiles_lost": int, "gflop_verified": float, "reason": str},
-        pk="id", defaults={"tiles_done": 0, "tiles_rejected": 0, "tiles_lost": 0, "gflop_verified": 0.0, "reason": ""},
+        {
+            "id": int,
+            "job_id": int,
+            "name": str,
+            "platform": str,
+            "cores": int,
+            "memory_bytes": int,
+            "device": str,
+            "gflops": float,
+            "state": str,
+            "joined_at": float,
+            "last_seen": float,
+            "tiles_done": int,
+            "tiles_rejected": int,
+            "tiles_lost": int,
+            "gflop_verified": float,
+            "reason": str,
+        },
+        pk="id",
+        defaults={"tiles_done": 0, "tiles_rejected": 0, "tiles_lost": 0, "gflop_verified": 0.0, "reason": ""},
         foreign_keys=[("job_id", "jobs", "id")],
     )
     db["gemms"].create(
-        {"id": int, "job_id": int, "step": int, "kind": str, "m": int, "n": int, "k": int, "tiles": int,
-         "created_at": float, "done_at": float},
-        pk="id", foreign_keys=[("job_id", "jobs", "id")],
+        {
+            "id": int,
+            "job_id": int,
+            "step": int,
+            "kind": str,
+            "m": int,
+            "n": int,
+            "k": int,
+            "tiles": int,
+            "created_at": float,
+            "done_at": float,
+        },
+        pk="id",
+        foreign_keys=[("job_id", "jobs", "id")],
     )
     db["tiles"].create(
-        {"id": int, "gemm_id": int, "idx": int, "a_key": str, "b_key": str, "flops": int, "state": str,
-         "open_leases": int, "attempts": int, "barred": str, "requeue_reason": str, "queued_at": float,
-         "done_at": float},
-        pk="id", foreign_keys=[("gemm_id", "gemms", "id")], defaults={"attempts": 0, "open_leases": 0, "barred": "[]"},
+        {
+            "id": int,
+            "gemm_id": int,
+            "idx": int,
+            "a_key": str,
+            "b_key": str,
+            "flops": int,
+            "state": str,
+            "open_leases": int,
+            "attempts": int,
+            "barred": str,
+            "requeue_reason": str,
+            "queued_at": float,
+            "done_at": float,
+        },
+        pk="id",
+        foreign_keys=[("gemm_id", "gemms", "id")],
+        defaults={"attempts": 0, "open_leases": 0, "barred": "[]"},
     )
     db["tiles"].create_index(["state", "id"])
     db["leases"].create(
-        {"id": int, "tile_id": int, "device_id": int, "leased_at": float, "ended_at": float,
-         "outcome": str, "reason": str, "issued": str},
-        pk="id", foreign_keys=[("tile_id", "tiles", "id")], defaults={"reason": "", "issued": "first"},
+        {
+            "id": int,
+            "tile_id": int,
+            "device_id": int,
+            "leased_at": float,
+            "ended_at": float,
+            "outcome": str,
+            "reason": str,
+            "issued": str,
+        },
+        pk="id",
+        foreign_keys=[("tile_id", "tiles", "id")],
+        defaults={"reason": "", "issued": "first"},
     )
     db["leases"].create_index(["tile_id"])
     db["leases"].create_index(["device_id", "ended_at"])
     db["checkpoints"].create(
         {"id": int, "job_id": int, "step": int, "path": str, "sha256": str, "bytes": int, "created_at": float},
-        pk="id", foreign_keys=[("job_id", "jobs", "id")],
+        pk="id",
+        foreign_keys=[("job_id", "jobs", "id")],
     )
 
 
@@ -65,7 +127,9 @@ def m002_identities(db: sqlite_utils.Database) -> None:
     token hashes, and one device row per identity per job."""
     db["identities"].create(
         {"id": int, "name": str, "key": bytes, "state": str, "reason": str, "created_at": float, "last_seen": float},
-        pk="id", not_null={"name", "key", "state"}, defaults={"state": "active", "reason": ""},
+        pk="id",
+        not_null={"name", "key", "state"},
+        defaults={"state": "active", "reason": ""},
     )
     db["settings"].create({"key": str, "value": str}, pk="key", not_null={"value"})
     db.execute("ALTER TABLE devices ADD COLUMN identity_id INTEGER REFERENCES identities(id)")

@@ -26,24 +26,56 @@ import os
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import sqlite_utils
 
+from coordinator.wire.errors import StoreError
 from db.migrations import migrate
 from db.store import (
-    ABANDONED, ACTIVE, DEADLINE, IDENTITY_STATES, LEASED, OUTCOMES, QUEUED, SPECULATIVE, VERIFIED, CheckpointRow,
-    ClaimedTile, DeviceInfo, DeviceRow, IdentityRow, JobRow, LeaderRow, LeaseEnd, LeaseRow, NewTile, StepRow,
-    StoreError,
+    ABANDONED,
+    ACTIVE,
+    DEADLINE,
+    IDENTITY_STATES,
+    LEASED,
+    OUTCOMES,
+    QUEUED,
+    SPECULATIVE,
+    VERIFIED,
+    CheckpointRow,
+    ClaimedTile,
+    DeviceInfo,
+    DeviceRow,
+    IdentityRow,
+    JobRow,
+    LeaderRow,
+    LeaseEnd,
+    LeaseRow,
+    NewTile,
+    StepRow,
 )
 
 GROUP_SECONDS = 0.05  # a running coordinator's group-commit window (see the module doc)
-_COUNT_KEYS = (QUEUED, LEASED, VERIFIED, ABANDONED, "rejected", "lost", "cancelled", "revoked", "requeued",
-               "speculative", "expired")
-_DEVICE_COLS = ("id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen, tiles_done,"
-                " tiles_rejected, gflop_verified, reason, tiles_lost, tiles_revoked, identity_id")
+_COUNT_KEYS = (
+    QUEUED,
+    LEASED,
+    VERIFIED,
+    ABANDONED,
+    "rejected",
+    "lost",
+    "cancelled",
+    "revoked",
+    "requeued",
+    "speculative",
+    "expired",
+)
+_DEVICE_COLS = (
+    "id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen, tiles_done,"
+    " tiles_rejected, gflop_verified, reason, tiles_lost, tiles_revoked, identity_id"
+)
 # An identity's totals are summed over its device rows in every job.
 _IDENTITY_SELECT = (
     "SELECT i.id, i.name, i.state, i.reason, i.created_at, i.last_seen, COALESCE(SUM(d.tiles_done), 0),"
@@ -84,7 +116,11 @@ RETURNING id, gemm_id, idx, a_key, b_key, attempts
 
 class SQLiteStore:
     def __init__(
-        self, path: str | Path, *, group_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic,
+        self,
+        path: str | Path,
+        *,
+        group_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= group_seconds <= 1.0:
             raise ValueError(f"group_seconds must be in [0, 1], got {group_seconds}")
@@ -189,7 +225,7 @@ class SQLiteStore:
         self._group_since = None
 
     def _write(self, sql: str, params: Any = (), *, grouped: bool = False) -> sqlite3.Cursor:
-        with (self._grouped() if grouped else self.atomic()) as c:
+        with self._grouped() if grouped else self.atomic() as c:
             return c.execute(sql, params)
 
     def _one(self, sql: str, params: Any = ()) -> tuple | None:
@@ -197,8 +233,7 @@ class SQLiteStore:
 
     # --- job and steps
     def mark_devices_offline(self, reason: str) -> None:
-        self._write("UPDATE devices SET state = 'offline', reason = ? WHERE state IN ('online', 'paused')",
-                          (reason,))
+        self._write("UPDATE devices SET state = 'offline', reason = ? WHERE state IN ('online', 'paused')", (reason,))
 
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
         with self.atomic() as c:
@@ -225,7 +260,13 @@ class SQLiteStore:
         )
 
     def record_step(
-        self, job_id: int, step: int, loss: float, tokens: int, seconds: float, now: float,
+        self,
+        job_id: int,
+        step: int,
+        loss: float,
+        tokens: int,
+        seconds: float,
+        now: float,
         extra: dict[str, Any] | None = None,
     ) -> None:
         with self.atomic() as c:
@@ -258,34 +299,46 @@ class SQLiteStore:
         return bytes(row[0]) if row is not None else None
 
     def identities(self, limit: int = 1000) -> list[IdentityRow]:
-        return [IdentityRow(*r) for r in self.conn.execute(
-            f"{_IDENTITY_SELECT} GROUP BY i.id ORDER BY i.id DESC LIMIT ?", (limit,)
-        )]
+        return [
+            IdentityRow(*r)
+            for r in self.conn.execute(f"{_IDENTITY_SELECT} GROUP BY i.id ORDER BY i.id DESC LIMIT ?", (limit,))
+        ]
 
     def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]:
-        return {int(i): str(state) for i, state in self.conn.execute(
-            "SELECT id, state FROM identities WHERE id IN (SELECT value FROM json_each(?))",
-            (json.dumps(list(identity_ids)),),
-        )}
+        return {
+            int(i): str(state)
+            for i, state in self.conn.execute(
+                "SELECT id, state FROM identities WHERE id IN (SELECT value FROM json_each(?))",
+                (json.dumps(list(identity_ids)),),
+            )
+        }
 
     def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None:
         if state not in IDENTITY_STATES:
             raise StoreError(f"an identity cannot be {state!r}")
-        cur = self._write("UPDATE identities SET state = ?, reason = ?, last_seen = ? WHERE id = ?",
-                          (state, reason, now, identity_id))
+        cur = self._write(
+            "UPDATE identities SET state = ?, reason = ?, last_seen = ? WHERE id = ?", (state, reason, now, identity_id)
+        )
         if cur.rowcount != 1:
             raise StoreError(f"no identity {identity_id}")
 
     def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
-        return [LeaderRow(int(r[0]), r[1], float(r[2]), int(r[3])) for r in self.conn.execute(
-            "SELECT i.id, i.name, SUM(d.gflop_verified) AS g, SUM(d.tiles_done) FROM devices d"
-            " JOIN identities i ON i.id = d.identity_id WHERE i.state = ? GROUP BY i.id HAVING g > 0"
-            " ORDER BY g DESC, i.id LIMIT ?", (ACTIVE, limit)
-        )]
+        return [
+            LeaderRow(int(r[0]), r[1], float(r[2]), int(r[3]))
+            for r in self.conn.execute(
+                "SELECT i.id, i.name, SUM(d.gflop_verified) AS g, SUM(d.tiles_done) FROM devices d"
+                " JOIN identities i ON i.id = d.identity_id WHERE i.state = ? GROUP BY i.id HAVING g > 0"
+                " ORDER BY g DESC, i.id LIMIT ?",
+                (ACTIVE, limit),
+            )
+        ]
 
     def identity_total(self, identity_id: int) -> tuple[float, int]:
-        row = self._one("SELECT COALESCE(SUM(gflop_verified), 0.0), COALESCE(SUM(tiles_done), 0) FROM devices"
-                        " WHERE identity_id = ?", (identity_id,))
+        row = self._one(
+            "SELECT COALESCE(SUM(gflop_verified), 0.0), COALESCE(SUM(tiles_done), 0) FROM devices"
+            " WHERE identity_id = ?",
+            (identity_id,),
+        )
         assert row is not None
         return float(row[0]), int(row[1])
 
@@ -294,8 +347,10 @@ class SQLiteStore:
         return str(row[0]) if row is not None else None
 
     def set_setting(self, key: str, value: str) -> None:
-        self._write("INSERT INTO settings (key, value) VALUES (?, ?) "
-                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
+        self._write(
+            "INSERT INTO settings (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key, value),
+        )
 
     def _version(self) -> int:
         row = self._one("PRAGMA data_version")
@@ -312,12 +367,15 @@ class SQLiteStore:
         values = (info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops)
         with self.atomic() as c:
             if identity_id is not None:
-                row = c.execute("SELECT id FROM devices WHERE job_id = ? AND identity_id = ?",
-                                (job_id, identity_id)).fetchone()
+                row = c.execute(
+                    "SELECT id FROM devices WHERE job_id = ? AND identity_id = ?", (job_id, identity_id)
+                ).fetchone()
                 if row is not None:
-                    c.execute("UPDATE devices SET name = ?, platform = ?, cores = ?, memory_bytes = ?, device = ?,"
-                              " gflops = ?, state = 'online', reason = '', last_seen = ? WHERE id = ?",
-                              (*values, now, row[0]))
+                    c.execute(
+                        "UPDATE devices SET name = ?, platform = ?, cores = ?, memory_bytes = ?, device = ?,"
+                        " gflops = ?, state = 'online', reason = '', last_seen = ? WHERE id = ?",
+                        (*values, now, row[0]),
+                    )
                     c.execute("UPDATE identities SET last_seen = ? WHERE id = ?", (now, identity_id))
                     return int(row[0])
                 c.execute("UPDATE identities SET last_seen = ? WHERE id = ?", (now, identity_id))
@@ -336,14 +394,22 @@ class SQLiteStore:
             raise StoreError(f"no device {device_id}")
 
     def credit_device(
-        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, revoked: int = 0,
-        gflop: float = 0.0, now: float,
+        self,
+        device_id: int,
+        *,
+        verified: int = 0,
+        rejected: int = 0,
+        lost: int = 0,
+        revoked: int = 0,
+        gflop: float = 0.0,
+        now: float,
     ) -> None:
         cur = self._write(
             "UPDATE devices SET tiles_done = tiles_done + ?, tiles_rejected = tiles_rejected + ?,"
             " tiles_lost = tiles_lost + ?, tiles_revoked = tiles_revoked + ?, gflop_verified = gflop_verified + ?,"
             " last_seen = ? WHERE id = ?",
-            (verified, rejected, lost, revoked, gflop, now, device_id), grouped=True,
+            (verified, rejected, lost, revoked, gflop, now, device_id),
+            grouped=True,
         )
         if cur.rowcount != 1:
             raise StoreError(f"no device {device_id}")
@@ -355,14 +421,18 @@ class SQLiteStore:
             where += " AND state IN (SELECT value FROM json_each(?))"
             params.append(json.dumps(list(states)))
         params.append(-1 if limit is None else limit)
-        return [DeviceRow(*r) for r in self.conn.execute(
-            f"SELECT {_DEVICE_COLS} FROM devices WHERE {where} ORDER BY id LIMIT ?", params
-        )]
+        return [
+            DeviceRow(*r)
+            for r in self.conn.execute(f"SELECT {_DEVICE_COLS} FROM devices WHERE {where} ORDER BY id LIMIT ?", params)
+        ]
 
     def device_states(self, job_id: int) -> dict[str, int]:
-        return {str(state): int(n) for state, n in self.conn.execute(
-            "SELECT state, COUNT(*) FROM devices WHERE job_id = ? GROUP BY state", (job_id,)
-        )}
+        return {
+            str(state): int(n)
+            for state, n in self.conn.execute(
+                "SELECT state, COUNT(*) FROM devices WHERE job_id = ? GROUP BY state", (job_id,)
+            )
+        }
 
     # --- GEMMs and tiles
     def next_gemm_id(self) -> int:
@@ -370,19 +440,28 @@ class SQLiteStore:
         return int(row[0]) if row else 1
 
     def add_gemm(
-        self, gemm_id: int, job_id: int, step: int, kind: str, shape: tuple[int, int, int],
-        tiles: Sequence[NewTile], now: float,
+        self,
+        gemm_id: int,
+        job_id: int,
+        step: int,
+        kind: str,
+        shape: tuple[int, int, int],
+        tiles: Sequence[NewTile],
+        now: float,
     ) -> list[int]:
         with self._grouped() as c:
             m, n, k = shape
-            gid = int(c.execute(
-                "INSERT INTO gemms (id, job_id, step, kind, m, n, k, tiles, created_at) VALUES (?,?,?,?,?,?,?,?,?)",
-                (gemm_id, job_id, step, kind, m, n, k, len(tiles), now),
-            ).lastrowid)
+            gid = int(
+                c.execute(
+                    "INSERT INTO gemms (id, job_id, step, kind, m, n, k, tiles, created_at) VALUES (?,?,?,?,?,?,?,?,?)",
+                    (gemm_id, job_id, step, kind, m, n, k, len(tiles), now),
+                ).lastrowid
+            )
             self._gemm_job[gid] = job_id
             self._count(gid, QUEUED, len(tiles))
             ids = [
-                int(r[0]) for r in (
+                int(r[0])
+                for r in (
                     c.execute(
                         "INSERT INTO tiles (gemm_id, idx, a_key, b_key, flops, state, queued_at) "
                         "VALUES (?,?,?,?,?, 'queued', ?) RETURNING id",
@@ -464,7 +543,8 @@ class SQLiteStore:
                 ).fetchone()
                 cancelled = c.execute(
                     "UPDATE leases SET ended_at = ?, outcome = 'cancelled', reason = 'another copy was verified first' "
-                    "WHERE tile_id = ? AND ended_at IS NULL RETURNING device_id", (now, tile_id),
+                    "WHERE tile_id = ? AND ended_at IS NULL RETURNING device_id",
+                    (now, tile_id),
                 ).fetchall()
                 self._count(gemm_id, LEASED, -1)
                 self._count(gemm_id, VERIFIED)
@@ -487,13 +567,19 @@ class SQLiteStore:
 
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
         with self.atomic():
-            return [tid for tid in self.leased_to(device_id)
-                    if self.end_lease(tid, device_id, outcome, now, reason).requeued]
+            return [
+                tid
+                for tid in self.leased_to(device_id)
+                if self.end_lease(tid, device_id, outcome, now, reason).requeued
+            ]
 
     def leased_to(self, device_id: int) -> list[int]:
-        return [r[0] for r in self.conn.execute(
-            "SELECT tile_id FROM leases WHERE device_id = ? AND ended_at IS NULL ORDER BY tile_id", (device_id,)
-        )]
+        return [
+            r[0]
+            for r in self.conn.execute(
+                "SELECT tile_id FROM leases WHERE device_id = ? AND ended_at IS NULL ORDER BY tile_id", (device_id,)
+            )
+        ]
 
     def tile_state(self, tile_id: int) -> str:
         row = self._one("SELECT state FROM tiles WHERE id = ?", (tile_id,))
@@ -510,7 +596,8 @@ class SQLiteStore:
         """Tile counts from the rows themselves (the running counters must always agree)."""
         counts = dict.fromkeys(_COUNT_KEYS, 0)
         for state, n in self.conn.execute(
-            "SELECT t.state, COUNT(*) FROM tiles t JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ? GROUP BY t.state",
+            "SELECT t.state, COUNT(*) FROM tiles t JOIN gemms g ON g.id = t.gemm_id "
+            "WHERE g.job_id = ? GROUP BY t.state",
             (job_id,),
         ):
             counts[state] = n
@@ -529,10 +616,14 @@ class SQLiteStore:
         return counts
 
     def leases(self, tile_id: int) -> list[LeaseRow]:
-        return [LeaseRow(*r) for r in self.conn.execute(
-            "SELECT tile_id, device_id, leased_at, ended_at, outcome, reason, issued FROM leases "
-            "WHERE tile_id = ? ORDER BY id", (tile_id,),
-        )]
+        return [
+            LeaseRow(*r)
+            for r in self.conn.execute(
+                "SELECT tile_id, device_id, leased_at, ended_at, outcome, reason, issued FROM leases "
+                "WHERE tile_id = ? ORDER BY id",
+                (tile_id,),
+            )
+        ]
 
     def unbar_tile(self, tile_id: int) -> None:
         if self._write("UPDATE tiles SET barred = '[]' WHERE id = ?", (tile_id,)).rowcount != 1:
@@ -546,10 +637,14 @@ class SQLiteStore:
         )
 
     def checkpoints(self, job_id: int) -> list[CheckpointRow]:
-        return [CheckpointRow(*r) for r in self.conn.execute(
-            "SELECT job_id, step, path, sha256, bytes, created_at FROM checkpoints WHERE job_id = ? "
-            "ORDER BY step DESC, id DESC", (job_id,),
-        )]
+        return [
+            CheckpointRow(*r)
+            for r in self.conn.execute(
+                "SELECT job_id, step, path, sha256, bytes, created_at FROM checkpoints WHERE job_id = ? "
+                "ORDER BY step DESC, id DESC",
+                (job_id,),
+            )
+        ]
 
     def resumable_job(self) -> JobRow | None:
         row = self._one("SELECT id, state FROM jobs ORDER BY id DESC LIMIT 1")
@@ -570,7 +665,8 @@ class SQLiteStore:
             )
             cur = c.execute(
                 "UPDATE tiles SET state = 'abandoned', open_leases = 0 WHERE state IN ('queued', 'leased') "
-                f"AND gemm_id IN {jobs}", {"job": job_id},
+                f"AND gemm_id IN {jobs}",
+                {"job": job_id},
             )
             self._counts.clear()  # a bulk change: count again when asked
             return cur.rowcount

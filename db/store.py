@@ -15,8 +15,9 @@ Time is always passed in (``now``, seconds since the epoch) so tests can move th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 # Tile states. A tile whose last open lease ends other than verified goes back to QUEUED.
 QUEUED, LEASED, VERIFIED = "queued", "leased", "verified"
@@ -29,10 +30,6 @@ ACTIVE, BANNED, REVOKED = "active", "banned", "revoked"
 IDENTITY_STATES = (ACTIVE, BANNED, REVOKED)
 # Why a lease was issued, besides "first" and "requeued after <outcome>".
 SPECULATIVE, DEADLINE = "speculative", "deadline passed"
-
-
-class StoreError(RuntimeError):
-    """A store call that cannot be honoured (unknown id, tile not leased to that device...)."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +180,13 @@ class Store(Protocol):
     def job(self, job_id: int) -> JobRow: ...
     def set_job_state(self, job_id: int, state: str, now: float) -> None: ...
     def record_step(
-        self, job_id: int, step: int, loss: float, tokens: int, seconds: float, now: float,
+        self,
+        job_id: int,
+        step: int,
+        loss: float,
+        tokens: int,
+        seconds: float,
+        now: float,
         extra: dict[str, Any] | None = None,
     ) -> None: ...
     def steps(self, job_id: int) -> list[StepRow]: ...
@@ -192,20 +195,24 @@ class Store(Protocol):
     def enrol(self, name: str, key: bytes, now: float) -> int:
         """A new identity, active, holding the stored key of its secret; returns its id."""
         ...
+
     def identity(self, identity_id: int) -> IdentityRow | None: ...
     def identity_key(self, identity_id: int) -> bytes | None: ...
     def identities(self, limit: int = 1000) -> list[IdentityRow]:
         """Newest first."""
         ...
+
     def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]: ...
     def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None: ...
     def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
         """Verified GFLOP and tiles per active identity over every job, best first (a banned or
         revoked one is not ranked: the leaderboard is public)."""
         ...
+
     def identity_total(self, identity_id: int) -> tuple[float, int]:
         """Verified GFLOP and tiles of one identity over every job."""
         ...
+
     def setting(self, key: str) -> str | None: ...
     def set_setting(self, key: str, value: str) -> None: ...
     def changed(self) -> bool:
@@ -218,14 +225,23 @@ class Store(Protocol):
         """The device row of ``identity_id`` in this job, created or brought back online (one
         row per identity per job, however often it reconnects); a new row when no identity."""
         ...
+
     def set_device_state(self, device_id: int, state: str, now: float, reason: str = "") -> None: ...
     def credit_device(
-        self, device_id: int, *, verified: int = 0, rejected: int = 0, lost: int = 0, revoked: int = 0,
-        gflop: float = 0.0, now: float,
+        self,
+        device_id: int,
+        *,
+        verified: int = 0,
+        rejected: int = 0,
+        lost: int = 0,
+        revoked: int = 0,
+        gflop: float = 0.0,
+        now: float,
     ) -> None: ...
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
         """The devices of this job (in ``states`` if given), by id, at most ``limit``."""
         ...
+
     def device_states(self, job_id: int) -> dict[str, int]:
         """How many of this job's devices are in each recorded state."""
         ...
@@ -234,26 +250,37 @@ class Store(Protocol):
     def next_gemm_id(self) -> int:
         """The id the next ``add_gemm`` must use (block keys are derived from it first)."""
         ...
+
     def add_gemm(
-        self, gemm_id: int, job_id: int, step: int, kind: str, shape: tuple[int, int, int],
-        tiles: Sequence[NewTile], now: float,
+        self,
+        gemm_id: int,
+        job_id: int,
+        step: int,
+        kind: str,
+        shape: tuple[int, int, int],
+        tiles: Sequence[NewTile],
+        now: float,
     ) -> list[int]:
         """Record a GEMM and queue its tiles; returns the tile ids."""
         ...
+
     def finish_gemm(self, gemm_id: int, now: float) -> None: ...
     def claim_tile(self, device_id: int, prefer: Sequence[str], now: float) -> ClaimedTile | None:
         """(Tests and tools; the coordinator's scheduler picks tiles itself, ``lease_tile``.)
         Lease the best queued tile to ``device_id``: one holding the most of the blocks in
         ``prefer`` (already on the device), then the oldest. Never a tile the device failed."""
         ...
+
     def lease_tile(self, tile_id: int, device_id: int, now: float) -> ClaimedTile | None:
         """Lease the queued tile the scheduler chose to ``device_id``; None when it is not queued
         or the device is barred from it."""
         ...
+
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         """Lease one more copy of an outstanding tile (speculation, or its deadline passed), unless
         the device already holds one or failed it. ``issued`` says why."""
         ...
+
     def end_lease(
         self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
     ) -> LeaseEnd:
@@ -261,9 +288,11 @@ class Store(Protocol):
         its other copies; otherwise the tile is queued again once no copy is out. ``rejected``
         (or ``bar``) also bars that device from the tile."""
         ...
+
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
         """End every open lease of a device (it left or was lost); returns the tiles re-queued."""
         ...
+
     def leased_to(self, device_id: int) -> list[int]: ...
     def tile_state(self, tile_id: int) -> str: ...
     def tile_counts(self, job_id: int) -> dict[str, int]:
@@ -271,32 +300,40 @@ class Store(Protocol):
         ``rejected``, ``lost``, ``cancelled``, ``revoked``, issued ``requeued``, ``speculative`` or
         ``expired`` (a copy issued because a deadline passed)."""
         ...
+
     def leases(self, tile_id: int) -> list[LeaseRow]: ...
 
     # --- checkpoints and resuming
     def unbar_tile(self, tile_id: int) -> None:
         """Every device may take the tile again (it had been failed by every device there was)."""
         ...
+
     def add_checkpoint(self, row: CheckpointRow) -> None: ...
     def checkpoints(self, job_id: int) -> list[CheckpointRow]:
         """Newest first."""
         ...
+
     def resumable_job(self) -> JobRow | None:
         """The newest job, if its coordinator was killed (``running``) or stopped (``stopped``);
         a job that finished, or whose start failed before training (``failed``), is not."""
         ...
+
     def mark_devices_offline(self, reason: str) -> None:
         """Devices recorded online by a coordinator that is gone are offline, whatever they say."""
         ...
+
     def truncate_steps(self, job_id: int, after: int) -> None:
         """Forget steps after ``after`` (they are computed again from a checkpoint)."""
         ...
+
     def abandon_unfinished(self, job_id: int | None, now: float) -> int:
         """A (re)started coordinator: unfinished tiles of ``job_id`` (None: of every job) are
         abandoned, since their operands died with the last coordinator, and their open leases
         end as lost. Returns how many tiles."""
         ...
+
     def flush(self) -> None:
         """Make every write so far durable (a store may group hot-path writes; see db/sqlite.py)."""
         ...
+
     def close(self) -> None: ...

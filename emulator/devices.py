@@ -2,7 +2,7 @@
 
 Each device is the real client (client/runner.py ``Worker``) on its own real websocket, with its
 own identity and credential, speaking the real protocol and computing every tile for real (so
-training stays exact), but paced to a device profile of a fleet (coordinator/presets.py
+training stays exact), but paced to a device profile of a fleet (coordinator/whatif/presets.py
 ``resolve_fleet``: a preset or a TOML fleet file). Emulated devices skip the benchmark and the
 owner's idle/power rules (they are always idle and on mains) and claim their profile's rate.
 All devices share one asyncio loop, and their real products go through a small shared pool
@@ -73,9 +73,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import numpy as np
 import torch
@@ -83,7 +83,8 @@ import torch
 from client.idle import Reading
 from client.policy import PolicyConfig
 from client.runner import EXIT_BANNED, MAX_NAME, ClientError, Worker, WorkerConfig, WorkerStats
-from coordinator.costmodel import DeviceClass, Profile
+from coordinator.planning.costmodel import DeviceClass, Profile
+from coordinator.wire.errors import ConfigError
 from emulator.forgeries import FORGERIES, NON_FINITE, SCALABLE, HonestWithinTolerance
 
 log = logging.getLogger("cleave.emulator")
@@ -93,8 +94,9 @@ Sleep = Callable[[float], Awaitable[None]]
 
 # Forgeries a byzantine device draws from: every scalable kind, the non-finite ones and the
 # fixed-size ones that need no memory of earlier tiles.
-BYZANTINE_KINDS: tuple[str, ...] = tuple(sorted(
-    SCALABLE | NON_FINITE | {"zeros", "swap_rows", "swap_cols", "previous_batch", "replay"}))
+BYZANTINE_KINDS: tuple[str, ...] = tuple(
+    sorted(SCALABLE | NON_FINITE | {"zeros", "swap_rows", "swap_cols", "previous_batch", "replay"})
+)
 CONNECTED = frozenset({"waiting for work", "working", "paused"})  # worker states after the Welcome
 
 
@@ -115,14 +117,19 @@ class Pacing:
     up_free: float = -math.inf
 
     @classmethod
-    def from_profile(cls, profile: Profile, dtype: str = "fp32", speed: float = 1.0) -> "Pacing":
+    def from_profile(cls, profile: Profile, dtype: str = "fp32", speed: float = 1.0) -> Pacing:
         rate = profile.flops_per_s(dtype)
         if rate <= 0:
-            raise ValueError(f"the profile has no {dtype} rate: it cannot compute the job's tiles")
+            raise ConfigError(f"the profile has no {dtype} rate: it cannot compute the job's tiles")
         if not (math.isfinite(speed) and speed > 0):
-            raise ValueError(f"--speed must be a positive number, got {speed}")
-        return cls(flops_per_s=rate / speed, down=profile.down / speed, up=profile.up / speed,
-                   latency=profile.rtt * speed / 2, overhead=profile.overhead * speed)
+            raise ConfigError(f"--speed must be a positive number, got {speed}")
+        return cls(
+            flops_per_s=rate / speed,
+            down=profile.down / speed,
+            up=profile.up / speed,
+            latency=profile.rtt * speed / 2,
+            overhead=profile.overhead * speed,
+        )
 
     def download(self, nbytes: int, t_recv: float) -> float:
         """A work frame of ``nbytes`` arrived at ``t_recv``: when its blocks are usable."""
@@ -263,18 +270,25 @@ class FleetConfig:
     def __post_init__(self) -> None:
         checks = [
             (sum(c.count for c in self.classes) >= 1, "the fleet has no devices"),
-            (math.isfinite(self.leave_rate) and 0 <= self.leave_rate <= 600,
-             f"--leave-rate must be between 0 and 600 per minute, got {self.leave_rate}"),
-            (math.isfinite(self.away_seconds) and 0 < self.away_seconds <= 86400,
-             f"--away-seconds must be above 0 and at most 86400, got {self.away_seconds}"),
+            (
+                math.isfinite(self.leave_rate) and 0 <= self.leave_rate <= 600,
+                f"--leave-rate must be between 0 and 600 per minute, got {self.leave_rate}",
+            ),
+            (
+                math.isfinite(self.away_seconds) and 0 < self.away_seconds <= 86400,
+                f"--away-seconds must be above 0 and at most 86400, got {self.away_seconds}",
+            ),
             (0 <= self.byzantine <= 1, f"--byzantine must be a share between 0 and 1, got {self.byzantine}"),
-            (math.isfinite(self.speed) and 0 < self.speed <= 1e6, f"--speed must be above 0 and at most 1e6, got {self.speed}"),
+            (
+                math.isfinite(self.speed) and 0 < self.speed <= 1e6,
+                f"--speed must be above 0 and at most 1e6, got {self.speed}",
+            ),
             (1 <= self.compute_threads <= 64, f"--threads must be between 1 and 64, got {self.compute_threads}"),
             (self.magnitude > 0, "the forgery magnitude must be positive"),
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ConfigError(message)
 
     @property
     def devices(self) -> int:
@@ -323,15 +337,23 @@ class EmulatedDevice:
 
     def as_json(self) -> dict:
         return {
-            "name": self.name, "class": self.cls, "byzantine": self.byzantine, "state": self.state,
+            "name": self.name,
+            "class": self.cls,
+            "byzantine": self.byzantine,
+            "state": self.state,
             "identity": self.identity,
-            "tiles": self.count("tiles"), "rejected": self.count("rejected"),
+            "tiles": self.count("tiles"),
+            "rejected": self.count("rejected"),
             "forged": self.forger.forged if self.forger else 0,
             "forgeries": dict(sorted(self.forger.kinds.items())) if self.forger else {},
-            "overruns": self.pacer.overruns, "paced_compute_s": round(self.pacer.paced_seconds, 4),
-            "bytes_down": self.count("bytes_down"), "bytes_up": self.count("bytes_up"),
-            "leaves": self.leaves_graceful + self.leaves_crash, "crashes": self.leaves_crash,
-            "rejoins": self.rejoins, "error": self.error,
+            "overruns": self.pacer.overruns,
+            "paced_compute_s": round(self.pacer.paced_seconds, 4),
+            "bytes_down": self.count("bytes_down"),
+            "bytes_up": self.count("bytes_up"),
+            "leaves": self.leaves_graceful + self.leaves_crash,
+            "crashes": self.leaves_crash,
+            "rejoins": self.rejoins,
+            "error": self.error,
         }
 
 
@@ -364,11 +386,17 @@ class Fleet:
                 try:
                     pacer = Pacer(Pacing.from_profile(cls.profile, cfg.dtype, cfg.speed))
                 except ValueError as exc:
-                    raise ValueError(f"fleet class {cls.name!r}: {exc}") from None
-                forger = Forger(self.compute, np.random.default_rng([cfg.seed, i + 1, 0xF0]), cfg.magnitude) \
-                    if i in bad else None
-                self.devices.append(EmulatedDevice(i, device_name(cls.name, i), cls.name, cls.profile, pacer, rng,
-                                                   self._dir / f"{i}.json", forger))
+                    raise ConfigError(f"fleet class {cls.name!r}: {exc}") from None
+                forger = (
+                    Forger(self.compute, np.random.default_rng([cfg.seed, i + 1, 0xF0]), cfg.magnitude)
+                    if i in bad
+                    else None
+                )
+                self.devices.append(
+                    EmulatedDevice(
+                        i, device_name(cls.name, i), cls.name, cls.profile, pacer, rng, self._dir / f"{i}.json", forger
+                    )
+                )
         try:  # a bad URL, token or --cafile is every device's: refused here, once (ClientError)
             Worker(self._worker_config(self.devices[0]), probe=_QuietProbe())
         except ClientError:
@@ -414,10 +442,20 @@ class Fleet:
         cfg = self.cfg
         memory_mb = min(max(1, dev.profile.memory >> 20), 10_000_000)
         return WorkerConfig(
-            url=cfg.url, token=cfg.token, name=dev.name, device="cpu", threads=1, slots=cfg.slots, once=True,
-            backoff_max=cfg.backoff_max, benchmark_seconds=0.0, poll_seconds=60.0,
+            url=cfg.url,
+            token=cfg.token,
+            name=dev.name,
+            device="cpu",
+            threads=1,
+            slots=cfg.slots,
+            once=True,
+            backoff_max=cfg.backoff_max,
+            benchmark_seconds=0.0,
+            poll_seconds=60.0,
             policy=dataclasses.replace(PolicyConfig.always(), max_memory_mb=memory_mb),
-            cafile=cfg.cafile, insecure=cfg.insecure, credentials=dev.credentials,
+            cafile=cfg.cafile,
+            insecure=cfg.insecure,
+            credentials=dev.credentials,
         )
 
     def _worker(self, dev: EmulatedDevice) -> Worker:
@@ -429,8 +467,9 @@ class Fleet:
                 if stats.identity is not None:
                     dev.identity = stats.identity
 
-        worker = Worker(wcfg, compute=dev.forger or self.compute, probe=_QuietProbe(), on_update=update,
-                        pacer=dev.pacer)
+        worker = Worker(
+            wcfg, compute=dev.forger or self.compute, probe=_QuietProbe(), on_update=update, pacer=dev.pacer
+        )
         # Its hello claims the profile's rate, as a benchmark of that device would have measured.
         worker.stats.benchmark_gflops = dev.pacer.pacing.flops_per_s / 1e9
         return worker
@@ -571,23 +610,42 @@ class Fleet:
             if not mine:
                 continue
             pacing = mine[0].pacer.pacing
-            classes.append({
-                "name": cls.name, "devices": len(mine), "byzantine": sum(d.byzantine for d in mine),
-                "gflops": pacing.flops_per_s / 1e9, "down_mbps": pacing.down * 8 / 1e6,
-                "up_mbps": pacing.up * 8 / 1e6, "rtt_ms": pacing.latency * 2e3,
-                "tiles": sum(d.count("tiles") for d in mine), "rejected": sum(d.count("rejected") for d in mine),
-                "overruns": sum(d.pacer.overruns for d in mine),
-                "leaves": sum(d.leaves_graceful + d.leaves_crash for d in mine),
-                "rejoins": sum(d.rejoins for d in mine), "banned": sum(d.state == "banned" for d in mine),
-            })
+            classes.append(
+                {
+                    "name": cls.name,
+                    "devices": len(mine),
+                    "byzantine": sum(d.byzantine for d in mine),
+                    "gflops": pacing.flops_per_s / 1e9,
+                    "down_mbps": pacing.down * 8 / 1e6,
+                    "up_mbps": pacing.up * 8 / 1e6,
+                    "rtt_ms": pacing.latency * 2e3,
+                    "tiles": sum(d.count("tiles") for d in mine),
+                    "rejected": sum(d.count("rejected") for d in mine),
+                    "overruns": sum(d.pacer.overruns for d in mine),
+                    "leaves": sum(d.leaves_graceful + d.leaves_crash for d in mine),
+                    "rejoins": sum(d.rejoins for d in mine),
+                    "banned": sum(d.state == "banned" for d in mine),
+                }
+            )
         snap = self.snapshot()
         return {
-            "url": cfg.url, "devices": len(self.devices), "dtype": cfg.dtype, "speed": cfg.speed, "seed": cfg.seed,
-            "leave_rate": cfg.leave_rate, "away_seconds": cfg.away_seconds, "byzantine_share": cfg.byzantine,
-            "finished": self.finished, "seconds": round(snap["seconds"], 3),
-            "tiles": snap["tiles"], "rejected": snap["rejected"], "overruns": snap["overruns"],
-            "bytes_down": snap["bytes_down"], "bytes_up": snap["bytes_up"],
-            "forged": snap["forged"], "forged_rejected": snap["forged_rejected"],
+            "url": cfg.url,
+            "devices": len(self.devices),
+            "dtype": cfg.dtype,
+            "speed": cfg.speed,
+            "seed": cfg.seed,
+            "leave_rate": cfg.leave_rate,
+            "away_seconds": cfg.away_seconds,
+            "byzantine_share": cfg.byzantine,
+            "finished": self.finished,
+            "seconds": round(snap["seconds"], 3),
+            "tiles": snap["tiles"],
+            "rejected": snap["rejected"],
+            "overruns": snap["overruns"],
+            "bytes_down": snap["bytes_down"],
+            "bytes_up": snap["bytes_up"],
+            "forged": snap["forged"],
+            "forged_rejected": snap["forged_rejected"],
             "leaves": {"graceful": snap["leaves"] - snap["crashes"], "crash": snap["crashes"]},
             "rejoins": snap["rejoins"],
             "byzantine": [d.name for d in self.devices if d.byzantine],

@@ -1,4 +1,4 @@
-"""Forged GEMM results, built the way an attacker who knows coordinator/verify.py would.
+"""Forged GEMM results, built the way an attacker who knows coordinator/wire/verify.py would.
 
 Used by the security tests (through tests/forgeries.py) and by ``cleave emulate --byzantine``
 (emulator/devices.py), whose byzantine devices return these instead of their products.
@@ -17,19 +17,20 @@ that would be honest to within the threshold (swapping two equal rows) raises
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from numpy.random import Generator
 from torch import Tensor
 
-from coordinator.verify import Verdict, detection_threshold, rademacher, tolerance
+from coordinator.wire.errors import CleaveError
+from coordinator.wire.verify import Verdict, detection_threshold, rademacher, tolerance
 
 Forgery = Callable[[Tensor, Tensor, Tensor, Generator, float], Tensor]
 
 
-class HonestWithinTolerance(ValueError):
+class HonestWithinTolerance(CleaveError, ValueError):
     """The requested fixed-size forgery would not differ from the honest result by Delta."""
 
 
@@ -73,6 +74,7 @@ def _two(rng: np.random.Generator, n: int) -> tuple[int, int]:
 
 
 # --- perturbations that cancel against many sign vectors -----------------------------------
+
 
 def forge_pair(a: Tensor, b: Tensor, c: Tensor, rng: Generator, magnitude: float) -> Tensor:
     """+u and -u in two entries of one row: e . r = 0 for half of all +-1 vectors."""
@@ -124,6 +126,7 @@ def forge_pairs_one_row(a: Tensor, b: Tensor, c: Tensor, rng: Generator, magnitu
 
 
 # --- structured perturbations -------------------------------------------------------------
+
 
 def forge_low_rank(a: Tensor, b: Tensor, c: Tensor, rng: Generator, magnitude: float) -> Tensor:
     """C + U V^T with U (m x 2), V (n x 2): a rank-2 change to every row."""
@@ -262,8 +265,19 @@ FORGERIES: dict[str, Forgery] = {
     "nan": forge_nan,
     "inf": forge_inf,
 }
-SCALABLE = frozenset({"pair", "hadamard4", "orthogonal", "pairs_many_rows", "pairs_one_row", "low_rank",
-                      "perturbed_operands", "scaled", "stale_weights"})
+SCALABLE = frozenset(
+    {
+        "pair",
+        "hadamard4",
+        "orthogonal",
+        "pairs_many_rows",
+        "pairs_one_row",
+        "low_rank",
+        "perturbed_operands",
+        "scaled",
+        "stale_weights",
+    }
+)
 NON_FINITE = frozenset({"nan", "inf"})
 
 
@@ -275,5 +289,6 @@ def single_round_rademacher(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, r
     return Verdict(ratio <= 1.0, "" if ratio <= 1.0 else "residual above tolerance", ratio)
 
 
-__all__ = ["FORGERIES", "HonestWithinTolerance", "NON_FINITE", "SCALABLE", "error_ratio",
-           "single_round_rademacher"] + [f.__name__ for f in FORGERIES.values()]
+__all__ = ["FORGERIES", "HonestWithinTolerance", "NON_FINITE", "SCALABLE", "error_ratio", "single_round_rademacher"] + [
+    f.__name__ for f in FORGERIES.values()
+]

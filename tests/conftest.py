@@ -30,13 +30,22 @@ else:
     #     HYPOTHESIS_PROFILE=thorough .venv/bin/python -m pytest tests/test_fuzz.py
     # draws fresh random inputs each run and remembers failures outside the checkout.
     settings.register_profile(
-        "ci", max_examples=40, deadline=None, derandomize=True, database=None,
-        suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+        "ci",
+        max_examples=40,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        print_blob=True,
     )
     settings.register_profile(
-        "thorough", max_examples=1000, deadline=None, derandomize=False,
+        "thorough",
+        max_examples=1000,
+        deadline=None,
+        derandomize=False,
         database=DirectoryBasedExampleDatabase(Path(tempfile.gettempdir()) / "cleave-hypothesis"),
-        suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow],
+        print_blob=True,
     )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

@@ -82,8 +82,16 @@ class Forger:
 async def forge_all(url: str, token: str, name: str, kinds: list[str]) -> list[dict]:
     async def one(i: int, kind: str) -> dict:
         forger = Forger(kind, seed=1000 + i)
-        cfg = WorkerConfig(url=url, token=token, name=f"{name}-{kind}", device="cpu", threads=1, once=True,
-                           benchmark_seconds=0.05, backoff_max=1.0)
+        cfg = WorkerConfig(
+            url=url,
+            token=token,
+            name=f"{name}-{kind}",
+            device="cpu",
+            threads=1,
+            once=True,
+            benchmark_seconds=0.05,
+            backoff_max=1.0,
+        )
         closes = []
         for _ in range(2):  # the second run: the stored credential of a banned identity
             worker = Worker(cfg, compute=forger)
@@ -91,8 +99,7 @@ async def forge_all(url: str, token: str, name: str, kinds: list[str]) -> list[d
                 closes.append(("exit", await worker.run()))
             except ClientError as exc:
                 closes.append(("error", exc.exit_code, str(exc)))
-        return {"kind": kind, "name": cfg.name, "forged": len(forger.forged), "honest": forger.honest,
-                "closes": closes}
+        return {"kind": kind, "name": cfg.name, "forged": len(forger.forged), "honest": forger.honest, "closes": closes}
 
     return await asyncio.gather(*(one(i, k) for i, k in enumerate(kinds)))
 
@@ -136,8 +143,10 @@ def main() -> int:
         raise AssertionError("unreachable")
 
     compute = {"corrupt": corrupt, "hold": hold, "slow": slow, "slowed": slowed, "stall": stall}[mode]
-    worker = Worker(WorkerConfig(url=url, token=token, name=name, device="cpu", threads=1, once=True,
-                                 benchmark_seconds=0.05), compute=compute)
+    worker = Worker(
+        WorkerConfig(url=url, token=token, name=name, device="cpu", threads=1, once=True, benchmark_seconds=0.05),
+        compute=compute,
+    )
     try:
         return asyncio.run(worker.run())
     except ClientError as exc:

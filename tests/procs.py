@@ -34,14 +34,21 @@ def env() -> dict[str, str]:
 class Proc:
     """A child process whose output is collected by a thread (so its pipe never fills)."""
 
-    running: list["Proc"] = []  # killed after each test by conftest, whatever happened
+    running: list[Proc] = []  # killed after each test by conftest, whatever happened
 
     def __init__(self, cmd: list[str], name: str) -> None:
         Proc.running.append(self)
         self.name = name
         self.lines: list[str] = []
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     text=True, env=env(), cwd=ROOT)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env(),
+            cwd=ROOT,
+        )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -71,16 +78,40 @@ class Proc:
 
 
 class Coordinator(Proc):
-    def __init__(self, tmp: Path, *args: str, steps: int = 20, token: str = TOKEN, port: int = 0,
-                 operator: str = OPERATOR, planner: str = "uniform") -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *args: str,
+        steps: int = 20,
+        token: str = TOKEN,
+        port: int = 0,
+        operator: str = OPERATOR,
+        planner: str = "uniform",
+    ) -> None:
         # ``uniform`` unless a test asks for the cost planner: these tests are about tiles on
         # clients, and the cost model rightly keeps every GEMM of the tiny model on the PS.
         self.db = tmp / "cleave.db"
         self.metrics_path = tmp / "metrics.jsonl"
         super().__init__(
-            cleave_cmd("coordinator", "start", "--port", str(port), "--db", str(self.db), "--token", token,
-                       "--operator-token", operator, "--steps", str(steps), "--metrics", str(self.metrics_path),
-                       "--planner", planner, *args),
+            cleave_cmd(
+                "coordinator",
+                "start",
+                "--port",
+                str(port),
+                "--db",
+                str(self.db),
+                "--token",
+                token,
+                "--operator-token",
+                operator,
+                "--steps",
+                str(steps),
+                "--metrics",
+                str(self.metrics_path),
+                "--planner",
+                planner,
+                *args,
+            ),
             "coordinator",
         )
         self.url = self._await_url()
@@ -119,8 +150,25 @@ class Coordinator(Proc):
 
 
 def join(url: str, name: str, *args: str, token: str = TOKEN) -> Proc:
-    return Proc(cleave_cmd("join", url, "--token", token, "--once", "--quiet", "--threads", "1", "--name", name,
-                           "--device", "cpu", "--always", *args), name)
+    return Proc(
+        cleave_cmd(
+            "join",
+            url,
+            "--token",
+            token,
+            "--once",
+            "--quiet",
+            "--threads",
+            "1",
+            "--name",
+            name,
+            "--device",
+            "cpu",
+            "--always",
+            *args,
+        ),
+        name,
+    )
 
 
 def double(mode: str, url: str, name: str, *args: str) -> Proc:

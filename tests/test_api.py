@@ -7,10 +7,11 @@ import re
 
 import pytest
 import torch
+from conftest import ROOT
 from torch import nn
 
-from conftest import ROOT
-from coordinator.training.loop import ConfigError, TrainConfig, Trainer
+from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.wire.errors import ConfigError
 
 
 def _example() -> str:
@@ -45,15 +46,15 @@ def test_the_factory_is_called_after_seeding() -> None:
     assert torch.equal(*weights)
 
 
-
 def test_an_unfinished_job_of_another_model_is_never_resumed_with_this_factory(tmp_path) -> None:  # noqa: ANN001
     from coordinator.job import CoordinatorConfig, _plan
     from db.sqlite import SQLiteStore
 
     store = SQLiteStore(tmp_path / "j.db")
     store.create_job("a", TrainConfig(model="custom:A", steps=5).to_dict(), 5, 0.0)  # left unfinished
-    other = CoordinatorConfig(train=TrainConfig(model="custom:B", steps=5), model_factory=lambda: nn.Linear(2, 2),
-                              db=str(tmp_path / "j.db"))
+    other = CoordinatorConfig(
+        train=TrainConfig(model="custom:B", steps=5), model_factory=lambda: nn.Linear(2, 2), db=str(tmp_path / "j.db")
+    )
 
     class Quiet:
         def note(self, text: str) -> None: ...

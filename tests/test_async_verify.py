@@ -7,26 +7,41 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from coordinator import auth
-from coordinator.core import Check, Close, Core, FaultPolicy, Send
-from coordinator.limits import TrustPolicy
-from coordinator.protocol import Cancel, CloseCode, Credential, Error, Hello, Result, Work
-from coordinator.tiles import GemmKind, TilingPolicy
-from db.memory import MemoryStore
 from test_core import Fleet, corrupt, honest, submit
 
+from coordinator.engine.core import Check, Close, Core, FaultPolicy, Send
+from coordinator.engine.limits import TrustPolicy
+from coordinator.planning.tiles import GemmKind, TilingPolicy
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.messages import Cancel, Credential, Error, Hello, Result, Work
+from db.memory import MemoryStore
 
-FAULTS = FaultPolicy(heartbeat=1.0, heartbeat_timeout=5.0, lease_floor=2.0, lease_factor=4.0,
-                     speculate_after=0.5, speculate_factor=2.0, max_copies=2)
+FAULTS = FaultPolicy(
+    heartbeat=1.0,
+    heartbeat_timeout=5.0,
+    lease_floor=2.0,
+    lease_factor=4.0,
+    speculate_after=0.5,
+    speculate_factor=2.0,
+    max_copies=2,
+)
 
 
 def _core(probation_tiles: int = 0, faults: FaultPolicy | None = None) -> Core:
     store = MemoryStore()
     job = store.create_job("test", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
-    return Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=policy, faults=faults,
-                trust=TrustPolicy(probation_tiles=probation_tiles, first_slots=8))
+    return Core(
+        store,
+        job,
+        join_token="tok",
+        operator_token="op",
+        rng=np.random.default_rng(0),
+        policy=policy,
+        faults=faults,
+        trust=TrustPolicy(probation_tiles=probation_tiles, first_slots=8),
+    )
 
 
 def _receive(fleet: Fleet, device: int, compute=honest) -> tuple[Check, Work]:

@@ -12,17 +12,28 @@ import struct
 from pathlib import Path
 
 import torch
+from conftest import TIMEOUT
+from procs import TOKEN, Coordinator, join
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from conftest import TIMEOUT
-from coordinator import auth
-from coordinator.protocol import (
-    MAGIC, PROTOCOL_VERSION, Challenge, CloseCode, Code, Credential, Error, Hello, Result, StatusRequest, Welcome, Work,
-    decode, encode,
-)
 from coordinator.training.loop import TrainConfig, Trainer
-from procs import TOKEN, Coordinator, join
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode, Code
+from coordinator.wire.messages import (
+    MAGIC,
+    PROTOCOL_VERSION,
+    Challenge,
+    Credential,
+    Error,
+    Hello,
+    Result,
+    StatusRequest,
+    Welcome,
+    Work,
+    decode,
+    encode,
+)
 
 STEPS = 40
 
@@ -109,7 +120,8 @@ async def _attack(url: str) -> dict[str, object]:
     seen["unknown type"] = await _send_then_close_code(url, _frame({"type": "launch_missiles"}))
     # Each of these escaped as a traceback from protocol version 1.
     seen["list as dtype"] = await _send_then_close_code(
-        url, _frame({"type": "speedtest", "reply_bytes": 0, "tensors": [{"dtype": [], "shape": [0]}]}))
+        url, _frame({"type": "speedtest", "reply_bytes": 0, "tensors": [{"dtype": [], "shape": [0]}]})
+    )
     seen["nested header"] = await _send_then_close_code(url, _raw("[" * 5000 + "]" * 5000))
     seen["lone surrogate"] = await _send_then_close_code(url, _raw('{"type":"hello","name":"x","token":"\\udc80"}'))
     seen["huge integer"] = await _send_then_close_code(url, _frame({"type": "hello", "name": "x", "cores": 10**40}))
@@ -139,8 +151,18 @@ def test_a_hostile_peer_cannot_disturb_training(tmp_path: Path) -> None:
     coord.wait_for_step(1)
     seen = asyncio.run(_attack(coord.url))
 
-    for name in ("garbage", "text", "truncated", "unknown type", "server message", "garbage after hello",
-                 "list as dtype", "nested header", "lone surrogate", "huge integer"):
+    for name in (
+        "garbage",
+        "text",
+        "truncated",
+        "unknown type",
+        "server message",
+        "garbage after hello",
+        "list as dtype",
+        "nested header",
+        "lone surrogate",
+        "huge integer",
+    ):
         code, reason = seen[name]  # type: ignore[misc]
         assert code == CloseCode.PROTOCOL, (name, code, reason)
         assert reason, name  # says why
@@ -167,6 +189,10 @@ def test_a_hostile_peer_cannot_disturb_training(tmp_path: Path) -> None:
     # Nothing lost: every tile verified, each forger's bad result counted against it, both banned.
     assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
     assert coord.query("SELECT name, tiles_rejected FROM devices WHERE name LIKE 'forger%' ORDER BY name") == [
-        ("forger-dtype", 1), ("forger-shape", 1)]
+        ("forger-dtype", 1),
+        ("forger-shape", 1),
+    ]
     assert coord.query("SELECT name, state FROM identities WHERE name LIKE 'forger%' ORDER BY name") == [
-        ("forger-dtype", "banned"), ("forger-shape", "banned")]
+        ("forger-dtype", "banned"),
+        ("forger-shape", "banned"),
+    ]

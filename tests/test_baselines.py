@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from coordinator import baselines
-from coordinator.baselines import CloudResult, DtfmResult, cloud_step, dtfm_step, step_flops
-from coordinator.costmodel import CostModelError, DeviceClass, Profile
-from coordinator.presets import FLEETS, MODELS, model_shape, resolve_fleet
+from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
+from coordinator.whatif import baselines
+from coordinator.whatif.baselines import CloudResult, DtfmResult, cloud_step, dtfm_step, step_flops
+from coordinator.whatif.presets import FLEETS, MODELS, model_shape, resolve_fleet
 
 
 def _close(a: float, b: float, rel: float = 1e-9) -> bool:
@@ -36,8 +36,10 @@ def test_stage_pieces_add_up_to_the_model() -> None:
         seq = 64
         parts = baselines._parts(model, seq)
         head = 0 if model.tied_head else parts.head_params
-        assert (model.n_layers * parts.layer_params + parts.embedding_params + parts.final_norm_params + head
-                == model.params), model.name
+        assert (
+            model.n_layers * parts.layer_params + parts.embedding_params + parts.final_norm_params + head
+            == model.params
+        ), model.name
         assert _close(model.n_layers * parts.layer_flops + parts.head_flops, step_flops(model, 1, seq)), model.name
 
 
@@ -76,9 +78,17 @@ def test_cloud_memory_says_when_the_training_state_does_not_fit() -> None:
     assert not big.fits and big.memory_per_gpu > model_shape("llama2-70b").params * 16 / 8
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"gpus": 0}, {"gpus": True}, {"gpu": "tpu"}, {"utilisation": 0.0}, {"utilisation": 1.5}, {"utilisation": True},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"gpus": 0},
+        {"gpus": True},
+        {"gpu": "tpu"},
+        {"utilisation": 0.0},
+        {"utilisation": 1.5},
+        {"utilisation": True},
+    ],
+)
 def test_cloud_refuses_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(CostModelError):
         cloud_step(model_shape("tiny"), 8, 64, "fp32", **kwargs)
@@ -91,8 +101,16 @@ TINY_LAYER = TINY_LINEAR_PER_LAYER + 2 * 64  # plus two RMSNorms
 TINY_EMBEDDING = TINY_HEAD = 256 * 64
 
 
-def _device(count: int, *, gflops: float = 1.0, memory: int = 1 << 30, up: float = 1e6, down: float = 4e6,
-            rtt: float = 0.01, name: str = "dev") -> DeviceClass:
+def _device(
+    count: int,
+    *,
+    gflops: float = 1.0,
+    memory: int = 1 << 30,
+    up: float = 1e6,
+    down: float = 4e6,
+    rtt: float = 0.01,
+    name: str = "dev",
+) -> DeviceClass:
     return DeviceClass(name, count, Profile(gflops={"fp32": gflops}, memory=memory, down=down, up=up, rtt=rtt))
 
 
@@ -113,10 +131,17 @@ def _tiny_expected(batch: int, seq: int, stages: int, replicas: int, dev: Profil
         link = act / min(dev.up, dev.down) + one_way  # first and last each send one tensor a micro-batch
         grads = [(TINY_LAYER + TINY_EMBEDDING) * 4, (TINY_LAYER + TINY_HEAD + 64) * 4]
     pace = max(compute, link)
-    allreduce = max(2 * (replicas - 1) / replicas * g / min(dev.up, dev.down) + 2 * (replicas - 1) * one_way
-                    for g in grads)
-    return {"step": (micro + stages - 1) * pace + allreduce, "compute": micro * compute,
-            "comm": micro * (pace - compute), "bubble": (stages - 1) * pace, "allreduce": allreduce, "micro": micro}
+    allreduce = max(
+        2 * (replicas - 1) / replicas * g / min(dev.up, dev.down) + 2 * (replicas - 1) * one_way for g in grads
+    )
+    return {
+        "step": (micro + stages - 1) * pace + allreduce,
+        "compute": micro * compute,
+        "comm": micro * (pace - compute),
+        "bubble": (stages - 1) * pace,
+        "allreduce": allreduce,
+        "micro": micro,
+    }
 
 
 def _assert_matches(got: DtfmResult, want: dict[str, float]) -> None:
@@ -151,8 +176,9 @@ def test_four_identical_devices_take_the_fastest_split(up: float) -> None:
     fleet = [_device(4, up=up, down=4 * up)]
     got = dtfm_step(model, fleet, 4, 16, "fp32")
     # Every split of 2 layers over at most 4 devices: (stages, replicas).
-    options = {(s, r): _tiny_expected(4, 16, s, r, fleet[0].profile)
-               for s, r in [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)]}
+    options = {
+        (s, r): _tiny_expected(4, 16, s, r, fleet[0].profile) for s, r in [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)]
+    }
     best = min(options, key=lambda k: (options[k]["step"], k[0] * k[1]))
     assert (got.stages, got.replicas) == best
     _assert_matches(got, options[best])
@@ -184,8 +210,7 @@ def test_no_device_in_the_dtype() -> None:
     assert got.step_s is None and "bf16" in got.why
 
 
-@pytest.mark.parametrize("fleet,model", [("desktop-gpus", "opt-13b"), ("laptops", "llama2-7b"),
-                                         ("mixed", "opt-13b")])
+@pytest.mark.parametrize("fleet,model", [("desktop-gpus", "opt-13b"), ("laptops", "llama2-7b"), ("mixed", "opt-13b")])
 def test_big_models_pipeline_over_many_stages(fleet: str, model: str) -> None:
     shape = model_shape(model)
     got = dtfm_step(shape, resolve_fleet(fleet, "fp32", 1000), 8, 256, "fp32")
@@ -199,9 +224,19 @@ def test_big_models_pipeline_over_many_stages(fleet: str, model: str) -> None:
 
 
 def _scaled(fleet: tuple[DeviceClass, ...], *, link: float = 1.0, compute: float = 1.0) -> list[DeviceClass]:
-    return [DeviceClass(cls.name, cls.count, dataclasses.replace(
-        cls.profile, up=cls.profile.up * link, down=cls.profile.down * link,
-        gflops={k: v * compute for k, v in cls.profile.gflops.items()})) for cls in fleet]
+    return [
+        DeviceClass(
+            cls.name,
+            cls.count,
+            dataclasses.replace(
+                cls.profile,
+                up=cls.profile.up * link,
+                down=cls.profile.down * link,
+                gflops={k: v * compute for k, v in cls.profile.gflops.items()},
+            ),
+        )
+        for cls in fleet
+    ]
 
 
 @pytest.mark.parametrize("model", ["small", "llama2-7b", "opt-13b"])
@@ -237,11 +272,19 @@ def test_accumulation_when_only_fewer_micro_batches_fit() -> None:
     assert got.memory_per_device <= 20 * 2**30
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"batch": 0}, "batch"), ({"batch": True}, "batch"), ({"seq": 0}, "seq"), ({"seq": 5000}, "positions"),
-    ({"dtype": "fp8"}, "dtype"), ({"micro_batch": 0}, "micro_batch"), ({"fleet": []}, "no devices"),
-    ({"fleet": [_device(0)]}, "no devices"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"batch": 0}, "batch"),
+        ({"batch": True}, "batch"),
+        ({"seq": 0}, "seq"),
+        ({"seq": 5000}, "positions"),
+        ({"dtype": "fp8"}, "dtype"),
+        ({"micro_batch": 0}, "micro_batch"),
+        ({"fleet": []}, "no devices"),
+        ({"fleet": [_device(0)]}, "no devices"),
+    ],
+)
 def test_dtfm_refuses_bad_arguments(kwargs: dict, message: str) -> None:
     args = {"model": model_shape("tiny"), "fleet": [_device(4)], "batch": 8, "seq": 64, "dtype": "fp32"}
     args.update(kwargs)
@@ -293,11 +336,17 @@ def test_assignment_search_matches_brute_force_on_small_fleets(seed: int) -> Non
     stage = (TINY_LAYER + TINY_HEAD + 64) * 16  # weights and state of a one-layer stage
     fleet = []
     for i in range(rng.randint(1, 3)):
-        fleet.append(_device(
-            rng.randint(1, 3 - i),  # at most 6 devices: the brute force tries every placement gflops=rng.choice([0.5, 1.0, 4.0]), up=rng.choice([1e5, 1e6, 1e7, 1e10]),
-            down=rng.choice([1e6, 1e7, 1e10]), rtt=rng.choice([0.0, 0.001, 0.05]), name=f"c{i}",
-            memory=stage + rng.choice([50_000, 100_000, 200_000, 2_000_000, 4_000_000, 4_000_000]),
-        ))
+        fleet.append(
+            _device(
+                rng.randint(1, 3 - i),  # at most 6 devices: the brute force tries every placement
+                gflops=rng.choice([0.5, 1.0, 4.0]),
+                up=rng.choice([1e5, 1e6, 1e7, 1e10]),
+                down=rng.choice([1e6, 1e7, 1e10]),
+                rtt=rng.choice([0.0, 0.001, 0.05]),
+                name=f"c{i}",
+                memory=stage + rng.choice([50_000, 100_000, 200_000, 2_000_000, 4_000_000, 4_000_000]),
+            )
+        )
     batch = rng.randint(1, 4)
     want = _brute_force(model, fleet, batch, 16)
     got = dtfm_step(model, fleet, batch, 16, "fp32")
@@ -307,18 +356,43 @@ def test_assignment_search_matches_brute_force_on_small_fleets(seed: int) -> Non
         assert got.step_s is not None and _close(got.step_s, want)
 
 
-@pytest.mark.parametrize("fleet,batch", [
-    # Two fast and two slightly slower devices that each hold the model: four replicas of mixed classes.
-    ([_device(2, gflops=4.0, memory=4_000_000, up=1e10, down=1e10, rtt=0.0, name="a"),
-      _device(2, gflops=3.0, memory=4_000_000, up=1e10, down=1e10, rtt=0.0, name="b")], 4),
-    # Only "big" holds the first stage; "small" devices take the last one, in two replicas.
-    ([_device(2, gflops=2.0, memory=4_000_000, up=1e9, down=1e9, rtt=0.001, name="big"),
-      _device(3, gflops=4.0, memory=(TINY_LAYER + TINY_HEAD + 64) * 16 + 100_000, up=1e9, down=1e9, rtt=0.001,
-              name="small")], 4),
-    # A slow uplink class: best kept out of the all-reduce.
-    ([_device(4, gflops=3.0, memory=4_000_000, up=1e10, down=1e10, rtt=0.0, name="fast-link"),
-      _device(2, gflops=8.0, memory=4_000_000, up=1e4, down=1e10, rtt=0.0, name="slow-up")], 4),
-])
+@pytest.mark.parametrize(
+    "fleet,batch",
+    [
+        # Two fast and two slightly slower devices that each hold the model: four replicas of mixed classes.
+        (
+            [
+                _device(2, gflops=4.0, memory=4_000_000, up=1e10, down=1e10, rtt=0.0, name="a"),
+                _device(2, gflops=3.0, memory=4_000_000, up=1e10, down=1e10, rtt=0.0, name="b"),
+            ],
+            4,
+        ),
+        # Only "big" holds the first stage; "small" devices take the last one, in two replicas.
+        (
+            [
+                _device(2, gflops=2.0, memory=4_000_000, up=1e9, down=1e9, rtt=0.001, name="big"),
+                _device(
+                    3,
+                    gflops=4.0,
+                    memory=(TINY_LAYER + TINY_HEAD + 64) * 16 + 100_000,
+                    up=1e9,
+                    down=1e9,
+                    rtt=0.001,
+                    name="small",
+                ),
+            ],
+            4,
+        ),
+        # A slow uplink class: best kept out of the all-reduce.
+        (
+            [
+                _device(4, gflops=3.0, memory=4_000_000, up=1e10, down=1e10, rtt=0.0, name="fast-link"),
+                _device(2, gflops=8.0, memory=4_000_000, up=1e4, down=1e10, rtt=0.0, name="slow-up"),
+            ],
+            4,
+        ),
+    ],
+)
 def test_heterogeneous_replicas_match_brute_force(fleet: list[DeviceClass], batch: int) -> None:
     model = model_shape("tiny")
     got = dtfm_step(model, fleet, batch, 16, "fp32")

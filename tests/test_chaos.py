@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import TIMEOUT
-from coordinator.training.loop import TrainConfig, Trainer
 from procs import Coordinator, Proc, double, free_port, join, wait_until
+
+from coordinator.training.loop import TrainConfig, Trainer
 
 
 def local_losses(steps: int, **options: int) -> list[float]:
@@ -27,15 +27,17 @@ def assert_same_losses(got: list[float], want: list[float]) -> None:
 
 def assert_every_tile_verified_once(coord: Coordinator) -> None:
     assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
-    assert coord.query("SELECT tile_id FROM leases WHERE outcome = 'verified' GROUP BY tile_id "
-                       "HAVING COUNT(*) > 1") == []  # no result used twice
+    assert (
+        coord.query("SELECT tile_id FROM leases WHERE outcome = 'verified' GROUP BY tile_id HAVING COUNT(*) > 1") == []
+    )  # no result used twice
     assert coord.query("SELECT COUNT(*) FROM leases WHERE ended_at IS NULL") == [(0,)]  # none left hanging
 
 
 def test_chaos_kills_and_freezes_clients_without_changing_a_loss(tmp_path: Path) -> None:
     options = {"batch_size": 16, "seq_len": 128}
-    coord = Coordinator(tmp_path, "--batch-size", "16", "--seq-len", "128", "--heartbeat-timeout", "3",
-                        "--min-devices", "4", steps=40)
+    coord = Coordinator(
+        tmp_path, "--batch-size", "16", "--seq-len", "128", "--heartbeat-timeout", "3", "--min-devices", "4", steps=40
+    )
     clients: list[Proc] = [join(coord.url, f"c{i}") for i in range(4)]
     frozen: list[Proc] = []
     rng = random.Random(3)
@@ -84,8 +86,10 @@ def test_a_straggler_does_not_hold_the_steps_back(tmp_path: Path) -> None:
     assert elapsed < 2 * TIMEOUT
     wins = coord.query("SELECT COUNT(*) FROM leases WHERE issued = 'speculative' AND outcome = 'verified'")[0][0]
     assert wins > 0
-    snail_cancelled = coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
-                                  "WHERE d.name = 'snail' AND l.outcome = 'cancelled'")[0][0]
+    snail_cancelled = coord.query(
+        "SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+        "WHERE d.name = 'snail' AND l.outcome = 'cancelled'"
+    )[0][0]
     assert snail_cancelled > 0
     assert_same_losses(coord.losses(), local_losses(8))
     assert_every_tile_verified_once(coord)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-
 from typing import Any
 
 import typer.main
+from conftest import ROOT
 
 from cleave_cli.app import app
-from conftest import ROOT
 
 
 def _commands() -> dict[str, Any]:
@@ -31,9 +30,21 @@ def test_every_command_has_help_and_a_docs_section() -> None:
     docs = (ROOT / "docs" / "cli.md").read_text()
     sections = dict(re.findall(r"^## (cleave [^\n]+)\n(.*?)(?=^## |\Z)", docs, flags=re.M | re.S))
     commands = _commands()
-    assert set(commands) == {"cleave coordinator start", "cleave join", "cleave status", "cleave train", "cleave demo",
-                             "cleave benchmark", "cleave plan", "cleave simulate", "cleave emulate", "cleave coordinator devices list", "cleave coordinator devices revoke",
-                             "cleave coordinator devices unban", "cleave coordinator token rotate"}
+    assert set(commands) == {
+        "cleave coordinator start",
+        "cleave join",
+        "cleave status",
+        "cleave train",
+        "cleave demo",
+        "cleave benchmark",
+        "cleave plan",
+        "cleave simulate",
+        "cleave emulate",
+        "cleave coordinator devices list",
+        "cleave coordinator devices revoke",
+        "cleave coordinator devices unban",
+        "cleave coordinator token rotate",
+    }
     for path, cmd in commands.items():
         assert cmd.help and cmd.help.strip(), f"{path} has no help"
         assert path in sections, f"docs/cli.md lacks a '## {path}' section"

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
-from coordinator.core import Abort, AuthError, Close, Core, Limit, Outbound, Send
-from coordinator.limits import TrustPolicy
-from coordinator.protocol import (
-    CloseCode, Credential, Credit, Error, Finished, Heartbeat, Hello, Leave, Release, ReleaseWhy, Result, Welcome,
+from coordinator.engine.core import Abort, Close, Core, Limit, Outbound, Send
+from coordinator.engine.limits import TrustPolicy
+from coordinator.planning.tiles import GemmKind, TilingPolicy
+from coordinator.wire.codes import CloseCode, ReleaseWhy
+from coordinator.wire.errors import AuthError
+from coordinator.wire.messages import (
+    Credential,
+    Credit,
+    Error,
+    Finished,
+    Heartbeat,
+    Hello,
+    Leave,
+    Release,
+    Result,
+    Welcome,
     Work,
 )
-from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
 
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,7 +72,9 @@ class Fleet:
             elif isinstance(item.message, Work):
                 work = item.message
                 for g in work.forget:
-                    self.blocks[item.device] = {k: v for k, v in self.blocks[item.device].items() if not k.startswith(f"{g}.")}
+                    self.blocks[item.device] = {
+                        k: v for k, v in self.blocks[item.device].items() if not k.startswith(f"{g}.")
+                    }
                     self.forgotten.setdefault(item.device, []).append(g)
                 for blk in work.blocks:
                     self.blocks[item.device][blk.key] = blk.data
@@ -95,8 +108,15 @@ def core() -> Core:
     job = store.create_job("test", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
     # No probation here: these tests are about tiles; tests/test_trust.py covers how trust is earned.
-    return Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=policy,
-                trust=TrustPolicy(probation_tiles=0, first_slots=8))
+    return Core(
+        store,
+        job,
+        join_token="tok",
+        operator_token="op",
+        rng=np.random.default_rng(0),
+        policy=policy,
+        trust=TrustPolicy(probation_tiles=0, first_slots=8),
+    )
 
 
 def submit(core: Core, fleet: Fleet, a: torch.Tensor, b: torch.Tensor, kind: GemmKind = GemmKind.FORWARD) -> dict:
@@ -320,7 +340,7 @@ def test_submit_refuses_operands_that_do_not_chain(core: Core) -> None:
 
 
 def test_released_tiles_are_requeued_and_their_blocks_sent_again(core: Core) -> None:
-    from coordinator.protocol import Release
+    from coordinator.wire.messages import Release
 
     fleet = Fleet(core)
     d = fleet.join("a", slots=1)
@@ -348,7 +368,7 @@ def test_non_finite_inputs_stop_training_instead_of_banning_honest_devices(core:
 
 
 def test_an_absurd_timing_cannot_poison_speed_estimates_or_status(core: Core) -> None:
-    from coordinator.protocol import StatusReply, encode
+    from coordinator.wire.messages import StatusReply, encode
 
     fleet = Fleet(core)
     d = fleet.join("liar-about-speed", slots=1)
@@ -364,14 +384,21 @@ def test_an_absurd_timing_cannot_poison_speed_estimates_or_status(core: Core) ->
 def test_a_take_back_that_cuts_a_device_never_leaves_the_store_and_scheduler_apart() -> None:
     """A copy's take-back can cut its slow holder while more copies are being handed out: what
     follows must see the cut (it once crashed the coordinator with a refused lease)."""
-    from coordinator.core import FaultPolicy
-    from coordinator.protocol import Leave
+    from coordinator.engine.core import FaultPolicy
+    from coordinator.wire.messages import Leave
 
     store = MemoryStore()
     job = store.create_job("x", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
-    core = Core(store, job, join_token="tok", rng=np.random.default_rng(0), policy=policy, faults=FaultPolicy(),
-                trust=TrustPolicy(probation_tiles=0, first_slots=8))
+    core = Core(
+        store,
+        job,
+        join_token="tok",
+        rng=np.random.default_rng(0),
+        policy=policy,
+        faults=FaultPolicy(),
+        trust=TrustPolicy(probation_tiles=0, first_slots=8),
+    )
     f = Fleet(core)
     slow = f.join("A", slots=2, gflops=1000.0)
     for r in range(2):  # twice it holds a tile past twice its deadline; another finishes it
@@ -392,8 +419,9 @@ def test_a_take_back_that_cuts_a_device_never_leaves_the_store_and_scheduler_apa
     for i, (delay, name) in enumerate(((0.0, None), (0.06, "B"), (0.07, None), (2.01, "C"), (2.10, "D"))):
         f.now = t0 + delay
         if name is None:
-            _, out = core.submit(torch.randn(16, 32), torch.randn(32, 16), GemmKind.FORWARD, f.now,
-                                 lambda c, i=i: box.setdefault(i, c))
+            _, out = core.submit(
+                torch.randn(16, 32), torch.randn(32, 16), GemmKind.FORWARD, f.now, lambda c, i=i: box.setdefault(i, c)
+            )
             f.route(out)
         else:
             f.join(name, slots=2 if name == "D" else 1, gflops=1000.0)
@@ -411,8 +439,9 @@ def test_a_gemm_the_trainer_waits_on_overtakes_a_deferred_weight_gradient(core: 
     d = fleet.join("solo", slots=1)
     x, dy, w = torch.randn(96, 40), torch.randn(96, 48), torch.randn(48, 40)
     boxes: dict[str, torch.Tensor] = {}
-    gid_w, out = core.submit(dy.t(), x, GemmKind.GRAD_WEIGHT, fleet.now, lambda r: boxes.setdefault("dw", r),
-                             deferred=True)
+    gid_w, out = core.submit(
+        dy.t(), x, GemmKind.GRAD_WEIGHT, fleet.now, lambda r: boxes.setdefault("dw", r), deferred=True
+    )
     fleet.route(out)
     gid_x, out = core.submit(dy, w, GemmKind.GRAD_INPUT, fleet.now, lambda r: boxes.setdefault("dx", r))
     fleet.route(out)
@@ -436,7 +465,9 @@ def test_a_tile_every_device_failed_is_reopened_once_then_the_job_stops_with_the
             (work,) = fleet.pending
             fleet.pending.clear()
             tile = work.message.tile_id
-            fleet.route(core.handle(work.device, Release((tile,), ReleaseWhy.COMPUTE_FAILED, "out of memory"), fleet.now))
+            fleet.route(
+                core.handle(work.device, Release((tile,), ReleaseWhy.COMPUTE_FAILED, "out of memory"), fleet.now)
+            )
         assert not fleet.pending and core.sched.stuck() == [tile]  # nobody may take it now
 
     everyone_fails()
@@ -464,8 +495,9 @@ def test_a_tile_failed_everywhere_twice_waits_for_a_new_device_that_can_take_it(
     for _ in range(2):  # failed, re-opened, failed again
         (work,) = fleet.pending
         fleet.pending.clear()
-        fleet.route(core.handle(work.device, Release((work.message.tile_id,), ReleaseWhy.COMPUTE_FAILED, "oom"),
-                                fleet.now))
+        fleet.route(
+            core.handle(work.device, Release((work.message.tile_id,), ReleaseWhy.COMPUTE_FAILED, "oom"), fleet.now)
+        )
         fleet.now += 2.0
         out = core.tick(fleet.now)
         assert not any(isinstance(o, Abort) for o in out)

@@ -1,7 +1,7 @@
 """docs/cost-model.md's worked examples, recomputed with the code: the page cannot drift from it.
 
 Every figure of the page's "Checked figures" table is computed here from the examples' inputs
-(coordinator/costmodel.py, coordinator/planner.py) and compared to the digits the page prints;
+(coordinator/planning/costmodel.py, coordinator/planning/planner.py) and compared to the digits the page prints;
 each figure must also be quoted in the page's text, not only in the table.
 """
 
@@ -14,14 +14,30 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.costmodel import (
-    DeviceClass, Profile, PSProfile, Stage, Unit, local_seconds, output_tiles_egress_floor, pipeline, pipelined,
+from coordinator.planning.costmodel import (
+    DeviceClass,
+    Profile,
+    PSProfile,
+    Stage,
+    Unit,
+    local_seconds,
+    output_tiles_egress_floor,
+    pipeline,
+    pipelined,
     stage,
 )
-from coordinator.planner import (
-    Gemm, Kind, PlannerOptions, _grid_candidate, _price, baseline, plan_gemm, plan_step, realize,
+from coordinator.planning.planner import (
+    Gemm,
+    Kind,
+    PlannerOptions,
+    _grid_candidate,
+    _price,
+    baseline,
+    plan_gemm,
+    plan_step,
+    realize,
 )
-from coordinator.presets import model_shape, step_gemms
+from coordinator.whatif.presets import model_shape, step_gemms
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cost-model.md"
 GIB = 1 << 30
@@ -72,7 +88,9 @@ def figures() -> dict[str, object]:
     realized = _realized(plan)
     desk_fill = desk128.down + desk128.compute + DESKTOP.rtt
     lap_fill = lap128.down + lap128.compute + LAPTOP.rtt
-    only = {kind: plan_gemm(g, FLEET, PS, PlannerOptions(kinds=frozenset({kind}))) for kind in (Kind.GRID3D, Kind.SPLIT_K)}
+    only = {
+        kind: plan_gemm(g, FLEET, PS, PlannerOptions(kinds=frozenset({kind}))) for kind in (Kind.GRID3D, Kind.SPLIT_K)
+    }
     plan512 = plan_gemm(g, FLEET, PS, PlannerOptions(kinds=frozenset({Kind.OUTPUT}), edges=(512,)))
     whole = Unit(g.m, g.n, g.k, g.itemsize)
 

@@ -8,9 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.costmodel import (
-    IN_FLIGHT, CostModelError, Profile, PSProfile, Stage, Unit, in_flight_memory, local_seconds, output_egress_floor,
-    output_tiles_egress_floor, pipeline, pipelined, ps_seconds, stage,
+from coordinator.planning.costmodel import (
+    IN_FLIGHT,
+    CostModelError,
+    Profile,
+    PSProfile,
+    Stage,
+    Unit,
+    in_flight_memory,
+    local_seconds,
+    output_egress_floor,
+    output_tiles_egress_floor,
+    pipeline,
+    pipelined,
+    ps_seconds,
+    stage,
 )
 
 
@@ -112,8 +124,7 @@ def test_the_default_ps_is_a_server_and_checking_costs_a_fraction_of_computing()
 
 
 def test_ps_work_and_local_gemms_by_hand() -> None:
-    ps = PSProfile(egress=1e9, ingress=1e9, gflops={"fp32": 10.0}, verify_flops=1e9, unit_overhead=1e-3,
-                   memory_bw=1e9)
+    ps = PSProfile(egress=1e9, ingress=1e9, gflops={"fp32": 10.0}, verify_flops=1e9, unit_overhead=1e-3, memory_bw=1e9)
     # 10 units, 2 GFLOP of checks, 100 MB of output and 50 MB of partials to add (read + write).
     assert ps_seconds(10, 2e9, 50e6, 100e6, ps) == pytest.approx(0.01 + 2.0 + 0.1 + 0.1)
     assert local_seconds(1000, 1000, 1000, "fp32", ps) == pytest.approx(2e9 / 10e9)
@@ -121,10 +132,19 @@ def test_ps_work_and_local_gemms_by_hand() -> None:
     assert PSProfile.from_link(8.0).egress == 1e9
 
 
-@pytest.mark.parametrize("bad", [
-    dict(gflops={"fp64": 1.0}), dict(gflops={"fp32": -1.0}), dict(down=0.0), dict(up=math.nan), dict(rtt=-1.0),
-    dict(reliability=1.5), dict(session=0.0), dict(memory=-1),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(gflops={"fp64": 1.0}),
+        dict(gflops={"fp32": -1.0}),
+        dict(down=0.0),
+        dict(up=math.nan),
+        dict(rtt=-1.0),
+        dict(reliability=1.5),
+        dict(session=0.0),
+        dict(memory=-1),
+    ],
+)
 def test_impossible_profiles_are_refused(bad: dict) -> None:
     fields = dict(gflops={"fp32": 1.0}, memory=1, down=1.0, up=1.0) | bad
     with pytest.raises(CostModelError):

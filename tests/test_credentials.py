@@ -46,8 +46,10 @@ def test_a_damaged_credentials_file_is_a_clear_error_not_a_silent_reset(tmp_path
     assert CredentialStore(path).get("c", "n", "ws://h:1") is None  # an unusable entry: enrol again
 
 
-@pytest.mark.parametrize("url", ["ws://127.0.0.1:8765", "ws://localhost:1", "ws://[::1]:9", "wss://example.org:8765",
-                                 "wss://192.168.1.10:8765"])
+@pytest.mark.parametrize(
+    "url",
+    ["ws://127.0.0.1:8765", "ws://localhost:1", "ws://[::1]:9", "wss://example.org:8765", "wss://192.168.1.10:8765"],
+)
 def test_loopback_ws_and_any_wss_are_accepted(url: str) -> None:
     check_url(url)
 

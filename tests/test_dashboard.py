@@ -14,11 +14,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from procs import OPERATOR, TOKEN, join
-from coordinator.dashboard import Curve, Dashboard
+
+from coordinator.engine.live_plan import Planner
 from coordinator.job import CoordinatorConfig, serve_job
-from coordinator.live_plan import Planner
+from coordinator.net.dashboard import Curve, Dashboard
 from coordinator.training.loop import StepResult, TrainConfig
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -36,9 +36,21 @@ class _Quiet:
 def _browse(url: str) -> str:
     """The page's DOM after its script has run for a few (virtual) seconds."""
     assert CHROMIUM is not None
-    run = subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                          "--virtual-time-budget=3000", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [
+            CHROMIUM,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--virtual-time-budget=3000",
+            "--dump-dom",
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout
 
@@ -69,8 +81,15 @@ def _get(url: str, token: str | None = None) -> tuple[int, dict, dict]:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (.ci/run installs it)")
 def test_the_dashboard_renders_live_numbers_and_hides_operator_data_without_the_token(tmp_path: Path) -> None:
-    cfg = CoordinatorConfig(train=TrainConfig(steps=STEPS), port=0, db=str(tmp_path / "d.db"), token=TOKEN,
-                            operator_token=OPERATOR, min_devices=2, planner=Planner.UNIFORM)
+    cfg = CoordinatorConfig(
+        train=TrainConfig(steps=STEPS),
+        port=0,
+        db=str(tmp_path / "d.db"),
+        token=TOKEN,
+        operator_token=OPERATOR,
+        min_devices=2,
+        planner=Planner.UNIFORM,
+    )
 
     async def run() -> dict:
         loop = asyncio.get_running_loop()
@@ -90,8 +109,11 @@ def test_the_dashboard_renders_live_numbers_and_hides_operator_data_without_the_
         seen["api"] = await asyncio.to_thread(_get, http + "/api/status")
         seen["wrong"] = await asyncio.to_thread(_get, http + "/api/status", "not-the-operator-token")
         seen["joiner"] = await asyncio.to_thread(_get, http + "/api/status", TOKEN)  # a volunteer's token
-        seen["doubled"] = await asyncio.to_thread(_raw, http, b"GET /api/status HTTP/1.1\r\nHost: x\r\n"
-                                                  b"Authorization: Bearer a\r\nAuthorization: Bearer b\r\n\r\n")
+        seen["doubled"] = await asyncio.to_thread(
+            _raw,
+            http,
+            b"GET /api/status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\nAuthorization: Bearer b\r\n\r\n",
+        )
         await job
         seen["codes"] = [c.wait() for c in clients]
         return seen
@@ -118,7 +140,7 @@ def test_the_dashboard_renders_live_numbers_and_hides_operator_data_without_the_
 
 
 def test_names_from_volunteers_are_never_html_and_the_curve_stays_bounded() -> None:
-    js = (Path(__file__).resolve().parents[1] / "coordinator" / "web" / "dashboard.js").read_text()
+    js = (Path(__file__).resolve().parents[1] / "coordinator" / "net" / "web" / "dashboard.js").read_text()
     assert "innerHTML" not in js and "insertAdjacentHTML" not in js and "eval(" not in js
     curve = Curve(limit=100)
     for step in range(1, 10_001):

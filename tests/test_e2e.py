@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TIMEOUT
 from procs import OPERATOR, Coordinator, Proc, cleave_cmd, double, env, join, metrics, wait_until
 
@@ -21,8 +20,14 @@ REL = 1e-4
 def local_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The baseline: `cleave train --local` with the same options."""
     path = tmp_path_factory.mktemp("local") / "local.jsonl"
-    run = subprocess.run(cleave_cmd("train", "--local", "--steps", str(STEPS), "--metrics", str(path), "--quiet"),
-                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=2 * TIMEOUT)
+    run = subprocess.run(
+        cleave_cmd("train", "--local", "--steps", str(STEPS), "--metrics", str(path), "--quiet"),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=2 * TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
     losses = [row["loss"] for row in metrics(path)]
     assert len(losses) == STEPS
@@ -100,16 +105,24 @@ def test_ctrl_c_leaves_gracefully(tmp_path: Path, local_losses: list[float]) -> 
     assert_same_losses(coord.losses(), local_losses)
     state, reason = coord.query("SELECT state, reason FROM devices WHERE name = 'leaver'")[0]
     assert (state, reason) == ("offline", "left")
-    assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
-                       "WHERE d.name = 'leaver' AND l.outcome = 'lost'") == [(0,)]
+    assert coord.query(
+        "SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+        "WHERE d.name = 'leaver' AND l.outcome = 'lost'"
+    ) == [(0,)]
 
 
 def test_status_reports_the_job_as_json_and_a_dashboard(tmp_path: Path) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "2", steps=5)
     first = join(coord.url, "first")
     wait_until(lambda: "first" in _status(coord.url).get("names", []), TIMEOUT, "the first device")
-    run = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", OPERATOR, "--json"),
-                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
+    run = subprocess.run(
+        cleave_cmd("status", "--url", coord.url, "--token", OPERATOR, "--json"),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
     status = json.loads(run.stdout)
     assert {"step", "steps", "loss"} <= set(status["job"]) and status["job"]["steps"] == 5
@@ -117,11 +130,23 @@ def test_status_reports_the_job_as_json_and_a_dashboard(tmp_path: Path) -> None:
     (device,) = status["devices"]
     assert {"name", "state", "tiles_done", "tiles_rejected", "gflops"} <= set(device)
     assert device["name"] == "first" and device["gflops"] > 0
-    board = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", OPERATOR, "--once"),
-                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
+    board = subprocess.run(
+        cleave_cmd("status", "--url", coord.url, "--token", OPERATOR, "--once"),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=TIMEOUT,
+    )
     assert board.returncode == 0 and "first" in board.stdout and "devices" in board.stdout
-    wrong = subprocess.run(cleave_cmd("status", "--url", coord.url, "--token", "nope", "--json"),
-                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
+    wrong = subprocess.run(
+        cleave_cmd("status", "--url", coord.url, "--token", "nope", "--json"),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=TIMEOUT,
+    )
     assert wrong.returncode == 2 and "refused the token" in wrong.stderr
     assert len(wrong.stderr.strip().splitlines()) == 1
     second = join(coord.url, "second")

@@ -13,12 +13,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, TIMEOUT
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, metrics
 
 from cleave_cli.status import fetch_status
-from conftest import ROOT, TIMEOUT
-from coordinator.costmodel import Profile
+from coordinator.planning.costmodel import Profile
 from emulator.devices import Pacer, Pacing, byzantine_indices, device_name
-from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, metrics
 
 # --------------------------------------------------------------------------- the pacing model
 
@@ -130,8 +130,14 @@ rtt_ms = 10
 
 def _local_losses(tmp: Path) -> list[float]:
     path = tmp / "local.jsonl"
-    run = subprocess.run(cleave_cmd("train", "--local", "--steps", str(STEPS), "--metrics", str(path), "--quiet"),
-                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=2 * TIMEOUT)
+    run = subprocess.run(
+        cleave_cmd("train", "--local", "--steps", str(STEPS), "--metrics", str(path), "--quiet"),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=2 * TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
     return [row["loss"] for row in metrics(path)]
 
@@ -142,11 +148,33 @@ def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path
     dashboard's status says so) and no honest device is."""
     fleet = tmp_path / "fleet.toml"
     fleet.write_text(FLEET)
-    coord = Coordinator(tmp_path, "--min-devices", str(DEVICES // 2), "--heartbeat-timeout", "2", "--verbose",
-                        steps=STEPS)
-    emu = Proc(cleave_cmd("emulate", coord.url, "--token", TOKEN, "--devices", str(DEVICES), "--fleet", str(fleet),
-                          "--leave-rate", "3", "--away-seconds", "2", "--byzantine", "0.05", "--seed", "3",
-                          "--json", "--interval", "2"), "emulate")
+    coord = Coordinator(
+        tmp_path, "--min-devices", str(DEVICES // 2), "--heartbeat-timeout", "2", "--verbose", steps=STEPS
+    )
+    emu = Proc(
+        cleave_cmd(
+            "emulate",
+            coord.url,
+            "--token",
+            TOKEN,
+            "--devices",
+            str(DEVICES),
+            "--fleet",
+            str(fleet),
+            "--leave-rate",
+            "3",
+            "--away-seconds",
+            "2",
+            "--byzantine",
+            "0.05",
+            "--seed",
+            "3",
+            "--json",
+            "--interval",
+            "2",
+        ),
+        "emulate",
+    )
     snapshots: list[dict] = []
     done = threading.Event()
 
@@ -193,8 +221,11 @@ def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path
         assert rows and all(d["tiles_done"] == 0 for d in rows) and rows[-1]["tiles_rejected"] >= 1
         (state,) = coord.query("SELECT state FROM identities WHERE name = ?", forger)[0]
         assert state == "banned"
-        assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
-                           "WHERE d.name = ? AND l.outcome = 'verified'", forger) == [(0,)]
+        assert coord.query(
+            "SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+            "WHERE d.name = ? AND l.outcome = 'verified'",
+            forger,
+        ) == [(0,)]
     assert coord.query("SELECT COUNT(*) FROM identities WHERE state = 'banned'") == [(len(forgers),)]
     # The coordinator saw graceful leaves, and lost connections: the forger's and crashes' (found
     # by heartbeat timeout, lost copies, or the reset when the device came back).
@@ -212,7 +243,21 @@ def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path
                 assert d["gflops"] <= rate[d["name"].split("-")[1]] * 1.05, d
     assert math.isfinite(report["seconds"])
     # For the record (pytest -s): what the drill did.
-    print(json.dumps({"devices": DEVICES, "steps": STEPS, "losses": got, "local": want, "tiles": report["tiles"],
-                      "leaves": report["leaves"], "rejoins": report["rejoins"], "forgers": sorted(forgers),
-                      "banned": sorted(report["banned"]), "forged": report["forged"],
-                      "forged_rejected": report["forged_rejected"], "seconds": report["seconds"]}))
+    print(
+        json.dumps(
+            {
+                "devices": DEVICES,
+                "steps": STEPS,
+                "losses": got,
+                "local": want,
+                "tiles": report["tiles"],
+                "leaves": report["leaves"],
+                "rejoins": report["rejoins"],
+                "forgers": sorted(forgers),
+                "banned": sorted(report["banned"]),
+                "forged": report["forged"],
+                "forged_rejected": report["forged_rejected"],
+                "seconds": report["seconds"],
+            }
+        )
+    )

@@ -5,16 +5,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from coordinator.core import Core, FaultPolicy
-from coordinator.limits import TrustPolicy
-from coordinator.protocol import Cancel, CloseCode, Heartbeat, Result, Work
-from coordinator.tiles import GemmKind, TilingPolicy
-from db.memory import MemoryStore
 from test_core import Fleet, submit
 
-FAULTS = FaultPolicy(heartbeat=1.0, heartbeat_timeout=5.0, lease_floor=2.0, lease_factor=4.0,
-                     speculate_after=0.5, speculate_factor=2.0, max_copies=2)
+from coordinator.engine.core import Core, FaultPolicy
+from coordinator.engine.limits import TrustPolicy
+from coordinator.planning.tiles import GemmKind, TilingPolicy
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.messages import Cancel, Heartbeat, Result, Work
+from db.memory import MemoryStore
+
+FAULTS = FaultPolicy(
+    heartbeat=1.0,
+    heartbeat_timeout=5.0,
+    lease_floor=2.0,
+    lease_factor=4.0,
+    speculate_after=0.5,
+    speculate_factor=2.0,
+    max_copies=2,
+)
 
 
 @pytest.fixture
@@ -22,8 +30,15 @@ def core() -> Core:
     store = MemoryStore()
     job = store.create_job("faults", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
-    return Core(store, job, join_token="tok", rng=np.random.default_rng(0), policy=policy, faults=FAULTS,
-                trust=TrustPolicy(probation_tiles=0, first_slots=8))
+    return Core(
+        store,
+        job,
+        join_token="tok",
+        rng=np.random.default_rng(0),
+        policy=policy,
+        faults=FAULTS,
+        trust=TrustPolicy(probation_tiles=0, first_slots=8),
+    )
 
 
 def _works(fleet: Fleet, device: int) -> list[Work]:
@@ -175,7 +190,7 @@ def test_a_device_over_its_memory_budget_finishes_its_tiles_before_taking_more(c
 
 
 def test_a_paused_device_gets_nothing_and_its_tiles_go_back(core: Core) -> None:
-    from coordinator.protocol import Pause, Resume
+    from coordinator.wire.messages import Pause, Resume
 
     fleet = Fleet(core)
     laptop = fleet.join("laptop")
@@ -197,7 +212,7 @@ def test_a_paused_device_gets_nothing_and_its_tiles_go_back(core: Core) -> None:
 
 
 def test_credit_reaches_busy_devices_and_a_final_tally_comes_with_finished(core: Core) -> None:
-    from coordinator.protocol import Credit, Finished
+    from coordinator.wire.messages import Credit, Finished
 
     fleet = Fleet(core)
     d = fleet.join("worker")
@@ -215,7 +230,8 @@ def test_credit_reaches_busy_devices_and_a_final_tally_comes_with_finished(core:
 
 
 def test_a_tile_whose_compute_failed_goes_to_another_device(core: Core) -> None:
-    from coordinator.protocol import Release, ReleaseWhy
+    from coordinator.wire.codes import ReleaseWhy
+    from coordinator.wire.messages import Release
 
     fleet = Fleet(core)
     broken = fleet.join("broken", slots=1)

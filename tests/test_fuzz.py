@@ -16,8 +16,9 @@ import functools
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,19 +26,48 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
 )
 
-import coordinator.core as core_module
-from coordinator import auth
-from coordinator.core import Abort, AuthError, Close, Core, FaultPolicy, Limit, Outbound, Send
-from coordinator.limits import Limits, Rate, TrustPolicy
-from coordinator.protocol import (
-    DTYPES, MAGIC, MAX_DIM, PROTOCOL_VERSION, Block, Cancel, Challenge, CloseCode, Code, Credential, Credit, Error,
-    Finished, Heartbeat, Hello, Leave, Pause, ProtocolError, Release, ReleaseWhy, Result, Resume, SpeedTest,
-    StatusReply, StatusRequest, Welcome, Work, decode, encode,
+import coordinator.engine.core as core_module
+from coordinator.engine.core import Abort, Close, Core, FaultPolicy, Limit, Outbound, Send
+from coordinator.engine.limits import Limits, Rate, TrustPolicy
+from coordinator.planning.tiles import GemmKind, TilingPolicy
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
+from coordinator.wire.errors import AuthError, ProtocolError
+from coordinator.wire.messages import (
+    DTYPES,
+    MAGIC,
+    MAX_DIM,
+    PROTOCOL_VERSION,
+    Block,
+    Cancel,
+    Challenge,
+    Credential,
+    Credit,
+    Error,
+    Finished,
+    Heartbeat,
+    Hello,
+    Leave,
+    Pause,
+    Release,
+    Result,
+    Resume,
+    SpeedTest,
+    StatusReply,
+    StatusRequest,
+    Welcome,
+    Work,
+    decode,
+    encode,
 )
-from coordinator.tiles import GemmKind, TilingPolicy
 from db.memory import MemoryStore
 from db.store import ACTIVE, BANNED, LEASED, QUEUED, VERIFIED
 
@@ -47,8 +77,24 @@ EXAMPLES = settings.default.max_examples
 # ====================================================================== the wire protocol
 
 MESSAGE_TYPES: tuple[type, ...] = (
-    Challenge, Hello, Credential, StatusRequest, Result, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit,
-    SpeedTest, Welcome, Work, StatusReply, Finished, Error,
+    Challenge,
+    Hello,
+    Credential,
+    StatusRequest,
+    Result,
+    Leave,
+    Release,
+    Heartbeat,
+    Cancel,
+    Pause,
+    Resume,
+    Credit,
+    SpeedTest,
+    Welcome,
+    Work,
+    StatusReply,
+    Finished,
+    Error,
 )
 BY_TYPE = {cls.TYPE: cls for cls in MESSAGE_TYPES}
 PREFIX = struct.Struct("<3sBI")
@@ -80,8 +126,9 @@ def clean(text: str) -> str:
 
 # ---------------------------------------------------------------------- valid messages
 
-PRINTABLE = (st.characters(codec="utf-8", exclude_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs"))
-             | st.just(" "))
+PRINTABLE = st.characters(codec="utf-8", exclude_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs")) | st.just(
+    " "
+)
 ANY_CHAR = st.characters(codec="utf-8")  # control characters included, surrogates not (they cannot be UTF-8)
 
 
@@ -113,17 +160,30 @@ def valid_value(meta: Any) -> st.SearchStrategy[Any]:
 
 
 SURROGATES = st.sampled_from(["\ud800", "x\udfffy", "\udc80\ud800"])
-JSON_SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-                | st.text(max_size=12) | SURROGATES)
-JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=6) | SURROGATES, inner, max_size=4), max_leaves=12)
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | SURROGATES
+)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6) | SURROGATES, inner, max_size=4),
+    max_leaves=12,
+)
 STATUS = st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=5)
 TRAVELLING = list(DTYPES.values())
 
 
 @st.composite
-def tensors(draw: st.DrawFn, ndim: st.SearchStrategy[int] | None = None,
-            dtypes: list[torch.dtype] = TRAVELLING, max_side: int = 5) -> torch.Tensor:
+def tensors(
+    draw: st.DrawFn,
+    ndim: st.SearchStrategy[int] | None = None,
+    dtypes: list[torch.dtype] = TRAVELLING,
+    max_side: int = 5,
+) -> torch.Tensor:
     """A tensor with arbitrary bits (NaN payloads included), possibly a non-contiguous view."""
     dtype = draw(st.sampled_from(dtypes))
     dims = draw(ndim if ndim is not None else st.integers(0, 4))
@@ -149,8 +209,12 @@ def messages(cls: type) -> st.SearchStrategy[Any]:
         kwargs["data"] = tensors(ndim=st.just(1), dtypes=[torch.uint8], max_side=64)
     elif cls is Work:
         block = st.builds(Block, key=valid_text(KEY_META), data=tensors(ndim=st.just(2)))
-        kwargs.update(a_t=st.booleans(), b_t=st.booleans(), forget=valid_value(IDS_META),
-                      blocks=st.lists(block, max_size=16).map(tuple))
+        kwargs.update(
+            a_t=st.booleans(),
+            b_t=st.booleans(),
+            forget=valid_value(IDS_META),
+            blocks=st.lists(block, max_size=16).map(tuple),
+        )
     elif cls is StatusReply:
         kwargs["status"] = STATUS
     return st.builds(cls, **kwargs)
@@ -161,8 +225,11 @@ ANY_MESSAGE = st.one_of([messages(cls) for cls in MESSAGE_TYPES])
 
 def after_decode(msg: Any) -> Any:
     """``msg`` as the peer's decode returns it: free text cleaned of non-printable characters."""
-    cleaned = {f.name: clean(getattr(msg, f.name)) for f in fields(msg)
-               if f.metadata.get("kind") == "str" and f.metadata["text"] == "free"}
+    cleaned = {
+        f.name: clean(getattr(msg, f.name))
+        for f in fields(msg)
+        if f.metadata.get("kind") == "str" and f.metadata["text"] == "free"
+    }
     return replace(msg, **cleaned) if cleaned else msg
 
 
@@ -266,16 +333,20 @@ def check_decoded(msg: Any) -> None:
 # ---------------------------------------------------------------------- frames
 
 
-def frame_of(header: dict[str, Any] | bytes, payload: bytes = b"", *, ascii_only: bool = True,
-             version: int = PROTOCOL_VERSION) -> bytes:
-    head = header if isinstance(header, bytes) else json.dumps(header, ensure_ascii=ascii_only).encode(
-        "utf-8", "surrogatepass")  # a lone surrogate written raw is invalid UTF-8: decode must refuse it
+def frame_of(
+    header: dict[str, Any] | bytes, payload: bytes = b"", *, ascii_only: bool = True, version: int = PROTOCOL_VERSION
+) -> bytes:
+    head = (
+        header
+        if isinstance(header, bytes)
+        else json.dumps(header, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    )  # a lone surrogate written raw is invalid UTF-8: decode must refuse it
     return PREFIX.pack(MAGIC, version, len(head)) + head + payload
 
 
 def split(frame: bytes) -> tuple[dict[str, Any], bytes]:
     _, _, n = PREFIX.unpack_from(frame)
-    return json.loads(frame[PREFIX.size:PREFIX.size + n]), frame[PREFIX.size + n:]
+    return json.loads(frame[PREFIX.size : PREFIX.size + n]), frame[PREFIX.size + n :]
 
 
 # ---------------------------------------------------------------------- hostile values
@@ -283,18 +354,49 @@ def split(frame: bytes) -> tuple[dict[str, Any], bytes]:
 HUGE_INTS = [-1, -(2**63) - 1, -(2**63), 2**31, 2**53, (2**53) + 1, 2**63, 2**64, 10**30, 10**400]
 ODD_FLOATS = [1e308, -1e308, -0.0, 5e-324, 1e-300, 0.1, 1e15, 1.5e15, 2.0**63, 86400.000001]
 ODD_STRINGS = [
-    "", "\ud800", "a\udfffb", "\x00", "\x1b[31m", "\u202e", "\u2028", "\ufeff", "\x7f", "x" * 300, "\u00e9" * 65,
-    "ff" * 32 + "F", "AB" * 32, "zz" * 32, "0" * 63, "0" * 65, " " + "0" * 63, "1e3", "NaN", "Infinity", "null",
-    "true", "f32", "-1", "0x10", "\u0660",
+    "",
+    "\ud800",
+    "a\udfffb",
+    "\x00",
+    "\x1b[31m",
+    "\u202e",
+    "\u2028",
+    "\ufeff",
+    "\x7f",
+    "x" * 300,
+    "\u00e9" * 65,
+    "ff" * 32 + "F",
+    "AB" * 32,
+    "zz" * 32,
+    "0" * 63,
+    "0" * 65,
+    " " + "0" * 63,
+    "1e3",
+    "NaN",
+    "Infinity",
+    "null",
+    "true",
+    "f32",
+    "-1",
+    "0x10",
+    "\u0660",
 ]
 HOSTILE_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.sampled_from(HUGE_INTS),
-    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from(ODD_FLOATS),
-    st.text(max_size=16), st.text(st.characters(categories=["Cc", "Cs", "Zl", "Zp", "Cf", "Co"]), max_size=6),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from(HUGE_INTS),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(ODD_FLOATS),
+    st.text(max_size=16),
+    st.text(st.characters(categories=["Cc", "Cs", "Zl", "Zp", "Cf", "Co"]), max_size=6),
     st.sampled_from(ODD_STRINGS),
 )
-HOSTILE = st.recursive(HOSTILE_SCALARS, lambda inner: st.lists(inner, max_size=5)
-                       | st.dictionaries(st.text(max_size=6), inner, max_size=5), max_leaves=10)
+HOSTILE = st.recursive(
+    HOSTILE_SCALARS,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=6), inner, max_size=5),
+    max_leaves=10,
+)
 
 
 def hostile_for(meta: Any) -> st.SearchStrategy[Any]:
@@ -305,17 +407,33 @@ def hostile_for(meta: Any) -> st.SearchStrategy[Any]:
         near = st.sampled_from([lo - 1, hi + 1, 2 * hi + 1, -hi, float(lo), float(hi), str(lo), True, False])
     elif kind == "float":
         lo, hi = meta["lo"], meta["hi"]
-        near = st.sampled_from([lo - 1, hi * 2, math.nextafter(hi, math.inf), math.nextafter(lo, -math.inf),
-                                int(hi) + 1, str(lo), True, [lo]])
+        near = st.sampled_from(
+            [
+                lo - 1,
+                hi * 2,
+                math.nextafter(hi, math.inf),
+                math.nextafter(lo, -math.inf),
+                int(hi) + 1,
+                str(lo),
+                True,
+                [lo],
+            ]
+        )
     elif kind == "str":
         n = meta["max_len"]
-        near = st.one_of(st.text(min_size=n + 1, max_size=n + 2), st.text(ANY_CHAR, min_size=n, max_size=n),
-                         st.text(st.characters(categories=["Cc", "Cs", "Zl", "Zp"]), min_size=1, max_size=4),
-                         st.sampled_from(ODD_STRINGS))
+        near = st.one_of(
+            st.text(min_size=n + 1, max_size=n + 2),
+            st.text(ANY_CHAR, min_size=n, max_size=n),
+            st.text(st.characters(categories=["Cc", "Cs", "Zl", "Zp"]), min_size=1, max_size=4),
+            st.sampled_from(ODD_STRINGS),
+        )
     elif kind == "ids":
         over = st.integers(0, 9).map(lambda v: [v] * (meta["max_items"] + 1))
-        near = st.one_of(over, st.lists(HOSTILE_SCALARS, min_size=1, max_size=4),
-                         st.sampled_from([[meta["hi"] + 1], [-1], [True], [1.0], [[1]], "1,2", {"0": 1}]))
+        near = st.one_of(
+            over,
+            st.lists(HOSTILE_SCALARS, min_size=1, max_size=4),
+            st.sampled_from([[meta["hi"] + 1], [-1], [True], [1.0], [[1]], "1,2", {"0": 1}]),
+        )
     elif kind == "enum":
         near = st.one_of(st.sampled_from([e.value.upper() for e in meta["enum"]] + [0, 1, [], {}]), st.text(max_size=8))
     else:  # fields without declared limits: status, blocks, flags
@@ -326,8 +444,9 @@ def hostile_for(meta: Any) -> st.SearchStrategy[Any]:
 DTYPE_NAMES = st.sampled_from([*DTYPES, "f64", "F32", "float32", "i32", "", "u8 "]) | HOSTILE
 DIMS = st.integers(-3, 6) | st.sampled_from([MAX_DIM, MAX_DIM + 1, 2**31, 2**63, 2**64, -(2**63)]) | HOSTILE_SCALARS
 DESCRIPTOR = st.fixed_dictionaries({"dtype": DTYPE_NAMES, "shape": st.lists(DIMS, max_size=6) | HOSTILE}) | HOSTILE
-DESCRIPTORS = st.one_of(st.lists(DESCRIPTOR, max_size=4), HOSTILE,
-                        st.integers(17, 20).map(lambda n: [{"dtype": "u8", "shape": [0]}] * n))
+DESCRIPTORS = st.one_of(
+    st.lists(DESCRIPTOR, max_size=4), HOSTILE, st.integers(17, 20).map(lambda n: [{"dtype": "u8", "shape": [0]}] * n)
+)
 
 
 @st.composite
@@ -359,7 +478,7 @@ def hostile_frames(draw: st.DrawFn) -> bytes:
         header["type"] = draw(HOSTILE)
     how = draw(st.sampled_from(["keep", "keep", "cut", "extend", "random"]), label="payload")
     if how == "cut":
-        payload = payload[:draw(st.integers(0, max(0, len(payload) - 1)))]
+        payload = payload[: draw(st.integers(0, max(0, len(payload) - 1)))]
     elif how == "extend":
         payload += draw(st.binary(min_size=1, max_size=16))
     elif how == "random":
@@ -367,8 +486,9 @@ def hostile_frames(draw: st.DrawFn) -> bytes:
     return frame_of(header, payload, ascii_only=draw(st.booleans(), label="ascii"))
 
 
-JSON_SHARDS = st.sampled_from([b'"', b"\\", b"\\ud800", b"[", b"{", b"}", b"-", b"e999", b"0" * 8, b"\xff", b"\xc3",
-                               b",", b"\x00"])
+JSON_SHARDS = st.sampled_from(
+    [b'"', b"\\", b"\\ud800", b"[", b"{", b"}", b"-", b"e999", b"0" * 8, b"\xff", b"\xc3", b",", b"\x00"]
+)
 MUTATION = st.one_of(
     st.tuples(st.just("flip"), st.integers(0, 2**16), st.integers(1, 255)),
     st.tuples(st.just("set"), st.integers(0, 2**16), st.integers(0, 255)),
@@ -392,7 +512,7 @@ def mutate(frame: bytes, mutations: list[tuple[Any, ...]]) -> bytes:
         elif kind == "insert":
             buf[at:at] = args[1]
         elif kind == "delete":
-            del buf[at:at + args[1]]
+            del buf[at : at + args[1]]
         elif kind == "truncate":
             del buf[at:]
         elif kind == "version" and len(buf) > 3:
@@ -436,9 +556,15 @@ def test_decode_raises_only_protocol_error_on_mutated_frames(msg: Any, mutations
 
 
 @settings(max_examples=EXAMPLES * 2)
-@given(head=st.binary(max_size=64) | st.builds(lambda v, n, rest: PREFIX.pack(MAGIC, v, n) + rest,
-                                                st.sampled_from([PROTOCOL_VERSION, 0, 1, 3, 255]),
-                                                st.integers(0, 2**32 - 1) | st.integers(0, 64), st.binary(max_size=64)))
+@given(
+    head=st.binary(max_size=64)
+    | st.builds(
+        lambda v, n, rest: PREFIX.pack(MAGIC, v, n) + rest,
+        st.sampled_from([PROTOCOL_VERSION, 0, 1, 3, 255]),
+        st.integers(0, 2**32 - 1) | st.integers(0, 64),
+        st.binary(max_size=64),
+    )
+)
 def test_decode_raises_only_protocol_error_on_arbitrary_bytes(head: bytes) -> None:
     assert_decodes_safely(head)
 
@@ -462,21 +588,45 @@ def nested(kind: str, depth: int, leaf: str = "0") -> str:
 
 
 BIG_NUMBERS = st.one_of(
-    st.integers(300, 330).map(lambda n: "9" * n), st.integers(4280, 4320).map(lambda n: "9" * n),
-    st.integers(300, 330).map(lambda n: "-1" + "0" * n), st.integers(1, 4400).map(lambda n: "1" + "0" * n + ".5"),
-    st.integers(300, 5000).map(lambda n: "0." + "0" * n + "1"), st.integers(1, 20).map(lambda n: "1e" + "9" * n),
-    st.sampled_from(["1e400", "-1e400", "1e-400", "1E+309", "2e308", "-0", "-0.0", "0e0", "1.7976931348623157e308",
-                     "4.9e-324", "123456789012345678901234567890", "9007199254740993", "18446744073709551616"]),
+    st.integers(300, 330).map(lambda n: "9" * n),
+    st.integers(4280, 4320).map(lambda n: "9" * n),
+    st.integers(300, 330).map(lambda n: "-1" + "0" * n),
+    st.integers(1, 4400).map(lambda n: "1" + "0" * n + ".5"),
+    st.integers(300, 5000).map(lambda n: "0." + "0" * n + "1"),
+    st.integers(1, 20).map(lambda n: "1e" + "9" * n),
+    st.sampled_from(
+        [
+            "1e400",
+            "-1e400",
+            "1e-400",
+            "1E+309",
+            "2e308",
+            "-0",
+            "-0.0",
+            "0e0",
+            "1.7976931348623157e308",
+            "4.9e-324",
+            "123456789012345678901234567890",
+            "9007199254740993",
+            "18446744073709551616",
+        ]
+    ),
 )
 
 
 @settings(max_examples=EXAMPLES * 3)
-@given(cls=st.sampled_from(MESSAGE_TYPES), msg_seed=st.data(), target=st.integers(0, 64),
-       literal=st.one_of(st.builds(nested, NESTING, DEPTHS), BIG_NUMBERS,
-                         st.builds(nested, NESTING, st.integers(1, 1000), BIG_NUMBERS)),
-       stack=st.sampled_from([0, 0, 150, 400]))
-def test_decode_survives_deep_nesting_and_huge_numbers(cls: type, msg_seed: st.DataObject, target: int, literal: str,
-                                                       stack: int) -> None:
+@given(
+    cls=st.sampled_from(MESSAGE_TYPES),
+    msg_seed=st.data(),
+    target=st.integers(0, 64),
+    literal=st.one_of(
+        st.builds(nested, NESTING, DEPTHS), BIG_NUMBERS, st.builds(nested, NESTING, st.integers(1, 1000), BIG_NUMBERS)
+    ),
+    stack=st.sampled_from([0, 0, 150, 400]),
+)
+def test_decode_survives_deep_nesting_and_huge_numbers(
+    cls: type, msg_seed: st.DataObject, target: int, literal: str, stack: int
+) -> None:
     header, payload = split(encode(msg_seed.draw(messages(cls), label="valid message")))
     # The literal replaces one field, a tensor dimension, a status value or a tile id.
     spots = [*wire_fields(cls), "tensors.shape", "status.value", "ids.item", "type"]
@@ -506,7 +656,7 @@ def _deeper(levels: int, fn: Callable[[], Any]) -> Any:
 
 
 # ---------------------------------------------------------------------- bugs the fuzzer found
-# Each reproduces, at its smallest, a bug these properties found in coordinator/protocol.py.
+# Each reproduces, at its smallest, a bug these properties found in coordinator/wire/messages.py.
 
 
 def test_decode_refuses_a_float_field_holding_an_integer_beyond_float_range() -> None:
@@ -519,8 +669,9 @@ def test_decode_refuses_a_float_field_holding_an_integer_beyond_float_range() ->
 def test_decode_refuses_zero_size_tensors_whose_strides_overflow(shape: list[int]) -> None:
     """Was a RuntimeError ("Stride calculation overflowed") from torch.empty(shape) in _tensors."""
     with pytest.raises(ProtocolError):
-        decode(frame_of({"type": "result", "tile_id": 1, "seconds": 0.0,
-                         "tensors": [{"dtype": "f32", "shape": shape}]}))
+        decode(
+            frame_of({"type": "result", "tile_id": 1, "seconds": 0.0, "tensors": [{"dtype": "f32", "shape": shape}]})
+        )
 
 
 def test_decode_refuses_float_literals_beyond_float_range_even_in_a_status() -> None:
@@ -529,20 +680,27 @@ def test_decode_refuses_float_literals_beyond_float_range_even_in_a_status() -> 
         decode(frame_of(b'{"type":"status","status":{"loss":1e400}}'))
 
 
-@pytest.mark.parametrize("make", [
-    lambda: Result(1, torch.tensor(1.5)),  # 0-d, wider than a byte
-    lambda: Result(1, torch.tensor(1.5, dtype=torch.bfloat16)),
-    lambda: Result(1, torch.randn(1, 3).t()),  # contiguous, yet stride (1, 3)
-    lambda: Work(1, "k", "k", blocks=(Block("k", torch.randn(1, 3).t()),)),
-], ids=["0-d f32", "0-d bf16", "result (3, 1) view", "work block (3, 1) view"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Result(1, torch.tensor(1.5)),  # 0-d, wider than a byte
+        lambda: Result(1, torch.tensor(1.5, dtype=torch.bfloat16)),
+        lambda: Result(1, torch.randn(1, 3).t()),  # contiguous, yet stride (1, 3)
+        lambda: Work(1, "k", "k", blocks=(Block("k", torch.randn(1, 3).t()),)),
+    ],
+    ids=["0-d f32", "0-d bf16", "result (3, 1) view", "work block (3, 1) view"],
+)
 def test_tensors_whose_bytes_are_not_a_plain_view_encode(make: Callable[[], Any]) -> None:
     """Was a RuntimeError from t.view(torch.uint8) in _raw: it needs a unit last stride."""
     msg = make()
     assert_same(decode(encode(msg)), msg)
 
 
-@pytest.mark.parametrize("make", [lambda: torch.randn(2)[::2], lambda: torch.randn(5, 3)[2:3, 1:2].t()],
-                         ids=["(1,) stride 2", "(1, 1) stride (1, 3)"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: torch.randn(2)[::2], lambda: torch.randn(5, 3)[2:3, 1:2].t()],
+    ids=["(1,) stride 2", "(1, 1) stride (1, 3)"],
+)
 def test_one_element_tensors_with_a_wide_stride_encode(make: Callable[[], torch.Tensor]) -> None:
     """Was a RuntimeError: reshape keeps a one-element tensor's stride; _raw now copies it."""
     msg = Result(1, make())
@@ -565,14 +723,39 @@ TICK = 0.25  # the longest the fake clock moves between two ticks
 def DIM(most: int) -> st.SearchStrategy[int]:  # noqa: N802 - reads as a type of strategy
     """A GEMM dimension, sometimes 0 (an empty product still completes), shrinking towards 1."""
     return st.integers(-most // 10, most).map(lambda v: v if v > 0 else 1 if v == 0 else 0)
+
+
 LIVENESS_ROUNDS = 400
 BEHAVIOURS = ["honest", "honest", "honest", "forger", "staller", "babbler"]
-FORGERIES = ["bump", "scale", "zeros", "random", "nan", "inf", "transpose", "shape", "empty", "flat", "f16", "bf16",
-             "u8", "scalar"]
+FORGERIES = [
+    "bump",
+    "scale",
+    "zeros",
+    "random",
+    "nan",
+    "inf",
+    "transpose",
+    "shape",
+    "empty",
+    "flat",
+    "f16",
+    "bf16",
+    "u8",
+    "scalar",
+]
 UNEXPECTED = [
-    Hello(name="again"), Credit(1.0, 2.0), StatusRequest(token="op"), Welcome(1, 1, "job", 1), Cancel((1,)),
-    Finished(), Error(Code.BAD_FRAME, "x"), StatusReply({}), Challenge("", "c"), Credential(1, ""),
-    SpeedTest(reply_bytes=1, data=torch.zeros(1, dtype=torch.uint8)), Work(tile_id=1, a="1.0.1x1", b="1.0.1x1"),
+    Hello(name="again"),
+    Credit(1.0, 2.0),
+    StatusRequest(token="op"),
+    Welcome(1, 1, "job", 1),
+    Cancel((1,)),
+    Finished(),
+    Error(Code.BAD_FRAME, "x"),
+    StatusReply({}),
+    Challenge("", "c"),
+    Credential(1, ""),
+    SpeedTest(reply_bytes=1, data=torch.zeros(1, dtype=torch.uint8)),
+    Work(tile_id=1, a="1.0.1x1", b="1.0.1x1"),
 ]
 
 
@@ -617,7 +800,8 @@ def _forge(kind: str, c: torch.Tensor, rng: np.random.Generator) -> torch.Tensor
 def _bars(lease: Any) -> bool:
     """Whether a lease's end bars its device from the tile for good."""
     return lease.outcome in ("rejected", "revoked") or (
-        lease.outcome == "released" and lease.reason.startswith(ReleaseWhy.COMPUTE_FAILED.value))
+        lease.outcome == "released" and lease.reason.startswith(ReleaseWhy.COMPUTE_FAILED.value)
+    )
 
 
 @dataclass
@@ -654,7 +838,7 @@ def _step(fn: Callable[..., None]) -> Callable[..., None]:
     """A rule: until the invariants pass after it, the machine is not in a state to judge liveness."""
 
     @functools.wraps(fn)
-    def run(self: "CoreUnderFire", **kwargs: Any) -> None:
+    def run(self: CoreUnderFire, **kwargs: Any) -> None:
         self.settled = False
         fn(self, **kwargs)
 
@@ -663,13 +847,32 @@ def _step(fn: Callable[..., None]) -> Callable[..., None]:
 
 TRUSTS = st.builds(
     lambda probation, first, extra, ban, cut: TrustPolicy(
-        probation_tiles=probation, first_slots=first, max_slots=first + extra, ban_rejects=ban, cut_after=cut,
-        grow_every=2),
-    st.sampled_from([0, 3]), st.integers(1, 4), st.integers(0, 4), st.integers(1, 3), st.integers(1, 3))
+        probation_tiles=probation,
+        first_slots=first,
+        max_slots=first + extra,
+        ban_rejects=ban,
+        cut_after=cut,
+        grow_every=2,
+    ),
+    st.sampled_from([0, 3]),
+    st.integers(1, 4),
+    st.integers(0, 4),
+    st.integers(1, 3),
+    st.integers(1, 3),
+)
 FAULTS = st.builds(
-    lambda copies: FaultPolicy(heartbeat=1.0, heartbeat_timeout=5.0, lease_floor=2.0, lease_factor=4.0, max_wait=10.0,
-                               speculate_after=0.5, speculate_factor=2.0, max_copies=copies),
-    st.integers(1, 3))
+    lambda copies: FaultPolicy(
+        heartbeat=1.0,
+        heartbeat_timeout=5.0,
+        lease_floor=2.0,
+        lease_factor=4.0,
+        max_wait=10.0,
+        speculate_after=0.5,
+        speculate_factor=2.0,
+        max_copies=copies,
+    ),
+    st.integers(1, 3),
+)
 LIMITS = st.sampled_from([Limits(), Limits(messages=Rate(40.0, 20.0), releases=Rate(8.0, 16.0), pauses=Rate(0.5, 2.0))])
 
 
@@ -679,16 +882,26 @@ class CoreUnderFire(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.build(TrustPolicy(probation_tiles=0, first_slots=2), FaultPolicy(heartbeat=1.0, heartbeat_timeout=5.0),
-                   Limits())
+        self.build(
+            TrustPolicy(probation_tiles=0, first_slots=2), FaultPolicy(heartbeat=1.0, heartbeat_timeout=5.0), Limits()
+        )
 
     def build(self, trust: TrustPolicy, faults: FaultPolicy, limits: Limits) -> None:
         self.store = MemoryStore()
         self.job = self.store.create_job("fuzz", {}, 10, 0.0)
         entropy = np.random.default_rng(1)  # deterministic nonces and secrets: examples replay exactly
-        self.core = Core(self.store, self.job, join_token=JOIN, operator_token="op", rng=np.random.default_rng(0),
-                         policy=POLICY, faults=faults, trust=trust, limits=limits,
-                         randbytes=lambda n: entropy.bytes(n))
+        self.core = Core(
+            self.store,
+            self.job,
+            join_token=JOIN,
+            operator_token="op",
+            rng=np.random.default_rng(0),
+            policy=POLICY,
+            faults=faults,
+            trust=trust,
+            limits=limits,
+            randbytes=lambda n: entropy.bytes(n),
+        )
         self.core._lease = self.checked_lease(self.core._lease)  # type: ignore[method-assign]
         self.now = START
         self.devs: dict[int, FakeDevice] = {}
@@ -709,15 +922,17 @@ class CoreUnderFire(RuleBasedStateMachine):
         def checked(dev: Any, tile_id: int, copy: str | None, now: float) -> list[Outbound]:
             # The scheduler has decided (the tile is in the device's books); the store is next.
             assert self.core.devices.get(dev.id) is dev, f"a lease to device {dev.id}, which is gone"
-            assert tile_id in dev.inflight and len(dev.inflight) <= dev.slots, \
+            assert tile_id in dev.inflight and len(dev.inflight) <= dev.slots, (
                 f"device {dev.id} leased tile {tile_id} beyond its {dev.slots} slots"
+            )
             assert not dev.paused, f"device {dev.id} leased tile {tile_id} while paused"
             before = [lease for lease in self.store.leases(tile_id) if lease.device_id == dev.id]
             assert all(lease.ended_at is not None for lease in before), "two open leases for one device"
             barred = [lease for lease in before if _bars(lease)]
             # ...unless every device failed it and it was re-opened to all (Core._unstick).
-            assert not barred or tile_id in self.core._reopened, \
+            assert not barred or tile_id in self.core._reopened, (
                 f"device {dev.id} leased tile {tile_id} again after {barred[0].outcome}"
+            )
             out = lease(dev, tile_id, copy, now)
             mine = [lease for lease in self.store.leases(tile_id) if lease.device_id == dev.id]
             assert mine and mine[-1].ended_at is None
@@ -784,8 +999,9 @@ class CoreUnderFire(RuleBasedStateMachine):
         return any(isinstance(o, Close) and o.device == dev.id for o in out)
 
     def errors(self, dev: FakeDevice, out: list[Outbound]) -> list[Code]:
-        return [o.message.code for o in out if isinstance(o, Send) and o.device == dev.id
-                and isinstance(o.message, Error)]
+        return [
+            o.message.code for o in out if isinstance(o, Send) and o.device == dev.id and isinstance(o.message, Error)
+        ]
 
     def leases_of(self, tile_id: int, device_id: int) -> list[Any]:
         return [lease for lease in self.store.leases(tile_id) if lease.device_id == device_id]
@@ -804,13 +1020,20 @@ class CoreUnderFire(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ devices come and go
 
-    @rule(behaviour=st.sampled_from(BEHAVIOURS), name=NAMES, slots=st.integers(1, 8),
-          gflops=st.sampled_from([0.0, 1.0, 50.0, 1e7]), budget=st.sampled_from([0, 0, 1, 4096, 1 << 20]),
-          token=st.sampled_from([JOIN, JOIN, JOIN, "wrong", "op"]), paused=st.sampled_from(["", "", "", "on battery"]))
+    @rule(
+        behaviour=st.sampled_from(BEHAVIOURS),
+        name=NAMES,
+        slots=st.integers(1, 8),
+        gflops=st.sampled_from([0.0, 1.0, 50.0, 1e7]),
+        budget=st.sampled_from([0, 0, 1, 4096, 1 << 20]),
+        token=st.sampled_from([JOIN, JOIN, JOIN, "wrong", "op"]),
+        paused=st.sampled_from(["", "", "", "on battery"]),
+    )
     @_step
     def join(self, behaviour: str, name: str, slots: int, gflops: float, budget: int, token: str, paused: str) -> None:
-        hello = decode(encode(Hello(name=name, token=token, slots=slots, gflops=gflops, block_budget=budget,
-                                    paused=paused)))
+        hello = decode(
+            encode(Hello(name=name, token=token, slots=slots, gflops=gflops, block_budget=budget, paused=paused))
+        )
         before = set(self.core.devices)
         try:
             device_id, out = self.core.connect(hello, self.core.gate.challenge().nonce, self.now)
@@ -843,11 +1066,19 @@ class CoreUnderFire(RuleBasedStateMachine):
         # Reconnects are limited per identity: would this one find a token left?
         allowed = standing.budgets is None or copy.deepcopy(standing.budgets[2]).take(self.now)
         try:
-            device_id, out = self.core.connect(Hello(name="back", identity=identity, proof=proof, slots=slots), nonce,
-                                               self.now)
+            device_id, out = self.core.connect(
+                Hello(name="back", identity=identity, proof=proof, slots=slots), nonce, self.now
+            )
         except AuthError as exc:
-            want = (CloseCode.BANNED if state == BANNED else CloseCode.IN_USE if is_connected
-                    else CloseCode.STALLING if cooling else CloseCode.RATE_LIMITED)
+            want = (
+                CloseCode.BANNED
+                if state == BANNED
+                else CloseCode.IN_USE
+                if is_connected
+                else CloseCode.STALLING
+                if cooling
+                else CloseCode.RATE_LIMITED
+            )
             assert exc.code == want, (exc.code, exc)
             assert want != CloseCode.RATE_LIMITED or not allowed, (exc.code, exc)
             return
@@ -881,7 +1112,7 @@ class CoreUnderFire(RuleBasedStateMachine):
         if layout == "t":  # a transposed view: its blocks travel transposed back
             return torch.randn(cols, rows, generator=gen).t()
         if layout == "slice":  # a strided slice: its blocks travel as copies
-            return torch.randn(rows + 3, cols + 5, generator=gen)[1:rows + 1, 2:cols + 2]
+            return torch.randn(rows + 3, cols + 5, generator=gen)[1 : rows + 1, 2 : cols + 2]
         return torch.randn(rows, cols, generator=gen)
 
     def reused(self, pick: int, rows: int | None) -> torch.Tensor | None:
@@ -889,12 +1120,26 @@ class CoreUnderFire(RuleBasedStateMachine):
         return views[pick % len(views)] if views else None
 
     @precondition(lambda self: len(self.core.gemms) < 3)  # bounded work, so queues drain and copies happen
-    @rule(m=DIM(80), n=DIM(80), k=DIM(160), kind=st.sampled_from(list(GemmKind)),
-          layouts=st.tuples(st.sampled_from(["plain", "t", "slice"]), st.sampled_from(["plain", "t", "slice"])),
-          reuse=st.tuples(st.none() | PICK, st.none() | PICK), seed=st.integers(0, 2**16))
+    @rule(
+        m=DIM(80),
+        n=DIM(80),
+        k=DIM(160),
+        kind=st.sampled_from(list(GemmKind)),
+        layouts=st.tuples(st.sampled_from(["plain", "t", "slice"]), st.sampled_from(["plain", "t", "slice"])),
+        reuse=st.tuples(st.none() | PICK, st.none() | PICK),
+        seed=st.integers(0, 2**16),
+    )
     @_step
-    def submit(self, m: int, n: int, k: int, kind: GemmKind, layouts: tuple[str, str],
-               reuse: tuple[int | None, int | None], seed: int) -> None:
+    def submit(
+        self,
+        m: int,
+        n: int,
+        k: int,
+        kind: GemmKind,
+        layouts: tuple[str, str],
+        reuse: tuple[int | None, int | None],
+        seed: int,
+    ) -> None:
         gen = torch.Generator().manual_seed(seed)
         a = self.reused(reuse[0], None) if reuse[0] is not None else None
         if a is None:
@@ -977,8 +1222,12 @@ class CoreUnderFire(RuleBasedStateMachine):
         assert self.last_lease(tile_id, dev.id).outcome == "rejected", f"a {how} forgery was accepted"
 
     @precondition(lambda self: self.devs)
-    @rule(pick=PICK, source=st.sampled_from(["random", "another's", "verified", "mine before"]), which=PICK,
-          seconds=SECONDS)
+    @rule(
+        pick=PICK,
+        source=st.sampled_from(["random", "another's", "verified", "mine before"]),
+        which=PICK,
+        seconds=SECONDS,
+    )
     @_step
     def answer_a_tile_not_held(self, pick: int, source: str, which: int, seconds: float) -> None:
         dev = self.device(pick)
@@ -998,8 +1247,13 @@ class CoreUnderFire(RuleBasedStateMachine):
         assert self.store.leases(tile_id) == before
 
     @precondition(lambda self: self.devs)
-    @rule(pick=PICK, held=st.integers(0, 8), extra=st.lists(st.integers(0, 2**20), max_size=4) | st.integers(
-        60, 80).map(lambda n: list(range(n))), why=st.sampled_from(list(ReleaseWhy)), reason=REASONS)
+    @rule(
+        pick=PICK,
+        held=st.integers(0, 8),
+        extra=st.lists(st.integers(0, 2**20), max_size=4) | st.integers(60, 80).map(lambda n: list(range(n))),
+        why=st.sampled_from(list(ReleaseWhy)),
+        reason=REASONS,
+    )
     @_step
     def give_back(self, pick: int, held: int, extra: list[int], why: ReleaseWhy, reason: str) -> None:
         dev = self.device(pick)
@@ -1062,8 +1316,11 @@ class CoreUnderFire(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ time
 
-    @rule(dt=st.sampled_from([0.0, 0.3, 0.6, 1.0, 2.1, 5.01]) | st.floats(0.0, 8.0), silent=st.integers(0, 2**8 - 1),
-          new_step=st.booleans())
+    @rule(
+        dt=st.sampled_from([0.0, 0.3, 0.6, 1.0, 2.1, 5.01]) | st.floats(0.0, 8.0),
+        silent=st.integers(0, 2**8 - 1),
+        new_step=st.booleans(),
+    )
     @_step
     def time_passes(self, dt: float, silent: int, new_step: bool) -> None:
         """The clock moves ``dt`` in ticks of at most ``TICK`` (the server ticks often; the core may
@@ -1160,8 +1417,9 @@ class CoreUnderFire(RuleBasedStateMachine):
         queued_tiles = [t for g in live.values() for t in g.tiles if store.tile_state(t) == QUEUED]
         for device_id, dev in core.devices.items():
             if dev.free > 0:  # work-conserving: a willing device is never idle beside work it may take
-                open_to_it = [t for t in queued_tiles
-                              if not any(_bars(lease) for lease in self.leases_of(t, device_id))]
+                open_to_it = [
+                    t for t in queued_tiles if not any(_bars(lease) for lease in self.leases_of(t, device_id))
+                ]
                 assert not open_to_it, f"device {device_id} has {dev.free} free slots, tiles {open_to_it} wait"
         status = core.status(self.now)
         reply = decode(encode(StatusReply(status)))  # strict JSON, within the observer's limits
@@ -1206,8 +1464,9 @@ class CoreUnderFire(RuleBasedStateMachine):
 
     def join_honestly(self) -> FakeDevice | None:
         try:
-            device_id, out = self.core.connect(Hello(name="closer", token=JOIN, slots=8),
-                                               self.core.gate.challenge().nonce, self.now)
+            device_id, out = self.core.connect(
+                Hello(name="closer", token=JOIN, slots=8), self.core.gate.challenge().nonce, self.now
+            )
         except AuthError as exc:
             assert exc.code == CloseCode.BUSY  # the enrolment allowance is spent: try next round
             return None
@@ -1224,8 +1483,14 @@ def test_a_gemm_with_one_output_column_of_a_transposed_weight_can_be_sent() -> N
     """Found by the fuzzer: X @ W^T for a Linear with one output feature has the B block W^T[:, 0:1],
     shape (k, 1) with stride (1, k), which the core sends as it lies in memory; encode(Work) raised."""
     store = MemoryStore()
-    core = Core(store, store.create_job("head", {}, 1, 0.0), join_token=JOIN, rng=np.random.default_rng(0),
-                policy=POLICY, trust=TrustPolicy(probation_tiles=0))
+    core = Core(
+        store,
+        store.create_job("head", {}, 1, 0.0),
+        join_token=JOIN,
+        rng=np.random.default_rng(0),
+        policy=POLICY,
+        trust=TrustPolicy(probation_tiles=0),
+    )
     device, out = core.connect(Hello(name="d", token=JOIN), core.gate.challenge().nonce, START)
     x, w = torch.randn(8, 40), torch.randn(1, 40)  # a value head: one output feature
     out += core.submit(x, w.t(), GemmKind.FORWARD, START, lambda r: None)[1]
@@ -1240,9 +1505,15 @@ def test_a_tick_sends_nothing_to_a_device_it_already_dropped() -> None:
     dispatched, which could take a lease back from another device and cut it; the loop then closed
     that device a second time."""
     store = MemoryStore()
-    core = Core(store, store.create_job("tick", {}, 1, 0.0), join_token=JOIN, rng=np.random.default_rng(0),
-                policy=POLICY, faults=FaultPolicy(heartbeat=1.0, heartbeat_timeout=5.0),
-                trust=TrustPolicy(probation_tiles=0, cut_after=1))
+    core = Core(
+        store,
+        store.create_job("tick", {}, 1, 0.0),
+        join_token=JOIN,
+        rng=np.random.default_rng(0),
+        policy=POLICY,
+        faults=FaultPolicy(heartbeat=1.0, heartbeat_timeout=5.0),
+        trust=TrustPolicy(probation_tiles=0, cut_after=1),
+    )
     devices = {core.connect(Hello(name=name, token=JOIN), core.gate.challenge().nonce, START)[0] for name in "ab"}
     core.submit(torch.randn(1, 1), torch.randn(1, 32), GemmKind.FORWARD, START, lambda r: None)  # one tile each
     out = core.tick(START + 10.0)  # both silent; b's lease is also at twice its deadline
@@ -1260,9 +1531,15 @@ def test_a_lease_given_back_and_leased_again_keeps_its_own_deadline(monkeypatch:
     first lease's deadline. Forced here by an id() that always collides."""
     monkeypatch.setattr(core_module, "id", lambda obj: 42, raising=False)  # the allocator reuses the address
     store = MemoryStore()
-    core = Core(store, store.create_job("reuse", {}, 1, 0.0), join_token=JOIN, rng=np.random.default_rng(0),
-                policy=POLICY, faults=FaultPolicy(heartbeat=1.0, heartbeat_timeout=50.0, lease_floor=2.0),
-                trust=TrustPolicy(probation_tiles=0))
+    core = Core(
+        store,
+        store.create_job("reuse", {}, 1, 0.0),
+        join_token=JOIN,
+        rng=np.random.default_rng(0),
+        policy=POLICY,
+        faults=FaultPolicy(heartbeat=1.0, heartbeat_timeout=50.0, lease_floor=2.0),
+        trust=TrustPolicy(probation_tiles=0),
+    )
     device, _ = core.connect(Hello(name="d", token=JOIN, slots=1), core.gate.challenge().nonce, START)
     core.submit(torch.randn(16, 32), torch.randn(32, 16), GemmKind.FORWARD, START, lambda r: None)  # one tile
     (tile,) = core.devices[device].inflight  # its deadline: START + 2

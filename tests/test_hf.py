@@ -13,14 +13,15 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 from conftest import ROOT, TIMEOUT  # noqa: E402
 from procs import Coordinator, cleave_cmd, env, join, metrics  # noqa: E402
+from torch import nn  # noqa: E402
+
 from coordinator.training import hf  # noqa: E402
 from coordinator.training.flops import gemm_share  # noqa: E402
 from coordinator.training.linear import LocalEngine, TiledLinear, offload_linears  # noqa: E402
-from coordinator.training.loop import ConfigError, TrainConfig, Trainer  # noqa: E402
+from coordinator.training.loop import TrainConfig, Trainer  # noqa: E402
+from coordinator.wire.errors import ConfigError  # noqa: E402
 
 REL = 1e-4
 STEPS = 3
@@ -30,12 +31,27 @@ IDS = {"bos_token_id": 0, "eos_token_id": 0}
 def _configs() -> dict[str, object]:
     return {
         "gpt2": transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64, **IDS),
-        "llama": transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=176, vocab_size=256,
-                                          max_position_embeddings=64, **IDS),
-        "opt": transformers.OPTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, ffn_dim=256,
-                                      vocab_size=256, max_position_embeddings=64, word_embed_proj_dim=64,
-                                      pad_token_id=1, **IDS),
+        "llama": transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=176,
+            vocab_size=256,
+            max_position_embeddings=64,
+            **IDS,
+        ),
+        "opt": transformers.OPTConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_dim=256,
+            vocab_size=256,
+            max_position_embeddings=64,
+            word_embed_proj_dim=64,
+            pad_token_id=1,
+            **IDS,
+        ),
     }
 
 
@@ -51,20 +67,41 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _local(model: str, tmp: Path) -> list[float]:
     path = tmp / "local.jsonl"
-    run = subprocess.run(cleave_cmd("train", "--local", "--model", model, "--steps", str(STEPS), "--seq-len", "32",
-                                    "--batch-size", "4", "--metrics", str(path), "--quiet"),
-                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=2 * TIMEOUT)
+    run = subprocess.run(
+        cleave_cmd(
+            "train",
+            "--local",
+            "--model",
+            model,
+            "--steps",
+            str(STEPS),
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--metrics",
+            str(path),
+            "--quiet",
+        ),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=2 * TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
     return [row["loss"] for row in metrics(path)]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
-def test_a_transformers_model_trains_through_clients_like_local_torch(arch: str, folders: dict[str, Path],
-                                                                      tmp_path: Path) -> None:
+def test_a_transformers_model_trains_through_clients_like_local_torch(
+    arch: str, folders: dict[str, Path], tmp_path: Path
+) -> None:
     model = f"hf:{folders[arch]}"
     want = _local(model, tmp_path)
-    coord = Coordinator(tmp_path, "--model", model, "--min-devices", "2", "--seq-len", "32", "--batch-size", "4",
-                        steps=STEPS)
+    coord = Coordinator(
+        tmp_path, "--model", model, "--min-devices", "2", "--seq-len", "32", "--batch-size", "4", steps=STEPS
+    )
     clients = [join(coord.url, f"{arch}-{i}") for i in range(2)]
     assert coord.wait() == 0, coord.output
     assert [c.wait() for c in clients] == [0, 0]
@@ -142,7 +179,7 @@ def test_unusable_folders_fail_with_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_a_transformers_model_resumes_from_a_checkpoint_exactly(folders: dict[str, Path], tmp_path: Path) -> None:
-    from coordinator import checkpoint
+    from coordinator.training import checkpoint
 
     cfg = TrainConfig(model=f"hf:{folders['gpt2']}", steps=4, seq_len=32, batch_size=2)
     straight = [r.loss for r in Trainer(cfg).run()]
@@ -164,7 +201,9 @@ def test_a_folder_with_a_tokenizer_trains_on_its_token_ids(tmp_path: Path) -> No
     bpe.train_from_iterator([text], tokenizers.trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>"]))
     transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>").save_pretrained(tmp_path)
     vocab = bpe.get_vocab_size()
-    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=vocab, n_positions=32, **IDS).save_pretrained(tmp_path)
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=vocab, n_positions=32, **IDS).save_pretrained(
+        tmp_path
+    )
     data = tmp_path / "code.txt"
     data.write_text(text)
     cfg = TrainConfig(model=f"hf:{tmp_path}", steps=2, seq_len=16, batch_size=2, data=str(data))  # vocab < 256: fine

@@ -13,14 +13,15 @@ import time
 from pathlib import Path
 
 import psutil
-
 from conftest import TIMEOUT
-from client.credentials import CredentialStore
-from coordinator import auth
-from coordinator.limits import Limits, memory_bound
-from coordinator.protocol import Challenge, CloseCode, Hello, decode, encode
-from coordinator.training.loop import TrainConfig, Trainer
 from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, double, env, join, wait_until
+
+from client.credentials import CredentialStore
+from coordinator.engine.limits import Limits, memory_bound
+from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.messages import Challenge, Hello, decode, encode
 
 
 def _exact(coord: Coordinator, steps: int) -> None:
@@ -42,11 +43,14 @@ def test_three_stalling_clients_cannot_stop_an_honest_one(tmp_path: Path) -> Non
     assert honest.wait() == 0, honest.output
     _exact(coord, steps)
     # Bounded by the deadlines: far less than one lease floor per tile the stallers took.
-    taken = coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
-                        "WHERE d.name LIKE 'staller%'")[0][0]
+    taken = coord.query(
+        "SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id WHERE d.name LIKE 'staller%'"
+    )[0][0]
     assert taken > 0 and elapsed < 60, (taken, elapsed)
-    assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
-                       "WHERE d.name LIKE 'staller%' AND l.outcome = 'verified'") == [(0,)]
+    assert coord.query(
+        "SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+        "WHERE d.name LIKE 'staller%' AND l.outcome = 'verified'"
+    ) == [(0,)]
     # Found out: cut after their tiles kept going to others, and cooling off.
     reasons = [r for (r,) in coord.query("SELECT reason FROM devices WHERE name LIKE 'staller%'")]
     assert any("come back in" in r for r in reasons), reasons
@@ -61,8 +65,10 @@ def _upgrade(port: int) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     try:
         key = base64.b64encode(os.urandom(16))
-        s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                  b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        s.sendall(
+            b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: " + key + b"\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
         head = b""
         while b"\r\n\r\n" not in head:
             chunk = s.recv(4096)
@@ -131,8 +137,10 @@ def test_unauthenticated_floods_stay_within_the_stated_memory_bound(tmp_path: Pa
     assert honest.wait() == 0
     _exact(coord, steps)
     assert "Traceback" not in coord.output
-    print(f"rss growth {(peak - baseline) / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB, "
-          f"{len(opened)} of 400 idle connections accepted")
+    print(
+        f"rss growth {(peak - baseline) / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB, "
+        f"{len(opened)} of 400 idle connections accepted"
+    )
 
 
 def _try(fn):  # noqa: ANN001, ANN202
@@ -158,8 +166,9 @@ def test_credentials_revocation_rotation_and_the_operator_token(tmp_path: Path) 
     wait_until(lambda: coord.query("SELECT COALESCE(SUM(tiles_done), 0) FROM devices")[0][0] > 0, TIMEOUT, "work")
     first.kill()
     again = join(coord.url, "alice", token="not-needed-any-more")  # the stored credential, not the token
-    wait_until(lambda: coord.query("SELECT COUNT(*) FROM devices WHERE state = 'online'") == [(1,)], TIMEOUT,
-               "alice back")
+    wait_until(
+        lambda: coord.query("SELECT COUNT(*) FROM devices WHERE state = 'online'") == [(1,)], TIMEOUT, "alice back"
+    )
     alice = _identities(coord)["alice"]
     assert coord.query("SELECT COUNT(*) FROM identities") == [(1,)] and alice["state"] == "active"
 
@@ -168,8 +177,8 @@ def test_credentials_revocation_rotation_and_the_operator_token(tmp_path: Path) 
     stolen = CredentialStore().get(coordinator_id, "alice", coord.url)
     assert stolen is not None and stolen.identity == alice["id"]
     assert asyncio.run(_refusals(coord.url, stolen.identity, stolen.secret)) == [
-        (CloseCode.AUTH, "unknown identity or wrong credential")] * 3 + [(CloseCode.IN_USE, "this identity is "
-                                                                           "already connected")]
+        (CloseCode.AUTH, "unknown identity or wrong credential")
+    ] * 3 + [(CloseCode.IN_USE, "this identity is already connected")]
 
     # Volunteers cannot read the dashboard; the operator can.
     assert _cli("status", "--url", coord.url, "--token", TOKEN, "--json").returncode == 2
@@ -185,14 +194,19 @@ def test_credentials_revocation_rotation_and_the_operator_token(tmp_path: Path) 
     wait_until(lambda: "bob" in _identities(coord), TIMEOUT, "bob enrolled")
 
     # Revoked: cut at once, and refused from then on (no silent re-enrolment).
-    assert _cli("coordinator", "devices", "revoke", str(alice["id"]), "--db", str(coord.db),
-                "--reason", "laptop stolen").returncode == 0
+    assert (
+        _cli(
+            "coordinator", "devices", "revoke", str(alice["id"]), "--db", str(coord.db), "--reason", "laptop stolen"
+        ).returncode
+        == 0
+    )
     assert again.wait() == 2 and "laptop stolen" in again.output
     refused = join(coord.url, "alice", token=new_token)
     assert refused.wait() == 2 and "revoked" in refused.output
     fresh = join(coord.url, "alice", "--new-identity", token=new_token)  # enrols as a new device
-    wait_until(lambda: coord.query("SELECT COUNT(*) FROM identities WHERE name = 'alice'") == [(2,)], TIMEOUT,
-               "a new identity")
+    wait_until(
+        lambda: coord.query("SELECT COUNT(*) FROM identities WHERE name = 'alice'") == [(2,)], TIMEOUT, "a new identity"
+    )
     states = sorted(s for (s,) in coord.query("SELECT state FROM identities WHERE name = 'alice'"))
     assert states == ["active", "revoked"]
     assert _cli("coordinator", "devices", "unban", str(alice["id"]), "--db", str(coord.db)).returncode == 2
@@ -236,8 +250,9 @@ def test_tls_end_to_end_with_a_private_ca_and_plain_ws_refused_off_this_machine(
     cert.private_key_pem.write_to_path(str(keyfile))
     ca.cert_pem.write_to_path(str(cafile))
     steps = 5
-    coord = Coordinator(tmp_path, "--min-devices", "1", "--certfile", str(certfile), "--keyfile", str(keyfile),
-                        steps=steps)
+    coord = Coordinator(
+        tmp_path, "--min-devices", "1", "--certfile", str(certfile), "--keyfile", str(keyfile), steps=steps
+    )
     assert coord.url.startswith("wss://")
     url = coord.url.replace("127.0.0.1", "localhost")
     untrusting = join(url, "untrusting")  # the system store does not know this CA
@@ -267,9 +282,25 @@ def test_tls_end_to_end_with_a_private_ca_and_plain_ws_refused_off_this_machine(
     ok.kill()
 
 
-KINDS = ["pair", "hadamard4", "orthogonal", "pairs_many_rows", "pairs_one_row", "low_rank", "perturbed_operands",
-         "scaled", "stale_weights", "previous_batch", "replay", "stale", "swap_rows", "swap_cols", "zeros", "nan",
-         "inf"]
+KINDS = [
+    "pair",
+    "hadamard4",
+    "orthogonal",
+    "pairs_many_rows",
+    "pairs_one_row",
+    "low_rank",
+    "perturbed_operands",
+    "scaled",
+    "stale_weights",
+    "previous_batch",
+    "replay",
+    "stale",
+    "swap_rows",
+    "swap_cols",
+    "zeros",
+    "nan",
+    "inf",
+]
 
 
 def test_every_forging_double_is_caught_banned_and_stays_banned(tmp_path: Path) -> None:

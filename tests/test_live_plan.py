@@ -4,21 +4,21 @@ runs against plain torch)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 
-from coordinator.core import Core, Limit, Outbound, Send
-from coordinator.costmodel import Profile, PSProfile
-from coordinator.limits import TrustPolicy
-from coordinator.live_plan import LIVE_KINDS, LivePlanner, Planner, fleet_classes
-from coordinator.planner import Kind, PlannerOptions
-from coordinator.protocol import MAX_PAIRS, Hello, Result, Work, decode, encode
-from coordinator.tiles import GemmKind, TilingPolicy
+from coordinator.engine.core import Core, Limit, Outbound, Send
+from coordinator.engine.limits import TrustPolicy
+from coordinator.engine.live_plan import LIVE_KINDS, LivePlanner, Planner, fleet_classes
+from coordinator.planning.costmodel import Profile, PSProfile
+from coordinator.planning.planner import Kind, PlannerOptions
+from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.training.linear import GemmRequest, LocalEngine
 from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.wire.messages import MAX_PAIRS, Hello, Result, Work, decode, encode
 from db.memory import MemoryStore
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
@@ -54,8 +54,9 @@ class Fleet:
                 # Through the real codec: a frame a client could not decode fails here.
                 item = Send(item.device, decode(encode(item.message)))
                 for g in item.message.forget:
-                    self.blocks[item.device] = {k: v for k, v in self.blocks[item.device].items()
-                                                if not k.startswith(f"{g}.")}
+                    self.blocks[item.device] = {
+                        k: v for k, v in self.blocks[item.device].items() if not k.startswith(f"{g}.")
+                    }
                 for blk in item.message.blocks:
                     self.blocks[item.device][blk.key] = blk.data
                 self.pending.append(item)
@@ -96,8 +97,16 @@ def make_core(kinds: frozenset[Kind] | None, planner: Planner = Planner.COST, lo
     job = store.create_job("test", {}, 10, 0.0)
     options = PlannerOptions(kinds=kinds or LIVE_KINDS, **{**SMALL, "local_sum": local_sum})
     live = LivePlanner(planner, SLOW_PS, POLICY, options)
-    return Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=POLICY,
-                trust=TrustPolicy(probation_tiles=0, first_slots=8), planner=live)
+    return Core(
+        store,
+        job,
+        join_token="tok",
+        operator_token="op",
+        rng=np.random.default_rng(0),
+        policy=POLICY,
+        trust=TrustPolicy(probation_tiles=0, first_slots=8),
+        planner=live,
+    )
 
 
 def test_devices_with_similar_profiles_share_a_class_priced_at_the_weakest() -> None:
@@ -165,9 +174,19 @@ def local_losses() -> list[float]:
     return [r.loss for r in Trainer(TrainConfig(**CFG), LocalEngine()).run()]
 
 
-@pytest.mark.parametrize("kinds", [None, frozenset({Kind.OUTPUT}), frozenset({Kind.SPLIT_K}), "split-k-sum",
-                                   frozenset({Kind.GRID3D}), frozenset({Kind.LOCAL}), "uniform"],
-                         ids=["cost", "output", "split-k", "split-k-sum", "3d", "local", "uniform"])
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        None,
+        frozenset({Kind.OUTPUT}),
+        frozenset({Kind.SPLIT_K}),
+        "split-k-sum",
+        frozenset({Kind.GRID3D}),
+        frozenset({Kind.LOCAL}),
+        "uniform",
+    ],
+    ids=["cost", "output", "split-k", "split-k-sum", "3d", "local", "uniform"],
+)
 def test_training_with_each_partition_equals_local_torch(kinds, local_losses: list[float]) -> None:
     summed = kinds == "split-k-sum"
     if kinds == "uniform":

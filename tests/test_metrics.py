@@ -13,21 +13,24 @@ import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
+from procs import TOKEN, join  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from procs import TOKEN, join  # noqa: E402
-from coordinator import metrics as metrics_mod  # noqa: E402
+from coordinator.engine.live_plan import Planner  # noqa: E402
 from coordinator.job import CoordinatorConfig, serve_job  # noqa: E402
-from coordinator.live_plan import Planner  # noqa: E402
-from coordinator.server import Server  # noqa: E402
+from coordinator.net import metrics as metrics_mod  # noqa: E402
+from coordinator.net.server import Server  # noqa: E402
 from coordinator.training.loop import StepResult, TrainConfig  # noqa: E402
 
 STEPS = 12
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 class _Checker:
@@ -75,14 +78,21 @@ def _scrape(url: str) -> tuple[int, str, str]:
 
 def test_metrics_are_scraped_over_http_during_a_job_and_agree_with_the_store(tmp_path: Path) -> None:
     checker = _Checker()
-    cfg = CoordinatorConfig(train=TrainConfig(steps=STEPS), port=0, db=str(tmp_path / "m.db"), token=TOKEN,
-                            min_devices=2, planner=Planner.UNIFORM)
+    cfg = CoordinatorConfig(
+        train=TrainConfig(steps=STEPS),
+        port=0,
+        db=str(tmp_path / "m.db"),
+        token=TOKEN,
+        min_devices=2,
+        planner=Planner.UNIFORM,
+    )
 
     async def run() -> tuple[list, list]:
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[str] = loop.create_future()
-        job = asyncio.create_task(serve_job(cfg, checker, ready=ready.set_result,
-                                            on_start=lambda s: setattr(checker, "server", s)))
+        job = asyncio.create_task(
+            serve_job(cfg, checker, ready=ready.set_result, on_start=lambda s: setattr(checker, "server", s))
+        )
         url = await ready
         http = url.replace("ws://", "http://")
         clients = [join(url, f"m{i}") for i in range(2)]

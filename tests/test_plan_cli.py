@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from cleave_cli import render
 from cleave_cli.app import app
 from cleave_cli.plan import default_ps
-from coordinator.planner import Gemm, baseline, plan_step
-from coordinator.presets import model_shape, resolve_fleet, step_gemms
+from coordinator.planning.planner import Gemm, baseline, plan_step
+from coordinator.whatif.presets import model_shape, resolve_fleet, step_gemms
 
 RUNNER = CliRunner()
 
@@ -66,7 +66,9 @@ def test_json_agrees_with_plan_step_and_the_round_robin_baseline() -> None:
     fleet = resolve_fleet(fleet_name, dtype, devices)
     ps = default_ps(10.0)
     other = 3 * shape.attention_flops(batch, seq) / ps.flops_per_s(dtype) + shape.params * (28 + 2) / ps.memory_bw
-    gemms = [(Gemm(g.m, g.n, g.k, dtype, g.kind, f"{g.layer}.{g.kind}"), g.count) for g in step_gemms(shape, batch, seq)]
+    gemms = [
+        (Gemm(g.m, g.n, g.k, dtype, g.kind, f"{g.layer}.{g.kind}"), g.count) for g in step_gemms(shape, batch, seq)
+    ]
     expected = plan_step(gemms, fleet, ps, ps_other_seconds=other)
     base = sum(baseline(g, fleet, ps).seconds * c for g, c in gemms) + other  # type: ignore[union-attr]
 
@@ -79,9 +81,15 @@ def test_json_agrees_with_plan_step_and_the_round_robin_baseline() -> None:
     assert step["gemm_seconds"] == pytest.approx(expected.gemm_seconds, rel=1e-9)
     assert step["ps_other_seconds"] == pytest.approx(other, rel=1e-9)
     assert step["utilisation"] == pytest.approx(expected.utilisation, rel=1e-9)
-    for key, attr in [("egress_bytes", "egress_bytes"), ("ingress_bytes", "ingress_bytes"),
-                      ("egress_floor_bytes", "egress_floor"), ("compute_seconds", "compute_seconds"),
-                      ("down_seconds", "down_seconds"), ("up_seconds", "up_seconds"), ("ps_seconds", "ps_seconds")]:
+    for key, attr in [
+        ("egress_bytes", "egress_bytes"),
+        ("ingress_bytes", "ingress_bytes"),
+        ("egress_floor_bytes", "egress_floor"),
+        ("compute_seconds", "compute_seconds"),
+        ("down_seconds", "down_seconds"),
+        ("up_seconds", "up_seconds"),
+        ("ps_seconds", "ps_seconds"),
+    ]:
         assert step[key] == pytest.approx(expected.total(attr), rel=1e-9), key
     assert sum(step["seconds_by_bound"].values()) == pytest.approx(step["gemm_seconds"], rel=1e-9)
     assert step["baseline_seconds"] == pytest.approx(base, rel=1e-9)
@@ -94,19 +102,29 @@ def test_json_agrees_with_plan_step_and_the_round_robin_baseline() -> None:
         assert row["devices"] == plan.devices == sum(s["devices"] for s in row["shares"])
         assert row["seconds"] == pytest.approx(plan.seconds, rel=1e-9) and row["bound"] == plan.bound
         assert row["egress_bytes"] >= row["egress_floor_bytes"] * (1 - 1e-9), "no partition beats its floor"
-    used = {name: max((s["devices"] for g in report["gemms"] for s in g["shares"] if s["class"] == name), default=0)
-            for name in (c.name for c in fleet)}
+    used = {
+        name: max((s["devices"] for g in report["gemms"] for s in g["shares"] if s["class"] == name), default=0)
+        for name in (c.name for c in fleet)
+    }
     assert {c["name"]: c["used"] for c in report["classes"]} == used
     assert {c["name"]: c["count"] for c in report["fleet"]["classes"]} == {c.name: c.count for c in fleet}
-    assert (report["batch_size"], report["seq_len"], report["dtype"], report["model"]["name"]) == (batch, seq, dtype, model)
+    assert (report["batch_size"], report["seq_len"], report["dtype"], report["model"]["name"]) == (
+        batch,
+        seq,
+        dtype,
+        model,
+    )
     assert report["ps"]["gflops"] == ps.gflops[dtype] and report["ps"]["egress"] == ps.egress
 
 
-@pytest.mark.parametrize("args", [
-    ("--model", "tiny", "--fleet", "laptops", "--devices", "2"),
-    ("--model", "base", "--fleet", "mixed", "--devices", "300", "--batch-size", "32", "--seq-len", "512"),
-    ("--model", "opt-1.3b", "--fleet", "phones", "--devices", "200", "--ps-link-gbps", "1"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--model", "tiny", "--fleet", "laptops", "--devices", "2"),
+        ("--model", "base", "--fleet", "mixed", "--devices", "300", "--batch-size", "32", "--seq-len", "512"),
+        ("--model", "opt-1.3b", "--fleet", "phones", "--devices", "200", "--ps-link-gbps", "1"),
+    ],
+)
 def test_the_plan_is_never_slower_than_round_robin(args: tuple[str, ...]) -> None:
     step = _plan_json(*args)["step"]
     assert step["speedup"] >= 1 - 1e-9
@@ -117,10 +135,14 @@ def test_a_toml_fleet_file_is_planned(tmp_path: Path) -> None:
     path = tmp_path / "fleet.toml"
     path.write_text(FLEET_TOML)
     # A long bf16 batch: some GEMMs are big enough to be worth sending out of a 1 TFLOP/s PS.
-    report = _plan_json("--model", "opt-1.3b", "--fleet", str(path), "--dtype", "bf16", "--batch-size", "32",
-                        "--seq-len", "1024")
+    report = _plan_json(
+        "--model", "opt-1.3b", "--fleet", str(path), "--dtype", "bf16", "--batch-size", "32", "--seq-len", "1024"
+    )
     assert report["fleet"]["spec"] == str(path) and report["fleet"]["devices"] == 52
-    assert [(c["name"], c["count"], c["gflops"]) for c in report["fleet"]["classes"]] == [("gpu", 12, 20000), ("laptop", 40, 300)]
+    assert [(c["name"], c["count"], c["gflops"]) for c in report["fleet"]["classes"]] == [
+        ("gpu", 12, 20000),
+        ("laptop", 40, 300),
+    ]
     assert report["step"]["devices"] > 0, "some GEMM of this step is worth sending out"
     assert all(s["memory_bytes"] <= 8 * 2**30 for g in report["gemms"] for s in g["shares"])
 
@@ -129,7 +151,9 @@ def test_a_round_robin_that_cannot_run_is_null_not_infinity(tmp_path: Path) -> N
     # 1 MiB per device holds no tile of the fixed grid: round-robin never finishes, the plan
     # keeps everything on the parameter server.
     path = tmp_path / "fleet.toml"
-    path.write_text(FLEET_TOML.replace("memory_gb = 8", "memory_gb = 0.001").replace("memory_gb = 4", "memory_gb = 0.001"))
+    path.write_text(
+        FLEET_TOML.replace("memory_gb = 8", "memory_gb = 0.001").replace("memory_gb = 4", "memory_gb = 0.001")
+    )
     report = _plan_json("--model", "small", "--fleet", str(path))
     assert report["step"]["baseline_seconds"] is None and report["step"]["speedup"] is None
     assert {g["partition"] for g in report["gemms"]} == {"local"}
@@ -137,15 +161,18 @@ def test_a_round_robin_that_cannot_run_is_null_not_infinity(tmp_path: Path) -> N
     assert "never" in _text(report)
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--model", "gpt-5"), "unknown model preset 'gpt-5'"),
-    (("--fleet", "datacenter"), "unknown fleet 'datacenter'"),
-    (("--devices", "0"), "--devices must be between 1 and"),
-    (("--model", "small", "--seq-len", "4096"), "--seq-len 4096 exceeds small's 1024 positions"),
-    (("--dtype", "bogus"), "unknown --dtype 'bogus'"),
-    (("--batch-size", "0"), "--batch-size must be between 1 and"),
-    (("--ps-link-gbps", "0"), "--ps-link-gbps must be above 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--model", "gpt-5"), "unknown model preset 'gpt-5'"),
+        (("--fleet", "datacenter"), "unknown fleet 'datacenter'"),
+        (("--devices", "0"), "--devices must be between 1 and"),
+        (("--model", "small", "--seq-len", "4096"), "--seq-len 4096 exceeds small's 1024 positions"),
+        (("--dtype", "bogus"), "unknown --dtype 'bogus'"),
+        (("--batch-size", "0"), "--batch-size must be between 1 and"),
+        (("--ps-link-gbps", "0"), "--ps-link-gbps must be above 0"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
     result = _run(*args)
     assert result.exit_code == 2

@@ -9,12 +9,20 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from coordinator.costmodel import CostModelError, DeviceClass, Profile, PSProfile, in_flight_memory
-from coordinator.planner import (
-    Gemm, Kind, PlannerOptions, baseline, candidates, plan_gemm, plan_step, realize, uniform_shapes,
+from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile, in_flight_memory
+from coordinator.planning.planner import (
+    Gemm,
+    Kind,
+    PlannerOptions,
+    baseline,
+    candidates,
+    plan_gemm,
+    plan_step,
+    realize,
+    uniform_shapes,
 )
-from coordinator.tiles import GemmKind, TilingPolicy
-from coordinator.tiles import plan_gemm as uniform_grid
+from coordinator.planning.tiles import GemmKind, TilingPolicy
+from coordinator.planning.tiles import plan_gemm as uniform_grid
 
 MB = 1e6
 GIB = 1 << 30
@@ -37,7 +45,7 @@ def assert_exact_cover(plan) -> None:
     c = torch.zeros(g.m, g.n, dtype=torch.float64)
     volume = 0
     for u in realize(plan):
-        c[u.r0:u.r1, u.c0:u.c1] += a[u.r0:u.r1, u.k0:u.k1] @ b[u.k0:u.k1, u.c0:u.c1]
+        c[u.r0 : u.r1, u.c0 : u.c1] += a[u.r0 : u.r1, u.k0 : u.k1] @ b[u.k0 : u.k1, u.c0 : u.c1]
         volume += (u.r1 - u.r0) * (u.c1 - u.c0) * (u.k1 - u.k0)
     assert volume == g.m * g.n * g.k  # no element twice ...
     torch.testing.assert_close(c, a @ b)  # ... and none missing
@@ -95,8 +103,13 @@ def test_devices_that_would_lengthen_the_step_are_left_idle() -> None:
     tiny_memory = Profile({"fp32": 200.0}, memory=1 << 20, down=50 * MB, up=10 * MB)
     flaky = Profile({"fp32": 200.0}, memory=8 * GIB, down=50 * MB, up=10 * MB, reliability=0.2)
     thin = Profile({"fp32": 200.0}, memory=8 * GIB, down=2e3, up=1e3)  # a 16 kbit/s link
-    fleet = (DeviceClass("laptop", 64, LAPTOP), DeviceClass("snail", 8, snail), DeviceClass("tiny", 8, tiny_memory),
-             DeviceClass("flaky", 8, flaky), DeviceClass("thin", 8, thin))
+    fleet = (
+        DeviceClass("laptop", 64, LAPTOP),
+        DeviceClass("snail", 8, snail),
+        DeviceClass("tiny", 8, tiny_memory),
+        DeviceClass("flaky", 8, flaky),
+        DeviceClass("thin", 8, thin),
+    )
     plan = plan_gemm(Gemm(8192, 4096, 4096, kind="fwd"), fleet, PS, forced(Kind.OUTPUT))
     assert {s.name for s in plan.shares} == {"laptop"}
 
@@ -106,6 +119,7 @@ def test_a_dtype_the_device_runs_slowly_is_priced_as_slow() -> None:
     fleet = (DeviceClass("laptop", 500, LAPTOP), DeviceClass("gpu", 4, GPU))
     fp32 = plan_gemm(Gemm(32768, 4096, 4096, "fp32", "fwd"), fleet, PS, forced(Kind.OUTPUT))
     bf16 = plan_gemm(Gemm(32768, 4096, 4096, "bf16", "fwd"), fleet, PS, forced(Kind.OUTPUT))
+
     def laptops_share(plan) -> float:
         return sum(s.pieces for s in plan.shares if s.name == "laptop") / sum(s.pieces for s in plan.shares)
 
@@ -118,16 +132,21 @@ def test_output_tiles_send_at_least_the_square_bound() -> None:
     ps = PSProfile.from_link(1000.0, verify_flops=1e15, unit_overhead=0.0, memory_bw=1e15, gflops={"fp32": 1e-3})
     gemm = Gemm(4096, 4096, 1024, kind="fwd")
     one_tile_each = TilingPolicy(max_edge=1024, tiles_per_device=1)  # the uniform grid is 4 x 4 too
-    plan = plan_gemm(gemm, (DeviceClass("d", 16, dev),), ps,
-                     PlannerOptions(kinds=frozenset({Kind.OUTPUT}), edges=(1024,), uniform=one_tile_each))
+    plan = plan_gemm(
+        gemm,
+        (DeviceClass("d", 16, dev),),
+        ps,
+        PlannerOptions(kinds=frozenset({Kind.OUTPUT}), edges=(1024,), uniform=one_tile_each),
+    )
     assert plan.devices == 16 and plan.grid == (4, 4, 1)  # each with a square region: one 1024-tile
     floor = 2 * 4 * 1024 * math.sqrt(16 * 4096 * 4096)
     assert plan.egress_floor == pytest.approx(floor)
     assert plan.egress_bytes == pytest.approx(floor)  # square tiles meet the bound exactly
     # With 2 x 2 tiles of 512 each, a device's run is priced wherever it might start in its band
     # (one column more than an aligned block): never less than the block it actually gets.
-    finer = plan_gemm(gemm, (DeviceClass("d", 16, dev),), ps,
-                      PlannerOptions(kinds=frozenset({Kind.OUTPUT}), edges=(512,)))
+    finer = plan_gemm(
+        gemm, (DeviceClass("d", 16, dev),), ps, PlannerOptions(kinds=frozenset({Kind.OUTPUT}), edges=(512,))
+    )
     assert finer.grid == (8, 8, 1) and finer.shares[0].per_device == 4
     assert set(realized_down(finer).values()) == {4 * 1024 * 4 * 512}  # 2 row blocks + 2 column blocks
     assert_priced_at_least_realized(finer)
@@ -139,8 +158,12 @@ def test_3d_trades_downlink_for_uplink() -> None:
     flat = plan_gemm(gemm, fleet, PS, PlannerOptions(kinds=frozenset({Kind.OUTPUT}), edges=(1024,)))
     deep = plan_gemm(gemm, fleet, PS, PlannerOptions(kinds=frozenset({Kind.GRID3D}), edges=(1024,), slabs=(4,)))
     assert deep.egress_bytes < flat.egress_bytes and deep.ingress_bytes > flat.ingress_bytes
-    small = plan_gemm(Gemm(1024, 512, 2048), (DeviceClass("laptop", 16, LAPTOP),), PS,
-                      PlannerOptions(kinds=frozenset({Kind.GRID3D}), edges=(256,), slabs=(4,)))
+    small = plan_gemm(
+        Gemm(1024, 512, 2048),
+        (DeviceClass("laptop", 16, LAPTOP),),
+        PS,
+        PlannerOptions(kinds=frozenset({Kind.GRID3D}), edges=(256,), slabs=(4,)),
+    )
     assert small.kind is Kind.GRID3D and small.grid[2] == 4
     assert_exact_cover(small)
 
@@ -174,8 +197,16 @@ def test_the_round_robin_grid_is_priced_for_any_fleet_size() -> None:
     assert (1, 258, 1) in grids
 
 
-@pytest.mark.parametrize("m, n, k, kind", [(512, 65536, 512, "fwd"), (2048, 8192, 2048, "dx"), (700, 300, 9000, "dw"),
-                                           (96, 96, 96, "mm"), (4096, 1024, 65536, "dw")])
+@pytest.mark.parametrize(
+    "m, n, k, kind",
+    [
+        (512, 65536, 512, "fwd"),
+        (2048, 8192, 2048, "dx"),
+        (700, 300, 9000, "dw"),
+        (96, 96, 96, "mm"),
+        (4096, 1024, 65536, "dw"),
+    ],
+)
 def test_uniform_shapes_are_every_distinct_grid_of_smaller_fleets(m: int, n: int, k: int, kind: str) -> None:
     policy = TilingPolicy()
     devices = 300
@@ -292,20 +323,31 @@ def profiles() -> st.SearchStrategy[Profile]:
 
 
 fleets = st.lists(st.tuples(st.integers(1, 12), profiles()), min_size=1, max_size=3).map(
-    lambda xs: tuple(DeviceClass(f"c{i}", n, p) for i, (n, p) in enumerate(xs)))
+    lambda xs: tuple(DeviceClass(f"c{i}", n, p) for i, (n, p) in enumerate(xs))
+)
 sizes = st.integers(1, 700)
 plain_gemms = st.builds(Gemm, sizes, sizes, sizes, kind=st.sampled_from(["fwd", "dx", "dw", "mm"]))
 # Token-aligned GEMMs, as the live scheduler asks for them: forward and dX rows, dW's reduction,
 # in pieces (512 is the uniform grid's own edge, so its grid is usually aligned too).
 aligned_gemms = st.builds(
-    lambda m, n, k, kind, piece: Gemm(m, n, k, kind=kind, row_piece=piece if kind != "dw" else 0,
-                                      k_piece=piece if kind == "dw" else 0),
-    sizes, sizes, sizes, st.sampled_from(["fwd", "dx", "dw"]), st.sampled_from([64, 200, 512]))
+    lambda m, n, k, kind, piece: Gemm(
+        m, n, k, kind=kind, row_piece=piece if kind != "dw" else 0, k_piece=piece if kind == "dw" else 0
+    ),
+    sizes,
+    sizes,
+    sizes,
+    st.sampled_from(["fwd", "dx", "dw"]),
+    st.sampled_from([64, 200, 512]),
+)
 gemms = st.one_of(plain_gemms, aligned_gemms)
 helds = st.dictionaries(st.sampled_from(["c0", "c1", "c2"]), st.integers(0, 8), max_size=3)
-ps_profiles = st.builds(PSProfile.from_link, st.floats(0.01, 100.0),
-                        gflops=st.fixed_dictionaries({"fp32": st.floats(0.001, 1000.0)}),
-                        verify_flops=st.floats(1e8, 1e12), unit_overhead=st.floats(0.0, 1e-2))
+ps_profiles = st.builds(
+    PSProfile.from_link,
+    st.floats(0.01, 100.0),
+    gflops=st.fixed_dictionaries({"fp32": st.floats(0.001, 1000.0)}),
+    verify_flops=st.floats(1e8, 1e12),
+    unit_overhead=st.floats(0.0, 1e-2),
+)
 SLOW = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 OPTS = PlannerOptions(edges=(64, 256, 1024), pieces=(128, 512), slabs=(2, 4))
 
@@ -319,8 +361,9 @@ def _plan(gemm: Gemm, fleet, ps, opts: PlannerOptions = OPTS, held=None):
 
 def _aligned(gemm: Gemm, grid: tuple[int, int, int]) -> bool:
     rows, _, parts = grid
-    return (not gemm.row_piece or rows == -(-gemm.m // gemm.row_piece)) and \
-        (not gemm.k_piece or parts == 1 or parts == -(-gemm.k // gemm.k_piece))
+    return (not gemm.row_piece or rows == -(-gemm.m // gemm.row_piece)) and (
+        not gemm.k_piece or parts == 1 or parts == -(-gemm.k // gemm.k_piece)
+    )
 
 
 @SLOW
@@ -343,8 +386,9 @@ def test_every_partition_covers_the_gemm_once_and_respects_memory(gemm, fleet, p
 @SLOW
 @given(gemms, fleets, ps_profiles, helds, st.sampled_from(FORCED + [Kind.UNIFORM]))
 def test_no_plan_sends_less_than_its_floor(gemm, fleet, ps, held, kind) -> None:
-    plan = _plan(gemm, fleet, ps, PlannerOptions(kinds=frozenset({kind}), edges=(64, 256), pieces=(128,), slabs=(2,)),
-                 held)
+    plan = _plan(
+        gemm, fleet, ps, PlannerOptions(kinds=frozenset({kind}), edges=(64, 256), pieces=(128,), slabs=(2,)), held
+    )
     assume(plan is not None)
     assert 0 <= plan.egress_floor <= plan.egress_bytes * (1 + 1e-9)
 
@@ -358,8 +402,9 @@ def test_the_plan_is_never_slower_than_round_robin(gemm, fleet, ps) -> None:
     assume(_aligned(gemm, base.grid))  # round-robin's grid may cut an aligned GEMM's tokens otherwise
     assert plan.seconds <= base.seconds * (1 + 1e-9)
     # Round-robin is one candidate among the others: the plan is the faster of it and of the rest.
-    cost = _plan(gemm, fleet, ps, PlannerOptions(edges=OPTS.edges, pieces=OPTS.pieces, slabs=OPTS.slabs,
-                                                 kinds=COST_KINDS))
+    cost = _plan(
+        gemm, fleet, ps, PlannerOptions(edges=OPTS.edges, pieces=OPTS.pieces, slabs=OPTS.slabs, kinds=COST_KINDS)
+    )
     assert cost is not None
     assert plan.seconds == pytest.approx(min(cost.seconds, base.seconds), rel=1e-9)
 

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from procs import Coordinator, double, join
+
 from coordinator.training.loop import TrainConfig, Trainer
 
 STEPS = 10

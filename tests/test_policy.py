@@ -105,7 +105,7 @@ def test_a_single_cpu_spike_does_not_pause() -> None:
 
 def test_config_file_and_flags(tmp_path: Path) -> None:
     path = tmp_path / "client.toml"
-    path.write_text("[policy]\nidle_minutes = 10\nrequire_ac = false\nhours = \"22:00-06:00\"\n")
+    path.write_text('[policy]\nidle_minutes = 10\nrequire_ac = false\nhours = "22:00-06:00"\n')
     config, used = load_config(path, {"idle_minutes": 1.5, "max_temp": None})
     assert used == path and config.idle_minutes == 1.5 and not config.require_ac and config.hours == "22:00-06:00"
     assert 'hours = "22:00-06:00"' in config.to_toml() and "[policy]" in config.to_toml()
@@ -117,7 +117,7 @@ def test_config_file_and_flags(tmp_path: Path) -> None:
         ("[policy]\nidle_minuts = 3\n", "unknown setting 'idle_minuts'"),
         ("[policy]\nrequire_ac = 3\n", "require_ac must be a bool"),
         ("[policy]\nmax_other_cpu = 0\n", "max_other_cpu"),
-        ("[policy]\nhours = \"late\"\n", "hours must look like"),
+        ('[policy]\nhours = "late"\n', "hours must look like"),
         ("[policy\n", "cannot read"),
     ],
 )
@@ -149,7 +149,11 @@ def test_macos_and_logind_idle_parsers() -> None:
 def test_system_probe_reads_this_machine_and_explains_what_it_cannot() -> None:
     reading = SystemProbe().read()
     assert reading.other_cpu_percent is None or 0.0 <= reading.other_cpu_percent <= 100.0
-    for name, value in (("power", reading.on_ac), ("input", reading.user_idle_seconds), ("heat", reading.temperature_c)):
+    for name, value in (
+        ("power", reading.on_ac),
+        ("input", reading.user_idle_seconds),
+        ("heat", reading.temperature_c),
+    ):
         if value is None:
             assert reading.notes.get(name), f"{name} unknown without a reason"
 
@@ -176,9 +180,11 @@ def test_system_probe_survives_a_failing_command() -> None:
 def test_file_probe_overrides_only_what_the_file_says(tmp_path: Path) -> None:
     path = tmp_path / "probe.json"
     path.write_text(json.dumps({"on_ac": False, "battery_percent": 50}))
+
     class Base:
         def read(self) -> Reading:
             return Reading(temperature_c=40.0)
+
     reading = FileProbe(path, Base()).read()
     assert (reading.on_ac, reading.battery_percent, reading.temperature_c) == (False, 50, 40.0)
     path.write_text("{broken")
@@ -205,8 +211,11 @@ def test_heat_probe_takes_the_hottest_sensor(monkeypatch: pytest.MonkeyPatch) ->
     import psutil
 
     Temp = collections.namedtuple("Temp", "label current high critical")
-    monkeypatch.setattr(psutil, "sensors_temperatures",
-                        lambda: {"coretemp": [Temp("a", 55.0, 90, 100), Temp("b", 71.5, 90, 100)], "nvme": []})
+    monkeypatch.setattr(
+        psutil,
+        "sensors_temperatures",
+        lambda: {"coretemp": [Temp("a", 55.0, 90, 100), Temp("b", 71.5, 90, 100)], "nvme": []},
+    )
     assert SystemProbe(system="Linux").read().temperature_c == 71.5
     monkeypatch.setattr(psutil, "sensors_temperatures", lambda: {})
     reading = SystemProbe(system="Linux").read()

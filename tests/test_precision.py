@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT, TIMEOUT
 from procs import Coordinator, cleave_cmd, env, join, metrics
 from test_core import Fleet
-from coordinator.core import Core
-from coordinator.limits import TrustPolicy
-from coordinator.tiles import GemmKind, TilePlan, TilingPolicy, assemble, plan_gemm
+
+from coordinator.engine.core import Core
+from coordinator.engine.limits import TrustPolicy
+from coordinator.planning.tiles import GemmKind, TilePlan, TilingPolicy, assemble, plan_gemm
 from db.memory import MemoryStore
 
 STEPS = 8
@@ -26,9 +26,16 @@ NEAR = {"bf16": 2e-2, "fp16": 1e-3, "autocast": 1e-3}  # relative, per step, ove
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "autocast"])
 def test_a_mixed_precision_job_finishes_with_honest_tiles_and_near_local_losses(precision: str, tmp_path: Path) -> None:
     path = tmp_path / "local.jsonl"
-    local = subprocess.run(cleave_cmd("train", "--local", "--precision", precision, "--steps", str(STEPS),
-                                      "--metrics", str(path), "--quiet"),
-                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=2 * TIMEOUT)
+    local = subprocess.run(
+        cleave_cmd(
+            "train", "--local", "--precision", precision, "--steps", str(STEPS), "--metrics", str(path), "--quiet"
+        ),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=2 * TIMEOUT,
+    )
     assert local.returncode == 0, local.stderr
     want = [row["loss"] for row in metrics(path)]
     coord = Coordinator(tmp_path, "--precision", precision, "--min-devices", "2", steps=STEPS)
@@ -46,16 +53,19 @@ def test_a_mixed_precision_job_finishes_with_honest_tiles_and_near_local_losses(
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_split_k_partials_of_half_tiles_are_summed_in_float32_and_rounded_once(dtype: torch.dtype) -> None:
     a, b = torch.randn(64, 4096).to(dtype), torch.randn(4096, 32).to(dtype)
-    plan = plan_gemm(64, 32, 4096, GemmKind.GRAD_WEIGHT, 4, TilingPolicy(max_edge=64, min_edge=16, min_k=256,
-                                                                          min_tile_flops=1))
+    plan = plan_gemm(
+        64, 32, 4096, GemmKind.GRAD_WEIGHT, 4, TilingPolicy(max_edge=64, min_edge=16, min_k=256, min_tile_flops=1)
+    )
     assert isinstance(plan, TilePlan) and max(t.p for t in plan.tiles) >= 3  # several partials a block
-    parts = {t.index: (a[t.r0:t.r1, t.k0:t.k1].float() @ b[t.k0:t.k1, t.c0:t.c1].float()).to(dtype)
-             for t in plan.tiles}  # each partial rounded once, as a device returns it
+    parts = {
+        t.index: (a[t.r0 : t.r1, t.k0 : t.k1].float() @ b[t.k0 : t.k1, t.c0 : t.c1].float()).to(dtype)
+        for t in plan.tiles
+    }  # each partial rounded once, as a device returns it
     exact = a.double() @ b.double()
     ours = assemble(plan, parts, dtype).double()
     naive = torch.zeros(64, 32, dtype=dtype)
     for t in plan.tiles:  # what summing in the half dtype would give
-        naive[t.r0:t.r1, t.c0:t.c1] += parts[t.index]
+        naive[t.r0 : t.r1, t.c0 : t.c1] += parts[t.index]
     assert (ours - exact).abs().mean() < (naive.double() - exact).abs().mean()
 
 
@@ -63,24 +73,34 @@ def test_split_k_partials_of_half_tiles_are_summed_in_float32_and_rounded_once(d
 def test_forged_half_tiles_of_a_half_precision_job_are_rejected(dtype: torch.dtype) -> None:
     """A bf16 job's tiles are checked against one rounding of a float32 sum, not against bf16
     products: a result of zeros, negated or random fails; the honest one passes."""
+
     def forgery(kind: str):  # noqa: ANN202
         def compute(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             honest = (a.float() @ b.float()).to(a.dtype)
-            return {"zeros": torch.zeros_like(honest), "negated": -honest,
-                    "random": torch.randn_like(honest.float()).to(a.dtype) * honest.float().std().to(a.dtype)}[kind]
+            return {
+                "zeros": torch.zeros_like(honest),
+                "negated": -honest,
+                "random": torch.randn_like(honest.float()).to(a.dtype) * honest.float().std().to(a.dtype),
+            }[kind]
+
         return compute
 
     for kind in ("zeros", "negated", "random"):
         store = MemoryStore()
-        core = Core(store, store.create_job("t", {}, 1, 0.0), join_token="tok", operator_token="op",
-                    rng=np.random.default_rng(), policy=TilingPolicy(max_edge=64, min_edge=16, min_k=1024,
-                                                                     min_tile_flops=1),
-                    trust=TrustPolicy(probation_tiles=0, first_slots=8))
+        core = Core(
+            store,
+            store.create_job("t", {}, 1, 0.0),
+            join_token="tok",
+            operator_token="op",
+            rng=np.random.default_rng(),
+            policy=TilingPolicy(max_edge=64, min_edge=16, min_k=1024, min_tile_flops=1),
+            trust=TrustPolicy(probation_tiles=0, first_slots=8),
+        )
         fleet = Fleet(core)
         liar = fleet.join("liar", compute=forgery(kind), slots=1)
         a, b = torch.randn(64, 1024).to(dtype), torch.randn(1024, 64).to(dtype)
         box: dict = {}
-        _, out = core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda c: box.setdefault("c", c))
+        _, out = core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda c: box.setdefault("c", c))  # noqa: B023
         fleet.route(out)
         assert fleet.step(only=liar)
         assert core.status(fleet.now)["tiles"]["rejected"] == 1, kind

@@ -12,21 +12,39 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from coordinator.costmodel import CostModelError, DeviceClass, Profile
-from coordinator.presets import (
-    FLEETS, MAX_FLEET_FILE, MODELS, ModelShape, fleet_preset, load_fleet, model_shape, parse_fleet,
-    resolve_fleet, scale_fleet, step_gemms,
-)
-from coordinator.tiles import GemmKind
+from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
+from coordinator.planning.tiles import GemmKind
 from coordinator.training.model import PRESETS, Transformer
+from coordinator.whatif.presets import (
+    FLEETS,
+    MAX_FLEET_FILE,
+    MODELS,
+    ModelShape,
+    fleet_preset,
+    load_fleet,
+    model_shape,
+    parse_fleet,
+    resolve_fleet,
+    scale_fleet,
+    step_gemms,
+)
 
 NOMINAL = {
-    "opt-1.3b": 1.3e9, "opt-6.7b": 6.7e9, "opt-13b": 13e9, "opt-30b": 30e9,
-    "llama2-7b": 6.7e9, "llama2-13b": 13e9, "llama2-70b": 69e9,
+    "opt-1.3b": 1.3e9,
+    "opt-6.7b": 6.7e9,
+    "opt-13b": 13e9,
+    "opt-30b": 30e9,
+    "llama2-7b": 6.7e9,
+    "llama2-13b": 13e9,
+    "llama2-70b": 69e9,
 }
 # Parameter counts of the Hugging Face checkpoints (sum of numel over the loaded model).
-HF_PARAMS = {"opt-1.3b": 1_315_758_080, "llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320,
-             "llama2-70b": 68_976_648_192}
+HF_PARAMS = {
+    "opt-1.3b": 1_315_758_080,
+    "llama2-7b": 6_738_415_616,
+    "llama2-13b": 13_015_864_320,
+    "llama2-70b": 68_976_648_192,
+}
 
 
 # --------------------------------------------------------------------------- models
@@ -49,7 +67,9 @@ def test_our_presets_count_the_real_models_parameters(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_our_presets_list_exactly_the_real_models_linears(name: str) -> None:
-    real = Counter((m.in_features, m.out_features) for m in Transformer(PRESETS[name]).modules() if isinstance(m, nn.Linear))
+    real = Counter(
+        (m.in_features, m.out_features) for m in Transformer(PRESETS[name]).modules() if isinstance(m, nn.Linear)
+    )
     ours = Counter({(lin.in_features, lin.out_features): 0 for lin in model_shape(name).linears()})
     for lin in model_shape(name).linears():
         ours[(lin.in_features, lin.out_features)] += lin.count
@@ -96,7 +116,9 @@ def test_attention_flops_are_full_not_causal_halved() -> None:
     assert model.attention_flops(2, 4096) == 4.0 * 2 * 4096**2 * 4096 * 32
 
 
-@pytest.mark.parametrize("batch, seq, message", [(0, 8, "batch"), (1, 0, "seq"), (1, 5000, "exceeds"), (True, 8, "batch")])
+@pytest.mark.parametrize(
+    "batch, seq, message", [(0, 8, "batch"), (1, 0, "seq"), (1, 5000, "exceeds"), (True, 8, "batch")]
+)
 def test_bad_step_sizes_are_refused(batch: int, seq: int, message: str) -> None:
     with pytest.raises(CostModelError, match=message):
         step_gemms(model_shape("llama2-7b"), batch, seq)
@@ -179,13 +201,31 @@ def test_a_fleet_file_becomes_the_expected_profiles(tmp_path: Path) -> None:
     path = tmp_path / "fleet.toml"
     path.write_text(VALID)
     laptop, gpu = load_fleet(path, "bf16")
-    assert laptop == DeviceClass("laptop", 1024, Profile(
-        gflops={"bf16": 5000.0}, memory=8 * 2**30, down=150e6, up=25e6, rtt=0.02, session=4 * 3600.0,
-    ))
-    assert gpu == DeviceClass("gpu", 3, Profile(
-        gflops={"fp32": 20000.0, "bf16": 40000.5}, memory=2**29, down=12.5e6, up=12.5e6, rtt=0.0,
-        session=math.inf, reliability=0.9,
-    ))
+    assert laptop == DeviceClass(
+        "laptop",
+        1024,
+        Profile(
+            gflops={"bf16": 5000.0},
+            memory=8 * 2**30,
+            down=150e6,
+            up=25e6,
+            rtt=0.02,
+            session=4 * 3600.0,
+        ),
+    )
+    assert gpu == DeviceClass(
+        "gpu",
+        3,
+        Profile(
+            gflops={"fp32": 20000.0, "bf16": 40000.5},
+            memory=2**29,
+            down=12.5e6,
+            up=12.5e6,
+            rtt=0.0,
+            session=math.inf,
+            reliability=0.9,
+        ),
+    )
 
 
 def test_gflops_means_the_training_dtype(tmp_path: Path) -> None:
@@ -232,7 +272,9 @@ BAD = [
 
 
 @pytest.mark.parametrize("text, message", BAD, ids=[m for _, m in BAD])
-def test_bad_fleet_files_are_refused_with_one_line_naming_file_and_class(tmp_path: Path, text: str, message: str) -> None:
+def test_bad_fleet_files_are_refused_with_one_line_naming_file_and_class(
+    tmp_path: Path, text: str, message: str
+) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(CostModelError) as info:

@@ -7,8 +7,15 @@ import random
 
 import pytest
 
-from coordinator.profiles import (
-    LINK_BOUNDS, PRIOR_DOWN, PRIOR_RTT, PRIOR_UP, DeviceProfile, Ema, LinkFit, measure_ps,
+from coordinator.engine.profiles import (
+    LINK_BOUNDS,
+    PRIOR_DOWN,
+    PRIOR_RTT,
+    PRIOR_UP,
+    DeviceProfile,
+    Ema,
+    LinkFit,
+    measure_ps,
 )
 
 

@@ -8,16 +8,48 @@ import struct
 import pytest
 import torch
 
-from coordinator.protocol import (
-    MAGIC, PROTOCOL_VERSION, Block, Cancel, Challenge, Code, Credential, Credit, Error, Finished, Heartbeat, Hello,
-    Leave, Pause, ProtocolError, Release, ReleaseWhy, Result, Resume, SpeedTest, StatusReply, StatusRequest, Welcome,
-    Work, decode, encode, is_loopback, url_host,
+from coordinator.wire.addresses import is_loopback, url_host
+from coordinator.wire.codes import Code, ReleaseWhy
+from coordinator.wire.errors import ProtocolError
+from coordinator.wire.messages import (
+    MAGIC,
+    PROTOCOL_VERSION,
+    Block,
+    Cancel,
+    Challenge,
+    Credential,
+    Credit,
+    Error,
+    Finished,
+    Heartbeat,
+    Hello,
+    Leave,
+    Pause,
+    Release,
+    Result,
+    Resume,
+    SpeedTest,
+    StatusReply,
+    StatusRequest,
+    Welcome,
+    Work,
+    decode,
+    encode,
 )
 
 PLAIN = [
     Challenge(nonce="0f" * 32, coordinator="4ad726207a9beb99"),
-    Hello(token="t", name="n", platform="Linux", cores=4, memory_bytes=8 << 30, device="cpu", gflops=12.5, slots=3,
-          client_version="0.2.0"),
+    Hello(
+        token="t",
+        name="n",
+        platform="Linux",
+        cores=4,
+        memory_bytes=8 << 30,
+        device="cpu",
+        gflops=12.5,
+        slots=3,
+        client_version="0.2.0",
+    ),
     Hello(name="n", identity=7, proof="ab" * 32),
     Credential(identity=7, secret="cd" * 32),
     StatusRequest(token="secret"),
@@ -45,8 +77,9 @@ def test_plain_messages_round_trip(msg: object) -> None:
 def test_work_round_trips_blocks_bit_exact(dtype: torch.dtype) -> None:
     a = torch.randn(5, 3).to(dtype)
     b = torch.randn(4, 3).to(dtype)  # used transposed: B is 3 x 4
-    msg = Work(tile_id=11, a="2.0.5x3", b="3.0.4x3", b_t=True, blocks=(Block("2.0.5x3", a), Block("3.0.4x3", b)),
-               forget=(1, 2))
+    msg = Work(
+        tile_id=11, a="2.0.5x3", b="3.0.4x3", b_t=True, blocks=(Block("2.0.5x3", a), Block("3.0.4x3", b)), forget=(1, 2)
+    )
     out = decode(encode(msg))
     assert isinstance(out, Work)
     assert (out.tile_id, out.a, out.b, out.a_t, out.b_t, out.forget) == (11, "2.0.5x3", "3.0.4x3", False, True, (1, 2))
@@ -70,17 +103,26 @@ def test_work_with_more_pairs_multiplies_to_the_sum_of_their_products() -> None:
     assert b'"more"' not in encode(Work(tile_id=3, a="a1", b="b1"))  # one-pair frames are unchanged
 
 
-@pytest.mark.parametrize("more, more_t", [
-    (["a"], [False]), (["a", 1], [False, False]), (["a", "b"] * 8, [False, False] * 8), ("ab", [False, False]),
-    (["a", "b\x00"], [False, False]), (["a", "b"], [False]), (["a", "b"], [0, 1]), (["a1", "b1"], [False, False]),
-    (["a", "b", "a", "b"], [False] * 4),
-])
+@pytest.mark.parametrize(
+    "more, more_t",
+    [
+        (["a"], [False]),
+        (["a", 1], [False, False]),
+        (["a", "b"] * 8, [False, False] * 8),
+        ("ab", [False, False]),
+        (["a", "b\x00"], [False, False]),
+        (["a", "b"], [False]),
+        (["a", "b"], [0, 1]),
+        (["a1", "b1"], [False, False]),
+        (["a", "b", "a", "b"], [False] * 4),
+    ],
+)
 def test_work_with_bad_pairs_is_refused(more: object, more_t: object) -> None:
     # odd, not text, too many pairs (a frame carries at most 16 blocks), unprintable, flags that
     # do not match the keys, a pair repeated
     frame = encode(Work(tile_id=3, a="a1", b="b1"))
     head_len = int.from_bytes(frame[4:8], "little")
-    header = json.loads(frame[8:8 + head_len])
+    header = json.loads(frame[8 : 8 + head_len])
     header["more"], header["more_t"] = more, more_t
     with pytest.raises(ProtocolError):
         decode(_frame(header))
@@ -122,18 +164,35 @@ def test_non_contiguous_tensors_are_sent_by_value() -> None:
 GOLDEN = {
     "challenge": (
         Challenge(nonce="ab" * 32, coordinator="c0ffee"),
-        b'CLV\x04\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"' + b"ab" * 32 + b'","tensors":[],"type":"challenge"}',
+        b'CLV\x04\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"'
+        + b"ab" * 32
+        + b'","tensors":[],"type":"challenge"}',
     ),
     "hello": (
-        Hello(name="n", token="t", platform="p", cores=2, memory_bytes=4, device="cpu", gflops=1.5, slots=2,
-              client_version="0.2.0"),
+        Hello(
+            name="n",
+            token="t",
+            platform="p",
+            cores=2,
+            memory_bytes=4,
+            device="cpu",
+            gflops=1.5,
+            slots=2,
+            client_version="0.2.0",
+        ),
         b'CLV\x04\xd2\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
         b'"identity":0,"memory_bytes":4,"name":"n","paused":"","platform":"p","proof":"","slots":2,"tensors":[],'
         b'"token":"t","type":"hello"}',
     ),
     "work": (
-        Work(tile_id=7, a="1.0.1x2", b="2.0.2x1", b_t=True, blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),
-             forget=(3,)),
+        Work(
+            tile_id=7,
+            a="1.0.1x2",
+            b="2.0.2x1",
+            b_t=True,
+            blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),
+            forget=(3,),
+        ),
         bytes.fromhex(
             "434c56049a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
             "625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274656e736f"
@@ -182,34 +241,70 @@ MALFORMED = {
     "missing field": (_frame({"type": "welcome", "job": "j", "slots": 1}), "bad_frame"),
     "wrong field type": (_frame({"type": "error", "code": 3, "message": "m"}), "bad_frame"),
     "bool is not int": (_frame({"type": "welcome", "device_id": True, "job": "j", "slots": 1}), "bad_frame"),
-    "nan float": (_frame({"type": "result", "tile_id": 1, "seconds": 1e999,
-                          "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4), "bad_frame"),
-    "truncated tensor": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [2, 2]}]},
-                                b"\0" * 12), "truncated"),
-    "stray bytes": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [1]}]},
-                           b"\0" * 8), "bad_frame"),
-    "bad dtype": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f64", "shape": [1]}]},
-                         b"\0" * 8), "bad_tensor"),
-    "negative shape": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [-1]}]}),
-                       "bad_tensor"),
-    "two tensors in result": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [1]}] * 2},
-                                     b"\0" * 8), "bad_tensor"),
-    "tensor on plain message": (_frame({"type": "leave", "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4),
-                                "bad_tensor"),
+    "nan float": (
+        _frame(
+            {"type": "result", "tile_id": 1, "seconds": 1e999, "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4
+        ),
+        "bad_frame",
+    ),
+    "truncated tensor": (
+        _frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [2, 2]}]}, b"\0" * 12),
+        "truncated",
+    ),
+    "stray bytes": (
+        _frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 8),
+        "bad_frame",
+    ),
+    "bad dtype": (
+        _frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f64", "shape": [1]}]}, b"\0" * 8),
+        "bad_tensor",
+    ),
+    "negative shape": (
+        _frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [-1]}]}),
+        "bad_tensor",
+    ),
+    "two tensors in result": (
+        _frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "f32", "shape": [1]}] * 2}, b"\0" * 8),
+        "bad_tensor",
+    ),
+    "tensor on plain message": (
+        _frame({"type": "leave", "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4),
+        "bad_tensor",
+    ),
     "release ids not ints": (_frame({"type": "release", "tile_ids": [1, "x"]}), "bad_frame"),
-    "work block count mismatch": (_frame({"type": "work", "tile_id": 1, "a": "x", "b": "y", "blocks": [],
-                                          "tensors": [{"dtype": "f32", "shape": [1, 1]}]}, b"\0" * 4), "bad_frame"),
+    "work block count mismatch": (
+        _frame(
+            {
+                "type": "work",
+                "tile_id": 1,
+                "a": "x",
+                "b": "y",
+                "blocks": [],
+                "tensors": [{"dtype": "f32", "shape": [1, 1]}],
+            },
+            b"\0" * 4,
+        ),
+        "bad_frame",
+    ),
     "work flag not bool": (_frame({"type": "work", "tile_id": 1, "a": "x", "b": "y", "a_t": 1}), "bad_frame"),
     # Found by an attacker on protocol version 1: each escaped as something other than ProtocolError.
-    "list as dtype": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": ["f32"], "shape": [1]}]},
-                             b"\0" * 4), "bad_tensor"),
-    "deeply nested header": (struct.pack("<3sBI", MAGIC, PROTOCOL_VERSION, 200_001)
-                             + b"[" * 100_000 + b"]" * 100_000 + b"}", "bad_frame"),
+    "list as dtype": (
+        _frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": ["f32"], "shape": [1]}]}, b"\0" * 4),
+        "bad_tensor",
+    ),
+    "deeply nested header": (
+        struct.pack("<3sBI", MAGIC, PROTOCOL_VERSION, 200_001) + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "bad_frame",
+    ),
     "lone surrogate in token": (_raw_frame('{"type":"hello","name":"n","token":"\\ud800"}'), "bad_frame"),
     "huge integer": (_frame({"type": "hello", "name": "n", "cores": 10**30}), "bad_frame"),
     "integer of 5000 digits": (_raw_frame('{"type":"leave","reason":"x","n":' + "9" * 5000 + "}"), "bad_frame"),
-    "absurd seconds": (_frame({"type": "result", "tile_id": 1, "seconds": 1e308,
-                               "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4), "bad_frame"),
+    "absurd seconds": (
+        _frame(
+            {"type": "result", "tile_id": 1, "seconds": 1e308, "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4
+        ),
+        "bad_frame",
+    ),
     "NaN literal": (_raw_frame('{"type":"heartbeat","sent_at":NaN}'), "bad_frame"),
     "negative tile id": (_frame({"type": "release", "tile_ids": [-1]}), "bad_frame"),
     "too many tile ids": (_frame({"type": "cancel", "tile_ids": list(range(2000))}), "bad_frame"),
@@ -219,8 +314,10 @@ MALFORMED = {
     "unknown release reason": (_frame({"type": "release", "tile_ids": [1], "why": "bored"}), "bad_frame"),
     "unknown error code": (_frame({"type": "error", "code": "teapot", "message": "m"}), "bad_frame"),
     "slots out of range": (_frame({"type": "hello", "name": "n", "slots": 10_000}), "bad_frame"),
-    "too many tensors": (_frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "u8", "shape": [0]}] * 17}),
-                         "bad_tensor"),
+    "too many tensors": (
+        _frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "u8", "shape": [0]}] * 17}),
+        "bad_tensor",
+    ),
 }
 
 

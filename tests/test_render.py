@@ -19,15 +19,49 @@ def _text(renderable: object, width: int = 100) -> str:
 
 
 STATUS = {
-    "job": {"name": "tiny, 20 steps", "step": 5, "steps": 20, "loss": 4.25, "state": "training", "tokens_per_s": 2500.0},
+    "job": {
+        "name": "tiny, 20 steps",
+        "step": 5,
+        "steps": 20,
+        "loss": 4.25,
+        "state": "training",
+        "tokens_per_s": 2500.0,
+    },
     "devices": [
-        {"name": "laptop", "state": "working", "device": "cpu", "gflops": 42.0, "tiles_done": 120, "tiles_rejected": 0,
-         "gflop_verified": 3.5, "reason": "", "tiles_lost": 2, "reliability": 0.9836},
-        {"name": "liar", "state": "banned", "device": "cpu", "gflops": 1.0, "tiles_done": 0, "tiles_rejected": 3,
-         "gflop_verified": 0.0, "reason": "results failed verification"},
+        {
+            "name": "laptop",
+            "state": "working",
+            "device": "cpu",
+            "gflops": 42.0,
+            "tiles_done": 120,
+            "tiles_rejected": 0,
+            "gflop_verified": 3.5,
+            "reason": "",
+            "tiles_lost": 2,
+            "reliability": 0.9836,
+        },
+        {
+            "name": "liar",
+            "state": "banned",
+            "device": "cpu",
+            "gflops": 1.0,
+            "tiles_done": 0,
+            "tiles_rejected": 3,
+            "gflop_verified": 0.0,
+            "reason": "results failed verification",
+        },
     ],
-    "tiles": {"queued": 4, "leased": 2, "verified": 120, "rejected": 3, "requeued": 5, "expired": 1,
-              "speculative": 7, "cancelled": 6, "lost": 2},
+    "tiles": {
+        "queued": 4,
+        "leased": 2,
+        "verified": 120,
+        "rejected": 3,
+        "requeued": 5,
+        "expired": 1,
+        "speculative": 7,
+        "cancelled": 6,
+        "lost": 2,
+    },
     "queue_depth": 4,
     "traffic": {"mb_down": 12.5, "mb_up": 3.25},
 }
@@ -68,8 +102,9 @@ def test_client_line_and_listening_banner() -> None:
     stats = WorkerStats(state="working", device="cpu", tiles=7, flops=2e9, compute_seconds=0.5, bytes_down=3_000_000)
     line = render.client_line(stats, "ws://h:1").plain
     assert "working" in line and "tiles 7" in line and "4.0 GFLOP/s" in line and "3.0 MB in" in line
-    banner = render.listening(Listening("ws://0.0.0.0:8765", "ws://box:8765", "tok", "op", ("join",),
-                                        exposed=True)).plain
+    banner = render.listening(
+        Listening("ws://0.0.0.0:8765", "ws://box:8765", "tok", "op", ("join",), exposed=True)
+    ).plain
     assert "listening on ws://0.0.0.0:8765" in banner and "cleave join ws://box:8765 --token tok --insecure" in banner
     assert "cleave status --url ws://box:8765 --token op --insecure" in banner
     assert "join token generated" in banner and "unencrypted" in banner
@@ -78,8 +113,10 @@ def test_client_line_and_listening_banner() -> None:
 
 
 def test_enrolled_devices_table() -> None:
-    rows = [IdentityRow(2, "laptop", "banned", "results failed verification", 1.7e9, 1.7e9, 3, 2, 0, 1, 0.5),
-            IdentityRow(1, "desk", "active", "", 1.7e9, 1.7e9, 100, 0, 0, 0, 12.25)]
+    rows = [
+        IdentityRow(2, "laptop", "banned", "results failed verification", 1.7e9, 1.7e9, 3, 2, 0, 1, 0.5),
+        IdentityRow(1, "desk", "active", "", 1.7e9, 1.7e9, 100, 0, 0, 0, 12.25),
+    ]
     out = _text(render.identities(rows), width=200)
     assert "banned" in out and "results failed verification" in out and "laptop" in out and "12.25" in out
     assert "50.0%" in out and "100.0%" in out
@@ -94,9 +131,12 @@ def test_comparison_says_match_or_mismatch() -> None:
 
 def test_peer_supplied_strings_are_shown_as_text_never_as_markup() -> None:
     evil = "[/bold][link=https://example.org]laptop[/link]"
-    status = {**STATUS, "devices": [{**STATUS["devices"][0], "name": evil, "device": "[red]cpu"}],
-              "leaderboard": [{"identity": 3, "name": evil, "gflop": 1.0, "tiles": 2}],
-              "job": {**STATUS["job"], "name": "[/]"}}
+    status = {
+        **STATUS,
+        "devices": [{**STATUS["devices"][0], "name": evil, "device": "[red]cpu"}],
+        "leaderboard": [{"identity": 3, "name": evil, "gflop": 1.0, "tiles": 2}],
+        "job": {**STATUS["job"], "name": "[/]"},
+    }
     out = _text(render.dashboard(status), width=200)
     assert evil in out and "[red]cpu" in out and f"{evil} #3" in out and "[/]" in out
     rows = [IdentityRow(1, evil, "banned", "[/bold]", 1.7e9, 1.7e9)]
@@ -106,10 +146,18 @@ def test_peer_supplied_strings_are_shown_as_text_never_as_markup() -> None:
 
 
 def test_dashboard_shows_the_plan_and_measured_links() -> None:
-    status = {**STATUS, "plan": {"planner": "cost", "predicted_step_s": 1.25, "measured_step_s": 1.5,
-                                 "partitions": {"output": 20, "local": 7}},
-              "devices": [{**STATUS["devices"][0], "profile": {"down_mbps": 980.4, "up_mbps": 120.0,
-                                                                "measured_results": 12}}]}
+    status = {
+        **STATUS,
+        "plan": {
+            "planner": "cost",
+            "predicted_step_s": 1.25,
+            "measured_step_s": 1.5,
+            "partitions": {"output": 20, "local": 7},
+        },
+        "devices": [
+            {**STATUS["devices"][0], "profile": {"down_mbps": 980.4, "up_mbps": 120.0, "measured_results": 12}}
+        ],
+    }
     out = _text(render.dashboard(status), width=140)
     assert "cost planner: step 1.250 s predicted, 1.500 s measured  (7 local, 20 output)" in out
     assert "980/120" in out and "(prior)" not in out

@@ -7,15 +7,35 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.scheduler import DEADLINE, SPECULATIVE, Assign, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
+from coordinator.engine.scheduler import (
+    DEADLINE,
+    SPECULATIVE,
+    Assign,
+    FaultPolicy,
+    Overdue,
+    Reclaim,
+    Scheduler,
+    UnitSpec,
+)
 
 FAULTS = FaultPolicy(lease_floor=1.0, lease_factor=2.0, speculate_after=0.5, speculate_factor=2.0)
 
 
-def units(gemm: int, count: int, *, start: int = 0, flops: int = 10**9, owner: int | None = None,
-          keys: tuple[str, str] | None = None) -> list[UnitSpec]:
-    return [UnitSpec(start + i, gemm, keys[0] if keys else f"a{gemm}.{i}", keys[1] if keys else f"b{gemm}.{i}",
-                     flops, owner) for i in range(count)]
+def units(
+    gemm: int,
+    count: int,
+    *,
+    start: int = 0,
+    flops: int = 10**9,
+    owner: int | None = None,
+    keys: tuple[str, str] | None = None,
+) -> list[UnitSpec]:
+    return [
+        UnitSpec(
+            start + i, gemm, keys[0] if keys else f"a{gemm}.{i}", keys[1] if keys else f"b{gemm}.{i}", flops, owner
+        )
+        for i in range(count)
+    ]
 
 
 def assigned(sched: Scheduler, now: float = 0.0) -> list[tuple[int, int]]:
@@ -290,9 +310,12 @@ class Books(RuleBasedStateMachine):
             assert seat.own_count == live_own
             if seat.free > 0:  # work-conserving: a free device is never idle beside work it may take
                 # ... except another's planned units that it would return later than their owner
-                open_to_it = [u.spec.id for u in queued if device not in u.barred
-                              and not (u.home is not None and u.spec.owner == u.home
-                                       and not s._sooner(seat, s.seats[u.home], u))]
+                open_to_it = [
+                    u.spec.id
+                    for u in queued
+                    if device not in u.barred
+                    and not (u.home is not None and u.spec.owner == u.home and not s._sooner(seat, s.seats[u.home], u))
+                ]
                 assert not open_to_it, f"device {device} is free while {open_to_it} wait"
 
 

@@ -8,24 +8,32 @@ import sys
 
 import numpy as np
 import torch
+from conftest import ROOT, TIMEOUT
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from conftest import ROOT, TIMEOUT
-from coordinator.core import Core, Send
-from coordinator.limits import Limits, TrustPolicy
-from coordinator.protocol import Challenge, Code, Credential, Error, Hello, Leave, Result, Welcome, Work, decode, encode
-from coordinator.server import Server, listen
-from coordinator.tiles import GemmKind, TilingPolicy
+from coordinator.engine.core import Core, Send
+from coordinator.engine.limits import Limits, TrustPolicy
+from coordinator.net.server import Server, listen
+from coordinator.planning.tiles import GemmKind, TilingPolicy
+from coordinator.wire.codes import Code
+from coordinator.wire.messages import Challenge, Credential, Error, Hello, Leave, Result, Welcome, Work, decode, encode
 from db.memory import MemoryStore
 
 
 def _server(**limits: object) -> Server:
     store = MemoryStore()
     job = store.create_job("t", {}, 1, 0.0)
-    core = Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0),
-                policy=TilingPolicy(max_edge=32, min_edge=8, min_tile_flops=1), limits=Limits(**limits),
-                trust=TrustPolicy(probation_tiles=0, first_slots=2))
+    core = Core(
+        store,
+        job,
+        join_token="tok",
+        operator_token="op",
+        rng=np.random.default_rng(0),
+        policy=TilingPolicy(max_edge=32, min_edge=8, min_tile_flops=1),
+        limits=Limits(**limits),
+        trust=TrustPolicy(probation_tiles=0, first_slots=2),
+    )
     return Server(core)
 
 
@@ -89,6 +97,7 @@ def test_gemm_over_real_websockets_equals_dense_product() -> None:
 
 def test_a_frame_larger_than_the_peer_may_send_closes_only_that_peer() -> None:
     """Before its hello a peer may send a few KiB; a device holding no tile a little more."""
+
     async def run() -> list[tuple[int | None, str | None]]:
         server = _server(pre_auth_frame=4096, idle_frame=8192)
         async with listen(server, "127.0.0.1", 0) as ws_server:
@@ -137,8 +146,8 @@ def test_connections_past_the_caps_are_refused_with_a_close_code() -> None:
 def test_importing_the_client_loads_no_server_or_database_code() -> None:
     code = (
         "import sys, client.runner, client.kernels; "
-        "bad = [m for m in sys.modules if m.startswith(('coordinator.server', 'coordinator.core', 'coordinator.job', "
-        "'coordinator.identity', 'db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
+        "bad = [m for m in sys.modules if (m.startswith('coordinator.') and not m.startswith('coordinator.wire')) "
+        "or m.startswith(('db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
         "assert not bad, bad"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
@@ -147,12 +156,13 @@ def test_importing_the_client_loads_no_server_or_database_code() -> None:
 
 def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound() -> None:
     """Releases that make the coordinator send blocks again, to a peer that reads nothing."""
-    from coordinator.limits import Rate
-    from coordinator.protocol import Release
+    from coordinator.engine.limits import Rate
+    from coordinator.wire.messages import Release
 
     async def run() -> tuple[int, int, str | None]:
-        server = _server(outbound_queue=1 << 20, resends=Rate(1e12, 1e12), releases=Rate(1e6, 1e6),
-                         messages=Rate(1e6, 1e6))
+        server = _server(
+            outbound_queue=1 << 20, resends=Rate(1e12, 1e12), releases=Rate(1e6, 1e6), messages=Rate(1e6, 1e6)
+        )
         async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
             async with connect(url, compression=None, max_size=None, max_queue=1) as ws:
@@ -160,8 +170,9 @@ def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound() 
                 await ws.send(encode(Hello(token="tok", name="sink", slots=1)))
                 await ws.recv(), await ws.recv()  # credential, welcome
                 done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-                _, out = server.core.submit(torch.randn(64, 2048), torch.randn(2048, 64), GemmKind.FORWARD,
-                                            server.clock(), done.set_result)
+                _, out = server.core.submit(
+                    torch.randn(64, 2048), torch.randn(2048, 64), GemmKind.FORWARD, server.clock(), done.set_result
+                )
                 server.deliver(out)
                 work = decode(await ws.recv())
                 assert isinstance(work, Work)
@@ -186,7 +197,7 @@ def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound() 
 
 
 def test_observers_need_the_operator_token_and_are_closed_when_idle() -> None:
-    from coordinator.protocol import SpeedTest, StatusReply, StatusRequest
+    from coordinator.wire.messages import SpeedTest, StatusReply, StatusRequest
 
     async def run() -> list[tuple[int | None, str | None]]:
         server = _server(observer_idle=0.3)
@@ -246,7 +257,7 @@ def test_connections_count_from_the_tcp_accept_even_before_a_tls_handshake() -> 
 
 def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
     """However a connection ends, nothing stays counted against the outbound budget."""
-    from coordinator.protocol import Leave
+    from coordinator.wire.messages import Leave
 
     async def run() -> list[int]:
         server = _server()
@@ -260,8 +271,13 @@ def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
                 await ws.recv(), await ws.recv()  # credential, welcome: then it reads nothing more
                 device = next(iter(server.conns))
                 if not server.core.gemms:  # its tiles pass to the next device when this one goes
-                    _, out = server.core.submit(torch.randn(512, 4096), torch.randn(4096, 512), GemmKind.FORWARD,
-                                                server.clock(), lambda result: None)
+                    _, out = server.core.submit(
+                        torch.randn(512, 4096),
+                        torch.randn(4096, 512),
+                        GemmKind.FORWARD,
+                        server.clock(),
+                        lambda result: None,
+                    )
                     server.deliver(out)
                 for _ in range(50):  # frames that will never be read
                     server.deliver([Send(device, Error(Code.UNEXPECTED, "x" * 400))])
@@ -287,6 +303,7 @@ def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
 def test_a_result_then_leave_is_verified_before_the_leave_acts() -> None:
     """Results are checked on the verifier thread, yet a device's messages act in the order it
     sent them: a result sent just before Leave is verified and credited, not lost with the lease."""
+
     async def run() -> dict:
         server = _server()
         async with listen(server, "127.0.0.1", 0) as ws_server:

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from cleave_cli import render
 from cleave_cli.app import app
-from coordinator.baselines import cloud_step, dtfm_step
-from coordinator.presets import model_shape, resolve_fleet
+from coordinator.whatif.baselines import cloud_step, dtfm_step
+from coordinator.whatif.presets import model_shape, resolve_fleet
 
 RUNNER = CliRunner()
 FAST = ["--model", "small", "--fleet", "laptops", "--ps-gflops", "2", "--batch-size", "2", "--seq-len", "64"]
@@ -65,15 +65,18 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sweep", "4,x"], "--sweep takes device counts"),
-    (["--devices", "0"], "--devices must be between"),
-    (["--dtype", "fp8"], "unknown --dtype"),
-    (["--model", "gpt-5"], "unknown model preset"),
-    (["--fleet", "nowhere"], "unknown fleet"),
-    (["--ps-link-gbps", "0"], "--ps-link-gbps must be above 0"),
-    (["--seq-len", "100000"], "exceeds"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sweep", "4,x"], "--sweep takes device counts"),
+        (["--devices", "0"], "--devices must be between"),
+        (["--dtype", "fp8"], "unknown --dtype"),
+        (["--model", "gpt-5"], "unknown model preset"),
+        (["--fleet", "nowhere"], "unknown fleet"),
+        (["--ps-link-gbps", "0"], "--ps-link-gbps must be above 0"),
+        (["--seq-len", "100000"], "exceeds"),
+    ],
+)
 def test_bad_options_are_one_line_errors(args: list[str], message: str) -> None:
     result = RUNNER.invoke(app, ["simulate", *args])
     assert result.exit_code == 2, result.output

@@ -1,4 +1,4 @@
-"""The simulator: the live scheduler and planner on a virtual clock (coordinator/simulator.py).
+"""The simulator: the live scheduler and planner on a virtual clock (coordinator/whatif/simulator.py).
 
 The scheduler it drives is the live coordinator's: a recorded live run replays through a fresh
 ``Scheduler`` to the same decisions, and so does a recorded simulation. The rest checks what the
@@ -14,20 +14,26 @@ import numpy as np
 import pytest
 
 from cleave_cli.simulate import _breakdown
-from coordinator.core import Core
-from coordinator.costmodel import DeviceClass, Profile, PSProfile
-from coordinator.limits import TrustPolicy
-from coordinator.live_plan import LivePlanner, Planner
-from coordinator.planner import PlannerOptions
-from coordinator.presets import model_shape, resolve_fleet
-from coordinator.scheduler import Assign, Scheduler
-from coordinator.simulator import (
-    PsWork, SchedulerLog, SimConfig, Simulation, SimulationError, replay, step_program,
-)
-from coordinator.tiles import GemmKind
+from coordinator.engine.core import Core
+from coordinator.engine.limits import TrustPolicy
+from coordinator.engine.live_plan import LivePlanner, Planner
+from coordinator.engine.scheduler import Assign, Scheduler
+from coordinator.planning.costmodel import DeviceClass, Profile, PSProfile
+from coordinator.planning.planner import PlannerOptions
+from coordinator.planning.tiles import GemmKind
 from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.whatif.presets import model_shape, resolve_fleet
+from coordinator.whatif.simulator import (
+    PsWork,
+    SchedulerLog,
+    SimConfig,
+    Simulation,
+    SimulationError,
+    replay,
+    step_program,
+)
 from db.memory import MemoryStore
-from tests.test_live_plan import POLICY, SMALL, SLOW_PS, CoreEngine, Fleet
+from tests.test_live_plan import POLICY, SLOW_PS, SMALL, CoreEngine, Fleet
 
 # A PS that ships every GEMM (it multiplies at 1 GFLOP/s) on a 10 Gbit/s link.
 SLOW = PSProfile.from_link(10, gflops={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0})
@@ -48,8 +54,16 @@ def test_a_recorded_live_run_replays_through_the_simulators_scheduler_to_the_sam
     store = MemoryStore()
     job = store.create_job("test", {}, 10, 0.0)
     live = LivePlanner(Planner.COST, SLOW_PS, POLICY, PlannerOptions(**SMALL))
-    core = Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=POLICY,
-                trust=TrustPolicy(probation_tiles=2, first_slots=1), planner=live)
+    core = Core(
+        store,
+        job,
+        join_token="tok",
+        operator_token="op",
+        rng=np.random.default_rng(0),
+        policy=POLICY,
+        trust=TrustPolicy(probation_tiles=2, first_slots=1),
+        planner=live,
+    )
     log = SchedulerLog(core.sched)
     core.sched = log  # every call the live core makes, and every decision, recorded in order
     fleet = Fleet(core)
@@ -104,7 +118,9 @@ def test_losing_copies_set_their_devices_back_as_the_live_coordinator_does() -> 
     checked = 0
     for i, entry in enumerate(calls):
         if entry[0] == "return" and isinstance(entry[2], list) and entry[2] and calls[i - 1][2] == "done":
-            following = {e[3][0] for e in calls[i + 1:i + 1 + 4 * len(entry[2]) + 4] if e[0] == "call" and e[2] == "update"}
+            following = {
+                e[3][0] for e in calls[i + 1 : i + 1 + 4 * len(entry[2]) + 4] if e[0] == "call" and e[2] == "update"
+            }
             assert set(entry[2]) <= following, (entry, following)
             checked += 1
     assert checked > 0
@@ -119,8 +135,12 @@ def test_every_unit_is_verified_once_and_bytes_add_up() -> None:
     assert sum(s.egress_bytes for s in steps) == pytest.approx(sum(result.device_bytes_down))
     assert sum(s.ingress_bytes for s in steps) == pytest.approx(sum(result.device_bytes_up))
     # Each GEMM's output comes up at least once.
-    outputs = 2 * sum(4 * c.m * c.n for op in step_program(sim.cfg.model, 8, 256, "fp32", SLOW)
-                      if not isinstance(op, PsWork) for c in op)
+    outputs = 2 * sum(
+        4 * c.m * c.n
+        for op in step_program(sim.cfg.model, 8, 256, "fp32", SLOW)
+        if not isinstance(op, PsWork)
+        for c in op
+    )
     assert sum(s.ingress_bytes for s in steps) >= outputs
     assert all(s.seconds > 0 for s in steps) and result.step_s == steps[1].seconds
 
@@ -132,12 +152,15 @@ def test_the_same_seed_gives_the_same_run_and_another_seed_another_churn() -> No
     assert (a.steps[0].leaves, a.steps[0].seconds) != (c.steps[0].leaves, c.steps[0].seconds)
 
 
-@pytest.mark.parametrize("what, ps, profile, bound", [
-    ("a thin PS link", PSProfile.from_link(0.05, gflops={"fp32": 1.0}), {}, "ps_egress"),
-    ("a slow PS CPU", dataclasses.replace(SLOW, verify_flops=2e7, unit_overhead=0.01), {}, "ps_cpu"),
-    ("slow devices", SLOW, {"gflops": {"fp32": 0.3}, "down": 1e9, "up": 1e9, "rtt": 0.001}, "compute"),
-    ("thin uplinks", SLOW, {"up": 3e5}, "uplink"),
-])
+@pytest.mark.parametrize(
+    "what, ps, profile, bound",
+    [
+        ("a thin PS link", PSProfile.from_link(0.05, gflops={"fp32": 1.0}), {}, "ps_egress"),
+        ("a slow PS CPU", dataclasses.replace(SLOW, verify_flops=2e7, unit_overhead=0.01), {}, "ps_cpu"),
+        ("slow devices", SLOW, {"gflops": {"fp32": 0.3}, "down": 1e9, "up": 1e9, "rtt": 0.001}, "compute"),
+        ("thin uplinks", SLOW, {"up": 3e5}, "uplink"),
+    ],
+)
 def test_the_binding_resource_is_named(what: str, ps: PSProfile, profile: dict, bound: str) -> None:
     fleet = tuple(DeviceClass(c.name, c.count, dataclasses.replace(c.profile, **profile)) for c in laptops(8))
     # Uniform tiles: every GEMM goes out, whatever the cost model would keep home.

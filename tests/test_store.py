@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
+from coordinator.wire.errors import StoreError
 from db.memory import MemoryStore
 from db.migrations import migrate
 from db.sqlite import SQLiteStore
-from db.store import DEADLINE, SPECULATIVE, CheckpointRow, DeviceInfo, NewTile, Store, StoreError
+from db.store import DEADLINE, SPECULATIVE, CheckpointRow, DeviceInfo, NewTile, Store
 
 
 @pytest.fixture(params=["memory", "sqlite", "sqlite-grouped"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     # "sqlite-grouped": as a coordinator runs it, hot-path writes sharing one transaction (a
     # window no test reaches, so only flush() and durable writes commit them).
-    s: Store = MemoryStore() if request.param == "memory" else \
-        SQLiteStore(tmp_path / "s.db", group_seconds=0.0 if request.param == "sqlite" else 1.0)
+    s: Store = (
+        MemoryStore()
+        if request.param == "memory"
+        else SQLiteStore(tmp_path / "s.db", group_seconds=0.0 if request.param == "sqlite" else 1.0)
+    )
     yield s
     s.close()
 
@@ -105,7 +109,9 @@ def test_rejected_tile_is_requeued_and_barred_from_that_device(store: Store) -> 
     assert again is not None and again.id == ids[0] and again.attempt == 2
     assert store.tile_counts(job)["rejected"] == 1
     assert [(lease.outcome, lease.issued) for lease in store.leases(ids[0])] == [
-        ("rejected", "first"), (None, "requeued after rejected")]
+        ("rejected", "first"),
+        (None, "requeued after rejected"),
+    ]
     assert store.tile_counts(job)["requeued"] == 1
 
 
@@ -142,7 +148,7 @@ def test_gemm_ids_are_handed_out_in_order(store: Store) -> None:
     job = store.create_job("j", {}, 1, 0.0)
     first, _ = _gemm(store, job)
     assert store.next_gemm_id() == first + 1
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - each store refuses in its own way
         store.add_gemm(first, job, 1, "fwd", (1, 1, 1), [], now=1.0)  # taken
 
 
@@ -187,7 +193,10 @@ def test_a_copy_of_an_outstanding_tile_and_the_first_verified_result_wins(store:
     assert not end.requeued and sorted(end.cancelled) == sorted([slow, third])
     assert store.tile_state(tile) == "verified"
     assert [(lease.device_id, lease.outcome) for lease in store.leases(tile)] == [
-        (slow, "cancelled"), (fast, "verified"), (third, "cancelled")]
+        (slow, "cancelled"),
+        (fast, "verified"),
+        (third, "cancelled"),
+    ]
     with pytest.raises(StoreError):  # the straggler's late result finds no open lease
         store.end_lease(tile, slow, "verified", now=14.0)
     counts = store.tile_counts(job)
@@ -350,12 +359,20 @@ def test_identities_own_their_device_rows_credit_and_state(store: Store) -> None
     row = store.identity(alice)
     assert row is not None
     assert (row.name, row.state, row.tiles_done, row.tiles_rejected, row.tiles_revoked, row.gflop_verified) == (
-        "alice", "active", 4, 1, 2, 2.0)
+        "alice",
+        "active",
+        4,
+        1,
+        2,
+        2.0,
+    )
     assert row.reliability == 4 / 7
     assert store.identity_total(alice) == (2.0, 4)
     board = store.leaderboard()
-    assert [(r.identity_id, r.name, r.gflop, r.tiles) for r in board] == [(alice, "alice", 2.0, 4),
-                                                                        (mallory, "alice", 0.25, 1)]
+    assert [(r.identity_id, r.name, r.gflop, r.tiles) for r in board] == [
+        (alice, "alice", 2.0, 4),
+        (mallory, "alice", 0.25, 1),
+    ]
     assert [d.name for d in store.devices(first)] == ["alice-laptop"]  # the row keeps the latest hello
     assert store.identity(999) is None
 

@@ -8,8 +8,17 @@ import random
 import pytest
 import torch
 
-from coordinator.tiles import (
-    GemmKind, TilingPolicy, a_block, assemble, b_block, covers_exactly, even_cuts, plan_gemm, tiled_matmul, wire_layout,
+from coordinator.planning.tiles import (
+    GemmKind,
+    TilingPolicy,
+    a_block,
+    assemble,
+    b_block,
+    covers_exactly,
+    even_cuts,
+    plan_gemm,
+    tiled_matmul,
+    wire_layout,
 )
 
 AWKWARD = [(1, 1, 1), (1, 7, 1), (7, 1, 5), (5, 3, 1), (513, 257, 129), (1000, 3, 999), (0, 4, 4), (4, 0, 4), (4, 4, 0)]

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import torch
 from torch import nn
 
-from coordinator.tiles import TilingPolicy, plan_gemm, tiled_matmul
+from coordinator.planning.tiles import TilingPolicy, plan_gemm, tiled_matmul
 from coordinator.training.data import ByteBatches, DataError, load_corpus
 from coordinator.training.linear import GemmRequest, LocalEngine, TiledLinear, offload_linears
-from coordinator.training.loop import ConfigError, TrainConfig, Trainer
+from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.training.model import PRESETS, Transformer
+from coordinator.wire.errors import ConfigError
 
 
 class TiledLocalEngine:

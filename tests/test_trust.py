@@ -8,40 +8,83 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from coordinator import auth
-from coordinator.core import AuthError, Close, Core, FaultPolicy, Limit, Send
-from coordinator.identity import JOIN_TOKEN, store_token
-from coordinator.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
-from coordinator.protocol import (
-    Cancel, CloseCode, Credential, Error, Heartbeat, Hello, Pause, Release, ReleaseWhy, Result, Resume, StatusReply,
-    Welcome, encode,
-)
-from coordinator.tiles import GemmKind, TilingPolicy
-from db.memory import MemoryStore
-from db.sqlite import SQLiteStore
 from test_core import Fleet, corrupt, honest, submit
 
+from coordinator.engine.core import Close, Core, FaultPolicy, Limit, Send
+from coordinator.engine.identity import JOIN_TOKEN, store_token
+from coordinator.engine.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
+from coordinator.planning.tiles import GemmKind, TilingPolicy
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode, ReleaseWhy
+from coordinator.wire.errors import AuthError
+from coordinator.wire.messages import (
+    Cancel,
+    Credential,
+    Error,
+    Heartbeat,
+    Hello,
+    Pause,
+    Release,
+    Result,
+    Resume,
+    StatusReply,
+    Welcome,
+    encode,
+)
+from db.memory import MemoryStore
+from db.sqlite import SQLiteStore
+
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
-FAULTS = FaultPolicy(heartbeat=1.0, heartbeat_timeout=30.0, lease_floor=2.0, lease_factor=4.0,
-                     speculate_after=0.5, speculate_factor=2.0, max_copies=2)
-TRUST = TrustPolicy(probation_tiles=4, window=10, ban_rejects=2, max_slots=4, grow_every=2, cut_after=3,
-                    cut_unanswered=3, cooloff=10.0, cooloff_max=40.0)
+FAULTS = FaultPolicy(
+    heartbeat=1.0,
+    heartbeat_timeout=30.0,
+    lease_floor=2.0,
+    lease_factor=4.0,
+    speculate_after=0.5,
+    speculate_factor=2.0,
+    max_copies=2,
+)
+TRUST = TrustPolicy(
+    probation_tiles=4,
+    window=10,
+    ban_rejects=2,
+    max_slots=4,
+    grow_every=2,
+    cut_after=3,
+    cut_unanswered=3,
+    cooloff=10.0,
+    cooloff_max=40.0,
+)
 
 
 def _core(store: MemoryStore | SQLiteStore | None = None, **limits: object) -> Core:
     store = store or MemoryStore()
     job = store.create_job("trust", {}, 10, 0.0)
-    return Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0), policy=POLICY,
-                faults=FAULTS, trust=TRUST, limits=Limits(**limits))
+    return Core(
+        store,
+        job,
+        join_token="tok",
+        operator_token="op",
+        rng=np.random.default_rng(0),
+        policy=POLICY,
+        faults=FAULTS,
+        trust=TRUST,
+        limits=Limits(**limits),
+    )
 
 
 def _credential(fleet: Fleet, device: int) -> Credential:
     return next(m for m in fleet.inbox[device] if isinstance(m, Credential))
 
 
-def _returning(core: Core, credential: Credential, now: float, name: str = "x", secret: bytes | None = None,
-               nonce: str | None = None) -> tuple[int, list]:
+def _returning(
+    core: Core,
+    credential: Credential,
+    now: float,
+    name: str = "x",
+    secret: bytes | None = None,
+    nonce: str | None = None,
+) -> tuple[int, list]:
     nonce = nonce or core.gate.challenge().nonce
     proof = auth.proof(secret or bytes.fromhex(credential.secret), credential.identity, bytes.fromhex(nonce))
     return core.connect(Hello(name=name, identity=credential.identity, proof=proof.hex()), nonce, now)
@@ -80,8 +123,9 @@ def test_a_device_enrols_once_then_comes_back_with_its_credential_as_the_same_de
     assert [d["name"] for d in core.status(fleet.now)["devices"]] == ["laptop"]  # the enrolled name stays
 
 
-@pytest.mark.parametrize("attack", ["wrong secret", "replayed hello", "unknown identity", "no proof",
-                                    "operator token", "no token"])
+@pytest.mark.parametrize(
+    "attack", ["wrong secret", "replayed hello", "unknown identity", "no proof", "operator token", "no token"]
+)
 def test_bad_credentials_are_refused_with_one_message(attack: str) -> None:
     core = _core()
     fleet = Fleet(core)
@@ -94,8 +138,9 @@ def test_bad_credentials_are_refused_with_one_message(attack: str) -> None:
         elif attack == "replayed hello":  # a hello recorded on another connection
             old = core.gate.challenge().nonce
             proof = auth.proof(bytes.fromhex(credential.secret), credential.identity, bytes.fromhex(old))
-            core.connect(Hello(name="x", identity=credential.identity, proof=proof.hex()),
-                         core.gate.challenge().nonce, fleet.now)
+            core.connect(
+                Hello(name="x", identity=credential.identity, proof=proof.hex()), core.gate.challenge().nonce, fleet.now
+            )
         elif attack == "unknown identity":
             _returning(core, Credential(999, credential.secret), fleet.now)
         elif attack == "no proof":
@@ -363,11 +408,14 @@ def test_token_buckets_refill_at_their_rate_and_never_past_their_burst() -> None
 def test_the_memory_bound_is_finite_and_grows_with_each_limit() -> None:
     base = memory_bound(Limits(), devices_holding=16, largest_result=16 << 20, largest_frame=16 << 20)
     assert base["total"] == sum(v for k, v in base.items() if k != "total")
-    more = memory_bound(Limits(max_connections=4096), devices_holding=16, largest_result=16 << 20,
-                        largest_frame=16 << 20)
+    more = memory_bound(
+        Limits(max_connections=4096), devices_holding=16, largest_result=16 << 20, largest_frame=16 << 20
+    )
     assert more["total"] > base["total"] and base["total"] < 16 << 30
-    assert memory_bound(Limits(), devices_holding=32, largest_result=16 << 20, largest_frame=16 << 20)["total"] > \
-        base["total"]
+    assert (
+        memory_bound(Limits(), devices_holding=32, largest_result=16 << 20, largest_frame=16 << 20)["total"]
+        > base["total"]
+    )
 
 
 def test_results_with_absurd_timings_and_errors_never_reach_status_as_non_json() -> None:
@@ -399,8 +447,16 @@ def test_hundreds_of_stallers_cut_in_one_tick_do_not_nest_or_lose_tiles() -> Non
     """Cutting a device must not re-enter dispatch (it once recursed once per cut)."""
     store = MemoryStore()
     job = store.create_job("trust", {}, 10, 0.0)
-    core = Core(store, job, join_token="tok", rng=np.random.default_rng(0), policy=POLICY, faults=FAULTS,
-                trust=TrustPolicy(probation_tiles=4, cut_after=1), limits=Limits(enrolments=Rate(1e9, 1e9)))
+    core = Core(
+        store,
+        job,
+        join_token="tok",
+        rng=np.random.default_rng(0),
+        policy=POLICY,
+        faults=FAULTS,
+        trust=TrustPolicy(probation_tiles=4, cut_after=1),
+        limits=Limits(enrolments=Rate(1e9, 1e9)),
+    )
     fleet = Fleet(core)
     stallers = [fleet.join(f"s{i}", slots=1) for i in range(400)]
     submit(core, fleet, torch.randn(64 * 400, 32), torch.randn(32, 16))  # more tiles than stallers
@@ -417,8 +473,15 @@ def test_cutting_a_loser_while_settling_a_tile_keeps_the_result() -> None:
     """A verified result cuts two stalling copy holders: the GEMM still completes."""
     store = MemoryStore()
     job = store.create_job("trust", {}, 10, 0.0)
-    core = Core(store, job, join_token="tok", rng=np.random.default_rng(0), policy=POLICY, faults=FAULTS,
-                trust=TrustPolicy(probation_tiles=0, first_slots=1, cut_unanswered=1, cut_unanswered_trusted=1))
+    core = Core(
+        store,
+        job,
+        join_token="tok",
+        rng=np.random.default_rng(0),
+        policy=POLICY,
+        faults=FAULTS,
+        trust=TrustPolicy(probation_tiles=0, first_slots=1, cut_unanswered=1, cut_unanswered_trusted=1),
+    )
     fleet = Fleet(core)
     s1 = fleet.join("s1", slots=1)
     box = submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))

@@ -7,20 +7,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from coordinator.tiles import GemmKind, TilingPolicy, a_block, b_block, plan_gemm
-from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.verify import (
-    GAMMA,
-    ROUNDS,
-    TARGET_BOUND,
-    acceptance_bound,
-    detection_threshold,
-    freivalds,
-    rademacher,
-    round_bound,
-    tolerance,
-)
 from forgeries import (
     FORGERIES,
     NON_FINITE,
@@ -32,6 +18,20 @@ from forgeries import (
     forge_scaled,
     forge_swap_rows,
     single_round_rademacher,
+)
+
+from coordinator.planning.tiles import GemmKind, TilingPolicy, a_block, b_block, plan_gemm
+from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.wire.verify import (
+    GAMMA,
+    ROUNDS,
+    TARGET_BOUND,
+    acceptance_bound,
+    detection_threshold,
+    freivalds,
+    rademacher,
+    round_bound,
+    tolerance,
 )
 
 SHAPES = [(1, 1, 1), (3, 1000, 7), (512, 384, 512), (2048, 64, 128), (64, 4096, 64), (384, 2048, 384)]
@@ -113,6 +113,7 @@ def test_no_false_rejects_on_real_training_tiles() -> None:
 
 
 # --- soundness against forgers ---------------------------------------------------------------
+
 
 def test_the_chosen_constants_bound_acceptance_of_a_forgery_by_2_to_the_minus_40() -> None:
     assert acceptance_bound(ROUNDS, GAMMA) <= TARGET_BOUND == 2.0**-40
@@ -199,6 +200,7 @@ def test_the_detection_threshold_is_gamma_tolerances() -> None:
 
 # --- honest products of other dtypes, and non-finite results ----------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scale", [1.0, 1e-3])  # 1e-3: fp16 squares underflow to zero
 def test_honest_half_precision_products_pass_with_their_own_eps(dtype: torch.dtype, scale: float) -> None:
@@ -211,8 +213,10 @@ def test_honest_half_precision_products_pass_with_their_own_eps(dtype: torch.dty
             c = a @ b
             # Norms a caller computed in the half dtype are not trusted (fp16 overflows, underflows).
             norms = torch.linalg.vector_norm(a, dim=1)
-            for verdict in (freivalds(a, b, c, rng, compute_dtype=dtype),
-                            freivalds(a, b, c, rng, compute_dtype=dtype, a_row_norms=norms, b_norm=0.0)):
+            for verdict in (
+                freivalds(a, b, c, rng, compute_dtype=dtype),
+                freivalds(a, b, c, rng, compute_dtype=dtype, a_row_norms=norms, b_norm=0.0),
+            ):
                 assert verdict.ok, verdict.reason
                 assert verdict.worst_ratio < 0.25
             # Half-precision work has a loose threshold (Delta ~ ||A_i|| ||B||_F for bf16), but past it: caught.

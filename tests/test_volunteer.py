@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, TIMEOUT
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, wait_until
 
 from cleave_cli.status import fetch_status
-from conftest import ROOT, TIMEOUT
 from coordinator.training.loop import TrainConfig, Trainer
-from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, wait_until
 
 
 def _device(url: str, name: str) -> dict:
@@ -27,8 +27,26 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     policy = tmp_path / "client.toml"
     policy.write_text("[policy]\nidle_minutes = 0\nmax_other_cpu = 100\nresume_after = 0.5\n")
     coord = Coordinator(tmp_path, "--min-devices", "2", "--batch-size", "16", "--seq-len", "128", steps=40)
-    laptop = Proc(cleave_cmd("join", coord.url, "--token", TOKEN, "--once", "--threads", "1", "--name", "laptop",
-                             "--device", "cpu", "--config", str(policy), "--probe-file", str(probe)), "laptop")
+    laptop = Proc(
+        cleave_cmd(
+            "join",
+            coord.url,
+            "--token",
+            TOKEN,
+            "--once",
+            "--threads",
+            "1",
+            "--name",
+            "laptop",
+            "--device",
+            "cpu",
+            "--config",
+            str(policy),
+            "--probe-file",
+            str(probe),
+        ),
+        "laptop",
+    )
     desktop = join(coord.url, "desktop")
     coord.wait_for_step(3)
     wait_until(lambda: _device(coord.url, "laptop").get("tiles_done", 0) > 0, TIMEOUT, "laptop to work")
@@ -51,8 +69,10 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     local = [r.loss for r in Trainer(TrainConfig(steps=40, batch_size=16, seq_len=128)).run()]
     for got, want in zip(coord.losses(), local, strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
-    assert coord.query("SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
-                       "WHERE d.name = 'laptop' AND l.outcome = 'lost'") == [(0,)]
+    assert coord.query(
+        "SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
+        "WHERE d.name = 'laptop' AND l.outcome = 'lost'"
+    ) == [(0,)]
     credit = [line for line in laptop.lines if line.startswith("left:")]
     assert credit and "GFLOP verified to your credit" in credit[0]
     claimed = float(credit[0].split("tiles computed, ")[1].split(" GFLOP")[0].replace(",", ""))
@@ -62,8 +82,14 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
 
 def test_benchmark_json_has_stable_keys_and_plausible_numbers(tmp_path: Path) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "1", steps=3)
-    run = subprocess.run(cleave_cmd("benchmark", "--json", "--seconds", "0.1", "--url", coord.url, "--token", OPERATOR),
-                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=2 * TIMEOUT)
+    run = subprocess.run(
+        cleave_cmd("benchmark", "--json", "--seconds", "0.1", "--url", coord.url, "--token", OPERATOR),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=2 * TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
     assert set(result) >= {"device", "threads", "torch", "machine", "memory_bytes", "gflops", "gemm", "link"}
@@ -72,8 +98,14 @@ def test_benchmark_json_has_stable_keys_and_plausible_numbers(tmp_path: Path) ->
     assert dtypes == {(d, s) for d in ("float32", "bfloat16", "float16") for s in (512, 1024)}
     link = result["link"]
     assert link["url"] == coord.url and 0 < link["rtt_ms"] < 1000 and link["down_mb_s"] > 1 and link["up_mb_s"] > 1
-    wrong = subprocess.run(cleave_cmd("benchmark", "--seconds", "0.05", "--url", coord.url, "--token", "nope"),
-                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=2 * TIMEOUT)
+    wrong = subprocess.run(
+        cleave_cmd("benchmark", "--seconds", "0.05", "--url", coord.url, "--token", "nope"),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=2 * TIMEOUT,
+    )
     assert wrong.returncode == 1 and len(wrong.stderr.strip().splitlines()) == 1
     finisher = join(coord.url, "finisher")
     assert coord.wait() == 0 and finisher.wait() == 0
@@ -84,18 +116,31 @@ def test_benchmark_json_has_stable_keys_and_plausible_numbers(tmp_path: Path) ->
 def test_show_config_merges_file_and_flags_and_bad_files_get_one_line(tmp_path: Path) -> None:
     good = tmp_path / "client.toml"
     good.write_text('[policy]\nidle_minutes = 10\nhours = "22:00-07:00"\n')
-    run = subprocess.run(cleave_cmd("join", "--show-config", "--config", str(good), "--max-cpu", "25"),
-                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
+    run = subprocess.run(
+        cleave_cmd("join", "--show-config", "--config", str(good), "--max-cpu", "25"),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=TIMEOUT,
+    )
     assert run.returncode == 0, run.stderr
     assert "idle_minutes = 10.0" in run.stdout and 'hours = "22:00-07:00"' in run.stdout
     assert "max_other_cpu = 25.0" in run.stdout and str(good) in run.stdout
-    defaults = subprocess.run(cleave_cmd("join", "--show-config"), capture_output=True, text=True, env=env(),
-                              cwd=ROOT, timeout=TIMEOUT)
+    defaults = subprocess.run(
+        cleave_cmd("join", "--show-config"), capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT
+    )
     assert "require_ac = true" in defaults.stdout and "idle_minutes = 3.0" in defaults.stdout
     bad = tmp_path / "bad.toml"
     bad.write_text("[policy]\nmax_other_cpu = 'lots'\n")
-    run = subprocess.run(cleave_cmd("join", "ws://127.0.0.1:1", "--token", "t", "--config", str(bad)),
-                         capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT)
+    run = subprocess.run(
+        cleave_cmd("join", "ws://127.0.0.1:1", "--token", "t", "--config", str(bad)),
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=TIMEOUT,
+    )
     assert run.returncode == 2 and "max_other_cpu must be a float" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
 
@@ -104,13 +149,44 @@ def test_show_config_merges_file_and_flags_and_bad_files_get_one_line(tmp_path: 
 def test_the_live_panel_renders_and_updates_in_a_real_terminal(tmp_path: Path) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=60)
     session = f"cleave-test-{int(time.time() * 1000) % 100000}"
-    command = " ".join(cleave_cmd("join", coord.url, "--token", TOKEN, "--once", "--threads", "1", "--always",
-                                  "--name", "tty-laptop", "--device", "cpu"))
-    environment = " ".join(f"{k}={v}" for k, v in env().items() if k in ("PYTHONPATH", "OMP_WAIT_POLICY",
-                                                                          "XDG_CACHE_HOME", "XDG_CONFIG_HOME"))
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "110", "-y", "20",
-                    f"cd {ROOT} && env {environment} {command}; sleep 30"], check=True)
+    command = " ".join(
+        cleave_cmd(
+            "join",
+            coord.url,
+            "--token",
+            TOKEN,
+            "--once",
+            "--threads",
+            "1",
+            "--always",
+            "--name",
+            "tty-laptop",
+            "--device",
+            "cpu",
+        )
+    )
+    environment = " ".join(
+        f"{k}={v}"
+        for k, v in env().items()
+        if k in ("PYTHONPATH", "OMP_WAIT_POLICY", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+    )
+    subprocess.run(
+        [
+            "tmux",
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            "110",
+            "-y",
+            "20",
+            f"cd {ROOT} && env {environment} {command}; sleep 30",
+        ],
+        check=True,
+    )
     try:
+
         def screen() -> str:
             return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
 

@@ -9,18 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from coordinator.core import check_finite
-from coordinator.protocol import WireDtype
-from coordinator.server import RemoteEngine
-from coordinator.planner import Kind
-from coordinator.tiles import GemmKind
-from coordinator.training.linear import GemmRequest
-from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.verify import freivalds
-from client import kernels
 from procs import Coordinator, join
 from test_live_plan import Fleet, make_core
+
+from client import kernels
+from coordinator.engine.core import check_finite
+from coordinator.net.remote import RemoteEngine
+from coordinator.planning.planner import Kind
+from coordinator.planning.tiles import GemmKind
+from coordinator.training.linear import GemmRequest
+from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.wire.messages import WireDtype
+from coordinator.wire.verify import freivalds
 
 STEPS = 6
 
@@ -72,9 +72,14 @@ def test_values_beyond_fp16_fail_with_a_clear_error_before_any_tile_goes_out() -
 def test_each_tensor_is_cast_once_a_step_and_its_views_share_the_copy() -> None:
     engine = RemoteEngine(server=None, loop=None, wire=WireDtype.BF16)  # type: ignore[arg-type]  # casts only
     x = torch.randn(64, 32)
-    whole, rows, cols_t = engine._cast(x, torch.bfloat16), engine._cast(x[16:48], torch.bfloat16), \
-        engine._cast(x.t(), torch.bfloat16)
-    assert whole.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() == cols_t.untyped_storage().data_ptr()
+    whole, rows, cols_t = (
+        engine._cast(x, torch.bfloat16),
+        engine._cast(x[16:48], torch.bfloat16),
+        engine._cast(x.t(), torch.bfloat16),
+    )
+    assert (
+        whole.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() == cols_t.untyped_storage().data_ptr()
+    )
     torch.testing.assert_close(rows, x[16:48].bfloat16())
     torch.testing.assert_close(cols_t, x.t().bfloat16())
     x.add_(1.0)  # an in-place change (an optimizer step): a new copy, not a stale one
@@ -159,8 +164,11 @@ def test_a_deferred_dw_and_the_dx_after_it_share_one_cast_of_dy() -> None:
     """Backward defers dW before it runs dX: dY's copy must outlive dW's submission, or dX
     casts it again (new blocks on the wire, and a retained source no dW ever releases)."""
     loop = _RecordingLoop()
-    engine = RemoteEngine(server=type("S", (), {"submit": lambda *a, **k: None})(), loop=loop,  # type: ignore[arg-type]
-                          wire=WireDtype.BF16)
+    engine = RemoteEngine(
+        server=type("S", (), {"submit": lambda *a, **k: None})(),
+        loop=loop,  # type: ignore[arg-type]
+        wire=WireDtype.BF16,
+    )
     x, dy, w = torch.randn(64, 32), torch.randn(64, 48), torch.randn(48, 32)
     engine.defer(GemmRequest(dy.t(), x, GemmKind.GRAD_WEIGHT), torch.nn.Parameter(torch.zeros(48, 32)))
     engine._submit([GemmRequest(dy, w, GemmKind.GRAD_INPUT)], deferred=False)
@@ -175,8 +183,11 @@ def test_a_loss_scalers_overflow_is_multiplied_here_not_sent_nor_fatal() -> None
     would multiply it and the scaler would skip the step; sent out, honest devices' Inf results
     would fail verification. Without a scaler the same input stops the job (it diverged)."""
     loop = _RecordingLoop()
-    engine = RemoteEngine(server=type("S", (), {"submit": lambda *a, **k: None})(), loop=loop,  # type: ignore[arg-type]
-                          wire=WireDtype.FP32)
+    engine = RemoteEngine(
+        server=type("S", (), {"submit": lambda *a, **k: None})(),
+        loop=loop,  # type: ignore[arg-type]
+        wire=WireDtype.FP32,
+    )
     dy = torch.full((8, 4), float("inf"), dtype=torch.float16)
     w = torch.ones(4, 6, dtype=torch.float16)
     ok = GemmRequest(torch.ones(8, 4, dtype=torch.float16), w, GemmKind.FORWARD)
@@ -190,9 +201,13 @@ def test_a_loss_scalers_overflow_is_multiplied_here_not_sent_nor_fatal() -> None
 
 def test_an_fp16_gemm_whose_finite_products_would_overflow_is_multiplied_here() -> None:
     loop = _RecordingLoop()
-    engine = RemoteEngine(server=type("S", (), {"submit": lambda *a, **k: None})(), loop=loop,  # type: ignore[arg-type]
-                          wire=WireDtype.FP32)
-    big = GemmRequest(torch.full((4, 512), 300.0, dtype=torch.float16), torch.ones(512, 4, dtype=torch.float16),
-                      GemmKind.GRAD_WEIGHT)  # finite inputs, products 153,600 > fp16's 65,504
+    engine = RemoteEngine(
+        server=type("S", (), {"submit": lambda *a, **k: None})(),
+        loop=loop,  # type: ignore[arg-type]
+        wire=WireDtype.FP32,
+    )
+    big = GemmRequest(
+        torch.full((4, 512), 300.0, dtype=torch.float16), torch.ones(512, 4, dtype=torch.float16), GemmKind.GRAD_WEIGHT
+    )  # finite inputs, products 153,600 > fp16's 65,504
     (product,) = engine._submit([big], deferred=False)
     assert torch.isinf(product.result()()).all() and loop.submitted == []  # as torch gives, nothing sent

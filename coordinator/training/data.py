@@ -13,12 +13,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from coordinator.wire.errors import ConfigError
+
 DEFAULT_MAX_BYTES = 8 << 20  # 8 MiB: plenty for the presets, read in well under a second
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 
 
-class DataError(ValueError):
-    pass
+class DataError(ConfigError):
+    """``--data`` that cannot be trained on."""
 
 
 def stdlib_root() -> Path:

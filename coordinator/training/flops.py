@@ -13,8 +13,9 @@ draws are not consumed), so the training that follows is unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,15 +37,25 @@ class GemmShare:
         return self.offloaded / self.total if self.total else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"share": round(self.share, 4), "gemm_flops_per_sequence": self.total,
-                "offloaded_flops_per_sequence": self.offloaded,
-                "left_on_ps": dict(sorted(self.left.items(), key=lambda kv: -kv[1]))}
+        return {
+            "share": round(self.share, 4),
+            "gemm_flops_per_sequence": self.total,
+            "offloaded_flops_per_sequence": self.offloaded,
+            "left_on_ps": dict(sorted(self.left.items(), key=lambda kv: -kv[1])),
+        }
 
     def summary(self) -> str:
-        named = ", ".join(f"{name} {flops / self.total:.1%}" for name, flops in
-                          sorted(self.left.items(), key=lambda kv: -kv[1])[:4]) if self.total else ""
-        return f"{self.share:.1%} of the model's GEMM FLOPs go to devices" + \
-            (f"; left on the coordinator: {named}" if named else "")
+        named = (
+            ", ".join(
+                f"{name} {flops / self.total:.1%}"
+                for name, flops in sorted(self.left.items(), key=lambda kv: -kv[1])[:4]
+            )
+            if self.total
+            else ""
+        )
+        return f"{self.share:.1%} of the model's GEMM FLOPs go to devices" + (
+            f"; left on the coordinator: {named}" if named else ""
+        )
 
 
 class _Counting:
@@ -68,14 +79,17 @@ def _sdpa_cpu(query: Sequence[int], key: Sequence[int], value: Sequence[int], *a
     return 2 * math.prod(lead) * tq * tk * (d + dv)
 
 
-def _sdpa_cpu_backward(grad: Sequence[int], query: Sequence[int], key: Sequence[int], value: Sequence[int],
-                       *args: Any, **kwargs: Any) -> int:
+def _sdpa_cpu_backward(
+    grad: Sequence[int], query: Sequence[int], key: Sequence[int], value: Sequence[int], *args: Any, **kwargs: Any
+) -> int:
     return 2 * _sdpa_cpu(query, key, value)  # dQ, dK, dV and dP: four products
 
 
 _CUSTOM: dict[Any, Any] = {}
-for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu),
-                        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward)):
+for _name, _formula in (
+    ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu),
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward),
+):
     if hasattr(aten, _name):
         _CUSTOM[getattr(aten, _name)] = _formula
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator.wire.errors import ConfigError
+
 PREFIX = "hf:"
 BYTE_VOCAB = 256
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # one file, or shards and their index
@@ -29,7 +31,7 @@ _PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")  # weights only a pickl
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
-class HFError(ValueError):
+class HFError(ConfigError):
     """A ``--model hf:DIR`` that cannot be used, with the reason in one line."""
 
 
@@ -60,7 +62,7 @@ class HFSpec:
 
 
 def spec(name: str) -> HFSpec:
-    path = Path(name[len(PREFIX):]).expanduser()
+    path = Path(name[len(PREFIX) :]).expanduser()
     config_file = path / "config.json"
     if not config_file.is_file():
         raise HFError(f"--model {name}: no config.json in {path}")
@@ -75,11 +77,15 @@ def spec(name: str) -> HFSpec:
     weights = any((path / f).is_file() for f in WEIGHTS)
     pickles = sorted(p.name for pattern in _PICKLES for p in path.glob(pattern))
     if pickles and not weights:  # never start from a random init while weights sit beside it
-        raise HFError(f"--model {name}: its weights ({', '.join(pickles[:3])}) are pickles, which Cleave never "
-                      "loads; convert them to model.safetensors (transformers: save_pretrained)")
+        raise HFError(
+            f"--model {name}: its weights ({', '.join(pickles[:3])}) are pickles, which Cleave never "
+            "loads; convert them to model.safetensors (transformers: save_pretrained)"
+        )
     if not has_tokenizer and vocab < BYTE_VOCAB:
-        raise HFError(f"--model {name}: a vocabulary of {vocab} cannot hold byte ids (256) and there is no "
-                      "tokenizer in the folder")
+        raise HFError(
+            f"--model {name}: a vocabulary of {vocab} cannot hold byte ids (256) and there is no "
+            "tokenizer in the folder"
+        )
     return HFSpec(path, str(raw.get("model_type", "?")), vocab, int(seq), weights, has_tokenizer)
 
 
@@ -101,7 +107,9 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.inner(input_ids=idx, use_cache=False).logits
         loss = None
         if targets is not None:
@@ -117,10 +125,12 @@ def build(name: str) -> HFCausalLM:
     try:
         if s.weights:
             inner = transformers.AutoModelForCausalLM.from_pretrained(
-                str(s.path), local_files_only=True, use_safetensors=True, trust_remote_code=False, dtype=torch.float32)
+                str(s.path), local_files_only=True, use_safetensors=True, trust_remote_code=False, dtype=torch.float32
+            )
         else:
-            inner = transformers.AutoModelForCausalLM.from_config(_config(s.path, name), trust_remote_code=False,
-                                                                  dtype=torch.float32)
+            inner = transformers.AutoModelForCausalLM.from_config(
+                _config(s.path, name), trust_remote_code=False, dtype=torch.float32
+            )
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise HFError(f"--model {name}: transformers cannot build it ({str(exc).splitlines()[0]})") from None
     return HFCausalLM(inner)
@@ -137,6 +147,8 @@ def tokenize(name: str, text: bytes) -> torch.Tensor:
     ids = tok(text.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
     out = torch.tensor(ids, dtype=torch.int64)
     if out.numel() and int(out.max()) >= s.vocab_size:
-        raise HFError(f"--model {name}: its tokenizer makes ids up to {int(out.max())}, beyond the model's "
-                      f"vocabulary of {s.vocab_size}")
+        raise HFError(
+            f"--model {name}: its tokenizer makes ids up to {int(out.max())}, beyond the model's "
+            f"vocabulary of {s.vocab_size}"
+        )
     return out

@@ -19,13 +19,14 @@ collects every dW into ``.grad`` with ``engine.finish_backward()`` before the op
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from coordinator.tiles import GemmKind
+from coordinator.planning.tiles import GemmKind
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,11 @@ class _TiledLinearFn(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # dW has W's layout: dY^T X (out x in) for a Linear, X^T dY (in x out) for a Conv1D.
-        dw = GemmRequest(x2d.t(), grad_y, GemmKind.GRAD_WEIGHT) if ctx.in_out else \
-            GemmRequest(grad_y.t(), x2d, GemmKind.GRAD_WEIGHT)
+        dw = (
+            GemmRequest(x2d.t(), grad_y, GemmKind.GRAD_WEIGHT)
+            if ctx.in_out
+            else GemmRequest(grad_y.t(), x2d, GemmKind.GRAD_WEIGHT)
+        )
         requests = []
         defer = getattr(ctx.engine, "defer", None)
         if want_w and defer is not None and ctx.param.is_leaf:
@@ -123,16 +127,20 @@ class TiledLinear(nn.Module):
             x2d, weight = x2d.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         elif x2d.dtype != weight.dtype:
-            raise TypeError(f"{self.replaced} input is {x2d.dtype} but its weight is {weight.dtype} (as nn.Linear, "
-                            "outside autocast both must match)")
+            raise TypeError(
+                f"{self.replaced} input is {x2d.dtype} but its weight is {weight.dtype} (as nn.Linear, "
+                "outside autocast both must match)"
+            )
         y = _TiledLinearFn.apply(x2d, weight, self.engine, self.in_out)  # (tokens, out)
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"replaces={self.replaced}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"replaces={self.replaced}"
+        )
 
 
 def _conv1d_type() -> type | None:

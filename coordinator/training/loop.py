@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,11 +20,7 @@ from torch import nn
 from coordinator.training import models
 from coordinator.training.data import ByteBatches, load_corpus
 from coordinator.training.linear import MatmulEngine, offload_linears
-
-
-class ConfigError(ValueError):
-    pass
-
+from coordinator.wire.errors import ConfigError
 
 # How a step computes: fp32; bf16 (weights, activations and optimizer state in bfloat16); fp16
 # (float32 weights, forward under float16 autocast, a dynamic loss scaler); autocast (float32
@@ -54,12 +51,17 @@ class TrainConfig:
         checks = [
             (1 <= self.steps <= 10_000_000, f"--steps must be between 1 and 10,000,000, got {self.steps}"),
             (1 <= self.batch_size <= 4096, f"--batch-size must be between 1 and 4096, got {self.batch_size}"),
-            (2 <= self.seq_len <= max_seq,
-             f"--seq-len must be between 2 and {max_seq} for model {self.model}, got {self.seq_len}"),
+            (
+                2 <= self.seq_len <= max_seq,
+                f"--seq-len must be between 2 and {max_seq} for model {self.model}, got {self.seq_len}",
+            ),
             (math.isfinite(self.lr) and 0 < self.lr <= 1, f"--lr must be in (0, 1], got {self.lr}"),
             (0 <= self.seed < 2**63, f"--seed must be a non-negative 64-bit integer, got {self.seed}"),
             (self.weight_decay >= 0 and self.grad_clip >= 0 and self.warmup >= 0, "negative optimizer setting"),
-            (self.precision in PRECISIONS, f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"),
+            (
+                self.precision in PRECISIONS,
+                f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -89,8 +91,13 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, engine: MatmulEngine | None = None, corpus: bytes | None = None,
-                 model_factory: Callable[[], nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        engine: MatmulEngine | None = None,
+        corpus: bytes | None = None,
+        model_factory: Callable[[], nn.Module] | None = None,
+    ) -> None:
         """``model_factory``: builds the model of a ``custom:LABEL`` job (docs/api.md); it is
         called after the seed is set, so it gives the same weights wherever it runs."""
         self.cfg = cfg
@@ -116,7 +123,9 @@ class Trainer:
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(0.9, 0.95), foreach=False,
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            foreach=False,
         )
         data = corpus if corpus is not None else load_corpus(cfg.data)
         try:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coordinator.wire.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -28,7 +30,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
-            raise ValueError("d_model must split into n_heads heads of even size")
+            raise ConfigError("d_model must split into n_heads heads of even size")
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -46,7 +48,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
 
 
@@ -137,7 +139,9 @@ class Transformer(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")

@@ -12,7 +12,7 @@ from torch import nn
 
 from coordinator.training import hf
 from coordinator.training.model import PRESETS, Transformer, preset
-
+from coordinator.wire.errors import ConfigError
 
 CUSTOM = "custom:"  # a model given as a factory (docs/api.md); the rest of the name labels it
 
@@ -25,18 +25,20 @@ def public_name(name: str) -> str:
     """The name shown to anyone (the dashboard's job name): an ``hf:DIR`` folder's last part
     only, never the operator's path."""
     if hf.is_hf(name):
-        return f"{hf.PREFIX}{Path(name[len(hf.PREFIX):]).expanduser().name}"
+        return f"{hf.PREFIX}{Path(name[len(hf.PREFIX) :]).expanduser().name}"
     return name
 
 
 def describe(name: str) -> str:
     """One line for help texts and errors: what ``name`` is."""
     if is_custom(name):
-        return f"{name[len(CUSTOM):]!r}, a model of your own"
+        return f"{name[len(CUSTOM) :]!r}, a model of your own"
     if hf.is_hf(name):
         s = hf.spec(name)
-        return (f"{s.model_type} from {s.path} ({'its weights' if s.weights else 'random init'}, "
-                f"{'its tokenizer' if s.tokenizer else 'byte ids'})")
+        return (
+            f"{s.model_type} from {s.path} ({'its weights' if s.weights else 'random init'}, "
+            f"{'its tokenizer' if s.tokenizer else 'byte ids'})"
+        )
     return f"the built-in {name} preset"
 
 
@@ -45,19 +47,21 @@ def max_seq_len(name: str) -> int:
     if hf.is_hf(name):
         return hf.spec(name).max_seq_len
     if is_custom(name):
-        if not name[len(CUSTOM):].strip() or not name.isprintable() or len(name) > len(CUSTOM) + 192:
-            raise ValueError("a custom model is named custom:LABEL, LABEL 1 to 192 printable characters")
+        if not name[len(CUSTOM) :].strip() or not name.isprintable() or len(name) > len(CUSTOM) + 192:
+            raise ConfigError("a custom model is named custom:LABEL, LABEL 1 to 192 printable characters")
         return 1 << 20  # the model checks its own lengths
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or hf:DIR for a "
-                         "transformers model in folder DIR")
+        raise ConfigError(
+            f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}, or hf:DIR for a "
+            "transformers model in folder DIR"
+        )
     return preset(name).max_seq_len
 
 
 def build(name: str) -> nn.Module:
     """A fresh model from torch's current seed (the caller seeds), or ``hf:DIR``'s weights."""
     if is_custom(name):
-        raise ValueError(f"model {name!r} is built by the model_factory passed with it (docs/api.md)")
+        raise ConfigError(f"model {name!r} is built by the model_factory passed with it (docs/api.md)")
     return hf.build(name) if hf.is_hf(name) else Transformer(preset(name))
 
 

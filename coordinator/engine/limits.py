@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.wire.errors import ConfigError
+
 
 @dataclass
 class TokenBucket:
@@ -70,13 +72,23 @@ class TrustPolicy:
     standings: int = 65536  # identities whose record this process remembers (least recent forgotten)
 
     def __post_init__(self) -> None:
-        if not (1 <= self.ban_rejects <= self.window and 1 <= self.first_slots <= self.max_slots <= 64
-                and self.grow_every >= 1):
-            raise ValueError("need 1 <= ban_rejects <= window, 1 <= first_slots <= max_slots <= 64, grow_every >= 1")
-        if self.cut_after < 1 or not 1 <= self.cut_unanswered <= self.cut_unanswered_trusted \
-                or not 0 < self.cooloff <= self.cooloff_max or self.standings < 1 or self.prefetch_seconds <= 0:
-            raise ValueError("need cut_after >= 1, 1 <= cut_unanswered <= cut_unanswered_trusted, "
-                             "0 < cooloff <= cooloff_max, standings >= 1, prefetch_seconds > 0")
+        if not (
+            1 <= self.ban_rejects <= self.window
+            and 1 <= self.first_slots <= self.max_slots <= 64
+            and self.grow_every >= 1
+        ):
+            raise ConfigError("need 1 <= ban_rejects <= window, 1 <= first_slots <= max_slots <= 64, grow_every >= 1")
+        if (
+            self.cut_after < 1
+            or not 1 <= self.cut_unanswered <= self.cut_unanswered_trusted
+            or not 0 < self.cooloff <= self.cooloff_max
+            or self.standings < 1
+            or self.prefetch_seconds <= 0
+        ):
+            raise ConfigError(
+                "need cut_after >= 1, 1 <= cut_unanswered <= cut_unanswered_trusted, "
+                "0 < cooloff <= cooloff_max, standings >= 1, prefetch_seconds > 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -109,10 +121,14 @@ class Limits:
 
     def __post_init__(self) -> None:
         if not (1 <= self.max_unauthenticated <= self.max_connections):
-            raise ValueError("need 1 <= max_unauthenticated <= max_connections")
-        if self.pre_auth_frame < 4096 or self.idle_frame < self.pre_auth_frame or self.max_queue < 1 \
-                or self.observer_frame < self.idle_frame:
-            raise ValueError("frame limits too small")
+            raise ConfigError("need 1 <= max_unauthenticated <= max_connections")
+        if (
+            self.pre_auth_frame < 4096
+            or self.idle_frame < self.pre_auth_frame
+            or self.max_queue < 1
+            or self.observer_frame < self.idle_frame
+        ):
+            raise ConfigError("frame limits too small")
 
 
 HEADROOM = 16  # connections past a cap that still get a close code rather than an abort
@@ -151,15 +167,16 @@ def peer_costs(limits: Limits, *, largest_result: int, tls: bool = False) -> dic
     }
 
 
-def memory_bound(limits: Limits, *, devices_holding: int, largest_result: int, largest_frame: int,
-                 tls: bool = False) -> dict[str, int]:
+def memory_bound(
+    limits: Limits, *, devices_holding: int, largest_result: int, largest_frame: int, tls: bool = False
+) -> dict[str, int]:
     """The worst case, term by term, in bytes, beyond the job itself (weights, optimizer state,
     activations, the GEMM operands in flight) and the Python process: every connection the caps
     allow, each costing the most its kind can (``peer_costs``), plus everything queued for
     peers, which the server keeps under ``outbound_total`` (it cuts the longest queue past it:
     one frame of at most ``largest_frame`` can overshoot). ``devices_holding`` is how many
     devices hold tiles at once (at most the tiles in flight)."""
-    from coordinator.protocol import MAX_SPEEDTEST_BYTES
+    from coordinator.wire.messages import MAX_SPEEDTEST_BYTES
 
     cost = peer_costs(limits, largest_result=largest_result, tls=tls)
     unauth = limits.max_unauthenticated + HEADROOM

@@ -8,16 +8,16 @@ fleet class where its throughput, memory, link and session figures come from.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 
 try:
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from coordinator.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile
+from coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile
 from coordinator.training.model import PRESETS
 
 # --------------------------------------------------------------------------- model shapes
@@ -91,8 +91,10 @@ class ModelShape:
             attn = (LinearShape("qkv", d, d + 2 * kv, L, b), LinearShape("proj", d, d, L, b))
         else:
             attn = (
-                LinearShape("q", d, d, L, b), LinearShape("k", d, kv, L, b),
-                LinearShape("v", d, kv, L, b), LinearShape("o", d, d, L, b),
+                LinearShape("q", d, d, L, b),
+                LinearShape("k", d, kv, L, b),
+                LinearShape("v", d, kv, L, b),
+                LinearShape("o", d, d, L, b),
             )
         if self.mlp != "swiglu":
             mlp = (LinearShape("fc1", d, self.d_ff, L, b), LinearShape("fc2", self.d_ff, d, L, b))
@@ -100,7 +102,8 @@ class ModelShape:
             mlp = (LinearShape("gate_up", d, 2 * self.d_ff, L, b), LinearShape("down", self.d_ff, d, L, b))
         else:
             mlp = (
-                LinearShape("gate", d, self.d_ff, L, b), LinearShape("up", d, self.d_ff, L, b),
+                LinearShape("gate", d, self.d_ff, L, b),
+                LinearShape("up", d, self.d_ff, L, b),
                 LinearShape("down", self.d_ff, d, L, b),
             )
         return attn + mlp + (LinearShape("head", d, self.vocab, 1),)
@@ -133,24 +136,51 @@ class ModelShape:
 def _ours(name: str) -> ModelShape:
     cfg = PRESETS[name]
     return ModelShape(
-        name=name, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_heads,
-        d_ff=cfg.d_ff, vocab=cfg.vocab_size, mlp="swiglu", max_seq_len=cfg.max_seq_len,
-        source="coordinator/training/model.py PRESETS", fused=True,
+        name=name,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_heads,
+        d_ff=cfg.d_ff,
+        vocab=cfg.vocab_size,
+        mlp="swiglu",
+        max_seq_len=cfg.max_seq_len,
+        source="coordinator/training/model.py PRESETS",
+        fused=True,
     )
 
 
 def _opt(name: str, d: int, layers: int, heads: int) -> ModelShape:
     return ModelShape(
-        name=name, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=heads, d_ff=4 * d, vocab=50272,
-        mlp="relu", max_seq_len=2048, bias=True, tied_head=True, position_rows=2048 + 2, norm="layer",
+        name=name,
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=heads,
+        d_ff=4 * d,
+        vocab=50272,
+        mlp="relu",
+        max_seq_len=2048,
+        bias=True,
+        tied_head=True,
+        position_rows=2048 + 2,
+        norm="layer",
         source=f"Zhang et al. 2022, OPT, Table 1; HF facebook/{name}",
     )
 
 
 def _llama2(name: str, d: int, layers: int, heads: int, kv_heads: int, d_ff: int, hf: str) -> ModelShape:
     return ModelShape(
-        name=name, d_model=d, n_layers=layers, n_heads=heads, n_kv_heads=kv_heads, d_ff=d_ff, vocab=32000,
-        mlp="swiglu", max_seq_len=4096, source=f"Touvron et al. 2023, Llama 2; HF meta-llama/{hf}",
+        name=name,
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        d_ff=d_ff,
+        vocab=32000,
+        mlp="swiglu",
+        max_seq_len=4096,
+        source=f"Touvron et al. 2023, Llama 2; HF meta-llama/{hf}",
     )
 
 
@@ -182,7 +212,7 @@ class GemmShape:
     m: int
     n: int
     k: int
-    kind: str  # "fwd" | "dx" | "dw": coordinator.tiles.GemmKind values
+    kind: str  # "fwd" | "dx" | "dw": coordinator.planning.tiles.GemmKind values
     layer: str  # the Linear's name
     count: int
 
@@ -228,14 +258,27 @@ def _mbps(megabits: float) -> float:
 
 
 def _class(
-    name: str, count: int, *, fp32: float, fp16: float, bf16: float, memory_gb: float,
-    down_mbps: float, up_mbps: float, rtt_ms: float, session_hours: float,
+    name: str,
+    count: int,
+    *,
+    fp32: float,
+    fp16: float,
+    bf16: float,
+    memory_gb: float,
+    down_mbps: float,
+    up_mbps: float,
+    rtt_ms: float,
+    session_hours: float,
 ) -> DeviceClass:
     """A preset class; rates are effective sustained GEMM GFLOP/s (docs/presets.md says how each
     was derated from peak)."""
     profile = Profile(
-        gflops={"fp32": fp32, "bf16": bf16, "fp16": fp16}, memory=int(memory_gb * _GiB),
-        down=_mbps(down_mbps), up=_mbps(up_mbps), rtt=rtt_ms / 1000, session=session_hours * 3600,
+        gflops={"fp32": fp32, "bf16": bf16, "fp16": fp16},
+        memory=int(memory_gb * _GiB),
+        down=_mbps(down_mbps),
+        up=_mbps(up_mbps),
+        rtt=rtt_ms / 1000,
+        session=session_hours * 3600,
     )
     return DeviceClass(name, count, profile)
 
@@ -243,7 +286,9 @@ def _class(
 # Home links are asymmetric (cable: upload ~1/10 of download; fibre closer to symmetric).
 # Phones compute on Wi-Fi while charging; x86 CPUs without AVX512-BF16/AMX have no fast bf16 or
 # fp16 path in torch, so those rates are ~1/50 of fp32.
-_PHONE_FLAGSHIP = dict(fp32=500, fp16=1000, bf16=250, memory_gb=3, down_mbps=200, up_mbps=40, rtt_ms=40, session_hours=2)
+_PHONE_FLAGSHIP = dict(
+    fp32=500, fp16=1000, bf16=250, memory_gb=3, down_mbps=200, up_mbps=40, rtt_ms=40, session_hours=2
+)
 _PHONE_MID = dict(fp32=150, fp16=300, bf16=75, memory_gb=2, down_mbps=80, up_mbps=15, rtt_ms=60, session_hours=1)
 _LAPTOP_LOW = dict(fp32=150, fp16=3, bf16=3, memory_gb=4, down_mbps=100, up_mbps=20, rtt_ms=35, session_hours=3)
 _LAPTOP_HIGH = dict(fp32=400, fp16=8, bf16=8, memory_gb=8, down_mbps=500, up_mbps=50, rtt_ms=20, session_hours=4)
@@ -253,7 +298,9 @@ _APPLE_M2_M3 = dict(fp32=2300, fp16=2500, bf16=2500, memory_gb=8, down_mbps=300,
 _APPLE_PRO = dict(fp32=3800, fp16=4200, bf16=4200, memory_gb=12, down_mbps=500, up_mbps=100, rtt_ms=20, session_hours=4)
 _RTX_3060 = dict(fp32=8000, fp16=18000, bf16=18000, memory_gb=10, down_mbps=300, up_mbps=30, rtt_ms=25, session_hours=6)
 _RTX_3080 = dict(fp32=18000, fp16=42000, bf16=42000, memory_gb=8, down_mbps=500, up_mbps=50, rtt_ms=20, session_hours=6)
-_RTX_4090 = dict(fp32=50000, fp16=110000, bf16=110000, memory_gb=20, down_mbps=1000, up_mbps=500, rtt_ms=15, session_hours=8)
+_RTX_4090 = dict(
+    fp32=50000, fp16=110000, bf16=110000, memory_gb=20, down_mbps=1000, up_mbps=500, rtt_ms=15, session_hours=8
+)
 
 FLEETS: dict[str, tuple[DeviceClass, ...]] = {
     "phones": (
@@ -338,13 +385,14 @@ def _parse_class(table: Mapping[str, object], dtype: str, names: set[str]) -> De
     if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_CLASS_COUNT:
         raise CostModelError(f"count must be an integer from 0 to {MAX_CLASS_COUNT:,}, got {count!r}")
     gflops = {
-        other: _number(table[f"gflops_{other}"], f"gflops_{other}")
-        for other in ITEMSIZE if f"gflops_{other}" in table
+        other: _number(table[f"gflops_{other}"], f"gflops_{other}") for other in ITEMSIZE if f"gflops_{other}" in table
     }
     if "gflops" in table:
         rate = _number(table["gflops"], "gflops")
         if gflops.get(dtype, rate) != rate:
-            raise CostModelError(f"gflops ({rate:g}) and gflops_{dtype} ({gflops[dtype]:g}) disagree on the {dtype} rate")
+            raise CostModelError(
+                f"gflops ({rate:g}) and gflops_{dtype} ({gflops[dtype]:g}) disagree on the {dtype} rate"
+            )
         gflops[dtype] = rate
     if dtype not in gflops:
         raise CostModelError(f"no {dtype} rate: give gflops (in the training dtype) or gflops_{dtype}")
@@ -453,7 +501,5 @@ def resolve_fleet(spec: str, dtype: str, devices: int | None = None) -> tuple[De
     elif spec.endswith(".toml") or Path(spec).is_file():
         classes = load_fleet(spec, dtype)
     else:
-        raise CostModelError(
-            f"unknown fleet {spec!r}: not a preset ({', '.join(FLEETS)}) and not a .toml file"
-        )
+        raise CostModelError(f"unknown fleet {spec!r}: not a preset ({', '.join(FLEETS)}) and not a .toml file")
     return classes if devices is None else scale_fleet(classes, devices)

@@ -13,7 +13,8 @@ Needs ``prometheus-client`` (``pip install 'cleave[metrics]'``); without it ``/m
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 try:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -49,11 +50,17 @@ class _Books:
         loss = GaugeMetricFamily("cleave_loss", "Loss of the last finished step (NaN before the first).")
         loss.add_metric([], float("nan") if job.get("loss") is None else float(job["loss"]))
         yield loss
-        yield CounterMetricFamily("cleave_tokens", "Tokens trained by this coordinator.",
-                                  value=s.get("tokens_trained", 0))
-        yield GaugeMetricFamily("cleave_tokens_per_second", "Tokens trained per second since training began.",
-                                value=job.get("tokens_per_s") or 0.0)
-        outcomes = CounterMetricFamily("cleave_tiles", "Tile leases by outcome, and tiles verified.", labels=["outcome"])
+        yield CounterMetricFamily(
+            "cleave_tokens", "Tokens trained by this coordinator.", value=s.get("tokens_trained", 0)
+        )
+        yield GaugeMetricFamily(
+            "cleave_tokens_per_second",
+            "Tokens trained per second since training began.",
+            value=job.get("tokens_per_s") or 0.0,
+        )
+        outcomes = CounterMetricFamily(
+            "cleave_tiles", "Tile leases by outcome, and tiles verified.", labels=["outcome"]
+        )
         for outcome in TILE_OUTCOMES:
             outcomes.add_metric([outcome], tiles.get(outcome, 0))
         yield outcomes
@@ -61,20 +68,26 @@ class _Books:
         moved.add_metric(["down"], traffic.get("bytes_down", 0))
         moved.add_metric(["up"], traffic.get("bytes_up", 0))
         yield moved
-        yield CounterMetricFamily("cleave_verify_seconds", "Seconds spent verifying results (Freivalds' check).",
-                                  value=s.get("verify", {}).get("seconds", 0.0))
-        yield GaugeMetricFamily("cleave_queue_depth", "Tiles queued, waiting for a device.",
-                                value=s.get("queue_depth", 0))
-        yield GaugeMetricFamily("cleave_gemms_in_flight", "GEMMs submitted and not yet complete.",
-                                value=s.get("gemms_in_flight", 0))
+        yield CounterMetricFamily(
+            "cleave_verify_seconds",
+            "Seconds spent verifying results (Freivalds' check).",
+            value=s.get("verify", {}).get("seconds", 0.0),
+        )
+        yield GaugeMetricFamily(
+            "cleave_queue_depth", "Tiles queued, waiting for a device.", value=s.get("queue_depth", 0)
+        )
+        yield GaugeMetricFamily(
+            "cleave_gemms_in_flight", "GEMMs submitted and not yet complete.", value=s.get("gemms_in_flight", 0)
+        )
         states = GaugeMetricFamily("cleave_devices", "Devices of this job by state.", labels=["state"])
         for state, n in sorted(s.get("device_counts", {}).items()):
             states.add_metric([state], n)
         yield states
         share = (job.get("gemm_share") or {}).get("share")
         if share is not None:
-            yield GaugeMetricFamily("cleave_gemm_share", "Share of the model's GEMM FLOPs that go to devices.",
-                                    value=share)
+            yield GaugeMetricFamily(
+                "cleave_gemm_share", "Share of the model's GEMM FLOPs that go to devices.", value=share
+            )
 
 
 class Metrics:
@@ -88,8 +101,9 @@ class Metrics:
             return
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Books(status))
-        self.step_seconds = Histogram("cleave_step_seconds", "Wall seconds of each training step.",
-                                      buckets=STEP_BUCKETS, registry=self.registry)
+        self.step_seconds = Histogram(
+            "cleave_step_seconds", "Wall seconds of each training step.", buckets=STEP_BUCKETS, registry=self.registry
+        )
 
     def step(self, seconds: float) -> None:
         if self.registry is not None:

@@ -1,6 +1,6 @@
 """The web dashboard: plain HTTP on the coordinator's own port, beside the websockets.
 
-``GET /`` serves a page (``coordinator/web``: HTML, CSS and JavaScript shipped in the package,
+``GET /`` serves a page (``coordinator/net/web``: HTML, CSS and JavaScript shipped in the package,
 nothing fetched from anywhere else) that polls ``GET /api/status`` once a second: the job's
 progress, loss curve, tokens per second, tile counts and the leaderboard. With the operator
 token (``Authorization: Bearer TOKEN``; the page takes it from ``/#token=...`` and keeps it in
@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
 
 PATH_API = "/api/status"
 ASSETS = {  # path -> (file in coordinator/web, content type)
@@ -31,7 +32,7 @@ MIN_INTERVAL = 1.0  # seconds between two builds of a view
 CURVE_POINTS = 1000
 HEADERS = {  # the page loads only what this server serves, and nobody frames it
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                               "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
@@ -60,8 +61,12 @@ class Curve:
 
 
 class Dashboard:
-    def __init__(self, status: Callable[[], dict[str, Any]], is_operator: Callable[[str], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        status: Callable[[], dict[str, Any]],
+        is_operator: Callable[[str], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.status, self.is_operator, self.clock = status, is_operator, clock
         self.curve = Curve()
         self._views: dict[bool, tuple[float, bytes]] = {}
@@ -76,7 +81,7 @@ class Dashboard:
         if path in ASSETS:
             name, content_type = ASSETS[path]
             if name not in self._assets:
-                self._assets[name] = (resources.files("coordinator") / "web" / name).read_bytes()
+                self._assets[name] = (resources.files("coordinator.net") / "web" / name).read_bytes()
             return 200, content_type, self._assets[name], HEADERS
         operator, status = False, 200
         if authorization:
@@ -98,20 +103,37 @@ class Dashboard:
         job = s.get("job", {})
         share = (job.get("gemm_share") or {}).get("share")
         out: dict[str, Any] = {
-            "job": {"name": job.get("name"), "state": job.get("state"), "step": job.get("step"),
-                    "steps": job.get("steps"), "loss": _finite(job.get("loss")),
-                    "tokens_per_s": job.get("tokens_per_s"), "gemm_share": share},
+            "job": {
+                "name": job.get("name"),
+                "state": job.get("state"),
+                "step": job.get("step"),
+                "steps": job.get("steps"),
+                "loss": _finite(job.get("loss")),
+                "tokens_per_s": job.get("tokens_per_s"),
+                "gemm_share": share,
+            },
             "tiles": {k: s.get("tiles", {}).get(k, 0) for k in ("queued", "leased", "verified", "rejected")},
             "connected": s.get("device_counts", {}).get("connected", 0),
-            "leaderboard": [{"name": r["name"], "gflop": r["gflop"], "tiles": r["tiles"]} for r in s.get("leaderboard", [])],
+            "leaderboard": [
+                {"name": r["name"], "gflop": r["gflop"], "tiles": r["tiles"]} for r in s.get("leaderboard", [])
+            ],
             "losses": self.curve.points,
         }
         if operator:
-            out["devices"] = [{
-                "name": d["name"], "state": d["state"], "device": d["device"], "gflops": d["gflops"],
-                "down_mbps": (d.get("profile") or {}).get("down_mbps"), "up_mbps": (d.get("profile") or {}).get("up_mbps"),
-                "tiles_done": d["tiles_done"], "tiles_rejected": d["tiles_rejected"], "reliability": d["reliability"],
-            } for d in s.get("devices", [])]
+            out["devices"] = [
+                {
+                    "name": d["name"],
+                    "state": d["state"],
+                    "device": d["device"],
+                    "gflops": d["gflops"],
+                    "down_mbps": (d.get("profile") or {}).get("down_mbps"),
+                    "up_mbps": (d.get("profile") or {}).get("up_mbps"),
+                    "tiles_done": d["tiles_done"],
+                    "tiles_rejected": d["tiles_rejected"],
+                    "reliability": d["reliability"],
+                }
+                for d in s.get("devices", [])
+            ]
         return out
 
 

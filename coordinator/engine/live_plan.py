@@ -7,7 +7,7 @@ uniform`` keeps the fixed grid of ``tiles.plan_gemm`` dealt to whoever is free, 
 with the same model so both predict a step time.
 
 A plan is advice about *who*: each unit waits in its planned device's own queue, and a device
-that runs dry steals from the tail of the longest queue (coordinator/scheduler.py). A device
+that runs dry steals from the tail of the longest queue (coordinator/engine/scheduler.py). A device
 whose measured profile flatters it therefore only gets a longer queue, which others drain.
 """
 
@@ -16,15 +16,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Mapping, Sequence
 
-from coordinator.costmodel import CostModelError, DeviceClass, Profile, PSProfile
-from coordinator.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
-from coordinator.protocol import MAX_PAIRS
-from coordinator.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
-from coordinator.tiles import plan_gemm as uniform_grid
+from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile
+from coordinator.planning.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
+from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
+from coordinator.planning.tiles import plan_gemm as uniform_grid
+from coordinator.wire.messages import MAX_PAIRS
 
 # Partitions the live data plane runs: all of them (split-K units that span several pieces go
 # out as one work message with several block pairs, summed by the device).
@@ -67,10 +67,15 @@ def _rounded(p: Profile, dtype: str, step: float = 0.5) -> Profile:
     """A device's profile on a coarse grid, never better than measured: devices on the same grid
     point form one class, and a plan stays the same while estimates move within a step."""
     quantum = min(0.05 * 2 * step, 0.25)  # reliability: 0.05 at the finest grid
-    return Profile(gflops={dtype: _down(p.flops_per_s(dtype) / 1e9, step)}, memory=int(_down(p.memory, step)),
-                   down=_down(p.down, step), up=_down(p.up, step), rtt=_up(p.rtt, step),
-                   reliability=math.floor(p.reliability / quantum) * quantum,
-                   overhead=_up(p.overhead, step) if p.overhead > 0 else 0.0)
+    return Profile(
+        gflops={dtype: _down(p.flops_per_s(dtype) / 1e9, step)},
+        memory=int(_down(p.memory, step)),
+        down=_down(p.down, step),
+        up=_down(p.up, step),
+        rtt=_up(p.rtt, step),
+        reliability=math.floor(p.reliability / quantum) * quantum,
+        overhead=_up(p.overhead, step) if p.overhead > 0 else 0.0,
+    )
 
 
 def fleet_classes(profiles: Mapping[int, Profile], dtype: str) -> tuple[list[DeviceClass], dict[str, list[int]]]:
@@ -115,16 +120,29 @@ def gemm_of(m: int, n: int, k: int, kind: GemmKind, dtype: str, policy: TilingPo
     dX rows, and dW's reduction, in pieces of ``policy.max_edge`` tokens, so dW reuses the X and
     dY blocks the devices already hold."""
     aligned = kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)
-    return Gemm(m, n, k, dtype, kind.value, row_piece=policy.max_edge if aligned else 0,
-                k_piece=policy.max_edge if kind is GemmKind.GRAD_WEIGHT else 0)
+    return Gemm(
+        m,
+        n,
+        k,
+        dtype,
+        kind.value,
+        row_piece=policy.max_edge if aligned else 0,
+        k_piece=policy.max_edge if kind is GemmKind.GRAD_WEIGHT else 0,
+    )
 
 
 class LivePlanner:
     """Plans each GEMM for the devices connected now. Plans are cached by GEMM and fleet
     signature (a step's GEMMs repeat every step; rounded profiles keep the key stable)."""
 
-    def __init__(self, planner: Planner, ps: PSProfile, policy: TilingPolicy, options: PlannerOptions | None = None,
-                 cache: int = 512) -> None:
+    def __init__(
+        self,
+        planner: Planner,
+        ps: PSProfile,
+        policy: TilingPolicy,
+        options: PlannerOptions | None = None,
+        cache: int = 512,
+    ) -> None:
         self.planner = planner
         self.ps = ps
         self.policy = policy
@@ -134,8 +152,16 @@ class LivePlanner:
         self._fleet: tuple | None = None  # (version, dtype), classes, members, devices
         self._limit = cache
 
-    def plan(self, m: int, n: int, k: int, kind: GemmKind, dtype: str,
-             profiles: Mapping[int, Profile] | Callable[[], Mapping[int, Profile]], version: int | None = None) -> LivePlan:
+    def plan(
+        self,
+        m: int,
+        n: int,
+        k: int,
+        kind: GemmKind,
+        dtype: str,
+        profiles: Mapping[int, Profile] | Callable[[], Mapping[int, Profile]],
+        version: int | None = None,
+    ) -> LivePlan:
         """``profiles``: the devices that may take work now (or a function giving them, called
         only when ``version``, which the caller moves whenever they may have changed, moved)."""
         if min(m, n, k) < 1:  # nothing to price: an empty product is one (empty) tile
@@ -169,12 +195,24 @@ class LivePlanner:
             # A work frame names at most 1 + MAX_PAIRS pairs: longer runs go as several units
             # (each still summed on the device; the PS adds the few partials).
             run = MAX_PAIRS + 1
-            units = [dataclasses.replace(u, k0=kc[q], k1=kc[min(q + run, ki[u.k1])])
-                     for u in units for q in range(ki[u.k0], ki[u.k1], run)]
+            units = [
+                dataclasses.replace(u, k0=kc[q], k1=kc[min(q + run, ki[u.k1])])
+                for u in units
+                for q in range(ki[u.k0], ki[u.k1], run)
+            ]
             ordered = sorted(units, key=lambda u: (u.r0, u.c0, u.k0))
-            tiles = TileList(m, n, k, rc, cc, kc, tuple(
-                Tile(i, ri[u.r0], ci[u.c0], ki[u.k0], u.r0, u.r1, u.c0, u.c1, u.k0, u.k1, ki[u.k1] - ki[u.k0])
-                for i, u in enumerate(ordered)))
+            tiles = TileList(
+                m,
+                n,
+                k,
+                rc,
+                cc,
+                kc,
+                tuple(
+                    Tile(i, ri[u.r0], ci[u.c0], ki[u.k0], u.r0, u.r1, u.c0, u.c1, u.k0, u.k1, ki[u.k1] - ki[u.k0])
+                    for i, u in enumerate(ordered)
+                ),
+            )
         else:
             tiles = TilePlan(m, n, k, rc, cc, kc)
         owners: dict[int, int] = {}

@@ -1,6 +1,6 @@
 """The coordinator's brain, free of any network: messages and ``now`` in, messages out.
 
-The websocket server (coordinator/server.py) decodes frames, calls these methods and sends what
+The websocket server (coordinator/net/server.py) decodes frames, calls these methods and sends what
 they return, and calls ``tick(now)`` a few times a second; a simulator can drive the very same
 object with a virtual clock. ``now`` is monotonic seconds; records in the store get
 ``now + epoch`` (wall-clock time), so a clock step never expires leases.
@@ -42,26 +42,63 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
-from coordinator import auth
-from coordinator.blocks import BlockRef, Source, Sources, block_ref
-from coordinator.costmodel import Profile, PSProfile
-from coordinator.identity import Admission, AuthError, Gate, Standing
-from coordinator.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner, fleet_key
-from coordinator.limits import Limits, TokenBucket, TrustPolicy
-from coordinator.profiles import PRIOR_MEMORY, DeviceProfile
-from coordinator.protocol import (
-    Block, Cancel, CloseCode, Code, Credential, Credit, Error, Finished, Heartbeat, Hello, Leave, Message, Pause,
-    Release, ReleaseWhy, Result, Resume, Welcome, Work,
+from coordinator.engine.blocks import BlockRef, Source, Sources, block_ref
+from coordinator.engine.identity import Admission, Gate, Standing
+from coordinator.engine.limits import Limits, TokenBucket, TrustPolicy
+from coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner, fleet_key
+from coordinator.engine.profiles import PRIOR_MEMORY, DeviceProfile
+from coordinator.engine.scheduler import (
+    Assign,
+    Decision,
+    FaultPolicy,
+    Hold,
+    Overdue,
+    Reclaim,
+    Scheduler,
+    Seat,
+    UnitSpec,
 )
-from coordinator.scheduler import Assign, Decision, FaultPolicy, Hold, Overdue, Reclaim, Scheduler, Seat, UnitSpec
-from coordinator.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, a_block, assemble, b_block, piece_tiles
-from coordinator.verify import Verdict, freivalds
+from coordinator.planning.costmodel import Profile, PSProfile
+from coordinator.planning.tiles import (
+    GemmKind,
+    Tile,
+    TileList,
+    TilePlan,
+    TilingPolicy,
+    a_block,
+    assemble,
+    b_block,
+    piece_tiles,
+)
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
+from coordinator.wire.errors import AuthError, Diverged
+from coordinator.wire.messages import (
+    Block,
+    Cancel,
+    Credential,
+    Credit,
+    Error,
+    Finished,
+    Heartbeat,
+    Hello,
+    Leave,
+    Message,
+    Pause,
+    Release,
+    Result,
+    Resume,
+    Welcome,
+    Work,
+)
+from coordinator.wire.verify import Verdict, freivalds
 from db.store import BANNED, REVOKED, DeviceInfo, NewTile, Store
 
 __all__ = ["AuthError", "Close", "Core", "FaultPolicy", "Hold", "Limit", "Outbound", "Send"]
@@ -170,7 +207,7 @@ class Check:
         if self.a.dtype not in (torch.float32, torch.float64):  # the check takes norms of its own
             row_norms, b_norm = None, None
         elif len(self.pairs) == 1:
-            (ra, rb), = self.pairs
+            ((ra, rb),) = self.pairs
             row_norms, b_norm = ra.row_norms(), rb.norm()
         else:
             row_norms = torch.stack([ra.row_norms() for ra, _ in self.pairs]).square().sum(0).sqrt()
@@ -179,13 +216,21 @@ class Check:
         if gemm.a.dtype in (torch.float16, torch.bfloat16):
             # Half tiles (the half-precision wire, or a bf16/fp16/autocast job): devices sum in
             # float32 and round once (client/kernels.py), and only that rounding is tolerated
-            # (coordinator/verify.py, ROUNDING_FACTOR). A tolerance of the half dtype's own
+            # (coordinator/wire/verify.py, ROUNDING_FACTOR). A tolerance of the half dtype's own
             # products would let a forged bf16 tile through.
             compute, rounded_to = torch.float32, gemm.a.dtype
         else:
             compute, rounded_to = gemm.a.dtype, None
-        verdict = freivalds(self.a, self.b, self.msg.c, rng, compute_dtype=compute, rounded_to=rounded_to,
-                            a_row_norms=row_norms, b_norm=b_norm)
+        verdict = freivalds(
+            self.a,
+            self.b,
+            self.msg.c,
+            rng,
+            compute_dtype=compute,
+            rounded_to=rounded_to,
+            a_row_norms=row_norms,
+            b_norm=b_norm,
+        )
         return verdict, time.perf_counter() - started
 
 
@@ -326,9 +371,15 @@ class Prediction:
         (the step's seconds with no GEMM out): the model predicts the part it plans."""
         other = self.other
         predicted = None if self.gemm_seconds is None or other is None else self.gemm_seconds + other
-        return {"predicted_step_s": _round(predicted), "measured_step_s": _round(self.measured),
-                "predicted_gemm_s": _round(self.gemm_seconds), "measured_gemm_s": _round(self.last_busy),
-                "ps_other_s": _round(other), "partitions": self.last_kinds, "local_gemms": self.local_gemms}
+        return {
+            "predicted_step_s": _round(predicted),
+            "measured_step_s": _round(self.measured),
+            "predicted_gemm_s": _round(self.gemm_seconds),
+            "measured_gemm_s": _round(self.last_busy),
+            "ps_other_s": _round(other),
+            "partitions": self.last_kinds,
+            "local_gemms": self.local_gemms,
+        }
 
 
 def _round(x: float | None) -> float | None:
@@ -362,9 +413,11 @@ def check_finite(a: torch.Tensor, b: torch.Tensor, kind: GemmKind, cast: str | N
     if _all_finite(a) and _all_finite(b):
         return
     if cast is not None:
-        raise FloatingPointError(f"a {kind.value} GEMM input is NaN or Inf once cast to {cast} for the wire "
-                                 f"(fp16 holds magnitudes up to 65,504: try --wire-dtype bf16, or fp32)")
-    raise FloatingPointError(f"a {kind.value} GEMM input holds NaN or Inf: training diverged (try a lower --lr)")
+        raise Diverged(
+            f"a {kind.value} GEMM input is NaN or Inf once cast to {cast} for the wire "
+            f"(fp16 holds magnitudes up to 65,504: try --wire-dtype bf16, or fp32)"
+        )
+    raise Diverged(f"a {kind.value} GEMM input holds NaN or Inf: training diverged (try a lower --lr)")
 
 
 class Core:
@@ -405,7 +458,9 @@ class Core:
         self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
         self.sched = Scheduler(self.faults)  # which tile goes to which device, and when
         # How each GEMM is cut and who takes which tile (a LivePlanner: tests force partitions).
-        self.planner = planner if isinstance(planner, LivePlanner) else LivePlanner(planner, ps or PSProfile(), self.policy)
+        self.planner = (
+            planner if isinstance(planner, LivePlanner) else LivePlanner(planner, ps or PSProfile(), self.policy)
+        )
         self.profiles: dict[int, DeviceProfile] = {}  # connected devices, measured live
         # (tile, device) -> [bytes of blocks its work carried, when the frame went on the wire]
         self._sent: dict[tuple[int, int], list] = {}
@@ -450,25 +505,48 @@ class Core:
         self.gate.check_cooloff(admission.identity, now)
         standing = self.gate.standing(admission.identity)
         if standing.budgets is None:  # kept with the identity: reconnecting does not refill them
-            standing.budgets = (self.limits.releases.bucket(), self.limits.resends.bucket(),
-                                self.trust.reconnects.bucket())
+            standing.budgets = (
+                self.limits.releases.bucket(),
+                self.limits.resends.bucket(),
+                self.trust.reconnects.bucket(),
+            )
         if not standing.budgets[2].take(now):
             raise AuthError(CloseCode.RATE_LIMITED, "reconnecting too often; try again in a while")
         info = DeviceInfo(
-            name=admission.name, platform=hello.platform, cores=max(1, hello.cores),
-            memory_bytes=hello.memory_bytes, device=hello.device, gflops=hello.gflops,
+            name=admission.name,
+            platform=hello.platform,
+            cores=max(1, hello.cores),
+            memory_bytes=hello.memory_bytes,
+            device=hello.device,
+            gflops=hello.gflops,
         )
         device_id = self.store.add_device(self.job_id, info, self._at(now), admission.identity)
         asked = min(hello.slots, self.trust.max_slots)
         # Until it has returned work, assume a device is 4x slower than its own (bounded) claim.
         claim = min(max(hello.gflops, CLAIM_GFLOPS[0]), CLAIM_GFLOPS[1])
         lim = self.limits
-        seat = self.sched.join(device_id, slots=standing.slots(self.trust, asked), seconds_per_gflop=4.0 / claim,
-                               trusted=not standing.on_probation(self.trust), paused=bool(hello.paused))
+        seat = self.sched.join(
+            device_id,
+            slots=standing.slots(self.trust, asked),
+            seconds_per_gflop=4.0 / claim,
+            trusted=not standing.on_probation(self.trust),
+            paused=bool(hello.paused),
+        )
         dev = DeviceState(
-            device_id, admission.identity, admission.name, asked, seat, standing,
-            hello.device, now, lim.messages.bucket(), standing.budgets[0],
-            standing.budgets[1], lim.pauses.bucket(), lim.idle_frame, budget=hello.block_budget,
+            device_id,
+            admission.identity,
+            admission.name,
+            asked,
+            seat,
+            standing,
+            hello.device,
+            now,
+            lim.messages.bucket(),
+            standing.budgets[0],
+            standing.budgets[1],
+            lim.pauses.bucket(),
+            lim.idle_frame,
+            budget=hello.block_budget,
         )
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
@@ -480,15 +558,19 @@ class Core:
         out: list[Outbound] = [Limit(device_id, lim.idle_frame)]
         if admission.secret is not None:
             out.append(self._send(device_id, Credential(admission.identity, admission.secret.hex()), now))
-        out.append(self._send(device_id, Welcome(device_id, admission.identity, self.job_name, dev.slots,
-                                                 self.faults.heartbeat), now))
+        out.append(
+            self._send(
+                device_id, Welcome(device_id, admission.identity, self.job_name, dev.slots, self.faults.heartbeat), now
+            )
+        )
         if self.finished:
             out.append(self._send(device_id, Finished(), now))
             return device_id, out
         return device_id, out + self._dispatch(now)
 
-    def disconnect(self, device_id: int, now: float, reason: str = "connection closed",
-                   state: str | None = None) -> list[Outbound]:
+    def disconnect(
+        self, device_id: int, now: float, reason: str = "connection closed", state: str | None = None
+    ) -> list[Outbound]:
         """A device is gone: its outstanding tiles go straight back to the queue and to others."""
         if device_id not in self.devices:
             return []
@@ -519,7 +601,9 @@ class Core:
                 profile.failed(now)
         self.store.set_device_state(device_id, state or "offline", self._at(now), reason)
 
-    def _drop(self, dev: DeviceState, code: CloseCode, reason: str, now: float, state: str | None = None) -> list[Outbound]:
+    def _drop(
+        self, dev: DeviceState, code: CloseCode, reason: str, now: float, state: str | None = None
+    ) -> list[Outbound]:
         """Close a device and forget it (the caller dispatches its tiles to others)."""
         self._remove(dev.id, now, reason, state)
         return [Close(dev.id, code, reason)]
@@ -553,8 +637,9 @@ class Core:
             return self._on_release(dev, msg, now)
         if isinstance(msg, (Pause, Resume)):
             if not dev.pauses.take(now):
-                return self._drop(dev, CloseCode.RATE_LIMITED, "pausing and resuming too often", now) + \
-                    self._dispatch(now)
+                return self._drop(dev, CloseCode.RATE_LIMITED, "pausing and resuming too often", now) + self._dispatch(
+                    now
+                )
             if isinstance(msg, Pause):
                 return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
@@ -564,7 +649,11 @@ class Core:
             return self._dispatch(now)
         if isinstance(msg, Leave):
             return self.disconnect(device_id, now, "left")
-        return [self._send(device_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a device may send"), now)]
+        return [
+            self._send(
+                device_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a device may send"), now
+            )
+        ]
 
     def on_wire(self, device_id: int, tile_id: int, now: float) -> None:
         """The server started writing ``tile_id``'s work frame to the device's socket."""
@@ -625,20 +714,26 @@ class Core:
                 if now - since < STUCK_GRACE or self._aborted:
                     continue
             # Read from the store only now: a tile waiting out its grace costs nothing per second.
-            failures = [lease for lease in self.store.leases(tile_id) if lease.outcome in ("rejected", "released",
-                                                                                           "revoked")]
+            failures = [
+                lease for lease in self.store.leases(tile_id) if lease.outcome in ("rejected", "released", "revoked")
+            ]
             last = f"{failures[-1].outcome}: {failures[-1].reason}" if failures else "unknown"
             if tile_id in self._reopened:
                 self._aborted = True  # said once: the trainer stops at its next GEMM
                 m, k = gemm.a.shape
-                return [Abort(f"tile {tile_id} of a {gemm.kind.value} GEMM ({m}x{k} @ {k}x{gemm.b.shape[1]}) failed "
-                              f"on every connected device, twice ({len(failures)} attempts; last {last}), and no "
-                              f"other device came to take it within {STUCK_GRACE:.0f} s")]
+                return [
+                    Abort(
+                        f"tile {tile_id} of a {gemm.kind.value} GEMM ({m}x{k} @ {k}x{gemm.b.shape[1]}) failed "
+                        f"on every connected device, twice ({len(failures)} attempts; last {last}), and no "
+                        f"other device came to take it within {STUCK_GRACE:.0f} s"
+                    )
+                ]
             self._reopened.add(tile_id)
             self.sched.unbar(tile_id)
             self.store.unbar_tile(tile_id)
-            log.warning("tile %d was failed by every connected device (last %s); each may try it once more",
-                        tile_id, last)
+            log.warning(
+                "tile %d was failed by every connected device (last %s); each may try it once more", tile_id, last
+            )
             reopened = True
         return self._dispatch(now) if reopened else []
 
@@ -657,7 +752,9 @@ class Core:
             row = self.store.identity(dev.identity)
             why = f": {row.reason}" if row is not None and row.reason else ""
             if state == REVOKED:
-                out.extend(self._drop(dev, CloseCode.REVOKED, f"credential revoked by the operator{why}", now, "revoked"))
+                out.extend(
+                    self._drop(dev, CloseCode.REVOKED, f"credential revoked by the operator{why}", now, "revoked")
+                )
             else:
                 out.extend(self._drop(dev, CloseCode.BANNED, f"banned by the operator{why}", now, "banned"))
         return out
@@ -689,9 +786,21 @@ class Core:
         if msg.tile_id not in dev.inflight:
             if dev.cancelled.pop(msg.tile_id, False) is None:  # a copy that lost the race: ignored
                 return []
-            return [self._send(dev.id, Error(Code.NOT_LEASED, f"tile {msg.tile_id} is not leased to you; result ignored"), dev.last_seen)]
+            return [
+                self._send(
+                    dev.id,
+                    Error(Code.NOT_LEASED, f"tile {msg.tile_id} is not leased to you; result ignored"),
+                    dev.last_seen,
+                )
+            ]
         if msg.tile_id in dev.checking:  # its first result for the tile is being verified
-            return [self._send(dev.id, Error(Code.NOT_LEASED, f"tile {msg.tile_id} was answered already; result ignored"), dev.last_seen)]
+            return [
+                self._send(
+                    dev.id,
+                    Error(Code.NOT_LEASED, f"tile {msg.tile_id} was answered already; result ignored"),
+                    dev.last_seen,
+                )
+            ]
         dev.checking.add(msg.tile_id)
         gemm = self.gemms[self._tile_gemm[msg.tile_id]]
         tile = gemm.tiles[msg.tile_id]
@@ -699,8 +808,16 @@ class Core:
             ra, rb = gemm.blocks_of(tile)
             return Check(dev, msg, gemm, tile, ra.logical, rb.logical, ((ra, rb),), dev.last_seen)
         # The pieces' range, as views; norms from the pieces' cached ones.
-        return Check(dev, msg, gemm, tile, a_block(gemm.a, tile), b_block(gemm.b, tile), tuple(gemm.pairs_of(tile)),
-                     dev.last_seen)
+        return Check(
+            dev,
+            msg,
+            gemm,
+            tile,
+            a_block(gemm.a, tile),
+            b_block(gemm.b, tile),
+            tuple(gemm.pairs_of(tile)),
+            dev.last_seen,
+        )
 
     def settle(self, check: Check, verdict: Verdict, seconds: float, now: float) -> list[Outbound]:
         """Act on a result's verdict. The device may have left, or lost the tile to a copy or a
@@ -727,7 +844,11 @@ class Core:
             self._failed(dev.id, now)
             self.sched.release(msg.tile_id, dev.id, bar=True)
             self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
-            out.append(self._send(dev.id, Error(Code.REJECTED, f"tile {msg.tile_id} failed verification: {verdict.reason}"), now))
+            out.append(
+                self._send(
+                    dev.id, Error(Code.REJECTED, f"tile {msg.tile_id} failed verification: {verdict.reason}"), now
+                )
+            )
             return out + self._forged(dev, now) + self._dispatch(now)
         kind = gemm.kind.value
         self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
@@ -775,8 +896,13 @@ class Core:
             self._complete(gemm, now)
         for other in stallers:  # only once this tile is settled everywhere
             if other.id in self.devices:
-                out.extend(self._cut(other, f"{other.standing.unanswered} tiles in a row went to other "
-                                            f"devices without a result from it", now))
+                out.extend(
+                    self._cut(
+                        other,
+                        f"{other.standing.unanswered} tiles in a row went to other devices without a result from it",
+                        now,
+                    )
+                )
         return out + self._dispatch(now)
 
     def _forged(self, dev: DeviceState, now: float) -> list[Outbound]:
@@ -805,12 +931,19 @@ class Core:
         # tile goes to another device, never straight back to this one.
         missing = msg.why is ReleaseWhy.MISSING_BLOCK
         if missing:  # every byte it claims to have lost is a byte sent again: charged as such
-            held = {ref.key: ref.nbytes for tid in set(msg.tile_ids) if tid in dev.inflight
-                    for pair in self._pairs_of(tid) for ref in pair if ref.key in dev.blocks}
+            held = {
+                ref.key: ref.nbytes
+                for tid in set(msg.tile_ids)
+                if tid in dev.inflight
+                for pair in self._pairs_of(tid)
+                for ref in pair
+                if ref.key in dev.blocks
+            }
             resend = sum(held.values())
             if resend and not dev.resends.take(now, resend):
-                return self._drop(dev, CloseCode.RATE_LIMITED, "too many blocks to send again", now) + \
-                    self._dispatch(now)
+                return self._drop(dev, CloseCode.RATE_LIMITED, "too many blocks to send again", now) + self._dispatch(
+                    now
+                )
         reason = f"{msg.why.value}: {msg.reason}" if msg.reason else msg.why.value
         return self._give_back(dev, msg.tile_ids, reason, now, blocks_lost=missing, bar=not missing)
 
@@ -819,7 +952,13 @@ class Core:
         return gemm.pairs_of(gemm.tiles[tile_id])
 
     def _give_back(
-        self, dev: DeviceState, tile_ids: tuple[int, ...], reason: str, now: float, *, blocks_lost: bool,
+        self,
+        dev: DeviceState,
+        tile_ids: tuple[int, ...],
+        reason: str,
+        now: float,
+        *,
+        blocks_lost: bool,
         bar: bool = False,
     ) -> list[Outbound]:
         given = 0
@@ -891,9 +1030,18 @@ class Core:
     # ------------------------------------------------------------------ GEMMs
 
     def submit(
-        self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, now: float, on_done: Callable[[torch.Tensor], None],
-        *, finite_checked: bool = False, lazy: bool = False, out_dtype: torch.dtype | None = None,
-        kept: Product | None = None, deferred: bool = False,
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        kind: GemmKind,
+        now: float,
+        on_done: Callable[[torch.Tensor], None],
+        *,
+        finite_checked: bool = False,
+        lazy: bool = False,
+        out_dtype: torch.dtype | None = None,
+        kept: Product | None = None,
+        deferred: bool = False,
     ) -> tuple[int, list[Outbound]]:
         """Queue ``a @ b`` as tiles; ``on_done(result)`` is called once every tile is verified.
         ``finite_checked``: the caller ran ``check_finite`` already (the server's trainer thread
@@ -917,8 +1065,13 @@ class Core:
         live = self._plan(m, n, k, kind)
         pred = self.prediction
         pred.planned.append(live.seconds)
-        label = "uniform" if live.plan is None else \
-            "split-k summed" if live.plan.local_sum and live.plan.kind.value == "split-k" else live.plan.kind.value
+        label = (
+            "uniform"
+            if live.plan is None
+            else "split-k summed"
+            if live.plan.local_sum and live.plan.kind.value == "split-k"
+            else live.plan.kind.value
+        )
         pred.kinds[label] = pred.kinds.get(label, 0) + 1
         if live.tiles is None:  # cheaper here than shipped: the PS multiplies itself
             pred.local_gemms += 1
@@ -931,16 +1084,33 @@ class Core:
         a, b = a.detach(), b.detach()
         # Forward's X and dX's dY are read again by their dW (a deferred dW may come first: then
         # whichever of the two finishes last lets dY go): keep them on devices.
-        sources = (self.sources.acquire(a, retain=kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)),
-                   self.sources.acquire(b, retain=False))
+        sources = (
+            self.sources.acquire(a, retain=kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)),
+            self.sources.acquire(b, retain=False),
+        )
         gemm_id = self.store.next_gemm_id()
         pieces = [q for t in tiles for q in piece_tiles(plan, t)]  # one-piece tiles: the blocks
         a_blocks = {(q.i, q.p): block_ref(sources[0], gemm_id, f"a{q.i}.{q.p}", a_block(a, q)) for q in pieces}
         b_blocks = {(q.p, q.j): block_ref(sources[1], gemm_id, f"b{q.p}.{q.j}", b_block(b, q)) for q in pieces}
         new = [NewTile(t.index, a_blocks[(t.i, t.p)].key, b_blocks[(t.p, t.j)].key, t.flops) for t in tiles]
-        ids = self.store.add_gemm(gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self._at(now))
-        gemm = GemmState(gemm_id, kind, a, b, plan, dict(zip(ids, tiles)), on_done, sources, a_blocks, b_blocks,
-                         lazy=lazy, out_dtype=out_dtype, deferred=deferred)
+        ids = self.store.add_gemm(
+            gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self._at(now)
+        )
+        gemm = GemmState(
+            gemm_id,
+            kind,
+            a,
+            b,
+            plan,
+            dict(zip(ids, tiles)),
+            on_done,
+            sources,
+            a_blocks,
+            b_blocks,
+            lazy=lazy,
+            out_dtype=out_dtype,
+            deferred=deferred,
+        )
         if not self.gemms and pred.busy_since is None:
             pred.busy_since = now
         self.gemms[gemm_id] = gemm
@@ -949,14 +1119,21 @@ class Core:
         owners = live.owners
         # Ahead of deferred GEMMs' queued tiles (FIFO otherwise): the trainer waits on this one.
         front = not deferred and any(g.deferred for g in self.gemms.values() if g is not gemm)
-        self.sched.add_gemm(gemm_id, [UnitSpec(tid, gemm_id, nt.a_key, nt.b_key, nt.flops, owners.get(t.index))
-                                      for tid, nt, t in zip(ids, new, tiles)], front=front)
+        self.sched.add_gemm(
+            gemm_id,
+            [
+                UnitSpec(tid, gemm_id, nt.a_key, nt.b_key, nt.flops, owners.get(t.index))
+                for tid, nt, t in zip(ids, new, tiles)
+            ],
+            front=front,
+        )
         return gemm_id, self._dispatch(now)
 
     def _plan(self, m: int, n: int, k: int, kind: GemmKind) -> LivePlan:
         """The cost model's plan for the devices that may take work now. Their classes are
         rebuilt (O(devices)) only when the fleet changed: a device joined, left, paused or
         resumed, or its measured profile moved on the planner's grid."""
+
         def active() -> dict[int, Profile]:
             return {d: self.profiles[d].profile(self.dtype) for d, dev in self.devices.items() if dev.paused is None}
 
@@ -1044,8 +1221,11 @@ class Core:
     def _lease(self, dev: DeviceState, tile_id: int, copy: str | None, now: float) -> list[Outbound]:
         """Record the scheduler's lease in the store and send the work."""
         at = self._at(now)
-        claimed = self.store.lease_tile(tile_id, dev.id, at) if copy is None else \
-            self.store.claim_copy(tile_id, dev.id, copy, at)
+        claimed = (
+            self.store.lease_tile(tile_id, dev.id, at)
+            if copy is None
+            else self.store.claim_copy(tile_id, dev.id, copy, at)
+        )
         if claimed is None:
             # The scheduler and the store disagree (a bug, never a peer's doing): say so, and let
             # the scheduler give the tile to someone else rather than stop training.
@@ -1113,26 +1293,57 @@ class Core:
                 state = "paused"
             else:
                 state = "working" if live.inflight else "idle"
-            listed.append({
-                "id": row.id, "identity": row.identity_id, "name": row.name, "state": state, "device": row.device,
-                "tiles_done": row.tiles_done, "tiles_rejected": row.tiles_rejected, "tiles_lost": row.tiles_lost,
-                "tiles_revoked": row.tiles_revoked, "reliability": round(row.reliability, 4),
-                # Its benchmark at join, then the rate measured from its verified tiles.
-                "gflops": round(self.profiles[row.id].measured_gflops(row.gflops) if live else row.gflops, 2),
-                "gflop_verified": round(row.gflop_verified, 3), "reason": row.reason,
-                "inflight": len(live.inflight) if live else 0, "slots": live.slots if live else 0,
-                "probation": live.standing.on_probation(self.trust) if live else None,
-                "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
-                "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
-                "compute_s": round(live.compute_seconds, 4) if live else None,
-                "profile": self.profiles[row.id].as_json(self.dtype) if row.id in self.profiles else None,
-            })
+            listed.append(
+                {
+                    "id": row.id,
+                    "identity": row.identity_id,
+                    "name": row.name,
+                    "state": state,
+                    "device": row.device,
+                    "tiles_done": row.tiles_done,
+                    "tiles_rejected": row.tiles_rejected,
+                    "tiles_lost": row.tiles_lost,
+                    "tiles_revoked": row.tiles_revoked,
+                    "reliability": round(row.reliability, 4),
+                    # Its benchmark at join, then the rate measured from its verified tiles.
+                    "gflops": round(self.profiles[row.id].measured_gflops(row.gflops) if live else row.gflops, 2),
+                    "gflop_verified": round(row.gflop_verified, 3),
+                    "reason": row.reason,
+                    "inflight": len(live.inflight) if live else 0,
+                    "slots": live.slots if live else 0,
+                    "probation": live.standing.on_probation(self.trust) if live else None,
+                    "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
+                    "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
+                    "compute_s": round(live.compute_seconds, 4) if live else None,
+                    "profile": self.profiles[row.id].as_json(self.dtype) if row.id in self.profiles else None,
+                }
+            )
         p = self.progress
-        tiles = {k: counts[k] for k in ("queued", "leased", "verified", "rejected", "requeued", "expired",
-                                        "speculative", "cancelled", "lost", "revoked")}
+        tiles = {
+            k: counts[k]
+            for k in (
+                "queued",
+                "leased",
+                "verified",
+                "rejected",
+                "requeued",
+                "expired",
+                "speculative",
+                "cancelled",
+                "lost",
+                "revoked",
+            )
+        }
         return {
-            "job": {"name": self.job_name, "step": p.step, "steps": p.steps, "loss": p.loss,
-                    "state": p.state, "tokens_per_s": round(p.tokens_per_s, 1), "gemm_share": p.gemm_share},
+            "job": {
+                "name": self.job_name,
+                "step": p.step,
+                "steps": p.steps,
+                "loss": p.loss,
+                "state": p.state,
+                "tokens_per_s": round(p.tokens_per_s, 1),
+                "gemm_share": p.gemm_share,
+            },
             "devices": listed,
             "device_counts": {"connected": len(self.devices), **self.store.device_states(self.job_id)},
             "tiles": tiles,
@@ -1142,13 +1353,20 @@ class Core:
                 {"identity": r.identity_id, "name": r.name, "gflop": round(r.gflop, 3), "tiles": r.tiles}
                 for r in self.store.leaderboard(10)
             ],
-            "plan": {"planner": self.planner.planner.value, **self.prediction.as_json(),
-                     "ps": {"egress_mbps": round(self.planner.ps.egress * 8 / 1e6, 1),
-                            "ingress_mbps": round(self.planner.ps.ingress * 8 / 1e6, 1),
-                            "gflops": round(self.planner.ps.flops_per_s(self.dtype) / 1e9, 2),
-                            "verify_gflops": round(self.planner.ps.verify_flops / 1e9, 2)}},
-            "verify": {"seconds": round(self.verify_seconds, 4),
-                       "worst_honest_ratio": round(max(self.verify_worst_honest.values(), default=0.0), 4),
-                       "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(self.verify_worst_honest.items())}},
+            "plan": {
+                "planner": self.planner.planner.value,
+                **self.prediction.as_json(),
+                "ps": {
+                    "egress_mbps": round(self.planner.ps.egress * 8 / 1e6, 1),
+                    "ingress_mbps": round(self.planner.ps.ingress * 8 / 1e6, 1),
+                    "gflops": round(self.planner.ps.flops_per_s(self.dtype) / 1e9, 2),
+                    "verify_gflops": round(self.planner.ps.verify_flops / 1e9, 2),
+                },
+            },
+            "verify": {
+                "seconds": round(self.verify_seconds, 4),
+                "worst_honest_ratio": round(max(self.verify_worst_honest.values(), default=0.0), 4),
+                "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(self.verify_worst_honest.items())},
+            },
             "time": self._at(now),
         }

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from coordinator.tiles import wire_layout
+from coordinator.planning.tiles import wire_layout
 
 
 @dataclass(eq=False)

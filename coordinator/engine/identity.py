@@ -12,22 +12,15 @@ import secrets
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from coordinator import auth
-from coordinator.limits import TokenBucket, TrustPolicy
-from coordinator.protocol import Challenge, CloseCode, Hello
+from coordinator.engine.limits import TokenBucket, TrustPolicy
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.errors import AuthError
+from coordinator.wire.messages import Challenge, Hello
 from db.store import ACTIVE, BANNED, REVOKED, Store
 
 # Settings keys (store.setting): each constant defined once.
 JOIN_TOKEN, OPERATOR_TOKEN, COORDINATOR_ID = "join_token_sha256", "operator_token_sha256", "coordinator_id"
-
-
-class AuthError(Exception):
-    """A peer that may not connect; ``code`` is the close code it gets."""
-
-    def __init__(self, code: CloseCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -106,8 +99,13 @@ class Standing:
 
 
 class Gate:
-    def __init__(self, store: Store, trust: TrustPolicy, enrolments: TokenBucket,
-                 randbytes: auth.RandomBytes = secrets.token_bytes) -> None:
+    def __init__(
+        self,
+        store: Store,
+        trust: TrustPolicy,
+        enrolments: TokenBucket,
+        randbytes: auth.RandomBytes = secrets.token_bytes,
+    ) -> None:
         self.store = store
         self.trust = trust
         self.randbytes = randbytes
@@ -202,7 +200,9 @@ class Gate:
     def check_cooloff(self, identity: int, now: float) -> None:
         wait = self.standing(identity).cooloff_until - now
         if wait > 0:
-            raise AuthError(CloseCode.STALLING, f"cut for holding tiles past their deadlines; come back in {wait:.0f} s")
+            raise AuthError(
+                CloseCode.STALLING, f"cut for holding tiles past their deadlines; come back in {wait:.0f} s"
+            )
 
     def ban(self, identity: int, reason: str, record_now: float) -> None:
         self.store.set_identity_state(identity, BANNED, reason, record_now)

@@ -14,11 +14,13 @@ the ``C[rows, cols]`` contribution of that k-range.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Sequence
 
 import torch
+
+from coordinator.wire.errors import ConfigError
 
 
 class GemmKind(str, Enum):
@@ -45,9 +47,9 @@ class TilingPolicy:
 
     def __post_init__(self) -> None:
         if not (1 <= self.min_edge <= self.max_edge):
-            raise ValueError("need 1 <= min_edge <= max_edge")
+            raise ConfigError("need 1 <= min_edge <= max_edge")
         if self.min_k < 1 or self.tiles_per_device < 1:
-            raise ValueError("min_k and tiles_per_device must be >= 1")
+            raise ConfigError("min_k and tiles_per_device must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,16 @@ class TilePlan(_Cuts):
                 for p in range(len(self.k_cuts) - 1):
                     out.append(
                         Tile(
-                            len(out), i, j, p,
-                            self.row_cuts[i], self.row_cuts[i + 1],
-                            self.col_cuts[j], self.col_cuts[j + 1],
-                            self.k_cuts[p], self.k_cuts[p + 1],
+                            len(out),
+                            i,
+                            j,
+                            p,
+                            self.row_cuts[i],
+                            self.row_cuts[i + 1],
+                            self.col_cuts[j],
+                            self.col_cuts[j + 1],
+                            self.k_cuts[p],
+                            self.k_cuts[p + 1],
                         )
                     )
         return out
@@ -188,7 +196,9 @@ def wire_layout(block: torch.Tensor) -> str:
     return "copy"
 
 
-def assemble(plan: TilePlan | TileList, parts: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def assemble(
+    plan: TilePlan | TileList, parts: dict[int, torch.Tensor], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Put the tiles' C blocks back together; split-K partials summed in tile order, in float32
     whatever the tiles' dtype (half-precision partial sums would round at every addition), and
     rounded to ``dtype`` once."""

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict, deque
-from itertools import chain, islice
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from itertools import chain, islice
+
+from coordinator.wire.errors import ConfigError
 
 SPECULATIVE, DEADLINE = "speculative", "deadline passed"  # why a copy went out (the store's words)
 RETRY = 8  # deferred devices that look again at each assign
@@ -56,9 +58,9 @@ class FaultPolicy:
 
     def __post_init__(self) -> None:
         if not (0 < self.heartbeat < self.heartbeat_timeout):
-            raise ValueError("need 0 < heartbeat < heartbeat timeout")
+            raise ConfigError("need 0 < heartbeat < heartbeat timeout")
         if self.lease_floor <= 0 or self.lease_factor < 1 or self.max_copies < 1 or self.max_wait <= 0:
-            raise ValueError("lease floor and max wait must be positive, lease factor >= 1, max copies >= 1")
+            raise ConfigError("lease floor and max wait must be positive, lease factor >= 1, max copies >= 1")
 
     def window(self, expected: float) -> float:
         """Seconds from lease to deadline for work expected to take ``expected`` seconds."""
@@ -202,8 +204,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ devices
 
-    def join(self, device: int, *, slots: int, seconds_per_gflop: float, trusted: bool = True,
-             paused: bool = False) -> Seat:
+    def join(
+        self, device: int, *, slots: int, seconds_per_gflop: float, trusted: bool = True, paused: bool = False
+    ) -> Seat:
         seat = Seat(device, slots, seconds_per_gflop, trusted, paused)
         self.seats[device] = seat
         self._refresh(seat)
@@ -243,8 +246,16 @@ class Scheduler:
         if mine:
             self._moved()
 
-    def update(self, device: int, *, slots: int | None = None, seconds_per_gflop: float | None = None,
-               trusted: bool | None = None, paused: bool | None = None, full: bool | None = None) -> None:
+    def update(
+        self,
+        device: int,
+        *,
+        slots: int | None = None,
+        seconds_per_gflop: float | None = None,
+        trusted: bool | None = None,
+        paused: bool | None = None,
+        full: bool | None = None,
+    ) -> None:
         seat = self.seats.get(device)
         if seat is None:
             return
@@ -575,8 +586,11 @@ class Scheduler:
                 if u is None or not u.queued or u.home != victim:
                     other.own.pop()
                     continue
-                if victim != seat.id and seat.id not in u.barred and \
-                        (u.spec.owner != victim or self._sooner(seat, other, u)):
+                if (
+                    victim != seat.id
+                    and seat.id not in u.barred
+                    and (u.spec.owner != victim or self._sooner(seat, other, u))
+                ):
                     other.own.pop()
                     found = self._dequeue(u)
                 break

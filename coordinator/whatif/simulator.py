@@ -1,10 +1,10 @@
 """A discrete-event simulation of training steps on a fleet: the live scheduler on a virtual clock.
 
-What is real here: the scheduler (coordinator/scheduler.py: the same ``Scheduler`` object the
+What is real here: the scheduler (coordinator/engine/scheduler.py: the same ``Scheduler`` object the
 live ``Core`` drives, fed the same calls: ``join``, ``add_gemm``, ``holds_block``, ``expire``,
-``assign``, ``copies``, ``done``, ``release``, ``leave``), the planner (coordinator/live_plan.py:
+``assign``, ``copies``, ``done``, ``release``, ``leave``), the planner (coordinator/engine/live_plan.py:
 the live ``LivePlanner``, so every GEMM is cut and owned as the coordinator would cut and own it)
-and each device's standing (coordinator/identity.py: probation, slots, deadlines, cuts).
+and each device's standing (coordinator/engine/identity.py: probation, slots, deadlines, cuts).
 
 What is modelled (docs/simulation.md derives each rule and validates it against emulated runs):
 
@@ -32,23 +32,29 @@ import heapq
 import math
 import random
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
-from coordinator.costmodel import (
-    ADAMW_BYTES, ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, Profile, PSProfile, local_seconds,
+# The live coordinator's estimates (coordinator/engine/core.py): each defined once, there.
+from coordinator.engine.core import CLAIM_GFLOPS, EMA, MAX_SECONDS_PER_GFLOP
+from coordinator.engine.identity import Standing
+from coordinator.engine.limits import TrustPolicy
+from coordinator.engine.live_plan import LivePlanner, Planner
+from coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
+from coordinator.net.server import TICK  # the live server's tick: copies and deferred devices look again
+from coordinator.planning.costmodel import (
+    ADAMW_BYTES,
+    ATTENTION_PASSES,
+    ITEMSIZE,
+    CostModelError,
+    DeviceClass,
+    Profile,
+    PSProfile,
+    local_seconds,
 )
-from coordinator.identity import Standing
-from coordinator.limits import TrustPolicy
-from coordinator.live_plan import LivePlanner, Planner
-from coordinator.planner import Kind
-from coordinator.presets import ModelShape
-from coordinator.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
-from coordinator.tiles import GemmKind, TilingPolicy
-
-# The live coordinator's estimates (coordinator/core.py): each defined once, there.
-from coordinator.core import CLAIM_GFLOPS, EMA, MAX_SECONDS_PER_GFLOP
-from coordinator.server import TICK  # the live server's tick: copies and deferred devices look again
+from coordinator.planning.planner import Kind
+from coordinator.planning.tiles import GemmKind, TilingPolicy
+from coordinator.whatif.presets import ModelShape
 
 ASKED_SLOTS = 2  # what `cleave join` asks for by default (--slots)
 
@@ -125,10 +131,18 @@ def step_program(model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProf
     for index in reversed(range(len(order))):
         layer, name, fin, fout = order[index]
         dy = Operand(("dY", step, index), False, fout)
-        dx = GemmCall(tokens, fin, fout, GemmKind.GRAD_INPUT, dy, Operand(("W", step, index, "dx"), False, fin),
-                      f"{name}.dx")
-        dw = GemmCall(fout, fin, tokens, GemmKind.GRAD_WEIGHT, Operand(("dY", step, index), True, fout),
-                      x_of(layer, name, fin), f"{name}.dw")
+        dx = GemmCall(
+            tokens, fin, fout, GemmKind.GRAD_INPUT, dy, Operand(("W", step, index, "dx"), False, fin), f"{name}.dx"
+        )
+        dw = GemmCall(
+            fout,
+            fin,
+            tokens,
+            GemmKind.GRAD_WEIGHT,
+            Operand(("dY", step, index), True, fout),
+            x_of(layer, name, fin),
+            f"{name}.dw",
+        )
         ops.append((dx, dw))
         if name in ("o", "proj"):
             ops.append(PsWork((ATTENTION_PASSES - 1) * attention, "attention"))
@@ -192,8 +206,9 @@ class StepStats:
     predicted: float = 0.0  # the planner's prediction for the step's GEMMs plus PS work
     egress_bytes: float = 0.0
     ingress_bytes: float = 0.0
-    ps_cpu: dict[str, float] = field(default_factory=lambda: {"verify": 0.0, "assembly": 0.0, "local_gemms": 0.0,
-                                                              "attention": 0.0, "optimizer": 0.0})
+    ps_cpu: dict[str, float] = field(
+        default_factory=lambda: {"verify": 0.0, "assembly": 0.0, "local_gemms": 0.0, "attention": 0.0, "optimizer": 0.0}
+    )
     leaves: int = 0
     joins: int = 0
     ops: list[tuple[str, float, float]] = field(default_factory=list)  # (what, predicted, simulated) per op
@@ -223,7 +238,7 @@ class SimResult:
     injected_recovery: float | None = None  # the injected crash's (``fail_at``)
 
     @property
-    def measured(self) -> list["StepStats"]:
+    def measured(self) -> list[StepStats]:
         """The steps ``step_s`` averages."""
         return self.steps[1:] if len(self.steps) > 1 else self.steps
 
@@ -263,7 +278,7 @@ class _Device:
 
 @dataclass(eq=False)
 class _Unit:
-    gemm: "_Gemm"
+    gemm: _Gemm
     blocks: tuple[tuple[tuple, str, int], ...]  # (key, the scheduler's name for it, bytes) of every input block
     flops: int
     up: int
@@ -342,8 +357,12 @@ class Simulation:
         d.seconds_per_gflop = 4.0 / claim  # as Core: 4x slower than claimed until it returns work
         d.down_free = d.cpu_free = d.up_free = self.now
         self.devices[d.id] = d
-        self.sched.join(d.id, slots=standing.slots(trust, self.cfg.slots), seconds_per_gflop=d.seconds_per_gflop,
-                        trusted=not standing.on_probation(trust))
+        self.sched.join(
+            d.id,
+            slots=standing.slots(trust, self.cfg.slots),
+            seconds_per_gflop=d.seconds_per_gflop,
+            trusted=not standing.on_probation(trust),
+        )
         if rate > 0:
             self._profiles[d.id] = p
         self._fleet_version += 1
@@ -380,7 +399,7 @@ class Simulation:
     # ------------------------------------------------------------------ GEMMs
 
     def _key(self, op: Operand, gemm: int, which: str, r0: int, r1: int, c0: int, c1: int) -> tuple:
-        """A block's key as the live coordinator names it (coordinator/blocks.py): by the memory
+        """A block's key as the live coordinator names it (coordinator/engine/blocks.py): by the memory
         it comes from when it is whole stored rows (as it lies, or transposed back), else a key
         of this GEMM only (a strided slice is copied)."""
         if op.transposed:
@@ -395,8 +414,13 @@ class Simulation:
         stats = self._stats
         if live.plan is not None and live.seconds is not None:
             stats.predicted += live.seconds
-        label = "uniform" if live.plan is None or live.plan.kind is Kind.UNIFORM else \
-            "split-k summed" if live.plan.local_sum and live.plan.kind is Kind.SPLIT_K else live.plan.kind.value
+        label = (
+            "uniform"
+            if live.plan is None or live.plan.kind is Kind.UNIFORM
+            else "split-k summed"
+            if live.plan.local_sum and live.plan.kind is Kind.SPLIT_K
+            else live.plan.kind.value
+        )
         self.kinds[label] += 1
         gid = self._next_gemm
         self._next_gemm += 1
@@ -629,7 +653,7 @@ class Simulation:
         """A unit was verified: crashes waiting on it may be over. O(crashes being recovered)."""
         self._arrived.discard((uid, device))
         done = []
-        for crashed, (since, held) in self._recovering.items():
+        for crashed, (_since, held) in self._recovering.items():
             held.discard(uid)
             if not held:  # everything it lost is verified elsewhere
                 done.append(crashed)
@@ -662,8 +686,11 @@ class Simulation:
     def _fail_busiest(self) -> None:
         """The injected failure: the device with the most units whose results have not reached
         the PS crashes now."""
-        counts: Counter = Counter(dev for (uid, dev) in self._leased if (uid, dev) not in self._arrived
-                                  and self.devices.get(dev) is not None and self.devices[dev].alive)
+        counts: Counter = Counter(
+            dev
+            for (uid, dev) in self._leased
+            if (uid, dev) not in self._arrived and self.devices.get(dev) is not None and self.devices[dev].alive
+        )
         if counts:
             device = max(counts, key=lambda d: (counts[d], -d))
             d = self.devices[device]
@@ -675,8 +702,10 @@ class Simulation:
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
         cfg = self.cfg
         counts = [(cls, cls.count) for cls in cfg.fleet]
-        if not any(cls.profile.flops_per_s(cfg.dtype) > 0 and n for cls, n in counts) and \
-                cfg.ps.flops_per_s(cfg.dtype) <= 0:
+        if (
+            not any(cls.profile.flops_per_s(cfg.dtype) > 0 and n for cls, n in counts)
+            and cfg.ps.flops_per_s(cfg.dtype) <= 0
+        ):
             raise SimulationError(f"neither the fleet nor the parameter server can compute in {cfg.dtype}")
         for cls, n in counts:
             for _ in range(n):
@@ -702,17 +731,31 @@ class Simulation:
             for i, op in enumerate(program):
                 self._run_op(op)
                 if not isinstance(op, PsWork):
-                    self._release(op, {t for call in op for t in (call.a.tensor, call.b.tensor)
-                                       if last[t] == i or _dropped(program, i, t)})
+                    self._release(
+                        op,
+                        {
+                            t
+                            for call in op
+                            for t in (call.a.tensor, call.b.tensor)
+                            if last[t] == i or _dropped(program, i, t)
+                        },
+                    )
             self._stats.seconds = self.now - began
             self._device_figures(before, list(self.devices.values()) + self.gone[gone_before:])
             steps.append(self._stats)
         everyone = list(self.devices.values()) + self.gone
         return SimResult(
-            steps, start_devices,
-            [d.compute_s for d in everyone], [d.down_s for d in everyone], [d.up_s for d in everyone],
-            [d.bytes_down for d in everyone], [d.bytes_up for d in everyone], self.recoveries, self.kinds,
-            self.events, self.injected_recovery,
+            steps,
+            start_devices,
+            [d.compute_s for d in everyone],
+            [d.down_s for d in everyone],
+            [d.up_s for d in everyone],
+            [d.bytes_down for d in everyone],
+            [d.bytes_up for d in everyone],
+            self.recoveries,
+            self.kinds,
+            self.events,
+            self.injected_recovery,
         )
 
     def _device_figures(self, before: dict[int, tuple], present: list[_Device]) -> None:
@@ -750,17 +793,23 @@ class Simulation:
             if not self._events:
                 raise SimulationError(
                     "the simulation stalled: work is queued that no device can take (every device left "
-                    "or is barred) and nothing is left to happen")
+                    "or is barred) and nothing is left to happen"
+                )
             if self.now - max(began, self._progress_at) > self.cfg.give_up:
                 departed = sum(1 for d in self.devices.values() if not d.alive)
                 barred = sum(1 for u in self.sched.units.values() if u.queued and len(u.barred) >= len(self.devices))
-                why = (f"{barred} queued units are barred for every device (each let its lease pass twice its "
-                       f"deadline)" if barred else
-                       f"{departed} of {len(self.devices)} seated devices have departed unnoticed "
-                       f"(sessions shorter than --heartbeat-timeout)" if departed else "no device finished its work")
+                why = (
+                    f"{barred} queued units are barred for every device (each let its lease pass twice its deadline)"
+                    if barred
+                    else f"{departed} of {len(self.devices)} seated devices have departed unnoticed "
+                    f"(sessions shorter than --heartbeat-timeout)"
+                    if departed
+                    else "no device finished its work"
+                )
                 raise SimulationError(
                     f"the simulation stalled: no unit of {_what(op)} verified in {self.cfg.give_up:,.0f} simulated "
-                    f"seconds, {self._outstanding} outstanding: {why}")
+                    f"seconds, {self._outstanding} outstanding: {why}"
+                )
             self._step_event()
         self._stats.ops.append((_what(op), self._stats.predicted - predicted, self.now - began))
 
@@ -820,7 +869,8 @@ def _dropped(program: list[Op], index: int, tensor: tuple) -> bool:
     """Did op ``index`` drop ``tensor`` (a dW that reads it)?"""
     op = program[index]
     return not isinstance(op, PsWork) and any(
-        c.kind is GemmKind.GRAD_WEIGHT and tensor in (c.a.tensor, c.b.tensor) for c in op)
+        c.kind is GemmKind.GRAD_WEIGHT and tensor in (c.a.tensor, c.b.tensor) for c in op
+    )
 
 
 def _what(op: Op) -> str:
@@ -841,8 +891,22 @@ class SchedulerLog:
     simulator's; ``replay`` drives a fresh ``Scheduler`` with the same calls and checks that it
     makes the same decisions (the simulator's scheduler is the live one, not a model of it)."""
 
-    CALLS = frozenset({"join", "leave", "update", "holds_block", "drops_blocks", "add_gemm", "drop_gemm",
-                       "release", "done", "expire", "assign", "copies"})
+    CALLS = frozenset(
+        {
+            "join",
+            "leave",
+            "update",
+            "holds_block",
+            "drops_blocks",
+            "add_gemm",
+            "drop_gemm",
+            "release",
+            "done",
+            "expire",
+            "assign",
+            "copies",
+        }
+    )
     GENERATORS = frozenset({"assign", "copies"})
 
     def __init__(self, inner: Scheduler) -> None:

@@ -1,6 +1,6 @@
 """What a work unit costs, where: bytes down and up, FLOPs, memory and time. Pure arithmetic.
 
-No I/O, no tensors, no clock: the planner (coordinator/planner.py), ``cleave plan``, the live
+No I/O, no tensors, no clock: the planner (coordinator/planning/planner.py), ``cleave plan``, the live
 scheduler and the simulator all price work with these functions, and docs/cost-model.md derives
 each formula with a worked example.
 
@@ -12,12 +12,14 @@ bytes per second; ``rtt`` is a round trip of a small message.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+
+from coordinator.wire.errors import ConfigError
 
 # Training dtypes and their element sizes. Names are the CLI's (``--dtype``).
 ITEMSIZE: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Verification (coordinator/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a
+# Verification (coordinator/wire/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a
 # matrix-vector product per vector, so it reads A, B and C once and does 32 FLOP per element.
 VERIFY_ROUNDS = 16
 # Units a device holds at once: the one it computes and the one it prefetches.
@@ -32,7 +34,7 @@ ATTENTION_PASSES = 3
 ADAMW_BYTES = 28
 
 
-class CostModelError(ValueError):
+class CostModelError(ConfigError):
     """A profile or shape the model cannot price (negative sizes, zero rates...)."""
 
 
@@ -43,7 +45,7 @@ def _positive(name: str, value: float, *, zero: bool = False) -> None:
 
 @dataclass(frozen=True)
 class Profile:
-    """What one device can do: measured live (coordinator/profiles.py) or given by a fleet."""
+    """What one device can do: measured live (coordinator/engine/profiles.py) or given by a fleet."""
 
     gflops: Mapping[str, float]  # effective GEMM GFLOP/s per dtype; a dtype absent or 0: unsupported
     memory: int  # bytes the device gives to blocks and results
@@ -92,7 +94,7 @@ class PSProfile:
     """The parameter server: its link is shared by every device, and so is its CPU.
 
     The defaults describe the coordinator of a real deployment: a many-core server on a
-    10 Gbit/s link, not the 2-core machine the tests run on (coordinator/profiles.py measures the
+    10 Gbit/s link, not the 2-core machine the tests run on (coordinator/engine/profiles.py measures the
     machine it runs on instead). docs/cost-model.md gives the sources of each figure."""
 
     egress: float = 1.25e9  # bytes/s it can send (10 Gbit/s)
@@ -124,7 +126,7 @@ class PSProfile:
         return self.gflops.get(dtype, 0.0) * 1e9
 
     @classmethod
-    def from_link(cls, gbps: float, **kwargs: object) -> "PSProfile":
+    def from_link(cls, gbps: float, **kwargs: object) -> PSProfile:
         """Both directions at ``gbps`` gigabits per second."""
         _positive("--ps-link-gbps", gbps)
         rate = gbps * 1e9 / 8

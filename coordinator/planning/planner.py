@@ -4,7 +4,7 @@ Pure: shapes, device profiles and the parameter server's profile in, a ``Plan`` 
 scheduler asks for one plan per GEMM, ``cleave plan`` for every GEMM of a training step, and the
 simulator for both; docs/cost-model.md explains the model with worked examples.
 
-Candidates, each priced by the same model (coordinator/costmodel.py):
+Candidates, each priced by the same model (coordinator/planning/costmodel.py):
 
 * ``local``: the PS multiplies itself (no bytes move, nothing to verify);
 * ``output``: an ``r x c`` grid of output tiles, each with the whole reduction, cut into
@@ -25,7 +25,7 @@ its run starts in its band, with the largest tile of an uneven cut. They are upp
 depend only on the device's number of pieces, never below what ``realize`` hands it.
 
 Pricing one candidate: for a target time ``T`` each device can finish some number of pieces
-(its *capacity*: the pipelined time of n pieces, coordinator/costmodel.py, is within ``T`` and
+(its *capacity*: the pipelined time of n pieces, coordinator/planning/costmodel.py, is within ``T`` and
 they fit its memory); devices are filled most capable first until every piece is covered, and
 the PS's egress, ingress and CPU must also fit in ``T``. The plan's predicted time is the least
 such ``T`` (bisection). Filling the most capable first uses the fewest devices, which sends the
@@ -40,16 +40,28 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Iterable, Mapping, Sequence
 
-from coordinator.costmodel import (
-    ITEMSIZE, VERIFY_ROUNDS, CostModelError, DeviceClass, Profile, PSProfile, Stage, Unit, in_flight_memory,
-    local_seconds, output_egress_floor, pipeline, pipelined, ps_seconds,
+from coordinator.planning.costmodel import (
+    ITEMSIZE,
+    VERIFY_ROUNDS,
+    CostModelError,
+    DeviceClass,
+    Profile,
+    PSProfile,
+    Stage,
+    Unit,
+    in_flight_memory,
+    local_seconds,
+    output_egress_floor,
+    pipeline,
+    pipelined,
+    ps_seconds,
 )
-from coordinator.tiles import GemmKind, TilingPolicy, even_cuts
-from coordinator.tiles import plan_gemm as uniform_grid
+from coordinator.planning.tiles import GemmKind, TilingPolicy, even_cuts
+from coordinator.planning.tiles import plan_gemm as uniform_grid
 
 BISECTION_STEPS = 48  # relative precision ~1e-9 over the bracket's ratio
 MAX_DOUBLINGS = 80
@@ -79,7 +91,9 @@ class Gemm:
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k) < 1:
-            raise CostModelError(f"GEMM {self.label or ''} needs positive sizes, got {self.m}x{self.k} @ {self.k}x{self.n}")
+            raise CostModelError(
+                f"GEMM {self.label or ''} needs positive sizes, got {self.m}x{self.k} @ {self.k}x{self.n}"
+            )
         if self.dtype not in ITEMSIZE:
             raise CostModelError(f"unknown dtype {self.dtype!r}; use one of {', '.join(ITEMSIZE)}")
 
@@ -161,8 +175,12 @@ class Plan:
         """What limits the plan: compute, down, up or ps."""
         if self.kind is Kind.LOCAL:
             return "ps"
-        parts = {"compute": self.compute_seconds, "down": self.down_seconds, "up": self.up_seconds,
-                 "ps": self.ps_seconds}
+        parts = {
+            "compute": self.compute_seconds,
+            "down": self.down_seconds,
+            "up": self.up_seconds,
+            "ps": self.ps_seconds,
+        }
         return max(parts, key=lambda k: parts[k])
 
 
@@ -236,13 +254,14 @@ def _largest(gemm: Gemm, grid: tuple[int, int, int]) -> Unit:
     return Unit(-(-gemm.m // rows), -(-gemm.n // cols), -(-gemm.k // parts), gemm.itemsize)
 
 
-def _grid_costs(gemm: Gemm, rows: int, cols: int, slabs: int, bands: int,
-                opts: PlannerOptions) -> Callable[[DeviceClass], _Costs | None]:
+def _grid_costs(
+    gemm: Gemm, rows: int, cols: int, slabs: int, bands: int, opts: PlannerOptions
+) -> Callable[[DeviceClass], _Costs | None]:
     """Output tiles ``rows x cols`` with a reduction of ``k / slabs``, in ``bands`` bands of
     ``rows / bands`` tile rows. A device takes a run of n tiles of one band (``realize``) and
     downloads each row block and column block its run touches once (``_band_edges``, with the
     largest tile: an honest bound wherever the run starts); its downloads, GEMMs and uploads
-    overlap (coordinator/costmodel.py ``pipelined``), the later downloads priced as their average."""
+    overlap (coordinator/planning/costmodel.py ``pipelined``), the later downloads priced as their average."""
     s = gemm.itemsize
     unit = Unit(gemm.m / rows, gemm.n / cols, gemm.k / slabs, s)  # average tiles: totals come out exact
     largest = _largest(gemm, (rows, cols, slabs))  # what memory must hold, and what a block can weigh
@@ -281,8 +300,9 @@ def _grid_costs(gemm: Gemm, rows: int, cols: int, slabs: int, bands: int,
     return costs
 
 
-def _split_costs(gemm: Gemm, rows: int, cols: int, pieces: int, held: Mapping[str, int],
-                 local_sum: bool, opts: PlannerOptions) -> Callable[[DeviceClass], _Costs | None]:
+def _split_costs(
+    gemm: Gemm, rows: int, cols: int, pieces: int, held: Mapping[str, int], local_sum: bool, opts: PlannerOptions
+) -> Callable[[DeviceClass], _Costs | None]:
     """Reduction pieces of one ``r x c`` output block. With ``local_sum`` a device's n pieces are
     one work message whose products it adds up itself: one partial back, but its downloads do
     not overlap its GEMMs. Without, each piece is a unit of its own, pipelined, and each sends
@@ -307,6 +327,7 @@ def _split_costs(gemm: Gemm, rows: int, cols: int, pieces: int, held: Mapping[st
             return float(max(0, n - have) * piece_bytes)
 
         if local_sum:
+
             def time(n: int) -> float:
                 return down(n) / p.down + n * piece_s + p.overhead + partial / p.up + p.rtt if n > 0 else 0.0
 
@@ -328,8 +349,11 @@ def _split_costs(gemm: Gemm, rows: int, cols: int, pieces: int, held: Mapping[st
                 k = min(n, have)
                 if k == 0:
                     return pipelined(fresh, fresh, n, p.rtt)
-                return pipeline([held_stage] * k + [fresh] * (n - k), p.rtt) if n - k < 64 else \
-                    pipelined(held_stage, held_stage, k, 0.0) + pipelined(fresh, fresh, n - k, p.rtt)
+                return (
+                    pipeline([held_stage] * k + [fresh] * (n - k), p.rtt)
+                    if n - k < 64
+                    else pipelined(held_stage, held_stage, k, 0.0) + pipelined(fresh, fresh, n - k, p.rtt)
+                )
 
             def up(n: int) -> float:
                 return float(n * partial)
@@ -339,6 +363,7 @@ def _split_costs(gemm: Gemm, rows: int, cols: int, pieces: int, held: Mapping[st
 
             def memory(n: int) -> int:  # and the pieces it holds, which it keeps
                 return in_flight_memory(n, largest.memory) + math.ceil(have * largest.down()) if n else 0
+
         rel = _effective(p, time(1))
         if rel < opts.min_reliability:
             return None
@@ -410,8 +435,9 @@ def _held_pieces(cand: _Candidate, counts: Iterable[tuple[str, int]]) -> int:
     return sum(count * min(cand.pieces, max(0, cand.held.get(name, 0))) for name, count in counts)
 
 
-def _price(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile,
-           cutoff: float = math.inf) -> Plan | None:
+def _price(
+    cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile, cutoff: float = math.inf
+) -> Plan | None:
     """The least time ``t`` at which the fill covers every piece and the PS keeps up (bisection:
     feasibility only grows with ``t``). None when no class can take part, or when the candidate
     cannot finish by ``cutoff`` (the best plan so far: one fill tells)."""
@@ -423,8 +449,13 @@ def _price(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSPro
             return None
         hi = cutoff
     else:
-        hi = max(1e-9, min(costs.time(min(costs.limit, max(1, -(-cand.pieces // (cls.count // cand.groups)))))
-                           / costs.reliability for cls, costs in classes))
+        hi = max(
+            1e-9,
+            min(
+                costs.time(min(costs.limit, max(1, -(-cand.pieces // (cls.count // cand.groups))))) / costs.reliability
+                for cls, costs in classes
+            ),
+        )
         for _ in range(MAX_DOUBLINGS):
             if _fill(cand, classes, hi, ps).ok:
                 break
@@ -450,12 +481,21 @@ def _price(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSPro
         busiest = cap if full else last
         devices = full + (1 if last else 0)
         pieces = full * cap + last
-        shares.append(Share(
-            cls.name, devices * g, pieces * g, busiest,
-            (full * costs.units(cap) + costs.units(last)) * g, costs.time(busiest) / costs.reliability,
-            (full * costs.down(cap) + costs.down(last)) * g, (full * costs.up(cap) + costs.up(last)) * g,
-            costs.compute(busiest), costs.memory(busiest), costs.down(busiest),
-        ))
+        shares.append(
+            Share(
+                cls.name,
+                devices * g,
+                pieces * g,
+                busiest,
+                (full * costs.units(cap) + costs.units(last)) * g,
+                costs.time(busiest) / costs.reliability,
+                (full * costs.down(cap) + costs.down(last)) * g,
+                (full * costs.up(cap) + costs.up(last)) * g,
+                costs.compute(busiest),
+                costs.memory(busiest),
+                costs.down(busiest),
+            )
+        )
         compute = max(compute, costs.compute(busiest))
         down_s = max(down_s, costs.down(busiest) / cls.profile.down)
         up_s = max(up_s, costs.up(busiest) / cls.profile.up)
@@ -467,11 +507,28 @@ def _price(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSPro
         floor = _split_floor(gemm, rows, cols, parts, savings)
     else:  # each device's share of outputs (its tiles, smallest sizes) needs at least the AM-GM bound
         area, depth = (gemm.m // rows) * (gemm.n // cols), gemm.k // parts
-        floor = g * sum(d * output_egress_floor(n * area, depth, gemm.itemsize)
-                        for _, _, full, cap, last in fill.used for n, d in ((cap, full), (last, 1 if last else 0)))
-    return Plan(gemm, cand.kind, cand.grid, seconds, tuple(shares), fill.down, fill.up, floor, fill.ps,
-                compute, max(down_s, fill.down / ps.egress), max(up_s, fill.up / ps.ingress), _largest(gemm, cand.grid),
-                cand.kind is Kind.SPLIT_K and cand.local_sum, cand.bands)
+        floor = g * sum(
+            d * output_egress_floor(n * area, depth, gemm.itemsize)
+            for _, _, full, cap, last in fill.used
+            for n, d in ((cap, full), (last, 1 if last else 0))
+        )
+    return Plan(
+        gemm,
+        cand.kind,
+        cand.grid,
+        seconds,
+        tuple(shares),
+        fill.down,
+        fill.up,
+        floor,
+        fill.ps,
+        compute,
+        max(down_s, fill.down / ps.egress),
+        max(up_s, fill.up / ps.ingress),
+        _largest(gemm, cand.grid),
+        cand.kind is Kind.SPLIT_K and cand.local_sum,
+        cand.bands,
+    )
 
 
 # --------------------------------------------------------------------------- candidates
@@ -479,13 +536,22 @@ def _price(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSPro
 
 def _grid_candidate(gemm: Gemm, rows: int, cols: int, slabs: int, bands: int, opts: PlannerOptions) -> _Candidate:
     unit = Unit(gemm.m / rows, gemm.n / cols, gemm.k / slabs, gemm.itemsize)
-    return _Candidate(Kind.OUTPUT if slabs == 1 else Kind.GRID3D, (rows, cols, slabs), slabs * bands,
-                      rows // bands * cols, _grid_costs(gemm, rows, cols, slabs, bands, opts),
-                      lambda n: n * unit.verify_flops(), float(gemm.itemsize * gemm.m * gemm.n), unit, bands=bands)
+    return _Candidate(
+        Kind.OUTPUT if slabs == 1 else Kind.GRID3D,
+        (rows, cols, slabs),
+        slabs * bands,
+        rows // bands * cols,
+        _grid_costs(gemm, rows, cols, slabs, bands, opts),
+        lambda n: n * unit.verify_flops(),
+        float(gemm.itemsize * gemm.m * gemm.n),
+        unit,
+        bands=bands,
+    )
 
 
-def _split_candidate(gemm: Gemm, rows: int, cols: int, pieces: int, held: Mapping[str, int], local_sum: bool,
-                     opts: PlannerOptions) -> _Candidate:
+def _split_candidate(
+    gemm: Gemm, rows: int, cols: int, pieces: int, held: Mapping[str, int], local_sum: bool, opts: PlannerOptions
+) -> _Candidate:
     """``pieces`` even pieces of the reduction (``tiles.even_cuts``), as ``realize`` cuts them."""
     r, c = gemm.m / rows, gemm.n / cols
     unit = Unit(r, c, gemm.k / pieces, gemm.itemsize)
@@ -495,9 +561,18 @@ def _split_candidate(gemm: Gemm, rows: int, cols: int, pieces: int, held: Mappin
             return n * unit.verify_flops()
         return 2.0 * VERIFY_ROUNDS * (r * unit.k * n + unit.k * n * c + r * c) if n else 0.0
 
-    return _Candidate(Kind.SPLIT_K, (rows, cols, pieces), rows * cols, pieces,
-                      _split_costs(gemm, rows, cols, pieces, held, local_sum, opts), verify,
-                      float(gemm.itemsize * gemm.m * gemm.n), unit, local_sum, held=dict(held))
+    return _Candidate(
+        Kind.SPLIT_K,
+        (rows, cols, pieces),
+        rows * cols,
+        pieces,
+        _split_costs(gemm, rows, cols, pieces, held, local_sum, opts),
+        verify,
+        float(gemm.itemsize * gemm.m * gemm.n),
+        unit,
+        local_sum,
+        held=dict(held),
+    )
 
 
 def _parts(size: int, edges: Iterable[int]) -> set[int]:
@@ -513,8 +588,9 @@ def _gemm_kind(gemm: Gemm) -> GemmKind:
     return GemmKind(gemm.kind) if gemm.kind in {k.value for k in GemmKind} else GemmKind.PLAIN
 
 
-def uniform_shapes(gemm: Gemm, devices: int, policy: TilingPolicy,
-                   max_cells: int | None = None) -> list[tuple[int, int, int]]:
+def uniform_shapes(
+    gemm: Gemm, devices: int, policy: TilingPolicy, max_cells: int | None = None
+) -> list[tuple[int, int, int]]:
     """Every distinct grid ``tiles.plan_gemm`` picks for 1 to ``devices`` devices, in order (up to
     ``max_cells`` tiles: the planner prices no larger grid). The planner prices them all, so for
     any fleet it has priced the round-robin baseline's grid (``devices``'s is always among them),
@@ -562,7 +638,9 @@ def _aligned(gemm: Gemm, grid: tuple[int, int, int], split: bool) -> bool:
     return not (gemm.k_piece and split and parts != -(-gemm.k // gemm.k_piece))
 
 
-def candidates(gemm: Gemm, devices: int, opts: PlannerOptions, held: Mapping[str, int] | None = None) -> list[_Candidate]:
+def candidates(
+    gemm: Gemm, devices: int, opts: PlannerOptions, held: Mapping[str, int] | None = None
+) -> list[_Candidate]:
     """Every grid the planner prices for ``gemm`` (``local`` and ``uniform`` are priced apart).
     Depends on the fleet only through its size, and only grows with it."""
     held = held or {}
@@ -633,14 +711,20 @@ def _lower_bound(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps:
         return max(compute, ps_seconds(cells, cand.verify(cand.pieces) * cells, 0.0, out, ps), egress / ps.egress)
     units = cand.groups * cand.pieces
     partials = units * cand.unit.up
-    return max(compute, ps_seconds(units, units * cand.unit.verify_flops(), max(0.0, partials - out), out, ps),
-               partials / ps.ingress, egress / ps.egress)
+    return max(
+        compute,
+        ps_seconds(units, units * cand.unit.verify_flops(), max(0.0, partials - out), out, ps),
+        partials / ps.ingress,
+        egress / ps.egress,
+    )
 
 
 # --------------------------------------------------------------------------- the plan
 
 
-def baseline(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile, opts: PlannerOptions | None = None) -> Plan | None:
+def baseline(
+    gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile, opts: PlannerOptions | None = None
+) -> Plan | None:
     """Today's fixed grid (``tiles.plan_gemm``), tile ``t`` to device ``t mod P`` over every device
     that can multiply in the dtype, class by class in the fleet's order: the round-robin
     baseline, priced exactly (a device downloads each block the first time one of its tiles
@@ -708,8 +792,10 @@ def baseline(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile, opts: Plan
         row[8] = max(row[8], sent[d])
         worst, compute = max(worst, t), max(compute, flops[d])
         down_s, up_s = max(down_s, sent[d] / p.down), max(up_s, back[d] / p.up)
-    shares = tuple(Share(name, int(v[0]), int(v[1]), int(v[2]), int(v[1]), v[3], v[4], v[5], v[6], int(v[7]), v[8])
-                   for name, v in rows.items())
+    shares = tuple(
+        Share(name, int(v[0]), int(v[1]), int(v[2]), int(v[1]), v[3], v[4], v[5], v[6], int(v[7]), v[8])
+        for name, v in rows.items()
+    )
     egress, ingress = sum(sent.values()), sum(back.values())
     out_bytes = float(s * gemm.m * gemm.n)
     ps_s = ps_seconds(len(tiles), verify, max(0.0, ingress - out_bytes), out_bytes, ps)
@@ -719,8 +805,21 @@ def baseline(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile, opts: Plan
         floor = sum(output_egress_floor(a, gemm.k, s) for a in area.values())
     else:  # split-k's floor; a device here takes tiles of any cell, so the whole output is one cell
         floor = _split_floor(gemm, 1, 1, gk, 0)
-    return Plan(gemm, Kind.UNIFORM, (gr, gc, gk), seconds, shares, egress, ingress, floor, ps_s, compute,
-                max(down_s, egress / ps.egress), max(up_s, ingress / ps.ingress), largest)
+    return Plan(
+        gemm,
+        Kind.UNIFORM,
+        (gr, gc, gk),
+        seconds,
+        shares,
+        egress,
+        ingress,
+        floor,
+        ps_s,
+        compute,
+        max(down_s, egress / ps.egress),
+        max(up_s, ingress / ps.ingress),
+        largest,
+    )
 
 
 def _local(gemm: Gemm, ps: PSProfile) -> Plan:
@@ -728,8 +827,7 @@ def _local(gemm: Gemm, ps: PSProfile) -> Plan:
     return Plan(gemm, Kind.LOCAL, (1, 1, 1), seconds, ps_seconds=seconds)
 
 
-def _uniform_lower_bound(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile,
-                         opts: PlannerOptions) -> float:
+def _uniform_lower_bound(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile, opts: PlannerOptions) -> float:
     """No round-robin plan is faster, in O(classes): its PS work is exact without dealing a tile
     (``rows x cols x parts`` units, checks summing to ``32 (m k cols + k n rows + m n parts)``),
     its partials come through the ingress, and every input goes down at least once."""
@@ -744,8 +842,14 @@ def _uniform_lower_bound(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile
     return max(ps_s, out * parts / ps.ingress, s * (m * k + k * n) / ps.egress)
 
 
-def plan_gemm(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile, opts: PlannerOptions | None = None,
-              *, held: Mapping[str, int] | None = None) -> Plan:
+def plan_gemm(
+    gemm: Gemm,
+    fleet: Sequence[DeviceClass],
+    ps: PSProfile,
+    opts: PlannerOptions | None = None,
+    *,
+    held: Mapping[str, int] | None = None,
+) -> Plan:
     """The fastest predicted plan for ``gemm`` on ``fleet`` (ties: fewer bytes, then the simpler
     kind; ``uniform`` only when it is faster than every other kind allowed). ``held[class]``:
     reduction pieces each device of that class holds already (the aligned dW of the live
@@ -780,12 +884,17 @@ def plan_gemm(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile, opts: Pla
     if not finite and uniform is None:
         kinds = ", ".join(sorted(k.value for k in opts.kinds))
         why = "; the round-robin grid does not keep its token cuts" if unaligned else ""
-        raise CostModelError(f"{gemm.label or 'the GEMM'} ({gemm.m}x{gemm.k} @ {gemm.k}x{gemm.n}, {gemm.dtype}) has "
-                             f"no feasible plan of kind {kinds}: no device can take a unit of it (dtype, memory, "
-                             f"reliability) and the parameter server cannot compute it{why}")
+        raise CostModelError(
+            f"{gemm.label or 'the GEMM'} ({gemm.m}x{gemm.k} @ {gemm.k}x{gemm.n}, {gemm.dtype}) has "
+            f"no feasible plan of kind {kinds}: no device can take a unit of it (dtype, memory, "
+            f"reliability) and the parameter server cannot compute it{why}"
+        )
     order = {k: i for i, k in enumerate(Kind)}
-    chosen = min(finite, key=lambda p: (p.seconds, p.egress_bytes + p.ingress_bytes, order[p.kind], p.grid, p.bands),
-                 default=None)
+    chosen = min(
+        finite,
+        key=lambda p: (p.seconds, p.egress_bytes + p.ingress_bytes, order[p.kind], p.grid, p.bands),
+        default=None,
+    )
     if uniform is not None and (chosen is None or uniform.seconds < chosen.seconds * (1 - TIE)):
         return uniform
     assert chosen is not None
@@ -822,8 +931,14 @@ class StepPlan:
         return sum(getattr(p, attr) * count for p, count in self.plans)
 
 
-def plan_step(gemms: Iterable[tuple[Gemm, int]], fleet: Sequence[DeviceClass], ps: PSProfile,
-              opts: PlannerOptions | None = None, *, ps_other_seconds: float = 0.0) -> StepPlan:
+def plan_step(
+    gemms: Iterable[tuple[Gemm, int]],
+    fleet: Sequence[DeviceClass],
+    ps: PSProfile,
+    opts: PlannerOptions | None = None,
+    *,
+    ps_other_seconds: float = 0.0,
+) -> StepPlan:
     """Plan each distinct GEMM of a step once. GEMMs run one after another, so the step's
     prediction is their sum (dX and dW of a layer overlap in practice: a conservative sum)."""
     cache: dict[Gemm, Plan] = {}
@@ -906,7 +1021,9 @@ def realize(plan: Plan) -> list[PlannedUnit]:
         busiest = max(1, share.per_device)
         full, last = divmod(per_group, busiest)
         used = share.devices // groups  # of the class, in each group
-        owners += [(share.name, i, busiest, used) for i in range(full)] + ([(share.name, full, last, used)] if last else [])
+        owners += [(share.name, i, busiest, used) for i in range(full)] + (
+            [(share.name, full, last, used)] if last else []
+        )
     out: list[PlannedUnit] = []
     local_sum = plan.local_sum
     for group in range(groups):
@@ -920,11 +1037,14 @@ def realize(plan: Plan) -> list[PlannedUnit]:
                 i, j = divmod(group, cols)
                 run = range(index, index + count)
                 spans = [(run.start, run.stop)] if local_sum else [(p, p + 1) for p in run]
-                out += [PlannedUnit(rc[i], rc[i + 1], cc[j], cc[j + 1], kc[a], kc[b], name, device_id, member)
-                        for a, b in spans]
+                out += [
+                    PlannedUnit(rc[i], rc[i + 1], cc[j], cc[j + 1], kc[a], kc[b], name, device_id, member)
+                    for a, b in spans
+                ]
             else:
-                for i, j in order[index:index + count]:
-                    out.append(PlannedUnit(rc[i], rc[i + 1], cc[j], cc[j + 1], kc[slab], kc[slab + 1], name, device_id,
-                                           member))
+                for i, j in order[index : index + count]:
+                    out.append(
+                        PlannedUnit(rc[i], rc[i + 1], cc[j], cc[j + 1], kc[slab], kc[slab + 1], name, device_id, member)
+                    )
             index += count
     return out

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Callable
+from collections.abc import Callable
 
 SECRET_BYTES = 32
 NONCE_BYTES = 32

@@ -19,18 +19,19 @@ malformed frame raises ``ProtocolError`` (with a ``Code`` for the peer), never `
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import struct
 import sys
 import warnings
-from urllib.parse import urlsplit
 from dataclasses import MISSING, dataclass, field, fields
-from enum import Enum, IntEnum
-from typing import Any, ClassVar, Union
+from enum import Enum
+from typing import Any, ClassVar
 
 import torch
+
+from coordinator.wire.codes import Code, Name, ReleaseWhy
+from coordinator.wire.errors import ProtocolError
 
 PROTOCOL_VERSION = 4  # 3: result.waited; 4: work.more (a tile summed over several block pairs)
 MAGIC = b"CLV"
@@ -46,15 +47,22 @@ MAX_PAIRS = MAX_TENSORS // 2 - 1  # (A, B) block pairs in one work message beyon
 MAX_ID = (1 << 53) - 1  # ids stay exact in JSON and fit SQLite's int64
 NONCE_HEX = 64  # 32 random bytes, hex
 SECRET_HEX = 64
+MAX_NAME = 64  # characters of a device's name (hello.name) and a coordinator's id
+MAX_TOKEN = 256  # characters of a join or operator token
+MAX_GFLOPS = 1e7  # the largest GEMM rate a hello may claim
+MAX_SLOTS = 64  # tiles a device may ask to hold, and be given, at once
 
 # Wire names of the tensor dtypes a tile may use.
 DTYPES: dict[str, torch.dtype] = {
-    "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "u8": torch.uint8,
+    "f32": torch.float32,
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "u8": torch.uint8,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class WireDtype(str, Enum):
+class WireDtype(Name):
     """What a float32 job's GEMM operands and results travel as (``--wire-dtype``). Half
     precision halves the bytes but rounds the operands: opt-in, never exact (docs/cli.md)."""
 
@@ -67,54 +75,9 @@ class WireDtype(str, Enum):
         """The dtype float32 operands are cast to, or None: they travel as they are."""
         return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
 
+
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
     raise ImportError("Cleave's wire format assumes a little-endian machine")
-
-
-class CloseCode(IntEnum):
-    """Websocket close codes (4000-4999 are free for applications in RFC 6455)."""
-
-    FINISHED = 1000  # normal closure once the job is over
-    BUSY = 1013  # "try again later": the coordinator is at its connection cap
-    PROTOCOL = 4000  # malformed frame, unknown or misplaced message, no hello in time
-    AUTH = 4001  # wrong join or operator token, unknown identity or a bad proof
-    REVOKED = 4002  # the operator revoked this identity's credential
-    BANNED = 4003  # results failed verification
-    SILENT = 4008  # no heartbeat within the timeout
-    IN_USE = 4009  # this identity is already connected
-    STALLING = 4010  # its leases kept expiring: cut, may come back after a cool-off
-    SLOW_READER = 4011  # it stopped reading its frames
-    RATE_LIMITED = 4029  # it sent more requests than its allowance
-
-
-class Code(str, Enum):
-    """Short reasons a peer is given: in ``Error`` messages and as the prefix of 4000 closes."""
-
-    BAD_FRAME = "bad_frame"
-    TRUNCATED = "truncated"
-    BAD_VERSION = "bad_version"
-    UNKNOWN_TYPE = "unknown_type"
-    BAD_TENSOR = "bad_tensor"
-    BAD_DTYPE = "bad_dtype"
-    TEXT_FRAME = "text_frame"
-    UNEXPECTED = "unexpected"
-    NOT_LEASED = "not_leased"
-    REJECTED = "rejected"
-
-
-class ReleaseWhy(str, Enum):
-    """Why a device gives tiles back: it decides what the coordinator does next."""
-
-    MISSING_BLOCK = "missing_block"  # send the blocks again with the tile
-    COMPUTE_FAILED = "compute_failed"  # never give this device the tile again
-
-
-class ProtocolError(ValueError):
-    """A frame or message that breaks the protocol. ``code`` is sent back to the peer."""
-
-    def __init__(self, message: str, code: Code = Code.BAD_FRAME) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 # --------------------------------------------------------------------------- field limits
@@ -172,7 +135,7 @@ class Challenge:
 
     TYPE: ClassVar[str] = "challenge"
     nonce: str = _text(max_len=NONCE_HEX, text="hex")
-    coordinator: str = _text(max_len=64, text="name")
+    coordinator: str = _text(max_len=MAX_NAME, text="name")
 
 
 @dataclass(frozen=True)
@@ -180,19 +143,19 @@ class Hello:
     """Device -> coordinator, answer to the challenge: who it is and what it can do.
 
     Enrolment: ``token`` is the project's join token, ``identity`` 0. Later connections:
-    ``identity`` and ``proof`` (see coordinator/auth.py), no token."""
+    ``identity`` and ``proof`` (see coordinator/wire/auth.py), no token."""
 
     TYPE: ClassVar[str] = "hello"
-    name: str = _text(max_len=64, text="name")
-    token: str = _text("", max_len=256, text="name")
+    name: str = _text(max_len=MAX_NAME, text="name")
+    token: str = _text("", max_len=MAX_TOKEN, text="name")
     identity: int = _int(0)
     proof: str = _text("", max_len=SECRET_HEX, text="hex")
     platform: str = _text("", max_len=128)
     cores: int = _int(1, lo=0, hi=1 << 16)
     memory_bytes: int = _int(0, hi=1 << 50)
     device: str = _text("cpu", max_len=16, text="name")
-    gflops: float = _float(0.0, hi=1e7)
-    slots: int = _int(2, lo=1, hi=64)  # the most tiles it wants in flight; the coordinator decides
+    gflops: float = _float(0.0, hi=MAX_GFLOPS)
+    slots: int = _int(2, lo=1, hi=MAX_SLOTS)  # the most tiles it wants in flight; the coordinator decides
     client_version: str = _text("", max_len=32)
     block_budget: int = _int(0, hi=1 << 50)  # bytes of input blocks the device will cache; 0: no limit
     paused: str = _text("")  # not empty: it connects paused, for this reason (no work until Resume)
@@ -214,7 +177,7 @@ class StatusRequest:
     operator token."""
 
     TYPE: ClassVar[str] = "status_request"
-    token: str = _text(max_len=256, text="name")
+    token: str = _text(max_len=MAX_TOKEN, text="name")
 
 
 @dataclass(frozen=True)
@@ -305,7 +268,7 @@ class SpeedTest:
     TYPE: ClassVar[str] = "speedtest"
     reply_bytes: int = _int(hi=MAX_SPEEDTEST_BYTES)
     data: torch.Tensor
-    token: str = _text("", max_len=256, text="name")
+    token: str = _text("", max_len=MAX_TOKEN, text="name")
 
 
 @dataclass(frozen=True)
@@ -317,7 +280,7 @@ class Welcome:
     device_id: int = _int()
     identity: int = _int()
     job: str = _text(max_len=200)
-    slots: int = _int(lo=1, hi=64)
+    slots: int = _int(lo=1, hi=MAX_SLOTS)
     heartbeat: float = _float(2.0, lo=0.01, hi=3600.0)
 
 
@@ -386,14 +349,45 @@ class Error:
     message: str = _text(max_len=500)
 
 
-Message = Union[
-    Challenge, Hello, Credential, StatusRequest, Result, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit,
-    SpeedTest, Welcome, Work, StatusReply, Finished, Error,
-]
+Message = (
+    Challenge
+    | Hello
+    | Credential
+    | StatusRequest
+    | Result
+    | Leave
+    | Release
+    | Heartbeat
+    | Cancel
+    | Pause
+    | Resume
+    | Credit
+    | SpeedTest
+    | Welcome
+    | Work
+    | StatusReply
+    | Finished
+    | Error
+)
 _PLAIN: dict[str, type] = {
     cls.TYPE: cls
-    for cls in (Challenge, Hello, Credential, StatusRequest, Leave, Release, Heartbeat, Cancel, Pause, Resume, Credit,
-                Welcome, StatusReply, Finished, Error)
+    for cls in (
+        Challenge,
+        Hello,
+        Credential,
+        StatusRequest,
+        Leave,
+        Release,
+        Heartbeat,
+        Cancel,
+        Pause,
+        Resume,
+        Credit,
+        Welcome,
+        StatusReply,
+        Finished,
+        Error,
+    )
 }
 # What each side may send; the rest of the table is the other side's.
 DEVICE_MESSAGES = (Hello, Result, Release, Heartbeat, Pause, Resume, Leave)
@@ -651,8 +645,9 @@ def _decode_work(header: dict[str, Any], tensors: list[torch.Tensor]) -> Work:
     blocks = header.get("blocks", [])
     if not isinstance(blocks, list) or len(blocks) != len(tensors):
         raise ProtocolError("work: one block descriptor per tensor expected")
-    forget = _check("work", "forget", {"kind": "ids", "max_items": MAX_IDS, "lo": 0, "hi": MAX_ID},
-                    header.get("forget", []))
+    forget = _check(
+        "work", "forget", {"kind": "ids", "max_items": MAX_IDS, "lo": 0, "hi": MAX_ID}, header.get("forget", [])
+    )
     key_meta = {"kind": "str", "max_len": 128, "text": "name"}
     parsed = []
     for key, t in zip(blocks, tensors):
@@ -672,28 +667,6 @@ def _decode_work(header: dict[str, Any], tensors: list[torch.Tensor]) -> Work:
     pairs = [(plain.get("a"), plain.get("b")), *zip(more[0::2], more[1::2])]
     if len(set(pairs)) != len(pairs):  # (at most 8 pairs: a repeated block costs at most that)
         raise ProtocolError("work: a block pair appears twice")
-    return Work(a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, more=more, more_t=tuple(more_t),
-                **plain)
-
-
-# --------------------------------------------------------------------------- addresses
-
-
-def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach. Names are not resolved, except
-    "localhost"; an unencrypted ws:// URL to anything else needs the peer's explicit consent."""
-    host = host.strip("[]").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def url_host(url: str) -> str:
-    """The host of a ws:// or wss:// URL ("" if it has none)."""
-    try:
-        return urlsplit(url).hostname or ""
-    except ValueError:
-        return ""
+    return Work(
+        a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, more=more, more_t=tuple(more_t), **plain
+    )

@@ -14,16 +14,16 @@ Units: bytes, seconds, FLOP; links are the profiles' one-way rates in bytes/s.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
 
-from coordinator.costmodel import ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, Profile
-from coordinator.presets import ModelShape, step_gemms
+from coordinator.planning.costmodel import ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, Profile
+from coordinator.whatif.presets import ModelShape, step_gemms
 
 # --------------------------------------------------------------------------- constants
 
 # Each weight costs 2 FLOP (a multiply-add) per token in each of a Linear's three GEMMs: forward,
-# input gradient, weight gradient (coordinator/presets.py step_gemms: 6 x tokens x weights).
+# input gradient, weight gradient (coordinator/whatif/presets.py step_gemms: 6 x tokens x weights).
 GEMM_FLOP_PER_WEIGHT_TOKEN = 6
 # A transformer layer has two norms (before attention, before the MLP); RMSNorm has a weight per
 # feature, LayerNorm a weight and a bias (as ModelShape.params counts them).
@@ -93,12 +93,16 @@ class GpuSpec:
 
 GPUS: dict[str, GpuSpec] = {
     "a100-80gb": GpuSpec(
-        "a100-80gb", {"fp32": A100_TF32_FLOPS, "bf16": A100_BF16_FLOPS, "fp16": A100_FP16_FLOPS},
-        GPU_MEMORY_80GB, "NVIDIA A100 Tensor Core GPU datasheet (dense; fp32 as TF32)",
+        "a100-80gb",
+        {"fp32": A100_TF32_FLOPS, "bf16": A100_BF16_FLOPS, "fp16": A100_FP16_FLOPS},
+        GPU_MEMORY_80GB,
+        "NVIDIA A100 Tensor Core GPU datasheet (dense; fp32 as TF32)",
     ),
     "h100-80gb": GpuSpec(
-        "h100-80gb", {"fp32": H100_TF32_FLOPS, "bf16": H100_BF16_FLOPS, "fp16": H100_FP16_FLOPS},
-        GPU_MEMORY_80GB, "NVIDIA H100 Tensor Core GPU datasheet, SXM5 (dense; fp32 as TF32)",
+        "h100-80gb",
+        {"fp32": H100_TF32_FLOPS, "bf16": H100_BF16_FLOPS, "fp16": H100_FP16_FLOPS},
+        GPU_MEMORY_80GB,
+        "NVIDIA H100 Tensor Core GPU datasheet, SXM5 (dense; fp32 as TF32)",
     ),
 }
 DEFAULT_MFU: Mapping[str, float] = {"fp32": MFU_FP32_TF32, "bf16": MFU_HALF, "fp16": MFU_HALF}
@@ -145,7 +149,9 @@ def bytes_per_param(dtype: str) -> int:
 def layer_activation_bytes(model: ModelShape, sequences: int, seq: int, dtype: str) -> float:
     """Activations one layer keeps for backward for ``sequences`` sequences (Korthikanti et al.
     2022, eq. 1, scaled from 16-bit to ``dtype``)."""
-    per_sequence = ACT_BYTES_PER_TOKEN_HIDDEN * seq * model.d_model + ACT_BYTES_PER_HEAD_SCORE * model.n_heads * seq * seq
+    per_sequence = (
+        ACT_BYTES_PER_TOKEN_HIDDEN * seq * model.d_model + ACT_BYTES_PER_HEAD_SCORE * model.n_heads * seq * seq
+    )
     return sequences * per_sequence * ITEMSIZE[dtype] / ACT_REFERENCE_ITEMSIZE
 
 
@@ -173,11 +179,14 @@ def _parts(model: ModelShape, seq: int) -> _Parts:
     norm = d * (2 if model.norm == "layer" else 1)  # weight (and bias)
     layer = layer // L + NORMS_PER_LAYER * norm
     layer_linear = sum(lin.weights for lin in model.linears() if lin.name != "head") // L
-    layer_flops = (GEMM_FLOP_PER_WEIGHT_TOKEN * seq * layer_linear
-                   + ATTENTION_PASSES * model.attention_flops(1, seq) / L)
+    layer_flops = GEMM_FLOP_PER_WEIGHT_TOKEN * seq * layer_linear + ATTENTION_PASSES * model.attention_flops(1, seq) / L
     return _Parts(
-        layer_params=layer, embedding_params=(model.vocab + model.position_rows) * d, head_params=head,
-        final_norm_params=norm, layer_flops=float(layer_flops), head_flops=float(GEMM_FLOP_PER_WEIGHT_TOKEN * seq * head),
+        layer_params=layer,
+        embedding_params=(model.vocab + model.position_rows) * d,
+        head_params=head,
+        final_norm_params=norm,
+        layer_flops=float(layer_flops),
+        head_flops=float(GEMM_FLOP_PER_WEIGHT_TOKEN * seq * head),
     )
 
 
@@ -237,8 +246,9 @@ def _divisors(n: int) -> list[int]:
     return [s for s in range(1, n + 1) if n % s == 0]
 
 
-def _roles(model: ModelShape, parts: _Parts, stages: int, replicas: int, sequences: int, seq: int,
-           dtype: str) -> list[_Role]:
+def _roles(
+    model: ModelShape, parts: _Parts, stages: int, replicas: int, sequences: int, seq: int, dtype: str
+) -> list[_Role]:
     """The kinds of stage for ``stages`` even stages of ``sequences``-sequence micro-batches.
     A middle stage is charged the activations of the busiest middle stage (the second)."""
     per_param = bytes_per_param(dtype)
@@ -254,8 +264,18 @@ def _roles(model: ModelShape, parts: _Parts, stages: int, replicas: int, sequenc
     roles = [_Role("first", replicas, first, flops, first * per_param, act, stages, 1)]
     if stages > 2:
         roles.append(_Role("middle", replicas * (stages - 2), layers, flops, layers * per_param, act, stages - 1, 2))
-    roles.append(_Role("last", replicas, layers + head, flops + parts.head_flops * sequences,
-                       (layers + head) * per_param, act, 1, 1))
+    roles.append(
+        _Role(
+            "last",
+            replicas,
+            layers + head,
+            flops + parts.head_flops * sequences,
+            (layers + head) * per_param,
+            act,
+            1,
+            1,
+        )
+    )
     return roles
 
 
@@ -274,9 +294,15 @@ def _in_flight_options(roles: list[_Role], classes: list[DeviceClass], micro_bat
     return sorted(options, reverse=True)
 
 
-def _assign(roles: list[_Role], classes: list[DeviceClass], rates: list[float],
-            pace: list[list[float]], reduce: list[list[float]], fits: list[list[bool]],
-            scale: float) -> tuple[float, float, float, int, int] | None:
+def _assign(
+    roles: list[_Role],
+    classes: list[DeviceClass],
+    rates: list[float],
+    pace: list[list[float]],
+    reduce: list[list[float]],
+    fits: list[list[bool]],
+    scale: float,
+) -> tuple[float, float, float, int, int] | None:
     """The assignment of classes to roles minimising ``scale * max pace + max all-reduce`` over
     the devices used, or None if none exists. Returns (objective, pace, all-reduce, class, role)
     with the class and role that set the pace.
@@ -321,8 +347,10 @@ def _assign(roles: list[_Role], classes: list[DeviceClass], rates: list[float],
     _, p, a = best
     # The device that sets the pace, for the breakdown: among those at exactly p, the heaviest
     # stage's fastest class (so a tie with a slow class that need not be used reads as link-bound).
-    c, r = min(((c, r) for c, r in ok if pace[c][r] == p and reduce[c][r] <= a),
-               key=lambda cr: (-roles[cr[1]].flops, roles[cr[1]].flops / rates[cr[0]]))
+    c, r = min(
+        ((c, r) for c, r in ok if pace[c][r] == p and reduce[c][r] <= a),
+        key=lambda cr: (-roles[cr[1]].flops, roles[cr[1]].flops / rates[cr[0]]),
+    )
     return best[0], p, a, c, r
 
 
@@ -337,8 +365,9 @@ def _infeasible(why: str, memory: float = 0.0) -> DtfmResult:
     return DtfmResult(None, why, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, memory, "infeasible", 0)
 
 
-def dtfm_step(model: ModelShape, fleet: Sequence[DeviceClass], batch: int, seq: int, dtype: str, *,
-              micro_batch: int = 1) -> DtfmResult:
+def dtfm_step(
+    model: ModelShape, fleet: Sequence[DeviceClass], batch: int, seq: int, dtype: str, *, micro_batch: int = 1
+) -> DtfmResult:
     """Seconds of one step of ``batch`` sequences of ``seq`` tokens on ``fleet`` as DT-FM runs
     it, at the fastest split into ``D_PP`` stages (a divisor of the layers) and ``D_DP`` replicas
     with the best assignment of device classes to stages (docs/simulation.md).
@@ -389,8 +418,10 @@ def dtfm_step(model: ModelShape, fleet: Sequence[DeviceClass], batch: int, seq: 
                     sent = role.sends * activation  # and as many bytes received
                     link = max(sent / p.up, sent / p.down) + role.sends * one_way
                     grads = role.params * itemsize
-                    allreduce = (max(spread * grads / p.up, spread * grads / p.down)
-                                 + ALLREDUCE_PHASES * (replicas - 1) * one_way)
+                    allreduce = (
+                        max(spread * grads / p.up, spread * grads / p.down)
+                        + ALLREDUCE_PHASES * (replicas - 1) * one_way
+                    )
                     pace[-1].append(max(compute, link))
                     reduce[-1].append(allreduce)
             seen: set[tuple[tuple[bool, ...], ...]] = set()
@@ -408,12 +439,20 @@ def dtfm_step(model: ModelShape, fleet: Sequence[DeviceClass], batch: int, seq: 
                 compute = roles[r].flops / rates[c]
                 bubble = rounds * (stages - 1) * slot
                 result = DtfmResult(
-                    step_s=step, why=None, stages=stages, replicas=replicas, devices_used=stages * replicas,
-                    micro_batches=micro_batches, compute_s=micro_batches * compute,
-                    pipeline_comm_s=micro_batches * (slot - compute), allreduce_s=allreduce, bubble_s=bubble,
+                    step_s=step,
+                    why=None,
+                    stages=stages,
+                    replicas=replicas,
+                    devices_used=stages * replicas,
+                    micro_batches=micro_batches,
+                    compute_s=micro_batches * compute,
+                    pipeline_comm_s=micro_batches * (slot - compute),
+                    allreduce_s=allreduce,
+                    bubble_s=bubble,
                     memory_per_device=max(role.memory(in_flight) for role in roles),
-                    bound=_bound(micro_batches * compute, micro_batches * (slot - compute), allreduce, bubble,
-                                 slot > compute),
+                    bound=_bound(
+                        micro_batches * compute, micro_batches * (slot - compute), allreduce, bubble, slot > compute
+                    ),
                     rounds=rounds,
                 )
                 if best is None or (step, result.devices_used) < (best.step_s, best.devices_used):  # type: ignore[operator]
@@ -433,8 +472,16 @@ def _bound(compute: float, comm: float, allreduce: float, bubble: float, link_pa
     return max(shares, key=lambda k: shares[k])
 
 
-def _why_not(model: ModelShape, parts: _Parts, classes: list[DeviceClass], batch: int, seq: int,
-             dtype: str, micro_batch: int, total: int) -> DtfmResult:
+def _why_not(
+    model: ModelShape,
+    parts: _Parts,
+    classes: list[DeviceClass],
+    batch: int,
+    seq: int,
+    dtype: str,
+    micro_batch: int,
+    total: int,
+) -> DtfmResult:
     """Why no split works, at the finest split the fleet can staff (fewest layers per stage) and
     one micro-batch in flight: the smallest stage that fits no device, or too few devices that
     fit a stage."""
@@ -444,8 +491,12 @@ def _why_not(model: ModelShape, parts: _Parts, classes: list[DeviceClass], batch
     largest = max(classes, key=lambda cls: cls.profile.memory)
     k = model.n_layers // stages
     layers = f"{k} layer{'s' * (k > 1)}"
-    what = {"only": f"the whole model ({layers})", "first": f"the first stage (embedding and {layers})",
-            "middle": f"a stage of {layers}", "last": f"the last stage ({layers} and the lm head)"}
+    what = {
+        "only": f"the whole model ({layers})",
+        "first": f"the first stage (embedding and {layers})",
+        "middle": f"a stage of {layers}",
+        "last": f"the last stage ({layers} and the lm head)",
+    }
     for role in sorted(roles, key=lambda role: role.memory(1)):
         if role.memory(1) > largest.profile.memory:
             return _infeasible(
@@ -480,8 +531,16 @@ class CloudResult:
     fits: bool  # memory_per_gpu fits one GPU's memory
 
 
-def cloud_step(model: ModelShape, batch: int, seq: int, dtype: str, *, gpus: int = CLOUD_GPUS_DEFAULT,
-               gpu: str = "a100-80gb", utilisation: float | None = None) -> CloudResult:
+def cloud_step(
+    model: ModelShape,
+    batch: int,
+    seq: int,
+    dtype: str,
+    *,
+    gpus: int = CLOUD_GPUS_DEFAULT,
+    gpu: str = "a100-80gb",
+    utilisation: float | None = None,
+) -> CloudResult:
     """``step_flops / (gpus x peak x utilisation)``. Memory assumes fully sharded data
     parallelism (ZeRO-3 / PyTorch FSDP): each GPU holds ``1/gpus`` of the 16 bytes per parameter
     and the activations of its ``ceil(batch / gpus)`` sequences; ``fits`` says whether that fits."""
@@ -496,11 +555,17 @@ def cloud_step(model: ModelShape, batch: int, seq: int, dtype: str, *, gpus: int
         raise CostModelError(f"utilisation must be in (0, 1], got {utilisation!r}")
     flops = step_flops(model, batch, seq)
     peak = spec.peak[dtype]
-    memory = (model.params * bytes_per_param(dtype) / gpus
-              + model.n_layers * layer_activation_bytes(model, -(-batch // gpus), seq, dtype))
+    memory = model.params * bytes_per_param(dtype) / gpus + model.n_layers * layer_activation_bytes(
+        model, -(-batch // gpus), seq, dtype
+    )
     return CloudResult(
-        step_s=flops / (gpus * peak * utilisation), gpus=gpus, gpu=gpu, peak_tflops=peak / 1e12,
-        utilisation=float(utilisation), flops=flops,
+        step_s=flops / (gpus * peak * utilisation),
+        gpus=gpus,
+        gpu=gpu,
+        peak_tflops=peak / 1e12,
+        utilisation=float(utilisation),
+        flops=flops,
         source=f"{spec.source}; utilisation: OPT-175B 147 TFLOP/s per A100 (Zhang et al. 2022), PaLM 46.2% MFU",
-        memory_per_gpu=memory, fits=memory <= spec.memory,
+        memory_per_gpu=memory,
+        fits=memory <= spec.memory,
     )

@@ -256,8 +256,11 @@ def freivalds(
         if not bool(torch.isfinite(c).all()):
             return Verdict(False, "result holds NaN or Inf", math.inf)
         row = int(np.flatnonzero(over)[0])
-        return Verdict(False, f"row {row} has norm {c_norms[row]:.3g}, above the largest possible "
-                              f"{ab[row]:.3g} of an honest product", math.inf)
+        return Verdict(
+            False,
+            f"row {row} has norm {c_norms[row]:.3g}, above the largest possible {ab[row]:.3g} of an honest product",
+            math.inf,
+        )
     r = random_vectors(n, rounds, rng).to(work)  # (n, t)
     residual = a @ (b @ r)  # (m, t): one pass over A, B and C for all rounds
     residual.sub_(c @ r).abs_()

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from coordinator.wire.errors import CheckpointError
 from db.store import CheckpointRow
 
 KEEP = 3  # newest checkpoint files kept per job; older files are deleted
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def checkpoint_dir(db_path: str | Path) -> Path:

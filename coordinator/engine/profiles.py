@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from coordinator.costmodel import ITEMSIZE, Profile, PSProfile
+from coordinator.planning.costmodel import ITEMSIZE, Profile, PSProfile
 
 TAU = 120.0  # seconds: an observation this old weighs 1/e
 MB = 1e6  # link features are in megabytes, so the fit's coefficients are seconds per MB
@@ -139,8 +139,16 @@ class DeviceProfile:
         lo, hi = GFLOPS_BOUNDS
         self.claimed_gflops = min(max(self.claimed_gflops, lo), hi)
 
-    def verified(self, flops: float, compute: float, waited: float, turnaround: float, down_bytes: float,
-                 up_bytes: float, now: float) -> None:
+    def verified(
+        self,
+        flops: float,
+        compute: float,
+        waited: float,
+        turnaround: float,
+        down_bytes: float,
+        up_bytes: float,
+        now: float,
+    ) -> None:
         """A verified result: ``turnaround`` is the coordinator's own measurement; ``compute``
         and ``waited`` are the device's claims, trusted only within it."""
         turnaround = max(turnaround, 1e-9)
@@ -170,28 +178,41 @@ class DeviceProfile:
         if self.seen_rate.seen:  # its claimed matmul time may flatter it; what it delivers may not
             rate = min(rate, SEEN_FACTOR * self.seen_rate.value)
         reliability = self.kept.value if self.kept.seen else 1.0
-        return Profile(gflops={dtype: rate}, memory=min(self.memory, MAX_UNIT_MEMORY), down=down, up=up, rtt=rtt,
-                       reliability=min(1.0, max(0.0, reliability)),
-                       overhead=min(rtt, DEVICE_OVERHEAD))
+        return Profile(
+            gflops={dtype: rate},
+            memory=min(self.memory, MAX_UNIT_MEMORY),
+            down=down,
+            up=up,
+            rtt=rtt,
+            reliability=min(1.0, max(0.0, reliability)),
+            overhead=min(rtt, DEVICE_OVERHEAD),
+        )
 
     def as_json(self, dtype: str = "fp32") -> dict[str, float | int]:
         p = self.profile(dtype)
-        return {"gflops": round(p.gflops[dtype], 3), "down_mbps": round(p.down * 8 / 1e6, 3),
-                "up_mbps": round(p.up * 8 / 1e6, 3), "rtt_ms": round(p.rtt * 1e3, 3),
-                "reliability": round(p.reliability, 4), "memory_bytes": p.memory, "measured_results": self.results}
+        return {
+            "gflops": round(p.gflops[dtype], 3),
+            "down_mbps": round(p.down * 8 / 1e6, 3),
+            "up_mbps": round(p.up * 8 / 1e6, 3),
+            "rtt_ms": round(p.rtt * 1e3, 3),
+            "reliability": round(p.reliability, 4),
+            "memory_bytes": p.memory,
+            "measured_results": self.results,
+        }
 
 
 # --------------------------------------------------------------------------- the PS, measured
 
 
-def measure_ps(link_gbps: float, *, dtype: str = "fp32", seconds: float = 0.3,
-               clock: Callable[[], float] = time.perf_counter) -> PSProfile:
+def measure_ps(
+    link_gbps: float, *, dtype: str = "fp32", seconds: float = 0.3, clock: Callable[[], float] = time.perf_counter
+) -> PSProfile:
     """The coordinator's own profile, measured here in about ``seconds``: its GEMM rate in the
     job's dtype, its verification rate (the 16-vector check is a skinny GEMM) and its memory
     bandwidth (assembly, partial sums). The link is the operator's ``--ps-link-gbps``."""
     import torch
 
-    from coordinator.costmodel import VERIFY_ROUNDS
+    from coordinator.planning.costmodel import VERIFY_ROUNDS
 
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     n = 512
@@ -216,5 +237,6 @@ def measure_ps(link_gbps: float, *, dtype: str = "fp32", seconds: float = 0.3,
     copy = rate(lambda: big.clone(), 2.0 * big.numel() * big.element_size())
     defaults = PSProfile()
     gflops = {d: (gemm / 1e9 if d == dtype else defaults.gflops.get(d, 0.0)) for d in ITEMSIZE}
-    return PSProfile.from_link(link_gbps, gflops=gflops, verify_flops=verify, memory_bw=copy,
-                               unit_overhead=defaults.unit_overhead)
+    return PSProfile.from_link(
+        link_gbps, gflops=gflops, verify_flops=verify, memory_bw=copy, unit_overhead=defaults.unit_overhead
+    )
