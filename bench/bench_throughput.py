@@ -73,9 +73,8 @@ def _thread_cpu(name_prefix: str) -> float:
 
 
 async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
-    store = SQLiteStore(str(db), group_seconds=GROUP_SECONDS)  # as a job opens it
     loop = asyncio.get_running_loop()
-    store.schedule_flush = lambda: loop.call_soon(store.flush)
+    store = SQLiteStore(str(db), group_seconds=GROUP_SECONDS, defer=loop.call_soon)  # as a job opens it
     job = store.create_job("throughput", {}, 1, time.time())
     policy = TilingPolicy(max_edge=args.tile, min_edge=min(8, args.tile), min_k=args.k, min_tile_flops=1)
     core = Core(

@@ -26,7 +26,7 @@ from coordinator.wire.auth import token_hash
 from coordinator.wire.errors import ConfigError
 from coordinator.wire.messages import WireDtype
 from db.sqlite import SQLiteStore
-from db.store import ACTIVE, BANNED, REVOKED
+from db.store import IdentityState
 
 app = typer.Typer(help="Run a coordinator (parameter server + tile queue) and manage it.", no_args_is_help=True)
 devices_app = typer.Typer(
@@ -234,7 +234,7 @@ def devices_revoke(
 ) -> None:
     """Revoke a device's credential: a running coordinator cuts it within a second and refuses it
     from then on. Its record and credit stay."""
-    name = _set_state(db, identity, REVOKED, reason[:200], (ACTIVE, BANNED))
+    name = _set_state(db, identity, IdentityState.REVOKED, reason[:200], (IdentityState.ACTIVE, IdentityState.BANNED))
     Console(highlight=False).print(f"device #{identity} ({name}) revoked", markup=False)
 
 
@@ -246,7 +246,7 @@ def devices_unban(
 ) -> None:
     """Let a banned device connect again; its record stays. A revoked credential cannot be
     reinstated: that device enrols again with the join token (cleave join --new-identity)."""
-    name = _set_state(db, identity, ACTIVE, "", (BANNED,))
+    name = _set_state(db, identity, IdentityState.ACTIVE, "", (IdentityState.BANNED,))
     Console(highlight=False).print(f"device #{identity} ({name}) may connect again", markup=False)
 
 

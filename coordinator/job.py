@@ -27,7 +27,8 @@ from typing import Protocol
 import numpy as np
 from torch import nn
 
-from coordinator.engine.core import Core, FaultPolicy
+from coordinator.engine.books import Books
+from coordinator.engine.core import Core, Departure, FaultPolicy
 from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.profiles import measure_ps
@@ -191,22 +192,17 @@ def metrics_line(row: dict) -> str:
 class _Plan:
     """What this start of the coordinator does: a new job, or the rest of an unfinished one."""
 
-    job_id: int
+    books: Books
     train: TrainConfig
     resume: Resume | None
 
 
 def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: float) -> _Plan:
-    unfinished = None if cfg.new_job else store.resumable_job()
-    # No tile in the database can be live now: the coordinator that made it is gone with its
-    # operands. Whatever job runs next must never be handed one.
-    abandoned = store.abandon_unfinished(None, now)
-    store.mark_devices_offline("coordinator restarted")
+    taken = Books.take_over(store, now, new_job=cfg.new_job)
+    unfinished = taken.unfinished
     if unfinished is None:
-        job_id = store.create_job(
-            f"{cfg.train.model} x {cfg.train.steps} steps", cfg.train.to_dict(), cfg.train.steps, now
-        )
-        return _Plan(job_id, cfg.train, None)
+        name = f"{cfg.train.model} x {cfg.train.steps} steps"
+        return _Plan(Books.create(store, name, cfg.train.to_dict(), cfg.train.steps, now), cfg.train, None)
     stored = unfinished.config.get("model")
     if (models.is_custom(stored or "") or cfg.model_factory is not None) and stored != cfg.train.model:
         # A factory builds only the model it was given for: never another job's.
@@ -218,7 +214,7 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
         train = TrainConfig(**unfinished.config)
     except (TypeError, ConfigError) as exc:
         raise ConfigError(f"job {unfinished.id} in {cfg.db} cannot be resumed ({exc}); pass --new-job") from None
-    resume = checkpoint.newest_good(store.checkpoints(unfinished.id))
+    resume = checkpoint.newest_good(Books(store, unfinished.id).checkpoints())
     for why in resume.skipped:
         reporter.note(f"{why}; trying an older one")
     where = f"its checkpoint of step {resume.step}" if resume.state is not None else "the start (no usable checkpoint)"
@@ -226,11 +222,9 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
         f"resuming job {unfinished.id} ({train.model}, {train.steps} steps, options as first given) "
         f"from {where}; pass --new-job to start over instead"
     )
-    if abandoned:
-        reporter.note(f"{abandoned} tiles in flight when the last coordinator stopped will be recomputed")
-    store.truncate_steps(unfinished.id, resume.step)
-    store.set_job_state(unfinished.id, "running", now)
-    return _Plan(unfinished.id, train, resume)
+    if taken.abandoned:
+        reporter.note(f"{taken.abandoned} tiles in flight when the last coordinator stopped will be recomputed")
+    return _Plan(Books.resume(store, unfinished.id, resume.step, now), train, resume)
 
 
 async def serve_job(
@@ -241,30 +235,32 @@ async def serve_job(
     ready: Callable[[str], None] | None = None,
     on_start: Callable[[Server], None] | None = None,
 ) -> JobOutcome:
-    """Serve one job. ``ready(url)`` fires once listening; ``on_start(server)`` hands benchmarks
-    and tests the live server (read it only from this event loop). ``clock`` stamps records;
-    deadlines run on the monotonic clock."""
+    """Serve one job: wiring only. The engine keeps the books (``Books``, ``Core``); the server
+    moves bytes; the trainer thread trains. ``ready(url)`` fires once listening; ``on_start(server)``
+    hands benchmarks and tests the live server (read it only from this event loop). ``clock``
+    stamps records; deadlines run on the monotonic clock."""
     loop = asyncio.get_running_loop()
     tls = server_tls(cfg.certfile, cfg.keyfile)
-    store = SQLiteStore(cfg.db, group_seconds=GROUP_SECONDS)
-    store.schedule_flush = lambda: loop.call_soon(store.flush)  # each turn's tile writes, one commit
+    # Each event-loop turn's tile writes join one commit at the turn's end.
+    store = SQLiteStore(cfg.db, group_seconds=GROUP_SECONDS, defer=loop.call_soon)
     metrics: _Metrics | None = None
     plan: _Plan | None = None
     results: list[StepResult] = []
     try:
         plan = _plan(cfg, store, reporter, clock())
-        job_id, train_cfg = plan.job_id, plan.train
+        books, train_cfg = plan.books, plan.train
         corpus = await asyncio.to_thread(load_corpus, train_cfg.data)  # fail fast on bad --data
         # The cost model's view of this machine: its GEMM, verification and copy rates, measured.
         ps = await asyncio.to_thread(measure_ps, cfg.ps_link_gbps)
         if cfg.ps_gflops is not None:  # the operator keeps the coordinator's CPU for its own work
-            ps = dataclasses.replace(ps, gflops={dtype: cfg.ps_gflops for dtype in ps.gflops})
+            ps = dataclasses.replace(ps, gflops=dict.fromkeys(ps.gflops, cfg.ps_gflops))
         elif cfg.wire_dtype.torch is not None:  # half-precision wire: a GEMM kept here runs in float32
             ps = dataclasses.replace(ps, gflops={**ps.gflops, cfg.wire_dtype.value: ps.gflops["fp32"]})
         # Verification vectors must be unpredictable to clients: OS entropy, never the public seed.
         core = Core(
             store,
-            job_id,
+            books.job_id,
+            books=books,
             rng=np.random.default_rng(),
             policy=cfg.policy,
             faults=cfg.faults,
@@ -277,10 +273,10 @@ async def serve_job(
         )
         tokens = _tokens(cfg, core, reporter)
         start_step = plan.resume.step if plan.resume else 0
-        core.progress.step = start_step
+        core.resume_from(start_step)
         server = Server(core, time.monotonic, cfg.limits)
         if plan.resume:  # the dashboard's curve starts with the steps before the checkpoint
-            for row in store.steps(job_id):
+            for row in books.steps():
                 server.dashboard.step(row.step, row.loss)
         if on_start is not None:
             on_start(server)
@@ -288,11 +284,8 @@ async def serve_job(
         folder = checkpoint.checkpoint_dir(cfg.db)
         final: dict = {}
         url = ""
-        started = 0.0  # set when training starts: waiting for devices is not training time
-        trained_tokens = 0
 
-        def record(result: StepResult) -> None:  # on the loop: the single writer of store and metrics
-            nonlocal trained_tokens
+        def record(result: StepResult) -> None:  # on the loop, where the engine keeps its books
             t = server.traffic
             predicted = core.prediction.current()  # its GEMMs were all submitted: it is over
             extra = {
@@ -305,22 +298,15 @@ async def serve_job(
             results.append(result)
             assert metrics is not None
             metrics.write(result.metrics())
-            store.record_step(job_id, result.step, result.loss, result.tokens, result.seconds, clock(), extra)
-            trained_tokens += result.tokens
-            core.progress.tokens = trained_tokens
+            core.record_step(result.step, result.loss, result.tokens, result.seconds, extra, time.monotonic())
             server.record_step(result.step, result.loss, result.seconds)
-            elapsed = time.perf_counter() - started
-            core.progress.loss = result.loss if math.isfinite(result.loss) else None
-            core.progress.step = result.step
-            core.progress.tokens_per_s = trained_tokens / elapsed if elapsed > 0 else 0.0
             reporter.step(result, server.status())
 
         def saved(row: CheckpointRow) -> None:  # on the loop
-            store.add_checkpoint(row)
-            checkpoint.prune(store.checkpoints(job_id))
+            checkpoint.prune(core.checkpointed(row))
 
         def shared(share: GemmShare) -> None:  # on the loop
-            core.progress.gemm_share = share.to_dict()
+            core.shared(share.to_dict())
             reporter.note(share.summary())
 
         def train() -> None:  # in the trainer thread
@@ -345,7 +331,7 @@ async def serve_job(
                 every = cfg.checkpoint_every
                 if (every and trainer.step % every == 0) or trainer.step == train_cfg.steps:
                     # Between steps, in the thread that owns the model: a consistent state.
-                    row = checkpoint.save(folder, job_id, trainer.step, trainer.state_dict(), clock())
+                    row = checkpoint.save(folder, books.job_id, trainer.step, trainer.state_dict(), clock())
                     loop.call_soon_threadsafe(saved, row)
 
         async with listen(server, cfg.host, cfg.port, tls) as ws_server:
@@ -365,36 +351,32 @@ async def serve_job(
                 )
                 if ready is not None:
                     ready(url)
-                core.progress.state = "waiting for devices"
+                core.waiting()
                 if start_step < train_cfg.steps:  # a job killed after its last step has nothing left
                     await server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
-                core.progress.state = "training"
-                started = time.perf_counter()
+                core.start_training(time.monotonic())  # waiting for devices is not training time
                 trainer = asyncio.ensure_future(asyncio.to_thread(train))
                 try:
                     await asyncio.wait({trainer})  # waiting, unlike awaiting, leaves it running if we are cancelled
                     trainer.result()
                 except BaseException:
-                    server.abort("coordinator stopped")
+                    server.abort(Departure.SHUTDOWN)
                     # Let the trainer thread finish what it is doing (a checkpoint, say) and record
                     # it before the store closes; it stops at its next GEMM.
                     await asyncio.wait({trainer}, timeout=60)
                     raise
-                store.set_job_state(job_id, "finished", clock())
+                bye = core.finish(time.monotonic())  # the job is finished in the books and in status
                 final = server.status()  # before the devices disconnect: their live counters
-                server.deliver(core.finish(time.monotonic()))
+                server.deliver(bye)
                 await server.close_all("job finished")
-                final["job"]["state"] = "finished"
                 reporter.finished(results, final)
             finally:
                 ticker.cancel()
                 server.stop_verifying()  # before the store closes: a late verdict writes to it
     except BaseException:
         if plan is not None:
-            # Resumable if it trained at all (or was resumed); a start that failed before its
-            # first step (bad --data, port in use) must not pin its options on the next start.
-            trained = bool(results) or plan.resume is not None
-            store.set_job_state(plan.job_id, "stopped" if trained else "failed", clock())
+            # Resumable if it trained at all (or was resumed).
+            plan.books.stopped(clock(), trained=bool(results) or plan.resume is not None)
         raise
     finally:
         if metrics is not None:

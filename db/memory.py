@@ -9,26 +9,22 @@ from typing import Any
 
 from coordinator.wire.errors import StoreError
 from db.store import (
-    ABANDONED,
-    ACTIVE,
-    DEADLINE,
-    IDENTITY_STATES,
-    LEASED,
-    OUTCOMES,
-    QUEUED,
-    SPECULATIVE,
-    VERIFIED,
+    RESTARTED,
     CheckpointRow,
     ClaimedTile,
     DeviceInfo,
     DeviceRow,
     IdentityRow,
+    IdentityState,
+    Issued,
     JobRow,
     LeaderRow,
     LeaseEnd,
     LeaseRow,
     NewTile,
+    Outcome,
     StepRow,
+    TileState,
 )
 
 
@@ -40,7 +36,7 @@ class _Tile:
     a_key: str
     b_key: str
     flops: int
-    state: str = QUEUED
+    state: str = TileState.QUEUED
     attempts: int = 0
     barred: set[int] = field(default_factory=set)
     requeue_reason: str | None = None
@@ -72,7 +68,7 @@ class MemoryStore:
                 d.state, d.reason = "offline", reason
 
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
-        self.mark_devices_offline("coordinator restarted")
+        self.mark_devices_offline(RESTARTED)
         jid = self._id("job")
         self._jobs[jid] = JobRow(jid, name, copy.deepcopy(config), "running", 0, steps, now)
         self._steps[jid] = {}
@@ -112,7 +108,7 @@ class MemoryStore:
     # --- identities and settings
     def enrol(self, name: str, key: bytes, now: float) -> int:
         iid = self._id("identity")
-        self._identities[iid] = (IdentityRow(iid, name, ACTIVE, "", now, now), bytes(key))
+        self._identities[iid] = (IdentityRow(iid, name, IdentityState.ACTIVE, "", now, now), bytes(key))
         return iid
 
     def identity(self, identity_id: int) -> IdentityRow | None:
@@ -140,7 +136,7 @@ class MemoryStore:
         return {i: self._identities[i][0].state for i in identity_ids if i in self._identities}
 
     def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None:
-        if state not in IDENTITY_STATES:
+        if state not in tuple(IdentityState):
             raise StoreError(f"an identity cannot be {state!r}")
         if identity_id not in self._identities:
             raise StoreError(f"no identity {identity_id}")
@@ -153,7 +149,7 @@ class MemoryStore:
             if (
                 d.identity_id is not None
                 and d.identity_id in self._identities
-                and self._identities[d.identity_id][0].state == ACTIVE
+                and self._identities[d.identity_id][0].state == IdentityState.ACTIVE
             ):
                 t = totals.setdefault(d.identity_id, [0.0, 0])
                 t[0] += d.gflop_verified
@@ -305,7 +301,7 @@ class MemoryStore:
         if best is None:
             return None
         del self._queued[best.id]
-        best.state = LEASED
+        best.state = TileState.LEASED
         issued = "first" if best.requeue_reason is None else f"requeued after {best.requeue_reason}"
         return self._lease(best, device_id, issued, now)
 
@@ -314,15 +310,15 @@ class MemoryStore:
         if t is None or tile_id not in self._queued or device_id in t.barred:
             return None
         del self._queued[tile_id]
-        t.state = LEASED
+        t.state = TileState.LEASED
         issued = "first" if t.requeue_reason is None else f"requeued after {t.requeue_reason}"
         return self._lease(t, device_id, issued, now)
 
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
-        if issued not in (SPECULATIVE, DEADLINE):
-            raise StoreError(f"a copy is issued as {SPECULATIVE!r} or {DEADLINE!r}, not {issued!r}")
+        if issued not in (Issued.SPECULATIVE, Issued.DEADLINE):
+            raise StoreError(f"a copy is issued as {Issued.SPECULATIVE!r} or {Issued.DEADLINE!r}, not {issued!r}")
         t = self._tiles.get(tile_id)
-        if t is None or t.state != LEASED or device_id in t.barred:
+        if t is None or t.state != TileState.LEASED or device_id in t.barred:
             return None
         if any(lease.device_id == device_id for lease in self._open(tile_id)):
             return None
@@ -331,7 +327,7 @@ class MemoryStore:
     def end_lease(
         self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
     ) -> LeaseEnd:
-        if outcome not in OUTCOMES or outcome == "cancelled":
+        if outcome not in tuple(Outcome) or outcome == "cancelled":
             raise StoreError(f"a lease cannot be ended as {outcome!r}")
         t = self._tiles.get(tile_id)
         mine = [lease for lease in self._open(tile_id) if lease.device_id == device_id] if t else []
@@ -340,7 +336,7 @@ class MemoryStore:
         lease = mine[0]
         lease.ended_at, lease.outcome, lease.reason = now, outcome, reason
         if outcome == "verified":
-            t.state = VERIFIED
+            t.state = TileState.VERIFIED
             cancelled = []
             for other in self._open(tile_id):
                 other.ended_at, other.outcome, other.reason = now, "cancelled", "another copy was verified first"
@@ -350,7 +346,7 @@ class MemoryStore:
             t.barred.add(device_id)
         if self._open(tile_id):
             return LeaseEnd(False)
-        t.state, t.requeue_reason = QUEUED, outcome
+        t.state, t.requeue_reason = TileState.QUEUED, outcome
         self._queued[tile_id] = None
         return LeaseEnd(True)
 
@@ -370,10 +366,10 @@ class MemoryStore:
     def tile_counts(self, job_id: int) -> dict[str, int]:
         counts = dict.fromkeys(
             (
-                QUEUED,
-                LEASED,
-                VERIFIED,
-                ABANDONED,
+                TileState.QUEUED,
+                TileState.LEASED,
+                TileState.VERIFIED,
+                TileState.ABANDONED,
                 "rejected",
                 "lost",
                 "cancelled",
@@ -393,9 +389,9 @@ class MemoryStore:
                     counts[lease.outcome] += 1
                 if lease.issued.startswith("requeued"):
                     counts["requeued"] += 1
-                elif lease.issued == SPECULATIVE:
+                elif lease.issued == Issued.SPECULATIVE:
                     counts["speculative"] += 1
-                elif lease.issued == DEADLINE:
+                elif lease.issued == Issued.DEADLINE:
                     counts["expired"] += 1
         return counts
 
@@ -425,12 +421,12 @@ class MemoryStore:
         for t in self._tiles.values():
             if job_id is not None and self._gemms[t.gemm_id]["job_id"] != job_id:
                 continue
-            if t.state not in (QUEUED, LEASED):
+            if t.state not in (TileState.QUEUED, TileState.LEASED):
                 continue
             for lease in self._open(t.id):
-                lease.ended_at, lease.outcome, lease.reason = now, "lost", "coordinator restarted"
+                lease.ended_at, lease.outcome, lease.reason = now, Outcome.LOST, RESTARTED
             self._queued.pop(t.id, None)
-            t.state = ABANDONED
+            t.state = TileState.ABANDONED
             count += 1
         return count
 

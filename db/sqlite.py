@@ -7,7 +7,7 @@ transactions but never corrupts the file, and commits cost microseconds, not an 
 
 Group commit (``group_seconds > 0``, as a coordinator runs): the per-tile writes of the hot path
 (leases, their ends, credits, GEMM rows) share one transaction that is committed at the end of
-the event loop's turn (``schedule_flush``), once it is ``group_seconds`` old, at any
+the event loop's turn (``defer``), once it is ``group_seconds`` old, at any
 ``flush()``, by any other write, or at ``close()``. After a group commits, no new one opens
 for as long as it held the write lock; hot writes meanwhile commit one by one, with the lock
 free between them. Groups therefore hold the lock at most about half the time, and another
@@ -36,34 +36,30 @@ import sqlite_utils
 from coordinator.wire.errors import StoreError
 from db.migrations import migrate
 from db.store import (
-    ABANDONED,
-    ACTIVE,
-    DEADLINE,
-    IDENTITY_STATES,
-    LEASED,
-    OUTCOMES,
-    QUEUED,
-    SPECULATIVE,
-    VERIFIED,
+    RESTARTED,
     CheckpointRow,
     ClaimedTile,
     DeviceInfo,
     DeviceRow,
     IdentityRow,
+    IdentityState,
+    Issued,
     JobRow,
     LeaderRow,
     LeaseEnd,
     LeaseRow,
     NewTile,
+    Outcome,
     StepRow,
+    TileState,
 )
 
 GROUP_SECONDS = 0.05  # a running coordinator's group-commit window (see the module doc)
 _COUNT_KEYS = (
-    QUEUED,
-    LEASED,
-    VERIFIED,
-    ABANDONED,
+    TileState.QUEUED,
+    TileState.LEASED,
+    TileState.VERIFIED,
+    TileState.ABANDONED,
     "rejected",
     "lost",
     "cancelled",
@@ -121,6 +117,7 @@ class SQLiteStore:
         *,
         group_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        defer: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
         if not 0.0 <= group_seconds <= 1.0:
             raise ValueError(f"group_seconds must be in [0, 1], got {group_seconds}")
@@ -131,9 +128,9 @@ class SQLiteStore:
         self._depth = 0  # atomic blocks open inside this call chain
         self._cool_until = -math.inf  # no group before then (see _grouped)
         self._closed = False
-        # Called when a group opens: a server sets it to commit at the end of the event loop's
-        # current turn, so the write lock is free whenever the loop waits for sockets.
-        self.schedule_flush: Callable[[], None] | None = None
+        # Given ``flush`` when a group opens: a server passes its loop's ``call_soon``, so the group
+        # commits at the end of the loop's turn and the write lock is free while it waits on sockets.
+        self._defer = defer
         try:
             # Created private: it holds token hashes and the devices' stored keys. SQLite gives
             # its -wal and -shm files the same permissions.
@@ -189,8 +186,8 @@ class SQLiteStore:
                 return
             self.conn.execute("BEGIN IMMEDIATE")
             self._group_since = now
-            if self.schedule_flush is not None:
-                self.schedule_flush()
+            if self._defer is not None:
+                self._defer(self.flush)
         with self._savepoint():
             yield self.conn
         if self._group_since is not None and self._clock() - self._group_since >= self.group_seconds:
@@ -238,7 +235,7 @@ class SQLiteStore:
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
         with self.atomic() as c:
             # Devices of earlier jobs in this file are gone whatever their last recorded state.
-            self.mark_devices_offline("coordinator restarted")
+            self.mark_devices_offline(RESTARTED)
             cur = c.execute(
                 "INSERT INTO jobs (name, config, state, step, steps, created_at) VALUES (?, ?, 'running', 0, ?, ?)",
                 (name, json.dumps(config, sort_keys=True), steps, now),
@@ -286,7 +283,7 @@ class SQLiteStore:
     def enrol(self, name: str, key: bytes, now: float) -> int:
         cur = self._write(
             "INSERT INTO identities (name, key, state, reason, created_at, last_seen) VALUES (?, ?, ?, '', ?, ?)",
-            (name, key, ACTIVE, now, now),
+            (name, key, IdentityState.ACTIVE, now, now),
         )
         return int(cur.lastrowid)
 
@@ -314,7 +311,7 @@ class SQLiteStore:
         }
 
     def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None:
-        if state not in IDENTITY_STATES:
+        if state not in tuple(IdentityState):
             raise StoreError(f"an identity cannot be {state!r}")
         cur = self._write(
             "UPDATE identities SET state = ?, reason = ?, last_seen = ? WHERE id = ?", (state, reason, now, identity_id)
@@ -329,7 +326,7 @@ class SQLiteStore:
                 "SELECT i.id, i.name, SUM(d.gflop_verified) AS g, SUM(d.tiles_done) FROM devices d"
                 " JOIN identities i ON i.id = d.identity_id WHERE i.state = ? GROUP BY i.id HAVING g > 0"
                 " ORDER BY g DESC, i.id LIMIT ?",
-                (ACTIVE, limit),
+                (IdentityState.ACTIVE, limit),
             )
         ]
 
@@ -458,7 +455,7 @@ class SQLiteStore:
                 ).lastrowid
             )
             self._gemm_job[gid] = job_id
-            self._count(gid, QUEUED, len(tiles))
+            self._count(gid, TileState.QUEUED, len(tiles))
             ids = [
                 int(r[0])
                 for r in (
@@ -489,9 +486,9 @@ class SQLiteStore:
     def _lease(self, c: sqlite3.Connection, row: tuple, device_id: int, issued: str, now: float) -> ClaimedTile:
         if issued.startswith("requeued"):
             self._count(row[1], "requeued")
-        elif issued == SPECULATIVE:
+        elif issued == Issued.SPECULATIVE:
             self._count(row[1], "speculative")
-        elif issued == DEADLINE:
+        elif issued == Issued.DEADLINE:
             self._count(row[1], "expired")
         c.execute(
             "INSERT INTO leases (tile_id, device_id, leased_at, issued) VALUES (?, ?, ?, ?)",
@@ -512,13 +509,13 @@ class SQLiteStore:
             if row is None:
                 return None
             issued = "first" if row[6] is None else f"requeued after {row[6]}"
-            self._count(row[1], QUEUED, -1)
-            self._count(row[1], LEASED)
+            self._count(row[1], TileState.QUEUED, -1)
+            self._count(row[1], TileState.LEASED)
             return self._lease(c, row, device_id, issued, now)
 
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
-        if issued not in (SPECULATIVE, DEADLINE):
-            raise StoreError(f"a copy is issued as {SPECULATIVE!r} or {DEADLINE!r}, not {issued!r}")
+        if issued not in (Issued.SPECULATIVE, Issued.DEADLINE):
+            raise StoreError(f"a copy is issued as {Issued.SPECULATIVE!r} or {Issued.DEADLINE!r}, not {issued!r}")
         with self._grouped() as c:
             row = c.execute(_CLAIM_COPY, {"tile": tile_id, "device": device_id}).fetchone()
             return None if row is None else self._lease(c, row, device_id, issued, now)
@@ -526,7 +523,7 @@ class SQLiteStore:
     def end_lease(
         self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
     ) -> LeaseEnd:
-        if outcome not in OUTCOMES or outcome == "cancelled":
+        if outcome not in tuple(Outcome) or outcome == "cancelled":
             raise StoreError(f"a lease cannot be ended as {outcome!r}")
         with self._grouped() as c:
             cur = c.execute(
@@ -546,8 +543,8 @@ class SQLiteStore:
                     "WHERE tile_id = ? AND ended_at IS NULL RETURNING device_id",
                     (now, tile_id),
                 ).fetchall()
-                self._count(gemm_id, LEASED, -1)
-                self._count(gemm_id, VERIFIED)
+                self._count(gemm_id, TileState.LEASED, -1)
+                self._count(gemm_id, TileState.VERIFIED)
                 self._count(gemm_id, "cancelled", len(cancelled))
                 return LeaseEnd(False, tuple(r[0] for r in cancelled))
             barred = "json_insert(barred, '$[#]', :device)" if outcome == "rejected" or bar else "barred"
@@ -560,10 +557,10 @@ class SQLiteStore:
             ).fetchone()
             if outcome in ("rejected", "lost", "revoked"):
                 self._count(gemm_id, outcome)
-            if state == QUEUED:
-                self._count(gemm_id, LEASED, -1)
-                self._count(gemm_id, QUEUED)
-            return LeaseEnd(state == QUEUED)
+            if state == TileState.QUEUED:
+                self._count(gemm_id, TileState.LEASED, -1)
+                self._count(gemm_id, TileState.QUEUED)
+            return LeaseEnd(state == TileState.QUEUED)
 
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
         with self.atomic():
@@ -608,7 +605,7 @@ class SQLiteStore:
             " COALESCE(SUM(l.issued LIKE 'requeued%'), 0),"
             " COALESCE(SUM(l.issued = :spec), 0), COALESCE(SUM(l.issued = :deadline), 0) "
             "FROM leases l JOIN tiles t ON t.id = l.tile_id JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = :job",
-            {"job": job_id, "spec": SPECULATIVE, "deadline": DEADLINE},
+            {"job": job_id, "spec": Issued.SPECULATIVE, "deadline": Issued.DEADLINE},
         )
         assert row is not None
         for name, value in zip(("rejected", "lost", "cancelled", "revoked", "requeued", "speculative", "expired"), row):
@@ -659,9 +656,9 @@ class SQLiteStore:
         jobs = "(SELECT id FROM gemms WHERE job_id = :job OR :job IS NULL)"
         with self.atomic() as c:
             c.execute(
-                "UPDATE leases SET ended_at = :now, outcome = 'lost', reason = 'coordinator restarted' "
+                "UPDATE leases SET ended_at = :now, outcome = :lost, reason = :why "
                 f"WHERE ended_at IS NULL AND tile_id IN (SELECT id FROM tiles WHERE gemm_id IN {jobs})",
-                {"now": now, "job": job_id},
+                {"now": now, "job": job_id, "lost": Outcome.LOST.value, "why": RESTARTED},
             )
             cur = c.execute(
                 "UPDATE tiles SET state = 'abandoned', open_leases = 0 WHERE state IN ('queued', 'leased') "

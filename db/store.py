@@ -19,17 +19,74 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-# Tile states. A tile whose last open lease ends other than verified goes back to QUEUED.
-QUEUED, LEASED, VERIFIED = "queued", "leased", "verified"
-ABANDONED = "abandoned"  # its coordinator died with the tile's operands; a resumed job recomputes it
-# Lease outcomes. "cancelled": another copy of the tile was verified first; "revoked": the
-# coordinator took the tile back from a holder long past its deadline.
-OUTCOMES = ("verified", "rejected", "released", "lost", "cancelled", "revoked")
-# Identity states. Only an operator turns a banned or revoked identity active again.
-ACTIVE, BANNED, REVOKED = "active", "banned", "revoked"
-IDENTITY_STATES = (ACTIVE, BANNED, REVOKED)
-# Why a lease was issued, besides "first" and "requeued after <outcome>".
-SPECULATIVE, DEADLINE = "speculative", "deadline passed"
+from coordinator.wire.codes import Name
+
+
+class TileState(Name):
+    """A tile's state. A tile whose last open lease ends other than verified goes back to QUEUED."""
+
+    QUEUED = "queued"
+    LEASED = "leased"
+    VERIFIED = "verified"
+    ABANDONED = "abandoned"  # its coordinator died with the tile's operands; a resumed job recomputes it
+
+
+class Outcome(Name):
+    """How a lease ended."""
+
+    VERIFIED = "verified"
+    REJECTED = "rejected"  # its result failed verification
+    RELEASED = "released"  # the device gave it back (release, pause or leave)
+    LOST = "lost"  # the device's connection closed, it went silent or was dropped
+    CANCELLED = "cancelled"  # another copy of the tile was verified first
+    REVOKED = "revoked"  # the coordinator took it back from a holder long past its deadline
+
+
+class Issued(Name):
+    """Why a lease was issued, besides "requeued after <outcome>" (``requeued``)."""
+
+    FIRST = "first"
+    SPECULATIVE = "speculative"  # a copy for a free device while every tile is out
+    DEADLINE = "deadline passed"  # a copy of a tile whose holder is late
+
+    @staticmethod
+    def requeued(outcome: str) -> str:
+        """The issue of a lease whose tile was queued again after a lease ended ``outcome``."""
+        return f"requeued after {outcome}"
+
+
+class IdentityState(Name):
+    """An enrolled identity's state. Only an operator turns a banned or revoked one active again."""
+
+    ACTIVE = "active"
+    BANNED = "banned"
+    REVOKED = "revoked"
+
+
+class DeviceStatus(Name):
+    """A device's row in a job (one per identity per job)."""
+
+    ONLINE = "online"
+    PAUSED = "paused"  # connected, its owner needs the machine
+    OFFLINE = "offline"
+    BANNED = "banned"
+    REVOKED = "revoked"
+
+
+class JobState(Name):
+    """A job's state: running while a coordinator trains it (and after that coordinator was killed),
+    stopped after Ctrl-C or an error once it had recorded a step, failed when its start ended
+    before its first step, finished after its last step."""
+
+    RUNNING = "running"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    FINISHED = "finished"
+
+
+RESTARTED = "coordinator restarted"  # why a dead run's devices went offline and its leases were lost
+RESUMABLE = (JobState.RUNNING, JobState.STOPPED)  # a job a restarted coordinator takes up again
+CONNECTED = (DeviceStatus.ONLINE, DeviceStatus.PAUSED)  # rows of devices with a live session
 
 
 @dataclass(frozen=True)
@@ -120,7 +177,7 @@ class ClaimedTile:
     a_key: str
     b_key: str
     attempt: int
-    issued: str = "first"
+    issued: str = Issued.FIRST
 
 
 @dataclass
@@ -143,7 +200,7 @@ class LeaseRow:
     ended_at: float | None
     outcome: str | None
     reason: str = ""
-    issued: str = "first"
+    issued: str = Issued.FIRST
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from test_core import Fleet, corrupt, honest, submit
 
+from coordinator.engine import report
 from coordinator.engine.core import Check, Close, Core, FaultPolicy, Send
 from coordinator.engine.limits import TrustPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
@@ -83,7 +84,7 @@ def test_a_second_result_for_a_tile_under_check_is_refused_and_not_checked_twice
     assert again[0].message.code == "not_leased"
     verdict, seconds = check.run(core.rng)
     fleet.route(core.settle(check, verdict, seconds, fleet.now))
-    assert core.status(fleet.now)["tiles"]["verified"] == 1
+    assert report.status(core, fleet.now)["tiles"]["verified"] == 1
 
 
 def test_a_forgery_whose_device_left_during_the_check_still_bans_it() -> None:
@@ -98,7 +99,7 @@ def test_a_forgery_whose_device_left_during_the_check_still_bans_it() -> None:
     assert not verdict.ok
     assert core.settle(check, verdict, seconds, fleet.now) == []
     assert core.gate.states([identity])[identity] == "banned"
-    assert core.status(fleet.now)["tiles"]["verified"] == 0
+    assert report.status(core, fleet.now)["tiles"]["verified"] == 0
 
 
 def test_a_forgery_is_rejected_banned_and_redone_when_the_device_is_still_there() -> None:

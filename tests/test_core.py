@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.engine import report
 from coordinator.engine.core import Abort, Close, Core, Limit, Outbound, Send
 from coordinator.engine.limits import TrustPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
@@ -135,7 +136,7 @@ def test_two_devices_compute_a_gemm_exactly(core: Core) -> None:
     box = submit(core, fleet, a, b)
     fleet.drain()
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
-    status = core.status(fleet.now)
+    status = report.status(core, fleet.now)
     assert all(d["tiles_done"] > 0 for d in status["devices"])  # the work was shared
     assert status["tiles"]["verified"] == sum(d["tiles_done"] for d in status["devices"])
 
@@ -191,7 +192,7 @@ def test_a_weight_changed_in_place_is_never_served_from_a_stale_cache(core: Core
     fleet.drain()
     torch.testing.assert_close(second["result"], x @ w.t(), rtol=1e-5, atol=1e-4)
     assert not torch.allclose(first["result"], second["result"])
-    assert core.status(fleet.now)["tiles"]["rejected"] == 0
+    assert report.status(core, fleet.now)["tiles"]["rejected"] == 0
 
 
 def test_split_k_weight_gradient_is_exact(core: Core) -> None:
@@ -210,7 +211,7 @@ def test_devices_never_hold_more_tiles_than_their_slots(core: Core) -> None:
     d = fleet.join("a", slots=3)
     submit(core, fleet, torch.randn(256, 64), torch.randn(64, 256))
     assert len(core.devices[d].inflight) == 3
-    assert core.status(fleet.now)["tiles"]["queued"] > 0
+    assert report.status(core, fleet.now)["tiles"]["queued"] > 0
 
 
 def test_corrupted_results_are_rejected_and_recomputed_elsewhere(core: Core) -> None:
@@ -225,7 +226,7 @@ def test_corrupted_results_are_rejected_and_recomputed_elsewhere(core: Core) -> 
     fleet.compute[bad] = honest  # it behaves from now on; the rejected tile must still go elsewhere
     fleet.drain()
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
-    status = core.status(fleet.now)
+    status = report.status(core, fleet.now)
     rows = {d["name"]: d for d in status["devices"]}
     assert rows["bad"]["tiles_rejected"] == 1 and status["tiles"]["rejected"] == 1
     histories = [core.store.leases(t) for t in range(1, status["tiles"]["verified"] + 1)]
@@ -246,7 +247,7 @@ def test_a_device_that_keeps_failing_verification_is_banned(core: Core) -> None:
     fleet.pending = [p for p in fleet.pending if p.device != bad]  # its socket is gone
     fleet.drain()
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
-    assert {d["name"]: d["state"] for d in core.status(fleet.now)["devices"]}["bad"] == "banned"
+    assert {d["name"]: d["state"] for d in report.status(core, fleet.now)["devices"]}["bad"] == "banned"
 
 
 def test_a_lost_device_loses_only_its_outstanding_tiles(core: Core) -> None:
@@ -324,7 +325,7 @@ def test_finish_tells_every_device_and_late_joiners(core: Core) -> None:
 def test_status_has_the_documented_keys(core: Core) -> None:
     fleet = Fleet(core)
     fleet.join("a")
-    status = core.status(fleet.now)
+    status = report.status(core, fleet.now)
     assert {"step", "steps", "loss"} <= set(status["job"])
     assert {"queued", "leased", "verified", "rejected"} <= set(status["tiles"])
     assert {"name", "identity", "state", "tiles_done", "tiles_rejected", "gflops", "slots"} <= set(status["devices"][0])
@@ -364,7 +365,7 @@ def test_non_finite_inputs_stop_training_instead_of_banning_honest_devices(core:
     a[3, 4] = float("inf")
     with pytest.raises(FloatingPointError, match="diverged"):
         core.submit(a, torch.randn(32, 64), GemmKind.FORWARD, fleet.now, lambda r: None)
-    assert core.status(fleet.now)["tiles"]["queued"] == 0 and core.gemms == {}
+    assert report.status(core, fleet.now)["tiles"]["queued"] == 0 and core.gemms == {}
 
 
 def test_an_absurd_timing_cannot_poison_speed_estimates_or_status(core: Core) -> None:
@@ -376,7 +377,7 @@ def test_an_absurd_timing_cannot_poison_speed_estimates_or_status(core: Core) ->
     item = fleet.pending.pop(0)
     a, b = item.message.operands(fleet.blocks[d])
     fleet.route(core.handle(d, Result(item.message.tile_id, a @ b, 5e-324), fleet.now))
-    status = core.status(fleet.now)
+    status = report.status(core, fleet.now)
     assert all(dev["gflops"] < 1e8 for dev in status["devices"])
     encode(StatusReply(status))  # strict JSON: would raise on inf
 

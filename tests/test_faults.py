@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_core import Fleet, submit
 
+from coordinator.engine import report
 from coordinator.engine.core import Core, FaultPolicy
 from coordinator.engine.limits import TrustPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
@@ -107,7 +108,7 @@ def test_a_passed_deadline_sends_a_copy_and_the_first_verified_result_wins(core:
     assert core.handle(slow, Result(tile, torch.zeros(16, 16), 0.1), fleet.now)[0].message.code == "not_leased"
     history = [(lease.device_id, lease.issued, lease.outcome) for lease in core.store.leases(tile)]
     assert history == [(slow, "first", "cancelled"), (fast, "speculative", "verified")]
-    counts = core.status(fleet.now)["tiles"]
+    counts = report.status(core, fleet.now)["tiles"]
     assert (counts["speculative"], counts["cancelled"]) == (1, 1)
 
 
@@ -144,7 +145,7 @@ def test_copies_wait_for_the_speculation_threshold_and_respect_max_copies(core: 
     assert (first.device_id, first.outcome) == (slow, "revoked")
     cancels = [m for m in fleet.inbox[slow] if isinstance(m, Cancel)]
     assert cancels and cancels[-1].tile_ids == (tile,) and "taken back" in cancels[-1].reason
-    assert core.status(fleet.now)["tiles"]["revoked"] >= 1
+    assert report.status(core, fleet.now)["tiles"]["revoked"] >= 1
 
 
 def test_deadlines_scale_with_the_device_and_its_queue(core: Core) -> None:
@@ -166,8 +167,8 @@ def test_a_result_that_arrives_after_its_device_was_dropped_is_ignored(core: Cor
     assert core.handle(d1, Result(tile, torch.zeros(64, 64)), fleet.now) == []  # a dead device says nothing
     fleet.drain()
     assert "result" in box
-    assert core.status(fleet.now)["tiles"]["requeued"] >= 1
-    row = {d["name"]: d for d in core.status(fleet.now)["devices"]}["a"]
+    assert report.status(core, fleet.now)["tiles"]["requeued"] >= 1
+    row = {d["name"]: d for d in report.status(core, fleet.now)["devices"]}["a"]
     assert row["tiles_lost"] >= 1 and row["reliability"] < 1.0
     assert d2 in core.devices
 
@@ -201,7 +202,7 @@ def test_a_paused_device_gets_nothing_and_its_tiles_go_back(core: Core) -> None:
     fleet.pending = [p for p in fleet.pending if p.device != laptop]
     fleet.route(core.handle(laptop, Pause("on battery"), fleet.now))
     assert core.devices[laptop].inflight == {}
-    row = {d["name"]: d for d in core.status(fleet.now)["devices"]}["laptop"]
+    row = {d["name"]: d for d in report.status(core, fleet.now)["devices"]}["laptop"]
     assert (row["state"], row["reason"]) == ("paused", "on battery")
     assert [lease.outcome for lease in core.store.leases(held[0])][0] == "released"
     fleet.drain()

@@ -35,6 +35,7 @@ from hypothesis.stateful import (
 )
 
 import coordinator.engine.core as core_module
+from coordinator.engine import report
 from coordinator.engine.core import Abort, Close, Core, FaultPolicy, Limit, Outbound, Send
 from coordinator.engine.limits import Limits, Rate, TrustPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
@@ -69,7 +70,7 @@ from coordinator.wire.messages import (
     encode,
 )
 from db.memory import MemoryStore
-from db.store import ACTIVE, BANNED, LEASED, QUEUED, VERIFIED
+from db.store import IdentityState, TileState
 
 # Every example count below scales with the loaded profile ("ci": 40).
 EXAMPLES = settings.default.max_examples
@@ -1072,7 +1073,7 @@ class CoreUnderFire(RuleBasedStateMachine):
         except AuthError as exc:
             want = (
                 CloseCode.BANNED
-                if state == BANNED
+                if state == IdentityState.BANNED
                 else CloseCode.IN_USE
                 if is_connected
                 else CloseCode.STALLING
@@ -1083,7 +1084,7 @@ class CoreUnderFire(RuleBasedStateMachine):
             assert want != CloseCode.RATE_LIMITED or not allowed, (exc.code, exc)
             return
         assert allowed and not cooling
-        assert state == ACTIVE and not is_connected
+        assert state == IdentityState.ACTIVE and not is_connected
         del self.departed[identity]
         self.devs[device_id] = FakeDevice(device_id, identity, secret, behaviour=behaviour)
         self.route(out)
@@ -1235,7 +1236,7 @@ class CoreUnderFire(RuleBasedStateMachine):
         if source == "another's":
             known = [t for d in self.devs.values() if d is not dev for t in d.pending if t not in dev.pending]
         elif source == "verified":
-            known = [t for t in known if self.store.tile_state(t) == VERIFIED]
+            known = [t for t in known if self.store.tile_state(t) == TileState.VERIFIED]
         elif source == "mine before":
             known = [t for (t, d) in self.answers if d == dev.id and t not in dev.pending]
         tile_id = known[which % len(known)] if known and source != "random" else 10**6 + which
@@ -1382,16 +1383,18 @@ class CoreUnderFire(RuleBasedStateMachine):
                 assert len(open_) == len(set(open_)), f"tile {tile_id}: two open leases for one device"
                 assert set(open_) == set(holders), f"tile {tile_id}: store leases {open_} but core holders {holders}"
                 assert set(holders) <= set(core.devices), f"tile {tile_id}: leased to a departed device"
-                verified = [lease for lease in leases if lease.outcome == VERIFIED]
+                verified = [lease for lease in leases if lease.outcome == TileState.VERIFIED]
                 for lease in verified:
                     assert self.answers.get((tile_id, lease.device_id), [""])[-1] == "honest", "a forgery was kept"
                 if tile.index in g.parts:
-                    assert state == VERIFIED and not holders and len(verified) == 1, (tile_id, state, holders)
-                elif state == QUEUED:
+                    assert state == TileState.VERIFIED and not holders and len(verified) == 1, (tile_id, state, holders)
+                elif state == TileState.QUEUED:
                     queued += 1
                     assert not holders and not verified
                 else:
-                    assert state == LEASED and holders and not verified, f"tile {tile_id} lost: {state} {holders}"
+                    assert state == TileState.LEASED and holders and not verified, (
+                        f"tile {tile_id} lost: {state} {holders}"
+                    )
                 for device_id, hold in holders.items():
                     assert tile_id in core.devices[device_id].inflight
                     assert hold.soft <= hold.hard
@@ -1399,14 +1402,16 @@ class CoreUnderFire(RuleBasedStateMachine):
         for record in self.records:
             if record.result is not None and not record.settled:
                 for tile_id in record.tiles:
-                    assert store.tile_state(tile_id) == VERIFIED and tile_id not in holding
+                    assert store.tile_state(tile_id) == TileState.VERIFIED and tile_id not in holding
                     assert all(lease.ended_at is not None for lease in store.leases(tile_id))
                 record.settled = True
         assert core.sched.queued == queued, f"core counts {core.sched.queued} queued tiles, the store {queued}"
         counts = store.tile_counts(self.job)
         assert all(v >= 0 for v in counts.values()), counts
-        assert counts[QUEUED] == queued
-        assert counts[QUEUED] + counts[LEASED] + counts[VERIFIED] == self.tiles_created, counts
+        assert counts[TileState.QUEUED] == queued
+        assert counts[TileState.QUEUED] + counts[TileState.LEASED] + counts[TileState.VERIFIED] == self.tiles_created, (
+            counts
+        )
         assert set(core.devices) == set(self.devs), "the core and the fleet disagree on who is connected"
         for device_id, dev in core.devices.items():
             held = {t for t, h in holding.items() if device_id in h}
@@ -1414,14 +1419,14 @@ class CoreUnderFire(RuleBasedStateMachine):
             assert set(self.devs[device_id].pending) == held, f"device {device_id} and the core disagree on its tiles"
             assert len(dev.inflight) <= dev.asked <= core.trust.max_slots
             assert dev.paused is None or not dev.inflight
-        queued_tiles = [t for g in live.values() for t in g.tiles if store.tile_state(t) == QUEUED]
+        queued_tiles = [t for g in live.values() for t in g.tiles if store.tile_state(t) == TileState.QUEUED]
         for device_id, dev in core.devices.items():
             if dev.free > 0:  # work-conserving: a willing device is never idle beside work it may take
                 open_to_it = [
                     t for t in queued_tiles if not any(_bars(lease) for lease in self.leases_of(t, device_id))
                 ]
                 assert not open_to_it, f"device {device_id} has {dev.free} free slots, tiles {open_to_it} wait"
-        status = core.status(self.now)
+        status = report.status(core, self.now)
         reply = decode(encode(StatusReply(status)))  # strict JSON, within the observer's limits
         assert reply.status == json.loads(json.dumps(status))
         assert status["tiles"]["queued"] == queued and status["device_counts"]["connected"] == len(core.devices)

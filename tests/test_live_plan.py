@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from coordinator.engine import report
 from coordinator.engine.core import Core, Limit, Outbound, Send
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.live_plan import LIVE_KINDS, LivePlanner, Planner, fleet_classes
@@ -205,7 +206,7 @@ def test_training_with_each_partition_equals_local_torch(kinds, local_losses: li
     if summed:
         assert fleet.summed, "devices added up their own pieces"
 
-    status = core.status(fleet.now)["plan"]
+    status = report.status(core, fleet.now)["plan"]
     if kinds not in (None, "uniform"):
         (kind,) = kinds
         ran = status["partitions"].get(kind.value, 0) + status["partitions"].get(f"{kind.value} summed", 0)

@@ -14,6 +14,7 @@ from conftest import ROOT, TIMEOUT
 from procs import Coordinator, cleave_cmd, env, join, metrics
 from test_core import Fleet
 
+from coordinator.engine import report
 from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
 from coordinator.planning.tiles import GemmKind, TilePlan, TilingPolicy, assemble, plan_gemm
@@ -103,8 +104,8 @@ def test_forged_half_tiles_of_a_half_precision_job_are_rejected(dtype: torch.dty
         _, out = core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda c: box.setdefault("c", c))  # noqa: B023
         fleet.route(out)
         assert fleet.step(only=liar)
-        assert core.status(fleet.now)["tiles"]["rejected"] == 1, kind
+        assert report.status(core, fleet.now)["tiles"]["rejected"] == 1, kind
         fleet.join("honest", slots=1)
         fleet.drain()
         torch.testing.assert_close(box["c"].float(), (a.float() @ b.float()), rtol=2e-2, atol=2e-1)
-        assert core.status(fleet.now)["tiles"]["rejected"] >= 1
+        assert report.status(core, fleet.now)["tiles"]["rejected"] >= 1

@@ -7,16 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.engine.scheduler import (
-    DEADLINE,
-    SPECULATIVE,
-    Assign,
-    FaultPolicy,
-    Overdue,
-    Reclaim,
-    Scheduler,
-    UnitSpec,
-)
+from coordinator.engine.scheduler import Assign, FaultPolicy, Issued, Overdue, Reclaim, Scheduler, UnitSpec
 
 FAULTS = FaultPolicy(lease_floor=1.0, lease_factor=2.0, speculate_after=0.5, speculate_factor=2.0)
 
@@ -150,7 +141,7 @@ def test_a_late_unit_is_copied_to_a_trusted_free_device_first() -> None:
     s.join(2, slots=1, seconds_per_gflop=1.0, trusted=False)
     s.join(3, slots=1, seconds_per_gflop=1.0, trusted=True)
     s.expire(3.0)
-    assert list(s.copies(3.0)) == [Assign(3, 0, DEADLINE)]
+    assert list(s.copies(3.0)) == [Assign(3, 0, Issued.DEADLINE)]
     assert s.hold(0, 1).copied
     assert list(s.copies(3.1)) == []  # one copy per passed deadline
 
@@ -162,12 +153,12 @@ def test_when_every_copy_slot_is_taken_the_most_overdue_holder_loses_the_unit() 
     assigned(s)
     s.join(2, slots=1, seconds_per_gflop=0.5)
     s.expire(2.0)  # 1's deadline (1 + 1 s; taken back at 4 s)
-    assert list(s.copies(2.0)) == [Assign(2, 0, DEADLINE)]  # 2's deadline: 2 + 1.5 s
+    assert list(s.copies(2.0)) == [Assign(2, 0, Issued.DEADLINE)]  # 2's deadline: 2 + 1.5 s
     s.join(3, slots=1, seconds_per_gflop=1.0)
     s.expire(3.9)
     decisions = list(s.copies(3.9))
     assert decisions[0] == Reclaim(1, 0, "late while another device was free")
-    assert decisions[1] == Assign(3, 0, DEADLINE)
+    assert decisions[1] == Assign(3, 0, Issued.DEADLINE)
 
 
 def test_stragglers_are_copied_only_when_nothing_is_queued_and_they_are_old_enough() -> None:
@@ -177,7 +168,7 @@ def test_stragglers_are_copied_only_when_nothing_is_queued_and_they_are_old_enou
     assigned(s)
     s.join(2, slots=1, seconds_per_gflop=0.1)  # a free fast device: expects 0.1 s, copies after 0.5 s
     assert list(s.copies(0.4)) == []
-    assert list(s.copies(0.6)) == [Assign(2, 0, SPECULATIVE)]
+    assert list(s.copies(0.6)) == [Assign(2, 0, Issued.SPECULATIVE)]
     assert s.done(0, 2) == [1]  # the slow holder lost the race
     assert not s.units and not s.seats[1].inflight
 

@@ -12,6 +12,7 @@ from conftest import ROOT, TIMEOUT
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from coordinator.engine import report
 from coordinator.engine.core import Core, Send
 from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.net.server import Server, listen
@@ -324,7 +325,7 @@ def test_a_result_then_leave_is_verified_before_the_leave_acts() -> None:
                 if not server.core.devices:
                     break
                 await asyncio.sleep(0.02)
-            return server.core.status(server.clock())["tiles"]
+            return report.status(server.core, server.clock())["tiles"]
 
     tiles = asyncio.run(run())
     assert tiles["verified"] == 1

@@ -11,7 +11,7 @@ from coordinator.wire.errors import StoreError
 from db.memory import MemoryStore
 from db.migrations import migrate
 from db.sqlite import SQLiteStore
-from db.store import DEADLINE, SPECULATIVE, CheckpointRow, DeviceInfo, NewTile, Store
+from db.store import CheckpointRow, DeviceInfo, Issued, NewTile, Store
 
 
 @pytest.fixture(params=["memory", "sqlite", "sqlite-grouped"])
@@ -184,11 +184,11 @@ def test_a_copy_of_an_outstanding_tile_and_the_first_verified_result_wins(store:
     slow, fast, third = (store.add_device(job, DeviceInfo(n), 0.0) for n in ("slow", "fast", "third"))
     _, (tile,) = _gemm(store, job, n=1)
     store.claim_tile(slow, [], now=11.0)
-    copy = store.claim_copy(tile, fast, SPECULATIVE, now=12.0)
-    assert copy is not None and copy.id == tile and copy.issued == SPECULATIVE and copy.attempt == 2
-    assert store.claim_copy(tile, fast, SPECULATIVE, now=12.0) is None  # one copy per device
-    assert store.claim_copy(tile, slow, DEADLINE, now=12.0) is None
-    assert store.claim_copy(tile, third, DEADLINE, now=12.5) is not None
+    copy = store.claim_copy(tile, fast, Issued.SPECULATIVE, now=12.0)
+    assert copy is not None and copy.id == tile and copy.issued == Issued.SPECULATIVE and copy.attempt == 2
+    assert store.claim_copy(tile, fast, Issued.SPECULATIVE, now=12.0) is None  # one copy per device
+    assert store.claim_copy(tile, slow, Issued.DEADLINE, now=12.0) is None
+    assert store.claim_copy(tile, third, Issued.DEADLINE, now=12.5) is not None
     end = store.end_lease(tile, fast, "verified", now=13.0)
     assert not end.requeued and sorted(end.cancelled) == sorted([slow, third])
     assert store.tile_state(tile) == "verified"
@@ -201,7 +201,7 @@ def test_a_copy_of_an_outstanding_tile_and_the_first_verified_result_wins(store:
         store.end_lease(tile, slow, "verified", now=14.0)
     counts = store.tile_counts(job)
     assert (counts["speculative"], counts["expired"], counts["cancelled"]) == (1, 1, 2)
-    assert store.claim_copy(tile, slow, SPECULATIVE, now=15.0) is None  # finished tiles get no copies
+    assert store.claim_copy(tile, slow, Issued.SPECULATIVE, now=15.0) is None  # finished tiles get no copies
 
 
 def test_a_tile_is_requeued_only_when_its_last_copy_fails(store: Store) -> None:
@@ -209,7 +209,7 @@ def test_a_tile_is_requeued_only_when_its_last_copy_fails(store: Store) -> None:
     a, b = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
     _, (tile,) = _gemm(store, job, n=1)
     store.claim_tile(a, [], now=1.0)
-    store.claim_copy(tile, b, DEADLINE, now=2.0)
+    store.claim_copy(tile, b, Issued.DEADLINE, now=2.0)
     assert store.end_lease(tile, a, "lost", now=3.0).requeued is False
     assert store.tile_state(tile) == "leased"
     assert store.release_device(b, "lost", now=4.0) == [tile]
@@ -222,11 +222,11 @@ def test_copies_are_never_issued_for_queued_tiles_or_to_barred_devices(store: St
     job = store.create_job("j", {}, 1, 0.0)
     a, b = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
     _, (tile,) = _gemm(store, job, n=1)
-    assert store.claim_copy(tile, a, SPECULATIVE, now=1.0) is None  # queued: claim it instead
+    assert store.claim_copy(tile, a, Issued.SPECULATIVE, now=1.0) is None  # queued: claim it instead
     store.claim_tile(a, [], now=1.0)
-    store.claim_copy(tile, b, SPECULATIVE, now=1.5)
+    store.claim_copy(tile, b, Issued.SPECULATIVE, now=1.5)
     store.end_lease(tile, b, "rejected", now=2.0)
-    assert store.claim_copy(tile, b, SPECULATIVE, now=3.0) is None
+    assert store.claim_copy(tile, b, Issued.SPECULATIVE, now=3.0) is None
 
 
 def test_checkpoints_are_listed_newest_first(store: Store) -> None:
@@ -308,7 +308,7 @@ def test_sqlite_running_counts_always_equal_a_recount(tmp_path: Path) -> None:
         elif op < 0.55 and open_leases:
             tile, _ = rng.choice(open_leases)
             dev = rng.choice(devices)
-            copy = store.claim_copy(tile, dev, rng.choice([SPECULATIVE, DEADLINE]), now)
+            copy = store.claim_copy(tile, dev, rng.choice([Issued.SPECULATIVE, Issued.DEADLINE]), now)
             if copy:
                 open_leases.append((tile, dev))
         elif op < 0.9 and open_leases:
@@ -519,7 +519,8 @@ def test_another_process_writes_while_a_busy_coordinator_groups_its_commits(tmp_
     import time
 
     path = tmp_path / "busy.db"
-    store = SQLiteStore(path, group_seconds=1.0)
+    # As a server opens it: each group commits at the end of its event loop's turn.
+    store = SQLiteStore(path, group_seconds=1.0, defer=lambda flush: asyncio.get_running_loop().call_soon(flush))
     job = store.create_job("j", {}, 1, 0.0)
     d = store.add_device(job, DeviceInfo("a"), 0.0)
     stop, busy = threading.Event(), threading.Event()
@@ -527,8 +528,6 @@ def test_another_process_writes_while_a_busy_coordinator_groups_its_commits(tmp_
 
     async def coordinator() -> None:
         nonlocal writes
-        loop = asyncio.get_running_loop()
-        store.schedule_flush = lambda: loop.call_soon(store.flush)
         while not stop.is_set():
             for _ in range(20):  # a turn's results: their credits
                 store.credit_device(d, verified=1, now=1.0)

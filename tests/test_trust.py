@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_core import Fleet, corrupt, honest, submit
 
+from coordinator.engine import report
 from coordinator.engine.core import Close, Core, FaultPolicy, Limit, Send
 from coordinator.engine.identity import JOIN_TOKEN, store_token
 from coordinator.engine.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
@@ -120,7 +121,7 @@ def test_a_device_enrols_once_then_comes_back_with_its_credential_as_the_same_de
     assert not any(isinstance(o, Send) and isinstance(o.message, Credential) for o in out)  # nothing new to keep
     welcome = next(o.message for o in out if isinstance(o, Send) and isinstance(o.message, Welcome))
     assert welcome.identity == credential.identity
-    assert [d["name"] for d in core.status(fleet.now)["devices"]] == ["laptop"]  # the enrolled name stays
+    assert [d["name"] for d in report.status(core, fleet.now)["devices"]] == ["laptop"]  # the enrolled name stays
 
 
 @pytest.mark.parametrize(
@@ -283,7 +284,7 @@ def test_a_device_that_holds_tiles_without_answering_is_cut_and_must_cool_off(he
     fleet.now += 10.5
     again, _ = _returning(core, credential, fleet.now)
     assert again == staller
-    counts = core.status(fleet.now)["tiles"]
+    counts = report.status(core, fleet.now)["tiles"]
     if helper:  # speculation finished its tiles before their deadlines: lost to copies
         assert counts["cancelled"] >= TRUST.cut_unanswered and counts["queued"] == counts["leased"] == 0
     else:  # nobody else: each tile is taken back at twice its deadline (a tile it alone failed
@@ -379,7 +380,7 @@ def test_status_is_bounded_however_many_devices_ever_joined() -> None:
     devices = [fleet.join(f"d{i}") for i in range(12)]
     for d in devices[:8]:
         fleet.route(core.disconnect(d, fleet.now))
-    status = core.status(fleet.now)
+    status = report.status(core, fleet.now)
     assert len(status["devices"]) == 5
     assert [d["state"] for d in status["devices"][:4]] == ["idle"] * 4  # connected ones first
     assert status["device_counts"] == {"connected": 4, "online": 4, "offline": 8}
@@ -426,7 +427,7 @@ def test_results_with_absurd_timings_and_errors_never_reach_status_as_non_json()
     item = fleet.pending.pop(0)
     a, b = item.message.operands(fleet.blocks[device])
     fleet.route(core.handle(device, Result(item.message.tile_id, a @ b, 86400.0), fleet.now))
-    encode(StatusReply(core.status(fleet.now)))
+    encode(StatusReply(report.status(core, fleet.now)))
     out = core.handle(device, Result(12345, torch.zeros(1, 1)), fleet.now)
     assert isinstance(out[0], Send) and isinstance(out[0].message, Error)
     assert not any(isinstance(o, (Close, Cancel)) for o in out)
@@ -438,7 +439,7 @@ def test_a_device_that_connects_paused_gets_no_work_until_it_resumes() -> None:
     busy = fleet.join("busy", paused="the owner is typing")
     submit(core, fleet, torch.randn(64, 32), torch.randn(32, 64))
     assert not core.devices[busy].inflight and not fleet.pending
-    assert core.status(fleet.now)["devices"][0]["state"] == "paused"
+    assert report.status(core, fleet.now)["devices"][0]["state"] == "paused"
     fleet.route(core.handle(busy, Resume(), fleet.now))
     assert core.devices[busy].inflight
 
@@ -466,7 +467,7 @@ def test_hundreds_of_stallers_cut_in_one_tick_do_not_nest_or_lose_tiles() -> Non
     fleet.now += 10.0  # every hard deadline passed at once: 400 leases taken back, 400 cuts
     fleet.route(core.tick(fleet.now))
     assert sum(code == CloseCode.STALLING for code in fleet.closed.values()) == 400 and not core.devices
-    assert core.status(fleet.now)["tiles"]["queued"] == tiles and not dict(core.sched.holding())
+    assert report.status(core, fleet.now)["tiles"]["queued"] == tiles and not dict(core.sched.holding())
 
 
 def test_cutting_a_loser_while_settling_a_tile_keeps_the_result() -> None:

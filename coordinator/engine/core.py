@@ -41,36 +41,35 @@ import functools
 import logging
 import math
 import secrets
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from coordinator.engine.blocks import BlockRef, Source, Sources, block_ref
-from coordinator.engine.identity import Admission, Gate, Standing
-from coordinator.engine.limits import Limits, TokenBucket, TrustPolicy
+from coordinator.engine.blocks import BlockRef, Sources, block_ref
+from coordinator.engine.books import Books
+from coordinator.engine.conduct import Conduct, Pace
+from coordinator.engine.devices import DeviceState
+from coordinator.engine.gemms import Check, GemmState, Product, check_finite
+from coordinator.engine.identity import Admission, Gate
+from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner, fleet_key
+from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.engine.profiles import PRIOR_MEMORY, DeviceProfile
+from coordinator.engine.progress import JobPhase, Prediction, Progress
 from coordinator.engine.scheduler import (
     Assign,
     Decision,
     FaultPolicy,
-    Hold,
     Overdue,
     Reclaim,
     Scheduler,
-    Seat,
     UnitSpec,
 )
 from coordinator.planning.costmodel import Profile, PSProfile
 from coordinator.planning.tiles import (
     GemmKind,
-    Tile,
-    TileList,
-    TilePlan,
     TilingPolicy,
     a_block,
     assemble,
@@ -78,8 +77,8 @@ from coordinator.planning.tiles import (
     piece_tiles,
 )
 from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
-from coordinator.wire.errors import AuthError, Diverged
+from coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy
+from coordinator.wire.errors import AuthError
 from coordinator.wire.messages import (
     Block,
     Cancel,
@@ -98,329 +97,42 @@ from coordinator.wire.messages import (
     Welcome,
     Work,
 )
-from coordinator.wire.verify import Verdict, freivalds
-from db.store import BANNED, REVOKED, DeviceInfo, NewTile, Store
-
-__all__ = ["AuthError", "Close", "Core", "FaultPolicy", "Hold", "Limit", "Outbound", "Send"]
+from coordinator.wire.verify import Verdict
+from db.store import CheckpointRow, DeviceInfo, DeviceStatus, IdentityState, NewTile, Outcome, Store
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN = "coordinator stopped"
+TICK = 0.05  # seconds between the driver's calls to tick (the server's; the simulator's too)
 CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
-EMA = 0.2  # weight of a new observation in a device's running estimates
 STANDING_CHECK = 1.0  # seconds between looks for an operator's revocations and token rotations
 STUCK_GRACE = 60.0  # seconds a tile failed everywhere twice waits for a new device before the job stops
 SWEEP = 0.5  # seconds in which tick looks after every device once (heartbeats, silence, credit)
-TICK_GUESS = 0.05  # the server's tick interval: the first tick of a sweep already takes its share
-# A device's claimed speed only sets its first deadlines, and only within these bounds.
-CLAIM_GFLOPS = (1.0, 1e5)
 WAIT_SLACK = 0.005  # seconds a tile may wait on a device with nothing before it (its event loop)
-MAX_SECONDS_PER_GFLOP = 10.0  # slower turnarounds than this are not waited for any longer
 
 
-@dataclass(frozen=True)
-class Send:
-    device: int
-    message: Message
+class Departure(Name):
+    """How a device's session ended, as far as the rules care: leaving and a coordinator that
+    stops are nobody's fault; anything else (a closed connection, a cut) costs the device the
+    tiles it held. A reason that is none of these values reads as ``CLOSED``."""
 
+    LEFT = "left"  # it said leave
+    SHUTDOWN = "coordinator stopped"  # the coordinator is going
+    CLOSED = "connection closed"  # its connection closed or was cut (the reason given says why)
 
-@dataclass(frozen=True)
-class Close:
-    device: int
-    code: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Limit:
-    """The largest frame the device may send from now on (the server enforces it)."""
-
-    device: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Training cannot go on: the server fails every GEMM in flight with this reason."""
-
-    reason: str
-
-
-Outbound = Send | Close | Limit | Abort
-Product = Callable[[], torch.Tensor]  # a GEMM's result, computed when called (``submit(lazy=True)``)
-
-
-@dataclass
-class GemmState:
-    id: int
-    kind: GemmKind
-    a: torch.Tensor
-    b: torch.Tensor
-    plan: TilePlan | TileList
-    tiles: dict[int, Tile]  # tile id -> tile
-    on_done: Callable[[torch.Tensor], None]
-    sources: tuple[Source, Source]
-    a_blocks: dict[tuple[int, int], BlockRef]  # (i, p) -> A[rows i, ks p]
-    b_blocks: dict[tuple[int, int], BlockRef]  # (p, j) -> B[ks p, cols j]
-    parts: dict[int, torch.Tensor] = field(default_factory=dict)  # tile index -> verified C block
-    lazy: bool = False  # on_done gets a Product: the caller assembles, off the event loop
-    out_dtype: torch.dtype | None = None  # of the assembled product (float32 for half-precision wire tiles)
-    deferred: bool = False  # nobody waits on it before the step's end (a weight gradient)
-
-    def blocks_of(self, tile: Tile) -> tuple[BlockRef, BlockRef]:
-        """The blocks of the tile's first reduction piece."""
-        return self.a_blocks[(tile.i, tile.p)], self.b_blocks[(tile.p, tile.j)]
-
-    def pairs_of(self, tile: Tile) -> list[tuple[BlockRef, BlockRef]]:
-        """The (A, B) blocks of every reduction piece the tile adds up."""
-        return [(self.a_blocks[(tile.i, q)], self.b_blocks[(q, tile.j)]) for q in range(tile.p, tile.p + tile.pieces)]
-
-    def result_bytes(self, tile: Tile) -> int:
-        return (tile.r1 - tile.r0) * (tile.c1 - tile.c0) * self.a.element_size()
-
-    @property
-    def done(self) -> bool:
-        return len(self.parts) == len(self.tiles)
-
-
-@dataclass(frozen=True, eq=False)
-class Check:
-    """A device's result and what its verification reads: the GEMM's own operand views and
-    their blocks. ``run`` reads the operands and the result and touches nothing of the Core's
-    but the blocks' norm caches (a race there only computes the same norm twice), so it may run
-    on another thread. The operands stay as they are while the GEMM is live (the trainer waits
-    for it); ``settle`` trusts no verdict of a check whose GEMM had completed."""
-
-    dev: DeviceState
-    msg: Result
-    gemm: GemmState
-    tile: Tile
-    a: torch.Tensor  # the tile's A range, a view of the GEMM's operand
-    b: torch.Tensor
-    pairs: tuple[tuple[BlockRef, BlockRef], ...]  # the blocks of its reduction pieces
-    arrived: float  # when the result was received: its timings count from here, not the verdict
-
-    def run(self, rng: np.random.Generator) -> tuple[Verdict, float]:
-        """The verdict and the seconds it took (``rng``: never seen by a device; not shared
-        between threads)."""
-        started = time.perf_counter()
-        if self.a.dtype not in (torch.float32, torch.float64):  # the check takes norms of its own
-            row_norms, b_norm = None, None
-        elif len(self.pairs) == 1:
-            ((ra, rb),) = self.pairs
-            row_norms, b_norm = ra.row_norms(), rb.norm()
-        else:
-            row_norms = torch.stack([ra.row_norms() for ra, _ in self.pairs]).square().sum(0).sqrt()
-            b_norm = math.sqrt(sum(rb.norm() ** 2 for _, rb in self.pairs))
-        gemm = self.gemm
-        if gemm.a.dtype in (torch.float16, torch.bfloat16):
-            # Half tiles (the half-precision wire, or a bf16/fp16/autocast job): devices sum in
-            # float32 and round once (client/kernels.py), and only that rounding is tolerated
-            # (coordinator/wire/verify.py, ROUNDING_FACTOR). A tolerance of the half dtype's own
-            # products would let a forged bf16 tile through.
-            compute, rounded_to = torch.float32, gemm.a.dtype
-        else:
-            compute, rounded_to = gemm.a.dtype, None
-        verdict = freivalds(
-            self.a,
-            self.b,
-            self.msg.c,
-            rng,
-            compute_dtype=compute,
-            rounded_to=rounded_to,
-            a_row_norms=row_norms,
-            b_norm=b_norm,
-        )
-        return verdict, time.perf_counter() - started
-
-
-@dataclass
-class DeviceState:
-    id: int
-    identity: int
-    name: str
-    asked: int  # the most tiles its owner wants in flight
-    seat: Seat  # the scheduler's view: slots, tiles held, pause, speed
-    standing: Standing
-    device: str
-    last_seen: float
-    messages: TokenBucket
-    releases: TokenBucket
-    resends: TokenBucket  # bytes of blocks it may make the coordinator send again
-    pauses: TokenBucket
-    frame_limit: int  # the largest frame it may send now
-    cancelled: dict[int, None] = field(default_factory=dict)  # recent cancelled tiles (ordered set)
-    checking: set[int] = field(default_factory=set)  # tiles whose result is being verified
-    blocks: set[str] = field(default_factory=set)  # keys of the blocks the device holds
-    namespaces: dict[int, dict[str, int]] = field(default_factory=dict)  # source id -> {key: bytes} held
-    forget: set[int] = field(default_factory=set)  # namespaces to drop, sent with the next Work
-    bytes_down: int = 0
-    bytes_up: int = 0
-    tiles_done: int = 0
-    tiles_rejected: int = 0
-    compute_seconds: float = 0.0  # as reported by the device, verified tiles only
-    last_sent: float = 0.0
-    paused: str | None = None  # the owner's reason, while the device must not get work
-    budget: int = 0  # bytes of cached blocks the device accepts (0: no limit)
-    cached_bytes: int = 0
-    gflop_verified: float = 0.0
-    credit_sent: float = 0.0
-    credit_at: float = 0.0
-    big_until: float = 0.0  # until then it may still send a result for a tile it lost
-    verified_at: float | None = None  # when its last result was verified
-    result_at: float = -math.inf  # when its last verified result arrived
-    result_gap: float | None = None  # running estimate of seconds between its verified results
-
-    @property
-    def inflight(self) -> dict[int, float]:
-        """Tile id -> when it was leased (the scheduler's record)."""
-        return self.seat.inflight
-
-    @property
-    def slots(self) -> int:
-        return self.seat.slots
-
-    @property
-    def free(self) -> int:
-        return self.seat.free
-
-    @property
-    def seconds_per_gflop(self) -> float:
-        """Running estimate of a lease's turnaround (transfer, queue, compute)."""
-        return self.seat.seconds_per_gflop
-
-    @property
-    def full(self) -> bool:
-        return bool(self.budget) and self.cached_bytes >= self.budget
-
-    def cancel(self, tile_id: int) -> None:
-        """Its copy lost the race or was taken back: a late result is expected and ignored.
-        Bounded, since a client that drops a cancelled tile before computing it never answers."""
-        self.cancelled[tile_id] = None
-        if len(self.cancelled) > 1024:
-            del self.cancelled[next(iter(self.cancelled))]
-
-    def hold(self, ref: BlockRef) -> None:
-        self.blocks.add(ref.key)
-        self.namespaces.setdefault(ref.namespace, {})[ref.key] = ref.nbytes
-        self.cached_bytes += ref.nbytes
-
-    def drop(self, namespace: int) -> dict[str, int]:
-        keys = self.namespaces.pop(namespace, None)
-        if keys is None:
-            return {}
-        self.blocks -= keys.keys()
-        self.cached_bytes -= sum(keys.values())
-        self.forget.add(namespace)
-        return keys
-
-    def lose(self, ref: BlockRef) -> None:
-        self.blocks.discard(ref.key)
-        held = self.namespaces.get(ref.namespace, {})
-        if ref.key in held:
-            self.cached_bytes -= held.pop(ref.key)
-
-
-@dataclass
-class Prediction:
-    """The cost model's predicted step time against the measured one."""
-
-    planned: list[float | None] = field(default_factory=list)  # this step's GEMMs, as submitted
-    kinds: dict[str, int] = field(default_factory=dict)  # this step's partitions, by kind
-    local_gemms: int = 0  # GEMMs the PS kept, all steps
-    gemm_seconds: float | None = None  # last finished step: its GEMMs' predicted seconds
-    last_kinds: dict[str, int] = field(default_factory=dict)
-    busy: float = 0.0  # this step: seconds with at least one GEMM out
-    busy_since: float | None = None
-    last_busy: float | None = None  # last finished step's
-    step_started: float | None = None
-    measured: float | None = None  # last finished step's seconds, from one begin_step to the next
-
-    def step_done(self, now: float) -> None:
-        if self.step_started is not None:
-            self.measured = now - self.step_started
-            busy = self.busy + (now - self.busy_since if self.busy_since is not None else 0.0)
-            self.last_busy = busy
-            self.gemm_seconds = self._planned_seconds()
-            self.last_kinds = dict(self.kinds)
-        self.step_started = now
-        self.planned.clear()
-        self.kinds.clear()
-        self.busy = 0.0
-        self.busy_since = now if self.busy_since is not None else None
-
-    @property
-    def other(self) -> float | None:
-        """The PS's own seconds in the last finished step: its time with no GEMM out."""
-        return None if self.measured is None or self.last_busy is None else max(0.0, self.measured - self.last_busy)
-
-    def _planned_seconds(self) -> float | None:
-        """The step's GEMMs' predicted seconds; None unless every one of them was priced."""
-        if not self.planned or any(p is None for p in self.planned):
-            return None
-        return float(sum(self.planned))  # type: ignore[arg-type]
-
-    def current(self) -> float | None:
-        """The step in progress, once its GEMMs are all submitted: their predicted seconds plus
-        the PS's own time of the step before."""
-        gemms, other = self._planned_seconds(), self.other
-        return None if gemms is None or other is None else gemms + other
-
-    def as_json(self) -> dict[str, Any]:
-        """Predicted step = the GEMMs' predicted seconds + the PS's own time measured last step
-        (the step's seconds with no GEMM out): the model predicts the part it plans."""
-        other = self.other
-        predicted = None if self.gemm_seconds is None or other is None else self.gemm_seconds + other
-        return {
-            "predicted_step_s": _round(predicted),
-            "measured_step_s": _round(self.measured),
-            "predicted_gemm_s": _round(self.gemm_seconds),
-            "measured_gemm_s": _round(self.last_busy),
-            "ps_other_s": _round(other),
-            "partitions": self.last_kinds,
-            "local_gemms": self.local_gemms,
-        }
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
-
-
-@dataclass
-class Progress:
-    step: int = 0  # last finished step
-    current: int = 0  # step whose GEMMs are being submitted
-    steps: int = 0
-    loss: float | None = None
-    tokens_per_s: float = 0.0
-    state: str = "starting"
-    gemm_share: dict[str, Any] | None = None  # flops.GemmShare.to_dict(), once the model is built
-    tokens: int = 0  # trained by this coordinator
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    # A NaN or an infinity anywhere makes the sum NaN or infinite, never finite, so a finite sum
-    # proves every element finite. One reduction runs ~18x faster than isfinite().all(), which
-    # writes a mask of the whole tensor; only a sum that overflowed needs the exact pass.
-    total = t.sum(dtype=torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t.sum()  # no half overflow
-    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
-
-
-def check_finite(a: torch.Tensor, b: torch.Tensor, kind: GemmKind, cast: str | None = None) -> None:
-    """Honest devices would return NaN/Inf, verification would reject them all and ban innocent
-    volunteers: stop where the cause is (training diverged, or ``cast``: a value too large for the
-    wire dtype the float32 operands were cast to)."""
-    if _all_finite(a) and _all_finite(b):
-        return
-    if cast is not None:
-        raise Diverged(
-            f"a {kind.value} GEMM input is NaN or Inf once cast to {cast} for the wire "
-            f"(fp16 holds magnitudes up to 65,504: try --wire-dtype bf16, or fp32)"
-        )
-    raise Diverged(f"a {kind.value} GEMM input holds NaN or Inf: training diverged (try a lower --lr)")
+    @classmethod
+    def of(cls, reason: str) -> Departure:
+        """The departure a reason stands for (free text: ``CLOSED``)."""
+        try:
+            return cls(reason)
+        except ValueError:
+            return cls.CLOSED
 
 
 class Core:
+    """The engine: devices' messages and ``now`` in (``connect``, ``receive``/``settle``,
+    ``tick``, ``disconnect``), GEMMs from the trainer in (``submit``, ``begin_step``), and the
+    messages to send out (``Outbound``). See the module's docstring for the flow."""
+
     def __init__(
         self,
         store: Store,
@@ -438,9 +150,11 @@ class Core:
         job_name: str = "",
         planner: Planner | LivePlanner = Planner.UNIFORM,
         ps: PSProfile | None = None,
+        books: Books | None = None,
     ) -> None:
         self.store = store
         self.job_id = job_id
+        self.books = books or Books(store, job_id)  # the job's own records (the tile path's are written here)
         self.rng = rng
         self.policy = policy or TilingPolicy()
         self.faults = faults or FaultPolicy()
@@ -456,7 +170,9 @@ class Core:
         self.gemms: dict[int, GemmState] = {}
         self.sources = Sources()
         self._tile_gemm: dict[int, int] = {}  # tile id -> gemm id, for tiles of live GEMMs
-        self.sched = Scheduler(self.faults)  # which tile goes to which device, and when
+        # How devices earn tiles and lose them, told to the scheduler (``sched``): which tile goes
+        # to which device, and when.
+        self.conduct = Conduct(Scheduler(self.faults), self.trust)
         # How each GEMM is cut and who takes which tile (a LivePlanner: tests force partitions).
         self.planner = (
             planner if isinstance(planner, LivePlanner) else LivePlanner(planner, ps or PSProfile(), self.policy)
@@ -483,7 +199,17 @@ class Core:
         # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
         self.verify_worst_honest: dict[str, float] = {}
 
-    def _at(self, now: float) -> float:
+    @property
+    def sched(self) -> Scheduler:
+        """The scheduler the engine and its rules drive (a test may wrap it to record calls)."""
+        return self.conduct.sched
+
+    @sched.setter
+    def sched(self, sched: Scheduler) -> None:
+        self.conduct.sched = sched
+
+    def wall(self, now: float) -> float:
+        """Wall-clock seconds for records, from monotonic ``now`` (a clock step never expires a lease)."""
         return now + self.epoch
 
     # ------------------------------------------------------------------ devices
@@ -499,7 +225,7 @@ class Core:
     def connect(self, hello: Hello, nonce: str, now: float) -> tuple[int, list[Outbound]]:
         """Admit a device that answered ``nonce`` with ``hello``. Raises AuthError (the server
         closes with its code): wrong token or credential, banned, revoked, cooling off, in use."""
-        admission: Admission = self.gate.admit(hello, nonce, now, self._at(now))
+        admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
         if admission.identity in self._by_identity:
             raise AuthError(CloseCode.IN_USE, "this identity is already connected")
         self.gate.check_cooloff(admission.identity, now)
@@ -520,18 +246,11 @@ class Core:
             device=hello.device,
             gflops=hello.gflops,
         )
-        device_id = self.store.add_device(self.job_id, info, self._at(now), admission.identity)
+        device_id = self.store.add_device(self.job_id, info, self.wall(now), admission.identity)
         asked = min(hello.slots, self.trust.max_slots)
-        # Until it has returned work, assume a device is 4x slower than its own (bounded) claim.
-        claim = min(max(hello.gflops, CLAIM_GFLOPS[0]), CLAIM_GFLOPS[1])
+        pace = Pace.unproven(hello.gflops)  # its claim sets its first deadlines, nothing more
         lim = self.limits
-        seat = self.sched.join(
-            device_id,
-            slots=standing.slots(self.trust, asked),
-            seconds_per_gflop=4.0 / claim,
-            trusted=not standing.on_probation(self.trust),
-            paused=bool(hello.paused),
-        )
+        seat = self.conduct.seat(device_id, standing, pace, asked, paused=bool(hello.paused))
         dev = DeviceState(
             device_id,
             admission.identity,
@@ -539,6 +258,7 @@ class Core:
             asked,
             seat,
             standing,
+            pace,
             hello.device,
             now,
             lim.messages.bucket(),
@@ -550,11 +270,11 @@ class Core:
         )
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
-        self.profiles[device_id] = DeviceProfile(claim, hello.block_budget or PRIOR_MEMORY)
+        self.profiles[device_id] = DeviceProfile(hello.gflops, hello.block_budget or PRIOR_MEMORY)
         self._fleet_changed()
         if hello.paused:  # its owner is busy: it gets nothing until it resumes
             dev.paused = hello.paused
-            self.store.set_device_state(device_id, "paused", self._at(now), hello.paused)
+            self.store.set_device_state(device_id, DeviceStatus.PAUSED, self.wall(now), hello.paused)
         out: list[Outbound] = [Limit(device_id, lim.idle_frame)]
         if admission.secret is not None:
             out.append(self._send(device_id, Credential(admission.identity, admission.secret.hex()), now))
@@ -569,26 +289,28 @@ class Core:
         return device_id, out + self._dispatch(now)
 
     def disconnect(
-        self, device_id: int, now: float, reason: str = "connection closed", state: str | None = None
+        self, device_id: int, now: float, reason: str = Departure.CLOSED, state: DeviceStatus | None = None
     ) -> list[Outbound]:
-        """A device is gone: its outstanding tiles go straight back to the queue and to others."""
+        """A device is gone: its outstanding tiles go straight back to the queue and to others.
+        ``reason`` is recorded; it is a ``Departure`` or free text (a closed connection)."""
         if device_id not in self.devices:
             return []
         self._remove(device_id, now, reason, state)
         return self._dispatch(now)
 
-    def _remove(self, device_id: int, now: float, reason: str, state: str | None = None) -> None:
+    def _remove(self, device_id: int, now: float, reason: str, state: DeviceStatus | None = None) -> None:
         """Forget a device and end its leases. Never dispatches: only the public entry points
         (connect, handle, tick, submit, disconnect) do, once, at their end."""
         dev = self.devices.pop(device_id, None)
         if dev is None:
             return
         self._by_identity.pop(dev.identity, None)
-        graceful = reason in ("left", SHUTDOWN)  # neither is the device's fault
+        departure = Departure.of(reason)
+        graceful = departure is not Departure.CLOSED  # leaving, or the coordinator stopping
         held = list(dev.inflight)
-        if reason != SHUTDOWN and self._held_long(dev, held, now):
-            dev.standing.cut(self.trust, now)  # it is gone already: it just may not come back yet
-        self.store.release_device(device_id, "released" if graceful else "lost", self._at(now), reason)
+        if departure is not Departure.SHUTDOWN and self._held_long(dev, held, now):
+            self.conduct.cut(dev, now)  # it is gone already: it just may not come back yet
+        self.store.release_device(device_id, Outcome.RELEASED if graceful else Outcome.LOST, self.wall(now), reason)
         self.sched.leave(device_id)
         profile = self.profiles.pop(device_id, None)
         self._fleet_keys.pop(device_id, None)
@@ -596,13 +318,13 @@ class Core:
         for tile_id in held:
             self._sent.pop((tile_id, device_id), None)
         if held and not graceful:
-            self.store.credit_device(device_id, lost=len(held), now=self._at(now))
+            self.store.credit_device(device_id, lost=len(held), now=self.wall(now))
             if profile is not None:
                 profile.failed(now)
-        self.store.set_device_state(device_id, state or "offline", self._at(now), reason)
+        self.store.set_device_state(device_id, state or DeviceStatus.OFFLINE, self.wall(now), reason)
 
     def _drop(
-        self, dev: DeviceState, code: CloseCode, reason: str, now: float, state: str | None = None
+        self, dev: DeviceState, code: CloseCode, reason: str, now: float, state: DeviceStatus | None = None
     ) -> list[Outbound]:
         """Close a device and forget it (the caller dispatches its tiles to others)."""
         self._remove(dev.id, now, reason, state)
@@ -645,10 +367,10 @@ class Core:
             dev.paused = None
             self.sched.update(dev.id, paused=False)
             self._fleet_changed()
-            self.store.set_device_state(dev.id, "online", self._at(now))
+            self.store.set_device_state(dev.id, DeviceStatus.ONLINE, self.wall(now))
             return self._dispatch(now)
         if isinstance(msg, Leave):
-            return self.disconnect(device_id, now, "left")
+            return self.disconnect(device_id, now, Departure.LEFT)
         return [
             self._send(
                 device_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a device may send"), now
@@ -675,7 +397,7 @@ class Core:
             self._sweep = list(self.devices)
             self._sweep_at, self._sweep_len = now, len(self._sweep)
         # Enough of this round's devices to finish it SWEEP seconds after it began.
-        share = max(1, math.ceil(self._sweep_len * min(1.0, (now - self._sweep_at + TICK_GUESS) / SWEEP)))
+        share = max(1, math.ceil(self._sweep_len * min(1.0, (now - self._sweep_at + TICK) / SWEEP)))
         due = self._sweep_len - len(self._sweep)
         for _ in range(max(0, share - due)):
             dev = self.devices.get(self._sweep.pop()) if self._sweep else None
@@ -688,7 +410,7 @@ class Core:
             if dev.gflop_verified != dev.credit_sent and now - dev.credit_at >= CREDIT_INTERVAL:
                 out.append(self._credit(dev, now))  # verified work only, never claims
             if now - dev.last_sent >= self.faults.heartbeat:
-                out.append(self._send(dev.id, Heartbeat(self._at(now)), now))
+                out.append(self._send(dev.id, Heartbeat(self.wall(now)), now))
             if dev.frame_limit > self.limits.idle_frame and not dev.inflight and now >= dev.big_until:
                 dev.frame_limit = self.limits.idle_frame
                 out.append(Limit(dev.id, dev.frame_limit))
@@ -715,7 +437,9 @@ class Core:
                     continue
             # Read from the store only now: a tile waiting out its grace costs nothing per second.
             failures = [
-                lease for lease in self.store.leases(tile_id) if lease.outcome in ("rejected", "released", "revoked")
+                lease
+                for lease in self.store.leases(tile_id)
+                if lease.outcome in (Outcome.REJECTED, Outcome.RELEASED, Outcome.REVOKED)
             ]
             last = f"{failures[-1].outcome}: {failures[-1].reason}" if failures else "unknown"
             if tile_id in self._reopened:
@@ -747,16 +471,18 @@ class Core:
         out: list[Outbound] = []
         for dev in list(self.devices.values()):
             state = states.get(dev.identity)
-            if state not in (REVOKED, BANNED):
+            if state not in (IdentityState.REVOKED, IdentityState.BANNED):
                 continue
             row = self.store.identity(dev.identity)
             why = f": {row.reason}" if row is not None and row.reason else ""
-            if state == REVOKED:
+            if state == IdentityState.REVOKED:
                 out.extend(
-                    self._drop(dev, CloseCode.REVOKED, f"credential revoked by the operator{why}", now, "revoked")
+                    self._drop(
+                        dev, CloseCode.REVOKED, f"credential revoked by the operator{why}", now, DeviceStatus.REVOKED
+                    )
                 )
             else:
-                out.extend(self._drop(dev, CloseCode.BANNED, f"banned by the operator{why}", now, "banned"))
+                out.extend(self._drop(dev, CloseCode.BANNED, f"banned by the operator{why}", now, DeviceStatus.BANNED))
         return out
 
     def _credit(self, dev: DeviceState, now: float) -> Send:
@@ -769,14 +495,6 @@ class Core:
         if dev is not None:
             dev.last_sent = now
         return Send(device_id, message)
-
-    def _regrade(self, dev: DeviceState) -> None:
-        """Its slots: what its record has earned, and no more than it verifies in a prefetch
-        window at its measured throughput."""
-        slots = dev.standing.slots(self.trust, dev.asked)
-        if dev.result_gap is not None and dev.result_gap > 0:
-            slots = min(slots, max(1, math.ceil(self.trust.prefetch_seconds / dev.result_gap)))
-        self.sched.update(dev.id, slots=slots, trusted=not dev.standing.on_probation(self.trust))
 
     def _lost_tile(self, dev: DeviceState, now: float) -> None:
         """A lease of ``dev`` ended without its result: it may still send one for a while."""
@@ -843,7 +561,7 @@ class Core:
         if not verdict.ok:
             self._failed(dev.id, now)
             self.sched.release(msg.tile_id, dev.id, bar=True)
-            self.store.end_lease(msg.tile_id, dev.id, "rejected", self._at(now), verdict.reason)
+            self.store.end_lease(msg.tile_id, dev.id, Outcome.REJECTED, self.wall(now), verdict.reason)
             out.append(
                 self._send(
                     dev.id, Error(Code.REJECTED, f"tile {msg.tile_id} failed verification: {verdict.reason}"), now
@@ -853,17 +571,11 @@ class Core:
         kind = gemm.kind.value
         self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
         losers = self.sched.done(msg.tile_id, dev.id)
-        self.store.end_lease(msg.tile_id, dev.id, "verified", self._at(now))
+        self.store.end_lease(msg.tile_id, dev.id, Outcome.VERIFIED, self.wall(now))
         gflop = tile.flops / 1e9
-        self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self._at(now))
+        self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self.wall(now))
         dev.gflop_verified += gflop
         dev.tiles_done += 1
-        dev.standing.verified(self.trust)
-        if dev.verified_at is not None:  # its throughput: seconds between verified results
-            gap = min(arrived - dev.verified_at, MAX_SECONDS_PER_GFLOP)
-            dev.result_gap = gap if dev.result_gap is None else (1 - EMA) * dev.result_gap + EMA * gap
-        dev.verified_at = arrived
-        self._regrade(dev)
         dev.compute_seconds += msg.seconds
         # From its work frame going on the wire (not from the lease: a frame queued behind the
         # device's other work is that work's link time, not this one's).
@@ -874,10 +586,7 @@ class Core:
         dev.result_at = arrived
         self.profiles[dev.id].verified(tile.flops, msg.seconds, waited, arrived - start, sent, nbytes, arrived)
         self._measured.add(dev.id)
-        if gflop > 0:
-            turnaround = (1 - EMA) * dev.seconds_per_gflop + EMA * (arrived - leased_at) / gflop
-            self.sched.update(dev.id, seconds_per_gflop=min(turnaround, MAX_SECONDS_PER_GFLOP))
-        stallers = []
+        raced = []
         for loser in losers:  # other copies lost the race: tell their devices to drop them
             self._sent.pop((msg.tile_id, loser), None)
             other = self.devices.get(loser)
@@ -885,12 +594,9 @@ class Core:
                 other.cancel(msg.tile_id)
                 self._lost_tile(other, now)
                 out.append(self._send(loser, Cancel((msg.tile_id,), "another copy was verified first"), now))
-                if msg.tile_id in other.checking:  # it did answer: its result is being checked
-                    self._regrade(other)
-                elif other.standing.overtaken(self.trust):  # it never answers: a staller
-                    stallers.append(other)
-                else:
-                    self._regrade(other)
+                raced.append((other, msg.tile_id in other.checking))  # answered: its result is being checked
+        # Its standing, pace and slots, and the losers': the rules the simulator runs too.
+        stallers = self.conduct.settled(dev, arrived, leased_at, tile.flops, raced)
         gemm.parts[tile.index] = msg.c
         if gemm.done:
             self._complete(gemm, now)
@@ -908,21 +614,21 @@ class Core:
     def _forged(self, dev: DeviceState, now: float) -> list[Outbound]:
         """Count a rejected result against its identity; when that bans it, drop the identity's
         live session (this one, or a newer one if it reconnected meanwhile)."""
-        self.store.credit_device(dev.id, rejected=1, now=self._at(now))
+        self.store.credit_device(dev.id, rejected=1, now=self.wall(now))
         dev.tiles_rejected += 1
-        if not dev.standing.rejected(self.trust):
+        if not self.conduct.rejected(dev):
             return []
         reason = "results failed verification"
-        self.gate.ban(dev.identity, reason, self._at(now))
+        self.gate.ban(dev.identity, reason, self.wall(now))
         live = self.devices.get(self._by_identity.get(dev.identity, -1))
-        return [] if live is None else self._drop(live, CloseCode.BANNED, reason, now, "banned")
+        return [] if live is None else self._drop(live, CloseCode.BANNED, reason, now, DeviceStatus.BANNED)
 
     def _on_pause(self, dev: DeviceState, reason: str, now: float) -> list[Outbound]:
         """The owner needs the machine: its tiles go to others at once; it stays connected."""
         dev.paused = reason
         self.sched.update(dev.id, paused=True)
         self._fleet_changed()
-        self.store.set_device_state(dev.id, "paused", self._at(now), reason)
+        self.store.set_device_state(dev.id, DeviceStatus.PAUSED, self.wall(now), reason)
         # A paused client keeps its cached blocks: they serve it again once it resumes.
         return self._give_back(dev, tuple(dev.inflight), f"paused: {reason}", now, blocks_lost=False)
 
@@ -972,7 +678,7 @@ class Core:
                 self._failed(dev.id, now)
             self.sched.release(tile_id, dev.id, bar=bar)
             self._lost_tile(dev, now)
-            self.store.end_lease(tile_id, dev.id, "released", self._at(now), reason, bar=bar)
+            self.store.end_lease(tile_id, dev.id, Outcome.RELEASED, self.wall(now), reason, bar=bar)
             if blocks_lost:
                 for ref in {r.key: r for pair in self._pairs_of(tile_id) for r in pair}.values():
                     dev.lose(ref)
@@ -985,16 +691,12 @@ class Core:
         """Leases it gives back (or loses by leaving) after holding them for most of their
         deadline count as unanswered, as if another copy had won: holding tiles until just
         before their deadlines and then letting go is stalling. True when it must be cut."""
-        cut = False
-        for tile_id in tile_ids:
-            hold = self.sched.hold(tile_id, dev.id)
-            if hold is not None and now - hold.leased_at > (hold.soft - hold.leased_at) / 2:
-                cut = dev.standing.overtaken(self.trust) or cut
-        return cut
+        holds = [hold for tile_id in tile_ids if (hold := self.sched.hold(tile_id, dev.id)) is not None]
+        return self.conduct.gave_back(dev, holds, now)
 
     def _complete(self, gemm: GemmState, now: float) -> None:
         product = functools.partial(assemble, gemm.plan, gemm.parts, gemm.out_dtype or gemm.a.dtype)
-        self.store.finish_gemm(gemm.id, self._at(now))
+        self.store.finish_gemm(gemm.id, self.wall(now))
         self.sched.drop_gemm(gemm.id)
         for tid in gemm.tiles:
             self._tile_gemm.pop(tid, None)
@@ -1065,13 +767,7 @@ class Core:
         live = self._plan(m, n, k, kind)
         pred = self.prediction
         pred.planned.append(live.seconds)
-        label = (
-            "uniform"
-            if live.plan is None
-            else "split-k summed"
-            if live.plan.local_sum and live.plan.kind.value == "split-k"
-            else live.plan.kind.value
-        )
+        label = live.label
         pred.kinds[label] = pred.kinds.get(label, 0) + 1
         if live.tiles is None:  # cheaper here than shipped: the PS multiplies itself
             pred.local_gemms += 1
@@ -1094,7 +790,7 @@ class Core:
         b_blocks = {(q.p, q.j): block_ref(sources[1], gemm_id, f"b{q.p}.{q.j}", b_block(b, q)) for q in pieces}
         new = [NewTile(t.index, a_blocks[(t.i, t.p)].key, b_blocks[(t.p, t.j)].key, t.flops) for t in tiles]
         ids = self.store.add_gemm(
-            gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self._at(now)
+            gemm_id, self.job_id, self.progress.current, kind.value, (m, n, k), new, self.wall(now)
         )
         gemm = GemmState(
             gemm_id,
@@ -1189,8 +885,7 @@ class Core:
             if isinstance(decision, Assign):
                 out.extend(self._lease(dev, decision.unit, decision.copy, now))
             elif isinstance(decision, Overdue):
-                dev.standing.late()
-                self._regrade(dev)
+                self.conduct.late(dev)
             else:
                 out.extend(self._take_back(dev, decision, now))
         return out
@@ -1203,24 +898,24 @@ class Core:
         dev.cancel(tile_id)
         self._lost_tile(dev, now)
         # Barred from the tile: it goes to someone else, never straight back to this device.
-        self.store.end_lease(tile_id, dev.id, "revoked", self._at(now), reason, bar=True)
-        self.store.credit_device(dev.id, revoked=1, now=self._at(now))
+        self.store.end_lease(tile_id, dev.id, Outcome.REVOKED, self.wall(now), reason, bar=True)
+        self.store.credit_device(dev.id, revoked=1, now=self.wall(now))
         out: list[Outbound] = [self._send(dev.id, Cancel((tile_id,), f"lease taken back: {reason}"), now)]
-        if dev.standing.taken_back(self.trust):
+        if self.conduct.taken_back(dev):
             out.extend(self._cut(dev, "its tiles kept running past their deadlines", now))
         else:
-            self._regrade(dev)
+            self.conduct.regrade(dev)
         return out
 
     def _cut(self, dev: DeviceState, why: str, now: float) -> list[Outbound]:
         """Disconnect a device that holds tiles without returning them; it may come back after a
         cool-off (doubling with every cut)."""
-        wait = dev.standing.cut(self.trust, now)
+        wait = self.conduct.cut(dev, now)
         return self._drop(dev, CloseCode.STALLING, f"{why}; come back in {wait:.0f} s", now)
 
     def _lease(self, dev: DeviceState, tile_id: int, copy: str | None, now: float) -> list[Outbound]:
         """Record the scheduler's lease in the store and send the work."""
-        at = self._at(now)
+        at = self.wall(now)
         claimed = (
             self.store.lease_tile(tile_id, dev.id, at)
             if copy is None
@@ -1266,107 +961,47 @@ class Core:
 
     # ------------------------------------------------------------------ job
 
+    def resume_from(self, step: int) -> None:
+        """The job goes on after its checkpoint of ``step``."""
+        self.progress.step = step
+
+    def waiting(self) -> None:
+        """The coordinator listens and waits for its first devices."""
+        self.progress.state = JobPhase.WAITING
+
+    def start_training(self, now: float) -> None:
+        """Training starts: tokens per second count from here (waiting for devices is not training)."""
+        self.progress.state = JobPhase.TRAINING
+        self.progress.since = now
+
+    def shared(self, gemm_share: dict[str, Any]) -> None:
+        """The share of the model's GEMM FLOPs that devices get, once counted on the model."""
+        self.progress.gemm_share = gemm_share
+
+    def record_step(
+        self, step: int, loss: float, tokens: int, seconds: float, extra: dict[str, Any], now: float
+    ) -> None:
+        """A training step finished: its row in the books and the job's progress."""
+        self.books.record_step(step, loss, tokens, seconds, self.wall(now), extra)
+        p = self.progress
+        p.tokens += tokens
+        elapsed = now - p.since if p.since is not None else 0.0
+        p.loss = loss if math.isfinite(loss) else None
+        p.step = step
+        p.tokens_per_s = p.tokens / elapsed if elapsed > 0 else 0.0
+
+    def checkpointed(self, row: CheckpointRow) -> list[CheckpointRow]:
+        """A checkpoint was written: recorded; returns the job's checkpoints, newest first."""
+        return self.books.checkpointed(row)
+
     def finish(self, now: float, reason: str = "job complete") -> list[Outbound]:
-        """The job is over: tell every device. The server then closes their sockets."""
+        """The job is over: it is finished in the books, and every device is told (the server
+        then closes their sockets)."""
+        self.books.finished(self.wall(now))
         self.finished = True
-        self.progress.state = "finished"
+        self.progress.state = JobPhase.FINISHED
         out: list[Outbound] = []
         for dev in list(self.devices.values()):
             out.append(self._credit(dev, now))  # the final tally, before goodbye
             out.append(self._send(dev.id, Finished(reason), now))
         return out
-
-    def status(self, now: float) -> dict[str, Any]:
-        """The snapshot ``cleave status`` renders (its --json keys are a contract). Bounded: at
-        most ``Limits.status_rows`` devices are listed, connected ones first; all are counted."""
-        counts = self.store.tile_counts(self.job_id)
-        cap = self.limits.status_rows
-        rows = self.store.devices(self.job_id, states=("online", "paused"), limit=cap)
-        if len(rows) < cap:
-            rows += self.store.devices(self.job_id, states=("offline", "banned", "revoked"), limit=cap - len(rows))
-        listed = []
-        for row in rows:
-            live = self.devices.get(row.id)
-            if live is None:
-                state = "offline" if row.state in ("online", "paused") else row.state
-            elif live.paused is not None:
-                state = "paused"
-            else:
-                state = "working" if live.inflight else "idle"
-            listed.append(
-                {
-                    "id": row.id,
-                    "identity": row.identity_id,
-                    "name": row.name,
-                    "state": state,
-                    "device": row.device,
-                    "tiles_done": row.tiles_done,
-                    "tiles_rejected": row.tiles_rejected,
-                    "tiles_lost": row.tiles_lost,
-                    "tiles_revoked": row.tiles_revoked,
-                    "reliability": round(row.reliability, 4),
-                    # Its benchmark at join, then the rate measured from its verified tiles.
-                    "gflops": round(self.profiles[row.id].measured_gflops(row.gflops) if live else row.gflops, 2),
-                    "gflop_verified": round(row.gflop_verified, 3),
-                    "reason": row.reason,
-                    "inflight": len(live.inflight) if live else 0,
-                    "slots": live.slots if live else 0,
-                    "probation": live.standing.on_probation(self.trust) if live else None,
-                    "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
-                    "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
-                    "compute_s": round(live.compute_seconds, 4) if live else None,
-                    "profile": self.profiles[row.id].as_json(self.dtype) if row.id in self.profiles else None,
-                }
-            )
-        p = self.progress
-        tiles = {
-            k: counts[k]
-            for k in (
-                "queued",
-                "leased",
-                "verified",
-                "rejected",
-                "requeued",
-                "expired",
-                "speculative",
-                "cancelled",
-                "lost",
-                "revoked",
-            )
-        }
-        return {
-            "job": {
-                "name": self.job_name,
-                "step": p.step,
-                "steps": p.steps,
-                "loss": p.loss,
-                "state": p.state,
-                "tokens_per_s": round(p.tokens_per_s, 1),
-                "gemm_share": p.gemm_share,
-            },
-            "devices": listed,
-            "device_counts": {"connected": len(self.devices), **self.store.device_states(self.job_id)},
-            "tiles": tiles,
-            "queue_depth": counts["queued"],
-            "gemms_in_flight": len(self.gemms),
-            "leaderboard": [
-                {"identity": r.identity_id, "name": r.name, "gflop": round(r.gflop, 3), "tiles": r.tiles}
-                for r in self.store.leaderboard(10)
-            ],
-            "plan": {
-                "planner": self.planner.planner.value,
-                **self.prediction.as_json(),
-                "ps": {
-                    "egress_mbps": round(self.planner.ps.egress * 8 / 1e6, 1),
-                    "ingress_mbps": round(self.planner.ps.ingress * 8 / 1e6, 1),
-                    "gflops": round(self.planner.ps.flops_per_s(self.dtype) / 1e9, 2),
-                    "verify_gflops": round(self.planner.ps.verify_flops / 1e9, 2),
-                },
-            },
-            "verify": {
-                "seconds": round(self.verify_seconds, 4),
-                "worst_honest_ratio": round(max(self.verify_worst_honest.values(), default=0.0), 4),
-                "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(self.verify_worst_honest.items())},
-            },
-            "time": self._at(now),
-        }

@@ -2,22 +2,23 @@
 
 Network-free, like the Core that owns it: hellos, nonces and ``now`` (monotonic) in, decisions
 out. The store keeps identities (their stored keys, bans and revocations) and the hashes of the
-join and operator tokens; ``Standing`` keeps what this process has seen of each identity's
-recent behaviour (its last results, leases taken back, cool-offs).
+join and operator tokens; each identity's ``Standing`` (coordinator/engine/conduct.py) keeps
+what this process has seen of its recent behaviour (its last results, leases taken back, cool-offs).
 """
 
 from __future__ import annotations
 
 import secrets
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 
+from coordinator.engine.conduct import Standing
 from coordinator.engine.limits import TokenBucket, TrustPolicy
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode
 from coordinator.wire.errors import AuthError
 from coordinator.wire.messages import Challenge, Hello
-from db.store import ACTIVE, BANNED, REVOKED, Store
+from db.store import IdentityState, Store
 
 # Settings keys (store.setting): each constant defined once.
 JOIN_TOKEN, OPERATOR_TOKEN, COORDINATOR_ID = "join_token_sha256", "operator_token_sha256", "coordinator_id"
@@ -28,74 +29,6 @@ class Admission:
     identity: int
     name: str
     secret: bytes | None = None  # set when the device has just enrolled: send it its credential
-
-
-@dataclass
-class Standing:
-    """An identity's recent record in this process (bans and revocations are in the store)."""
-
-    verified_total: int  # over every job, from the store at first sight, then counted here
-    recent: deque[bool] = field(default_factory=deque)  # its last results: True verified, False rejected
-    grown: int = 0  # verified results since it was last sent back to one slot
-    taken_in_a_row: int = 0  # leases taken back since its last verified result
-    unanswered: int = 0  # leases that ended without its result (lost to a copy, taken back) since then
-    cuts: int = 0
-    cooloff_until: float = 0.0
-    budgets: tuple[TokenBucket, TokenBucket, TokenBucket] | None = None  # releases, resends, reconnects
-
-    def on_probation(self, trust: TrustPolicy) -> bool:
-        return self.verified_total < trust.probation_tiles
-
-    def slots(self, trust: TrustPolicy, asked: int) -> int:
-        """Tiles it may hold now: earned by verified work, never more than it asked for."""
-        if self.on_probation(trust):
-            return 1
-        return max(1, min(asked, trust.max_slots, trust.first_slots + self.grown // trust.grow_every))
-
-    def verified(self, trust: TrustPolicy) -> None:
-        self._remember(True, trust)
-        self.verified_total += 1
-        self.grown += 1
-        self.taken_in_a_row = 0
-        self.unanswered = 0
-
-    def rejected(self, trust: TrustPolicy) -> bool:
-        """Counts a failed result; True when the identity must be banned."""
-        probation = self.on_probation(trust)
-        self._remember(False, trust)
-        rejects = sum(1 for ok in self.recent if not ok)
-        return rejects >= (1 if probation else trust.ban_rejects)
-
-    def late(self) -> None:
-        """A lease passed its deadline: back to one slot until it earns more again."""
-        self.grown = 0
-
-    def taken_back(self, trust: TrustPolicy) -> bool:
-        """A lease was revoked; True when the identity must be cut."""
-        self.taken_in_a_row += 1
-        overtaken = self.overtaken(trust)
-        return self.taken_in_a_row >= trust.cut_after or overtaken
-
-    def overtaken(self, trust: TrustPolicy) -> bool:
-        """A lease went to another copy without its result: back to its first slots; True when
-        too many in a row mean it holds tiles without computing them (it must be cut)."""
-        self.unanswered += 1
-        self.grown = 0
-        limit = trust.cut_unanswered if self.on_probation(trust) else trust.cut_unanswered_trusted
-        return self.unanswered >= limit
-
-    def cut(self, trust: TrustPolicy, now: float) -> float:
-        """Cut it: it may come back after the returned number of seconds (doubling each time)."""
-        self.cuts += 1
-        self.taken_in_a_row = self.unanswered = 0
-        wait = min(trust.cooloff_max, trust.cooloff * 2 ** (self.cuts - 1))
-        self.cooloff_until = now + wait
-        return wait
-
-    def _remember(self, ok: bool, trust: TrustPolicy) -> None:
-        self.recent.append(ok)
-        while len(self.recent) > trust.window:
-            self.recent.popleft()
 
 
 class Gate:
@@ -179,9 +112,9 @@ class Gate:
         # One message for every failure, so a peer cannot tell a missing identity from a bad proof.
         if row is None or key is None or not auth.verify_proof(key, hello.identity, challenge, answer):
             raise AuthError(CloseCode.AUTH, "unknown identity or wrong credential")
-        if row.state == REVOKED:
+        if row.state == IdentityState.REVOKED:
             raise AuthError(CloseCode.REVOKED, f"credential revoked by the operator{_why(row.reason)}")
-        if row.state == BANNED:
+        if row.state == IdentityState.BANNED:
             raise AuthError(CloseCode.BANNED, f"banned{_why(row.reason)}")
         return Admission(row.id, row.name)
 
@@ -205,14 +138,14 @@ class Gate:
             )
 
     def ban(self, identity: int, reason: str, record_now: float) -> None:
-        self.store.set_identity_state(identity, BANNED, reason, record_now)
+        self.store.set_identity_state(identity, IdentityState.BANNED, reason, record_now)
 
     def states(self, identities: list[int]) -> dict[int, str]:
         return self.store.identity_states(identities) if identities else {}
 
     @staticmethod
     def active(state: str | None) -> bool:
-        return state == ACTIVE
+        return state == IdentityState.ACTIVE
 
 
 def _why(reason: str) -> str:

@@ -18,12 +18,12 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile
 from coordinator.planning.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
 from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
 from coordinator.planning.tiles import plan_gemm as uniform_grid
+from coordinator.wire.codes import Name
 from coordinator.wire.messages import MAX_PAIRS
 
 # Partitions the live data plane runs: all of them (split-K units that span several pieces go
@@ -32,20 +32,36 @@ LIVE_KINDS = frozenset({Kind.LOCAL, Kind.OUTPUT, Kind.GRID3D, Kind.SPLIT_K})
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
-class Planner(str, Enum):
+class Planner(Name):
+    """How GEMMs are cut (``--planner``): by the cost model, or the fixed uniform grid."""
+
     COST = "cost"
     UNIFORM = "uniform"
 
 
+SUMMED = "split-k summed"  # a split-K plan whose devices add up their pieces: its name in reports
+
+
 @dataclass(frozen=True)
 class LivePlan:
+    """One GEMM's cut for the fleet connected now: its tiles, their planned owners, the model's plan."""
+
     tiles: TilePlan | TileList | None  # None: the PS multiplies itself
     owners: Mapping[int, int]  # tile index -> the device it is planned for (absent: whoever is free)
     plan: Plan | None  # the model's prediction (None when no device could be priced)
 
     @property
     def seconds(self) -> float | None:
+        """The model's predicted seconds for this GEMM, or None when it could not price it."""
         return self.plan.seconds if self.plan is not None and math.isfinite(self.plan.seconds) else None
+
+    @property
+    def label(self) -> str:
+        """The partition's name in reports (``status.plan.partitions``, the simulator's counts)."""
+        plan = self.plan
+        if plan is None or plan.kind is Kind.UNIFORM:
+            return Kind.UNIFORM.value
+        return SUMMED if plan.local_sum and plan.kind is Kind.SPLIT_K else plan.kind.value
 
 
 MAX_CLASSES = 32  # the planner prices each class: more, and the grid is coarsened until they fit

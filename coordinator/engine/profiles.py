@@ -52,7 +52,11 @@ DEVICE_OVERHEAD = 0.002
 # A device is planned at most this many times the rate the coordinator sees it deliver (work
 # per turnaround, links included): a device reporting tiny matmul times is not believed beyond.
 SEEN_FACTOR = 4.0
-GFLOPS_BOUNDS = (0.01, 1e5)  # a device's measured rate is clamped to this (the claim's bounds too)
+MEASURED_GFLOPS = (0.01, 1e5)  # a device's measured rate is clamped to this
+# A device's claimed rate (its benchmark at join) only sets its first deadlines and plan, within
+# these bounds, and until it has returned work it is taken to be UNPROVEN_FACTOR times slower.
+CLAIM_GFLOPS = (1.0, 1e5)
+UNPROVEN_FACTOR = 4.0
 
 
 @dataclass
@@ -136,7 +140,7 @@ class DeviceProfile:
     results: int = 0
 
     def __post_init__(self) -> None:
-        lo, hi = GFLOPS_BOUNDS
+        lo, hi = CLAIM_GFLOPS
         self.claimed_gflops = min(max(self.claimed_gflops, lo), hi)
 
     def verified(
@@ -154,7 +158,7 @@ class DeviceProfile:
         turnaround = max(turnaround, 1e-9)
         compute = min(max(compute, 0.0), turnaround)
         waited = min(max(waited, 0.0), turnaround - compute)
-        lo, hi = GFLOPS_BOUNDS
+        lo, hi = MEASURED_GFLOPS
         if compute > 0:
             self.gflops.add(min(max(flops / compute / 1e9, lo), hi), now)
         self.seen_rate.add(min(max(flops / (turnaround - waited) / 1e9, lo), hi), now)
@@ -173,8 +177,8 @@ class DeviceProfile:
     def profile(self, dtype: str = "fp32") -> Profile:
         """Its profile in ``dtype`` (the job's: the one its tiles are measured in)."""
         rtt, down, up = self.link.solve()
-        # Until it has returned work, a device is planned at a quarter of its (bounded) claim.
-        rate = self.gflops.value if self.gflops.seen else self.claimed_gflops / 4
+        # Until it has returned work, a device is planned UNPROVEN_FACTOR times below its (bounded) claim.
+        rate = self.gflops.value if self.gflops.seen else self.claimed_gflops / UNPROVEN_FACTOR
         if self.seen_rate.seen:  # its claimed matmul time may flatter it; what it delivers may not
             rate = min(rate, SEEN_FACTOR * self.seen_rate.value)
         reliability = self.kept.value if self.kept.seen else 1.0

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from itertools import chain, islice
 
 from coordinator.wire.errors import ConfigError
+from db.store import Issued
 
-SPECULATIVE, DEADLINE = "speculative", "deadline passed"  # why a copy went out (the store's words)
 RETRY = 8  # deferred devices that look again at each assign
 
 
@@ -74,7 +74,7 @@ class FaultPolicy:
 class Assign:
     device: int
     unit: int
-    copy: str | None = None  # None: from the queue; DEADLINE or SPECULATIVE: another holder's copy
+    copy: Issued | None = None  # None: from the queue; else why another holder's tile is copied
 
 
 @dataclass(frozen=True)
@@ -658,7 +658,7 @@ class Scheduler:
                     u.holders[d].copied = True
             self._late.pop(uid, None)
             self._lease(seat, uid, now)
-            yield Assign(seat.id, uid, DEADLINE)
+            yield Assign(seat.id, uid, Issued.DEADLINE)
         if self._queued or not self._thin:
             return
         # Nothing queued: copy the oldest units that have been out much longer than a free
@@ -681,7 +681,7 @@ class Scheduler:
             if now - oldest < max(f.speculate_after, f.speculate_factor * seat.expected(u.spec.flops)):
                 break  # younger units come later in this order
             self._lease(seat, uid, now)
-            yield Assign(seat.id, uid, SPECULATIVE)
+            yield Assign(seat.id, uid, Issued.SPECULATIVE)
 
     def _idle_for(self, u: _Unit) -> Seat | None:
         """A free device that neither holds nor is barred from ``u``: trusted first, then the

@@ -41,8 +41,11 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from coordinator.engine.core import SHUTDOWN, Abort, Check, Close, Core, Limit, Outbound, Product, Send
+from coordinator.engine import report
+from coordinator.engine.core import TICK, Core, Departure
+from coordinator.engine.gemms import Check, Product
 from coordinator.engine.limits import Limits
+from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.net.dashboard import Dashboard
 from coordinator.net.dashboard import handles as dashboard_handles
 from coordinator.net.listener import ConnectionCounter, bind
@@ -68,7 +71,6 @@ from coordinator.wire.verify import Verdict
 
 log = logging.getLogger("cleave.server")
 
-TICK = 0.05  # seconds between Core.tick calls: deadlines, heartbeats, speculation
 CHUNK = 256 << 10  # large replies go out in fragments of this size, so a slow reader costs little
 REFUSE_GRACE = 0.2  # seconds a refused peer has to answer our close before its socket is dropped
 CHECK_WAIT = 10.0  # seconds a closed connection's last result may take to be judged before it is let go
@@ -213,7 +215,7 @@ class Server:
         self._devices_changed.set()
         log.info("device %d (%s) joined from %s", device_id, msg.name, ws.remote_address)
         self.deliver(out)
-        reason = "connection closed"
+        reason: str = Departure.CLOSED
         try:
             async for frame in ws:
                 self.traffic.bytes_up += len(frame)
@@ -236,15 +238,15 @@ class Server:
                 except Exception:  # a bug must not pass silently, nor take the server down
                     log.exception("handling %s from device %d failed", msg.TYPE, device_id)
                     reason = f"internal error on {msg.TYPE}"
-                    conn.queue.put_nowait((1011, "internal error"))
+                    conn.queue.put_nowait((CloseCode.INTERNAL, "internal error"))
                     break
                 if isinstance(msg, Leave):
-                    reason = "left"
+                    reason = Departure.LEFT
                     break
                 if device_id not in self.core.devices:  # the Core dropped it (banned, rate-limited...)
                     break
         except ConnectionClosed:
-            if ws.close_code == 1009:  # a frame over its limit: do not read (and discard) the rest of it
+            if ws.close_code == CloseCode.TOO_BIG:  # a frame over its limit: do not read (and discard) the rest of it
                 ws.transport.abort()
         finally:
             if conn.check is not None:  # a forgery is still judged (and banned) while it is here
@@ -257,7 +259,7 @@ class Server:
             if conn.cut is not None:
                 reason = conn.cut
             if self._aborted is not None or self._closing:
-                reason = SHUTDOWN  # the coordinator is going: not the device's fault
+                reason = Departure.SHUTDOWN  # the coordinator is going: not the device's fault
             self.deliver(self.core.disconnect(device_id, self.clock(), reason))
             self._devices_changed.set()
             log.info("device %d left: %s", device_id, reason)
@@ -317,20 +319,9 @@ class Server:
             self.observers -= 1
 
     def _books(self) -> dict[str, Any]:
-        """What ``/metrics`` reports: the job's counts, read when scraped (O(1) but for the
-        devices' states, one indexed GROUP BY)."""
-        core, p = self.core, self.core.progress
-        tiles = core.store.tile_counts(core.job_id)
-        return {
-            "job": {"step": p.step, "loss": p.loss, "tokens_per_s": p.tokens_per_s, "gemm_share": p.gemm_share},
-            "tokens_trained": p.tokens,
-            "tiles": tiles,
-            "queue_depth": tiles["queued"],
-            "traffic": {"bytes_down": self.traffic.bytes_down, "bytes_up": self.traffic.bytes_up},
-            "verify": {"seconds": core.verify_seconds},
-            "gemms_in_flight": len(core.gemms),
-            "device_counts": {"connected": len(core.devices), **core.store.device_states(core.job_id)},
-        }
+        """What ``/metrics`` reports: the engine's books and this server's traffic."""
+        t = self.traffic
+        return {**report.books(self.core), "traffic": {"bytes_down": t.bytes_down, "bytes_up": t.bytes_up}}
 
     def record_step(self, step: int, loss: float, seconds: float) -> None:
         """A step finished (on the loop): the metrics' histogram and the dashboard's curve."""
@@ -370,7 +361,7 @@ class Server:
         return response
 
     def status(self) -> dict[str, Any]:
-        snapshot = self.core.status(self.clock())
+        snapshot = report.status(self.core, self.clock())
         t = self.traffic
         snapshot["traffic"] = {"mb_down": round(t.bytes_down / 1e6, 2), "mb_up": round(t.bytes_up / 1e6, 2)}
         snapshot["connections"] = {

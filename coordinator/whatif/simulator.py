@@ -4,7 +4,8 @@ What is real here: the scheduler (coordinator/engine/scheduler.py: the same ``Sc
 live ``Core`` drives, fed the same calls: ``join``, ``add_gemm``, ``holds_block``, ``expire``,
 ``assign``, ``copies``, ``done``, ``release``, ``leave``), the planner (coordinator/engine/live_plan.py:
 the live ``LivePlanner``, so every GEMM is cut and owned as the coordinator would cut and own it)
-and each device's standing (coordinator/engine/identity.py: probation, slots, deadlines, cuts).
+and each device's conduct (coordinator/engine/conduct.py: the same ``Conduct`` rules as ``Core``:
+probation, slots, its pace, stallers cut, cool-offs).
 
 What is modelled (docs/simulation.md derives each rule and validates it against emulated runs):
 
@@ -36,12 +37,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 # The live coordinator's estimates (coordinator/engine/core.py): each defined once, there.
-from coordinator.engine.core import CLAIM_GFLOPS, EMA, MAX_SECONDS_PER_GFLOP
-from coordinator.engine.identity import Standing
+from coordinator.engine.conduct import Conduct, Pace, Standing
+from coordinator.engine.core import TICK  # the live server's tick: copies and deferred devices look again
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.live_plan import LivePlanner, Planner
 from coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
-from coordinator.net.server import TICK  # the live server's tick: copies and deferred devices look again
 from coordinator.planning.costmodel import (
     ADAMW_BYTES,
     ATTENTION_PASSES,
@@ -52,7 +52,6 @@ from coordinator.planning.costmodel import (
     PSProfile,
     local_seconds,
 )
-from coordinator.planning.planner import Kind
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.whatif.presets import ModelShape
 
@@ -258,7 +257,9 @@ class _Device:
     cls: str
     profile: Profile
     rate: float  # FLOP/s in the dtype
+    asked: int  # the slots its client asks for
     standing: Standing
+    pace: Pace
     joined: float
     epoch: int = 0
     alive: bool = True
@@ -266,9 +267,6 @@ class _Device:
     cpu_free: float = 0.0
     up_free: float = 0.0
     blocks: set = field(default_factory=set)
-    seconds_per_gflop: float = 1.0
-    result_gap: float | None = None
-    verified_at: float | None = None
     compute_s: float = 0.0
     down_s: float = 0.0
     up_s: float = 0.0
@@ -305,6 +303,7 @@ class Simulation:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.sched = scheduler if scheduler is not None else Scheduler(cfg.faults)
+        self.conduct = Conduct(self.sched, cfg.trust)  # the live Core's rules, over this scheduler
         self.planner = LivePlanner(cfg.planner, cfg.ps, cfg.policy)
         self.itemsize = ITEMSIZE[cfg.dtype]
         self.now = 0.0
@@ -351,18 +350,12 @@ class Simulation:
             return  # it cannot multiply in the dtype: `cleave join` would not be offered work it fails
         trust = self.cfg.trust
         standing = Standing(trust.probation_tiles if veteran else 0)
-        d = _Device(self._next_device, cls.name, p, rate, standing, self.now)
+        # Its claim (its class's rate) sets its first deadlines, as Core takes a hello's.
+        d = _Device(self._next_device, cls.name, p, rate, self.cfg.slots, standing, Pace.unproven(rate / 1e9), self.now)
         self._next_device += 1
-        claim = min(max(rate / 1e9, CLAIM_GFLOPS[0]), CLAIM_GFLOPS[1])
-        d.seconds_per_gflop = 4.0 / claim  # as Core: 4x slower than claimed until it returns work
         d.down_free = d.cpu_free = d.up_free = self.now
         self.devices[d.id] = d
-        self.sched.join(
-            d.id,
-            slots=standing.slots(trust, self.cfg.slots),
-            seconds_per_gflop=d.seconds_per_gflop,
-            trusted=not standing.on_probation(trust),
-        )
+        self.conduct.seat(d.id, d.standing, d.pace, d.asked)
         if rate > 0:
             self._profiles[d.id] = p
         self._fleet_version += 1
@@ -389,13 +382,6 @@ class Simulation:
         d.epoch += 1
         self.gone.append(d)
 
-    def _regrade(self, d: _Device) -> None:
-        trust = self.cfg.trust
-        slots = d.standing.slots(trust, self.cfg.slots)
-        if d.result_gap is not None and d.result_gap > 0:
-            slots = min(slots, max(1, math.ceil(trust.prefetch_seconds / d.result_gap)))
-        self.sched.update(d.id, slots=slots, trusted=not d.standing.on_probation(trust))
-
     # ------------------------------------------------------------------ GEMMs
 
     def _key(self, op: Operand, gemm: int, which: str, r0: int, r1: int, c0: int, c1: int) -> tuple:
@@ -414,13 +400,7 @@ class Simulation:
         stats = self._stats
         if live.plan is not None and live.seconds is not None:
             stats.predicted += live.seconds
-        label = (
-            "uniform"
-            if live.plan is None or live.plan.kind is Kind.UNIFORM
-            else "split-k summed"
-            if live.plan.local_sum and live.plan.kind is Kind.SPLIT_K
-            else live.plan.kind.value
-        )
+        label = live.label
         self.kinds[label] += 1
         gid = self._next_gemm
         self._next_gemm += 1
@@ -515,20 +495,17 @@ class Simulation:
             if isinstance(decision, Assign):
                 self._lease(d, decision.unit, decision.copy)
             elif isinstance(decision, Overdue):
-                d.standing.late()
-                self._regrade(d)
+                self.conduct.late(d)
             elif isinstance(decision, Reclaim):
                 self._leased.pop((decision.unit, d.id), None)
                 self._stats.reclaimed += 1
-                if d.standing.taken_back(self.cfg.trust):
+                if self.conduct.taken_back(d):
                     self._cut(d)
-                else:
-                    self._regrade(d)
 
     def _cut(self, d: _Device) -> None:
         """Core._cut: it is dropped and may come back after its cool-off (a departed device that
         was cut before anyone noticed it left does not come back: its replacement is on its way)."""
-        wait = d.standing.cut(self.cfg.trust, self.now)
+        wait = self.conduct.cut(d, self.now)
         back = d.alive
         self._remove(d, graceful=False)
         if back:
@@ -615,28 +592,15 @@ class Simulation:
             return
         leased_at = hold.leased_at
         losers = self.sched.done(uid, device)
-        trust = self.cfg.trust
-        stallers = []
-        for loser in losers:  # Core: the other copies lost the race; too many in a row cut it
+        raced = []
+        for loser in losers:  # the other copies lost the race (their results are never checked here)
             self._leased.pop((uid, loser), None)
             other = self.devices.get(loser)
             if other is not None:
-                if other.standing.overtaken(trust):
-                    stallers.append(other)
-                else:
-                    self._regrade(other)
+                raced.append((other, False))
         unit = self.units.pop(uid)
-        d.standing.verified(trust)
-        if d.verified_at is not None:
-            gap = min(arrived - d.verified_at, MAX_SECONDS_PER_GFLOP)
-            d.result_gap = gap if d.result_gap is None else (1 - EMA) * d.result_gap + EMA * gap
-        d.verified_at = arrived
-        self._regrade(d)
-        gflop = unit.flops / 1e9
-        if gflop > 0:
-            turnaround = (1 - EMA) * d.seconds_per_gflop + EMA * (arrived - leased_at) / gflop
-            d.seconds_per_gflop = min(turnaround, MAX_SECONDS_PER_GFLOP)
-            self.sched.update(d.id, seconds_per_gflop=d.seconds_per_gflop)
+        # Core's rules: the winner's standing, pace and slots, the losers', and who stalls.
+        stallers = self.conduct.settled(d, arrived, leased_at, unit.flops, raced)
         self._outstanding -= 1
         self._progress_at = self.now
         self._delivered(uid, device)

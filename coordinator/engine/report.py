@@ -1,0 +1,130 @@
+"""Views of the job built from the engine's state and the books: the ``status`` document (what
+``cleave status --json``, the web dashboard and ``StatusReply`` carry; its keys are a contract)
+and the counts ``/metrics`` reports. They read the ``Core`` and the store and change nothing, so
+they live outside the sans-I/O core; the server adds what only it knows (traffic, connections).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coordinator.engine.core import Core
+from coordinator.wire.codes import Name
+from db.store import CONNECTED, DeviceStatus
+
+# The tile counts ``status`` reports (``Store.tile_counts`` has these and more).
+STATUS_TILES = ("queued", "leased", "verified", "rejected", "requeued", "expired", "speculative", "cancelled", "lost",
+                "revoked")  # fmt: skip
+
+
+class Shown(Name):
+    """A device's state as ``status`` shows it: its store row's, or what a live one is doing."""
+
+    WORKING = "working"  # connected, holding tiles
+    IDLE = "idle"  # connected, holding none
+    PAUSED = DeviceStatus.PAUSED.value
+    OFFLINE = DeviceStatus.OFFLINE.value
+    BANNED = DeviceStatus.BANNED.value
+    REVOKED = DeviceStatus.REVOKED.value
+
+
+def status(core: Core, now: float) -> dict[str, Any]:
+    """The snapshot ``cleave status`` renders. Bounded: at most ``Limits.status_rows`` devices
+    are listed, connected ones first; all are counted."""
+    store, job_id = core.store, core.job_id
+    counts = store.tile_counts(job_id)
+    cap = core.limits.status_rows
+    rows = store.devices(job_id, states=CONNECTED, limit=cap)
+    if len(rows) < cap:
+        gone = tuple(s for s in DeviceStatus if s not in CONNECTED)
+        rows += store.devices(job_id, states=gone, limit=cap - len(rows))
+    listed = []
+    for row in rows:
+        live = core.devices.get(row.id)
+        if live is None:
+            state = Shown.OFFLINE if row.state in CONNECTED else Shown(row.state)
+        elif live.paused is not None:
+            state = Shown.PAUSED
+        else:
+            state = Shown.WORKING if live.inflight else Shown.IDLE
+        profile = core.profiles.get(row.id)
+        listed.append(
+            {
+                "id": row.id,
+                "identity": row.identity_id,
+                "name": row.name,
+                "state": state.value,
+                "device": row.device,
+                "tiles_done": row.tiles_done,
+                "tiles_rejected": row.tiles_rejected,
+                "tiles_lost": row.tiles_lost,
+                "tiles_revoked": row.tiles_revoked,
+                "reliability": round(row.reliability, 4),
+                # Its benchmark at join, then the rate measured from its verified tiles.
+                "gflops": round(profile.measured_gflops(row.gflops) if live and profile else row.gflops, 2),
+                "gflop_verified": round(row.gflop_verified, 3),
+                "reason": row.reason,
+                "inflight": len(live.inflight) if live else 0,
+                "slots": live.slots if live else 0,
+                "probation": live.standing.on_probation(core.trust) if live else None,
+                "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
+                "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
+                "compute_s": round(live.compute_seconds, 4) if live else None,
+                "profile": profile.as_json(core.dtype) if profile is not None else None,
+            }
+        )
+    p = core.progress
+    ps = core.planner.ps
+    worst = core.verify_worst_honest
+    return {
+        "job": {
+            "name": core.job_name,
+            "step": p.step,
+            "steps": p.steps,
+            "loss": p.loss,
+            "state": p.state.value,
+            "tokens_per_s": round(p.tokens_per_s, 1),
+            "gemm_share": p.gemm_share,
+        },
+        "devices": listed,
+        "device_counts": {"connected": len(core.devices), **store.device_states(job_id)},
+        "tiles": {k: counts[k] for k in STATUS_TILES},
+        "queue_depth": counts["queued"],
+        "gemms_in_flight": len(core.gemms),
+        "leaderboard": [
+            {"identity": r.identity_id, "name": r.name, "gflop": round(r.gflop, 3), "tiles": r.tiles}
+            for r in store.leaderboard(10)
+        ],
+        "plan": {
+            "planner": core.planner.planner.value,
+            **core.prediction.as_json(),
+            "ps": {
+                "egress_mbps": round(ps.egress * 8 / 1e6, 1),
+                "ingress_mbps": round(ps.ingress * 8 / 1e6, 1),
+                "gflops": round(ps.flops_per_s(core.dtype) / 1e9, 2),
+                "verify_gflops": round(ps.verify_flops / 1e9, 2),
+            },
+        },
+        "verify": {
+            "seconds": round(core.verify_seconds, 4),
+            "worst_honest_ratio": round(max(worst.values(), default=0.0), 4),
+            "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(worst.items())},
+        },
+        "time": core.wall(now),
+    }
+
+
+def books(core: Core) -> dict[str, Any]:
+    """What ``/metrics`` reports of the job, read when scraped (O(1) but for the devices' states,
+    one indexed GROUP BY); the server adds its traffic."""
+    p = core.progress
+    tiles = core.store.tile_counts(core.job_id)
+    return {
+        "job": {"step": p.step, "loss": p.loss, "tokens_per_s": p.tokens_per_s, "gemm_share": p.gemm_share},
+        "tokens_trained": p.tokens,
+        "tiles": tiles,
+        "queue_depth": tiles["queued"],
+        "verify": {"seconds": core.verify_seconds},
+        "gemms_in_flight": len(core.gemms),
+        "device_counts": {"connected": len(core.devices), **core.store.device_states(core.job_id)},
+    }
