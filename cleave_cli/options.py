@@ -18,7 +18,7 @@ Model = Annotated[
         "--model",
         help="Model preset: tiny (seconds on a CPU), small (~11M params), base "
         "(~45M); or hf:DIR, a transformers causal LM from folder DIR (config.json, "
-        "optional model.safetensors and tokenizer; needs pip install 'cleave[hf]').",
+        "optional model.safetensors and tokenizer; needs pip install 'cleave\\[hf]').",
     ),
 ]
 Steps = Annotated[int, typer.Option("--steps", help="Optimizer steps to train.")]

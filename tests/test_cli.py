@@ -64,3 +64,27 @@ def test_readme_quick_start_names_real_commands() -> None:
 
 def _commands_text() -> str:
     return " ".join(_commands())
+
+
+def test_help_shows_brackets_as_written() -> None:
+    """Help goes through rich markup: ``[hf]`` in ``pip install 'cleave[hf]'`` must be escaped or it
+    vanishes (a newcomer met ``pip install 'cleave'``)."""
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    checked = 0
+    for path, cmd in _commands().items():
+        wanted = [
+            re.sub(r"\\\[", "[", text)
+            for param in cmd.params
+            for text in re.findall(r"\S*\\?\[[a-z]+\]\S*", param.help or "")
+        ]
+        if not wanted:
+            continue
+        result = runner.invoke(app, [*path.split()[1:], "--help"], env={"COLUMNS": "400", "NO_COLOR": "1"})
+        assert result.exit_code == 0, result.output
+        flat = " ".join(result.output.split())
+        for text in wanted:
+            assert text.strip("'\").,") in flat, f"{path} --help lost {text!r}"
+            checked += 1
+    assert checked >= 3  # coordinator start, train and demo name the hf extra

@@ -109,7 +109,7 @@ def test_a_transformers_model_trains_through_clients_like_local_torch(
     assert len(got) == STEPS
     for step, (g, w) in enumerate(zip(got, want), start=1):
         assert abs(g - w) <= REL * abs(w), f"{arch} step {step}: {g} vs local {w}"
-    share = re.search(r"([\d.]+)% of the model's GEMM FLOPs go to devices", coord.output)
+    share = re.search(r"([\d.]+)% of the model's GEMM FLOPs can go to devices", coord.output)
     assert share is not None and float(share.group(1)) > 85.0, coord.output
     assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
     assert all(n > 0 for (n,) in coord.query("SELECT tiles_done FROM devices"))

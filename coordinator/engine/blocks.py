@@ -29,6 +29,8 @@ from coordinator.planning.tiles import wire_layout
 
 @dataclass(eq=False)
 class Source:
+    """A tensor (one storage at one version) whose blocks devices may cache: its id is the namespace of their keys."""
+
     id: int
     storage: torch.UntypedStorage
     version: int
@@ -68,6 +70,7 @@ class BlockRef:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the block as it travels."""
         return self.logical.numel() * self.logical.element_size()
 
     def row_norms(self) -> torch.Tensor:
@@ -94,6 +97,8 @@ class Sources:
         return len(self._live)
 
     def acquire(self, tensor: torch.Tensor, *, retain: bool) -> Source:
+        """The source of ``tensor``, registered for a GEMM that reads it (``retain``: kept on devices
+        after that GEMM, for a later one that reads it again)."""
         storage = tensor.untyped_storage()
         ident = (storage.data_ptr(), tensor._version)
         src = self._live.get(ident)

@@ -220,6 +220,7 @@ class Core:
         return sum(1 for d in self.devices.values() if d.paused is None)
 
     def is_operator(self, token: str) -> bool:
+        """Whether ``token`` is the operator's (observers, the devices table)."""
         return self.gate.is_operator(token)
 
     def connect(self, hello: Hello, nonce: str, now: float) -> tuple[int, list[Outbound]]:

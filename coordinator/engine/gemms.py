@@ -28,6 +28,9 @@ Product = Callable[[], torch.Tensor]  # a GEMM's result, computed when called (`
 
 @dataclass
 class GemmState:
+    """One GEMM out on devices: its operands, tiles and their blocks, and the verified parts of
+    its product, until every tile is verified and it is assembled."""
+
     id: int
     kind: GemmKind
     a: torch.Tensor
@@ -52,10 +55,12 @@ class GemmState:
         return [(self.a_blocks[(tile.i, q)], self.b_blocks[(q, tile.j)]) for q in range(tile.p, tile.p + tile.pieces)]
 
     def result_bytes(self, tile: Tile) -> int:
+        """Bytes of ``tile``'s result (the frame a device may send back for it)."""
         return (tile.r1 - tile.r0) * (tile.c1 - tile.c0) * self.a.element_size()
 
     @property
     def done(self) -> bool:
+        """Every tile is verified."""
         return len(self.parts) == len(self.tiles)
 
 

@@ -26,12 +26,17 @@ JOIN_TOKEN, OPERATOR_TOKEN, COORDINATOR_ID = "join_token_sha256", "operator_toke
 
 @dataclass(frozen=True)
 class Admission:
+    """A device the gate lets in: its identity and the name it enrolled with."""
+
     identity: int
     name: str
     secret: bytes | None = None  # set when the device has just enrolled: send it its credential
 
 
 class Gate:
+    """Who may connect: the join and operator tokens (their hashes in the store), each
+    connection's challenge, enrolments, credential proofs, bans, revocations and cool-offs."""
+
     def __init__(
         self,
         store: Store,
@@ -70,9 +75,11 @@ class Gate:
         self._operator = bytes.fromhex(operator) if operator else None
 
     def has_join(self) -> bool:
+        """Whether a join token is set."""
         return self._join is not None
 
     def has_operator(self) -> bool:
+        """Whether an operator token is set."""
         return self._operator is not None
 
     def would_collide(self, *, join: str | None, operator: str | None) -> bool:
@@ -82,11 +89,13 @@ class Gate:
         return new_join is not None and new_join == new_operator
 
     def is_operator(self, token: str) -> bool:
+        """Whether ``token`` is the operator token (compared hash to hash, in constant time)."""
         return auth.token_matches(token, self._operator)
 
     # ------------------------------------------------------------------ devices
 
     def challenge(self) -> Challenge:
+        """A connection's first frame: a fresh nonce and this coordinator's id."""
         return Challenge(self.randbytes(auth.NONCE_BYTES).hex(), self.coordinator)
 
     def admit(self, hello: Hello, nonce: str, now: float, record_now: float) -> Admission:
@@ -131,6 +140,7 @@ class Gate:
         return found
 
     def check_cooloff(self, identity: int, now: float) -> None:
+        """Raise AuthError while a cut identity waits out its cool-off."""
         wait = self.standing(identity).cooloff_until - now
         if wait > 0:
             raise AuthError(
@@ -138,13 +148,16 @@ class Gate:
             )
 
     def ban(self, identity: int, reason: str, record_now: float) -> None:
+        """Ban ``identity`` for good (stored: only an operator lifts it)."""
         self.store.set_identity_state(identity, IdentityState.BANNED, reason, record_now)
 
     def states(self, identities: list[int]) -> dict[int, str]:
+        """The stored state of each identity (active, banned, revoked)."""
         return self.store.identity_states(identities) if identities else {}
 
     @staticmethod
     def active(state: str | None) -> bool:
+        """Whether a stored state lets an identity connect."""
         return state == IdentityState.ACTIVE
 
 

@@ -22,6 +22,7 @@ class TokenBucket:
     _at: float = field(default=0.0, repr=False)
 
     def take(self, now: float, amount: float = 1.0) -> bool:
+        """Take ``amount`` tokens at ``now``; False (nothing taken) when there are too few."""
         if self._level < 0:  # full on first use
             self._level, self._at = self.burst, now
         self._level = min(self.burst, self._level + max(0.0, now - self._at) * self.rate)
@@ -34,10 +35,13 @@ class TokenBucket:
 
 @dataclass(frozen=True)
 class Rate:
+    """A rate limit: ``per_second`` on average, ``burst`` at once."""
+
     per_second: float
     burst: float
 
     def bucket(self) -> TokenBucket:
+        """A fresh, full bucket of this rate."""
         return TokenBucket(self.per_second, self.burst)
 
 

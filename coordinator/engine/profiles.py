@@ -69,6 +69,7 @@ class Ema:
     at: float = -math.inf
 
     def add(self, x: float, now: float, weight: float = 1.0) -> None:
+        """One observation ``x`` at ``now``."""
         decay = math.exp(-max(0.0, now - self.at) / self.tau) if self.weight else 0.0
         self.weight = self.weight * decay + weight
         self.value += (x - self.value) * weight / self.weight
@@ -76,6 +77,7 @@ class Ema:
 
     @property
     def seen(self) -> bool:
+        """Whether any observation was made."""
         return self.weight > 0
 
 
@@ -92,6 +94,7 @@ class LinkFit:
     at: float = -math.inf
 
     def add(self, down_bytes: float, up_bytes: float, seconds: float, now: float) -> None:
+        """One lease's link time: ``seconds`` to move ``down_bytes`` and ``up_bytes``."""
         decay = math.exp(-max(0.0, now - self.at) / self.tau) if self.weight else 0.0
         x = (1.0, down_bytes / MB, up_bytes / MB)
         for i in range(3):
@@ -193,6 +196,7 @@ class DeviceProfile:
         )
 
     def as_json(self, dtype: str = "fp32") -> dict[str, float | int]:
+        """The profile as ``status --json`` shows it (``devices[].profile``)."""
         p = self.profile(dtype)
         return {
             "gflops": round(p.gflops[dtype], 3),

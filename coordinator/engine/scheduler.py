@@ -72,6 +72,8 @@ class FaultPolicy:
 
 @dataclass(frozen=True)
 class Assign:
+    """Lease ``unit`` to ``device``: from the queue, or a copy of a tile another device holds."""
+
     device: int
     unit: int
     copy: Issued | None = None  # None: from the queue; else why another holder's tile is copied
@@ -79,12 +81,17 @@ class Assign:
 
 @dataclass(frozen=True)
 class Overdue:
+    """``device``'s lease of ``unit`` passed its deadline (a copy may go out)."""
+
     device: int
     unit: int
 
 
 @dataclass(frozen=True)
 class Reclaim:
+    """Take ``unit`` back from ``device``: it held it past twice its deadline (or late, while a
+    free device could take it)."""
+
     device: int
     unit: int
     reason: str
@@ -147,11 +154,13 @@ class Seat:
 
     @property
     def free(self) -> int:
+        """Units it may take now (none while paused, or over its block budget with work in hand)."""
         if self.paused or (self.full and self.inflight):
             return 0  # over its memory budget: finish what it has first (never starve it though)
         return self.slots - len(self.inflight)
 
     def expected(self, flops: int) -> float:
+        """Seconds a unit of ``flops`` is expected to take it, lease to result."""
         return flops / 1e9 * self.seconds_per_gflop
 
 
@@ -185,16 +194,20 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
+        """Units waiting for a device."""
         return self._queued
 
     def holding(self) -> Iterable[tuple[int, dict[int, Hold]]]:
+        """Every unit that is out, with its open leases."""
         return ((uid, u.holders) for uid, u in self.units.items() if u.holders)
 
     def holders(self, unit: int) -> dict[int, Hold]:
+        """The open leases of ``unit``, by device."""
         u = self.units.get(unit)
         return u.holders if u is not None else {}
 
     def hold(self, unit: int, device: int) -> Hold | None:
+        """``device``'s open lease of ``unit``, if any."""
         return self.holders(unit).get(device)
 
     def next_deadline(self) -> float | None:
@@ -207,6 +220,7 @@ class Scheduler:
     def join(
         self, device: int, *, slots: int, seconds_per_gflop: float, trusted: bool = True, paused: bool = False
     ) -> Seat:
+        """A device joins with its slots and expected pace."""
         seat = Seat(device, slots, seconds_per_gflop, trusted, paused)
         self.seats[device] = seat
         self._refresh(seat)
@@ -256,6 +270,7 @@ class Scheduler:
         paused: bool | None = None,
         full: bool | None = None,
     ) -> None:
+        """A device's slots, pace, trust, pause or block budget changed (``None``: unchanged)."""
         seat = self.seats.get(device)
         if seat is None:
             return
@@ -274,12 +289,14 @@ class Scheduler:
         self._refresh(seat)
 
     def holds_block(self, device: int, key: str) -> None:
+        """``device`` holds the block ``key`` now (units that read it prefer it)."""
         seat = self.seats.get(device)
         if seat is not None and key not in seat.blocks:
             seat.blocks.add(key)
             self._holders_of.setdefault(key, set()).add(device)
 
     def drops_blocks(self, device: int, keys: Iterable[str]) -> None:
+        """``device`` no longer holds these blocks."""
         seat = self.seats.get(device)
         if seat is None:
             return

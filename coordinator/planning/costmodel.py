@@ -72,6 +72,7 @@ class Profile:
             raise CostModelError(f"session must be positive, got {self.session!r}")
 
     def flops_per_s(self, dtype: str) -> float:
+        """Its GEMM rate in ``dtype`` (0: it cannot compute in it)."""
         """FLOP/s in ``dtype``; 0 when the device cannot multiply in it."""
         return self.gflops.get(dtype, 0.0) * 1e9
 
@@ -123,6 +124,7 @@ class PSProfile:
             _positive(f"ps gflops[{dtype}]", rate, zero=True)
 
     def flops_per_s(self, dtype: str) -> float:
+        """Its GEMM rate in ``dtype`` (0: it cannot compute in it)."""
         return self.gflops.get(dtype, 0.0) * 1e9
 
     @classmethod
@@ -152,14 +154,17 @@ class Unit:
 
     @property
     def flops(self) -> float:
+        """FLOP of the product (2 m n k)."""
         return 2 * self.m * self.n * self.k
 
     @property
     def a_bytes(self) -> float:
+        """Bytes of its A block."""
         return self.m * self.k * self.itemsize
 
     @property
     def b_bytes(self) -> float:
+        """Bytes of its B block."""
         return self.k * self.n * self.itemsize
 
     def down(self, *, held_a: bool = False, held_b: bool = False) -> float:
@@ -200,10 +205,12 @@ class Stage:
 
     @property
     def total(self) -> float:
+        """Seconds of the unit end to end, one phase after another."""
         return self.down + self.compute + self.up
 
     @property
     def bottleneck(self) -> float:
+        """Seconds of its slowest phase: what a pipeline of such units pays per unit."""
         return max(self.down, self.compute, self.up)
 
 

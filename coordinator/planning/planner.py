@@ -42,7 +42,6 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
 from coordinator.planning.costmodel import (
     ITEMSIZE,
@@ -62,13 +61,16 @@ from coordinator.planning.costmodel import (
 )
 from coordinator.planning.tiles import GemmKind, TilingPolicy, even_cuts
 from coordinator.planning.tiles import plan_gemm as uniform_grid
+from coordinator.wire.codes import Name
 
 BISECTION_STEPS = 48  # relative precision ~1e-9 over the bracket's ratio
 MAX_DOUBLINGS = 80
 TIE = 1e-9  # relative: plans this close in time are equally fast (the bisection's precision)
 
 
-class Kind(str, Enum):
+class Kind(Name):
+    """How a GEMM is cut: kept on the PS, output tiles, split-K, a 3D grid, or the fixed grid."""
+
     LOCAL = "local"
     OUTPUT = "output"
     SPLIT_K = "split-k"
@@ -99,15 +101,19 @@ class Gemm:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element in its dtype."""
         return ITEMSIZE[self.dtype]
 
     @property
     def flops(self) -> float:
+        """FLOP of the product (2 m n k)."""
         return 2.0 * self.m * self.n * self.k
 
 
 @dataclass(frozen=True)
 class PlannerOptions:
+    """What the planner may choose among (partitions, tile edges) and whom it leaves out."""
+
     min_reliability: float = 0.0  # devices less likely than this to return a unit get none (their
     # time is already charged 1/reliability, which leaves the flaky idle where others can do better)
     edges: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192)  # tile edges tried
@@ -164,10 +170,12 @@ class Plan:
 
     @property
     def devices(self) -> int:
+        """Devices given work."""
         return sum(s.devices for s in self.shares)
 
     @property
     def units(self) -> int:
+        """Units planned."""
         return sum(s.units for s in self.shares)
 
     @property
@@ -906,20 +914,25 @@ def plan_gemm(
 
 @dataclass(frozen=True)
 class StepPlan:
+    """A training step's plan: each distinct GEMM's plan with its count, and the PS's own work."""
+
     plans: tuple[tuple[Plan, int], ...]  # each distinct GEMM's plan and how many times a step runs it
     ps_other_seconds: float  # PS work that is not a GEMM (attention products, optimizer, elementwise)
     fleet_flops: float  # FLOP/s of every device in the fleet, in the training dtype
 
     @property
     def gemm_seconds(self) -> float:
+        """Predicted seconds of the step's GEMMs, one after another."""
         return sum(p.seconds * count for p, count in self.plans)
 
     @property
     def seconds(self) -> float:
+        """Predicted seconds of the step: its GEMMs and the PS's own work."""
         return self.gemm_seconds + self.ps_other_seconds
 
     @property
     def flops(self) -> float:
+        """FLOP of the step's GEMMs."""
         return sum(p.gemm.flops * count for p, count in self.plans)
 
     @property
@@ -928,6 +941,7 @@ class StepPlan:
         return self.flops / (self.seconds * self.fleet_flops) if self.seconds > 0 and self.fleet_flops > 0 else 0.0
 
     def total(self, attr: str) -> float:
+        """The sum of a per-GEMM figure (``attr`` of each plan) over the step."""
         return sum(getattr(p, attr) * count for p, count in self.plans)
 
 

@@ -16,14 +16,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
+from coordinator.wire.codes import Name
 from coordinator.wire.errors import ConfigError
 
 
-class GemmKind(str, Enum):
+class GemmKind(Name):
+    """Which of a linear layer's three GEMMs (``mm``: any other product)."""
+
     FORWARD = "fwd"  # Y = X W^T: output tiles
     GRAD_INPUT = "dx"  # dX = dY W: output tiles
     GRAD_WEIGHT = "dw"  # dW = dY^T X: split along tokens (k)
@@ -31,6 +33,7 @@ class GemmKind(str, Enum):
 
     @property
     def split_k(self) -> bool:
+        """Whether its reduction (the tokens) is the dimension cut: dW."""
         return self is GemmKind.GRAD_WEIGHT
 
 
@@ -70,6 +73,7 @@ class Tile:
 
     @property
     def flops(self) -> int:
+        """FLOP of the tile (2 m n k)."""
         return 2 * (self.r1 - self.r0) * (self.c1 - self.c0) * (self.k1 - self.k0)
 
 
@@ -95,6 +99,7 @@ class TilePlan(_Cuts):
 
     @property
     def tiles(self) -> list[Tile]:
+        """Every tile of the grid, row by row."""
         out = []
         for i in range(len(self.row_cuts) - 1):
             for j in range(len(self.col_cuts) - 1):
@@ -179,10 +184,12 @@ def plan_gemm(m: int, n: int, k: int, kind: GemmKind, devices: int, policy: Tili
 
 
 def a_block(a: torch.Tensor, t: Tile) -> torch.Tensor:
+    """The view of ``a`` that tile ``t`` reads."""
     return a[t.r0 : t.r1, t.k0 : t.k1]
 
 
 def b_block(b: torch.Tensor, t: Tile) -> torch.Tensor:
+    """The view of ``b`` that tile ``t`` reads."""
     return b[t.k0 : t.k1, t.c0 : t.c1]
 
 
@@ -222,6 +229,7 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tiles: Iterable[Tile], plan: 
 
 
 def check_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
+    """``(m, n, k)`` of ``a @ b``; ValueError unless both are 2-D and chain."""
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"GEMM operands must be 2-D, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.shape[1] != b.shape[0]:

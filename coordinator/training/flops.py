@@ -53,8 +53,12 @@ class GemmShare:
             if self.total
             else ""
         )
-        return f"{self.share:.1%} of the model's GEMM FLOPs go to devices" + (
-            f"; left on the coordinator: {named}" if named else ""
+        # Offloadable, not offloaded: the planner decides each GEMM as it comes (one that is
+        # cheaper on the coordinator stays there), and `cleave status` shows what was shipped.
+        return (
+            f"{self.share:.1%} of the model's GEMM FLOPs can go to devices (the planner decides, GEMM by GEMM, "
+            "whether shipping one pays: cleave status shows what was shipped)"
+            + (f"; always on the coordinator: {named}" if named else "")
         )
 
 

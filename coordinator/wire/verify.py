@@ -85,6 +85,8 @@ _GRID = 2.0**-24
 
 @dataclass(frozen=True)
 class Verdict:
+    """A check's outcome: ``ok``, why not, and how close honest work came to the bound."""
+
     ok: bool
     reason: str = ""
     worst_ratio: float = 0.0  # max over rows and rounds of residual / tol; <= 1 means accepted

@@ -1,0 +1,164 @@
+"""The house rules, read from the code: imports run down the layer table of docs/architecture.md,
+every exception Cleave defines derives from CleaveError, and the client stands alone."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TIMEOUT
+
+from coordinator.wire.errors import Banned, CleaveError, ConfigError, Refused
+
+PACKAGES = ("coordinator", "client", "db", "cleave_cli", "emulator")
+
+
+def _layer_table() -> dict[str, set[str]]:
+    """Package -> what it may import, from the table under "Packages and their layers"."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("## Packages and their layers", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            package = cells[0].strip("`")
+            table[package] = set(re.findall(r"`([^`]+)`", cells[2])) | {package}
+    return table
+
+
+def _home(module: str, table: dict[str, set[str]]) -> str | None:
+    """The table's package that holds ``module`` (the longest matching path), or None."""
+    path = module.replace(".", "/")
+    best = None
+    for package in table:
+        stem = package.rstrip("/").removesuffix(".py")
+        if path == stem or path.startswith(stem + "/"):
+            if best is None or len(stem) > len(best.rstrip("/").removesuffix(".py")):
+                best = package
+    return best
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in PACKAGES:
+        for path in (ROOT / top).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            out[".".join(parts)] = path
+    return out
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every Cleave module ``module`` imports, at any depth of its code (not only the top)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:  # relative: resolve against the module's package
+                package = module.split(".")[: -node.level] if not path.name == "__init__.py" else module.split(".")
+                base = ".".join([*package, node.module])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from coordinator import x`
+    return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+def test_the_layer_table_names_every_package() -> None:
+    table = _layer_table()
+    assert {"coordinator/wire/", "coordinator/engine/", "coordinator/net/", "client/", "db/"} <= set(table)
+    unplaced = [m for m in _modules() if m not in PACKAGES and _home(m, table) is None]
+    assert unplaced == [], f"modules in no row of docs/architecture.md's layer table: {unplaced}"
+
+
+def test_no_import_runs_up_a_layer() -> None:
+    table = _layer_table()
+    modules = _modules()
+    broken = []
+    for module, path in modules.items():
+        home = _home(module, table)
+        if home is None:
+            continue  # a package's own __init__ (checked by the table's rows beneath it)
+        for target in _imports(module, path):
+            if target not in modules and target.rsplit(".", 1)[0] in modules:
+                target = target.rsplit(".", 1)[0]  # `from pkg.mod import name`: the module
+            where = _home(target, table)
+            if where is not None and where not in table[home]:
+                broken.append(f"{module} ({home}) imports {target} ({where})")
+    assert broken == [], "imports that break docs/architecture.md's layer table:\n" + "\n".join(broken)
+
+
+def test_the_rules_the_issue_names_hold_in_the_table() -> None:
+    table = _layer_table()
+    assert table["client/"] == {"client/", "coordinator/wire/"}
+    assert "coordinator/net/" not in table["coordinator/engine/"]
+    for low in ("coordinator/wire/", "coordinator/planning/", "db/"):
+        assert table[low] <= {"coordinator/wire/", low}, low
+
+
+def test_importing_the_client_loads_no_coordinator_code_but_the_wire() -> None:
+    code = (
+        "import sys, client.runner, client.kernels; "
+        "bad = [m for m in sys.modules if (m.startswith('coordinator.') and not m.startswith('coordinator.wire')) "
+        "or m.startswith(('db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
+        "assert not bad, bad"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr
+
+
+def _cleave_exceptions() -> list[type[BaseException]]:
+    found = []
+    for top in PACKAGES:
+        package = importlib.import_module(top)
+        for info in pkgutil.walk_packages(package.__path__, f"{top}."):
+            if info.name.endswith("__main__"):
+                continue
+            module = importlib.import_module(info.name)
+            for _, obj in inspect.getmembers(module, inspect.isclass):
+                if issubclass(obj, BaseException) and obj.__module__ == info.name:
+                    found.append(obj)
+    return found
+
+
+def test_every_exception_cleave_defines_derives_from_cleave_error() -> None:
+    classes = _cleave_exceptions()
+    assert len(classes) >= 15  # the tree's branches and the leaves beside their code
+    outside = [f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, CleaveError)]
+    assert outside == [], f"exceptions outside the tree: {outside}"
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [(CleaveError("x"), 1), (ConfigError("x"), 2), (Refused("x"), 2), (Banned("x"), 3), (OSError("x"), 1)],
+)
+def test_the_cli_maps_the_tree_to_exit_codes_in_one_place(error: BaseException, code: int) -> None:
+    import typer
+
+    from cleave_cli.errors import friendly
+
+    @friendly
+    def command() -> None:
+        raise error
+
+    with pytest.raises(typer.Exit) as exited:
+        command()
+    assert exited.value.exit_code == code
+
+
+def test_a_bug_is_never_read_as_bad_usage() -> None:
+    from cleave_cli.errors import friendly
+
+    @friendly
+    def command() -> None:
+        raise KeyError("a bug")
+
+    with pytest.raises(KeyError):  # its traceback is kept, not turned into "bad usage"
+        command()
