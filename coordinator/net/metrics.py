@@ -86,7 +86,9 @@ class _Books:
         share = (job.get("gemm_share") or {}).get("share")
         if share is not None:
             yield GaugeMetricFamily(
-                "cleave_gemm_share", "Share of the model's GEMM FLOPs that can go to devices (the planner decides each GEMM).", value=share
+                "cleave_gemm_share",
+                "Share of the model's GEMM FLOPs that can go to devices (the planner decides each GEMM).",
+                value=share,
             )
 
 
