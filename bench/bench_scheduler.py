@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from coordinator.engine.core import Core, FaultPolicy, Send  # noqa: E402
+from coordinator.engine.core import Core  # noqa: E402
 from coordinator.engine.limits import Limits, Rate, TrustPolicy  # noqa: E402
-from coordinator.engine.scheduler import Assign, Scheduler, UnitSpec  # noqa: E402
+from coordinator.engine.outbound import Send
+from coordinator.engine.scheduler import Assign, FaultPolicy, Scheduler, UnitSpec  # noqa: E402
 from coordinator.planning.tiles import GemmKind, TilingPolicy  # noqa: E402
 from coordinator.wire.messages import Hello, Result, Work  # noqa: E402
 from db.memory import MemoryStore  # noqa: E402

@@ -16,10 +16,10 @@ from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import friendly, is_terminal, stderr_console
 from cleave_cli.progress import ConsoleReporter
-from coordinator.engine.core import FaultPolicy
 from coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN, store_token
 from coordinator.engine.limits import Limits
 from coordinator.engine.live_plan import Planner
+from coordinator.engine.scheduler import FaultPolicy
 from coordinator.job import STRONG_TOKEN, CoordinatorConfig, new_token, run_job
 from coordinator.planning.tiles import TilingPolicy
 from coordinator.wire.auth import token_hash

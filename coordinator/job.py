@@ -28,10 +28,11 @@ import numpy as np
 from torch import nn
 
 from coordinator.engine.books import Books
-from coordinator.engine.core import Core, Departure, FaultPolicy
+from coordinator.engine.core import Core, Departure
 from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.profiles import measure_ps
+from coordinator.engine.scheduler import FaultPolicy
 from coordinator.net.remote import RemoteEngine
 from coordinator.net.server import Server, listen
 from coordinator.planning.tiles import TilingPolicy

@@ -82,9 +82,9 @@ import torch
 
 from client.idle import Reading
 from client.policy import PolicyConfig
-from client.runner import EXIT_BANNED, MAX_NAME, ClientError, Worker, WorkerConfig, WorkerStats
+from client.runner import EXIT_BANNED, MAX_NAME, Worker, WorkerConfig, WorkerStats
 from coordinator.planning.costmodel import DeviceClass, Profile
-from coordinator.wire.errors import ConfigError
+from coordinator.wire.errors import ClientError, ConfigError
 from emulator.forgeries import FORGERIES, NON_FINITE, SCALABLE, HonestWithinTolerance
 
 log = logging.getLogger("cleave.emulator")

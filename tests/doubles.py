@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from client.runner import ClientError, Worker, WorkerConfig  # noqa: E402
+from client.runner import Worker, WorkerConfig  # noqa: E402
+from coordinator.wire.errors import ClientError
 
 WARMUP = 25  # honest tiles before a forger starts lying: past the 20 of probation
 MAGNITUDE = 2.0  # forged errors at twice the detection threshold: the smallest that must be caught

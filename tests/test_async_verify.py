@@ -10,8 +10,11 @@ import torch
 from test_core import Fleet, corrupt, honest, submit
 
 from coordinator.engine import report
-from coordinator.engine.core import Check, Close, Core, FaultPolicy, Send
+from coordinator.engine.core import Core
+from coordinator.engine.gemms import Check
 from coordinator.engine.limits import TrustPolicy
+from coordinator.engine.outbound import Close, Send
+from coordinator.engine.scheduler import FaultPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from coordinator.engine import report
-from coordinator.engine.core import Abort, Close, Core, Limit, Outbound, Send
+from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
+from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.wire.codes import CloseCode, ReleaseWhy
 from coordinator.wire.errors import AuthError
@@ -385,7 +386,7 @@ def test_an_absurd_timing_cannot_poison_speed_estimates_or_status(core: Core) ->
 def test_a_take_back_that_cuts_a_device_never_leaves_the_store_and_scheduler_apart() -> None:
     """A copy's take-back can cut its slow holder while more copies are being handed out: what
     follows must see the cut (it once crashed the coordinator with a refused lease)."""
-    from coordinator.engine.core import FaultPolicy
+    from coordinator.engine.scheduler import FaultPolicy
     from coordinator.wire.messages import Leave
 
     store = MemoryStore()

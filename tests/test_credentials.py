@@ -9,7 +9,8 @@ import pytest
 
 from client.connection import URLRefused, check_url, client_tls
 from client.credentials import Credential, CredentialError, CredentialStore
-from client.runner import EXIT_USAGE, ClientError, WorkerConfig
+from client.runner import EXIT_USAGE, WorkerConfig
+from coordinator.wire.errors import ClientError
 
 
 def test_credentials_are_kept_per_coordinator_and_name_in_a_private_file(tmp_path: Path) -> None:

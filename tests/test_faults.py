@@ -8,8 +8,9 @@ import torch
 from test_core import Fleet, submit
 
 from coordinator.engine import report
-from coordinator.engine.core import Core, FaultPolicy
+from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
+from coordinator.engine.scheduler import FaultPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.wire.codes import CloseCode
 from coordinator.wire.messages import Cancel, Heartbeat, Result, Work

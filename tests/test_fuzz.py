@@ -36,8 +36,10 @@ from hypothesis.stateful import (
 
 import coordinator.engine.core as core_module
 from coordinator.engine import report
-from coordinator.engine.core import Abort, Close, Core, FaultPolicy, Limit, Outbound, Send
+from coordinator.engine.core import Core
 from coordinator.engine.limits import Limits, Rate, TrustPolicy
+from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
+from coordinator.engine.scheduler import FaultPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode, Code, ReleaseWhy

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from coordinator.engine import report
-from coordinator.engine.core import Core, Limit, Outbound, Send
+from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.live_plan import LIVE_KINDS, LivePlanner, Planner, fleet_classes
+from coordinator.engine.outbound import Limit, Outbound, Send
 from coordinator.planning.costmodel import Profile, PSProfile
 from coordinator.planning.planner import Kind, PlannerOptions
 from coordinator.planning.tiles import GemmKind, TilingPolicy

@@ -13,8 +13,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from coordinator.engine import report
-from coordinator.engine.core import Core, Send
+from coordinator.engine.core import Core
 from coordinator.engine.limits import Limits, TrustPolicy
+from coordinator.engine.outbound import Send
 from coordinator.net.server import Server, listen
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.wire.codes import Code

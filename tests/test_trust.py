@@ -11,9 +11,11 @@ import torch
 from test_core import Fleet, corrupt, honest, submit
 
 from coordinator.engine import report
-from coordinator.engine.core import Close, Core, FaultPolicy, Limit, Send
+from coordinator.engine.core import Core
 from coordinator.engine.identity import JOIN_TOKEN, store_token
 from coordinator.engine.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
+from coordinator.engine.outbound import Close, Limit, Send
+from coordinator.engine.scheduler import FaultPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode, ReleaseWhy

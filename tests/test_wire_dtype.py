@@ -13,7 +13,7 @@ from procs import Coordinator, join
 from test_live_plan import Fleet, make_core
 
 from client import kernels
-from coordinator.engine.core import check_finite
+from coordinator.engine.gemms import check_finite
 from coordinator.net.remote import RemoteEngine
 from coordinator.planning.planner import Kind
 from coordinator.planning.tiles import GemmKind

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from coordinator.engine.blocks import row_norms
-from coordinator.engine.core import Product, check_finite
+from coordinator.engine.gemms import Product, check_finite
 from coordinator.net.server import Server
 from coordinator.planning.tiles import GemmKind
 from coordinator.training.linear import GemmRequest
