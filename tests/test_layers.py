@@ -162,3 +162,35 @@ def test_a_bug_is_never_read_as_bad_usage() -> None:
 
     with pytest.raises(KeyError):  # its traceback is kept, not turned into "bad usage"
         command()
+
+
+def _top_level_names(path: Path) -> tuple[set[str], set[str]]:
+    """(names a module defines, names it imports) at its top level."""
+    defined, imported = set(), set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            imported.update(a.asname or a.name.split(".")[0] for a in node.names)
+    return defined, imported
+
+
+def test_each_name_is_imported_from_where_it_is_defined() -> None:
+    """``from a import X`` where ``a`` only imports ``X`` itself hides where ``X`` lives (and
+    outlives a move): name the defining module."""
+    modules = _modules()
+    names = {m: _top_level_names(p) for m, p in modules.items()}
+    files = [*modules.values(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module in names:
+                defined, imported = names[node.module]
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" not in modules and alias.name not in defined:
+                        if alias.name in imported:
+                            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {alias.name} from {node.module}")
+    assert found == [], "names imported from a module that does not define them:\n" + "\n".join(found)
