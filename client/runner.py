@@ -97,6 +97,8 @@ class Pacer(Protocol):
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """What ``cleave join`` was asked to do; checked at once (``Refused`` when unusable)."""
+
     url: str
     token: str = ""  # the join token: needed to enrol, not once a credential is stored
     name: str = field(default_factory=lambda: sysinfo.machine_name()[:MAX_NAME])
@@ -132,6 +134,8 @@ class WorkerConfig:
 
 @dataclass
 class WorkerStats:
+    """What the owner sees of the worker (``on_update``); ``uptime`` is on the worker's clock."""
+
     state: str = "starting"
     reason: str = ""  # why paused, or what it waits for
     device: str = ""
