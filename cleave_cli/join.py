@@ -20,6 +20,7 @@ from client.idle import FileProbe, Reading, SystemProbe
 from client.policy import Decision, PolicyConfig, default_config_path, load_config
 from client.runner import Worker, WorkerConfig, WorkerStats
 from client.sysinfo import machine_name
+from coordinator.wire.messages import MAX_NAME
 
 
 class _Display:
@@ -187,7 +188,7 @@ def join(
     cfg = WorkerConfig(
         url=url,
         token=token or "",
-        name=name or machine_name()[:64],
+        name=name or machine_name()[:MAX_NAME],
         device=device,
         threads=threads,
         slots=slots,

@@ -1,12 +1,18 @@
-"""A volunteer device's work loop: connect, pull tiles, compute, return, reconnect, and step
-aside whenever the owner needs the machine.
+"""A volunteer device's I/O shell: connect, answer, compute, reconnect, and step aside whenever
+the owner needs the machine.
 
-Three tasks share one websocket: the receiver decodes ``Work`` as it arrives (caching input
-blocks and queueing tiles: the coordinator keeps ``slots`` tiles in flight, so the next tile is
-already here while this one computes); the computer runs each matmul in a worker thread so the
-connection keeps answering; the warden polls the idle/power probe twice a second and, when the
-policy says stop, pauses at once (the coordinator takes the tiles back). Every network failure
-becomes a reconnect with back-off.
+The protocol's decisions live in ``client.session.Session`` (sans-I/O: messages and the time in,
+messages and events out). This module owns what the session must not: the websocket, the clock,
+the compute thread, the owner's idle/power probe and reconnects with back-off. Four tasks share
+one websocket: the receiver feeds each frame to the session and acts on its events (the
+coordinator keeps ``slots`` tiles in flight, so the next tile is already queued while this one
+computes); the computer takes the session's tiles and runs each matmul in a worker thread so the
+connection keeps answering; the warden polls the probe twice a second and tells the session when
+the policy says stop or go; the heartbeat timer ticks the session. Every network failure becomes
+a reconnect with back-off.
+
+Time comes from an injected ``clock`` (monotonic seconds) and ``wall`` (Unix seconds, for the
+policy's hours and the heartbeat's stamp), so tests and the emulator decide what time it is.
 
 An optional ``Pacer`` makes the worker an emulated device (``cleave emulate``,
 emulator/devices.py): it delays each tile's start, the end of its compute and the delivery of
@@ -18,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as dt
+import importlib.metadata
 import logging
 import random
 import ssl
@@ -38,51 +45,38 @@ from client.credentials import Credential as StoredCredential
 from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
-from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
-from coordinator.wire.messages import (
-    Cancel,
-    Challenge,
-    Credential,
-    Credit,
-    Error,
-    Finished,
-    Heartbeat,
-    Hello,
-    Leave,
-    Pause,
-    Release,
-    Result,
-    Resume,
-    Welcome,
-    Work,
-    decode,
-    encode,
-)
+from client.session import Credited, Ended, Enrolled, ErrorReceived, HangUp, Session, TileQueued, Welcomed
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.errors import Banned, ClientError, Refused
+from coordinator.wire.messages import MAX_GFLOPS, MAX_NAME, MAX_TOKEN, Hello, Leave, encode
 from coordinator.wire.verify import freivalds
 
 log = logging.getLogger("cleave.client")
 
 MAX_FRAME = 256 << 20  # the coordinator is trusted more than its volunteers, but not unboundedly
-VERSION = "0.2.0"
-MAX_NAME = 64  # the coordinator refuses longer names
 CHALLENGE_TIMEOUT = 10.0  # seconds for the coordinator's first frame
-DEFAULT_HEARTBEAT = 2.0  # until the coordinator's Welcome says otherwise
-SILENCE_FACTOR = 15  # a coordinator silent this many heartbeats is gone (a big Work frame takes a while)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("cleave")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+VERSION = _version()  # hello.client_version
 
 # Exit codes of ``cleave join``, from the error tree: bad options, a refused token and a revoked
 # credential are usage errors (``Refused``, 2); a ban is 3. A service manager should not restart
 # on either.
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_BANNED = 0, ClientError.exit_code, Refused.exit_code, Banned.exit_code
-# Closes after which reconnecting cannot help.
-_PERMANENT: dict[CloseCode, type[ClientError]] = {CloseCode.REVOKED: Refused, CloseCode.BANNED: Banned}
 
 Compute = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, float]"]
+Clock = Callable[[], float]
 
 
 class Pacer(Protocol):
-    """Paces an emulated device to a profile. Times are ``time.monotonic()`` seconds."""
+    """Paces an emulated device to a profile. Times are seconds on the Worker's ``clock``."""
 
     def arrived(self, nbytes: int) -> float:
         """A work frame of ``nbytes`` arrived just now: when its blocks are usable on the device."""
@@ -103,6 +97,8 @@ class Pacer(Protocol):
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """What ``cleave join`` was asked to do; checked at once (``Refused`` when unusable)."""
+
     url: str
     token: str = ""  # the join token: needed to enrol, not once a credential is stored
     name: str = field(default_factory=lambda: sysinfo.machine_name()[:MAX_NAME])
@@ -126,8 +122,8 @@ class WorkerConfig:
             raise Refused(str(exc)) from None
         if not (self.name and len(self.name) <= MAX_NAME and self.name.isprintable()):
             raise Refused(f"--name must be 1 to {MAX_NAME} printable characters, got {self.name!r}")
-        if len(self.token) > 256 or not self.token.isprintable():
-            raise Refused("--token must be at most 256 printable characters")
+        if len(self.token) > MAX_TOKEN or not self.token.isprintable():
+            raise Refused(f"--token must be at most {MAX_TOKEN} printable characters")
         if self.threads is not None and not (1 <= self.threads <= 1024):
             raise Refused(f"--threads must be between 1 and 1024, got {self.threads}")
         if not (1 <= self.slots <= 8):
@@ -138,6 +134,8 @@ class WorkerConfig:
 
 @dataclass
 class WorkerStats:
+    """What the owner sees of the worker (``on_update``); ``uptime`` is on the worker's clock."""
+
     state: str = "starting"
     reason: str = ""  # why paused, or what it waits for
     device: str = ""
@@ -154,8 +152,13 @@ class WorkerStats:
     credit_gflop: float = 0.0  # verified work of this client process, as the coordinator counts it
     credit_total_gflop: float = 0.0  # ... and of this device's identity, over every job
     identity: int | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: float | None = None  # on ``clock``; None: now
     last_error: str = ""
+    clock: Clock = field(default=time.monotonic, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.started is None:
+            self.started = self.clock()
 
     @property
     def gflops(self) -> float:
@@ -163,10 +166,15 @@ class WorkerStats:
 
     @property
     def uptime(self) -> float:
-        return time.monotonic() - self.started
+        return self.clock() - (self.started or 0.0)
 
 
 class Worker:
+    """One volunteer client: sessions with the coordinator, one after another, until the job is
+    over (``once``) or ``request_stop``. ``clock`` (monotonic seconds) and ``wall`` (Unix seconds)
+    are the only time it reads; ``compute`` replaces the real matmul, ``probe`` the machine's
+    idle/power readings, ``pacer`` makes it an emulated device."""
+
     def __init__(
         self,
         cfg: WorkerConfig,
@@ -176,8 +184,11 @@ class Worker:
         on_update: Callable[[WorkerStats], None] | None = None,
         on_decision: Callable[[Decision, object], None] | None = None,
         pacer: Pacer | None = None,
+        clock: Clock = time.monotonic,
+        wall: Clock = time.time,
     ) -> None:
         self.cfg = cfg
+        self._clock, self._wall = clock, wall
         self.device = kernels.pick_device(cfg.device)
         threads = cfg.policy.max_threads or cfg.threads
         if cfg.threads and cfg.policy.max_threads:
@@ -187,7 +198,7 @@ class Worker:
         self._pacer = pacer
         self._on_update = on_update or (lambda stats: None)
         self._on_decision = on_decision or (lambda decision, reading: None)
-        self.stats = WorkerStats(device=str(self.device))
+        self.stats = WorkerStats(device=str(self.device), clock=clock)
         self.policy = Policy(cfg.policy)
         self.probe = probe or SystemProbe()
         self._allowed = True
@@ -195,12 +206,8 @@ class Worker:
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self._ws: ClientConnection | None = None
-        self._cancelled: set[int] = set()
-        self._assigned: set[int] = set()  # received and not yet answered
-        self._heard = time.monotonic()
-        self._credit_before = 0.0
+        self._session: Session | None = None  # the open connection's protocol state
         self._credentials = CredentialStore(cfg.credentials)
-        self._coordinator: str | None = None
         self._enrolled = False  # this process enrolled an identity (--new-identity applies once)
         try:
             self._tls = client_tls(cfg.url, cfg.cafile)
@@ -241,7 +248,7 @@ class Worker:
     async def _leave(self, ws: ClientConnection) -> None:
         try:
             await ws.send(encode(Leave("user stopped the client")))
-            await ws.close(1000, "leaving")
+            await ws.close(CloseCode.FINISHED, "leaving")  # 1000, a normal closure
         except ConnectionClosed:
             pass
 
@@ -295,7 +302,7 @@ class Worker:
                         if self._stopping:  # Ctrl-C arrived during the handshake
                             await self._leave(ws)
                             break
-                        outcome = await self._session(ws)
+                        outcome = await self._run_session(ws)
                 except InvalidURI as exc:
                     raise Refused(f"bad coordinator URL: {exc}") from None
                 except ssl.SSLCertVerificationError as exc:
@@ -331,181 +338,162 @@ class Worker:
         cap = self.cfg.policy.max_memory_mb << 20
         return cap or benchmark.usable_memory(self.device) // 4
 
-    def _hello(self, challenge: Challenge) -> tuple[Hello, bool]:
-        """Our answer to the coordinator's challenge: a proof with the stored credential, or the
-        join token to enrol. Returns (hello, enrolling)."""
-        common = dict(
+    def _hello(self) -> Hello:
+        """What this device says of itself; the session adds its credentials (or the token)."""
+        return Hello(
             name=self.cfg.name,
             platform=sysinfo.describe_platform()[:128],
             cores=min(sysinfo.cores(), 1 << 16),
             memory_bytes=min(sysinfo.memory_bytes(), 1 << 50),
             device=self.device.type,
-            gflops=min(round(self.stats.benchmark_gflops, 3), 1e7),
+            gflops=min(round(self.stats.benchmark_gflops, 3), MAX_GFLOPS),
             slots=self.cfg.slots,
             client_version=VERSION,
             block_budget=min(self._block_budget(), 1 << 50),
-            paused="" if self._allowed else (self.stats.reason or "paused by its owner"),  # still paused from before
         )
+
+    def _stored_credential(self, coordinator: str) -> StoredCredential | None:
+        """The credential to prove, if any (``--new-identity`` enrols anew once per process)."""
+        if self.cfg.new_identity and not self._enrolled:
+            return None
         try:
-            credential = (
-                None
-                if self.cfg.new_identity and not self._enrolled
-                else self._credentials.get(challenge.coordinator, self.cfg.name, self.cfg.url)
-            )
+            return self._credentials.get(coordinator, self.cfg.name, self.cfg.url)
         except CredentialError as exc:
             raise Refused(str(exc)) from None
-        if credential is not None:
-            answer = auth.proof(credential.secret, credential.identity, bytes.fromhex(challenge.nonce))
-            return Hello(identity=credential.identity, proof=answer.hex(), **common), False
-        if not self.cfg.token:
-            raise Refused(
-                f"no credential for this coordinator under the name {self.cfg.name!r} in "
-                f"{self._credentials.path}; pass --token (the join token) to enrol"
-            )
-        return Hello(token=self.cfg.token, **common), True
 
-    async def _session(self, ws: ClientConnection) -> str:
+    def _place(self, block: torch.Tensor) -> torch.Tensor:
+        """Keep a cached block on the compute device; a GPU that cannot hold it means the CPU."""
         try:
-            challenge = decode(await asyncio.wait_for(ws.recv(), CHALLENGE_TIMEOUT))
-        except ProtocolError as exc:
-            return f"the coordinator's first frame was not understood ({exc})"
-        if not isinstance(challenge, Challenge) or len(challenge.nonce) != 2 * auth.NONCE_BYTES:
-            return "the coordinator did not start with a challenge (an older version?)"
-        self._coordinator = challenge.coordinator
-        hello, enrolling = self._hello(challenge)
-        await self._send(ws, encode(hello))
-        queue: asyncio.Queue[tuple[Work, float]] = asyncio.Queue()  # work, when it arrived
-        blocks: dict[str, torch.Tensor] = {}
-        self._cancelled, self._assigned = set(), set()
-        self._credit_before = self.stats.credit_gflop
-        self._heard = time.monotonic()
+            return kernels.to_device(block, self.device)
+        except RuntimeError as exc:  # the GPU is full (the owner's programs?): CPU
+            self._fall_back(f"{self.device} could not hold a block: {exc}")
+            self._blocks_to_cpu()
+            return block
+
+    def _blocks_to_cpu(self) -> None:
+        if self._session is not None:
+            blocks = self._session.blocks
+            for key in list(blocks):
+                blocks[key] = blocks[key].cpu()
+
+    async def _run_session(self, ws: ClientConnection) -> str:
+        """Run one connection to its end; returns why it ended (raises when retrying cannot help)."""
+        session = Session(
+            self._hello(),
+            now=self._clock(),
+            token=self.cfg.token,
+            credential=self._stored_credential,
+            credentials_file=str(self._credentials.path),
+            paused="" if self._allowed else (self.stats.reason or "paused by its owner"),  # still paused from before
+            credit_before=self.stats.credit_gflop,
+            place=self._place,
+            arrival=None if self._pacer is None else self._pacer.arrived,
+        )
+        self._session = session
+        try:
+            return await self._converse(ws, session)
+        finally:
+            self._session = None
+
+    async def _converse(self, ws: ClientConnection, session: Session) -> str:
+        first = await asyncio.wait_for(ws.recv(), CHALLENGE_TIMEOUT)
+        for event in session.receive_frame(first, self._clock()):
+            if isinstance(event, Ended):
+                return event.outcome
+        await self._flush(ws, session)  # the hello
+        work = asyncio.Event()  # set when tiles are queued
         # Paced results wait for their upload here, so the next tile computes meanwhile.
         outbox: asyncio.Queue[tuple[float, bytes]] | None = None if self._pacer is None else asyncio.Queue()
         tasks = [
-            asyncio.create_task(self._compute_loop(ws, queue, blocks, outbox)),
-            asyncio.create_task(self._warden(ws)),
+            asyncio.create_task(self._compute_loop(ws, session, work, outbox)),
+            asyncio.create_task(self._warden(ws, session)),
         ]
         if outbox is not None:
             tasks.append(asyncio.create_task(self._uplink(ws, outbox)))
-        pulse = asyncio.create_task(self._heartbeat(ws, DEFAULT_HEARTBEAT))
+        pulse = asyncio.create_task(self._heartbeat(ws, session))
         try:
             async for frame in ws:
-                self._heard = time.monotonic()
                 self.stats.bytes_down += len(frame)
-                try:
-                    msg = decode(frame)
-                except ProtocolError as exc:
-                    log.error("coordinator sent a bad frame: %s", exc)
-                    continue
-                if isinstance(msg, Work):
-                    for namespace in msg.forget:
-                        prefix = f"{namespace}."
-                        for key in [k for k in blocks if k.startswith(prefix)]:
-                            del blocks[key]
-                    for block in msg.blocks:
-                        try:
-                            blocks[block.key] = kernels.to_device(block.data, self.device)
-                        except RuntimeError as exc:  # the GPU is full (the owner's programs?): CPU
-                            self._fall_back(f"{self.device} could not hold a block: {exc}")
-                            for key in list(blocks):
-                                blocks[key] = blocks[key].cpu()
-                            blocks[block.key] = block.data
-                    self._assigned.add(msg.tile_id)
-                    arrived = time.monotonic() if self._pacer is None else self._pacer.arrived(len(frame))
-                    queue.put_nowait((msg, arrived))
-                elif isinstance(msg, Cancel):
-                    # Another copy won: skip it, or drop its result. Cancels for tiles already answered
-                    # need no memory.
-                    self._cancelled.update(t for t in msg.tile_ids if t in self._assigned)
-                elif isinstance(msg, Credit):
-                    # Per connection on the coordinator's side; this client's total spans reconnects.
-                    self.stats.credit_gflop = self._credit_before + msg.session_gflop
-                    self.stats.credit_total_gflop = msg.total_gflop
-                    self._on_update(self.stats)
-                elif isinstance(msg, Credential):
-                    self._store_credential(msg)
-                elif isinstance(msg, Welcome):
-                    self.stats.device_id, self.stats.job, self.stats.identity = msg.device_id, msg.job, msg.identity
-                    pulse.cancel()
-                    pulse = asyncio.create_task(self._heartbeat(ws, msg.heartbeat))
-                    if self._allowed:
-                        self._set("waiting for work", reason="")
-                    else:
-                        self._set("paused", reason=self.stats.reason)
-                elif isinstance(msg, Finished):
-                    return "finished"
-                elif isinstance(msg, Error):
-                    if msg.code is Code.REJECTED:
-                        self.stats.rejected += 1
-                    log.warning("coordinator: %s (%s)", msg.message, msg.code)
-                    self._set(self.stats.state, msg.message)
+                for event in session.receive_frame(frame, self._clock()):
+                    if isinstance(event, TileQueued):
+                        work.set()
+                    elif isinstance(event, Credited):
+                        self.stats.credit_gflop, self.stats.credit_total_gflop = event.gflop, event.total_gflop
+                        self._on_update(self.stats)
+                    elif isinstance(event, Enrolled):
+                        self._store_credential(event)
+                    elif isinstance(event, Welcomed):
+                        self.stats.device_id, self.stats.job = event.device_id, event.job
+                        self.stats.identity = event.identity
+                        pulse.cancel()  # the interval changed: the next beat is one new interval away
+                        pulse = asyncio.create_task(self._heartbeat(ws, session))
+                        if self._allowed:
+                            self._set("waiting for work", reason="")
+                        else:
+                            self._set("paused", reason=self.stats.reason)
+                    elif isinstance(event, Ended):
+                        return event.outcome
+                    elif isinstance(event, ErrorReceived):
+                        if event.rejected:
+                            self.stats.rejected += 1
+                        log.warning("coordinator: %s (%s)", event.message, event.code)
+                        self._set(self.stats.state, event.message)
         except ConnectionClosed:
             pass
         finally:
             for task in (*tasks, pulse):
                 task.cancel()
             await asyncio.gather(*tasks, pulse, return_exceptions=True)
-        code, reason = ws.close_code, ws.close_reason or ""
         if self._stopping:
             return "stopped"
-        if code == CloseCode.AUTH:
-            if enrolling:
-                raise Refused(f"the coordinator refused the join token ({reason})")
-            # Never dropped silently: a server that refuses it may not be the one that issued it.
-            raise Refused(
-                f"the coordinator refused this device's credential ({reason}); if its database "
-                "was replaced, enrol again with --new-identity --token JOIN-TOKEN"
-            )
-        if code in _PERMANENT:
-            what = "banned this device" if code == CloseCode.BANNED else "refused this device"
-            raise _PERMANENT[CloseCode(code)](f"the coordinator {what}: {reason}")
-        return f"connection closed ({code} {reason})".strip()
+        return session.closed(ws.close_code, ws.close_reason or "")
 
-    def _store_credential(self, msg: Credential) -> None:
+    def _store_credential(self, event: Enrolled) -> None:
         self._enrolled = True
-        if self._coordinator is None:
-            return
         try:
             self._credentials.put(
-                self._coordinator,
-                self.cfg.name,
-                StoredCredential(msg.identity, bytes.fromhex(msg.secret), self.cfg.url),
+                event.coordinator, self.cfg.name, StoredCredential(event.identity, event.secret, self.cfg.url)
             )
         except CredentialError as exc:  # the session works; the next one enrols again
             log.warning("%s; this device will enrol again next time", exc)
             self.stats.last_error = str(exc)
 
-    async def _warden(self, ws: ClientConnection) -> None:
+    async def _warden(self, ws: ClientConnection, session: Session) -> None:
         """Keep the owner's rules: pause the moment they say stop, resume when they allow."""
         loop = asyncio.get_running_loop()
         while True:
             reading = await loop.run_in_executor(None, self.probe.read)  # may run a subprocess
-            decision = self.policy.decide(reading, time.monotonic(), dt.datetime.now().time())
+            time_of_day = dt.datetime.fromtimestamp(self._wall()).time()  # local, for --hours
+            decision = self.policy.decide(reading, self._clock(), time_of_day)
             self._on_decision(decision, reading)
             if decision.run != self._allowed:
                 self._allowed = decision.run
                 if decision.run:
-                    await self._send(ws, encode(Resume()))
+                    session.resume()
+                    await self._flush(ws, session)
                     self._set("waiting for work", reason="")
                 else:
-                    # Whatever we hold is the coordinator's again; results computed anyway are dropped.
-                    self._cancelled |= self._assigned
-                    await self._send(ws, encode(Pause(decision.reason)))
+                    session.pause(decision.reason)
+                    await self._flush(ws, session)
                     self._set("paused", reason=decision.reason)
             elif not decision.run and decision.reason != self.stats.reason:
                 self._set("paused", reason=decision.reason)
             await asyncio.sleep(self.cfg.poll_seconds)
 
-    async def _heartbeat(self, ws: ClientConnection, interval: float) -> None:
+    async def _heartbeat(self, ws: ClientConnection, session: Session) -> None:
         """Tell the coordinator we are alive; hang up if it has gone silent (then reconnect)."""
-        interval = min(max(interval, 0.1), 60.0)
         while True:
-            await asyncio.sleep(interval)
-            if time.monotonic() - self._heard > SILENCE_FACTOR * interval:
-                log.warning("coordinator silent for %.0f s; reconnecting", time.monotonic() - self._heard)
-                await ws.close(1001, "coordinator silent")
-                return
-            await self._send(ws, encode(Heartbeat(time.time())))
+            await asyncio.sleep(max(0.0, session.next_beat - self._clock()))
+            for event in session.tick(self._clock(), self._wall()):
+                if isinstance(event, HangUp):
+                    log.warning("coordinator silent for %.0f s; reconnecting", event.silent)
+                    await ws.close(event.code, event.reason)
+                    return
+            await self._flush(ws, session)
+
+    async def _flush(self, ws: ClientConnection, session: Session) -> None:
+        for msg in session.messages_to_send():
+            await self._send(ws, encode(msg))
 
     async def _send(self, ws: ClientConnection, frame: bytes) -> None:
         await ws.send(frame)
@@ -515,81 +503,62 @@ class Worker:
         """Paced results, in order, each sent when its emulated upload is over."""
         while True:
             at, frame = await outbox.get()
-            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            await asyncio.sleep(max(0.0, at - self._clock()))
             await self._send(ws, frame)
 
     async def _compute_loop(
         self,
         ws: ClientConnection,
-        queue: asyncio.Queue[tuple[Work, float]],
-        blocks: dict[str, torch.Tensor],
+        session: Session,
+        work: asyncio.Event,
         outbox: asyncio.Queue[tuple[float, bytes]] | None,
     ) -> None:
         loop = asyncio.get_running_loop()
         pacer = self._pacer
         while True:
-            work, arrived = await queue.get()
-            started = None if pacer is None else await pacer.start(arrived)  # an emulated device's turn
-            if work.tile_id in self._cancelled or not self._allowed:
-                # Cancelled, or sent before the coordinator saw our pause: not ours any more.
-                self._cancelled.discard(work.tile_id)
-                self._assigned.discard(work.tile_id)
+            queued = session.pop()
+            if queued is None:
+                work.clear()
+                await work.wait()
                 continue
-            try:  # pieces summed on the device are joined here: that allocates
-                operands = work.operands(blocks)
-            except (RuntimeError, MemoryError) as exc:
-                log.error("tile %d: cannot gather its blocks (%s); releasing it", work.tile_id, exc)
-                self._assigned.discard(work.tile_id)
-                self._cancelled.discard(work.tile_id)
-                await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.COMPUTE_FAILED, str(exc)[:200])))
+            # An emulated device's turn, paced; a real one's is now.
+            started = self._clock() if pacer is None else await pacer.start(queued.ready)
+            tile = session.start(queued, started)
+            if tile is None:
+                await self._flush(ws, session)  # a release, if its blocks were missing
                 continue
-            if operands is None:
-                # Never sit on a tile we cannot compute: give it back so the GEMM is not stalled.
-                log.error("tile %d names a block this device does not hold; releasing it", work.tile_id)
-                self._assigned.discard(work.tile_id)
-                self._cancelled.discard(work.tile_id)
-                await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.MISSING_BLOCK)))
-                continue
-            a, b = operands
-            flops = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-            # The coordinator counts it as the device's, not the link's.
-            waited = (time.monotonic() if started is None else started) - arrived
             self._set("working")
             try:
                 try:
-                    c, seconds = await loop.run_in_executor(self._pool, self._compute, a, b)
+                    c, seconds = await loop.run_in_executor(self._pool, self._compute, tile.a, tile.b)
                 except RuntimeError as exc:
                     if self.device.type == "cpu":
                         raise
                     # The GPU failed (out of memory, driver reset...): carry on with the CPU.
                     self._fall_back(f"{self.device} failed: {exc}")
-                    for key in list(blocks):
-                        blocks[key] = blocks[key].cpu()
-                    a, b = a.cpu(), b.cpu()
-                    c, seconds = await loop.run_in_executor(self._pool, self._compute, a, b)
+                    self._blocks_to_cpu()
+                    c, seconds = await loop.run_in_executor(self._pool, self._compute, tile.a.cpu(), tile.b.cpu())
             except (RuntimeError, MemoryError) as exc:
                 # Never die holding a tile: give it back and carry on with the next one.
-                log.error("tile %d failed on %s (%s); releasing it", work.tile_id, self.device, exc)
-                self._assigned.discard(work.tile_id)
-                self._cancelled.discard(work.tile_id)
+                log.error("tile %d failed on %s (%s); releasing it", tile.tile_id, self.device, exc)
                 self.stats.last_error = f"tile failed: {exc}"
-                await self._send(ws, encode(Release((work.tile_id,), ReleaseWhy.COMPUTE_FAILED, str(exc)[:200])))
+                session.failed(tile.tile_id, str(exc))
+                await self._flush(ws, session)
                 continue
-            if pacer is not None and started is not None:
-                seconds = await pacer.finish(started, flops)
-            self._assigned.discard(work.tile_id)
-            if work.tile_id in self._cancelled:  # cancelled (or paused) while computing: nobody wants it
-                self._cancelled.discard(work.tile_id)
+            if pacer is not None:
+                seconds = await pacer.finish(started, tile.flops)
+            result = session.computed(tile, c, seconds)
+            if result is None:  # cancelled (or paused) while computing: nobody wants it
                 continue
-            frame = encode(Result(work.tile_id, c, seconds, waited))
-            if pacer is None or outbox is None:
+            frame = encode(result)
+            if outbox is None or pacer is None:
                 await self._send(ws, frame)
             else:
                 outbox.put_nowait((pacer.deliver_at(len(frame)), frame))
             self.stats.tiles += 1
-            self.stats.flops += flops
+            self.stats.flops += tile.flops
             self.stats.compute_seconds += seconds
-            if queue.empty() and self._allowed:
+            if not session.queued and self._allowed:
                 self._set("waiting for work")
             else:
                 self._on_update(self.stats)

@@ -10,8 +10,9 @@ All devices share one asyncio loop, and their real products go through a small s
 
 Pacing model
 ------------
-Times are seconds on the monotonic clock. A device of profile ``p`` emulated at ``--speed X``
-(a slow-motion factor: every duration is X times the profile's) has, in the job's dtype::
+Times are seconds on the monotonic clock (the ``Fleet``'s ``clock``, which its workers and pacers
+share). A device of profile ``p`` emulated at ``--speed X`` (a slow-motion factor: every duration
+is X times the profile's) has, in the job's dtype::
 
     F = p.gflops[dtype] * 1e9 / X    FLOP/s        D = p.down / X,  U = p.up / X    bytes/s
     L = p.rtt * X / 2                one-way latency, seconds
@@ -82,9 +83,10 @@ import torch
 
 from client.idle import Reading
 from client.policy import PolicyConfig
-from client.runner import EXIT_BANNED, MAX_NAME, Worker, WorkerConfig, WorkerStats
+from client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerStats
 from coordinator.planning.costmodel import DeviceClass, Profile
 from coordinator.wire.errors import ClientError, ConfigError
+from coordinator.wire.messages import MAX_NAME
 from emulator.forgeries import FORGERIES, NON_FINITE, SCALABLE, HonestWithinTolerance
 
 log = logging.getLogger("cleave.emulator")
@@ -371,10 +373,12 @@ def byzantine_indices(devices: int, share: float, seed: int) -> set[int]:
 
 
 class Fleet:
-    """Run every device until the coordinator finishes the job, ``request_stop``, or a fatal error."""
+    """Run every device until the coordinator finishes the job, ``request_stop``, or a fatal error.
+    ``clock`` (monotonic seconds) is the time of every device's worker and pacer, and of the report."""
 
-    def __init__(self, cfg: FleetConfig) -> None:
+    def __init__(self, cfg: FleetConfig, clock: Clock = time.monotonic) -> None:
         self.cfg = cfg
+        self._clock = clock
         self.compute = SharedCompute(cfg.compute_threads)
         self._dir = Path(tempfile.mkdtemp(prefix="cleave-emulate-"))  # one credentials file per device
         bad = set(byzantine_indices(cfg.devices, cfg.byzantine, cfg.seed))
@@ -384,7 +388,7 @@ class Fleet:
                 i = len(self.devices)
                 rng = np.random.default_rng([cfg.seed, i + 1])
                 try:
-                    pacer = Pacer(Pacing.from_profile(cls.profile, cfg.dtype, cfg.speed))
+                    pacer = Pacer(Pacing.from_profile(cls.profile, cfg.dtype, cfg.speed), clock)
                 except ValueError as exc:
                     raise ConfigError(f"fleet class {cls.name!r}: {exc}") from None
                 forger = (
@@ -398,13 +402,13 @@ class Fleet:
                     )
                 )
         try:  # a bad URL, token or --cafile is every device's: refused here, once (ClientError)
-            Worker(self._worker_config(self.devices[0]), probe=_QuietProbe())
+            Worker(self._worker_config(self.devices[0]), probe=_QuietProbe(), clock=clock)
         except ClientError:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         self.finished = False
         self.fatal: ClientError | None = None
-        self.started = time.monotonic()
+        self.started = clock()
         self.ended: float | None = None
         self._stop: asyncio.Event | None = None  # every device leaves
         self._over: asyncio.Event | None = None  # ... or the job is over: nobody comes back
@@ -425,7 +429,7 @@ class Fleet:
         if self._stopping:
             self._stop.set()
             self._over.set()
-        self.started = time.monotonic()
+        self.started = self._clock()
         try:
             await asyncio.gather(*(self._life(dev) for dev in self.devices))
         finally:
@@ -433,7 +437,7 @@ class Fleet:
                 sock.close()
             self._held.clear()
             shutil.rmtree(self._dir, ignore_errors=True)
-            self.ended = time.monotonic()
+            self.ended = self._clock()
         if self.fatal is not None and not self.finished:
             raise self.fatal
         return self.summary()
@@ -468,7 +472,12 @@ class Fleet:
                     dev.identity = stats.identity
 
         worker = Worker(
-            wcfg, compute=dev.forger or self.compute, probe=_QuietProbe(), on_update=update, pacer=dev.pacer
+            wcfg,
+            compute=dev.forger or self.compute,
+            probe=_QuietProbe(),
+            on_update=update,
+            pacer=dev.pacer,
+            clock=self._clock,
         )
         # Its hello claims the profile's rate, as a benchmark of that device would have measured.
         worker.stats.benchmark_gflops = dev.pacer.pacing.flops_per_s / 1e9
@@ -597,7 +606,7 @@ class Fleet:
             "leaves": sum(d.leaves_graceful + d.leaves_crash for d in devs),
             "crashes": sum(d.leaves_crash for d in devs),
             "rejoins": sum(d.rejoins for d in devs),
-            "seconds": (self.ended or time.monotonic()) - self.started,
+            "seconds": (self.ended or self._clock()) - self.started,
             "finished": self.finished,
         }
 

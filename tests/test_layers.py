@@ -105,7 +105,7 @@ def test_the_rules_the_issue_names_hold_in_the_table() -> None:
 
 def test_importing_the_client_loads_no_coordinator_code_but_the_wire() -> None:
     code = (
-        "import sys, client.runner, client.kernels; "
+        "import sys, client.runner, client.kernels, client.session; "
         "bad = [m for m in sys.modules if (m.startswith('coordinator.') and not m.startswith('coordinator.wire')) "
         "or m.startswith(('db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
         "assert not bad, bad"

@@ -1,0 +1,404 @@
+"""One connection of a volunteer to its coordinator, as a protocol state machine with no I/O.
+
+In the style of websockets' sans-I/O ``protocol.py``: a ``Session`` holds what one connection
+knows (the coordinator's id, the cached blocks, the tiles queued, held and cancelled, the
+heartbeat interval, when the coordinator was last heard) and decides what to do. It opens no
+socket, starts no task or thread, reads no clock and multiplies nothing. client/runner.py owns
+the websocket, the compute thread, the owner's policy and reconnects, and drives it::
+
+    runner (I/O)                                 Session (decisions)
+    ------------                                 -------------------
+    a frame arrives at ``now``         ------>   receive_frame(frame, now) -> events
+    the heartbeat timer fires          ------>   tick(now, wall) -> events (HangUp when silent)
+    the owner's policy changes         ------>   pause(reason) / resume()
+    the compute task wants a tile      ------>   pop(), then start(queued, now) -> Tile or None
+    the product is done / failed       ------>   computed(tile, c, seconds) -> Result or None / failed(tile, why)
+    the connection closed              ------>   closed(code, reason) -> outcome, or raises Refused / Banned
+    after each call                    <------   messages_to_send(): Hello, Heartbeat, Release, Pause, Resume
+
+Events (``Welcomed``, ``TileQueued``, ``Credited``, ``Enrolled``, ``ErrorReceived``, ``Ended``,
+``HangUp``) tell the runner what happened; it acts on them (stores a credential, restarts its
+heartbeat timer, wakes the compute task, updates what the owner sees). Results are returned
+rather than queued, because an emulated device delivers them later (its paced uplink).
+
+Times are monotonic seconds passed in as ``now``; ``wall`` (Unix seconds) only stamps heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from client.credentials import Credential as StoredCredential
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
+from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
+from coordinator.wire.messages import (
+    Cancel,
+    Challenge,
+    Credential,
+    Credit,
+    Error,
+    Finished,
+    Heartbeat,
+    Hello,
+    Message,
+    Pause,
+    Release,
+    Result,
+    Resume,
+    Welcome,
+    Work,
+    decode,
+)
+
+log = logging.getLogger("cleave.client")
+
+DEFAULT_HEARTBEAT = 2.0  # until the coordinator's Welcome says otherwise
+SILENCE_FACTOR = 15  # a coordinator silent this many heartbeats is gone (a big Work frame takes a while)
+MIN_HEARTBEAT, MAX_HEARTBEAT = 0.1, 60.0  # the interval a Welcome may set, clamped to these
+
+# Closes after which reconnecting cannot help.
+_PERMANENT: dict[CloseCode, type[ClientError]] = {CloseCode.REVOKED: Refused, CloseCode.BANNED: Banned}
+
+CredentialLookup = Callable[[str], "StoredCredential | None"]
+Place = Callable[[torch.Tensor], torch.Tensor]
+Arrival = Callable[[int], float]
+
+
+# --------------------------------------------------------------------------- what comes out
+
+
+@dataclass(frozen=True)
+class Welcomed:
+    """The coordinator accepted this device; ``heartbeat`` is the interval now kept (clamped)."""
+
+    device_id: int
+    identity: int
+    job: str
+    heartbeat: float
+
+
+@dataclass(frozen=True)
+class TileQueued:
+    """A tile arrived and waits in the queue (``pop``)."""
+
+    tile_id: int
+
+
+@dataclass(frozen=True)
+class Credited:
+    """Verified work: this client's, over every connection so far, and its identity's in total."""
+
+    gflop: float
+    total_gflop: float
+
+
+@dataclass(frozen=True)
+class Enrolled:
+    """The coordinator issued a credential: store it under ``coordinator`` for the next connections."""
+
+    coordinator: str
+    identity: int
+    secret: bytes
+
+
+@dataclass(frozen=True)
+class ErrorReceived:
+    """The coordinator refused something this device sent; ``rejected``: a result failed verification."""
+
+    code: Code
+    message: str
+
+    @property
+    def rejected(self) -> bool:
+        return self.code is Code.REJECTED
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The session is over on the protocol's side (``outcome`` is ``"finished"`` when the job is
+    complete); the runner leaves the connection."""
+
+    outcome: str
+
+
+@dataclass(frozen=True)
+class HangUp:
+    """Close the connection with ``code`` and ``reason``: the coordinator went silent for ``silent``
+    seconds. How the close ends is still classified by ``closed``."""
+
+    code: CloseCode
+    reason: str
+    silent: float
+
+
+Event = Welcomed | TileQueued | Credited | Enrolled | ErrorReceived | Ended | HangUp
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A tile waiting on this device: its work and when its blocks were usable (``ready``)."""
+
+    work: Work
+    ready: float
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A tile to compute now: ``a @ b`` (``flops`` of it), after ``waited`` seconds queued."""
+
+    tile_id: int
+    a: torch.Tensor
+    b: torch.Tensor
+    flops: float
+    waited: float
+
+
+# --------------------------------------------------------------------------- the session
+
+
+class Session:
+    """The protocol state of one connection (module docstring). Not thread-safe: one event loop.
+
+    ``hello`` is this device's hello without its credentials (name, platform, rate, slots...);
+    the session adds a proof from ``credential(coordinator_id)`` or enrols with ``token``.
+    ``paused`` (a reason, or empty) carries the owner's pause over from an earlier connection;
+    ``credit_before`` the verified GFLOP of earlier connections. ``place`` keeps a block where
+    tiles are computed (a GPU); ``arrival(nbytes)`` says when a work frame that size is usable
+    (an emulated link), by default the moment it arrives.
+    """
+
+    def __init__(
+        self,
+        hello: Hello,
+        *,
+        now: float,
+        token: str = "",
+        credential: CredentialLookup = lambda coordinator: None,
+        credentials_file: str = "",
+        paused: str = "",
+        credit_before: float = 0.0,
+        place: Place | None = None,
+        arrival: Arrival | None = None,
+    ) -> None:
+        self._hello = hello
+        self._token = token
+        self._credential = credential
+        self._credentials_file = credentials_file
+        self._place = place
+        self._arrival = arrival
+        self.paused = paused  # why the owner paused this machine; empty while it may work
+        self.coordinator: str | None = None  # its id, from the challenge; None until then
+        self.enrolling = False  # the hello carried the join token, not a proof
+        self.interval = DEFAULT_HEARTBEAT
+        self.blocks: dict[str, torch.Tensor] = {}  # the block cache, by key
+        self.ended: str | None = None  # the outcome, once the protocol ended the session
+        self._credit_before = credit_before
+        self._queue: deque[Queued] = deque()
+        self._assigned: set[int] = set()  # received and not yet answered
+        self._cancelled: set[int] = set()  # of those, the ones nobody wants back
+        self._heard = now
+        self._next_beat = now + self.interval
+        self._outgoing: list[Message] = []
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def queued(self) -> int:
+        """Tiles waiting to be computed."""
+        return len(self._queue)
+
+    @property
+    def held(self) -> frozenset[int]:
+        """Tiles received and not yet answered (queued or computing)."""
+        return frozenset(self._assigned)
+
+    @property
+    def next_beat(self) -> float:
+        """When ``tick`` next has something to do: send a heartbeat, or hang up."""
+        return self._next_beat
+
+    def messages_to_send(self) -> list[Message]:
+        """Messages for the coordinator, in order, since the last call (the runner encodes them)."""
+        out, self._outgoing = self._outgoing, []
+        return out
+
+    # ---------------------------------------------------------------- input
+
+    def receive_frame(self, frame: bytes | bytearray | memoryview, now: float) -> list[Event]:
+        """A frame from the coordinator arrived at ``now``. A frame that does not decode ends the
+        session if it is the first; later ones are logged and ignored."""
+        try:
+            msg = decode(frame)
+        except ProtocolError as exc:
+            self._heard = now
+            if self.coordinator is None:
+                return self._end(f"the coordinator's first frame was not understood ({exc})")
+            log.error("coordinator sent a bad frame: %s", exc)
+            return []
+        return self.receive(msg, now, len(frame))
+
+    def receive(self, msg: Message, now: float, nbytes: int = 0) -> list[Event]:
+        """A decoded message from the coordinator, ``nbytes`` on the wire, arrived at ``now``."""
+        self._heard = now
+        if self.ended is not None:
+            return []
+        if self.coordinator is None:
+            return self._on_challenge(msg)
+        if isinstance(msg, Work):
+            return self._on_work(msg, now, nbytes)
+        if isinstance(msg, Cancel):
+            # Another copy won: skip it, or drop its result. Cancels for tiles already answered need
+            # no memory.
+            self._cancelled.update(t for t in msg.tile_ids if t in self._assigned)
+        elif isinstance(msg, Credit):
+            # Per connection on the coordinator's side; this client's total spans reconnects.
+            return [Credited(self._credit_before + msg.session_gflop, msg.total_gflop)]
+        elif isinstance(msg, Credential):
+            return [Enrolled(self.coordinator, msg.identity, bytes.fromhex(msg.secret))]
+        elif isinstance(msg, Welcome):
+            self.interval = min(max(msg.heartbeat, MIN_HEARTBEAT), MAX_HEARTBEAT)
+            self._next_beat = now + self.interval
+            return [Welcomed(msg.device_id, msg.identity, msg.job, self.interval)]
+        elif isinstance(msg, Finished):
+            return self._end("finished")
+        elif isinstance(msg, Error):
+            return [ErrorReceived(msg.code, msg.message)]
+        return []
+
+    def tick(self, now: float, wall: float) -> list[Event]:
+        """The heartbeat timer (due at ``next_beat``): send a heartbeat stamped ``wall``, or hang up
+        when the coordinator has been silent for ``SILENCE_FACTOR`` intervals."""
+        if self.ended is not None or self.coordinator is None or now < self._next_beat:
+            return []
+        silent = now - self._heard
+        if silent > SILENCE_FACTOR * self.interval:
+            self._next_beat = float("inf")
+            return [HangUp(CloseCode.GOING_AWAY, "coordinator silent", silent)]
+        self._outgoing.append(Heartbeat(wall))
+        self._next_beat = now + self.interval
+        return []
+
+    def pause(self, reason: str) -> None:
+        """The owner needs the machine: every tile held is the coordinator's again (queued ones are
+        skipped, a result computed anyway is dropped), and the coordinator hears why."""
+        self.paused = reason or "paused by its owner"
+        self._cancelled |= self._assigned
+        if self.coordinator is not None:  # before the challenge, the hello says it
+            self._outgoing.append(Pause(reason))
+
+    def resume(self) -> None:
+        """The machine is free again."""
+        self.paused = ""
+        if self.coordinator is not None:
+            self._outgoing.append(Resume())
+
+    # ---------------------------------------------------------------- the compute task
+
+    def pop(self) -> Queued | None:
+        """The next tile in arrival order, or None; ``start`` it when its turn comes."""
+        return self._queue.popleft() if self._queue else None
+
+    def start(self, queued: Queued, now: float) -> Tile | None:
+        """The tile's turn came at ``now``: its operands, or None when it is not to be computed
+        (cancelled, paused, or its blocks cannot be gathered: then it is released)."""
+        tile_id = queued.work.tile_id
+        if tile_id in self._cancelled or self.paused:
+            # Cancelled, or sent before the coordinator saw our pause: not ours any more.
+            self._done(tile_id)
+            return None
+        try:  # pieces summed on the device are joined here: that allocates
+            operands = queued.work.operands(self.blocks)
+        except (RuntimeError, MemoryError) as exc:
+            log.error("tile %d: cannot gather its blocks (%s); releasing it", tile_id, exc)
+            self.failed(tile_id, str(exc))
+            return None
+        if operands is None:
+            # Never sit on a tile we cannot compute: give it back so the GEMM is not stalled.
+            log.error("tile %d names a block this device does not hold; releasing it", tile_id)
+            self._done(tile_id)
+            self._outgoing.append(Release((tile_id,), ReleaseWhy.MISSING_BLOCK))
+            return None
+        a, b = operands
+        # The coordinator counts the wait as the device's, not the link's.
+        return Tile(tile_id, a, b, 2.0 * a.shape[0] * a.shape[1] * b.shape[1], now - queued.ready)
+
+    def failed(self, tile_id: int, why: str) -> None:
+        """The tile's compute failed: give it back (the coordinator will not send it here again)."""
+        self._done(tile_id)
+        self._outgoing.append(Release((tile_id,), ReleaseWhy.COMPUTE_FAILED, why[:200]))
+
+    def computed(self, tile: Tile, c: torch.Tensor, seconds: float) -> Result | None:
+        """The product is done: the result to send, or None when the tile was cancelled (or the
+        machine paused) meanwhile and nobody wants it."""
+        cancelled = tile.tile_id in self._cancelled
+        self._done(tile.tile_id)
+        return None if cancelled else Result(tile.tile_id, c, seconds, tile.waited)
+
+    # ---------------------------------------------------------------- the end
+
+    def closed(self, code: int | None, reason: str) -> str:
+        """The connection closed with ``code`` and ``reason``: why, for the owner, before a
+        reconnect. Raises ``Refused`` or ``Banned`` when reconnecting cannot help."""
+        if code == CloseCode.AUTH:
+            if self.enrolling:
+                raise Refused(f"the coordinator refused the join token ({reason})")
+            # Never dropped silently: a server that refuses it may not be the one that issued it.
+            raise Refused(
+                f"the coordinator refused this device's credential ({reason}); if its database "
+                "was replaced, enrol again with --new-identity --token JOIN-TOKEN"
+            )
+        if code in _PERMANENT:
+            what = "banned this device" if code == CloseCode.BANNED else "refused this device"
+            raise _PERMANENT[CloseCode(code)](f"the coordinator {what}: {reason}")
+        return f"connection closed ({code} {reason})".strip()
+
+    # ---------------------------------------------------------------- inside
+
+    def _end(self, outcome: str) -> list[Event]:
+        self.ended = outcome
+        return [Ended(outcome)]
+
+    def _done(self, tile_id: int) -> None:
+        self._assigned.discard(tile_id)
+        self._cancelled.discard(tile_id)
+
+    def _on_challenge(self, msg: Message) -> list[Event]:
+        if not isinstance(msg, Challenge) or len(msg.nonce) != 2 * auth.NONCE_BYTES:
+            return self._end("the coordinator did not start with a challenge (an older version?)")
+        self.coordinator = msg.coordinator
+        self._outgoing.append(self._answer(msg))
+        return []
+
+    def _answer(self, challenge: Challenge) -> Hello:
+        """A proof with the stored credential, or the join token to enrol."""
+        hello = replace(self._hello, paused=self.paused)  # still paused from before: no work first
+        credential = self._credential(challenge.coordinator)
+        if credential is not None:
+            answer = auth.proof(credential.secret, credential.identity, bytes.fromhex(challenge.nonce))
+            return replace(hello, identity=credential.identity, proof=answer.hex())
+        if not self._token:
+            where = f" in {self._credentials_file}" if self._credentials_file else ""
+            raise Refused(
+                f"no credential for this coordinator under the name {self._hello.name!r}{where}; "
+                "pass --token (the join token) to enrol"
+            )
+        self.enrolling = True
+        return replace(hello, token=self._token)
+
+    def _on_work(self, msg: Work, now: float, nbytes: int) -> list[Event]:
+        for namespace in msg.forget:
+            prefix = f"{namespace}."
+            for key in [k for k in self.blocks if k.startswith(prefix)]:
+                del self.blocks[key]
+        for block in msg.blocks:
+            self.blocks[block.key] = block.data if self._place is None else self._place(block.data)
+        self._assigned.add(msg.tile_id)
+        ready = now if self._arrival is None else self._arrival(nbytes)
+        self._queue.append(Queued(msg, ready))
+        return [TileQueued(msg.tile_id)]
