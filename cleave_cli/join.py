@@ -18,7 +18,7 @@ from cleave_cli.errors import friendly, is_terminal
 from client.credentials import default_path as default_credentials
 from client.idle import FileProbe, Reading, SystemProbe
 from client.policy import Decision, PolicyConfig, default_config_path, load_config
-from client.runner import Worker, WorkerConfig, WorkerStats
+from client.runner import Worker, WorkerConfig, WorkerState, WorkerStats
 from client.sysinfo import machine_name
 from coordinator.wire.messages import MAX_NAME
 
@@ -38,7 +38,7 @@ class _Display:
         if self.live is not None:
             self.live.update(render.client_panel(stats, self.url))
             return
-        quiet_states = {"working", "waiting for work"}
+        quiet_states = {WorkerState.WORKING, WorkerState.WAITING}
         changed = stats.state != self._state and not (stats.state in quiet_states and self._state in quiet_states)
         now = time.monotonic()
         if changed or now - self._last >= 10.0:

@@ -15,6 +15,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from client.runner import WorkerState
+from coordinator.wire.codes import DeviceView
+
 
 def _num(value: float | None, fmt: str = "{:.4f}", missing: str = "-") -> str:
     return missing if value is None else fmt.format(value)
@@ -44,7 +47,7 @@ def step_line(
         text.append(f"  {tokens_per_s:,.0f} tok/s  (local torch)")
         return text
     tiles = status.get("tiles", {})
-    devices = sum(1 for d in status.get("devices", []) if d.get("state") in ("idle", "working"))
+    devices = sum(1 for d in status.get("devices", []) if d.get("state") in (DeviceView.IDLE, DeviceView.WORKING))
     text.append(f"  {status.get('job', {}).get('tokens_per_s', 0):,.0f} tok/s")
     text.append(f"  {devices} device{'s' if devices != 1 else ''}")
     text.append(f"  tiles {tiles.get('verified', 0):,} verified")
@@ -142,16 +145,17 @@ def dashboard(status: dict[str, Any]) -> Group:
     ]:
         devices.add_column(col, justify=justify)  # type: ignore[arg-type]
     style = {
-        "working": "green",
-        "idle": "cyan",
-        "paused": "yellow",
-        "offline": "dim",
-        "banned": "bold red",
-        "revoked": "red",
+        DeviceView.WORKING: "green",
+        DeviceView.IDLE: "cyan",
+        DeviceView.PAUSED: "yellow",
+        DeviceView.OFFLINE: "dim",
+        DeviceView.BANNED: "bold red",
+        DeviceView.REVOKED: "red",
     }
     for d in status.get("devices", []):
         state = d.get("state", "")
-        reason = f" ({d['reason']})" if d.get("reason") and state not in ("working", "idle") else ""  # paused: why
+        busy = state in (DeviceView.WORKING, DeviceView.IDLE)
+        reason = f" ({d['reason']})" if d.get("reason") and not busy else ""  # paused: why
         devices.add_row(
             Text(str(d.get("name", ""))),
             Text(state + reason, style=style.get(state, "")),
@@ -187,7 +191,12 @@ def dashboard(status: dict[str, Any]) -> Group:
     return Group(*parts)
 
 
-_STATE_STYLE = {"working": "bold green", "paused": "bold yellow", "reconnecting": "bold red", "connecting": "bold"}
+_STATE_STYLE = {
+    WorkerState.WORKING: "bold green",
+    WorkerState.PAUSED: "bold yellow",
+    WorkerState.RECONNECTING: "bold red",
+    WorkerState.CONNECTING: "bold",
+}
 
 
 def _links(profile: dict[str, Any] | None) -> str:
@@ -211,7 +220,7 @@ def client_panel(stats: Any, url: str) -> Panel:
     grid.add_column()
     state = Text(stats.state, style=_STATE_STYLE.get(stats.state, "bold"))
     if stats.reason:
-        state.append(f"  ({stats.reason})", style="yellow" if stats.state == "paused" else "dim")
+        state.append(f"  ({stats.reason})", style="yellow" if stats.state == WorkerState.PAUSED else "dim")
     grid.add_row("state", state)
     grid.add_row("coordinator", Text(f"{url}" + (f"  job: {stats.job}" if stats.job else "")))
     bench = f"{stats.benchmark_gflops:,.1f} GFLOP/s benchmark" + (" (cached)" if stats.benchmark_cached else "")
@@ -228,7 +237,7 @@ def client_panel(stats: Any, url: str) -> Panel:
     )
     grid.add_row("traffic", f"{stats.bytes_down / 1e6:,.1f} MB down, {stats.bytes_up / 1e6:,.1f} MB up")
     grid.add_row("uptime", _duration(stats.uptime))
-    if stats.last_error and stats.state in ("reconnecting", "connecting"):
+    if stats.last_error and stats.state in (WorkerState.RECONNECTING, WorkerState.CONNECTING):
         grid.add_row("last error", Text(stats.last_error, style="yellow"))
     return Panel(grid, title="cleave join", subtitle="Ctrl-C leaves (tiles go back at once)", border_style="blue")
 
@@ -254,7 +263,7 @@ def client_line(stats: Any, url: str) -> Text:
     """The log line of ``cleave join`` when not on a terminal."""
     text = Text()
     text.append(f"{stats.state:<16}", style=_STATE_STYLE.get(stats.state, "bold"))
-    if stats.reason and stats.state == "paused":
+    if stats.reason and stats.state == WorkerState.PAUSED:
         text.append(f" ({stats.reason})", style="yellow")
     text.append(f" tiles {stats.tiles:,}")
     if stats.rejected:
@@ -262,7 +271,7 @@ def client_line(stats: Any, url: str) -> Text:
     text.append(f"  {stats.gflops:6.1f} GFLOP/s")
     text.append(f"  {stats.bytes_down / 1e6:,.1f} MB in / {stats.bytes_up / 1e6:,.1f} MB out")
     text.append(f"  {stats.device}  {url}", style="dim")
-    if stats.last_error and stats.state in ("reconnecting", "connecting"):
+    if stats.last_error and stats.state in (WorkerState.RECONNECTING, WorkerState.CONNECTING):
         text.append(f"  {stats.last_error}", style="yellow")
     return text
 

@@ -19,7 +19,7 @@ from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import friendly, is_terminal
 from client.connection import URLRefused, check_url, client_tls
-from coordinator.wire.codes import CloseCode
+from coordinator.wire.codes import CloseCode, JobPhase
 from coordinator.wire.errors import CleaveError, ConfigError, ProtocolError
 from coordinator.wire.messages import Challenge, StatusReply, StatusRequest, decode, encode
 
@@ -108,6 +108,6 @@ def status(
                 live.console.print("the coordinator went away (job over?)", style="yellow")
                 return
             live.update(render.dashboard(snapshot))
-            if snapshot.get("job", {}).get("state") == "finished":
+            if snapshot.get("job", {}).get("state") == JobPhase.FINISHED:
                 return
             time.sleep(interval)

@@ -45,8 +45,8 @@ from client.credentials import Credential as StoredCredential
 from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
-from client.session import Credited, Ended, Enrolled, ErrorReceived, HangUp, Session, TileQueued, Welcomed
-from coordinator.wire.codes import CloseCode
+from client.session import Credited, Ended, Enrolled, ErrorReceived, HangUp, Outcome, Session, TileQueued, Welcomed
+from coordinator.wire.codes import CloseCode, Name
 from coordinator.wire.errors import Banned, ClientError, Refused
 from coordinator.wire.messages import MAX_GFLOPS, MAX_NAME, MAX_TOKEN, Hello, Leave, encode
 from coordinator.wire.verify import freivalds
@@ -132,11 +132,26 @@ class WorkerConfig:
             raise Refused("the probe poll interval must be between 0.05 and 60 s")
 
 
+class WorkerState(Name):
+    """What the worker is doing, as its owner sees it (``cleave join``'s panel)."""
+
+    STARTING = "starting"
+    BENCHMARKING = "benchmarking"
+    CONNECTING = "connecting"
+    WAITING = "waiting for work"
+    WORKING = "working"
+    PAUSED = "paused"  # its owner's policy says stop (``reason`` says which rule)
+    RECONNECTING = "reconnecting"
+    LEAVING = "leaving"
+    FINISHED = "finished"  # the job is complete (with --once)
+    STOPPED = "stopped"
+
+
 @dataclass
 class WorkerStats:
     """What the owner sees of the worker (``on_update``); ``uptime`` is on the worker's clock."""
 
-    state: str = "starting"
+    state: WorkerState = WorkerState.STARTING
     reason: str = ""  # why paused, or what it waits for
     device: str = ""
     device_id: int | None = None
@@ -224,7 +239,7 @@ class Worker:
         """The open websocket, if any (the emulator drops it to play a crash)."""
         return self._ws
 
-    def _set(self, state: str, error: str = "", reason: str | None = None) -> None:
+    def _set(self, state: WorkerState, error: str = "", reason: str | None = None) -> None:
         self.stats.state = state
         if reason is not None:
             self.stats.reason = reason
@@ -239,7 +254,7 @@ class Worker:
         if self._stopping:
             return
         self._stopping = True
-        self._set("leaving")
+        self._set(WorkerState.LEAVING)
         if self._stop_event is not None:
             self._stop_event.set()
         if self._ws is not None:
@@ -277,7 +292,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         self._check_device()
         if self.stats.benchmark_gflops == 0.0 and self.cfg.benchmark_seconds > 0:
-            self._set("benchmarking")
+            self._set(WorkerState.BENCHMARKING)
             gflops, cached = await loop.run_in_executor(
                 self._pool, benchmark.quick_gflops, self.device, None, self.cfg.benchmark_seconds
             )
@@ -285,7 +300,7 @@ class Worker:
         delay = 0.5
         try:
             while not self._stopping:
-                self._set("connecting")
+                self._set(WorkerState.CONNECTING)
                 try:
                     async with connect(
                         self.cfg.url,
@@ -313,21 +328,21 @@ class Worker:
                     outcome = f"coordinator unavailable ({type(exc).__name__}: {exc})".strip()
                 finally:
                     self._ws = None
-                if outcome == "finished":
+                if outcome == Outcome.FINISHED:
                     if self.cfg.once:
-                        self._set("finished", reason="the job is complete")
+                        self._set(WorkerState.FINISHED, reason="the job is complete")
                         return EXIT_OK
                     outcome = "job finished; waiting for the next one"
                 if self._stopping:
                     break
                 wait = delay * random.uniform(0.8, 1.2)
-                self._set("reconnecting", f"{outcome}; retrying in {wait:.1f} s")
+                self._set(WorkerState.RECONNECTING, f"{outcome}; retrying in {wait:.1f} s")
                 try:
                     await asyncio.wait_for(self._stop_event.wait(), wait)
                 except (TimeoutError, asyncio.TimeoutError):
                     pass
                 delay = min(self.cfg.backoff_max, delay * 2)
-            self._set("stopped")
+            self._set(WorkerState.STOPPED)
             return EXIT_OK
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -428,9 +443,9 @@ class Worker:
                         pulse.cancel()  # the interval changed: the next beat is one new interval away
                         pulse = asyncio.create_task(self._heartbeat(ws, session))
                         if self._allowed:
-                            self._set("waiting for work", reason="")
+                            self._set(WorkerState.WAITING, reason="")
                         else:
-                            self._set("paused", reason=self.stats.reason)
+                            self._set(WorkerState.PAUSED, reason=self.stats.reason)
                     elif isinstance(event, Ended):
                         return event.outcome
                     elif isinstance(event, ErrorReceived):
@@ -445,7 +460,7 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks, pulse, return_exceptions=True)
         if self._stopping:
-            return "stopped"
+            return Outcome.STOPPED
         return session.closed(ws.close_code, ws.close_reason or "")
 
     def _store_credential(self, event: Enrolled) -> None:
@@ -471,13 +486,13 @@ class Worker:
                 if decision.run:
                     session.resume()
                     await self._flush(ws, session)
-                    self._set("waiting for work", reason="")
+                    self._set(WorkerState.WAITING, reason="")
                 else:
                     session.pause(decision.reason)
                     await self._flush(ws, session)
-                    self._set("paused", reason=decision.reason)
+                    self._set(WorkerState.PAUSED, reason=decision.reason)
             elif not decision.run and decision.reason != self.stats.reason:
-                self._set("paused", reason=decision.reason)
+                self._set(WorkerState.PAUSED, reason=decision.reason)
             await asyncio.sleep(self.cfg.poll_seconds)
 
     async def _heartbeat(self, ws: ClientConnection, session: Session) -> None:
@@ -527,7 +542,7 @@ class Worker:
             if tile is None:
                 await self._flush(ws, session)  # a release, if its blocks were missing
                 continue
-            self._set("working")
+            self._set(WorkerState.WORKING)
             try:
                 try:
                     c, seconds = await loop.run_in_executor(self._pool, self._compute, tile.a, tile.b)
@@ -559,6 +574,6 @@ class Worker:
             self.stats.flops += tile.flops
             self.stats.compute_seconds += seconds
             if not session.queued and self._allowed:
-                self._set("waiting for work")
+                self._set(WorkerState.WAITING)
             else:
                 self._on_update(self.stats)

@@ -35,7 +35,7 @@ import torch
 
 from client.credentials import Credential as StoredCredential
 from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
+from coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy
 from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
 from coordinator.wire.messages import (
     Cancel,
@@ -119,10 +119,17 @@ class ErrorReceived:
         return self.code is Code.REJECTED
 
 
+class Outcome(Name):
+    """How a session ended, where the runner acts on it (any other outcome is text for the owner)."""
+
+    FINISHED = "finished"  # the job is complete
+    STOPPED = "stopped"  # the owner stopped the client
+
+
 @dataclass(frozen=True)
 class Ended:
-    """The session is over on the protocol's side (``outcome`` is ``"finished"`` when the job is
-    complete); the runner leaves the connection."""
+    """The session is over on the protocol's side (``outcome``: ``Outcome.FINISHED`` when the job
+    is complete, else why, in words); the runner leaves the connection."""
 
     outcome: str
 
@@ -266,7 +273,7 @@ class Session:
             self._next_beat = now + self.interval
             return [Welcomed(msg.device_id, msg.identity, msg.job, self.interval)]
         elif isinstance(msg, Finished):
-            return self._end("finished")
+            return self._end(Outcome.FINISHED)
         elif isinstance(msg, Error):
             return [ErrorReceived(msg.code, msg.message)]
         return []

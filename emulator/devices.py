@@ -83,8 +83,9 @@ import torch
 
 from client.idle import Reading
 from client.policy import PolicyConfig
-from client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerStats
+from client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerState, WorkerStats
 from coordinator.planning.costmodel import DeviceClass, Profile
+from coordinator.wire.codes import Name
 from coordinator.wire.errors import ClientError, ConfigError
 from coordinator.wire.messages import MAX_NAME
 from emulator.forgeries import FORGERIES, NON_FINITE, SCALABLE, HonestWithinTolerance
@@ -99,7 +100,17 @@ Sleep = Callable[[float], Awaitable[None]]
 BYZANTINE_KINDS: tuple[str, ...] = tuple(
     sorted(SCALABLE | NON_FINITE | {"zeros", "swap_rows", "swap_cols", "previous_batch", "replay"})
 )
-CONNECTED = frozenset({"waiting for work", "working", "paused"})  # worker states after the Welcome
+CONNECTED = frozenset({WorkerState.WAITING, WorkerState.WORKING, WorkerState.PAUSED})  # worker states after the Welcome
+
+
+class Fate(Name):
+    """An emulated device's state besides its worker's (``WorkerState``): why it is not working."""
+
+    AWAY = "away"  # left, to come back later
+    BANNED = "banned"
+    FINISHED = "finished"  # the job is complete
+    STOPPED = "stopped"
+    FAILED = "failed"  # its worker failed (the error says why)
 
 
 # --------------------------------------------------------------------------- pacing
@@ -307,7 +318,7 @@ class EmulatedDevice:
     rng: np.random.Generator
     credentials: Path
     forger: Forger | None = None
-    state: str = "starting"  # the worker's state, or away / banned / finished / stopped / failed
+    state: str = WorkerState.STARTING  # its worker's (a WorkerState), or its Fate
     identity: int | None = None
     worker: Worker | None = None
     leaves_graceful: int = 0
@@ -488,7 +499,7 @@ class Fleet:
         rate = self.cfg.leave_rate / 60.0  # per second
         while not self._stop.is_set():
             worker = self._worker(dev)
-            dev.worker, dev.state = worker, "starting"
+            dev.worker, dev.state = worker, WorkerState.STARTING
             task = asyncio.create_task(worker.run())
             stop = asyncio.create_task(self._stop.wait())
             stay = float(dev.rng.exponential(1 / rate)) if rate > 0 else None
@@ -501,12 +512,12 @@ class Fleet:
                 worker.request_stop()
                 await self._settle(task)
                 dev.retire(worker)
-                dev.state = "finished" if self.finished else "stopped"
+                dev.state = Fate.FINISHED if self.finished else Fate.STOPPED
                 return
             crashed = await self._leave(dev, worker, task, crash=bool(dev.rng.random() < 0.5))
             away = float(dev.rng.exponential(self.cfg.away_seconds))
             log.info("%s %s; back in %.1f s", dev.name, "crashed" if crashed else "left", away)
-            dev.state = "away"
+            dev.state = Fate.AWAY
             try:
                 await asyncio.wait_for(self._over.wait(), away)
             except (TimeoutError, asyncio.TimeoutError):
@@ -515,7 +526,7 @@ class Fleet:
             if held is not None:
                 held.close()  # unread data in it: the coordinator gets a reset, never a close frame
             if self._stop.is_set() or self.finished:  # nothing to come back to
-                dev.state = "finished" if self.finished else "stopped"
+                dev.state = Fate.FINISHED if self.finished else Fate.STOPPED
                 return
             dev.rejoins += 1
             # A new session: nothing of the old one is still on its links or its processor.
@@ -556,17 +567,17 @@ class Fleet:
         dev.retire(worker)
         exc = task.exception() if not task.cancelled() else None
         if exc is None:
-            if worker.stats.state == "finished":
-                dev.state = "finished"
+            if worker.stats.state == WorkerState.FINISHED:
+                dev.state = Fate.FINISHED
                 self._job_finished()
             else:
-                dev.state = "finished" if self.finished else "stopped"
+                dev.state = Fate.FINISHED if self.finished else Fate.STOPPED
             return
         if isinstance(exc, ClientError) and exc.exit_code == EXIT_BANNED:
-            dev.state, dev.error = "banned", str(exc)
+            dev.state, dev.error = Fate.BANNED, str(exc)
             log.info("%s was banned: %s", dev.name, exc)
             return
-        dev.state, dev.error = "failed", str(exc)
+        dev.state, dev.error = Fate.FAILED, str(exc)
         if isinstance(exc, ClientError):  # a wrong token or URL is every device's problem
             if self.fatal is None:
                 self.fatal = exc
@@ -594,14 +605,14 @@ class Fleet:
         return {
             "devices": len(devs),
             "connected": sum(d.connected for d in devs),
-            "away": sum(d.state == "away" for d in devs),
+            "away": sum(d.state == Fate.AWAY for d in devs),
             "tiles": sum(d.count("tiles") for d in devs),
             "rejected": sum(d.count("rejected") for d in devs),
             "bytes_down": sum(d.count("bytes_down") for d in devs),
             "bytes_up": sum(d.count("bytes_up") for d in devs),
             "forged": sum(d.forger.forged for d in bad if d.forger),
             "forged_rejected": sum(d.count("rejected") for d in bad),
-            "banned": sum(d.state == "banned" for d in devs),
+            "banned": sum(d.state == Fate.BANNED for d in devs),
             "overruns": sum(d.pacer.overruns for d in devs),
             "leaves": sum(d.leaves_graceful + d.leaves_crash for d in devs),
             "crashes": sum(d.leaves_crash for d in devs),
@@ -633,7 +644,7 @@ class Fleet:
                     "overruns": sum(d.pacer.overruns for d in mine),
                     "leaves": sum(d.leaves_graceful + d.leaves_crash for d in mine),
                     "rejoins": sum(d.rejoins for d in mine),
-                    "banned": sum(d.state == "banned" for d in mine),
+                    "banned": sum(d.state == Fate.BANNED for d in mine),
                 }
             )
         snap = self.snapshot()
@@ -658,7 +669,7 @@ class Fleet:
             "leaves": {"graceful": snap["leaves"] - snap["crashes"], "crash": snap["crashes"]},
             "rejoins": snap["rejoins"],
             "byzantine": [d.name for d in self.devices if d.byzantine],
-            "banned": [d.name for d in self.devices if d.state == "banned"],
+            "banned": [d.name for d in self.devices if d.state == Fate.BANNED],
             "classes": classes,
             "device_list": [d.as_json() for d in self.devices],
         }

@@ -57,7 +57,7 @@ from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner, fleet_key
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.engine.profiles import PRIOR_MEMORY, DeviceProfile
-from coordinator.engine.progress import JobPhase, Prediction, Progress
+from coordinator.engine.progress import Prediction, Progress
 from coordinator.engine.scheduler import (
     Assign,
     Decision,
@@ -77,7 +77,7 @@ from coordinator.planning.tiles import (
     piece_tiles,
 )
 from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy
+from coordinator.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy
 from coordinator.wire.errors import AuthError
 from coordinator.wire.messages import (
     Block,

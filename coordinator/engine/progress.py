@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.wire.codes import Name
+from coordinator.wire.codes import JobPhase
 
 
 @dataclass
@@ -73,15 +73,6 @@ class Prediction:
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
-
-
-class JobPhase(Name):
-    """Where the job is, as ``status.job.state`` says."""
-
-    STARTING = "starting"
-    WAITING = "waiting for devices"
-    TRAINING = "training"
-    FINISHED = "finished"
 
 
 @dataclass

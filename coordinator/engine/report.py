@@ -9,23 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from coordinator.engine.core import Core
-from coordinator.wire.codes import Name
+from coordinator.wire.codes import DeviceView
 from db.store import CONNECTED, DeviceStatus
 
 # The tile counts ``status`` reports (``Store.tile_counts`` has these and more).
 STATUS_TILES = ("queued", "leased", "verified", "rejected", "requeued", "expired", "speculative", "cancelled", "lost",
                 "revoked")  # fmt: skip
-
-
-class Shown(Name):
-    """A device's state as ``status`` shows it: its store row's, or what a live one is doing."""
-
-    WORKING = "working"  # connected, holding tiles
-    IDLE = "idle"  # connected, holding none
-    PAUSED = DeviceStatus.PAUSED.value
-    OFFLINE = DeviceStatus.OFFLINE.value
-    BANNED = DeviceStatus.BANNED.value
-    REVOKED = DeviceStatus.REVOKED.value
 
 
 def status(core: Core, now: float) -> dict[str, Any]:
@@ -42,11 +31,11 @@ def status(core: Core, now: float) -> dict[str, Any]:
     for row in rows:
         live = core.devices.get(row.id)
         if live is None:
-            state = Shown.OFFLINE if row.state in CONNECTED else Shown(row.state)
+            state = DeviceView.OFFLINE if row.state in CONNECTED else DeviceView(row.state)
         elif live.paused is not None:
-            state = Shown.PAUSED
+            state = DeviceView.PAUSED
         else:
-            state = Shown.WORKING if live.inflight else Shown.IDLE
+            state = DeviceView.WORKING if live.inflight else DeviceView.IDLE
         profile = core.profiles.get(row.id)
         listed.append(
             {

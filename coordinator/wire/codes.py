@@ -58,3 +58,24 @@ class ReleaseWhy(Name):
 
     MISSING_BLOCK = "missing_block"  # send the blocks again with the tile
     COMPUTE_FAILED = "compute_failed"  # never give this device the tile again
+
+
+class JobPhase(Name):
+    """Where the job is: ``status.job.state`` in a ``StatusReply`` (``cleave status`` ends on FINISHED)."""
+
+    STARTING = "starting"
+    WAITING = "waiting for devices"
+    TRAINING = "training"
+    FINISHED = "finished"
+
+
+class DeviceView(Name):
+    """A device's state in a ``StatusReply``'s ``devices`` list: what a connected one is doing, or
+    how its session ended."""
+
+    WORKING = "working"  # connected, holding tiles
+    IDLE = "idle"  # connected, holding none
+    PAUSED = "paused"  # connected; its owner needs the machine
+    OFFLINE = "offline"
+    BANNED = "banned"
+    REVOKED = "revoked"
