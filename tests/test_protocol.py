@@ -133,7 +133,13 @@ def test_result_round_trips_and_decoded_tensor_is_writable() -> None:
     out = decode(encode(Result(tile_id=4, c=c, seconds=0.125)))
     assert isinstance(out, Result) and out.tile_id == 4 and out.seconds == 0.125
     assert torch.equal(out.c, c)
-    out.c.add_(1)  # decoded tensors own writable memory (no read-only buffer warnings)
+    # Decoded tensors are views of the frame (no copy, no read-only buffer warning). Cleave never
+    # writes them; a frame received into a bytearray may be, and the view sees the writes.
+    frame = bytearray(encode(Result(tile_id=4, c=c, seconds=0.125)))
+    mine = decode(frame)
+    assert isinstance(mine, Result)
+    mine.c.add_(1)
+    assert torch.equal(decode(frame).c, c + 1)
 
 
 def test_speedtest_carries_bytes_both_ways() -> None:

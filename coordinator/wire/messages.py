@@ -262,8 +262,8 @@ class Credit:
 @dataclass(frozen=True)
 class SpeedTest:
     """Observer <-> coordinator link test: the coordinator answers with ``reply_bytes`` of
-    payload; ``data`` carries the upload. The first one of a connection carries a token (the
-    operator's or the join token). Used by ``cleave benchmark --url``."""
+    payload; ``data`` carries the upload. The first one of a connection carries the operator
+    token (the coordinator refuses any other). Used by ``cleave benchmark --url``."""
 
     TYPE: ClassVar[str] = "speedtest"
     reply_bytes: int = _int(hi=MAX_SPEEDTEST_BYTES)
