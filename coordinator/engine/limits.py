@@ -76,12 +76,16 @@ class TrustPolicy:
     standings: int = 65536  # identities whose record this process remembers (least recent forgotten)
 
     def __post_init__(self) -> None:
+        from coordinator.wire.messages import MAX_SLOTS  # here: this module loads before torch (cleave_cli)
+
         if not (
             1 <= self.ban_rejects <= self.window
-            and 1 <= self.first_slots <= self.max_slots <= 64
+            and 1 <= self.first_slots <= self.max_slots <= MAX_SLOTS
             and self.grow_every >= 1
         ):
-            raise ConfigError("need 1 <= ban_rejects <= window, 1 <= first_slots <= max_slots <= 64, grow_every >= 1")
+            raise ConfigError(
+                f"need 1 <= ban_rejects <= window, 1 <= first_slots <= max_slots <= {MAX_SLOTS}, grow_every >= 1"
+            )
         if (
             self.cut_after < 1
             or not 1 <= self.cut_unanswered <= self.cut_unanswered_trusted

@@ -19,6 +19,7 @@ except ModuleNotFoundError:  # pragma: no cover - python 3.10
 
 from coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile
 from coordinator.training.model import PRESETS
+from coordinator.wire.messages import MAX_NAME  # a class's name names its emulated devices
 
 # --------------------------------------------------------------------------- model shapes
 
@@ -353,7 +354,6 @@ def fleet_preset(name: str, dtype: str) -> tuple[DeviceClass, ...]:
 MAX_FLEET_FILE = 1 << 20  # bytes; a fleet is a few dozen lines, so anything bigger is a mistake
 MAX_CLASS_COUNT = 10_000_000
 MAX_CLASSES = 1000
-MAX_NAME = 64
 
 _REQUIRED = ("name", "count", "memory_gb", "down_mbps", "up_mbps", "rtt_ms")
 _OPTIONAL = ("gflops", "session_hours", "reliability", *(f"gflops_{dtype}" for dtype in ITEMSIZE))
