@@ -137,8 +137,9 @@ ANY_CHAR = st.characters(codec="utf-8")  # control characters included, surrogat
 
 def valid_text(meta: Any) -> st.SearchStrategy[str]:
     n = meta["max_len"]
-    if meta["text"] == "hex":
-        return st.just("") | st.text(HEX, min_size=n, max_size=n)
+    if meta["text"] == "hex":  # empty only where the field is optional
+        full = st.text(HEX, min_size=n, max_size=n)
+        return full if meta.get("required") else st.just("") | full
     chars = PRINTABLE.filter(str.isprintable) if meta["text"] == "name" else ANY_CHAR
     return st.text(chars, max_size=n) | st.text(chars, min_size=n, max_size=n)
 
@@ -276,7 +277,8 @@ def assert_field_within(meta: Any, value: Any, where: str) -> None:
         value.encode("utf-8")  # no lone surrogate
         assert len(value) <= meta["max_len"], where
         if meta["text"] == "hex":
-            assert value == "" or (len(value) == meta["max_len"] and set(value) <= set(HEX)), (where, value)
+            full = len(value) == meta["max_len"] and set(value) <= set(HEX)
+            assert full or (value == "" and not meta.get("required")), (where, value)
         else:  # "name" refuses non-printables, "free" cleans them
             assert value.isprintable(), (where, value)
     elif kind == "ids":
@@ -755,8 +757,8 @@ UNEXPECTED = [
     Finished(),
     Error(Code.BAD_FRAME, "x"),
     StatusReply({}),
-    Challenge("", "c"),
-    Credential(1, ""),
+    Challenge("ab" * 32, "c"),
+    Credential(1, "cd" * 32),
     SpeedTest(reply_bytes=1, data=torch.zeros(1, dtype=torch.uint8)),
     Work(tile_id=1, a="1.0.1x1", b="1.0.1x1"),
 ]

@@ -100,7 +100,9 @@ def _float(default: Any = MISSING, *, lo: float = 0.0, hi: float = 1e9) -> Any:
 
 
 def _text(default: Any = MISSING, *, max_len: int = 200, text: str = "free") -> Any:
-    return field(default=default, metadata={"kind": "str", "max_len": max_len, "text": text})
+    # A hex field without a default must be there in full: an empty nonce or secret is no value.
+    meta = {"kind": "str", "max_len": max_len, "text": text, "required": default is MISSING}
+    return field(default=default, metadata=meta)
 
 
 def _ids(default: Any = MISSING) -> Any:
@@ -504,7 +506,7 @@ def _check(kind_of: str, name: str, meta: Any, value: Any) -> Any:
             raise ProtocolError(f"{where} is not valid Unicode (a lone surrogate?)") from None
         text, max_len = meta["text"], meta["max_len"]
         if text == "hex":
-            if value and (len(value) != max_len or value.strip("0123456789abcdef")):
+            if (value or meta.get("required")) and (len(value) != max_len or value.strip("0123456789abcdef")):
                 raise ProtocolError(f"{where} must be {max_len} lowercase hex digits")
             return value
         if len(value) > max_len:
@@ -591,7 +593,8 @@ def _finite(literal: str) -> float:
 
 def _header(raw: bytes) -> dict[str, Any]:
     try:
-        header = json.loads(raw, parse_constant=_no_constants, parse_float=_finite)
+        # UTF-8, as the protocol says (json.loads would also take UTF-16 and UTF-32 bytes).
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constants, parse_float=_finite)
     except ProtocolError:
         raise
     except RecursionError:
