@@ -45,13 +45,13 @@ RATE = 200  # samples per second per thread
 
 # (category, substrings of a frame "function (file:line)"): the innermost matching frame decides.
 RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("verification", ("/verify.py",)),
+    ("verification", ("/wire/verify.py",)),
     ("assembly and partial sums", ("assemble (", "Core._complete (")),  # not run_until_complete
-    ("framing (encode/decode)", ("/protocol.py",)),
+    ("framing (encode/decode)", ("/wire/messages.py",)),
     ("websocket I/O", ("/websockets/",)),
     ("store (SQLite)", ("/db/", "sqlite")),
-    ("scheduling and planning", ("/scheduler.py", "/live_plan.py", "/planner.py", "/costmodel.py")),
-    ("core bookkeeping", ("/core.py", "/server.py", "/blocks.py", "/identity.py", "/limits.py")),
+    ("scheduling and planning", ("/engine/scheduler.py", "/engine/live_plan.py", "/planning/", "/engine/conduct.py")),
+    ("core bookkeeping", ("/engine/", "/net/")),
     ("optimizer", ("/optim/", "clip_grad")),
     ("PS GEMMs", ("LocalEngine",)),
     ("model, non-GEMM (norms, attention, loss)", ("/training/",)),

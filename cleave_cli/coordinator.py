@@ -24,7 +24,7 @@ from coordinator.job import STRONG_TOKEN, CoordinatorConfig, new_token, run_job
 from coordinator.planning.tiles import TilingPolicy
 from coordinator.wire.auth import token_hash
 from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import WireDtype
+from coordinator.wire.messages import MAX_TOKEN, WireDtype
 from db.sqlite import SQLiteStore
 from db.store import IdentityState
 
@@ -262,8 +262,8 @@ def token_rotate(
     """Replace the join token (enrolled devices are not affected: they use their credentials) or
     the operator token. A running coordinator on --db uses the new one within a second."""
     new = token if token is not None else new_token()
-    if not (new.strip() and new.isprintable() and len(new) <= 256):
-        raise ConfigError("--token must be 1 to 256 printable characters")
+    if not (new.strip() and new.isprintable() and len(new) <= MAX_TOKEN):
+        raise ConfigError(f"--token must be 1 to {MAX_TOKEN} printable characters")
     if len(new) < STRONG_TOKEN:
         stderr_console().print(
             f"warning: a token of {len(new)} characters can be searched for by anyone who copies "

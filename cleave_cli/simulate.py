@@ -38,7 +38,7 @@ from cleave_cli.plan import (
 )
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
-from coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, PSProfile
+from coordinator.planning.costmodel import ITEMSIZE, MAX_PS_GFLOPS, CostModelError, DeviceClass, PSProfile
 from coordinator.whatif.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
 from coordinator.whatif.presets import model_shape, resolve_fleet
 from coordinator.whatif.simulator import SimConfig, SimResult, Simulation
@@ -425,8 +425,8 @@ def simulate(
     counts: list[int | None] = parse_sweep(sweep) if sweep is not None else [devices]
     if not 1 <= steps <= 100:
         raise ConfigError(f"--steps must be between 1 and 100, got {steps}")
-    if ps_gflops is not None and not (math.isfinite(ps_gflops) and 0 < ps_gflops <= 1e7):
-        raise ConfigError(f"--ps-gflops must be above 0 and at most 10,000,000, got {ps_gflops}")
+    if ps_gflops is not None and not (math.isfinite(ps_gflops) and 0 < ps_gflops <= MAX_PS_GFLOPS):
+        raise ConfigError(f"--ps-gflops must be above 0 and at most {MAX_PS_GFLOPS:,.0f}, got {ps_gflops}")
     if down_up_ratio is not None and not (math.isfinite(down_up_ratio) and 0 < down_up_ratio <= 1000):
         raise ConfigError(f"--down-up-ratio must be above 0 and at most 1000, got {down_up_ratio}")
     if not (math.isfinite(heartbeat_timeout) and FaultPolicy().heartbeat < heartbeat_timeout <= 3600):

@@ -45,10 +45,21 @@ from client.credentials import Credential as StoredCredential
 from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
-from client.session import Credited, Ended, Enrolled, ErrorReceived, HangUp, Outcome, Session, TileQueued, Welcomed
+from client.session import Credited, Ended, Ending, Enrolled, ErrorReceived, HangUp, Session, TileQueued, Welcomed
 from coordinator.wire.codes import CloseCode, Name
 from coordinator.wire.errors import Banned, ClientError, Refused
-from coordinator.wire.messages import MAX_GFLOPS, MAX_NAME, MAX_TOKEN, Hello, Leave, encode
+from coordinator.wire.messages import (
+    DEFAULT_SLOTS,
+    MAX_BYTES,
+    MAX_CORES,
+    MAX_GFLOPS,
+    MAX_NAME,
+    MAX_PLATFORM,
+    MAX_TOKEN,
+    Hello,
+    Leave,
+    encode,
+)
 from coordinator.wire.verify import freivalds
 
 log = logging.getLogger("cleave.client")
@@ -104,7 +115,7 @@ class WorkerConfig:
     name: str = field(default_factory=lambda: sysinfo.machine_name()[:MAX_NAME])
     device: str = "auto"
     threads: int | None = None
-    slots: int = 2
+    slots: int = DEFAULT_SLOTS
     once: bool = False
     backoff_max: float = 30.0
     benchmark_seconds: float = 0.3
@@ -328,7 +339,7 @@ class Worker:
                     outcome = f"coordinator unavailable ({type(exc).__name__}: {exc})".strip()
                 finally:
                     self._ws = None
-                if outcome == Outcome.FINISHED:
+                if outcome == Ending.FINISHED:
                     if self.cfg.once:
                         self._set(WorkerState.FINISHED, reason="the job is complete")
                         return EXIT_OK
@@ -357,14 +368,14 @@ class Worker:
         """What this device says of itself; the session adds its credentials (or the token)."""
         return Hello(
             name=self.cfg.name,
-            platform=sysinfo.describe_platform()[:128],
-            cores=min(sysinfo.cores(), 1 << 16),
-            memory_bytes=min(sysinfo.memory_bytes(), 1 << 50),
+            platform=sysinfo.describe_platform()[:MAX_PLATFORM],
+            cores=min(sysinfo.cores(), MAX_CORES),
+            memory_bytes=min(sysinfo.memory_bytes(), MAX_BYTES),
             device=self.device.type,
             gflops=min(round(self.stats.benchmark_gflops, 3), MAX_GFLOPS),
             slots=self.cfg.slots,
             client_version=VERSION,
-            block_budget=min(self._block_budget(), 1 << 50),
+            block_budget=min(self._block_budget(), MAX_BYTES),
         )
 
     def _stored_credential(self, coordinator: str) -> StoredCredential | None:
@@ -460,7 +471,7 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks, pulse, return_exceptions=True)
         if self._stopping:
-            return Outcome.STOPPED
+            return Ending.STOPPED
         return session.closed(ws.close_code, ws.close_reason or "")
 
     def _store_credential(self, event: Enrolled) -> None:

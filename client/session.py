@@ -38,6 +38,7 @@ from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy
 from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
 from coordinator.wire.messages import (
+    DEFAULT_HEARTBEAT,
     Cancel,
     Challenge,
     Credential,
@@ -58,7 +59,6 @@ from coordinator.wire.messages import (
 
 log = logging.getLogger("cleave.client")
 
-DEFAULT_HEARTBEAT = 2.0  # until the coordinator's Welcome says otherwise
 SILENCE_FACTOR = 15  # a coordinator silent this many heartbeats is gone (a big Work frame takes a while)
 MIN_HEARTBEAT, MAX_HEARTBEAT = 0.1, 60.0  # the interval a Welcome may set, clamped to these
 
@@ -119,7 +119,7 @@ class ErrorReceived:
         return self.code is Code.REJECTED
 
 
-class Outcome(Name):
+class Ending(Name):
     """How a session ended, where the runner acts on it (any other outcome is text for the owner)."""
 
     FINISHED = "finished"  # the job is complete
@@ -128,7 +128,7 @@ class Outcome(Name):
 
 @dataclass(frozen=True)
 class Ended:
-    """The session is over on the protocol's side (``outcome``: ``Outcome.FINISHED`` when the job
+    """The session is over on the protocol's side (``outcome``: ``Ending.FINISHED`` when the job
     is complete, else why, in words); the runner leaves the connection."""
 
     outcome: str
@@ -273,7 +273,7 @@ class Session:
             self._next_beat = now + self.interval
             return [Welcomed(msg.device_id, msg.identity, msg.job, self.interval)]
         elif isinstance(msg, Finished):
-            return self._end(Outcome.FINISHED)
+            return self._end(Ending.FINISHED)
         elif isinstance(msg, Error):
             return [ErrorReceived(msg.code, msg.message)]
         return []

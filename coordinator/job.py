@@ -35,6 +35,7 @@ from coordinator.engine.profiles import measure_ps
 from coordinator.engine.scheduler import FaultPolicy
 from coordinator.net.remote import RemoteEngine
 from coordinator.net.server import Server, listen
+from coordinator.planning.costmodel import MAX_PS_GFLOPS
 from coordinator.planning.tiles import TilingPolicy
 from coordinator.training import checkpoint, models
 from coordinator.training.checkpoint import Resume
@@ -43,7 +44,7 @@ from coordinator.training.flops import GemmShare, gemm_share
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from coordinator.wire.addresses import is_loopback
 from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import WireDtype
+from coordinator.wire.messages import MAX_TOKEN, WireDtype
 from db.sqlite import GROUP_SECONDS, SQLiteStore
 from db.store import CheckpointRow
 
@@ -80,16 +81,16 @@ class CoordinatorConfig:
         if not (0 <= self.min_devices <= 100_000):
             raise ConfigError(f"--min-devices must be between 0 and 100000, got {self.min_devices}")
         for flag, value in (("--token", self.token), ("--operator-token", self.operator_token)):
-            if value is not None and not (value.strip() and value.isprintable() and len(value) <= 256):
-                raise ConfigError(f"{flag} must be 1 to 256 printable characters")
+            if value is not None and not (value.strip() and value.isprintable() and len(value) <= MAX_TOKEN):
+                raise ConfigError(f"{flag} must be 1 to {MAX_TOKEN} printable characters")
         if self.token is not None and self.token == self.operator_token:
             raise ConfigError("--operator-token must differ from the join token (--token)")
         if (self.certfile is None) != (self.keyfile is None):
             raise ConfigError("--certfile and --keyfile go together")
         if not (0.001 <= self.ps_link_gbps <= 10_000):
             raise ConfigError(f"--ps-link-gbps must be between 0.001 and 10000, got {self.ps_link_gbps}")
-        if self.ps_gflops is not None and not (0.001 <= self.ps_gflops <= 1e7):
-            raise ConfigError(f"--ps-gflops must be between 0.001 and 1e7, got {self.ps_gflops}")
+        if self.ps_gflops is not None and not (0.001 <= self.ps_gflops <= MAX_PS_GFLOPS):
+            raise ConfigError(f"--ps-gflops must be between 0.001 and {MAX_PS_GFLOPS:,.0f}, got {self.ps_gflops}")
         if not (0 <= self.checkpoint_every <= 10_000_000):
             raise ConfigError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
         if (self.model_factory is not None) != models.is_custom(self.train.model):
@@ -239,7 +240,8 @@ async def serve_job(
     """Serve one job: wiring only. The engine keeps the books (``Books``, ``Core``); the server
     moves bytes; the trainer thread trains. ``ready(url)`` fires once listening; ``on_start(server)``
     hands benchmarks and tests the live server (read it only from this event loop). ``clock``
-    stamps records; deadlines run on the monotonic clock."""
+    is the wall clock records are stamped in: the engine reads it once, at start, and stamps
+    each record with that time plus the monotonic seconds since, on which deadlines run."""
     loop = asyncio.get_running_loop()
     tls = server_tls(cfg.certfile, cfg.keyfile)
     # Each event-loop turn's tile writes join one commit at the turn's end.

@@ -9,15 +9,21 @@ from typing import Any
 
 from coordinator.wire.errors import StoreError
 from db.store import (
+    CONNECTED,
+    COUNTED_OUTCOMES,
     RESTARTED,
+    RESUMABLE,
+    TILE_COUNTS,
     CheckpointRow,
     ClaimedTile,
     DeviceInfo,
     DeviceRow,
+    DeviceStatus,
     IdentityRow,
     IdentityState,
     Issued,
     JobRow,
+    JobState,
     LeaderRow,
     LeaseEnd,
     LeaseRow,
@@ -64,13 +70,13 @@ class MemoryStore:
     # --- job and steps
     def mark_devices_offline(self, reason: str) -> None:
         for d in self._devices.values():
-            if d.state in ("online", "paused"):
-                d.state, d.reason = "offline", reason
+            if d.state in CONNECTED:
+                d.state, d.reason = DeviceStatus.OFFLINE, reason
 
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
         self.mark_devices_offline(RESTARTED)
         jid = self._id("job")
-        self._jobs[jid] = JobRow(jid, name, copy.deepcopy(config), "running", 0, steps, now)
+        self._jobs[jid] = JobRow(jid, name, copy.deepcopy(config), JobState.RUNNING, 0, steps, now)
         self._steps[jid] = {}
         return jid
 
@@ -82,7 +88,7 @@ class MemoryStore:
     def set_job_state(self, job_id: int, state: str, now: float) -> None:
         job = self._jobs[job_id]
         job.state = state
-        if state in ("finished", "failed"):
+        if state in (JobState.FINISHED, JobState.FAILED):
             job.finished_at = now
 
     def record_step(
@@ -185,7 +191,7 @@ class MemoryStore:
                         info.device,
                         info.gflops,
                     )
-                    d.state, d.reason, d.last_seen = "online", "", now
+                    d.state, d.reason, d.last_seen = DeviceStatus.ONLINE, "", now
                     return d.id
         did = self._id("device")
         self._device_job[did] = job_id
@@ -197,7 +203,7 @@ class MemoryStore:
             info.memory_bytes,
             info.device,
             info.gflops,
-            "online",
+            DeviceStatus.ONLINE,
             now,
             now,
             identity_id=identity_id,
@@ -302,7 +308,7 @@ class MemoryStore:
             return None
         del self._queued[best.id]
         best.state = TileState.LEASED
-        issued = "first" if best.requeue_reason is None else f"requeued after {best.requeue_reason}"
+        issued = Issued.FIRST if best.requeue_reason is None else Issued.requeued(best.requeue_reason)
         return self._lease(best, device_id, issued, now)
 
     def lease_tile(self, tile_id: int, device_id: int, now: float) -> ClaimedTile | None:
@@ -311,7 +317,7 @@ class MemoryStore:
             return None
         del self._queued[tile_id]
         t.state = TileState.LEASED
-        issued = "first" if t.requeue_reason is None else f"requeued after {t.requeue_reason}"
+        issued = Issued.FIRST if t.requeue_reason is None else Issued.requeued(t.requeue_reason)
         return self._lease(t, device_id, issued, now)
 
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
@@ -327,7 +333,7 @@ class MemoryStore:
     def end_lease(
         self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
     ) -> LeaseEnd:
-        if outcome not in tuple(Outcome) or outcome == "cancelled":
+        if outcome not in tuple(Outcome) or outcome == Outcome.CANCELLED:
             raise StoreError(f"a lease cannot be ended as {outcome!r}")
         t = self._tiles.get(tile_id)
         mine = [lease for lease in self._open(tile_id) if lease.device_id == device_id] if t else []
@@ -335,14 +341,14 @@ class MemoryStore:
             raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
         lease = mine[0]
         lease.ended_at, lease.outcome, lease.reason = now, outcome, reason
-        if outcome == "verified":
+        if outcome == Outcome.VERIFIED:
             t.state = TileState.VERIFIED
             cancelled = []
             for other in self._open(tile_id):
-                other.ended_at, other.outcome, other.reason = now, "cancelled", "another copy was verified first"
+                other.ended_at, other.outcome, other.reason = now, Outcome.CANCELLED, "another copy was verified first"
                 cancelled.append(other.device_id)
             return LeaseEnd(False, tuple(cancelled))
-        if outcome == "rejected" or bar:
+        if outcome == Outcome.REJECTED or bar:
             t.barred.add(device_id)
         if self._open(tile_id):
             return LeaseEnd(False)
@@ -364,28 +370,13 @@ class MemoryStore:
         return self._tiles[tile_id].state
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
-        counts = dict.fromkeys(
-            (
-                TileState.QUEUED,
-                TileState.LEASED,
-                TileState.VERIFIED,
-                TileState.ABANDONED,
-                "rejected",
-                "lost",
-                "cancelled",
-                "revoked",
-                "requeued",
-                "speculative",
-                "expired",
-            ),
-            0,
-        )
+        counts = dict.fromkeys(TILE_COUNTS, 0)
         for t in self._tiles.values():
             if self._gemms[t.gemm_id]["job_id"] != job_id:
                 continue
             counts[t.state] += 1
             for lease in self._leases[t.id]:
-                if lease.outcome in ("rejected", "lost", "cancelled", "revoked"):
+                if lease.outcome in COUNTED_OUTCOMES:
                     counts[lease.outcome] += 1
                 if lease.issued.startswith("requeued"):
                     counts["requeued"] += 1
@@ -414,7 +405,7 @@ class MemoryStore:
         if not self._jobs:
             return None
         newest = self._jobs[max(self._jobs)]
-        return copy.deepcopy(newest) if newest.state in ("running", "stopped") else None
+        return copy.deepcopy(newest) if newest.state in RESUMABLE else None
 
     def abandon_unfinished(self, job_id: int | None, now: float) -> int:
         count = 0

@@ -37,6 +37,8 @@ from coordinator.wire.errors import StoreError
 from db.migrations import migrate
 from db.store import (
     RESTARTED,
+    RESUMABLE,
+    TILE_COUNTS,
     CheckpointRow,
     ClaimedTile,
     DeviceInfo,
@@ -45,6 +47,7 @@ from db.store import (
     IdentityState,
     Issued,
     JobRow,
+    JobState,
     LeaderRow,
     LeaseEnd,
     LeaseRow,
@@ -55,19 +58,6 @@ from db.store import (
 )
 
 GROUP_SECONDS = 0.05  # a running coordinator's group-commit window (see the module doc)
-_COUNT_KEYS = (
-    TileState.QUEUED,
-    TileState.LEASED,
-    TileState.VERIFIED,
-    TileState.ABANDONED,
-    "rejected",
-    "lost",
-    "cancelled",
-    "revoked",
-    "requeued",
-    "speculative",
-    "expired",
-)
 _DEVICE_COLS = (
     "id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen, tiles_done,"
     " tiles_rejected, gflop_verified, reason, tiles_lost, tiles_revoked, identity_id"
@@ -251,7 +241,7 @@ class SQLiteStore:
         return JobRow(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6], row[7])
 
     def set_job_state(self, job_id: int, state: str, now: float) -> None:
-        done = now if state in ("finished", "failed") else None
+        done = now if state in (JobState.FINISHED, JobState.FAILED) else None
         self._write(
             "UPDATE jobs SET state = ?, finished_at = COALESCE(?, finished_at) WHERE id = ?", (state, done, job_id)
         )
@@ -508,7 +498,7 @@ class SQLiteStore:
             row = c.execute(sql, params).fetchone()
             if row is None:
                 return None
-            issued = "first" if row[6] is None else f"requeued after {row[6]}"
+            issued = Issued.FIRST if row[6] is None else Issued.requeued(row[6])
             self._count(row[1], TileState.QUEUED, -1)
             self._count(row[1], TileState.LEASED)
             return self._lease(c, row, device_id, issued, now)
@@ -523,7 +513,7 @@ class SQLiteStore:
     def end_lease(
         self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
     ) -> LeaseEnd:
-        if outcome not in tuple(Outcome) or outcome == "cancelled":
+        if outcome not in tuple(Outcome) or outcome == Outcome.CANCELLED:
             raise StoreError(f"a lease cannot be ended as {outcome!r}")
         with self._grouped() as c:
             cur = c.execute(
@@ -533,7 +523,7 @@ class SQLiteStore:
             )
             if cur.rowcount != 1:
                 raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
-            if outcome == "verified":
+            if outcome == Outcome.VERIFIED:
                 (gemm_id,) = c.execute(
                     "UPDATE tiles SET state = 'verified', open_leases = 0, done_at = ? WHERE id = ? RETURNING gemm_id",
                     (now, tile_id),
@@ -545,9 +535,9 @@ class SQLiteStore:
                 ).fetchall()
                 self._count(gemm_id, TileState.LEASED, -1)
                 self._count(gemm_id, TileState.VERIFIED)
-                self._count(gemm_id, "cancelled", len(cancelled))
+                self._count(gemm_id, Outcome.CANCELLED, len(cancelled))
                 return LeaseEnd(False, tuple(r[0] for r in cancelled))
-            barred = "json_insert(barred, '$[#]', :device)" if outcome == "rejected" or bar else "barred"
+            barred = "json_insert(barred, '$[#]', :device)" if outcome == Outcome.REJECTED or bar else "barred"
             state, gemm_id = c.execute(
                 f"UPDATE tiles SET open_leases = open_leases - 1, barred = {barred}, "
                 "state = CASE WHEN open_leases = 1 THEN 'queued' ELSE state END, "
@@ -555,7 +545,7 @@ class SQLiteStore:
                 "WHERE id = :tile RETURNING state, gemm_id",
                 {"tile": tile_id, "device": device_id, "outcome": outcome},
             ).fetchone()
-            if outcome in ("rejected", "lost", "revoked"):
+            if outcome in (Outcome.REJECTED, Outcome.LOST, Outcome.REVOKED):
                 self._count(gemm_id, outcome)
             if state == TileState.QUEUED:
                 self._count(gemm_id, TileState.LEASED, -1)
@@ -587,11 +577,11 @@ class SQLiteStore:
     def tile_counts(self, job_id: int) -> dict[str, int]:
         if job_id not in self._counts:
             self._counts[job_id] = Counter(self.recount(job_id))
-        return {key: self._counts[job_id][key] for key in _COUNT_KEYS}
+        return {key: self._counts[job_id][key] for key in TILE_COUNTS}
 
     def recount(self, job_id: int) -> dict[str, int]:
         """Tile counts from the rows themselves (the running counters must always agree)."""
-        counts = dict.fromkeys(_COUNT_KEYS, 0)
+        counts = dict.fromkeys(TILE_COUNTS, 0)
         for state, n in self.conn.execute(
             "SELECT t.state, COUNT(*) FROM tiles t JOIN gemms g ON g.id = t.gemm_id "
             "WHERE g.job_id = ? GROUP BY t.state",
@@ -608,7 +598,7 @@ class SQLiteStore:
             {"job": job_id, "spec": Issued.SPECULATIVE, "deadline": Issued.DEADLINE},
         )
         assert row is not None
-        for name, value in zip(("rejected", "lost", "cancelled", "revoked", "requeued", "speculative", "expired"), row):
+        for name, value in zip(TILE_COUNTS[len(TileState) :], row):
             counts[name] = int(value)
         return counts
 
@@ -645,7 +635,7 @@ class SQLiteStore:
 
     def resumable_job(self) -> JobRow | None:
         row = self._one("SELECT id, state FROM jobs ORDER BY id DESC LIMIT 1")
-        return self.job(int(row[0])) if row is not None and row[1] in ("running", "stopped") else None
+        return self.job(int(row[0])) if row is not None and row[1] in RESUMABLE else None
 
     def truncate_steps(self, job_id: int, after: int) -> None:
         with self.atomic() as c:

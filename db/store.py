@@ -84,6 +84,10 @@ class JobState(Name):
     FINISHED = "finished"
 
 
+# What ``tile_counts`` reports: tiles per state, leases per outcome that ended badly, and leases
+# per reason of issue (``requeued``: "requeued after ...", ``expired``: a copy past a deadline).
+COUNTED_OUTCOMES = (Outcome.REJECTED, Outcome.LOST, Outcome.CANCELLED, Outcome.REVOKED)
+TILE_COUNTS = (*TileState, *COUNTED_OUTCOMES, "requeued", Issued.SPECULATIVE.value, "expired")
 RESTARTED = "coordinator restarted"  # why a dead run's devices went offline and its leases were lost
 RESUMABLE = (JobState.RUNNING, JobState.STOPPED)  # a job a restarted coordinator takes up again
 CONNECTED = (DeviceStatus.ONLINE, DeviceStatus.PAUSED)  # rows of devices with a live session

@@ -10,7 +10,6 @@ import torch
 
 from client.credentials import Credential as StoredCredential
 from client.session import (
-    DEFAULT_HEARTBEAT,
     SILENCE_FACTOR,
     Credited,
     Ended,
@@ -25,6 +24,7 @@ from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
 from coordinator.wire.errors import Banned, Refused
 from coordinator.wire.messages import (
+    DEFAULT_HEARTBEAT,
     Block,
     Cancel,
     Challenge,

@@ -114,7 +114,7 @@ def test_losing_copies_set_their_devices_back_as_the_live_coordinator_does() -> 
     cfg = SimConfig(model_shape("small"), laptops(16), SLOW, churn=False)
     Simulation(cfg, scheduler=log).run()  # type: ignore[arg-type]
     calls = [e for e in log.entries if e[0] in ("call", "return")]
-    # After a done() with losers, each loser is regraded (Core: standing.overtaken, _regrade).
+    # After a done() with losers, each loser is regraded (Conduct.settled, as Core calls it).
     checked = 0
     for i, entry in enumerate(calls):
         if entry[0] == "return" and isinstance(entry[2], list) and entry[2] and calls[i - 1][2] == "done":

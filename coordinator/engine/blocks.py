@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from coordinator.planning.tiles import wire_layout
+from coordinator.planning.tiles import Layout, wire_layout
 
 
 @dataclass(eq=False)
@@ -129,9 +129,9 @@ class Sources:
 def block_ref(src: Source, gemm_id: int, operand: str, logical: torch.Tensor) -> BlockRef:
     """Name ``logical`` (a slice of ``src``'s memory) and decide how it travels."""
     layout = wire_layout(logical)
-    if layout == "copy":
+    if layout is Layout.COPY:
         return BlockRef(f"{src.id}.g{gemm_id}.{operand}", src.id, False, logical)
-    wire = logical.t() if layout == "t" else logical
+    wire = logical.t() if layout is Layout.T else logical
     rows, cols = wire.shape
     key = f"{src.id}.{wire.storage_offset()}.{rows}x{cols}"
-    return BlockRef(key, src.id, layout == "t", logical, _wire=wire)
+    return BlockRef(key, src.id, layout is Layout.T, logical, _wire=wire)

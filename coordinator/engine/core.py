@@ -902,10 +902,8 @@ class Core:
         self.store.end_lease(tile_id, dev.id, Outcome.REVOKED, self.wall(now), reason, bar=True)
         self.store.credit_device(dev.id, revoked=1, now=self.wall(now))
         out: list[Outbound] = [self._send(dev.id, Cancel((tile_id,), f"lease taken back: {reason}"), now)]
-        if self.conduct.taken_back(dev):
+        if self.conduct.taken_back(dev):  # else it is regraded
             out.extend(self._cut(dev, "its tiles kept running past their deadlines", now))
-        else:
-            self.conduct.regrade(dev)
         return out
 
     def _cut(self, dev: DeviceState, why: str, now: float) -> list[Outbound]:

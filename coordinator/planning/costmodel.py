@@ -34,6 +34,9 @@ ATTENTION_PASSES = 3
 ADAMW_BYTES = 28
 
 
+MAX_PS_GFLOPS = 1e7  # the fastest coordinator an option may state (--ps-gflops)
+
+
 class CostModelError(ConfigError):
     """A profile or shape the model cannot price (negative sizes, zero rates...)."""
 

@@ -193,14 +193,21 @@ def b_block(b: torch.Tensor, t: Tile) -> torch.Tensor:
     return b[t.k0 : t.k1, t.c0 : t.c1]
 
 
-def wire_layout(block: torch.Tensor) -> str:
-    """How ``block`` travels: ``"plain"`` (already contiguous), ``"t"`` (contiguous once
-    transposed back: blocks of ``W^T`` and ``dY^T``) or ``"copy"`` (a strided slice)."""
+class Layout(Name):
+    """How a block travels."""
+
+    PLAIN = "plain"  # already contiguous
+    T = "t"  # contiguous once transposed back: blocks of ``W^T`` and ``dY^T``
+    COPY = "copy"  # a strided slice, copied
+
+
+def wire_layout(block: torch.Tensor) -> Layout:
+    """How ``block`` travels (``Layout``)."""
     if block.is_contiguous():
-        return "plain"
+        return Layout.PLAIN
     if block.t().is_contiguous():
-        return "t"
-    return "copy"
+        return Layout.T
+    return Layout.COPY
 
 
 def assemble(

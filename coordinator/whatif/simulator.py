@@ -54,8 +54,7 @@ from coordinator.planning.costmodel import (
 )
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.whatif.presets import ModelShape
-
-ASKED_SLOTS = 2  # what `cleave join` asks for by default (--slots)
+from coordinator.wire.messages import DEFAULT_SLOTS
 
 
 class SimulationError(CostModelError):
@@ -172,7 +171,7 @@ class SimConfig:
     rejoin_seconds: float = 60.0  # mean delay before a leaver's replacement joins
     veterans: bool = True  # devices present at the start are off probation (a running fleet)
     fail_at: float | None = None  # crash the busiest device this many seconds into the last step
-    slots: int = ASKED_SLOTS
+    slots: int = DEFAULT_SLOTS  # what `cleave join` asks for by default (--slots)
     give_up: float = 3600.0  # simulated seconds without a verified unit before the run is declared stalled
 
     def __post_init__(self) -> None:

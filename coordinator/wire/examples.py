@@ -114,7 +114,7 @@ _COMMON = dict(
     device="cpu",
     gflops=85.5,
     slots=2,
-    client_version="0.2.0",
+    client_version="0.1.0",
     block_budget=4 << 30,
 )
 

@@ -51,6 +51,11 @@ MAX_NAME = 64  # characters of a device's name (hello.name) and a coordinator's 
 MAX_TOKEN = 256  # characters of a join or operator token
 MAX_GFLOPS = 1e7  # the largest GEMM rate a hello may claim
 MAX_SLOTS = 64  # tiles a device may ask to hold, and be given, at once
+DEFAULT_SLOTS = 2  # what a device asks for unless told otherwise (cleave join --slots)
+DEFAULT_HEARTBEAT = 2.0  # seconds between heartbeats, until a welcome says otherwise
+MAX_PLATFORM = 128  # characters of a hello's platform description
+MAX_CORES = 1 << 16
+MAX_BYTES = 1 << 50  # the largest memory or block budget a hello may state
 
 # Wire names of the tensor dtypes a tile may use.
 DTYPES: dict[str, torch.dtype] = {
@@ -152,14 +157,14 @@ class Hello:
     token: str = _text("", max_len=MAX_TOKEN, text="name")
     identity: int = _int(0)
     proof: str = _text("", max_len=SECRET_HEX, text="hex")
-    platform: str = _text("", max_len=128)
-    cores: int = _int(1, lo=0, hi=1 << 16)
-    memory_bytes: int = _int(0, hi=1 << 50)
+    platform: str = _text("", max_len=MAX_PLATFORM)
+    cores: int = _int(1, lo=0, hi=MAX_CORES)
+    memory_bytes: int = _int(0, hi=MAX_BYTES)
     device: str = _text("cpu", max_len=16, text="name")
     gflops: float = _float(0.0, hi=MAX_GFLOPS)
-    slots: int = _int(2, lo=1, hi=MAX_SLOTS)  # the most tiles it wants in flight; the coordinator decides
+    slots: int = _int(DEFAULT_SLOTS, lo=1, hi=MAX_SLOTS)  # the most tiles it wants in flight; the coordinator decides
     client_version: str = _text("", max_len=32)
-    block_budget: int = _int(0, hi=1 << 50)  # bytes of input blocks the device will cache; 0: no limit
+    block_budget: int = _int(0, hi=MAX_BYTES)  # bytes of input blocks the device will cache; 0: no limit
     paused: str = _text("")  # not empty: it connects paused, for this reason (no work until Resume)
 
 
@@ -283,7 +288,7 @@ class Welcome:
     identity: int = _int()
     job: str = _text(max_len=200)
     slots: int = _int(lo=1, hi=MAX_SLOTS)
-    heartbeat: float = _float(2.0, lo=0.01, hi=3600.0)
+    heartbeat: float = _float(DEFAULT_HEARTBEAT, lo=0.01, hi=3600.0)
 
 
 @dataclass(frozen=True)
