@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -194,3 +195,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@functools.cache
+def local_losses(steps: int, **options: object) -> tuple[float, ...]:
+    """Plain torch's losses for these ``TrainConfig`` options, in this process; computed once per
+    configuration for the whole session (training is deterministic: same options, same losses)."""
+    from coordinator.training.loop import TrainConfig, Trainer
+
+    return tuple(r.loss for r in Trainer(TrainConfig(steps=steps, **options)).run())  # type: ignore[arg-type]
+
+
+def train_local(tmp: Path, *args: str) -> Proc:
+    """`cleave train --local ARGS --metrics TMP/local.jsonl --quiet`, started now: a test runs it
+    beside its distributed job and reads ``local_metrics(tmp)`` once it has exited."""
+    return Proc(cleave_cmd("train", "--local", *args, "--metrics", str(tmp / "local.jsonl"), "--quiet"), "local")
+
+
+def local_metrics(tmp: Path) -> list[float]:
+    return [row["loss"] for row in metrics(tmp / "local.jsonl")]

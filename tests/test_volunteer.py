@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TIMEOUT
-from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, wait_until
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, local_losses, wait_until
 
 from cleave_cli.status import fetch_status
-from coordinator.training.loop import TrainConfig, Trainer
 
 
 def _device(url: str, name: str) -> dict:
@@ -26,7 +25,8 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     probe.write_text(json.dumps({"on_ac": True, "battery_percent": 90}))
     policy = tmp_path / "client.toml"
     policy.write_text("[policy]\nidle_minutes = 0\nmax_other_cpu = 100\nresume_after = 0.5\n")
-    coord = Coordinator(tmp_path, "--min-devices", "2", "--batch-size", "16", "--seq-len", "128", steps=40)
+    steps = 24  # the pause comes at about step 4 and the resume at about step 10
+    coord = Coordinator(tmp_path, "--min-devices", "2", "--batch-size", "16", "--seq-len", "128", steps=steps)
     laptop = Proc(
         cleave_cmd(
             "join",
@@ -66,8 +66,7 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     wait_until(lambda: _device(coord.url, "laptop").get("tiles_done", 0) > done_while_paused, TIMEOUT, "resume")
     assert coord.wait(2 * TIMEOUT) == 0, coord.output
     assert laptop.wait() == 0 and desktop.wait() == 0
-    local = [r.loss for r in Trainer(TrainConfig(steps=40, batch_size=16, seq_len=128)).run()]
-    for got, want in zip(coord.losses(), local, strict=True):
+    for got, want in zip(coord.losses(), local_losses(steps, batch_size=16, seq_len=128), strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
     assert coord.query(
         "SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
@@ -147,7 +146,7 @@ def test_show_config_merges_file_and_flags_and_bad_files_get_one_line(tmp_path: 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_the_live_panel_renders_and_updates_in_a_real_terminal(tmp_path: Path) -> None:
-    coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=60)
+    coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=12)
     session = f"cleave-test-{int(time.time() * 1000) % 100000}"
     command = " ".join(
         cleave_cmd(
