@@ -189,6 +189,25 @@ def wait_until(predicate, timeout: float = TIMEOUT, what: str = "condition") -> 
         time.sleep(0.05)
 
 
+def run_all(*commands: list[str], timeout: float = TIMEOUT) -> list[subprocess.CompletedProcess[str]]:
+    """Independent commands run side by side (each mostly imports torch: two cores, half the wait);
+    like ``subprocess.run(command, capture_output=True, text=True)`` for each, in order."""
+    started = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+        for command in commands
+    ]
+    done = []
+    for command, proc in zip(commands, started):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in started:
+                p.kill()
+            raise AssertionError(f"{command} did not finish in {timeout} s") from None
+        done.append(subprocess.CompletedProcess(command, proc.returncode, out, err))
+    return done
+
+
 def free_port() -> int:
     import socket
 
