@@ -51,17 +51,19 @@ def benchmark(
     dev = kernels.pick_device(device)
     kernels.configure(dev, threads)
     err = Console(stderr=True, highlight=False)
-    with err.status(f"measuring GEMMs on {dev} ..."):
-        result = bench.run(dev, seconds=seconds)
-        bench.quick_gflops(dev, seconds=0.3, refresh=True)  # what `cleave join` reports at registration
-    if url is not None:
+    link = None
+    if url is not None:  # first: a wrong token or an unreachable coordinator fails before the GEMMs
         with err.status(f"measuring the link to {url} ..."):
             try:
-                result.link = asyncio.run(bench.measure_link(url, str(token), cafile=str(cafile) if cafile else None))
+                link = asyncio.run(bench.measure_link(url, str(token), cafile=str(cafile) if cafile else None))
             except (OSError, RuntimeError, TimeoutError) as exc:
                 raise CleaveError(f"cannot measure the link to {url}: {exc}") from None
             except Exception as exc:  # websockets' handshake and close errors
                 raise CleaveError(f"the coordinator at {url} refused the link test: {exc}") from None
+    with err.status(f"measuring GEMMs on {dev} ..."):
+        result = bench.run(dev, seconds=seconds)
+        bench.quick_gflops(dev, seconds=0.3, refresh=True)  # what `cleave join` reports at registration
+    result.link = link
     console = Console(highlight=False)
     if as_json:
         console.out(json.dumps(result.to_dict(), sort_keys=True))

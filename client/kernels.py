@@ -93,14 +93,18 @@ def _product(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[to
 def gemm_gflops(
     device: torch.device, size: int = 512, seconds: float = 0.3, dtype: torch.dtype = torch.float32
 ) -> float:
-    """A quick self-benchmark at a tile-like shape: best of repeated ``size^3`` products."""
+    """A quick self-benchmark at a tile-like shape: GFLOP/s of the fastest of repeated timed
+    ``size^3`` products after one untimed warm-up. Products are timed until ``seconds`` have
+    passed, at least three of them while each fits in the budget; a product that alone takes
+    longer than ``seconds`` (bfloat16 on many CPUs: seconds at 1024) is timed once, so a slow
+    dtype costs its warm-up and one product, not four."""
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     _product(a, b, device)  # warm-up
     best = float("inf")
     deadline = time.perf_counter() + seconds
     runs = 0
-    while runs < 3 or time.perf_counter() < deadline:
+    while runs == 0 or (runs < 3 and best < seconds) or time.perf_counter() < deadline:
         best = min(best, _product(a, b, device)[1])
         runs += 1
         if runs >= 200:

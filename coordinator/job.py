@@ -312,7 +312,7 @@ async def serve_job(
             core.shared(share.to_dict())
             reporter.note(share.summary())
 
-        def train() -> None:  # in the trainer thread
+        def build() -> Trainer:  # in a thread, while the devices join: their first step need not wait
             trainer = Trainer(
                 train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus, model_factory=cfg.model_factory
             )
@@ -328,6 +328,9 @@ async def serve_job(
                 log.exception("could not count the model's GEMM FLOPs; the share stays unknown")
             if plan.resume is not None and plan.resume.state is not None:
                 trainer.load_state_dict(plan.resume.state)
+            return trainer
+
+        def train(trainer: Trainer) -> None:  # in the trainer thread
             while trainer.step < train_cfg.steps:
                 result = trainer.train_step()
                 loop.call_soon_threadsafe(record, result)
@@ -355,10 +358,23 @@ async def serve_job(
                 if ready is not None:
                     ready(url)
                 core.waiting()
+                # The model is built (torch's optimizer alone takes a second or two to import) while
+                # the devices join; a model that cannot be built fails the job without waiting for them.
+                building = asyncio.ensure_future(asyncio.to_thread(build))
                 if start_step < train_cfg.steps:  # a job killed after its last step has nothing left
-                    await server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
+                    joining = asyncio.ensure_future(
+                        server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
+                    )
+                    try:
+                        await asyncio.wait({building, joining}, return_when=asyncio.FIRST_EXCEPTION)
+                        if building.done() and building.exception() is not None:
+                            building.result()  # raises the model's error
+                        await joining
+                    finally:
+                        joining.cancel()
+                model = await building
                 core.start_training(time.monotonic())  # waiting for devices is not training time
-                trainer = asyncio.ensure_future(asyncio.to_thread(train))
+                trainer = asyncio.ensure_future(asyncio.to_thread(train, model))
                 try:
                     await asyncio.wait({trainer})  # waiting, unlike awaiting, leaves it running if we are cancelled
                     trainer.result()

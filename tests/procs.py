@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -188,9 +189,47 @@ def wait_until(predicate, timeout: float = TIMEOUT, what: str = "condition") -> 
         time.sleep(0.05)
 
 
+def run_all(*commands: list[str], timeout: float = TIMEOUT) -> list[subprocess.CompletedProcess[str]]:
+    """Independent commands run side by side (each mostly imports torch: two cores, half the wait);
+    like ``subprocess.run(command, capture_output=True, text=True)`` for each, in order."""
+    started = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
+        for command in commands
+    ]
+    done = []
+    for command, proc in zip(commands, started):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in started:
+                p.kill()
+            raise AssertionError(f"{command} did not finish in {timeout} s") from None
+        done.append(subprocess.CompletedProcess(command, proc.returncode, out, err))
+    return done
+
+
 def free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@functools.cache
+def local_losses(steps: int, **options: object) -> tuple[float, ...]:
+    """Plain torch's losses for these ``TrainConfig`` options, in this process; computed once per
+    configuration for the whole session (training is deterministic: same options, same losses)."""
+    from coordinator.training.loop import TrainConfig, Trainer
+
+    return tuple(r.loss for r in Trainer(TrainConfig(steps=steps, **options)).run())  # type: ignore[arg-type]
+
+
+def train_local(tmp: Path, *args: str) -> Proc:
+    """`cleave train --local ARGS --metrics TMP/local.jsonl --quiet`, started now: a test runs it
+    beside its distributed job and reads ``local_metrics(tmp)`` once it has exited."""
+    return Proc(cleave_cmd("train", "--local", *args, "--metrics", str(tmp / "local.jsonl"), "--quiet"), "local")
+
+
+def local_metrics(tmp: Path) -> list[float]:
+    return [row["loss"] for row in metrics(tmp / "local.jsonl")]

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 from conftest import TIMEOUT
-from procs import TOKEN, Coordinator, join
+from procs import TOKEN, Coordinator, join, local_losses
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode, Code
 from coordinator.wire.messages import (
@@ -35,7 +34,7 @@ from coordinator.wire.messages import (
     encode,
 )
 
-STEPS = 40
+STEPS = 20  # the attacks take a few steps; the job goes on after them
 
 
 async def _closed_with(ws: ClientConnection) -> tuple[int | None, str]:
@@ -183,8 +182,7 @@ def test_a_hostile_peer_cannot_disturb_training(tmp_path: Path) -> None:
     assert coord.wait() == 0, coord.output
     assert honest.wait() == 0
     assert "Traceback" not in coord.output
-    local = [r.loss for r in Trainer(TrainConfig(steps=STEPS)).run()]
-    for got, want in zip(coord.losses(), local, strict=True):
+    for got, want in zip(coord.losses(), local_losses(STEPS), strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
     # Nothing lost: every tile verified, each forger's bad result counted against it, both banned.
     assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]

@@ -6,20 +6,15 @@ from __future__ import annotations
 import random
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from conftest import TIMEOUT
-from procs import Coordinator, Proc, double, free_port, join, wait_until
-
-from coordinator.training.loop import TrainConfig, Trainer
+from procs import Coordinator, Proc, double, free_port, join, local_losses, wait_until
 
 
-def local_losses(steps: int, **options: int) -> list[float]:
-    return [r.loss for r in Trainer(TrainConfig(steps=steps, **options)).run()]
-
-
-def assert_same_losses(got: list[float], want: list[float]) -> None:
+def assert_same_losses(got: Sequence[float], want: Sequence[float]) -> None:
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want), start=1):
         assert abs(g - w) <= 1e-4 * abs(w), f"step {step}: {g} vs undisturbed {w}"
@@ -34,9 +29,18 @@ def assert_every_tile_verified_once(coord: Coordinator) -> None:
 
 
 def test_chaos_kills_and_freezes_clients_without_changing_a_loss(tmp_path: Path) -> None:
-    options = {"batch_size": 16, "seq_len": 128}
+    steps, options = 20, {"batch_size": 16, "seq_len": 128}
     coord = Coordinator(
-        tmp_path, "--batch-size", "16", "--seq-len", "128", "--heartbeat-timeout", "3", "--min-devices", "4", steps=40
+        tmp_path,
+        "--batch-size",
+        "16",
+        "--seq-len",
+        "128",
+        "--heartbeat-timeout",
+        "3",
+        "--min-devices",
+        "4",
+        steps=steps,
     )
     clients: list[Proc] = [join(coord.url, f"c{i}") for i in range(4)]
     frozen: list[Proc] = []
@@ -61,8 +65,8 @@ def test_chaos_kills_and_freezes_clients_without_changing_a_loss(tmp_path: Path)
     for p in frozen:
         p.kill()
     assert {kind for kind, *_ in events} == {"kill", "stop"} and len(events) >= 4, events
-    assert events[1][2] < 40, "the chaos must happen while training"
-    assert_same_losses(coord.losses(), local_losses(40, **options))
+    assert events[1][2] < steps, "the chaos must happen while training"
+    assert_same_losses(coord.losses(), local_losses(steps, **options))
     assert_every_tile_verified_once(coord)
     counts = dict(coord.query("SELECT outcome, COUNT(*) FROM leases GROUP BY outcome"))
     assert counts.get("lost", 0) > 0  # tiles really were lost to the faults, and recovered
@@ -99,9 +103,9 @@ def test_a_straggler_does_not_hold_the_steps_back(tmp_path: Path) -> None:
 def test_a_killed_coordinator_resumes_with_the_same_losses(tmp_path: Path, damage: bool) -> None:
     port = free_port()
     args = ("--checkpoint-every", "5", "--min-devices", "2")
-    coord = Coordinator(tmp_path, *args, steps=30, port=port)
+    coord = Coordinator(tmp_path, *args, steps=20, port=port)
     clients = [join(coord.url, f"c{i}") for i in range(2)]
-    kill_at = random.Random(11 + damage).randint(8, 22)
+    kill_at = random.Random(11 + damage).randint(8, 14)  # 11: past two checkpoints
     coord.wait_for_step(kill_at)
     coord.proc.send_signal(signal.SIGKILL)
     coord.wait()
@@ -114,14 +118,14 @@ def test_a_killed_coordinator_resumes_with_the_same_losses(tmp_path: Path, damag
         assert len(known) >= 2, "an older checkpoint to fall back to"
         newest = Path(known[0][0])
         newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    again = Coordinator(tmp_path, *args, steps=30, port=port)
+    again = Coordinator(tmp_path, *args, steps=20, port=port)
     assert again.wait(3 * TIMEOUT) == 0, again.output
     assert [c.wait() for c in clients] == [0, 0], [c.output for c in clients]  # they reconnected by themselves
     assert "resuming job 1" in again.output
     if damage:
         assert "truncated" in again.output and "trying an older one" in again.output
     losses = [row[0] for row in again.query("SELECT loss FROM steps WHERE job_id = 1 ORDER BY step")]
-    assert_same_losses(losses, local_losses(30))
-    assert_same_losses(again.losses(), local_losses(30))  # the metrics file agrees
+    assert_same_losses(losses, local_losses(20))
+    assert_same_losses(again.losses(), local_losses(20))  # the metrics file agrees
     assert again.query("SELECT state FROM jobs") == [("finished",)]
     wait_until(lambda: True)

@@ -5,7 +5,6 @@ the losses of ``cleave train --local``."""
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from conftest import ROOT, TIMEOUT  # noqa: E402
-from procs import Coordinator, cleave_cmd, env, join, metrics  # noqa: E402
+from procs import Coordinator, join, local_metrics, train_local  # noqa: E402
 from torch import nn  # noqa: E402
 
 from coordinator.training import hf  # noqa: E402
@@ -65,46 +63,19 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _local(model: str, tmp: Path) -> list[float]:
-    path = tmp / "local.jsonl"
-    run = subprocess.run(
-        cleave_cmd(
-            "train",
-            "--local",
-            "--model",
-            model,
-            "--steps",
-            str(STEPS),
-            "--seq-len",
-            "32",
-            "--batch-size",
-            "4",
-            "--metrics",
-            str(path),
-            "--quiet",
-        ),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
-        timeout=2 * TIMEOUT,
-    )
-    assert run.returncode == 0, run.stderr
-    return [row["loss"] for row in metrics(path)]
-
-
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
 def test_a_transformers_model_trains_through_clients_like_local_torch(
     arch: str, folders: dict[str, Path], tmp_path: Path
 ) -> None:
     model = f"hf:{folders[arch]}"
-    want = _local(model, tmp_path)
-    coord = Coordinator(
-        tmp_path, "--model", model, "--min-devices", "2", "--seq-len", "32", "--batch-size", "4", steps=STEPS
-    )
+    options = ("--model", model, "--seq-len", "32", "--batch-size", "4")
+    local = train_local(tmp_path, *options, "--steps", str(STEPS))  # beside the job
+    coord = Coordinator(tmp_path, *options, "--min-devices", "2", steps=STEPS)
     clients = [join(coord.url, f"{arch}-{i}") for i in range(2)]
     assert coord.wait() == 0, coord.output
     assert [c.wait() for c in clients] == [0, 0]
+    assert local.wait() == 0, local.output
+    want = local_metrics(tmp_path)
     got = coord.losses()
     assert len(got) == STEPS
     for step, (g, w) in enumerate(zip(got, want), start=1):

@@ -4,14 +4,12 @@ the losses stay near plain torch's in the same mode (docs/cli.md has the long-ru
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TIMEOUT
-from procs import Coordinator, cleave_cmd, env, join, metrics
+from procs import Coordinator, join, local_metrics, train_local
 from test_core import Fleet
 
 from coordinator.engine import report
@@ -26,23 +24,13 @@ NEAR = {"bf16": 2e-2, "fp16": 1e-3, "autocast": 1e-3}  # relative, per step, ove
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "autocast"])
 def test_a_mixed_precision_job_finishes_with_honest_tiles_and_near_local_losses(precision: str, tmp_path: Path) -> None:
-    path = tmp_path / "local.jsonl"
-    local = subprocess.run(
-        cleave_cmd(
-            "train", "--local", "--precision", precision, "--steps", str(STEPS), "--metrics", str(path), "--quiet"
-        ),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
-        timeout=2 * TIMEOUT,
-    )
-    assert local.returncode == 0, local.stderr
-    want = [row["loss"] for row in metrics(path)]
+    local = train_local(tmp_path, "--precision", precision, "--steps", str(STEPS))  # beside the job
     coord = Coordinator(tmp_path, "--precision", precision, "--min-devices", "2", steps=STEPS)
     clients = [join(coord.url, f"{precision}-{i}") for i in range(2)]
     assert coord.wait() == 0, coord.output
     assert [c.wait() for c in clients] == [0, 0]
+    assert local.wait() == 0, local.output
+    want = local_metrics(tmp_path)
     got = coord.losses()
     assert len(got) == STEPS and all(g == g for g in got)
     for step, (g, w) in enumerate(zip(got, want), start=1):

@@ -267,7 +267,10 @@ def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
         async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
             for how in ("abort", "leave", "close"):
-                ws = await connect(url, compression=None, max_size=None, max_queue=1)
+                # It never reads the server's close frame (queued behind frames it does not read), so
+                # its own close waits out close_timeout: 3 s, not the default 10, still past the 2 s
+                # after which the server gives up on the closing handshake and ends the connection.
+                ws = await connect(url, compression=None, max_size=None, max_queue=1, close_timeout=3)
                 await ws.recv()
                 await ws.send(encode(Hello(token="tok", name=f"d-{how}", slots=2)))
                 await ws.recv(), await ws.recv()  # credential, welcome: then it reads nothing more

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, TIMEOUT
-from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, wait_until
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, local_losses, run_all, wait_until
 
 from cleave_cli.status import fetch_status
-from coordinator.training.loop import TrainConfig, Trainer
 
 
 def _device(url: str, name: str) -> dict:
@@ -26,7 +25,8 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     probe.write_text(json.dumps({"on_ac": True, "battery_percent": 90}))
     policy = tmp_path / "client.toml"
     policy.write_text("[policy]\nidle_minutes = 0\nmax_other_cpu = 100\nresume_after = 0.5\n")
-    coord = Coordinator(tmp_path, "--min-devices", "2", "--batch-size", "16", "--seq-len", "128", steps=40)
+    steps = 24  # the pause comes at about step 4 and the resume at about step 10
+    coord = Coordinator(tmp_path, "--min-devices", "2", "--batch-size", "16", "--seq-len", "128", steps=steps)
     laptop = Proc(
         cleave_cmd(
             "join",
@@ -66,8 +66,7 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     wait_until(lambda: _device(coord.url, "laptop").get("tiles_done", 0) > done_while_paused, TIMEOUT, "resume")
     assert coord.wait(2 * TIMEOUT) == 0, coord.output
     assert laptop.wait() == 0 and desktop.wait() == 0
-    local = [r.loss for r in Trainer(TrainConfig(steps=40, batch_size=16, seq_len=128)).run()]
-    for got, want in zip(coord.losses(), local, strict=True):
+    for got, want in zip(coord.losses(), local_losses(steps, batch_size=16, seq_len=128), strict=True):
         assert abs(got - want) <= 1e-4 * abs(want)
     assert coord.query(
         "SELECT COUNT(*) FROM leases l JOIN devices d ON d.id = l.device_id "
@@ -82,12 +81,9 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
 
 def test_benchmark_json_has_stable_keys_and_plausible_numbers(tmp_path: Path) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "1", steps=3)
-    run = subprocess.run(
+    run, wrong = run_all(
         cleave_cmd("benchmark", "--json", "--seconds", "0.1", "--url", coord.url, "--token", OPERATOR),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
+        cleave_cmd("benchmark", "--seconds", "0.05", "--url", coord.url, "--token", "nope"),
         timeout=2 * TIMEOUT,
     )
     assert run.returncode == 0, run.stderr
@@ -98,14 +94,6 @@ def test_benchmark_json_has_stable_keys_and_plausible_numbers(tmp_path: Path) ->
     assert dtypes == {(d, s) for d in ("float32", "bfloat16", "float16") for s in (512, 1024)}
     link = result["link"]
     assert link["url"] == coord.url and 0 < link["rtt_ms"] < 1000 and link["down_mb_s"] > 1 and link["up_mb_s"] > 1
-    wrong = subprocess.run(
-        cleave_cmd("benchmark", "--seconds", "0.05", "--url", coord.url, "--token", "nope"),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
-        timeout=2 * TIMEOUT,
-    )
     assert wrong.returncode == 1 and len(wrong.stderr.strip().splitlines()) == 1
     finisher = join(coord.url, "finisher")
     assert coord.wait() == 0 and finisher.wait() == 0
@@ -116,38 +104,24 @@ def test_benchmark_json_has_stable_keys_and_plausible_numbers(tmp_path: Path) ->
 def test_show_config_merges_file_and_flags_and_bad_files_get_one_line(tmp_path: Path) -> None:
     good = tmp_path / "client.toml"
     good.write_text('[policy]\nidle_minutes = 10\nhours = "22:00-07:00"\n')
-    run = subprocess.run(
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[policy]\nmax_other_cpu = 'lots'\n")
+    run, defaults, refused = run_all(
         cleave_cmd("join", "--show-config", "--config", str(good), "--max-cpu", "25"),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
-        timeout=TIMEOUT,
+        cleave_cmd("join", "--show-config"),
+        cleave_cmd("join", "ws://127.0.0.1:1", "--token", "t", "--config", str(bad)),
     )
     assert run.returncode == 0, run.stderr
     assert "idle_minutes = 10.0" in run.stdout and 'hours = "22:00-07:00"' in run.stdout
     assert "max_other_cpu = 25.0" in run.stdout and str(good) in run.stdout
-    defaults = subprocess.run(
-        cleave_cmd("join", "--show-config"), capture_output=True, text=True, env=env(), cwd=ROOT, timeout=TIMEOUT
-    )
     assert "require_ac = true" in defaults.stdout and "idle_minutes = 3.0" in defaults.stdout
-    bad = tmp_path / "bad.toml"
-    bad.write_text("[policy]\nmax_other_cpu = 'lots'\n")
-    run = subprocess.run(
-        cleave_cmd("join", "ws://127.0.0.1:1", "--token", "t", "--config", str(bad)),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
-        timeout=TIMEOUT,
-    )
-    assert run.returncode == 2 and "max_other_cpu must be a float" in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+    assert refused.returncode == 2 and "max_other_cpu must be a float" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_the_live_panel_renders_and_updates_in_a_real_terminal(tmp_path: Path) -> None:
-    coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=60)
+    coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=12)
     session = f"cleave-test-{int(time.time() * 1000) % 100000}"
     command = " ".join(
         cleave_cmd(

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from procs import Coordinator, join
+from procs import Coordinator, join, local_losses
 from test_live_plan import Fleet, make_core
 
 from client import kernels
@@ -18,7 +18,6 @@ from coordinator.net.remote import RemoteEngine
 from coordinator.planning.planner import Kind
 from coordinator.planning.tiles import GemmKind
 from coordinator.training.linear import GemmRequest
-from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.wire.messages import WireDtype
 from coordinator.wire.verify import freivalds
 
@@ -35,12 +34,20 @@ def _job(tmp: Path, wire: str) -> tuple[list[dict], int]:
     return coord.rows(), rejected
 
 
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The float32-wire job both half-precision wires are compared with: run once."""
+    rows, _ = _job(tmp_path_factory.mktemp("exact") / "fp32", "fp32")
+    return rows
+
+
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
-def test_a_half_precision_wire_halves_the_bytes_and_stays_near_plain_torch(tmp_path: Path, wire: str) -> None:
-    exact, _ = _job(tmp_path / "fp32", "fp32")
+def test_a_half_precision_wire_halves_the_bytes_and_stays_near_plain_torch(
+    tmp_path: Path, wire: str, exact: list[dict]
+) -> None:
     half, rejected = _job(tmp_path / wire, wire)
     assert rejected == 0  # every honest half-precision result verified
-    local = [r.loss for r in Trainer(TrainConfig(steps=STEPS)).run()]
+    local = local_losses(STEPS)
     for row, want in zip(half, local, strict=True):
         assert abs(row["loss"] - want) <= 2e-2 * abs(want)  # rounded operands: near, not equal
     assert any(row["loss"] != want for row, want in zip(half, local))
