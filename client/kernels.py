@@ -90,6 +90,9 @@ def _product(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> tuple[to
     return (c if device.type == "cpu" else c.cpu()), seconds
 
 
+SLOW_PRODUCT = 1.0  # seconds: a warm-up this slow is measured, not thrown away
+
+
 def gemm_gflops(
     device: torch.device, size: int = 512, seconds: float = 0.3, dtype: torch.dtype = torch.float32
 ) -> float:
@@ -97,10 +100,14 @@ def gemm_gflops(
     ``size^3`` products after one untimed warm-up. Products are timed until ``seconds`` have
     passed, at least three of them while each fits in the budget; a product that alone takes
     longer than ``seconds`` (bfloat16 on many CPUs: seconds at 1024) is timed once, so a slow
-    dtype costs its warm-up and one product, not four."""
+    dtype costs its warm-up and one product, not four. A warm-up longer than both ``seconds`` and
+    a second is itself the figure: the one-time costs it carries (kernel choice, first touches of
+    memory) are milliseconds, under 1% of such a product."""
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    _product(a, b, device)  # warm-up
+    warm = _product(a, b, device)[1]
+    if warm > max(seconds, SLOW_PRODUCT):
+        return 2 * size**3 / warm / 1e9
     best = float("inf")
     deadline = time.perf_counter() + seconds
     runs = 0

@@ -69,3 +69,50 @@ def _seeded() -> None:
     import torch
 
     torch.manual_seed(0)
+
+
+_ROOMS: list = []  # this worker's two lock files, opened once
+
+
+def _rooms() -> list:
+    if not _ROOMS:
+        run = Path(tempfile.gettempdir()) / f"cleave-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+        run.mkdir(exist_ok=True)
+        _ROOMS.extend(open(run / name, "a+") for name in ("turnstile", "room"))  # held all run
+    return _ROOMS
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ANN201
+    """A test marked ``alone`` measures time: on xdist workers it runs with no test beside it.
+    A readers-writer lock over two files: every test holds the room shared, an ``alone`` one holds
+    it exclusively, and the turnstile keeps new tests from slipping in while it waits."""
+    if "PYTEST_XDIST_TESTRUNUID" not in os.environ:
+        yield
+        return
+    import fcntl
+
+    turnstile, room = _rooms()
+    alone = item.get_closest_marker("alone") is not None
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    if not alone:
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(room, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Drills first: the suite runs on two workers (pyproject's addopts), and the longest tests
+    started first leave the quick ones to fill the gaps at the end. A stable sort, the same in
+    every worker, so xdist sees one order."""
+    items.sort(key=lambda item: item.get_closest_marker("drill") is None)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _ROOMS:
+        _ROOMS.pop().close()

@@ -20,6 +20,7 @@ def _example() -> str:
     return code
 
 
+@pytest.mark.drill
 def test_the_documented_example_trains_through_clients_like_plain_torch(capsys: pytest.CaptureFixture[str]) -> None:
     scope: dict = {"__name__": "example"}
     exec(compile(_example(), "docs/api.md", "exec"), scope)  # noqa: S102 -- our own doc's code

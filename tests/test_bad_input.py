@@ -11,6 +11,7 @@ import json
 import struct
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import TIMEOUT
 from procs import TOKEN, Coordinator, join, local_losses
@@ -33,6 +34,8 @@ from coordinator.wire.messages import (
     decode,
     encode,
 )
+
+pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 
 STEPS = 20  # the attacks take a few steps; the job goes on after them
 

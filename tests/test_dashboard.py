@@ -79,6 +79,7 @@ def _get(url: str, token: str | None = None) -> tuple[int, dict, dict]:
         return exc.code, dict(exc.headers), json.loads(exc.read())
 
 
+@pytest.mark.drill
 @pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (.ci/run installs it)")
 def test_the_dashboard_renders_live_numbers_and_hides_operator_data_without_the_token(tmp_path: Path) -> None:
     cfg = CoordinatorConfig(

@@ -12,6 +12,8 @@ import pytest
 from conftest import ROOT, TIMEOUT
 from procs import OPERATOR, Coordinator, Proc, cleave_cmd, double, env, join, metrics, run_all, wait_until
 
+pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
+
 STEPS = 12  # past the warm-up of 10: the loss has fallen by 0.9 (the test of learning asks 0.5)
 REL = 1e-4
 

@@ -142,6 +142,7 @@ def _local_losses(tmp: Path) -> list[float]:
     return [row["loss"] for row in metrics(path)]
 
 
+@pytest.mark.drill
 def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path) -> None:
     """20 slow emulated devices (2-5 GFLOP/s, a few MB/s), leaving and coming back, one of them
     forging: the job finishes with the losses of local torch, the forger is banned (the

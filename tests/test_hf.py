@@ -63,6 +63,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.drill
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "opt"])
 def test_a_transformers_model_trains_through_clients_like_local_torch(
     arch: str, folders: dict[str, Path], tmp_path: Path

@@ -76,6 +76,7 @@ def _scrape(url: str) -> tuple[int, str, str]:
         return exc.code, exc.headers["Content-Type"], exc.read().decode()
 
 
+@pytest.mark.drill
 def test_metrics_are_scraped_over_http_during_a_job_and_agree_with_the_store(tmp_path: Path) -> None:
     checker = _Checker()
     cfg = CoordinatorConfig(

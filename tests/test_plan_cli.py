@@ -19,7 +19,7 @@ from cleave_cli.plan import default_ps
 from coordinator.planning.planner import Gemm, baseline, plan_step
 from coordinator.whatif.presets import model_shape, resolve_fleet, step_gemms
 
-RUNNER = CliRunner()
+RUNNER = CliRunner(env={"COLUMNS": "200"})  # rich's width off a terminal; tables are cut at 80
 
 FLEET_TOML = """
 [[class]]

@@ -6,9 +6,12 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+import pytest
 from procs import Coordinator, double, join
 
 from coordinator.training.loop import TrainConfig, Trainer
+
+pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 
 STEPS = 10
 WARMUP = 3  # profiles start from priors; the first steps also warm caches
@@ -24,6 +27,7 @@ def _run(tmp: Path, planner: str, *args: str) -> list[dict]:
     return coord.rows()
 
 
+@pytest.mark.alone  # it compares the cost model's predicted step time with the measured one
 def test_the_cost_planner_beats_the_uniform_grid_and_predicts_its_step(tmp_path: Path) -> None:
     uniform = _run(tmp_path / "uniform", "uniform")
     cost = _run(tmp_path / "cost", "cost")

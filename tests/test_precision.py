@@ -22,6 +22,7 @@ STEPS = 8
 NEAR = {"bf16": 2e-2, "fp16": 1e-3, "autocast": 1e-3}  # relative, per step, over these few steps
 
 
+@pytest.mark.drill
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "autocast"])
 def test_a_mixed_precision_job_finishes_with_honest_tiles_and_near_local_losses(precision: str, tmp_path: Path) -> None:
     local = train_local(tmp_path, "--precision", precision, "--steps", str(STEPS))  # beside the job

@@ -15,6 +15,8 @@ from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, loc
 
 from cleave_cli.status import fetch_status
 
+pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
+
 
 def _device(url: str, name: str) -> dict:
     return next((d for d in fetch_status(url, OPERATOR)["devices"] if d["name"] == name), {})

@@ -41,6 +41,7 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return rows
 
 
+@pytest.mark.drill
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
 def test_a_half_precision_wire_halves_the_bytes_and_stays_near_plain_torch(
     tmp_path: Path, wire: str, exact: list[dict]
