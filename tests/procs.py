@@ -223,13 +223,3 @@ def local_losses(steps: int, **options: object) -> tuple[float, ...]:
     from coordinator.training.loop import TrainConfig, Trainer
 
     return tuple(r.loss for r in Trainer(TrainConfig(steps=steps, **options)).run())  # type: ignore[arg-type]
-
-
-def train_local(tmp: Path, *args: str) -> Proc:
-    """`cleave train --local ARGS --metrics TMP/local.jsonl --quiet`, started now: a test runs it
-    beside its distributed job and reads ``local_metrics(tmp)`` once it has exited."""
-    return Proc(cleave_cmd("train", "--local", *args, "--metrics", str(tmp / "local.jsonl"), "--quiet"), "local")
-
-
-def local_metrics(tmp: Path) -> list[float]:
-    return [row["loss"] for row in metrics(tmp / "local.jsonl")]

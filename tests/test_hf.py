@@ -12,7 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from procs import Coordinator, join, local_metrics, train_local  # noqa: E402
+from procs import Coordinator, join, local_losses  # noqa: E402
 from torch import nn  # noqa: E402
 
 from coordinator.training import hf  # noqa: E402
@@ -70,13 +70,11 @@ def test_a_transformers_model_trains_through_clients_like_local_torch(
 ) -> None:
     model = f"hf:{folders[arch]}"
     options = ("--model", model, "--seq-len", "32", "--batch-size", "4")
-    local = train_local(tmp_path, *options, "--steps", str(STEPS))  # beside the job
     coord = Coordinator(tmp_path, *options, "--min-devices", "2", steps=STEPS)
     clients = [join(coord.url, f"{arch}-{i}") for i in range(2)]
+    want = local_losses(STEPS, model=model, seq_len=32, batch_size=4)  # plain torch, while the clients start
     assert coord.wait() == 0, coord.output
     assert [c.wait() for c in clients] == [0, 0]
-    assert local.wait() == 0, local.output
-    want = local_metrics(tmp_path)
     got = coord.losses()
     assert len(got) == STEPS
     for step, (g, w) in enumerate(zip(got, want), start=1):
