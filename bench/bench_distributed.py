@@ -80,8 +80,9 @@ from rich.table import Table
 from timing import interleaved_medians
 
 from cleave_cli.local import serve_with_local_clients
+from coordinator.engine.identity import new_token
 from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig, JobOutcome, Listening, new_token
+from coordinator.job import CoordinatorConfig, JobOutcome, Listening
 from coordinator.planning.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from coordinator.wire.messages import WireDtype

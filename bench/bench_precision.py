@@ -27,8 +27,9 @@ from rich.table import Table
 
 import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 from cleave_cli.local import serve_with_local_clients
+from coordinator.engine.identity import new_token
 from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig, new_token
+from coordinator.job import CoordinatorConfig
 from coordinator.training.loop import PRECISIONS, TrainConfig, Trainer
 
 

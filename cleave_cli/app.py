@@ -1,34 +1,73 @@
-"""The ``cleave`` command: a thin typer app; each command lives in its own module."""
+"""The ``cleave`` command: a thin typer app; each command lives in its own module.
+
+A command's module is imported only when that command runs (``build``): the commands that train
+or compute import torch (1.5 s or more), while ``cleave status`` and the operator's commands on a
+database need none of it and answer in a fraction of a second. ``cleave --help`` imports them all.
+"""
 
 from __future__ import annotations
 
 import gc
+import importlib
+import sys
+from collections.abc import Sequence
 
 import typer
 
-from cleave_cli import benchmark, coordinator, demo, emulate, join, plan, simulate, status, train
+# name -> (module, function), in the order ``cleave --help`` lists them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "join": ("cleave_cli.join", "join"),
+    "status": ("cleave_cli.status", "status"),
+    "train": ("cleave_cli.train", "train"),
+    "demo": ("cleave_cli.demo", "demo"),
+    "benchmark": ("cleave_cli.benchmark", "benchmark"),
+    "plan": ("cleave_cli.plan", "plan"),
+    "simulate": ("cleave_cli.simulate", "simulate"),
+    "emulate": ("cleave_cli.emulate", "emulate"),
+}
+COORDINATOR = "coordinator"
+ADMIN = ("devices", "token")  # ``cleave coordinator`` groups that need no torch (cleave_cli/admin.py)
 
-app = typer.Typer(
-    name="cleave",
-    help="Cleave: train foundation models on volunteers' idle machines, one verified GEMM tile at a time.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-app.add_typer(coordinator.app, name="coordinator")
-app.command("join")(join.join)
-app.command("status")(status.status)
-app.command("train")(train.train)
-app.command("demo")(demo.demo)
-app.command("benchmark")(benchmark.benchmark)
-app.command("plan")(plan.plan)
-app.command("simulate")(simulate.simulate)
-app.command("emulate")(emulate.emulate)
+
+def build(argv: Sequence[str] = ()) -> typer.Typer:
+    """The app for ``argv`` (the arguments after ``cleave``): only the command they name, or all
+    of them when they name none (help, a typo: typer lists what there is)."""
+    app = typer.Typer(
+        name="cleave",
+        help="Cleave: train foundation models on volunteers' idle machines, one verified GEMM tile at a time.",
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=False,
+    )
+    first = argv[0] if argv else None
+    everything = first not in COMMANDS and first != COORDINATOR
+    if everything or first == COORDINATOR:
+        from cleave_cli import admin
+
+        group = typer.Typer(
+            help="Run a coordinator (parameter server + tile queue) and manage it.", no_args_is_help=True
+        )
+        if everything or len(argv) < 2 or argv[1] not in ADMIN:
+            from cleave_cli import coordinator
+
+            group.command("start")(coordinator.start)
+        admin.add_to(group)
+        app.add_typer(group, name=COORDINATOR)
+    for name, (module, function) in COMMANDS.items():
+        if everything or first == name:
+            app.command(name)(getattr(importlib.import_module(module), function))
+    return app
+
+
+def __getattr__(name: str) -> typer.Typer:
+    if name == "app":  # every command (tests drive it with typer's CliRunner)
+        return build()
+    raise AttributeError(name)
 
 
 def main() -> None:
     try:
-        app()
+        build(sys.argv[1:])()
     finally:
         # The process is exiting: spare the interpreter's last collection a walk over every object
         # torch and its optimizer's imports created (half a second or more of a coordinator's exit).

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -13,30 +11,18 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from cleave_cli import options as opt
-from cleave_cli import render
-from cleave_cli.errors import friendly, is_terminal, stderr_console
+from cleave_cli.errors import friendly, is_terminal
 from cleave_cli.progress import ConsoleReporter
-from coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN, store_token
 from coordinator.engine.limits import Limits
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
-from coordinator.job import STRONG_TOKEN, CoordinatorConfig, new_token, run_job
+from coordinator.job import CoordinatorConfig, run_job
 from coordinator.planning.tiles import TilingPolicy
-from coordinator.wire.auth import token_hash
+from coordinator.training.loop import TrainConfig
 from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import MAX_TOKEN, WireDtype
-from db.sqlite import SQLiteStore
-from db.store import IdentityState
+from coordinator.wire.messages import WireDtype
 
-app = typer.Typer(help="Run a coordinator (parameter server + tile queue) and manage it.", no_args_is_help=True)
-devices_app = typer.Typer(
-    help="The devices enrolled on a coordinator's --db: list, revoke, unban.", no_args_is_help=True
-)
-token_app = typer.Typer(help="The coordinator's join and operator tokens.", no_args_is_help=True)
-app.add_typer(devices_app, name="devices")
-app.add_typer(token_app, name="token")
-D = opt.DEFAULTS
-Db = Annotated[Path, typer.Option(help="The coordinator's SQLite file.")]
+D = TrainConfig()  # the defaults the options show
 
 
 def setup_logging(console: Console, verbose: bool) -> None:
@@ -46,7 +32,6 @@ def setup_logging(console: Console, verbose: bool) -> None:
     )
 
 
-@app.command("start")
 @friendly
 def start(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 to accept other machines).")] = "127.0.0.1",
@@ -179,104 +164,3 @@ def start(
         run_job(cfg, reporter)
     finally:
         reporter.close()
-
-
-def _open(db: Path) -> SQLiteStore:
-    if not db.exists():
-        raise ConfigError(f"no database at {db} (pass the coordinator's --db)")
-    return SQLiteStore(db)
-
-
-@devices_app.command("list")
-@friendly
-def devices_list(
-    db: Db = Path("cleave.db"),
-    limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 200,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON list.")] = False,
-) -> None:
-    """List enrolled devices: state, record and verified work (works while the coordinator runs)."""
-    if not 1 <= limit <= 1_000_000:
-        raise ConfigError(f"--limit must be between 1 and 1,000,000, got {limit}")
-    store = _open(db)
-    try:
-        rows = store.identities(limit)
-    finally:
-        store.close()
-    console = Console(highlight=False)
-    if as_json:
-        console.out(
-            json.dumps([{**row.__dict__, "reliability": round(row.reliability, 4)} for row in rows], sort_keys=True)
-        )
-    else:
-        console.print(render.identities(rows))
-
-
-def _set_state(db: Path, identity: int, want: str, reason: str, allowed_from: tuple[str, ...]) -> str:
-    store = _open(db)
-    try:
-        row = store.identity(identity)
-        if row is None:
-            raise ConfigError(f"no device #{identity} in {db}")
-        if row.state not in allowed_from:
-            raise ConfigError(f"device #{identity} ({row.name}) is {row.state}")
-        store.set_identity_state(identity, want, reason, time.time())
-        return row.name
-    finally:
-        store.close()
-
-
-@devices_app.command("revoke")
-@friendly
-def devices_revoke(
-    identity: Annotated[int, typer.Argument(help="The device's number (cleave coordinator devices list).")],
-    db: Db = Path("cleave.db"),
-    reason: Annotated[str, typer.Option(help="Recorded, and shown to the device when it is refused.")] = "",
-) -> None:
-    """Revoke a device's credential: a running coordinator cuts it within a second and refuses it
-    from then on. Its record and credit stay."""
-    name = _set_state(db, identity, IdentityState.REVOKED, reason[:200], (IdentityState.ACTIVE, IdentityState.BANNED))
-    Console(highlight=False).print(f"device #{identity} ({name}) revoked", markup=False)
-
-
-@devices_app.command("unban")
-@friendly
-def devices_unban(
-    identity: Annotated[int, typer.Argument(help="The device's number (cleave coordinator devices list).")],
-    db: Db = Path("cleave.db"),
-) -> None:
-    """Let a banned device connect again; its record stays. A revoked credential cannot be
-    reinstated: that device enrols again with the join token (cleave join --new-identity)."""
-    name = _set_state(db, identity, IdentityState.ACTIVE, "", (IdentityState.BANNED,))
-    Console(highlight=False).print(f"device #{identity} ({name}) may connect again", markup=False)
-
-
-@token_app.command("rotate")
-@friendly
-def token_rotate(
-    db: Db = Path("cleave.db"),
-    operator: Annotated[
-        bool, typer.Option("--operator", help="Rotate the operator token instead of the join token.")
-    ] = False,
-    token: Annotated[str | None, typer.Option(help="The new token. Default: a generated one (printed).")] = None,
-) -> None:
-    """Replace the join token (enrolled devices are not affected: they use their credentials) or
-    the operator token. A running coordinator on --db uses the new one within a second."""
-    new = token if token is not None else new_token()
-    if not (new.strip() and new.isprintable() and len(new) <= MAX_TOKEN):
-        raise ConfigError(f"--token must be 1 to {MAX_TOKEN} printable characters")
-    if len(new) < STRONG_TOKEN:
-        stderr_console().print(
-            f"warning: a token of {len(new)} characters can be searched for by anyone who copies "
-            "the database; generated tokens have 22",
-            style="yellow",
-        )
-    store = _open(db)
-    try:
-        mine, other = (OPERATOR_TOKEN, JOIN_TOKEN) if operator else (JOIN_TOKEN, OPERATOR_TOKEN)
-        if store.setting(other) == token_hash(new).hex():
-            raise ConfigError("the join and operator tokens must differ")
-        store_token(store, mine, new)
-    finally:
-        store.close()
-    which = "operator" if operator else "join"
-    Console(highlight=False).print(f"new {which} token: {new}", markup=False)

@@ -17,8 +17,9 @@ from cleave_cli import render
 from cleave_cli.errors import friendly, is_terminal
 from cleave_cli.local import serve_with_local_clients
 from cleave_cli.progress import ConsoleReporter
+from coordinator.engine.identity import new_token
 from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig, new_token
+from coordinator.job import CoordinatorConfig
 from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.wire.errors import CleaveError, ConfigError
 

@@ -6,7 +6,7 @@ import asyncio
 import signal
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -18,9 +18,12 @@ from cleave_cli.errors import friendly, is_terminal
 from client.credentials import default_path as default_credentials
 from client.idle import FileProbe, Reading, SystemProbe
 from client.policy import Decision, PolicyConfig, default_config_path, load_config
-from client.runner import Worker, WorkerConfig, WorkerState, WorkerStats
+from client.state import WorkerState
 from client.sysinfo import machine_name
 from coordinator.wire.messages import MAX_NAME
+
+if TYPE_CHECKING:  # the worker computes with torch: imported once there is work to do, not for --show-config
+    from client.runner import Worker, WorkerStats
 
 
 class _Display:
@@ -185,6 +188,8 @@ def join(
         raise typer.BadParameter("URL is required (unless --show-config)")
     if new_identity and not token:
         raise typer.BadParameter("--new-identity needs --token (the join token) to enrol")
+    from client.runner import Worker, WorkerConfig
+
     cfg = WorkerConfig(
         url=url,
         token=token or "",

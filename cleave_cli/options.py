@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from coordinator.training.loop import TrainConfig
 from coordinator.wire.messages import WireDtype
 
-_D = TrainConfig()
+if TYPE_CHECKING:  # the training modules import torch: the commands that train import them
+    from coordinator.training.loop import TrainConfig
+
 
 Model = Annotated[
     str,
@@ -67,6 +68,8 @@ def train_config(
     data: Path | None,
     precision: str = "fp32",
 ) -> TrainConfig:
+    from coordinator.training.loop import TrainConfig
+
     return TrainConfig(
         model=model,
         steps=steps,
@@ -78,8 +81,6 @@ def train_config(
         precision=precision,
     )
 
-
-DEFAULTS = _D
 
 CaFile = Annotated[
     Path | None,

@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from client.runner import WorkerState
+from client.state import WorkerState
 from coordinator.wire.codes import DeviceView
 
 

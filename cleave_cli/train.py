@@ -11,10 +11,10 @@ from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import friendly
 from coordinator.job import metrics_line
-from coordinator.training.loop import Trainer
+from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.wire.errors import ConfigError
 
-D = opt.DEFAULTS
+D = TrainConfig()  # the defaults the options show
 
 
 @friendly

@@ -46,7 +46,8 @@ from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
 from client.session import Credited, Ended, Ending, Enrolled, ErrorReceived, HangUp, Session, TileQueued, Welcomed
-from coordinator.wire.codes import CloseCode, Name
+from client.state import WorkerState
+from coordinator.wire.codes import CloseCode
 from coordinator.wire.errors import Banned, ClientError, Refused
 from coordinator.wire.messages import (
     DEFAULT_SLOTS,
@@ -141,21 +142,6 @@ class WorkerConfig:
             raise Refused(f"--slots must be between 1 and 8, got {self.slots}")
         if not (0.05 <= self.poll_seconds <= 60):
             raise Refused("the probe poll interval must be between 0.05 and 60 s")
-
-
-class WorkerState(Name):
-    """What the worker is doing, as its owner sees it (``cleave join``'s panel)."""
-
-    STARTING = "starting"
-    BENCHMARKING = "benchmarking"
-    CONNECTING = "connecting"
-    WAITING = "waiting for work"
-    WORKING = "working"
-    PAUSED = "paused"  # its owner's policy says stop (``reason`` says which rule)
-    RECONNECTING = "reconnecting"
-    LEAVING = "leaving"
-    FINISHED = "finished"  # the job is complete (with --once)
-    STOPPED = "stopped"
 
 
 @dataclass

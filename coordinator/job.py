@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import math
-import secrets
 import socket
 import ssl
 import time
@@ -29,6 +28,7 @@ from torch import nn
 
 from coordinator.engine.books import Books
 from coordinator.engine.core import Core, Departure
+from coordinator.engine.identity import STRONG_TOKEN, new_token
 from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.profiles import measure_ps
@@ -133,13 +133,6 @@ def _public_url(scheme: str, host: str, port: int) -> str:
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostname()
     return f"{scheme}://{host}:{port}"
-
-
-STRONG_TOKEN = 16  # characters; shorter tokens given on the command line get a warning
-
-
-def new_token() -> str:
-    return secrets.token_urlsafe(16)
 
 
 def server_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:

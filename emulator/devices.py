@@ -83,7 +83,8 @@ import torch
 
 from client.idle import Reading
 from client.policy import PolicyConfig
-from client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerState, WorkerStats
+from client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerStats
+from client.state import WorkerState
 from coordinator.planning.costmodel import DeviceClass, Profile
 from coordinator.wire.codes import Name
 from coordinator.wire.errors import ClientError, ConfigError

@@ -45,7 +45,6 @@ from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
 from coordinator.wire.errors import AuthError, ProtocolError
 from coordinator.wire.messages import (
-    DTYPES,
     MAGIC,
     MAX_DIM,
     PROTOCOL_VERSION,
@@ -70,6 +69,7 @@ from coordinator.wire.messages import (
     Work,
     decode,
     encode,
+    tensor_dtypes,
 )
 from db.memory import MemoryStore
 from db.store import IdentityState, TileState
@@ -178,7 +178,7 @@ JSON_VALUES = st.recursive(
     max_leaves=12,
 )
 STATUS = st.dictionaries(st.text(max_size=8), JSON_VALUES, max_size=5)
-TRAVELLING = list(DTYPES.values())
+TRAVELLING = list(tensor_dtypes().values())
 
 
 @st.composite
@@ -446,7 +446,7 @@ def hostile_for(meta: Any) -> st.SearchStrategy[Any]:
     return near | HOSTILE
 
 
-DTYPE_NAMES = st.sampled_from([*DTYPES, "f64", "F32", "float32", "i32", "", "u8 "]) | HOSTILE
+DTYPE_NAMES = st.sampled_from([*tensor_dtypes(), "f64", "F32", "float32", "i32", "", "u8 "]) | HOSTILE
 DIMS = st.integers(-3, 6) | st.sampled_from([MAX_DIM, MAX_DIM + 1, 2**31, 2**63, 2**64, -(2**63)]) | HOSTILE_SCALARS
 DESCRIPTOR = st.fixed_dictionaries({"dtype": DTYPE_NAMES, "shape": st.lists(DIMS, max_size=6) | HOSTILE}) | HOSTILE
 DESCRIPTORS = st.one_of(

@@ -194,3 +194,17 @@ def test_each_name_is_imported_from_where_it_is_defined() -> None:
                         if alias.name in imported:
                             found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {alias.name} from {node.module}")
     assert found == [], "names imported from a module that does not define them:\n" + "\n".join(found)
+
+
+def test_status_and_the_operators_commands_start_without_torch() -> None:
+    """``cleave status``, ``cleave join --show-config`` and the commands on a coordinator's
+    database import no torch (1.5 s or more): they answer in a fraction of a second."""
+    code = (
+        "import sys; from cleave_cli.app import build; "
+        "[build(argv) for argv in (['status'], ['coordinator', 'devices', 'list'], ['coordinator', 'token'], "
+        "['join'])]; "
+        "import cleave_cli.join, cleave_cli.status, cleave_cli.admin, coordinator.wire.messages; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr

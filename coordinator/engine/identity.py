@@ -23,6 +23,13 @@ from db.store import IdentityState, Store
 # Settings keys (store.setting): each constant defined once.
 JOIN_TOKEN, OPERATOR_TOKEN, COORDINATOR_ID = "join_token_sha256", "operator_token_sha256", "coordinator_id"
 
+STRONG_TOKEN = 16  # characters; shorter tokens given on the command line get a warning
+
+
+def new_token() -> str:
+    """A fresh join or operator token: 16 random bytes, URL-safe (22 characters)."""
+    return secrets.token_urlsafe(16)
+
 
 @dataclass(frozen=True)
 class Admission:

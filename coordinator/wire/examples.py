@@ -32,7 +32,6 @@ import torch
 from coordinator.wire import auth
 from coordinator.wire.codes import Code, ReleaseWhy
 from coordinator.wire.messages import (
-    DTYPES,
     MAGIC,
     Block,
     Cancel,
@@ -47,6 +46,7 @@ from coordinator.wire.messages import (
     Welcome,
     Work,
     encode,
+    tensor_dtypes,
 )
 
 WRITE_COMMAND = "python -m coordinator.wire.examples --write docs/protocol.md"
@@ -195,7 +195,7 @@ def examples() -> dict[str, Message]:
 # --------------------------------------------------------------------------- rendering
 
 _PREFIX = struct.Struct("<3sBI")
-_WIRE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_WIRE_NAMES = {dtype: name for name, dtype in tensor_dtypes().items()}
 _HEAD = "offset  size  field       "  # the byte column starts here
 _PAD = " " * len(_HEAD)
 

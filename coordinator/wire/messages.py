@@ -19,6 +19,7 @@ malformed frame raises ``ProtocolError`` (with a ``Code`` for the peer), never `
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -26,9 +27,14 @@ import sys
 import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is handled, not here: a program that only speaks the messages
+# without tensors (``cleave status``, the operator's commands) starts in a fraction of a second
+# instead of paying torch's import (1.5 s or more).
 
 from coordinator.wire.codes import Code, Name, ReleaseWhy
 from coordinator.wire.errors import ProtocolError
@@ -57,14 +63,26 @@ MAX_PLATFORM = 128  # characters of a hello's platform description
 MAX_CORES = 1 << 16
 MAX_BYTES = 1 << 50  # the largest memory or block budget a hello may state
 
-# Wire names of the tensor dtypes a tile may use.
-DTYPES: dict[str, torch.dtype] = {
-    "f32": torch.float32,
-    "f16": torch.float16,
-    "bf16": torch.bfloat16,
-    "u8": torch.uint8,
-}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Wire names of the tensor dtypes a tile may use, in the order of ``tensor_dtypes``.
+DTYPE_NAMES = ("f32", "f16", "bf16", "u8")
+
+
+@functools.cache
+def tensor_dtypes() -> dict[str, torch.dtype]:
+    """Each wire dtype name's torch dtype (imports torch on first use)."""
+    import torch
+
+    # torch warns, once per process, that a tensor over read-only memory (a received frame) could
+    # be written through; ours are never written (see decode). Spent here, where it is expected.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.frombuffer(b"\0", dtype=torch.uint8)
+    return dict(zip(DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16, torch.uint8), strict=True))
+
+
+@functools.cache
+def _dtype_names() -> dict[torch.dtype, str]:
+    return {v: k for k, v in tensor_dtypes().items()}
 
 
 class WireDtype(Name):
@@ -78,6 +96,8 @@ class WireDtype(Name):
     @property
     def torch(self) -> torch.dtype | None:
         """The dtype float32 operands are cast to, or None: they travel as they are."""
+        import torch
+
         return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
 
 
@@ -328,6 +348,8 @@ class Work:
             return a[0], b[0]
         if any(x.shape[0] != a[0].shape[0] for x in a) or any(x.shape[1] != b[0].shape[1] for x in b):
             return None  # pieces that do not line up: a coordinator bug, given back as missing
+        import torch
+
         return torch.cat(a, dim=1), torch.cat(b, dim=0)
 
 
@@ -405,12 +427,15 @@ OBSERVER_MESSAGES = (StatusRequest, SpeedTest)
 
 
 def _tensor_desc(t: torch.Tensor) -> dict[str, Any]:
-    if t.dtype not in _DTYPE_NAMES:
+    names = _dtype_names()
+    if t.dtype not in names:
         raise ProtocolError(f"dtype {t.dtype} cannot travel", Code.BAD_DTYPE)
-    return {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
+    return {"dtype": names[t.dtype], "shape": list(t.shape)}
 
 
 def _raw(t: torch.Tensor) -> memoryview:
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -470,12 +495,6 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
 
 
 # --------------------------------------------------------------------------- decoding
-
-# torch warns, once per process, that a tensor over read-only memory (a received frame) could be
-# written through; ours are never written (see decode). Spent here, where it is expected.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 def _clean(value: str) -> str:
@@ -560,16 +579,20 @@ def _tensors(header: dict[str, Any], buf: bytes | bytearray, offset: int) -> lis
     if not isinstance(descs, list) or len(descs) > MAX_TENSORS:
         raise ProtocolError(f"'tensors' must be a list of at most {MAX_TENSORS} descriptors", Code.BAD_TENSOR)
     out: list[torch.Tensor] = []
+    if descs:  # a frame without tensors needs no torch
+        import torch
+
+        dtypes = tensor_dtypes()
     for d in descs:
         dtype_name = d.get("dtype") if isinstance(d, dict) else None
-        if not isinstance(dtype_name, str) or dtype_name not in DTYPES or not isinstance(d.get("shape"), list):
+        if not isinstance(dtype_name, str) or dtype_name not in dtypes or not isinstance(d.get("shape"), list):
             raise ProtocolError(f"bad tensor descriptor {str(d)[:80]}", Code.BAD_TENSOR)
         shape = d["shape"]
         if len(shape) > 4 or not all(type(s) is int and 0 <= s <= MAX_DIM for s in shape):
             raise ProtocolError(f"bad tensor shape {str(shape)[:80]}", Code.BAD_TENSOR)
         if math.prod(max(1, s) for s in shape) > MAX_ELEMENTS:  # zero-size ones too: strides must fit
             raise ProtocolError(f"tensor shape {str(shape)[:80]} is too large", Code.BAD_TENSOR)
-        dtype = DTYPES[dtype_name]
+        dtype = dtypes[dtype_name]
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
         if offset + nbytes > len(buf):
@@ -638,7 +661,7 @@ def decode(frame: bytes | bytearray | memoryview | str) -> Message:
             raise ProtocolError("result must carry exactly one tensor", Code.BAD_TENSOR)
         return Result(c=tensors[0], **_fields_of(Result, header, skip=("c",)))
     if kind == "speedtest":
-        if len(tensors) != 1 or tensors[0].dtype != torch.uint8 or tensors[0].dim() != 1:
+        if len(tensors) != 1 or tensors[0].dtype is not tensor_dtypes()["u8"] or tensors[0].dim() != 1:
             raise ProtocolError("speedtest carries one 1-D u8 tensor", Code.BAD_TENSOR)
         return SpeedTest(data=tensors[0], **_fields_of(SpeedTest, header, skip=("data",)))
     cls = _PLAIN.get(kind)
