@@ -39,6 +39,7 @@ def build(argv: Sequence[str] = ()) -> typer.Typer:
         pretty_exceptions_enable=False,
         add_completion=False,
     )
+    app.callback()(_group)  # a group even when it holds one command: ``cleave join URL``, not ``cleave URL``
     first = argv[0] if argv else None
     everything = first not in COMMANDS and first != COORDINATOR
     if everything or first == COORDINATOR:
@@ -57,6 +58,10 @@ def build(argv: Sequence[str] = ()) -> typer.Typer:
         if everything or first == name:
             app.command(name)(getattr(importlib.import_module(module), function))
     return app
+
+
+def _group() -> None:
+    pass
 
 
 def __getattr__(name: str) -> typer.Typer:

@@ -88,3 +88,27 @@ def test_help_shows_brackets_as_written() -> None:
             assert text.strip("'\").,") in flat, f"{path} --help lost {text!r}"
             checked += 1
     assert checked >= 3  # coordinator start, train and demo name the hf extra
+
+
+def test_each_command_alone_parses_as_in_the_whole_app() -> None:
+    """``cleave X ...`` builds an app holding only X (app.py): the command keeps its name, its
+    arguments and its options, and the narrowed app holds exactly the command asked for."""
+    from typer.testing import CliRunner
+
+    from cleave_cli.app import build
+
+    runner = CliRunner()
+    whole = _commands()
+    for path, command in whole.items():
+        argv = path.split()[1:]
+        narrowed = typer.main.get_command(build(argv))
+        node: Any = narrowed
+        for name in argv:
+            assert hasattr(node, "commands") and name in node.commands, f"{path}: not a group holding {name}"
+            node = node.commands[name]
+        assert [p.name for p in node.params] == [p.name for p in command.params], path
+    shown = runner.invoke(build(["join"]), ["join", "--show-config"], env={"NO_COLOR": "1"})
+    assert shown.exit_code == 0 and "[policy]" in shown.output, shown.output
+    alone = typer.main.get_command(build(["coordinator", "devices", "list"]))
+    assert set(alone.commands) == {"coordinator"}
+    assert set(alone.commands["coordinator"].commands) == {"devices", "token"}  # no start: no torch
