@@ -24,9 +24,12 @@ import json
 import math
 import struct
 import sys
+import threading
 import warnings
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -67,22 +70,28 @@ MAX_BYTES = 1 << 50  # the largest memory or block budget a hello may state
 DTYPE_NAMES = ("f32", "f16", "bf16", "u8")
 
 
+_FIRST_USE = threading.Lock()  # warnings.catch_warnings is process-wide: one thread spends it
+
+
 @functools.cache
-def tensor_dtypes() -> dict[str, torch.dtype]:
+def tensor_dtypes() -> Mapping[str, torch.dtype]:
     """Each wire dtype name's torch dtype (imports torch on first use)."""
-    import torch
+    with _FIRST_USE:
+        import torch
 
-    # torch warns, once per process, that a tensor over read-only memory (a received frame) could
-    # be written through; ours are never written (see decode). Spent here, where it is expected.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        torch.frombuffer(b"\0", dtype=torch.uint8)
-    return dict(zip(DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16, torch.uint8), strict=True))
+        # torch warns, once per process, that a tensor over read-only memory (a received frame)
+        # could be written through; ours are never written (see decode). Spent here, where expected.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.frombuffer(b"\0", dtype=torch.uint8)
+        return MappingProxyType(
+            dict(zip(DTYPE_NAMES, (torch.float32, torch.float16, torch.bfloat16, torch.uint8), strict=True))
+        )
 
 
 @functools.cache
-def _dtype_names() -> dict[torch.dtype, str]:
-    return {v: k for k, v in tensor_dtypes().items()}
+def _dtype_names() -> Mapping[torch.dtype, str]:
+    return MappingProxyType({v: k for k, v in tensor_dtypes().items()})
 
 
 class WireDtype(Name):
