@@ -266,6 +266,8 @@ async def drill(args: argparse.Namespace) -> dict:
                 "cleave_cli",
                 "coordinator",
                 "start",
+                "--linger",
+                "0",
                 "--port",
                 str(port),
                 "--db",

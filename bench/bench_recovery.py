@@ -156,6 +156,8 @@ def _coordinator(tmp: Path, model: str, every: int, port: int) -> subprocess.Pop
         "cleave_cli",
         "coordinator",
         "start",
+        "--linger",
+        "0",
         "--port",
         str(port),
         "--db",

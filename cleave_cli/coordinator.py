@@ -16,7 +16,7 @@ from cleave_cli.progress import ConsoleReporter
 from coordinator.engine.limits import Limits
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
-from coordinator.job import CoordinatorConfig, run_job
+from coordinator.job import LINGER, CoordinatorConfig, run_job
 from coordinator.planning.tiles import TilingPolicy
 from coordinator.training.loop import TrainConfig
 from coordinator.wire.errors import ConfigError
@@ -74,6 +74,14 @@ def start(
         int,
         typer.Option("--checkpoint-every", help="Checkpoint the parameter server every N steps (0: only at the end)."),
     ] = 50,
+    linger: Annotated[
+        float,
+        typer.Option(
+            "--linger",
+            help="Seconds a finished job stays visible (the web page, cleave status, /metrics) before the "
+            "coordinator exits; 0 exits at once, Ctrl-C ends the wait.",
+        ),
+    ] = LINGER,
     heartbeat_timeout: Annotated[
         float,
         typer.Option(
@@ -120,7 +128,8 @@ def start(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the URL, tokens and final result.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every device that joins or leaves.")] = False,
 ) -> None:
-    """Start a coordinator and train one job; exits 0 once every step is done and every device was told."""
+    """Start a coordinator and train one job; once every step is done and every device was told, it
+    keeps showing the finished job for --linger seconds, then exits 0."""
     console = Console(highlight=False)
     setup_logging(Console(stderr=True), verbose)
     if not 16 <= tile_size <= 16384:
@@ -153,6 +162,7 @@ def start(
         ),
         limits=limits,
         checkpoint_every=checkpoint_every,
+        linger=linger,
         new_job=new_job,
         planner=planner,
         ps_link_gbps=ps_link_gbps,

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from client.state import WorkerState
-from coordinator.wire.codes import DeviceView
+from coordinator.wire.codes import DeviceView, JobPhase
 
 
 def _num(value: float | None, fmt: str = "{:.4f}", missing: str = "-") -> str:
@@ -86,6 +86,24 @@ def listening(info: Any) -> Text:
             style="bold yellow",
         )
     return text
+
+
+def job_summary(status: dict[str, Any] | None) -> str:
+    """One line for a job that is over: its final numbers, or, when the coordinator closed before
+    ``cleave status`` saw the finished state, where it last saw the job."""
+    job = (status or {}).get("job") or {}
+    if not job:
+        return "the job is over: the coordinator closed the connection as it finished"
+    tiles = (status or {}).get("tiles") or {}
+    devices = len({d.get("identity") or d.get("name") for d in (status or {}).get("devices") or []})
+    where = f"{job.get('step') or 0:,}/{job.get('steps') or 0:,} steps, final loss {_num(job.get('loss'))}"
+    work = (
+        f"{tiles.get('verified', 0):,} tiles verified, {tiles.get('rejected', 0):,} rejected, "
+        f"{tiles.get('lost', 0):,} lost, on {devices:,} device{'s' if devices != 1 else ''}"
+    )
+    if job.get("state") == JobPhase.FINISHED:
+        return f"job finished: {where}; {work}"
+    return f"the job finished and the coordinator left; last seen at {where.replace('final ', '')}; {work}"
 
 
 def dashboard(status: dict[str, Any]) -> Group:

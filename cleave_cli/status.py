@@ -26,14 +26,20 @@ from coordinator.wire.messages import Challenge, StatusReply, StatusRequest, dec
 TIMEOUT = 10.0  # seconds to wait for any answer
 
 
-def _ask(ws: ClientConnection, token: str) -> dict[str, Any]:
-    ws.send(encode(StatusRequest(token)))
+def _ask(ws: ClientConnection, token: str) -> dict[str, Any] | None:
+    """One status snapshot; None when the coordinator closed with 1000 (the job is over and it
+    is leaving). Any other end of the connection is a one-line ``CleaveError``."""
     try:
+        ws.send(encode(StatusRequest(token)))
         reply = decode(ws.recv(timeout=TIMEOUT))
     except ConnectionClosed:
-        if ws.close_code == CloseCode.AUTH:
+        code = ws.close_code
+        if code == CloseCode.AUTH:
             raise ConfigError(f"the coordinator refused the token ({ws.close_reason})") from None
-        raise CleaveError(f"the coordinator closed the connection ({ws.close_code} {ws.close_reason})") from None
+        if code == CloseCode.FINISHED:
+            return None
+        why = f"{code} {ws.close_reason}".strip() if code is not None else "no close code"
+        raise CleaveError(f"the coordinator closed the connection ({why})") from None
     except TimeoutError:
         raise CleaveError(f"the coordinator did not answer within {TIMEOUT:g} s") from None
     if not isinstance(reply, StatusReply):
@@ -43,7 +49,37 @@ def _ask(ws: ClientConnection, token: str) -> dict[str, Any]:
 
 def fetch_status(url: str, token: str, *, cafile: str | None = None, insecure: bool = False) -> dict[str, Any]:
     with _open(url, cafile, insecure) as ws:
-        return _ask(ws, token)
+        snapshot = _ask(ws, token)
+    if snapshot is None:
+        raise CleaveError("the job is over and the coordinator is leaving: nothing left to show")
+    return snapshot
+
+
+def _where(snapshot: dict[str, Any] | None) -> str:
+    job = (snapshot or {}).get("job") or {}
+    return f"step {job.get('step') or 0:,}/{job.get('steps') or 0:,}" if job else "before the first answer"
+
+
+def _watch(console: Console, url: str, token: str, ca: str | None, insecure: bool, interval: float) -> None:
+    """The live dashboard until the job finishes (the summary, exit 0) or the connection ends
+    otherwise (one line saying where the job was, exit 1)."""
+    last: dict[str, Any] | None = None
+    try:
+        with _open(url, ca, insecure) as ws, Live(console=console, refresh_per_second=4) as live:
+            while True:
+                snapshot = _ask(ws, token)
+                if snapshot is None:  # closed with 1000: the job finished since the last refresh
+                    break
+                last = snapshot
+                live.update(render.dashboard(snapshot))
+                if snapshot.get("job", {}).get("state") == JobPhase.FINISHED:
+                    break
+                time.sleep(interval)
+    except ConfigError:
+        raise
+    except CleaveError as exc:
+        raise CleaveError(f"{exc}; the job was at {_where(last)}") from None
+    console.print(render.job_summary(last), highlight=False)
 
 
 @contextlib.contextmanager
@@ -96,18 +132,9 @@ def status(
         console.out(json.dumps(fetch_status(url, token, cafile=ca, insecure=insecure), sort_keys=True))
         return
     if not (watch and is_terminal()):
-        console.print(render.dashboard(fetch_status(url, token, cafile=ca, insecure=insecure)))
+        snapshot = fetch_status(url, token, cafile=ca, insecure=insecure)
+        console.print(render.dashboard(snapshot))
+        if snapshot.get("job", {}).get("state") == JobPhase.FINISHED:
+            console.print(render.job_summary(snapshot), highlight=False)
         return
-    with _open(url, ca, insecure) as ws, Live(console=console, refresh_per_second=4) as live:
-        while True:
-            try:
-                snapshot = _ask(ws, token)
-            except CleaveError as exc:
-                if exc.exit_code != 1:  # a refused token is an error, not the end of a job
-                    raise
-                live.console.print("the coordinator went away (job over?)", style="yellow")
-                return
-            live.update(render.dashboard(snapshot))
-            if snapshot.get("job", {}).get("state") == JobPhase.FINISHED:
-                return
-            time.sleep(interval)
+    _watch(console, url, token, ca, insecure, interval)

@@ -51,6 +51,10 @@ from db.store import CheckpointRow
 log = logging.getLogger(__name__)
 
 
+LINGER = 300.0  # seconds ``cleave coordinator start`` keeps a finished job visible by default
+MAX_LINGER = 7 * 86_400
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -74,6 +78,9 @@ class CoordinatorConfig:
     ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
     wire_dtype: WireDtype = WireDtype.FP32  # what float32 operands and results travel as (--wire-dtype)
     model_factory: Callable[[], nn.Module] | None = None  # builds a custom:LABEL model (docs/api.md)
+    # Seconds a finished job stays visible (the page, /api/status, cleave status, /metrics) before
+    # the coordinator exits; 0 exits at once. ``cleave coordinator start`` defaults to LINGER.
+    linger: float = 0.0
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -91,6 +98,8 @@ class CoordinatorConfig:
             raise ConfigError(f"--ps-link-gbps must be between 0.001 and 10000, got {self.ps_link_gbps}")
         if self.ps_gflops is not None and not (0.001 <= self.ps_gflops <= MAX_PS_GFLOPS):
             raise ConfigError(f"--ps-gflops must be between 0.001 and {MAX_PS_GFLOPS:,.0f}, got {self.ps_gflops}")
+        if not (0 <= self.linger <= MAX_LINGER):
+            raise ConfigError(f"--linger must be between 0 and {MAX_LINGER:,} s, got {self.linger:g}")
         if not (0 <= self.checkpoint_every <= 10_000_000):
             raise ConfigError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
         if (self.model_factory is not None) != models.is_custom(self.train.model):
@@ -382,6 +391,9 @@ async def serve_job(
                 server.deliver(bye)
                 await server.close_all("job finished")
                 reporter.finished(results, final)
+                if cfg.linger > 0:
+                    await _linger(cfg.linger, reporter)
+                await server.close_observers("job finished")
             finally:
                 ticker.cancel()
                 server.stop_verifying()  # before the store closes: a late verdict writes to it
@@ -419,6 +431,21 @@ def _tokens(cfg: CoordinatorConfig, core: Core, reporter: Reporter) -> tuple[str
                 f"could search for it; generated tokens have 22"
             )
     return join, operator, tuple(generated)
+
+
+async def _linger(seconds: float, reporter: Reporter) -> None:
+    """Keep serving a finished job's final state; Ctrl-C ends the wait early, not the job (it is
+    finished in the books already)."""
+    reporter.note(
+        f"the job is finished: its page, cleave status and /metrics stay up for {seconds:g} s "
+        "(Ctrl-C exits now; --linger 0 exits at once)"
+    )
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us; returning ends the run normally
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()
 
 
 def run_job(cfg: CoordinatorConfig, reporter: Reporter) -> JobOutcome:

@@ -88,6 +88,7 @@ class Coordinator(Proc):
         port: int = 0,
         operator: str = OPERATOR,
         planner: str = "uniform",
+        linger: float = 0,
     ) -> None:
         # ``uniform`` unless a test asks for the cost planner: these tests are about tiles on
         # clients, and the cost model rightly keeps every GEMM of the tiny model on the PS.
@@ -111,6 +112,8 @@ class Coordinator(Proc):
                 str(self.metrics_path),
                 "--planner",
                 planner,
+                "--linger",
+                str(linger),
                 *args,
             ),
             "coordinator",
@@ -206,6 +209,45 @@ def run_all(*commands: list[str], timeout: float = TIMEOUT) -> list[subprocess.C
             raise AssertionError(f"{command} did not finish in {timeout} s") from None
         done.append(subprocess.CompletedProcess(command, proc.returncode, out, err))
     return done
+
+
+class Terminal:
+    """A command in a real terminal (a detached tmux session, ``width`` x ``height``): what a
+    person would see. The command's exit status is printed after it as ``exit=N``; the session
+    stays open for a minute so the screen can still be read, and ``close`` ends it."""
+
+    def __init__(self, command: list[str], width: int = 110, height: int = 20) -> None:
+        self.session = f"cleave-test-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+        environment = " ".join(
+            f"{k}={v}"
+            for k, v in env().items()
+            if k in ("PYTHONPATH", "OMP_WAIT_POLICY", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
+        )
+        line = f"cd {ROOT} && env {environment} {' '.join(command)}; echo exit=$?; sleep 60"
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", self.session, "-x", str(width), "-y", str(height), line], check=True
+        )
+
+    def screen(self, history: bool = False) -> str:
+        """The visible screen (and, with ``history``, the lines scrolled off it)."""
+        back = ["-S", "-500"] if history else []
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", *back, "-t", self.session], capture_output=True, text=True
+        ).stdout
+
+    def exit_code(self) -> int | None:
+        """The command's exit status once it has ended, else None."""
+        found = re.findall(r"^exit=(\d+)\s*$", self.screen(history=True), re.M)
+        return int(found[-1]) if found else None
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.session], capture_output=True)
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.outbound import Send
 from coordinator.net.server import Server, listen
 from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.wire.codes import Code
+from coordinator.wire.codes import CloseCode, Code
 from coordinator.wire.messages import Challenge, Credential, Error, Hello, Leave, Result, Welcome, Work, decode, encode
 from db.memory import MemoryStore
 
@@ -219,7 +219,7 @@ def test_observers_need_the_operator_token_and_are_closed_when_idle() -> None:
             return seen
 
     (a, _), (b, _), (idle, why) = asyncio.run(run())
-    assert a == b == 4001 and idle == 1000 and "idle" in (why or "")
+    assert a == b == CloseCode.AUTH and idle == CloseCode.IDLE and "idle" in (why or "")
 
 
 def test_connections_count_from_the_tcp_accept_even_before_a_tls_handshake() -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TIMEOUT
-from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, join, local_losses, run_all, wait_until
+from conftest import TIMEOUT
+from procs import OPERATOR, TOKEN, Coordinator, Proc, Terminal, cleave_cmd, join, local_losses, run_all, wait_until
 
 from cleave_cli.status import fetch_status
 
@@ -124,59 +123,31 @@ def test_show_config_merges_file_and_flags_and_bad_files_get_one_line(tmp_path: 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_the_live_panel_renders_and_updates_in_a_real_terminal(tmp_path: Path) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=12)
-    session = f"cleave-test-{int(time.time() * 1000) % 100000}"
-    command = " ".join(
-        cleave_cmd(
-            "join",
-            coord.url,
-            "--token",
-            TOKEN,
-            "--once",
-            "--threads",
-            "1",
-            "--always",
-            "--name",
-            "tty-laptop",
-            "--device",
-            "cpu",
-        )
+    command = cleave_cmd(
+        "join",
+        coord.url,
+        "--token",
+        TOKEN,
+        "--once",
+        "--threads",
+        "1",
+        "--always",
+        "--name",
+        "tty-laptop",
+        "--device",
+        "cpu",
     )
-    environment = " ".join(
-        f"{k}={v}"
-        for k, v in env().items()
-        if k in ("PYTHONPATH", "OMP_WAIT_POLICY", "XDG_CACHE_HOME", "XDG_CONFIG_HOME")
-    )
-    subprocess.run(
-        [
-            "tmux",
-            "new-session",
-            "-d",
-            "-s",
-            session,
-            "-x",
-            "110",
-            "-y",
-            "20",
-            f"cd {ROOT} && env {environment} {command}; sleep 30",
-        ],
-        check=True,
-    )
-    try:
-
-        def screen() -> str:
-            return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+    with Terminal(command) as terminal:
 
         def tiles() -> int:
-            for line in screen().splitlines():
+            for line in terminal.screen().splitlines():
                 if "tiles" in line and "done" in line:
                     return int(line.split("tiles", 1)[1].split("done")[0].strip(" │").replace(",", ""))
             return -1
 
         wait_until(lambda: tiles() > 0, TIMEOUT, "the panel to show work")
         first = tiles()
-        shown = screen()
+        shown = terminal.screen()
         assert "cleave join" in shown and "state" in shown and "credit" in shown and "uptime" in shown
         wait_until(lambda: tiles() > first, TIMEOUT, "the panel to update")
         assert coord.wait(2 * TIMEOUT) == 0
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

@@ -137,7 +137,7 @@ class Server:
         self.metrics = Metrics(self._books, clock)
         self.dashboard = Dashboard(self.status, core.is_operator, clock)
         self.counter = ConnectionCounter(self.limits)  # fed by the listening socket (listen())
-        self.observers = 0
+        self._observing: set[ServerConnection] = set()  # cleave status and link tests, connected
         self.refused = 0  # connections refused at a cap after the upgrade
         self.outbound_bytes = 0  # queued on every connection together
         self._pending: set[concurrent.futures.Future[Product]] = set()
@@ -155,6 +155,10 @@ class Server:
         self._stopped = False
 
     # ------------------------------------------------------------------ connection counting
+
+    @property
+    def observers(self) -> int:
+        return len(self._observing)
 
     @property
     def tcp_open(self) -> int:
@@ -281,7 +285,7 @@ class Server:
             await _refuse(ws, CloseCode.BUSY, "too many observers; try again later")
             return
         self._authenticated(ws)
-        self.observers += 1
+        self._observing.add(ws)
         ws.protocol.max_message_size = lim.observer_frame
         status, volume = lim.status.bucket(), lim.speedtest_bytes.bucket()
         request: object = first
@@ -307,7 +311,7 @@ class Server:
                 try:
                     request = decode(await asyncio.wait_for(ws.recv(), lim.observer_idle))
                 except (TimeoutError, asyncio.TimeoutError):
-                    await _refuse(ws, CloseCode.FINISHED, f"idle for {lim.observer_idle:g} s")
+                    await _refuse(ws, CloseCode.IDLE, f"idle for {lim.observer_idle:g} s")
                     return
                 except ProtocolError as exc:
                     await _refuse(ws, CloseCode.PROTOCOL, _reason(f"{exc.code.value}: {exc}"))
@@ -316,7 +320,7 @@ class Server:
             ws.transport.abort()  # a frame over the limit, say: stop reading what follows it
             return
         finally:
-            self.observers -= 1
+            self._observing.discard(ws)
 
     def _books(self) -> dict[str, Any]:
         """What ``/metrics`` reports: the engine's books and this server's traffic."""
@@ -564,6 +568,13 @@ class Server:
         for conn in conns:
             if conn.writer is not None and not conn.writer.done():
                 self._abort(conn)
+
+    async def close_observers(self, reason: str = "job finished") -> None:
+        """Close every observer with 1000: the job is over and the coordinator is leaving (an
+        observer's ``cleave status`` then ends with the job's summary, not an error)."""
+        watching = list(self._observing)
+        if watching:
+            await asyncio.wait([asyncio.ensure_future(_refuse(ws, CloseCode.FINISHED, reason)) for ws in watching])
 
     # ------------------------------------------------------------------ GEMMs from the trainer thread
 
