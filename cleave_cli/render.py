@@ -175,7 +175,7 @@ def dashboard(status: dict[str, Any]) -> Group:
         busy = state in (DeviceView.WORKING, DeviceView.IDLE)
         reason = f" ({d['reason']})" if d.get("reason") and not busy else ""  # paused: why
         devices.add_row(
-            Text(str(d.get("name", ""))),
+            Text(str(d.get("label") or _labelled(d))),
             Text(state + reason, style=style.get(state, "")),
             Text(str(d.get("device", ""))),
             f"{d.get('gflops', 0):.1f}",
@@ -183,7 +183,7 @@ def dashboard(status: dict[str, Any]) -> Group:
             f"{d.get('tiles_done', 0):,}",
             Text(f"{d.get('tiles_rejected', 0):,}", style="red" if d.get("tiles_rejected") else ""),
             f"{d.get('tiles_lost', 0):,}",
-            Text(f"{100 * d.get('reliability', 1.0):.1f}%", style="yellow" if d.get("reliability", 1.0) < 0.9 else ""),
+            Text(reliability(d), style="yellow" if d.get("reliability", 1.0) < 0.9 else ""),
             f"{d.get('gflop_verified', 0):,.2f}",
         )
     if not status.get("devices"):
@@ -203,7 +203,7 @@ def dashboard(status: dict[str, Any]) -> Group:
         board.add_column("verified GFLOP", justify="right")
         board.add_column("tiles", justify="right")
         for rank, row in enumerate(status["leaderboard"], start=1):
-            who = Text(str(row.get("name", "")) + (f" #{row['identity']}" if row.get("identity") is not None else ""))
+            who = Text(str(row.get("label") or _labelled(row)))
             board.add_row(str(rank), who, f"{row.get('gflop', 0):,.2f}", f"{row.get('tiles', 0):,}")
         parts.append(board)
     return Group(*parts)
@@ -217,12 +217,30 @@ _STATE_STYLE = {
 }
 
 
+def _labelled(row: dict[str, Any]) -> str:
+    """A device's name as the coordinator labels it, for a document without ``label`` (an older
+    coordinator): the name and its identity's number."""
+    identity = row.get("identity")
+    return str(row.get("name", "")) + (f" #{identity}" if identity is not None else "")
+
+
+def reliability(device: dict[str, Any]) -> str:
+    """Share of a device's finished tiles that came back verified. Never "100.0%" once one was
+    rejected, lost or taken back: rounding must not hide a failure."""
+    share = 100 * device.get("reliability", 1.0)
+    failed = sum(device.get(k) or 0 for k in ("tiles_rejected", "tiles_lost", "tiles_revoked"))
+    return f"{min(share, 99.9):.1f}%" if failed and share >= 99.95 else f"{share:.1f}%"
+
+
 def _links(profile: dict[str, Any] | None) -> str:
-    """Measured downlink/uplink (the cost model's estimates; priors until it has returned work)."""
+    """Measured downlink/uplink in Mbit/s; "-" for one not measured yet (or too fast to resolve)."""
     if not profile:
         return "-"
-    mark = "" if profile.get("measured_results") else " (prior)"
-    return f"{profile.get('down_mbps', 0):,.0f}/{profile.get('up_mbps', 0):,.0f}{mark}"
+
+    def mbps(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.0f}"
+
+    return f"{mbps(profile.get('down_mbps'))}/{mbps(profile.get('up_mbps'))}"
 
 
 def _duration(seconds: float) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as dt
-import importlib.metadata
 import logging
 import random
 import ssl
@@ -62,6 +61,7 @@ from coordinator.wire.messages import (
     encode,
 )
 from coordinator.wire.verify import freivalds
+from coordinator.wire.version import package_version
 
 log = logging.getLogger("cleave.client")
 
@@ -69,14 +69,7 @@ MAX_FRAME = 256 << 20  # the coordinator is trusted more than its volunteers, bu
 CHALLENGE_TIMEOUT = 10.0  # seconds for the coordinator's first frame
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("cleave")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown"
-
-
-VERSION = _version()  # hello.client_version
+VERSION = package_version()  # hello.client_version
 
 # Exit codes of ``cleave join``, from the error tree: bad options, a refused token and a revoked
 # credential are usage errors (``Refused``, 2); a ban is 3. A service manager should not restart

@@ -9,6 +9,8 @@ import json
 import re
 import shutil
 import signal
+import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,9 +21,32 @@ from procs import OPERATOR, Coordinator, Terminal, cleave_cmd, join, run_all, wa
 pytestmark = [pytest.mark.drill, pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")]
 
 
-def _get(url: str) -> tuple[int, bytes]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.status, r.read()
+PROMTOOL = shutil.which("promtool")  # Debian's prometheus package; .ci/run installs it
+
+
+def _get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _lint(scrape: bytes) -> None:
+    """``promtool check metrics``: the exposition parses and follows Prometheus' naming rules."""
+    if PROMTOOL is None:
+        pytest.skip("needs promtool (.ci/run installs Debian's prometheus)")
+    run = subprocess.run([PROMTOOL, "check", "metrics"], input=scrape, capture_output=True, timeout=TIMEOUT)
+    assert run.returncode == 0 and not run.stdout.strip() and not run.stderr.strip(), run.stdout + run.stderr
+
+
+def _series(scrape: bytes) -> dict[str, float]:
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in scrape.decode().splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def _watch(url: str) -> Terminal:
@@ -54,6 +79,20 @@ def test_a_finished_job_stays_visible_until_its_linger_ends_and_ctrl_c_ends_it_c
     assert status == 200 and b"<html" in page.lower()
     status, metrics = _get(http + "/metrics")
     assert status == 200 and re.search(rb"^cleave_steps_total 4(\.0)?$", metrics, re.M), metrics[:2000]
+    public = _series(metrics)
+    assert public['cleave_job_state{state="finished"}'] == 1 and public['cleave_job_state{state="training"}'] == 0
+    assert public["cleave_job_steps"] == 4 and public["cleave_devices_connected"] == 0
+    assert any(k.startswith("cleave_build_info{") for k in public) and "_created" not in metrics.decode()
+    states = {k: v for k, v in public.items() if k.startswith("cleave_devices{")}
+    assert sum(states.values()) == 1, states  # one device, in one state: the states do not overlap
+    assert not any(k.startswith("cleave_device_") for k in public)  # per device: the operator's only
+    status, operator = _get(http + "/metrics", OPERATOR)
+    mine = _series(operator)
+    assert status == 200 and mine['cleave_device_tiles_total{device="worker #1",outcome="verified"}'] > 0
+    assert mine['cleave_device_connected{device="worker #1"}'] == 0
+    assert _get(http + "/metrics", "not-the-operator-token")[0] == 401
+    _lint(metrics)
+    _lint(operator)
     late = join(coord.url, "late")  # a device that joins a finished job is told so, and leaves
     assert late.wait() == 0, late.output
 

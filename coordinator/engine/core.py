@@ -999,6 +999,7 @@ class Core:
         self.books.finished(self.wall(now))
         self.finished = True
         self.progress.state = JobPhase.FINISHED
+        self.progress.ended = now
         out: list[Outbound] = []
         for dev in list(self.devices.values()):
             out.append(self._credit(dev, now))  # the final tally, before goodbye

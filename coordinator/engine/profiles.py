@@ -195,14 +195,21 @@ class DeviceProfile:
             overhead=min(rtt, DEVICE_OVERHEAD),
         )
 
-    def as_json(self, dtype: str = "fp32") -> dict[str, float | int]:
-        """The profile as ``status --json`` shows it (``devices[].profile``)."""
+    def as_json(self, dtype: str = "fp32") -> dict[str, float | int | None]:
+        """The profile as ``status --json`` shows it (``devices[].profile``). A link figure not
+        measured yet (no verified result), or beyond what the fit resolves (at its bound), is
+        None: the planner then uses its prior, which is no measurement to show."""
         p = self.profile(dtype)
+        fitted = self.link.weight > 0
+
+        def rate(bytes_per_s: float) -> float | None:
+            return round(bytes_per_s * 8 / 1e6, 3) if fitted and LINK_BOUNDS[0] < bytes_per_s < LINK_BOUNDS[1] else None
+
         return {
             "gflops": round(p.gflops[dtype], 3),
-            "down_mbps": round(p.down * 8 / 1e6, 3),
-            "up_mbps": round(p.up * 8 / 1e6, 3),
-            "rtt_ms": round(p.rtt * 1e3, 3),
+            "down_mbps": rate(p.down),
+            "up_mbps": rate(p.up),
+            "rtt_ms": round(p.rtt * 1e3, 3) if fitted else None,
             "reliability": round(p.reliability, 4),
             "memory_bytes": p.memory,
             "measured_results": self.results,

@@ -88,3 +88,15 @@ class Progress:
     gemm_share: dict[str, Any] | None = None  # flops.GemmShare.to_dict(), once the model is built
     tokens: int = 0  # trained by this coordinator
     since: float | None = None  # when training started (monotonic seconds)
+    ended: float | None = None  # when the job finished (monotonic seconds)
+
+    def elapsed(self, now: float) -> float | None:
+        """Seconds of training so far (to the finish, once finished); None before it starts."""
+        return None if self.since is None else max(0.0, (self.ended if self.ended is not None else now) - self.since)
+
+    def eta(self, now: float) -> float | None:
+        """Seconds left at the pace so far; None before the first step and once finished."""
+        elapsed = self.elapsed(now)
+        if elapsed is None or self.step <= 0 or self.ended is not None or self.step >= self.steps:
+            return None
+        return elapsed / self.step * (self.steps - self.step)

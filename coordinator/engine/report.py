@@ -17,6 +17,12 @@ STATUS_TILES = ("queued", "leased", "verified", "rejected", "requeued", "expired
                 "revoked")  # fmt: skip
 
 
+def label(name: str, identity: int | None) -> str:
+    """How a device is named to people, the same in every view (terminal, web page, metrics):
+    its name and its enrolled identity's number (names are free text; numbers are unique)."""
+    return f"{name} #{identity}" if identity is not None else name
+
+
 def status(core: Core, now: float) -> dict[str, Any]:
     """The snapshot ``cleave status`` renders. Bounded: at most ``Limits.status_rows`` devices
     are listed, connected ones first; all are counted."""
@@ -42,6 +48,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
                 "id": row.id,
                 "identity": row.identity_id,
                 "name": row.name,
+                "label": label(row.name, row.identity_id),
                 "state": state.value,
                 "device": row.device,
                 "tiles_done": row.tiles_done,
@@ -53,6 +60,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
                 "gflops": round(profile.measured_gflops(row.gflops) if live and profile else row.gflops, 2),
                 "gflop_verified": round(row.gflop_verified, 3),
                 "reason": row.reason,
+                "last_seen": round(row.last_seen, 3),
                 "inflight": len(live.inflight) if live else 0,
                 "slots": live.slots if live else 0,
                 "probation": live.standing.on_probation(core.trust) if live else None,
@@ -73,6 +81,8 @@ def status(core: Core, now: float) -> dict[str, Any]:
             "loss": p.loss,
             "state": p.state.value,
             "tokens_per_s": round(p.tokens_per_s, 1),
+            "elapsed_s": None if (elapsed := p.elapsed(now)) is None else round(elapsed, 1),
+            "eta_s": None if (eta := p.eta(now)) is None else round(eta, 1),
             "gemm_share": p.gemm_share,
         },
         "devices": listed,
@@ -81,7 +91,13 @@ def status(core: Core, now: float) -> dict[str, Any]:
         "queue_depth": counts["queued"],
         "gemms_in_flight": len(core.gemms),
         "leaderboard": [
-            {"identity": r.identity_id, "name": r.name, "gflop": round(r.gflop, 3), "tiles": r.tiles}
+            {
+                "identity": r.identity_id,
+                "name": r.name,
+                "label": label(r.name, r.identity_id),
+                "gflop": round(r.gflop, 3),
+                "tiles": r.tiles,
+            }
             for r in store.leaderboard(10)
         ],
         "plan": {
@@ -109,7 +125,14 @@ def books(core: Core) -> dict[str, Any]:
     p = core.progress
     tiles = core.store.tile_counts(core.job_id)
     return {
-        "job": {"step": p.step, "loss": p.loss, "tokens_per_s": p.tokens_per_s, "gemm_share": p.gemm_share},
+        "job": {
+            "state": p.state.value,
+            "step": p.step,
+            "steps": p.steps,
+            "loss": p.loss,
+            "tokens_per_s": p.tokens_per_s,
+            "gemm_share": p.gemm_share,
+        },
         "tokens_trained": p.tokens,
         "tiles": tiles,
         "queue_depth": tiles["queued"],

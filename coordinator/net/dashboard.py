@@ -83,13 +83,10 @@ class Dashboard:
             if name not in self._assets:
                 self._assets[name] = (resources.files("coordinator.net") / "web" / name).read_bytes()
             return 200, content_type, self._assets[name], HEADERS
-        operator, status = False, 200
-        if authorization:
-            scheme, _, secret = authorization.partition(" ")
-            operator = scheme.lower() == "bearer" and bool(secret) and self.is_operator(secret.strip())
-            status = 200 if operator else 401
-        headers = HEADERS if status == 200 else {**HEADERS, "WWW-Authenticate": 'Bearer realm="cleave operator"'}
-        return status, "application/json", self._view(operator), headers
+        operator = is_bearer(authorization, self.is_operator)
+        status = 401 if operator is False else 200
+        headers = HEADERS if status == 200 else {**HEADERS, "WWW-Authenticate": CHALLENGE}
+        return status, "application/json", self._view(bool(operator)), headers
 
     def _view(self, operator: bool) -> bytes:
         now = self.clock()
@@ -111,30 +108,48 @@ class Dashboard:
                 "loss": _finite(job.get("loss")),
                 "tokens_per_s": job.get("tokens_per_s"),
                 "gemm_share": share,
+                "elapsed_s": job.get("elapsed_s"),
+                "eta_s": job.get("eta_s"),
             },
             "tiles": {k: s.get("tiles", {}).get(k, 0) for k in ("queued", "leased", "verified", "rejected")},
             "connected": s.get("device_counts", {}).get("connected", 0),
             "leaderboard": [
-                {"name": r["name"], "gflop": r["gflop"], "tiles": r["tiles"]} for r in s.get("leaderboard", [])
+                {"name": r.get("label") or r["name"], "gflop": r["gflop"], "tiles": r["tiles"]}
+                for r in s.get("leaderboard", [])
             ],
             "losses": self.curve.points,
         }
         if operator:
             out["devices"] = [
                 {
-                    "name": d["name"],
+                    "name": d.get("label") or d["name"],
                     "state": d["state"],
+                    "reason": d.get("reason") or "",
                     "device": d["device"],
                     "gflops": d["gflops"],
                     "down_mbps": (d.get("profile") or {}).get("down_mbps"),
                     "up_mbps": (d.get("profile") or {}).get("up_mbps"),
                     "tiles_done": d["tiles_done"],
                     "tiles_rejected": d["tiles_rejected"],
+                    "tiles_lost": d.get("tiles_lost", 0),
+                    "tiles_revoked": d.get("tiles_revoked", 0),
                     "reliability": d["reliability"],
+                    "gflop_verified": d.get("gflop_verified", 0.0),
                 }
                 for d in s.get("devices", [])
             ]
         return out
+
+
+CHALLENGE = 'Bearer realm="cleave operator"'  # WWW-Authenticate of a 401
+
+
+def is_bearer(authorization: str | None, is_operator: Callable[[str], bool]) -> bool | None:
+    """None without an Authorization header; else whether it is ``Bearer <the operator token>``."""
+    if not authorization:
+        return None
+    scheme, _, secret = authorization.partition(" ")
+    return scheme.lower() == "bearer" and bool(secret.strip()) and is_operator(secret.strip())
 
 
 def _clean(x: Any) -> Any:

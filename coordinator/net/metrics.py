@@ -4,7 +4,12 @@ Counters and gauges are read from the job's books when scraped (the Core's count
 store keeps, the server's traffic), so they never disagree with ``cleave status``; only the step
 times are a histogram observed as each step finishes. A scrape is rendered at most once per
 ``MIN_INTERVAL`` and served from that copy otherwise, so scraping in a loop costs the event
-loop nothing more. Only job-wide aggregates: no device names, addresses or identities.
+loop nothing more.
+
+Anyone who reaches the port sees the job-wide series. A scrape with the operator token
+(``Authorization: Bearer``) also gets one set of series per device, labelled ``device="NAME #N"``
+(the name and number ``cleave status`` shows): at most ``Limits.status_rows`` devices (100),
+connected ones first, so a fleet of any size adds a bounded number of series.
 
 Needs ``prometheus-client`` (``pip install 'cleave[metrics]'``); without it ``/metrics`` answers
 404 with a one-line hint, and training is unaffected.
@@ -16,8 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from coordinator.wire.codes import JobPhase
+from coordinator.wire.messages import PROTOCOL_VERSION
+from coordinator.wire.version import package_version
+
 try:
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
 except ImportError:  # an optional extra
@@ -27,6 +36,8 @@ PATH = "/metrics"
 MIN_INTERVAL = 1.0  # seconds between two renderings; scrapes in between get the last one
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TILE_OUTCOMES = ("verified", "rejected", "lost", "cancelled", "revoked", "requeued", "speculative", "expired")
+DEVICE_OUTCOMES = (("verified", "tiles_done"), ("rejected", "tiles_rejected"), ("lost", "tiles_lost"),
+                   ("revoked", "tiles_revoked"))  # fmt: skip
 MISSING = "metrics need prometheus-client: pip install 'cleave[metrics]'\n"
 
 
@@ -46,6 +57,20 @@ class _Books:
     def collect(self) -> Iterator[Any]:
         s = self.status()
         job, tiles, traffic = s.get("job", {}), s.get("tiles", {}), s.get("traffic", {})
+        info = GaugeMetricFamily(
+            "cleave_build_info",
+            "The coordinator's version and wire protocol (always 1).",
+            labels=["version", "protocol"],
+        )
+        info.add_metric([package_version(), str(PROTOCOL_VERSION)], 1)
+        yield info
+        phase = GaugeMetricFamily("cleave_job_state", "1 for the job's state, 0 for the others.", labels=["state"])
+        for state in JobPhase:
+            phase.add_metric([state.value], 1 if job.get("state") == state.value else 0)
+        yield phase
+        yield GaugeMetricFamily(
+            "cleave_job_steps", "Steps the job trains in all (its target).", value=job.get("steps") or 0
+        )
         yield CounterMetricFamily("cleave_steps", "Training steps finished.", value=job.get("step") or 0)
         loss = GaugeMetricFamily("cleave_loss", "Loss of the last finished step (NaN before the first).")
         loss.add_metric([], float("nan") if job.get("loss") is None else float(job["loss"]))
@@ -79,10 +104,14 @@ class _Books:
         yield GaugeMetricFamily(
             "cleave_gemms_in_flight", "GEMMs submitted and not yet complete.", value=s.get("gemms_in_flight", 0)
         )
-        states = GaugeMetricFamily("cleave_devices", "Devices of this job by state.", labels=["state"])
-        for state, n in sorted(s.get("device_counts", {}).items()):
+        # One state per device (the store's): the states add up to the devices this job has seen.
+        counts = dict(s.get("device_counts", {}))
+        connected = counts.pop("connected", 0)
+        states = GaugeMetricFamily("cleave_devices", "Devices of this job by state (each in one).", labels=["state"])
+        for state, n in sorted(counts.items()):
             states.add_metric([state], n)
         yield states
+        yield GaugeMetricFamily("cleave_devices_connected", "Devices connected now.", value=connected)
         share = (job.get("gemm_share") or {}).get("share")
         if share is not None:
             yield GaugeMetricFamily(
@@ -92,17 +121,64 @@ class _Books:
             )
 
 
-class Metrics:
-    """The coordinator's registry: the books collector and the step-time histogram."""
+class _Devices:
+    """Per-device series, for the operator's scrapes only."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, devices: Callable[[], list[dict[str, Any]]]) -> None:
+        self.devices = devices
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        devices = self.devices()
+        tiles = CounterMetricFamily(
+            "cleave_device_tiles", "Tile leases of a device by how they ended.", labels=["device", "outcome"]
+        )
+        rate = GaugeMetricFamily(
+            "cleave_device_gflops", "A device's GEMM rate (measured from its verified tiles).", labels=["device"]
+        )
+        work = CounterMetricFamily(
+            "cleave_device_verified_gflop", "GFLOP a device computed and the coordinator verified.", labels=["device"]
+        )
+        up = GaugeMetricFamily("cleave_device_connected", "1 while a device is connected.", labels=["device"])
+        seen = GaugeMetricFamily(
+            "cleave_device_last_seen_timestamp_seconds", "When a device was last heard (Unix time).", labels=["device"]
+        )
+        for d in devices:
+            label = [str(d.get("label") or d.get("name"))]
+            for outcome, key in DEVICE_OUTCOMES:
+                tiles.add_metric([*label, outcome], d.get(key) or 0)
+            rate.add_metric(label, d.get("gflops") or 0.0)
+            work.add_metric(label, d.get("gflop_verified") or 0.0)
+            up.add_metric(label, 1 if d.get("slots") else 0)
+            if d.get("last_seen") is not None:
+                seen.add_metric(label, d["last_seen"])
+        yield from (tiles, rate, work, up, seen)
+
+
+class Metrics:
+    """The coordinator's registries: the books collector and the step-time histogram for every
+    scrape, the per-device collector for the operator's."""
+
+    def __init__(
+        self,
+        status: Callable[[], dict[str, Any]],
+        clock: Callable[[], float] = time.monotonic,
+        devices: Callable[[], list[dict[str, Any]]] = list,
+    ) -> None:
+        """``status``: the job's books (``report.books``); ``devices``: the status document's
+        device rows (``report.status``, bounded by ``Limits.status_rows``)."""
         self.clock = clock
-        self._cached: tuple[float, bytes] | None = None
+        self._cached: dict[bool, tuple[float, bytes]] = {}
         self.registry = None
         if not available():
             return
+        disable_created_metrics()  # a histogram's _created series would read as a stray gauge
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Books(status))
+        self.devices = CollectorRegistry(auto_describe=False)
+        self.devices.register(_Devices(devices))
         self.step_seconds = Histogram(
             "cleave_step_seconds", "Wall seconds of each training step.", buckets=STEP_BUCKETS, registry=self.registry
         )
@@ -110,13 +186,15 @@ class Metrics:
     def step(self, seconds: float) -> None:
         if self.registry is not None:
             self.step_seconds.observe(seconds)
-            self._cached = None  # a step's figures show at the next scrape
+            self._cached.clear()  # a step's figures show at the next scrape
 
-    def render(self) -> tuple[int, str, bytes]:
-        """(HTTP status, content type, body) of a scrape."""
+    def render(self, operator: bool = False) -> tuple[int, str, bytes]:
+        """(HTTP status, content type, body) of a scrape; ``operator``: with per-device series."""
         if self.registry is None:
             return 404, "text/plain; charset=utf-8", MISSING.encode()
         now = self.clock()
-        if self._cached is None or now - self._cached[0] >= MIN_INTERVAL:
-            self._cached = (now, generate_latest(self.registry))
-        return 200, CONTENT_TYPE_LATEST, self._cached[1]
+        cached = self._cached.get(operator)
+        if cached is None or now - cached[0] >= MIN_INTERVAL:
+            body = generate_latest(self.registry) + (generate_latest(self.devices) if operator else b"")
+            cached = self._cached[operator] = (now, body)
+        return 200, CONTENT_TYPE_LATEST, cached[1]

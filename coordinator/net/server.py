@@ -46,7 +46,7 @@ from coordinator.engine.core import TICK, Core, Departure
 from coordinator.engine.gemms import Check, Product
 from coordinator.engine.limits import Limits
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
-from coordinator.net.dashboard import Dashboard
+from coordinator.net.dashboard import CHALLENGE, Dashboard, is_bearer
 from coordinator.net.dashboard import handles as dashboard_handles
 from coordinator.net.listener import ConnectionCounter, bind
 from coordinator.net.metrics import PATH as METRICS_PATH
@@ -134,7 +134,7 @@ class Server:
         self.limits = limits or core.limits
         self.conns: dict[int, _Conn] = {}
         self.traffic = Traffic()
-        self.metrics = Metrics(self._books, clock)
+        self.metrics = Metrics(self._books, clock, devices=lambda: self.status()["devices"])
         self.dashboard = Dashboard(self.status, core.is_operator, clock)
         self.counter = ConnectionCounter(self.limits)  # fed by the listening socket (listen())
         self._observing: set[ServerConnection] = set()  # cleave status and link tests, connected
@@ -340,16 +340,20 @@ class Server:
         if any(u.lower() == "websocket" for u in upgrade):
             return None
         path = request.path.split("?", 1)[0]
+        auth = request.headers.get_all("Authorization")
+        # Two Authorization headers are one too many: answered as a wrong token.
+        authorization = auth[0] if len(auth) == 1 else ("invalid" if auth else None)
         try:
             if path == METRICS_PATH:
-                status, content_type, body = self.metrics.render()
-                headers = {"Cache-Control": "no-store"}
+                operator = is_bearer(authorization, self.core.is_operator)
+                if operator is False:
+                    status, content_type, body = 401, "text/plain; charset=utf-8", b"wrong operator token\n"
+                    headers = {"Cache-Control": "no-store", "WWW-Authenticate": CHALLENGE}
+                else:
+                    status, content_type, body = self.metrics.render(operator=bool(operator))
+                    headers = {"Cache-Control": "no-store"}
             elif dashboard_handles(path):
-                auth = request.headers.get_all("Authorization")
-                # Two Authorization headers are one too many: answered as a wrong token.
-                status, content_type, body, headers = self.dashboard.respond(
-                    path, auth[0] if len(auth) == 1 else ("invalid" if auth else None)
-                )
+                status, content_type, body, headers = self.dashboard.respond(path, authorization)
             else:
                 return None
         except Exception:  # a bug must not take the port down, nor pass silently

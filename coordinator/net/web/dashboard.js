@@ -34,27 +34,106 @@ function fill(table, rows) {
   body.replaceChildren(...rows.map(row));
 }
 
+// The loss chart's frame (viewBox units) and smoothing: an exponential moving average, as
+// TensorBoard's, debiased at the start so the first points are not pulled towards zero.
+const W = 640, H = 240, LEFT = 52, RIGHT = 12, TOP = 12, BOTTOM = 30, SMOOTH = 0.9;
+const SVG = "http://www.w3.org/2000/svg";
+
+function el(name, attrs, text) {
+  const node = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function ticks(lo, hi, count) {  // round steps: 1, 2 or 5 times a power of ten
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / count, p = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * p).find((s) => s >= raw);
+  const out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toPrecision(12));
+  return out;
+}
+
+function smoothed(values) {
+  let avg = 0;
+  return values.map((v, i) => { avg = SMOOTH * avg + (1 - SMOOTH) * v; return avg / (1 - SMOOTH ** (i + 1)); });
+}
+
 function curve(points) {
   const svg = $("curve");
-  const ns = "http://www.w3.org/2000/svg";
+  const empty = points.length === 0;
+  svg.hidden = empty;
+  $("curve-empty").hidden = !empty;
   svg.replaceChildren();
-  if (points.length < 2) return;
-  const steps = points.map((p) => p[0]), losses = points.map((p) => p[1]);
-  const x0 = Math.min(...steps), x1 = Math.max(...steps);
-  const y0 = Math.min(...losses), y1 = Math.max(...losses);
-  const sx = (s) => (x1 > x0 ? ((s - x0) / (x1 - x0)) * 580 + 10 : 300);
-  const sy = (l) => (y1 > y0 ? 190 - ((l - y0) / (y1 - y0)) * 170 : 100);
-  const line = document.createElementNS(ns, "polyline");
-  line.setAttribute("points", points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" "));
-  svg.appendChild(line);
-  $("curve-range").textContent = `steps ${fmt(x0, 0)} to ${fmt(x1, 0)}, loss ${fmt(y1, 3)} to ${fmt(y0, 3)}`;
+  if (empty) { $("curve-range").textContent = ""; return; }
+  const steps = points.map((p) => p[0]), losses = points.map((p) => p[1]), smooth = smoothed(losses);
+  const x0 = Math.min(...steps), x1 = Math.max(x0 + 1, ...steps);
+  let y0 = Math.min(...losses), y1 = Math.max(...losses);
+  if (y1 - y0 < 1e-9) { y0 -= 0.5; y1 += 0.5; }
+  const pad = (y1 - y0) * 0.05;
+  y0 -= pad; y1 += pad;
+  const sx = (s) => LEFT + ((s - x0) / (x1 - x0)) * (W - LEFT - RIGHT);
+  const sy = (l) => TOP + (1 - (l - y0) / (y1 - y0)) * (H - TOP - BOTTOM);
+  for (const v of ticks(y0, y1, 5)) {
+    svg.appendChild(el("line", { class: "grid", x1: LEFT, x2: W - RIGHT, y1: sy(v), y2: sy(v) }));
+    svg.appendChild(el("text", { x: LEFT - 6, y: sy(v) + 4, "text-anchor": "end" }, fmt(v, v < 10 ? 2 : 1)));
+  }
+  for (const v of ticks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
+    svg.appendChild(el("line", { class: "axis", x1: sx(v), x2: sx(v), y1: H - BOTTOM, y2: H - BOTTOM + 4 }));
+    svg.appendChild(el("text", { x: sx(v), y: H - BOTTOM + 16, "text-anchor": "middle" }, fmt(v, 0)));
+  }
+  svg.appendChild(el("line", { class: "axis", x1: LEFT, x2: W - RIGHT, y1: H - BOTTOM, y2: H - BOTTOM }));
+  svg.appendChild(el("line", { class: "axis", x1: LEFT, x2: LEFT, y1: TOP, y2: H - BOTTOM }));
+  svg.appendChild(el("text", { x: (LEFT + W - RIGHT) / 2, y: H - 2, "text-anchor": "middle" }, "step"));
+  svg.appendChild(el("text", { x: 12, y: TOP + (H - TOP - BOTTOM) / 2, "text-anchor": "middle",
+    transform: `rotate(-90 12 ${TOP + (H - TOP - BOTTOM) / 2})` }, "loss"));
+  const path = (ys) => points.map((p, i) => `${sx(p[0]).toFixed(1)},${sy(ys[i]).toFixed(1)}`).join(" ");
+  svg.appendChild(el("polyline", { class: "raw", points: path(losses) }));
+  svg.appendChild(el("polyline", { class: "smooth", points: path(smooth) }));
+  // Hover: the nearest step's loss and its smoothed value.
+  const marker = el("circle", { class: "marker", r: 3.5, visibility: "hidden" });
+  const label = el("text", { id: "hover-text", x: W - RIGHT, y: TOP + 10, "text-anchor": "end" }, "");
+  svg.append(marker, label);
+  svg.onmousemove = (event) => {
+    const box = svg.getBoundingClientRect();
+    const x = ((event.clientX - box.left) / box.width) * W;
+    let best = 0;
+    for (let i = 1; i < points.length; i++) if (Math.abs(sx(steps[i]) - x) < Math.abs(sx(steps[best]) - x)) best = i;
+    marker.setAttribute("cx", sx(steps[best]));
+    marker.setAttribute("cy", sy(losses[best]));
+    marker.setAttribute("visibility", "visible");
+    label.textContent = `step ${fmt(steps[best], 0)}: loss ${fmt(losses[best], 4)} (smoothed ${fmt(smooth[best], 4)})`;
+  };
+  svg.onmouseleave = () => { marker.setAttribute("visibility", "hidden"); label.textContent = ""; };
+  const last = losses.length - 1;
+  $("curve-range").textContent = `steps ${fmt(steps[0], 0)} to ${fmt(steps[last], 0)}: loss ${fmt(losses[0], 3)} ` +
+    `at the first, ${fmt(losses[last], 3)} at the last (lowest ${fmt(Math.min(...losses), 3)}); ` +
+    "light line: each step, dark line: smoothed";
+}
+
+function duration(seconds) {
+  if (seconds === null || seconds === undefined) return "-";
+  const s = Math.round(seconds), h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
+  return h ? `${h}h ${String(m).padStart(2, "0")}m` : `${m}m ${String(s % 60).padStart(2, "0")}s`;
+}
+
+function reliability(d) {  // never "100.0%" once a tile failed: rounding must not hide a failure
+  if (d.reliability === undefined || d.reliability === null) return "-";
+  const failed = (d.tiles_rejected || 0) + (d.tiles_lost || 0) + (d.tiles_revoked || 0);
+  const share = 100 * d.reliability;
+  return `${fmt(failed && share >= 99.95 ? 99.9 : share, 1)}%`;
 }
 
 function draw(s) {
   const job = s.job || {};
   $("job-name").textContent = job.name || "";
   $("job-state").textContent = job.state || "";
+  $("job-state").classList.toggle("finished", job.state === "finished");
   $("step").textContent = `${fmt(job.step, 0)} / ${fmt(job.steps, 0)}`;
+  $("timing").textContent = job.elapsed_s === null || job.elapsed_s === undefined ? "not started" :
+    `${duration(job.elapsed_s)} elapsed` + (job.eta_s === null || job.eta_s === undefined ? "" :
+      `, about ${duration(job.eta_s)} left`);
   $("progress").style.width = job.steps ? `${(100 * job.step) / job.steps}%` : "0";
   $("loss").textContent = fmt(job.loss, 4);
   $("tokens").textContent = fmt(job.tokens_per_s, 0);
@@ -64,14 +143,18 @@ function draw(s) {
   $("share").textContent = job.gemm_share ? `${fmt(100 * job.gemm_share, 1)}%` : "-";
   $("device-count").textContent = fmt(s.connected, 0);
   curve(s.losses || []);
-  fill($("leaderboard"), (s.leaderboard || []).map((r, i) => [String(i + 1), r.name, fmt(r.gflop, 1), fmt(r.tiles, 0)]));
+  const board = s.leaderboard || [];
+  fill($("leaderboard"), board.map((r, i) => [String(i + 1), r.name, fmt(r.gflop, 1), fmt(r.tiles, 0)]));
+  $("leaderboard").hidden = board.length === 0;
+  $("leaderboard-empty").hidden = board.length > 0;
   const devices = s.devices;
   $("devices").hidden = !devices;
   $("devices-locked").hidden = !!devices;
   if (devices) {
-    fill($("devices"), devices.map((d) => [d.name, d.state, d.device, fmt(d.gflops, 1), fmt(d.down_mbps, 1),
-      fmt(d.up_mbps, 1), fmt(d.tiles_done, 0), fmt(d.tiles_rejected, 0),
-      d.reliability === undefined ? "-" : `${fmt(100 * d.reliability, 1)}%`]));
+    fill($("devices"), devices.map((d) => [d.name, d.reason && !["working", "idle"].includes(d.state) ?
+      `${d.state} (${d.reason})` : d.state, d.device, fmt(d.gflops, 1), fmt(d.down_mbps, 1),
+      fmt(d.up_mbps, 1), fmt(d.tiles_done, 0), fmt(d.tiles_rejected, 0), fmt(d.tiles_lost, 0), reliability(d),
+      fmt(d.gflop_verified, 2)]));
   }
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
