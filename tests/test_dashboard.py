@@ -5,16 +5,21 @@ devices table shows only with the operator token. Also the API's answers to bad 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import json
+import os
 import re
 import shutil
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 from procs import OPERATOR, TOKEN, join
+from websockets.sync.client import connect as ws_connect
 
 from coordinator.engine.live_plan import Planner
 from coordinator.job import CoordinatorConfig, serve_job
@@ -173,3 +178,134 @@ def test_each_view_is_built_at_most_once_a_second() -> None:
     now[0] += 1.0
     board.respond("/api/status", None)
     assert len(builds) == 3
+
+
+class _Page:
+    """A page in headless chromium, driven over the DevTools protocol (a websocket): it runs the
+    page's own script in real time, and answers questions about its layout."""
+
+    def __init__(self, url: str, width: int, height: int, profile: Path) -> None:
+        assert CHROMIUM is not None
+        self.proc = subprocess.Popen(
+            [
+                CHROMIUM,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--hide-scrollbars",
+                "--remote-debugging-port=0",
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                url,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        active = profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not (active.exists() and active.read_text().strip()):
+            assert time.monotonic() < deadline and self.proc.poll() is None, "chromium did not start"
+            time.sleep(0.1)
+        port = int(active.read_text().split()[0])
+        targets = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10).read())
+        (page,) = [t for t in targets if t["type"] == "page"]
+        self._stack = contextlib.ExitStack()
+        self.ws = self._stack.enter_context(ws_connect(page["webSocketDebuggerUrl"], max_size=64 << 20, proxy=None))
+        self.calls = 0
+        # The window has a minimum width; the viewport is set as a phone's (or a desktop's) exactly.
+        self.call(
+            "Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=width < 600
+        )
+
+    def call(self, method: str, **params: object) -> dict:
+        self.calls += 1
+        self.ws.send(json.dumps({"id": self.calls, "method": method, "params": params}))
+        while True:
+            reply = json.loads(self.ws.recv(timeout=30))
+            if reply.get("id") == self.calls:
+                assert "error" not in reply, reply
+                return reply["result"]
+
+    def js(self, expression: str) -> object:
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def wait_for(self, expression: str, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not self.js(expression):
+            assert time.monotonic() < deadline, f"the page never showed {what}"
+            time.sleep(0.2)
+
+    def screenshot(self, path: Path) -> None:
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+
+    def close(self) -> None:
+        self._stack.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.mark.drill
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (.ci/run installs it)")
+def test_a_finished_job_stays_on_the_page_and_the_page_fits_a_phone(tmp_path: Path) -> None:
+    """The page of a finished job during the coordinator's linger, at desktop and phone widths.
+    With CLEAVE_SCREENSHOTS=DIR the screenshots are written there (docs/ holds the last ones)."""
+    cfg = CoordinatorConfig(
+        train=TrainConfig(steps=6),
+        port=0,
+        db=str(tmp_path / "f.db"),
+        token=TOKEN,
+        operator_token=OPERATOR,
+        min_devices=2,
+        planner=Planner.UNIFORM,
+        linger=120,
+    )
+    shots = os.environ.get("CLEAVE_SCREENSHOTS")
+
+    def look(http: str) -> dict:
+        seen = {}
+        for name, width in (("desktop", 1280), ("phone", 420)):
+            page = _Page(f"{http}/#token={OPERATOR}", width, 1400, tmp_path / name)
+            try:
+                page.wait_for("document.getElementById('job-state')?.textContent === 'finished'", "the job finished")
+                page.wait_for("document.getElementById('devices')?.hidden === false", "the devices table")
+                seen[name] = page.js(
+                    "({overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,"
+                    " caption: document.getElementById('curve-range').textContent,"
+                    " timing: document.getElementById('timing').textContent,"
+                    " ticks: document.querySelectorAll('#curve text').length,"
+                    " lines: document.querySelectorAll('#curve polyline').length,"
+                    " devices: [...document.querySelectorAll('#devices tbody tr')].map((r) => r.innerText),"
+                    " box: document.querySelector('#devices').parentElement.clientWidth,"
+                    " emptyShown: !document.getElementById('curve-empty').hidden})"
+                )
+                if shots:
+                    page.screenshot(Path(shots) / f"dashboard-finished-{name}.png")
+            finally:
+                page.close()
+        return seen
+
+    async def run() -> tuple[dict, list[int]]:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[str] = loop.create_future()
+        job = asyncio.create_task(serve_job(cfg, _Quiet(), ready=ready.set_result))
+        url = await ready
+        clients = [join(url, f"phone-{i}") for i in range(2)]
+        codes = await asyncio.gather(*(asyncio.to_thread(c.wait) for c in clients))  # they leave at the end
+        seen = await asyncio.to_thread(look, url.replace("ws://", "http://"))
+        job.cancel()  # Ctrl-C during the linger: the job stays finished
+        outcome = await job
+        assert outcome.status["job"]["state"] == "finished"
+        return seen, codes
+
+    seen, codes = asyncio.run(run())
+    assert codes == [0, 0]
+    for name, page in seen.items():
+        assert page["overflow"] <= 0, f"{name}: the page is {page['overflow']} px wider than the screen"
+        assert page["lines"] == 2 and page["ticks"] >= 6 and not page["emptyShown"], page
+        assert re.match(r"steps 1 to 6: loss 5\.5\d\d at the first, \d\.\d{3} at the last", page["caption"]), page
+        assert "elapsed" in page["timing"] and "left" not in page["timing"], page
+        assert len(page["devices"]) == 2 and all("phone-" in row and " #" in row for row in page["devices"]), page
+    assert seen["phone"]["box"] <= 420  # the devices table scrolls in its own box

@@ -117,6 +117,7 @@ class Departure(Name):
 
     LEFT = "left"  # it said leave
     SHUTDOWN = "coordinator stopped"  # the coordinator is going
+    FINISHED = "job finished"  # the job is over: every device is sent away
     CLOSED = "connection closed"  # its connection closed or was cut (the reason given says why)
 
     @classmethod
@@ -309,7 +310,7 @@ class Core:
         departure = Departure.of(reason)
         graceful = departure is not Departure.CLOSED  # leaving, or the coordinator stopping
         held = list(dev.inflight)
-        if departure is not Departure.SHUTDOWN and self._held_long(dev, held, now):
+        if departure in (Departure.LEFT, Departure.CLOSED) and self._held_long(dev, held, now):
             self.conduct.cut(dev, now)  # it is gone already: it just may not come back yet
         self.store.release_device(device_id, Outcome.RELEASED if graceful else Outcome.LOST, self.wall(now), reason)
         self.sched.leave(device_id)

@@ -262,8 +262,10 @@ class Server:
                 del self.conns[device_id]
             if conn.cut is not None:
                 reason = conn.cut
-            if self._aborted is not None or self._closing:
+            if self._aborted is not None:
                 reason = Departure.SHUTDOWN  # the coordinator is going: not the device's fault
+            elif self._closing:
+                reason = Departure.FINISHED
             self.deliver(self.core.disconnect(device_id, self.clock(), reason))
             self._devices_changed.set()
             log.info("device %d left: %s", device_id, reason)
@@ -561,7 +563,8 @@ class Server:
             await self._devices_changed.wait()
 
     async def close_all(self, reason: str = "job finished", timeout: float = 5.0) -> None:
-        """Close every connection after its queued messages; abort any peer that stopped reading."""
+        """Close every connection after its queued messages (the job is over: each device's
+        departure reads ``job finished``); abort any peer that stopped reading."""
         self._closing = True
         conns = list(self.conns.values())
         for conn in conns:

@@ -36,7 +36,7 @@ function fill(table, rows) {
 
 // The loss chart's frame (viewBox units) and smoothing: an exponential moving average, as
 // TensorBoard's, debiased at the start so the first points are not pulled towards zero.
-const W = 640, H = 240, LEFT = 52, RIGHT = 12, TOP = 12, BOTTOM = 30, SMOOTH = 0.9;
+const W = 640, H = 240, LEFT = 52, RIGHT = 12, TOP = 12, BOTTOM = 30;
 const SVG = "http://www.w3.org/2000/svg";
 
 function el(name, attrs, text) {
@@ -55,9 +55,10 @@ function ticks(lo, hi, count) {  // round steps: 1, 2 or 5 times a power of ten
   return out;
 }
 
-function smoothed(values) {
+function smoothed(values) {  // over about a tenth of the points shown (0.9 from 30 points on)
+  const k = Math.min(0.9, 1 - 3 / Math.max(values.length, 4));
   let avg = 0;
-  return values.map((v, i) => { avg = SMOOTH * avg + (1 - SMOOTH) * v; return avg / (1 - SMOOTH ** (i + 1)); });
+  return values.map((v, i) => { avg = k * avg + (1 - k) * v; return avg / (1 - k ** (i + 1)); });
 }
 
 function curve(points) {
