@@ -116,12 +116,16 @@ def dashboard(status: dict[str, Any]) -> Group:
     summary.add_column(style="bold")
     summary.add_column()
     summary.add_row("job", Text(f"{job.get('name', '')}  [{job.get('state', '')}]"))
-    summary.add_row("step", f"{step}/{steps}" + (f"  ({100 * step / steps:.0f}%)" if steps else ""))
+    timing = ""
+    if job.get("elapsed_s") is not None:
+        timing = f"  {_duration(job['elapsed_s'])} elapsed"
+        timing += f", about {_duration(job['eta_s'])} left" if job.get("eta_s") is not None else ""
+    summary.add_row("step", f"{step}/{steps}" + (f"  ({100 * step / steps:.0f}%)" if steps else "") + timing)
     summary.add_row("loss", _num(job.get("loss")))
     summary.add_row("throughput", f"{job.get('tokens_per_s', 0):,.0f} tokens/s")
     share = job.get("gemm_share")
     if isinstance(share, dict) and isinstance(share.get("share"), (int, float)):
-        summary.add_row("to devices", f"{share['share']:.1%} of the model's GEMM FLOPs")
+        summary.add_row("volunteers", f"can take {share['share']:.1%} of the model's matrix work (the planner decides)")
     summary.add_row(
         "tiles",
         f"{tiles.get('verified', 0):,} verified, {tiles.get('leased', 0):,} leased, "
@@ -133,6 +137,10 @@ def dashboard(status: dict[str, Any]) -> Group:
         f"{tiles.get('speculative', 0):,} speculative, {tiles.get('cancelled', 0):,} cancelled, "
         f"{tiles.get('lost', 0):,} lost, {tiles.get('revoked', 0):,} taken back",
     )
+    lost = status.get("lost_reasons") or {}
+    if lost:
+        why = ", ".join(f"{reason or 'no reason given'}: {n:,}" for reason, n in lost.items())
+        summary.add_row("lost because", Text(why))
     summary.add_row("queue depth", str(status.get("queue_depth", tiles.get("queued", 0))))
     plan = status.get("plan")
     if plan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -368,6 +369,16 @@ class MemoryStore:
         if tile_id not in self._tiles:
             raise StoreError(f"no tile {tile_id}")
         return self._tiles[tile_id].state
+
+    def lost_reasons(self, job_id: int, limit: int = 8) -> dict[str, int]:
+        reasons: Counter[str] = Counter(
+            lease.reason
+            for t in self._tiles.values()
+            if self._gemms[t.gemm_id]["job_id"] == job_id
+            for lease in self._leases[t.id]
+            if lease.outcome == Outcome.LOST
+        )
+        return dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))[:limit])
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
         counts = dict.fromkeys(TILE_COUNTS, 0)

@@ -574,6 +574,17 @@ class SQLiteStore:
             raise StoreError(f"no tile {tile_id}")
         return str(row[0])
 
+    def lost_reasons(self, job_id: int, limit: int = 8) -> dict[str, int]:
+        return {
+            str(reason): int(n)
+            for reason, n in self.conn.execute(
+                "SELECT l.reason, COUNT(*) AS n FROM leases l JOIN tiles t ON t.id = l.tile_id "
+                "JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ? AND l.outcome = ? "
+                "GROUP BY l.reason ORDER BY n DESC, l.reason LIMIT ?",
+                (job_id, Outcome.LOST.value, limit),
+            )
+        }
+
     def tile_counts(self, job_id: int) -> dict[str, int]:
         if job_id not in self._counts:
             self._counts[job_id] = Counter(self.recount(job_id))

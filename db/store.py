@@ -356,6 +356,10 @@ class Store(Protocol):
 
     def leased_to(self, device_id: int) -> list[int]: ...
     def tile_state(self, tile_id: int) -> str: ...
+    def lost_reasons(self, job_id: int, limit: int = 8) -> dict[str, int]:
+        """Why a job's leases were lost: reason -> leases, the most common ``limit`` reasons."""
+        ...
+
     def tile_counts(self, job_id: int) -> dict[str, int]:
         """A job's ``queued``, ``leased`` and ``verified`` tiles, and its leases that were
         ``rejected``, ``lost``, ``cancelled``, ``revoked``, issued ``requeued``, ``speculative`` or

@@ -81,7 +81,22 @@ def test_dashboard_shows_job_tiles_and_every_device() -> None:
 
 def test_dashboard_shows_the_share_of_gemm_flops_sent_to_devices() -> None:
     status = {**STATUS, "job": {**STATUS["job"], "gemm_share": {"share": 0.9333, "left_on_ps": {"h.0.attn": 1.0}}}}
-    assert "93.3% of the model's GEMM FLOPs" in _text(render.dashboard(status), width=140)
+    assert "can take 93.3% of the model's matrix work" in _text(render.dashboard(status), width=140)
+
+
+def test_dashboard_shows_time_left_why_tiles_were_lost_and_never_hides_a_failure() -> None:
+    device = {**STATUS["devices"][0], "tiles_done": 20_000, "tiles_lost": 6, "reliability": 20_000 / 20_006}
+    status = {
+        **STATUS,
+        "job": {**STATUS["job"], "elapsed_s": 125.0, "eta_s": 3_725.0},
+        "lost_reasons": {"no heartbeat for 30.0 s": 4, "connection closed": 2},
+        "devices": [{**device, "label": "laptop #3", "profile": {"down_mbps": 80.0, "up_mbps": None}}],
+    }
+    out = _text(render.dashboard(status), width=200)
+    assert "2m 05s elapsed, about 1h 02m left" in out
+    assert "no heartbeat for 30.0 s: 4, connection closed: 2" in out
+    assert "laptop #3" in out and "99.9%" in out and "100.0%" not in out and "80/-" in out
+    assert render.job_summary({**status, "job": {**status["job"], "state": "finished"}}).startswith("job finished: ")
 
 
 def test_dashboard_before_any_device_joined() -> None:

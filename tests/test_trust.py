@@ -346,6 +346,25 @@ def test_a_message_flood_is_cut_and_releases_and_pauses_have_their_own_allowance
     assert fleet.closed.get(flapper) == CloseCode.RATE_LIMITED
 
 
+def test_results_for_leased_tiles_are_paid_by_their_lease_not_by_the_message_allowance() -> None:
+    """An honest device fast enough to return results above the allowance for other frames is
+    not cut (on loopback the tiny model's clients were, a few times a run: "too many messages",
+    their tiles lost); a result for a tile it does not hold still counts."""
+    core = _core(messages=Rate(10.0, 5.0))
+    fleet = Fleet(core)
+    fast = fleet.join("fast", slots=4)
+    box = submit(core, fleet, torch.randn(256, 512), torch.randn(512, 256))
+    started = fleet.now
+    results = 0
+    while fleet.step():  # a result every 0.01 s: ten times the allowance
+        results += 1
+    assert "result" in box and fast in core.devices and fast not in fleet.closed
+    assert results > 5 + 10 * (fleet.now - started)  # more than the allowance would have let through
+    for _ in range(6):  # results for tiles it does not hold
+        fleet.route(core.handle(fast, Result(10**9, torch.zeros(1, 1), 0.001), fleet.now))
+    assert fleet.closed.get(fast) == CloseCode.RATE_LIMITED
+
+
 def test_a_device_may_send_large_frames_only_while_it_holds_a_tile_with_a_large_result() -> None:
     core = _core(idle_frame=64 << 10, frame_slack=16 << 10, result_grace=5.0)
     limits: dict[int, int] = {}

@@ -349,7 +349,11 @@ class Core:
         if dev is None:
             return []
         dev.last_seen = now
-        if not dev.messages.take(now):
+        # A result for a tile it holds was asked for: its lease paid for it (the coordinator
+        # leases at most ``slots`` at once). Every other frame draws on the message allowance; a
+        # fast honest device returns results far faster (the tiny model's, ~170 a second here).
+        paid = isinstance(msg, Result) and msg.tile_id in dev.inflight
+        if not paid and not dev.messages.take(now):
             return self._drop(dev, CloseCode.RATE_LIMITED, "too many messages", now) + self._dispatch(now)
         if isinstance(msg, Result):
             return self._check_of(dev, msg)

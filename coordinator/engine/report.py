@@ -88,6 +88,9 @@ def status(core: Core, now: float) -> dict[str, Any]:
         "devices": listed,
         "device_counts": {"connected": len(core.devices), **store.device_states(job_id)},
         "tiles": {k: counts[k] for k in STATUS_TILES},
+        # Why tiles were lost (a device's connection closed, it went silent, it was cut...):
+        # the most common reasons, each with its count.
+        "lost_reasons": store.lost_reasons(job_id) if counts["lost"] else {},
         "queue_depth": counts["queued"],
         "gemms_in_flight": len(core.gemms),
         "leaderboard": [

@@ -111,7 +111,7 @@ class Dashboard:
                 "elapsed_s": job.get("elapsed_s"),
                 "eta_s": job.get("eta_s"),
             },
-            "tiles": {k: s.get("tiles", {}).get(k, 0) for k in ("queued", "leased", "verified", "rejected")},
+            "tiles": {k: s.get("tiles", {}).get(k, 0) for k in ("queued", "leased", "verified", "rejected", "lost")},
             "connected": s.get("device_counts", {}).get("connected", 0),
             "leaderboard": [
                 {"name": r.get("label") or r["name"], "gflop": r["gflop"], "tiles": r["tiles"]}
@@ -120,6 +120,7 @@ class Dashboard:
             "losses": self.curve.points,
         }
         if operator:
+            out["lost_reasons"] = s.get("lost_reasons") or {}
             out["devices"] = [
                 {
                     "name": d.get("label") or d["name"],

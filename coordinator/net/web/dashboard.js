@@ -140,7 +140,12 @@ function draw(s) {
   $("tokens").textContent = fmt(job.tokens_per_s, 0);
   const t = s.tiles || {};
   $("tiles").textContent = fmt(t.verified, 0);
-  $("tiles-detail").textContent = `${fmt(t.queued, 0)} queued, ${fmt(t.leased, 0)} leased, ${fmt(t.rejected, 0)} rejected`;
+  $("tiles-detail").textContent = `${fmt(t.queued, 0)} queued, ${fmt(t.leased, 0)} leased, ` +
+    `${fmt(t.rejected, 0)} rejected, ${fmt(t.lost, 0)} lost`;
+  const lost = Object.entries(s.lost_reasons || {});
+  $("lost-reasons").hidden = lost.length === 0;
+  $("lost-reasons").textContent = lost.length ? "Tiles lost because: " +
+    lost.map(([why, n]) => `${why || "no reason given"} (${fmt(n, 0)})`).join(", ") : "";
   $("share").textContent = job.gemm_share ? `${fmt(100 * job.gemm_share, 1)}%` : "-";
   $("device-count").textContent = fmt(s.connected, 0);
   curve(s.losses || []);
