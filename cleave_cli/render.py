@@ -151,7 +151,11 @@ def dashboard(status: dict[str, Any]) -> Group:
         )
         kinds = plan.get("partitions") or {}
         if kinds:
-            line += "  (" + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())) + ")"
+            line += (
+                "  (last step's GEMMs, by how each was cut: "
+                + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+                + ")"
+            )
         summary.add_row("plan", line)
     traffic = status.get("traffic")
     if traffic:

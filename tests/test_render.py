@@ -174,5 +174,6 @@ def test_dashboard_shows_the_plan_and_measured_links() -> None:
         ],
     }
     out = _text(render.dashboard(status), width=140)
-    assert "cost planner: step 1.250 s predicted, 1.500 s measured  (7 local, 20 output)" in out
+    assert "cost planner: step 1.250 s predicted, 1.500 s measured  (last step's GEMMs, by how each was cut: " in out
+    assert "7 local, 20 output)" in out
     assert "980/120" in out and "(prior)" not in out
