@@ -95,7 +95,8 @@ def job_summary(status: dict[str, Any] | None) -> str:
     if not job:
         return "the job is over: the coordinator closed the connection as it finished"
     tiles = (status or {}).get("tiles") or {}
-    devices = len({d.get("identity") or d.get("name") for d in (status or {}).get("devices") or []})
+    counts = (status or {}).get("device_counts") or {}
+    devices = sum(n for state, n in counts.items() if state != "connected")  # every one, not the listed
     where = f"{job.get('step') or 0:,}/{job.get('steps') or 0:,} steps, final loss {_num(job.get('loss'))}"
     work = (
         f"{tiles.get('verified', 0):,} tiles verified, {tiles.get('rejected', 0):,} rejected, "

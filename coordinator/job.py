@@ -399,7 +399,7 @@ async def serve_job(
                 server.stop_verifying()  # before the store closes: a late verdict writes to it
     except BaseException:
         if plan is not None:
-            # Resumable if it trained at all (or was resumed).
+            # Resumable if it trained at all (or was resumed); a finished job stays finished.
             plan.books.stopped(clock(), trained=bool(results) or plan.resume is not None)
         raise
     finally:
@@ -444,8 +444,9 @@ async def _linger(seconds: float, reporter: Reporter) -> None:
         await asyncio.sleep(seconds)
     except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us; returning ends the run normally
         current = asyncio.current_task()
-        if current is not None:
-            current.uncancel()
+        uncancel = getattr(current, "uncancel", None)  # Python 3.11+; 3.10 has no cancel count
+        if uncancel is not None:
+            uncancel()
 
 
 def run_job(cfg: CoordinatorConfig, reporter: Reporter) -> JobOutcome:

@@ -5,6 +5,8 @@ whoever sent it, and a good result that comes too late is dropped like a losing 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 from test_core import Fleet, corrupt, honest, submit
@@ -12,7 +14,7 @@ from test_core import Fleet, corrupt, honest, submit
 from coordinator.engine import report
 from coordinator.engine.core import Core
 from coordinator.engine.gemms import Check
-from coordinator.engine.limits import TrustPolicy
+from coordinator.engine.limits import Rate, TrustPolicy
 from coordinator.engine.outbound import Close, Send
 from coordinator.engine.scheduler import FaultPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
@@ -88,6 +90,22 @@ def test_a_second_result_for_a_tile_under_check_is_refused_and_not_checked_twice
     verdict, seconds = check.run(core.rng)
     fleet.route(core.settle(check, verdict, seconds, fleet.now))
     assert report.status(core, fleet.now)["tiles"]["verified"] == 1
+
+
+def test_resending_a_result_under_check_draws_on_the_message_allowance() -> None:
+    """A result for a tile it holds is paid by its lease, once: a resend while the first is being
+    verified is an unsolicited frame like any other, and a flood of them is cut."""
+    core = _core()
+    core.limits = dataclasses.replace(core.limits, messages=Rate(1.0, 5.0))
+    fleet = Fleet(core)
+    d = fleet.join("a")
+    submit(core, fleet, torch.randn(64, 64), torch.randn(64, 64))
+    check, work = _receive(fleet, d)  # paid by its lease: the allowance is untouched
+    for _ in range(6):
+        if d not in core.devices:
+            break
+        fleet.route(core.receive(d, Result(work.tile_id, check.msg.c.clone(), 0.001), fleet.now))  # type: ignore[arg-type]
+    assert fleet.closed.get(d) == CloseCode.RATE_LIMITED
 
 
 def test_a_forgery_whose_device_left_during_the_check_still_bans_it() -> None:

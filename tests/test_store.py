@@ -551,3 +551,28 @@ def test_another_process_writes_while_a_busy_coordinator_groups_its_commits(tmp_
     assert waited < 1.0, f"the operator's write waited {waited:.2f} s"
     assert store.setting("revoked") == "yes" and store.devices(job)[0].tiles_done == writes
     store.close()
+
+
+def test_a_finished_job_stays_finished_whatever_stops_the_coordinator_after() -> None:
+    """Ctrl-C during the goodbyes or the linger interrupts no training: the books keep the job
+    finished (a stopped one would be 'resumed' by the next start)."""
+    from coordinator.engine.books import Books
+
+    store = MemoryStore()
+    job = store.create_job("j", {}, 4, 0.0)
+    books = Books(store, job)
+    books.finished(1.0)
+    books.stopped(2.0, trained=True)
+    assert store.job(job).state == "finished"
+
+
+def test_the_time_left_is_this_runs_pace_not_the_jobs() -> None:
+    """A job resumed at step 900 of 1,000 that took 10 s for one step has about 990 s left."""
+    from coordinator.engine.progress import Progress
+
+    p = Progress(step=900, steps=1000)
+    p.since, p.first = 50.0, 900  # training (re)started at 50 s, from the checkpoint's step
+    p.step = 901
+    assert p.eta(60.0) == pytest.approx(990.0) and p.elapsed(60.0) == pytest.approx(10.0)
+    p.ended = 70.0
+    assert p.eta(80.0) is None and p.elapsed(80.0) == pytest.approx(20.0)  # stops at the finish

@@ -29,6 +29,7 @@ class Books:
     def __init__(self, store: Store, job_id: int) -> None:
         self.store = store
         self.job_id = job_id
+        self.done = False  # finished in the books: nothing that interrupts the goodbyes undoes it
 
     @staticmethod
     def take_over(store: Store, at: float, *, new_job: bool) -> Takeover:
@@ -76,10 +77,14 @@ class Books:
     def finished(self, at: float) -> None:
         """The job's last step is done."""
         self.store.set_job_state(self.job_id, JobState.FINISHED, at)
+        self.done = True
 
     def stopped(self, at: float, *, trained: bool) -> None:
         """The coordinator stopped before the end (Ctrl-C, an error). A job that trained (or was
         resumed) is ``stopped``, and the next start resumes it; one whose start failed before its
         first step (bad --data, a port in use) is ``failed``, so it does not pin its options on
-        the next start."""
+        the next start. A job already finished stays finished (a Ctrl-C during its goodbyes or its
+        linger interrupts no training)."""
+        if self.done:
+            return
         self.store.set_job_state(self.job_id, JobState.STOPPED if trained else JobState.FAILED, at)

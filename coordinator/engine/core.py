@@ -352,7 +352,7 @@ class Core:
         # A result for a tile it holds was asked for: its lease paid for it (the coordinator
         # leases at most ``slots`` at once). Every other frame draws on the message allowance; a
         # fast honest device returns results far faster (the tiny model's, ~170 a second here).
-        paid = isinstance(msg, Result) and msg.tile_id in dev.inflight
+        paid = isinstance(msg, Result) and msg.tile_id in dev.inflight and msg.tile_id not in dev.checking
         if not paid and not dev.messages.take(now):
             return self._drop(dev, CloseCode.RATE_LIMITED, "too many messages", now) + self._dispatch(now)
         if isinstance(msg, Result):
@@ -977,6 +977,7 @@ class Core:
         """Training starts: tokens per second count from here (waiting for devices is not training)."""
         self.progress.state = JobPhase.TRAINING
         self.progress.since = now
+        self.progress.first = self.progress.step
 
     def shared(self, gemm_share: dict[str, Any]) -> None:
         """The share of the model's GEMM FLOPs that devices get, once counted on the model."""

@@ -89,6 +89,7 @@ class Progress:
     tokens: int = 0  # trained by this coordinator
     since: float | None = None  # when training started (monotonic seconds)
     ended: float | None = None  # when the job finished (monotonic seconds)
+    first: int = 0  # the step this run of the coordinator started training from (a resume's)
 
     def elapsed(self, now: float) -> float | None:
         """Seconds of training so far (to the finish, once finished); None before it starts."""
@@ -96,7 +97,7 @@ class Progress:
 
     def eta(self, now: float) -> float | None:
         """Seconds left at the pace so far; None before the first step and once finished."""
-        elapsed = self.elapsed(now)
-        if elapsed is None or self.step <= 0 or self.ended is not None or self.step >= self.steps:
+        elapsed, done = self.elapsed(now), self.step - self.first  # this run's pace, not the job's
+        if elapsed is None or done <= 0 or self.ended is not None or self.step >= self.steps:
             return None
-        return elapsed / self.step * (self.steps - self.step)
+        return elapsed / done * (self.steps - self.step)

@@ -60,7 +60,8 @@ def status(core: Core, now: float) -> dict[str, Any]:
                 "gflops": round(profile.measured_gflops(row.gflops) if live and profile else row.gflops, 2),
                 "gflop_verified": round(row.gflop_verified, 3),
                 "reason": row.reason,
-                "last_seen": round(row.last_seen, 3),
+                # Heard from: its live session's last frame (heartbeats too), else the row's stamp.
+                "last_seen": round(core.wall(live.last_seen) if live else row.last_seen, 3),
                 "inflight": len(live.inflight) if live else 0,
                 "slots": live.slots if live else 0,
                 "probation": live.standing.on_probation(core.trust) if live else None,

@@ -46,13 +46,18 @@ function el(name, attrs, text) {
   return node;
 }
 
-function ticks(lo, hi, count) {  // round steps: 1, 2 or 5 times a power of ten
-  if (!(hi > lo)) return [lo];
+function ticks(lo, hi, count) {  // round steps (1, 2 or 5 times a power of ten) and their decimals
+  if (!(hi > lo)) return { values: [lo], digits: 2 };
   const raw = (hi - lo) / count, p = 10 ** Math.floor(Math.log10(raw));
   const step = [1, 2, 5, 10].map((m) => m * p).find((s) => s >= raw);
-  const out = [];
-  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toPrecision(12));
-  return out;
+  const values = [];
+  const first = Math.ceil(lo / step);
+  for (let i = 0; i <= count * 3; i++) {  // bounded: a step below the values' resolution ends too
+    const v = (first + i) * step;
+    if (v > hi + step * 1e-9) break;
+    values.push(+v.toPrecision(12));
+  }
+  return { values, digits: Math.min(6, Math.max(0, -Math.floor(Math.log10(step)))) };
 }
 
 function smoothed(values) {  // over about a tenth of the points shown (0.9 from 30 points on)
@@ -61,7 +66,10 @@ function smoothed(values) {  // over about a tenth of the points shown (0.9 from
   return values.map((v, i) => { avg = k * avg + (1 - k) * v; return avg / (1 - k ** (i + 1)); });
 }
 
-function curve(points) {
+let hoverX = null;  // where the pointer is over the chart (viewBox units), kept across redraws
+
+function curve(all) {
+  const points = all.filter((p) => Number.isFinite(p[0]) && Number.isFinite(p[1]));  // a diverged loss is null
   const svg = $("curve");
   const empty = points.length === 0;
   svg.hidden = empty;
@@ -76,11 +84,12 @@ function curve(points) {
   y0 -= pad; y1 += pad;
   const sx = (s) => LEFT + ((s - x0) / (x1 - x0)) * (W - LEFT - RIGHT);
   const sy = (l) => TOP + (1 - (l - y0) / (y1 - y0)) * (H - TOP - BOTTOM);
-  for (const v of ticks(y0, y1, 5)) {
+  const yTicks = ticks(y0, y1, 5);
+  for (const v of yTicks.values) {
     svg.appendChild(el("line", { class: "grid", x1: LEFT, x2: W - RIGHT, y1: sy(v), y2: sy(v) }));
-    svg.appendChild(el("text", { x: LEFT - 6, y: sy(v) + 4, "text-anchor": "end" }, fmt(v, v < 10 ? 2 : 1)));
+    svg.appendChild(el("text", { x: LEFT - 6, y: sy(v) + 4, "text-anchor": "end" }, fmt(v, yTicks.digits)));
   }
-  for (const v of ticks(x0, x1, 6).filter((t) => Number.isInteger(t))) {
+  for (const v of ticks(x0, x1, 6).values.filter((t) => Number.isInteger(t))) {
     svg.appendChild(el("line", { class: "axis", x1: sx(v), x2: sx(v), y1: H - BOTTOM, y2: H - BOTTOM + 4 }));
     svg.appendChild(el("text", { x: sx(v), y: H - BOTTOM + 16, "text-anchor": "middle" }, fmt(v, 0)));
   }
@@ -96,9 +105,7 @@ function curve(points) {
   const marker = el("circle", { class: "marker", r: 3.5, visibility: "hidden" });
   const label = el("text", { id: "hover-text", x: W - RIGHT, y: TOP + 10, "text-anchor": "end" }, "");
   svg.append(marker, label);
-  svg.onmousemove = (event) => {
-    const box = svg.getBoundingClientRect();
-    const x = ((event.clientX - box.left) / box.width) * W;
+  const show = (x) => {
     let best = 0;
     for (let i = 1; i < points.length; i++) if (Math.abs(sx(steps[i]) - x) < Math.abs(sx(steps[best]) - x)) best = i;
     marker.setAttribute("cx", sx(steps[best]));
@@ -106,7 +113,13 @@ function curve(points) {
     marker.setAttribute("visibility", "visible");
     label.textContent = `step ${fmt(steps[best], 0)}: loss ${fmt(losses[best], 4)} (smoothed ${fmt(smooth[best], 4)})`;
   };
-  svg.onmouseleave = () => { marker.setAttribute("visibility", "hidden"); label.textContent = ""; };
+  svg.onmousemove = (event) => {
+    const box = svg.getBoundingClientRect();
+    hoverX = ((event.clientX - box.left) / box.width) * W;
+    show(hoverX);
+  };
+  svg.onmouseleave = () => { hoverX = null; marker.setAttribute("visibility", "hidden"); label.textContent = ""; };
+  if (hoverX !== null) show(hoverX);  // the poll redrew the chart under a still pointer
   const last = losses.length - 1;
   $("curve-range").textContent = `steps ${fmt(steps[0], 0)} to ${fmt(steps[last], 0)}: loss ${fmt(losses[0], 3)} ` +
     `at the first, ${fmt(losses[last], 3)} at the last (lowest ${fmt(Math.min(...losses), 3)}); ` +
