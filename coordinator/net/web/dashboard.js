@@ -36,7 +36,7 @@ function fill(table, rows) {
 
 // The loss chart's frame (viewBox units) and smoothing: an exponential moving average, as
 // TensorBoard's, debiased at the start so the first points are not pulled towards zero.
-const W = 640, H = 240, LEFT = 52, RIGHT = 12, TOP = 12, BOTTOM = 30;
+const LEFT = 52, RIGHT = 12, TOP = 12, BOTTOM = 30;
 const SVG = "http://www.w3.org/2000/svg";
 
 function el(name, attrs, text) {
@@ -76,6 +76,9 @@ function curve(all) {
   $("curve-empty").hidden = !empty;
   svg.replaceChildren();
   if (empty) { $("curve-range").textContent = ""; return; }
+  // One viewBox unit per CSS pixel (within bounds), so the labels read the same on a phone.
+  const W = Math.round(Math.max(320, Math.min(960, svg.clientWidth || 640))), H = W < 500 ? 200 : 240;
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const steps = points.map((p) => p[0]), losses = points.map((p) => p[1]), smooth = smoothed(losses);
   const x0 = Math.min(...steps), x1 = Math.max(x0 + 1, ...steps);
   let y0 = Math.min(...losses), y1 = Math.max(...losses);
