@@ -65,6 +65,7 @@ def start(
     seed: opt.Seed = D.seed,
     data: opt.Data = None,
     precision: opt.Precision = D.precision,
+    micro_batches: opt.MicroBatches = D.micro_batches,
     metrics: opt.Metrics = None,
     min_devices: Annotated[
         int, typer.Option("--min-devices", help="Wait until this many devices joined before step 1.")
@@ -146,7 +147,7 @@ def start(
         max_observers=min(Limits().max_observers, max_connections),
     )
     cfg = CoordinatorConfig(
-        train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision),
+        train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision, micro_batches),
         host=host,
         port=port,
         db=str(db),

@@ -58,6 +58,16 @@ WireDtypeOpt = Annotated[
 ]
 
 
+MicroBatches = Annotated[
+    int,
+    typer.Option(
+        "--micro-batches",
+        help="Cut each batch into this many equal parts, forward and backward one after another, "
+        "their gradients summed: the same step, a part's activations in memory. Must divide --batch-size.",
+    ),
+]
+
+
 def train_config(
     model: str,
     steps: int,
@@ -67,6 +77,7 @@ def train_config(
     seed: int,
     data: Path | None,
     precision: str = "fp32",
+    micro_batches: int = 1,
 ) -> TrainConfig:
     from coordinator.training.loop import TrainConfig
 
@@ -79,6 +90,7 @@ def train_config(
         seed=seed,
         data=str(data) if data is not None else None,
         precision=precision,
+        micro_batches=micro_batches,
     )
 
 

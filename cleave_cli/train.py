@@ -30,13 +30,14 @@ def train(
     seed: opt.Seed = D.seed,
     data: opt.Data = None,
     precision: opt.Precision = D.precision,
+    micro_batches: opt.MicroBatches = D.micro_batches,
     metrics: opt.Metrics = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final loss.")] = False,
 ) -> None:
     """Train locally with the coordinator's exact options, for a side-by-side comparison."""
     if not local:
         raise ConfigError("distributed training runs with `cleave coordinator start`; use --local for the baseline")
-    cfg = opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision)
+    cfg = opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision, micro_batches)
     console = Console(highlight=False)
     trainer = Trainer(cfg)
     out = open(metrics, "w", encoding="utf-8") if metrics else None  # noqa: SIM115

@@ -61,6 +61,18 @@ def test_two_clients_train_exactly_like_local_torch(tmp_path: Path, local_losses
     assert [r[0] for r in coord.query("SELECT loss FROM steps ORDER BY step")] == losses
 
 
+def test_micro_batches_through_clients_take_the_whole_batchs_step(tmp_path: Path, local_losses: list[float]) -> None:
+    """--micro-batches 4: each part's GEMMs go to the clients as tiles, and the step is plain
+    torch's whole-batch step (the first 4 steps: in the warm-up, the same whatever --steps)."""
+    coord = Coordinator(tmp_path, "--min-devices", "2", "--micro-batches", "4", steps=4)
+    clients = [join(coord.url, f"part-{i}") for i in range(2)]
+    assert coord.wait() == 0, coord.output
+    assert [c.wait() for c in clients] == [0, 0]
+    assert_same_losses(coord.losses(), local_losses[:4])
+    done = dict(coord.query("SELECT name, tiles_done FROM devices"))
+    assert set(done) == {"part-0", "part-1"} and all(n > 0 for n in done.values())  # tiles were shipped
+
+
 def test_corrupted_results_are_always_caught_and_never_used(tmp_path: Path, local_losses: list[float]) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "2", steps=STEPS)
     liar = double("corrupt", coord.url, "liar")

@@ -135,6 +135,22 @@ def test_transformer_step_with_tiled_engine_equals_plain_step() -> None:
     assert tiled == pytest.approx(plain, rel=1e-5)
 
 
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_micro_batches_take_the_whole_batchs_step(micro_batches: int) -> None:
+    """Parts of the batch one after another, each loss weighted by its tokens: the same losses
+    and the same weights as the whole batch at once, to float error (against plain torch), with
+    the weight gradients deferred as the coordinator defers them too."""
+    cfg = TrainConfig(steps=4, seq_len=32, batch_size=8)
+    whole = Trainer(cfg)
+    want = [r.loss for r in whole.run()]
+    parts = Trainer(TrainConfig(steps=4, seq_len=32, batch_size=8, micro_batches=micro_batches), DeferringLocalEngine())
+    got = [r.loss for r in parts.run()]
+    assert got == pytest.approx(want, rel=1e-5)
+    for (name, p), q in zip(whole.model.named_parameters(), parts.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    assert parts.tokens_seen == whole.tokens_seen == 4 * 8 * 32
+
+
 def test_training_is_deterministic_and_the_loss_falls() -> None:
     cfg = TrainConfig(steps=20)
     a = [r.loss for r in Trainer(cfg).run()]
@@ -161,6 +177,8 @@ def test_presets_have_the_advertised_sizes() -> None:
         ({"lr": float("nan")}, "--lr"),
         ({"lr": -1.0}, "--lr"),
         ({"seed": -3}, "--seed"),
+        ({"micro_batches": 3}, "--micro-batches"),  # does not divide the batch of 8
+        ({"micro_batches": 0}, "--micro-batches"),
     ],
 )
 def test_absurd_options_are_refused_with_the_option_name(kwargs: dict, message: str) -> None:
