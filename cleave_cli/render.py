@@ -97,14 +97,14 @@ def job_summary(status: dict[str, Any] | None) -> str:
     tiles = (status or {}).get("tiles") or {}
     counts = (status or {}).get("device_counts") or {}
     devices = sum(n for state, n in counts.items() if state != "connected")  # every one, not the listed
-    where = f"{job.get('step') or 0:,}/{job.get('steps') or 0:,} steps, final loss {_num(job.get('loss'))}"
+    steps, loss = f"{job.get('step') or 0:,}/{job.get('steps') or 0:,} steps", _num(job.get("loss"))
     work = (
         f"{tiles.get('verified', 0):,} tiles verified, {tiles.get('rejected', 0):,} rejected, "
         f"{tiles.get('lost', 0):,} lost, on {devices:,} device{'s' if devices != 1 else ''}"
     )
     if job.get("state") == JobPhase.FINISHED:
-        return f"job finished: {where}; {work}"
-    return f"the job finished and the coordinator left; last seen at {where.replace('final ', '')}; {work}"
+        return f"job finished: {steps}, final loss {loss}; {work}"
+    return f"the job finished and the coordinator left; last seen at {steps}, loss {loss}; {work}"
 
 
 def dashboard(status: dict[str, Any]) -> Group:
@@ -188,7 +188,7 @@ def dashboard(status: dict[str, Any]) -> Group:
         busy = state in (DeviceView.WORKING, DeviceView.IDLE)
         reason = f" ({d['reason']})" if d.get("reason") and not busy else ""  # paused: why
         devices.add_row(
-            Text(str(d.get("label") or _labelled(d))),
+            Text(str(d.get("label") or d.get("name", ""))),
             Text(state + reason, style=style.get(state, "")),
             Text(str(d.get("device", ""))),
             f"{d.get('gflops', 0):.1f}",
@@ -216,7 +216,7 @@ def dashboard(status: dict[str, Any]) -> Group:
         board.add_column("verified GFLOP", justify="right")
         board.add_column("tiles", justify="right")
         for rank, row in enumerate(status["leaderboard"], start=1):
-            who = Text(str(row.get("label") or _labelled(row)))
+            who = Text(str(row.get("label") or row.get("name", "")))
             board.add_row(str(rank), who, f"{row.get('gflop', 0):,.2f}", f"{row.get('tiles', 0):,}")
         parts.append(board)
     return Group(*parts)
@@ -228,13 +228,6 @@ _STATE_STYLE = {
     WorkerState.RECONNECTING: "bold red",
     WorkerState.CONNECTING: "bold",
 }
-
-
-def _labelled(row: dict[str, Any]) -> str:
-    """A device's name as the coordinator labels it, for a document without ``label`` (an older
-    coordinator): the name and its identity's number."""
-    identity = row.get("identity")
-    return str(row.get("name", "")) + (f" #{identity}" if identity is not None else "")
 
 
 def reliability(device: dict[str, Any]) -> str:

@@ -138,6 +138,7 @@ class SQLiteStore:
         # Tile counts per job, kept current by every write below (this store is the only writer):
         # the status a dashboard asks for every second must not scan a million rows.
         self._counts: dict[int, Counter[str]] = {}
+        self._lost: dict[int, Counter[str]] = {}  # the same, of why leases were lost (status.lost_reasons)
         self._gemm_job: dict[int, int] = {}
         self._data_version = self._version()
 
@@ -547,6 +548,8 @@ class SQLiteStore:
             ).fetchone()
             if outcome in (Outcome.REJECTED, Outcome.LOST, Outcome.REVOKED):
                 self._count(gemm_id, outcome)
+            if outcome == Outcome.LOST and (lost := self._lost.get(self._job_of(gemm_id))) is not None:
+                lost[reason] += 1
             if state == TileState.QUEUED:
                 self._count(gemm_id, TileState.LEASED, -1)
                 self._count(gemm_id, TileState.QUEUED)
@@ -575,15 +578,18 @@ class SQLiteStore:
         return str(row[0])
 
     def lost_reasons(self, job_id: int, limit: int = 8) -> dict[str, int]:
-        return {
-            str(reason): int(n)
-            for reason, n in self.conn.execute(
-                "SELECT l.reason, COUNT(*) AS n FROM leases l JOIN tiles t ON t.id = l.tile_id "
-                "JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ? AND l.outcome = ? "
-                "GROUP BY l.reason ORDER BY n DESC, l.reason LIMIT ?",
-                (job_id, Outcome.LOST.value, limit),
+        if job_id not in self._lost:  # counted once from the rows, then kept by end_lease
+            self._lost[job_id] = Counter(
+                {
+                    str(reason): int(n)
+                    for reason, n in self.conn.execute(
+                        "SELECT l.reason, COUNT(*) FROM leases l JOIN tiles t ON t.id = l.tile_id "
+                        "JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ? AND l.outcome = ? GROUP BY l.reason",
+                        (job_id, Outcome.LOST.value),
+                    )
+                }
             )
-        }
+        return dict(sorted(self._lost[job_id].items(), key=lambda kv: (-kv[1], kv[0]))[:limit])
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
         if job_id not in self._counts:
@@ -667,6 +673,7 @@ class SQLiteStore:
                 {"job": job_id},
             )
             self._counts.clear()  # a bulk change: count again when asked
+            self._lost.clear()
             return cur.rowcount
 
     def close(self) -> None:

@@ -153,26 +153,15 @@ class Coordinator(Proc):
             return conn.execute(sql, params).fetchall()
 
 
-def join(url: str, name: str, *args: str, token: str = TOKEN) -> Proc:
-    return Proc(
-        cleave_cmd(
-            "join",
-            url,
-            "--token",
-            token,
-            "--once",
-            "--quiet",
-            "--threads",
-            "1",
-            "--name",
-            name,
-            "--device",
-            "cpu",
-            "--always",
-            *args,
-        ),
-        name,
+def join_cmd(url: str, name: str, *args: str, token: str = TOKEN) -> list[str]:
+    """``cleave join`` as the tests run it: one thread, on the CPU, always idle, until the job ends."""
+    return cleave_cmd(
+        "join", url, "--token", token, "--once", "--threads", "1", "--name", name, "--device", "cpu", "--always", *args
     )
+
+
+def join(url: str, name: str, *args: str, token: str = TOKEN) -> Proc:
+    return Proc(join_cmd(url, name, "--quiet", *args, token=token), name)
 
 
 def double(mode: str, url: str, name: str, *args: str) -> Proc:

@@ -149,7 +149,7 @@ def test_peer_supplied_strings_are_shown_as_text_never_as_markup() -> None:
     status = {
         **STATUS,
         "devices": [{**STATUS["devices"][0], "name": evil, "device": "[red]cpu"}],
-        "leaderboard": [{"identity": 3, "name": evil, "gflop": 1.0, "tiles": 2}],
+        "leaderboard": [{"identity": 3, "name": evil, "label": f"{evil} #3", "gflop": 1.0, "tiles": 2}],
         "job": {**STATUS["job"], "name": "[/]"},
     }
     out = _text(render.dashboard(status), width=200)

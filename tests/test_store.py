@@ -11,7 +11,7 @@ from coordinator.wire.errors import StoreError
 from db.memory import MemoryStore
 from db.migrations import migrate
 from db.sqlite import SQLiteStore
-from db.store import CheckpointRow, DeviceInfo, Issued, NewTile, Store
+from db.store import CheckpointRow, DeviceInfo, Issued, NewTile, Outcome, Store
 
 
 @pytest.fixture(params=["memory", "sqlite", "sqlite-grouped"])
@@ -576,3 +576,21 @@ def test_the_time_left_is_this_runs_pace_not_the_jobs() -> None:
     assert p.eta(60.0) == pytest.approx(990.0) and p.elapsed(60.0) == pytest.approx(10.0)
     p.ended = 70.0
     assert p.eta(80.0) is None and p.elapsed(80.0) == pytest.approx(20.0)  # stops at the finish
+
+
+def test_why_leases_were_lost_is_counted_as_they_end(store: Store) -> None:
+    """``lost_reasons``: counted from the rows when first asked, then kept as leases end (the
+    status asks every second; it must not scan the leases each time)."""
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _gemm(store, job, n=5)
+    claimed = [store.claim_tile(d, [], now=11.0) for _ in range(5)]
+    ids = [c.id for c in claimed if c]
+    store.end_lease(ids[0], d, Outcome.LOST, 12.0, "no heartbeat for 30.0 s")
+    assert store.lost_reasons(job) == {"no heartbeat for 30.0 s": 1}  # counted from the rows
+    store.end_lease(ids[1], d, Outcome.LOST, 13.0, "connection closed")
+    store.end_lease(ids[2], d, Outcome.LOST, 13.0, "connection closed")
+    store.end_lease(ids[3], d, Outcome.VERIFIED, 13.0)
+    assert store.lost_reasons(job) == {"connection closed": 2, "no heartbeat for 30.0 s": 1}  # kept since
+    assert store.lost_reasons(job, limit=1) == {"connection closed": 2}
+    assert store.lost_reasons(store.create_job("other", {}, 1, 14.0)) == {}

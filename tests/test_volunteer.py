@@ -10,7 +10,19 @@ from pathlib import Path
 
 import pytest
 from conftest import TIMEOUT
-from procs import OPERATOR, TOKEN, Coordinator, Proc, Terminal, cleave_cmd, join, local_losses, run_all, wait_until
+from procs import (
+    OPERATOR,
+    TOKEN,
+    Coordinator,
+    Proc,
+    Terminal,
+    cleave_cmd,
+    join,
+    join_cmd,
+    local_losses,
+    run_all,
+    wait_until,
+)
 
 from cleave_cli.status import fetch_status
 
@@ -123,21 +135,7 @@ def test_show_config_merges_file_and_flags_and_bad_files_get_one_line(tmp_path: 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_the_live_panel_renders_and_updates_in_a_real_terminal(tmp_path: Path) -> None:
     coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=12)
-    command = cleave_cmd(
-        "join",
-        coord.url,
-        "--token",
-        TOKEN,
-        "--once",
-        "--threads",
-        "1",
-        "--always",
-        "--name",
-        "tty-laptop",
-        "--device",
-        "cpu",
-    )
-    with Terminal(command) as terminal:
+    with Terminal(join_cmd(coord.url, "tty-laptop")) as terminal:
 
         def tiles() -> int:
             for line in terminal.screen().splitlines():
