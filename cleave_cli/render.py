@@ -643,8 +643,17 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
         f"per step {c['units']:,.0f} leases, {c['copies']:,.0f} copies, {c['lost']:,.0f} lost to leaves; "
         f"{c['leaves']:.0f} leaves, {c['joins']:.0f} joins; {c['devices_used']:,} devices computed\n"
     )
+    if "fleet_utilisation" in c:
+        q = c["utilisation_quantiles"]
+        lines.append(
+            f"fleet: devices computed {_share(c['fleet_utilisation'])} of the step on average "
+            f"(p10 {_share(q.get('p10'))}, median {_share(q.get('p50'))}, p90 {_share(q.get('p90'))}); "
+            f"GEMMs in flight {c['gemms_in_flight']['mean']:.1f} on average, at most {c['gemms_in_flight']['max']}\n"
+        )
     lines.append(
-        f"the planner predicted {_seconds(c['predicted_s'])} for the last step; "
+        f"the planner predicted {_seconds(c['predicted_s'])} for the last step"
+        f"{' (kept every GEMM home)' if c.get('kept_home') else ''}, the coordinator alone "
+        f"{_seconds(c['home_s']) if c.get('home_s') is not None else '-'}; "
         f"speedup vs DTFM {_times(speed['vs_dtfm'])}, vs cloud {_times(speed['vs_cloud'])}; "
         f"simulated in {c['wall_s']:.1f} s ({c['events']:,} events)"
     )

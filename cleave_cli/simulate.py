@@ -129,6 +129,8 @@ def simulate_one(
     churn: bool,
     heartbeat_timeout: float,
     baseline_dtype: str | None = None,
+    micro_batches: int = 1,
+    batched: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Simulate one fleet size and price the baselines: the report for one device count."""
@@ -147,6 +149,8 @@ def simulate_one(
         planner=planner,
         faults=faults,
         churn=False,
+        micro_batches=micro_batches,
+        batched=batched,
     )
     started = time.perf_counter()
     progress(f"simulating {model.name} on {devices:,} devices (no churn) ...")
@@ -166,13 +170,24 @@ def simulate_one(
             "steps_s": [s.seconds for s in stormy.steps],
             "calm_step_s": calm.step_s,
             "stall_s": max(0.0, step_s - calm.step_s),
-            "predicted_s": stats.predicted,
+            # The cost model's step: the program list-scheduled with each GEMM's predicted time.
+            "predicted_s": stats.forecast,
+            "home_s": stats.home,  # every GEMM kept on the coordinator
+            "kept_home": stats.kept_home,
             "tokens_per_s": _ratio(batch * seq, step_s),
             "flops_per_s": _ratio(step_flops(model, batch, seq), step_s),
             # Per measured step, as every figure of the report.
             **{
                 key: statistics.fmean(getattr(s, key) for s in stormy.measured)
                 for key in ("units", "copies", "reclaimed", "lost", "leaves", "joins")
+            },
+            # Each device present: the share of the step it spent computing (idle devices count).
+            "fleet_utilisation": statistics.fmean(s.fleet_utilisation for s in stormy.measured),
+            "utilisation_quantiles": {f"p{round(q * 100)}": v for q, v in stats.utilisation_quantiles.items()},
+            "class_utilisation": stats.class_utilisation,
+            "gemms_in_flight": {
+                "mean": statistics.fmean(s.gemms_in_flight for s in stormy.measured),
+                "max": max(s.most_gemms_in_flight for s in stormy.measured),
             },
             "local_gemms": stats.local_gemms,
             "remote_gemms": stats.remote_gemms,
@@ -271,9 +286,13 @@ def build_report(
     down_up_ratio: float | None,
     wire_half: bool,
     heartbeat_timeout: float,
+    micro_batches: int = 1,
+    batched: bool = False,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     shape = model_shape(model)
+    if batch % micro_batches:
+        raise ConfigError(f"--micro-batches must divide --batch-size ({batch}), got {micro_batches}")
     if seq > shape.max_seq_len:
         raise ConfigError(f"--seq-len {seq} exceeds {shape.name}'s {shape.max_seq_len} positions")
     wire = "bf16" if wire_half else dtype
@@ -299,6 +318,8 @@ def build_report(
                 churn=churn,
                 heartbeat_timeout=heartbeat_timeout,
                 baseline_dtype=dtype,
+                micro_batches=micro_batches,
+                batched=batched,
                 progress=progress,
             )
         )
@@ -313,6 +334,8 @@ def build_report(
         "seed": seed,
         "steps": steps,
         "planner": planner.value,
+        "micro_batches": micro_batches,
+        "batched": batched,
         "churn": churn,
         "down_up_ratio": down_up_ratio,
         "ps": {
@@ -412,6 +435,20 @@ def simulate(
     heartbeat_timeout: Annotated[
         float, typer.Option("--heartbeat-timeout", help="Seconds of silence before a crashed device is noticed.")
     ] = FaultPolicy().heartbeat_timeout,
+    micro_batches: Annotated[
+        int,
+        typer.Option(
+            "--micro-batches",
+            help="The batch in this many parts through the model side by side, the fleet in as many lanes "
+            "(1: one GEMM after another, each waited for).",
+        ),
+    ] = 1,
+    batched: Annotated[
+        bool,
+        typer.Option(
+            "--batched/--no-batched", help="A device's tiles of a GEMM go out in a few batched work messages."
+        ),
+    ] = False,
     plot_path: Annotated[
         str | None, typer.Option("--plot", help="Draw seconds per batch against devices to this PNG.")
     ] = None,
@@ -425,6 +462,8 @@ def simulate(
     counts: list[int | None] = parse_sweep(sweep) if sweep is not None else [devices]
     if not 1 <= steps <= 100:
         raise ConfigError(f"--steps must be between 1 and 100, got {steps}")
+    if not 1 <= micro_batches <= batch_size or batch_size % micro_batches:
+        raise ConfigError(f"--micro-batches must divide --batch-size ({batch_size}), got {micro_batches}")
     if ps_gflops is not None and not (math.isfinite(ps_gflops) and 0 < ps_gflops <= MAX_PS_GFLOPS):
         raise ConfigError(f"--ps-gflops must be above 0 and at most {MAX_PS_GFLOPS:,.0f}, got {ps_gflops}")
     if down_up_ratio is not None and not (math.isfinite(down_up_ratio) and 0 < down_up_ratio <= 1000):
@@ -454,6 +493,8 @@ def simulate(
                 down_up_ratio=down_up_ratio,
                 wire_half=wire_half,
                 heartbeat_timeout=heartbeat_timeout,
+                micro_batches=micro_batches,
+                batched=batched,
                 progress=status.update,
             )
         except CostModelError as exc:

@@ -16,11 +16,12 @@ import pytest
 from cleave_cli.simulate import _breakdown
 from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
-from coordinator.engine.live_plan import LivePlanner, Planner
+from coordinator.engine.live_plan import LivePlanner, Planner, batches, shared
 from coordinator.engine.scheduler import Assign, Scheduler
-from coordinator.planning.costmodel import DeviceClass, Profile, PSProfile
+from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile
 from coordinator.planning.planner import PlannerOptions
 from coordinator.planning.tiles import GemmKind
+from coordinator.planning.tiles import plan_gemm as uniform_grid
 from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.whatif.presets import model_shape, resolve_fleet
 from coordinator.whatif.simulator import (
@@ -29,6 +30,7 @@ from coordinator.whatif.simulator import (
     SimConfig,
     Simulation,
     SimulationError,
+    dataflow_program,
     replay,
     step_program,
 )
@@ -197,3 +199,100 @@ def test_no_device_able_to_compute_and_a_ps_that_cannot_either_is_a_clear_error(
         Simulation(SimConfig(model_shape("tiny"), fleet, ps)).run()
     with pytest.raises(SimulationError, match="positive integer"):
         SimConfig(model_shape("tiny"), fleet, SLOW, batch=0)
+
+
+# --------------------------------------------------------------------------- many GEMMs in flight
+
+
+def test_the_dataflow_program_runs_each_part_through_every_gemm_and_defers_only_weight_gradients() -> None:
+    model = model_shape("small")
+    flat = [c for op in step_program(model, 8, 128, "fp32", PSProfile()) if not isinstance(op, PsWork) for c in op]
+    chains = dataflow_program(model, 8, 128, "fp32", PSProfile(), micro_batches=4)
+    assert len(chains) == 4
+    for part, chain in enumerate(chains):
+        calls = [c for op in chain if not isinstance(op, PsWork) for c in op]
+        # The same GEMMs as the whole step's, on a quarter of the tokens, no optimizer in a chain.
+        assert sorted(c.label for c in calls) == sorted(c.label for c in flat)
+        assert all(
+            c.m * 4 == f.m or c.k * 4 == f.k
+            for c, f in zip(sorted(calls, key=lambda c: c.label), sorted(flat, key=lambda c: c.label))
+        )
+        assert {c.label for c in calls if c.deferred} == {c.label for c in flat if c.kind is GemmKind.GRAD_WEIGHT}
+        assert not any(isinstance(op, PsWork) and op.what == "optimizer" for op in chain)
+        # Its activations are its own: every X and dY it reads is named for its part.
+        assert all(t[1] == (0, part) for c in calls for t in (c.a.tensor, c.b.tensor) if t[0] != "W")
+        # q, k and v leave together; so do their input gradients with their deferred dW.
+        groups = [sorted(c.label for c in op) for op in chain if not isinstance(op, PsWork)]
+        assert ["k.fwd", "q.fwd", "v.fwd"] in groups or ["qkv.fwd"] in groups
+    with pytest.raises(SimulationError, match="must divide"):
+        dataflow_program(model, 6, 128, "fp32", PSProfile(), micro_batches=4)
+
+
+# Sixteen devices on a LAN, a PS that ships every GEMM but runs attention and AdamW itself.
+LAN = (DeviceClass("lan", 16, Profile({"fp32": 50.0}, 4 << 30, 125e6, 125e6, rtt=0.01)),)
+LAN_PS = PSProfile.from_link(10, gflops={"fp32": 10.0, "bf16": 10.0, "fp16": 10.0})
+
+
+def test_micro_batches_in_flight_verify_every_unit_once_and_keep_the_fleet_busier() -> None:
+    one = run(batch=8, seq=256, fleet=LAN, ps=LAN_PS)
+    four = run(batch=8, seq=256, fleet=LAN, ps=LAN_PS, micro_batches=4, batched=True)
+    for sim in (one, four):
+        assert not sim.units and sim._outstanding == 0 and not sim.gemms  # all verified and assembled
+        st = sim.result.steps[-1]
+        assert st.remote_gemms > 0 and st.egress_bytes == pytest.approx(sum(sim.result.device_bytes_down))
+    a, b = one.result.steps[-1], four.result.steps[-1]
+    assert b.remote_gemms + b.local_gemms == 4 * (a.remote_gemms + a.local_gemms)
+    assert b.most_gemms_in_flight > 2 >= a.most_gemms_in_flight
+    assert b.gemms_in_flight > a.gemms_in_flight
+    assert b.seconds < a.seconds  # stragglers and PS work overlap other parts' GEMMs
+    assert b.fleet_utilisation > a.fleet_utilisation
+    q = b.utilisation_quantiles
+    assert 0 <= q[0.1] <= q[0.5] <= q[0.9] <= 1 and 0 < b.fleet_utilisation <= 1
+    # The forecast is the cost model's, made before the step: within 25% of the simulated step.
+    assert b.forecast == pytest.approx(b.seconds, rel=0.25)
+    assert not b.kept_home and b.home > b.seconds
+
+
+@pytest.mark.parametrize("gflops", [10.0, 60.0, 1e5])
+def test_the_forecast_never_ships_a_step_the_coordinator_alone_runs_faster(gflops: float) -> None:
+    ps = PSProfile.from_link(10, gflops={"fp32": gflops, "bf16": gflops, "fp16": gflops})
+    st = run(fleet=LAN, ps=ps, micro_batches=2, batched=True).result.steps[-1]
+    assert st.forecast <= st.home * (1 + 1e-9)
+
+
+def test_a_step_forecast_faster_at_home_keeps_every_gemm_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    import coordinator.whatif.simulator as simulator
+
+    monkeypatch.setattr(simulator, "home_seconds", lambda *args: 1e-3)  # the PS alone: faster than any plan
+    st = run(fleet=LAN, ps=LAN_PS, micro_batches=2, batched=True).result.steps[-1]
+    assert st.kept_home and st.remote_gemms == 0 and st.local_gemms > 0 and st.forecast == 1e-3
+
+
+def test_lanes_share_each_class_out_and_the_ps_among_them() -> None:
+    profiles = {d: Profile({"fp32": 100.0}, 1 << 30, 1e7, 1e6) for d in range(10)}
+    profiles |= {d: Profile({"fp32": 1000.0}, 1 << 30, 1e8, 1e7) for d in range(10, 13)}
+    planner = LivePlanner(Planner.COST, PSProfile(), POLICY, lanes=4)
+    seen: list[set[int]] = []
+    for _ in range(4):
+        live = planner.plan(4096, 1024, 1024, GemmKind.FORWARD, "fp32", profiles, 1, now=0.0)
+        assert live.done_at is not None and live.done_at > 0
+        seen.append(set(live.owners.values()))
+    assert all(a.isdisjoint(b) for i, a in enumerate(seen) for b in seen[i + 1 :])  # no device in two lanes
+    assert set().union(*seen) <= set(profiles)
+    with pytest.raises(CostModelError, match="lanes"):
+        LivePlanner(Planner.COST, PSProfile(), POLICY, lanes=0)
+    half = shared(PSProfile(), 2)
+    assert half.egress == PSProfile().egress / 2 and half.unit_overhead == 2 * PSProfile().unit_overhead
+
+
+def test_a_batch_holds_one_owners_tiles_and_every_tile_goes_out_once() -> None:
+    tiles = uniform_grid(4096, 4096, 512, GemmKind.FORWARD, 8, POLICY).tiles
+    owners = {t.index: t.index % 3 for t in tiles if t.index % 5}  # some tiles have no owner
+    out = batches(tiles, owners, limit=4)
+    assert sorted(t.index for b in out for t in b) == [t.index for t in tiles]
+    for b in out:
+        assert len({owners.get(t.index) for t in b}) == 1 and len(b) <= 4
+        if owners.get(b[0].index) is None:
+            assert len(b) == 1
+    mine = [b for b in out if owners.get(b[0].index) == 0]
+    assert len(mine) >= 2  # at least two messages per owner: it downloads one while computing the other

@@ -49,6 +49,7 @@ class LivePlan:
     tiles: TilePlan | TileList | None  # None: the PS multiplies itself
     owners: Mapping[int, int]  # tile index -> the device it is planned for (absent: whoever is free)
     plan: Plan | None  # the model's prediction (None when no device could be priced)
+    done_at: float | None = None  # when its lane is predicted to have finished it (``plan``'s ``now``)
 
     @property
     def seconds(self) -> float | None:
@@ -121,6 +122,39 @@ def _key(p: Profile, dtype: str) -> tuple[float, ...]:
     return (p.gflops.get(dtype, 0.0), p.memory, p.down, p.up, p.rtt, p.reliability, p.overhead)
 
 
+def shared(ps: PSProfile, lanes: int) -> PSProfile:
+    """The PS as one of ``lanes`` lanes sees it: its CPU and its links are shared by every lane,
+    so a lane plans with its share of each (a GEMM kept home runs on a share of the CPU too)."""
+    if lanes == 1:
+        return ps
+    return PSProfile(
+        egress=ps.egress / lanes,
+        ingress=ps.ingress / lanes,
+        gflops={dtype: rate / lanes for dtype, rate in ps.gflops.items()},
+        verify_flops=ps.verify_flops / lanes,
+        unit_overhead=ps.unit_overhead * lanes,
+        memory_bw=ps.memory_bw / lanes,
+    )
+
+
+def _lanes(
+    classes: Sequence[DeviceClass], members: Mapping[str, list[int]], lanes: int
+) -> list[tuple[list[DeviceClass], dict[str, list[int]]]]:
+    """The fleet cut into ``lanes`` sub-fleets, each class's devices shared out evenly (lane i
+    of n devices: ``[i n / lanes, (i + 1) n / lanes)``); a lane with no device is left out."""
+    out = []
+    for i in range(lanes):
+        sub, ids = [], {}
+        for cls in classes:
+            mine = members[cls.name][i * cls.count // lanes : (i + 1) * cls.count // lanes]
+            if mine:
+                sub.append(DeviceClass(cls.name, len(mine), cls.profile))
+                ids[cls.name] = mine
+        if sub:
+            out.append((sub, ids))
+    return out or [(list(classes), dict(members))]
+
+
 def fleet_key(p: Profile, dtype: str) -> tuple[float, ...]:
     """A device's place on the finest grid: when it moves, the fleet's classes may change."""
     return _key(_rounded(p, dtype), dtype)
@@ -158,10 +192,18 @@ class LivePlanner:
         policy: TilingPolicy,
         options: PlannerOptions | None = None,
         cache: int = 512,
+        lanes: int = 1,
     ) -> None:
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise CostModelError(f"lanes must be a positive integer, got {lanes!r}")
         self.planner = planner
         self.ps = ps
         self.policy = policy
+        # Concurrency: the fleet is cut into this many lanes (each class shared out evenly), and
+        # each GEMM is planned on the lane that is free first, so that GEMMs in flight side by
+        # side run on different devices, each device with a larger share of fewer GEMMs.
+        self.lanes = lanes
+        self._free_at = [0.0] * lanes  # when each lane is predicted to finish what it was given
         # Tests force one partition kind through ``options.kinds``.
         self.options = options or PlannerOptions(kinds=LIVE_KINDS, uniform=policy)
         self._cache: OrderedDict[tuple, Plan | None] = OrderedDict()
@@ -177,16 +219,21 @@ class LivePlanner:
         dtype: str,
         profiles: Mapping[int, Profile] | Callable[[], Mapping[int, Profile]],
         version: int | None = None,
+        now: float = 0.0,
     ) -> LivePlan:
         """``profiles``: the devices that may take work now (or a function giving them, called
-        only when ``version``, which the caller moves whenever they may have changed, moved)."""
+        only when ``version``, which the caller moves whenever they may have changed, moved).
+        ``now``: with several lanes, the GEMM goes to the lane predicted to be free first."""
         if min(m, n, k) < 1:  # nothing to price: an empty product is one (empty) tile
             return LivePlan(uniform_grid(m, n, k, kind, 1, self.policy), {}, None)
         gemm = gemm_of(m, n, k, kind, dtype, self.policy)
         if version is None or self._fleet is None or self._fleet[0] != (version, dtype):
             current = profiles() if callable(profiles) else profiles
-            self._fleet = ((version, dtype), *fleet_classes(current, dtype), len(current))
-        _, classes, members, active = self._fleet
+            classes, members = fleet_classes(current, dtype)
+            self._fleet = ((version, dtype), classes, members, len(current), _lanes(classes, members, self.lanes))
+        _, _, _, active, lanes = self._fleet
+        lane = min(range(len(lanes)), key=lambda i: (max(now, self._free_at[i]), i))
+        classes, members = lanes[lane]
         key = (gemm, self.planner, signature(classes, dtype))
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -196,12 +243,15 @@ class LivePlanner:
             self._cache[key] = plan
             if len(self._cache) > self._limit:
                 self._cache.popitem(last=False)
+        done_at = None
+        if plan is not None and math.isfinite(plan.seconds):  # a GEMM kept home runs on the lane's share of the PS
+            done_at = self._free_at[lane] = max(now, self._free_at[lane]) + plan.seconds
         if self.planner is Planner.UNIFORM or plan is None:
             # The fixed grid, dealt to whoever is free (also when nothing could be priced: no
             # device can take a unit and the PS cannot price it; never worse than nothing).
-            return LivePlan(uniform_grid(m, n, k, kind, max(1, active), self.policy), {}, plan)
+            return LivePlan(uniform_grid(m, n, k, kind, max(1, active), self.policy), {}, plan, done_at)
         if plan.kind is Kind.LOCAL:
-            return LivePlan(None, {}, plan)
+            return LivePlan(None, {}, plan, done_at)
         rows, cols, parts = plan.grid
         rc, cc, kc = even_cuts(m, rows), even_cuts(n, cols), even_cuts(k, parts)
         units = realize(plan)
@@ -232,18 +282,42 @@ class LivePlanner:
         else:
             tiles = TilePlan(m, n, k, rc, cc, kc)
         owners: dict[int, int] = {}
-        if kind is not GemmKind.GRAD_WEIGHT:  # dW goes where its blocks are (the scheduler's affinity)
-            index = {(t.r0, t.c0, t.k0): t.index for t in tiles.tiles}
-            for unit in units:
-                owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
-        return LivePlan(tiles, owners, plan)
+        # Every kind goes to its planned owners, dW too: left to whoever holds one of its blocks,
+        # a dW unit priced for a GPU could wait on a 3 GFLOP/s laptop that kept an X block (the
+        # simulator measured 65 s for a 2.7 s plan). The scheduler's affinity serves unplanned units.
+        index = {(t.r0, t.c0, t.k0): t.index for t in tiles.tiles}
+        for unit in units:
+            owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
+        return LivePlan(tiles, owners, plan, done_at)
 
     def _price(self, gemm: Gemm, classes: list[DeviceClass]) -> Plan | None:
         if not classes:
             return None
+        ps = shared(self.ps, self.lanes)
         if self.planner is Planner.UNIFORM:
-            return baseline(gemm, classes, self.ps, PlannerOptions(uniform=self.policy))
+            return baseline(gemm, classes, ps, PlannerOptions(uniform=self.policy))
         try:
-            return plan_gemm(gemm, classes, self.ps, self.options)
+            return plan_gemm(gemm, classes, ps, self.options)
         except CostModelError:
             return None
+
+
+MAX_BATCH = 64  # tiles in one work message at most (a batched frame's header names each)
+
+
+def batches(tiles: Sequence[Tile], owners: Mapping[int, int], limit: int = MAX_BATCH) -> list[list[Tile]]:
+    """A GEMM's tiles as work messages: each planned owner's tiles in at least two batches of at
+    most ``limit`` (so that it downloads the next while it computes one: a batch is leased,
+    downloaded, computed and returned as one), in tile order; a tile without an owner alone."""
+    mine: dict[int, list[Tile]] = {}
+    out: list[list[Tile]] = []
+    for t in tiles:
+        owner = owners.get(t.index)
+        if owner is None:
+            out.append([t])
+        else:
+            mine.setdefault(owner, []).append(t)
+    for run in mine.values():
+        size = max(1, min(limit, -(-len(run) // 2)))
+        out += [run[i : i + size] for i in range(0, len(run), size)]
+    return out

@@ -189,6 +189,7 @@ class Scheduler:
         self._holders_of: dict[str, set[int]] = {}  # block key -> seats holding it
         self._barred_units: set[int] = set()  # units some device may not take (it failed them)
         self._seq = 0
+        self._looks = scan  # steal looks left in this dispatch (``assign``)
 
     # ------------------------------------------------------------------ views
 
@@ -521,6 +522,10 @@ class Scheduler:
         generator: the caller acts on each lease (which may fill a device's block budget, see
         ``update``) before the next is decided."""
         misses = 0
+        # Looks at other devices' queues, shared by every steal of this dispatch: with long
+        # queues that no free device may steal from (each would return the unit later than its
+        # owner), each of ``scan`` free devices looking at ``scan`` queues would be scan^2 work.
+        self._looks = self.scan
         for _ in range(min(RETRY, len(self._deferred))):  # owners slow down, pause, leave
             device, _ = self._deferred.popitem(last=False)
             if device in self.seats and self.seats[device].free > 0:
@@ -586,7 +591,8 @@ class Scheduler:
         looked = 0
         passed: list[tuple[int, int]] = []
         found = None
-        while self._steal and looked < self.scan:
+        while self._steal and looked < self.scan and self._looks > 0:
+            self._looks -= 1
             neg, victim = heapq.heappop(self._steal)
             other = self.seats.get(victim)
             if other is None or other.own_count <= 0:
@@ -617,7 +623,8 @@ class Scheduler:
                 break
         for entry in passed:
             heapq.heappush(self._steal, entry)
-        return found, found is None and bool(passed)
+        # Queues left unseen (this dispatch's looks are spent) count as passed over: look again later.
+        return found, found is None and (bool(passed) or (self._looks <= 0 and bool(self._steal)))
 
     @staticmethod
     def _sooner(thief: Seat, victim: Seat, u: _Unit) -> bool:

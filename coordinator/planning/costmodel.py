@@ -12,7 +12,7 @@ bytes per second; ``rtt`` is a round trip of a small message.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.wire.errors import ConfigError
@@ -187,6 +187,15 @@ class Unit:
     def verify_flops(self) -> float:
         """PS work to check the result: ``VERIFY_ROUNDS`` products with A, B and C each."""
         return 2.0 * VERIFY_ROUNDS * (self.m * self.k + self.k * self.n + self.m * self.n)
+
+
+def batch_check_flops(products: Iterable[tuple[float, float, float]], b_blocks: Iterable[tuple[float, float]]) -> float:
+    """PS work to check a batch of products ``(rows, cols, depth)`` that one device returned in
+    one message (coordinator/wire/verify.py): each product's ``A (B r)`` and ``C r`` with
+    ``VERIFY_ROUNDS`` vectors, and ``B r`` once per distinct B block ``(depth, cols)``, however
+    many of the batch's products read it. A batch of one is ``Unit.verify_flops``."""
+    per_product = sum(r * d + r * c for r, c, d in products)
+    return 2.0 * VERIFY_ROUNDS * (per_product + sum(d * c for d, c in b_blocks))
 
 
 def in_flight_memory(units: int, unit_memory: float) -> int:

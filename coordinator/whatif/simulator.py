@@ -29,18 +29,19 @@ a step of Llama-2-7B on 10,000 phones takes seconds (bench figure in docs/simula
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 # The live coordinator's estimates (coordinator/engine/core.py): each defined once, there.
 from coordinator.engine.conduct import Conduct, Pace, Standing
 from coordinator.engine.core import TICK  # the live server's tick: copies and deferred devices look again
 from coordinator.engine.limits import TrustPolicy
-from coordinator.engine.live_plan import LivePlanner, Planner
+from coordinator.engine.live_plan import LivePlanner, Planner, batches
 from coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
 from coordinator.planning.costmodel import (
     ADAMW_BYTES,
@@ -50,11 +51,15 @@ from coordinator.planning.costmodel import (
     DeviceClass,
     Profile,
     PSProfile,
+    batch_check_flops,
     local_seconds,
 )
+from coordinator.planning.planner import Kind, PlannerOptions
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.whatif.presets import ModelShape
 from coordinator.wire.messages import DEFAULT_SLOTS
+
+QUANTILES = (0.1, 0.5, 0.9)  # of the devices' compute shares, in reports
 
 
 class SimulationError(CostModelError):
@@ -84,6 +89,9 @@ class GemmCall:
     a: Operand
     b: Operand
     label: str
+    # Deferred (a weight gradient in the dataflow program): issued with its op, but nothing in
+    # the micro-batch waits for it; the optimizer waits for every one.
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ Op = PsWork | tuple[GemmCall, ...]
 _SHARED_INPUT = {"q": "attn", "k": "attn", "v": "attn", "gate": "mlp", "up": "mlp"}
 
 
-def step_program(model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile, step: int = 0) -> list[Op]:
+def step_program(model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile, step: object = 0) -> list[Op]:
     """The order in which one training step issues GEMMs and PS work: forward layer by layer
     (attention on the PS between the projections and the output projection), the head, then
     backward in reverse, each Linear's dX and dW submitted together, then AdamW."""
@@ -144,9 +152,85 @@ def step_program(model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProf
         ops.append((dx, dw))
         if name in ("o", "proj"):
             ops.append(PsWork((ATTENTION_PASSES - 1) * attention, "attention"))
-    extra = ITEMSIZE[dtype] if dtype != "fp32" else 0
-    ops.append(PsWork(model.params * (ADAMW_BYTES + extra) / ps.memory_bw, "optimizer"))
+    ops.append(_optimizer(model, dtype, ps))
     return ops
+
+
+def dataflow_program(
+    model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile, step: int = 0, micro_batches: int = 1
+) -> list[list[Op]]:
+    """The step as the concurrent trainer issues it (coordinator/training/loop.py): the batch in
+    ``micro_batches`` equal parts, each a chain of ops that runs while the others' GEMMs are out.
+    In a chain, GEMMs that read the same input go out together (q, k and v; gate and up; and
+    their input gradients), and each weight gradient is deferred: issued with its input
+    gradient, waited for only by the optimizer. The optimizer is not in any chain: it runs once
+    every chain and every deferred GEMM is done (``Simulation.run``). Tensor namespaces carry
+    the micro-batch, so no block is shared across parts."""
+    if batch % micro_batches:
+        raise SimulationError(f"micro_batches ({micro_batches}) must divide the batch ({batch})")
+    chains = []
+    for part in range(micro_batches):
+        flat = step_program(model, batch // micro_batches, seq, dtype, ps, (step, part))[:-1]  # AdamW: once
+        chain: list[Op] = []
+        for op in flat:
+            if isinstance(op, PsWork):
+                chain.append(op)
+                continue
+            calls = [c for c in op if c.kind is not GemmKind.GRAD_WEIGHT]
+            deferred = tuple(dataclasses.replace(c, deferred=True) for c in op if c.kind is GemmKind.GRAD_WEIGHT)
+            group = _SHARED_INPUT.get(calls[0].label.split(".")[0])
+            prev = chain[-1] if chain and not isinstance(chain[-1], PsWork) else None
+            prev_group = _SHARED_INPUT.get(prev[0].label.split(".")[0]) if prev else None
+            if prev is not None and group is not None and group == prev_group and prev[0].kind is calls[0].kind:
+                chain[-1] = (*prev, *calls, *deferred)  # the same input (or its gradient): together
+            else:
+                chain.append((*calls, *deferred))
+        chains.append(chain)
+    return chains
+
+
+def predict(
+    chains: list[list[Op]], tail: list[Op], planner: LivePlanner, dtype: str, profiles: Mapping[int, Profile]
+) -> float:
+    """The cost model's step: the program list-scheduled on the planner's lanes with each GEMM's
+    predicted seconds (``LivePlanner.plan`` at the predicted clock: it picks the lane free first,
+    as it will live), PS work one after another on the PS, a chain's next op once its GEMMs are
+    predicted done, deferred GEMMs on lanes without holding their chain, then ``tail`` once
+    everything is done. No events, no units: O(ops log chains). Pass a fresh planner."""
+    ready = [(0.0, index) for index in range(len(chains))]  # (when the chain's next op may start, chain)
+    heapq.heapify(ready)
+    ops = [iter(chain) for chain in chains]
+    cpu = end = 0.0
+    while ready:
+        now, index = heapq.heappop(ready)
+        op = next(ops[index], None)
+        if op is None:
+            end = max(end, now)
+            continue
+        if isinstance(op, PsWork):
+            cpu = max(now, cpu) + op.seconds
+            heapq.heappush(ready, (cpu, index))
+            continue
+        done = now
+        for call in op:
+            live = planner.plan(call.m, call.n, call.k, call.kind, dtype, profiles, 0, now=now)
+            at = live.done_at if live.done_at is not None else math.inf
+            end = max(end, at)
+            if not call.deferred:
+                done = max(done, at)
+        heapq.heappush(ready, (done, index))
+    for op in tail:
+        if isinstance(op, PsWork):
+            end = cpu = max(end, cpu) + op.seconds
+    return end
+
+
+def home_seconds(chains: list[list[Op]], tail: list[Op], ps: PSProfile, dtype: str) -> float:
+    """The step with every GEMM kept on the PS: its CPU does everything, one op after another."""
+    total = 0.0
+    for op in (op for chain in chains for op in chain) if chains else ():
+        total += op.seconds if isinstance(op, PsWork) else sum(local_seconds(c.m, c.n, c.k, dtype, ps) for c in op)
+    return total + sum(op.seconds for op in tail if isinstance(op, PsWork))
 
 
 # --------------------------------------------------------------------------- configuration
@@ -173,11 +257,18 @@ class SimConfig:
     fail_at: float | None = None  # crash the busiest device this many seconds into the last step
     slots: int = DEFAULT_SLOTS  # what `cleave join` asks for by default (--slots)
     give_up: float = 3600.0  # simulated seconds without a verified unit before the run is declared stalled
+    # The batch in this many parts through the model side by side (``dataflow_program``); 1: one
+    # GEMM after another, each waited for, as the trainer without --micro-batches issues them.
+    micro_batches: int = 1
+    # A planned owner's tiles of a GEMM go out in a few batched work messages (live_plan.batches):
+    # one lease, one check and one result each. False: one tile per message.
+    batched: bool = False
+    lanes: int = 0  # the fleet in this many lanes, a GEMM planned on one (LivePlanner); 0: micro_batches
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZE:
             raise SimulationError(f"unknown dtype {self.dtype!r}; use one of {', '.join(ITEMSIZE)}")
-        for name in ("batch", "seq", "steps", "slots"):
+        for name in ("batch", "seq", "steps", "slots", "micro_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SimulationError(f"{name} must be a positive integer, got {value!r}")
@@ -185,6 +276,8 @@ class SimConfig:
             raise SimulationError(f"crash_share must be between 0 and 1, got {self.crash_share!r}")
         if not sum(c.count for c in self.fleet):
             raise SimulationError("the fleet has no devices")
+        if self.batch % self.micro_batches:
+            raise SimulationError(f"micro_batches ({self.micro_batches}) must divide the batch ({self.batch})")
 
 
 # --------------------------------------------------------------------------- results
@@ -219,6 +312,21 @@ class StepStats:
     bytes_down_max: float = 0.0
     bytes_up_mean: float = 0.0
     bytes_up_max: float = 0.0
+    forecast: float = 0.0  # the cost model's step (``predict``): the program list-scheduled on its lanes
+    home: float = 0.0  # the step with every GEMM kept on the PS (``home_seconds``)
+    kept_home: bool = False  # the forecast said the PS alone is faster: every GEMM stayed home
+    gemm_seconds_in_flight: float = 0.0  # the integral of GEMMs in flight over the step
+    most_gemms_in_flight: int = 0
+    # Each device present in the step: the share of the step it spent computing. Their mean
+    # (idle devices count), a few quantiles of the distribution, and the mean per class.
+    fleet_utilisation: float = 0.0
+    utilisation_quantiles: dict[float, float] = field(default_factory=dict)
+    class_utilisation: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gemms_in_flight(self) -> float:
+        """GEMMs submitted and not yet assembled, on average over the step."""
+        return self.gemm_seconds_in_flight / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
@@ -288,6 +396,7 @@ class _Gemm:
     call: GemmCall
     remaining: int
     out_bytes: int
+    op: int  # the op that issued it
     up_bytes: int = 0
 
 
@@ -303,7 +412,7 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         self.sched = scheduler if scheduler is not None else Scheduler(cfg.faults)
         self.conduct = Conduct(self.sched, cfg.trust)  # the live Core's rules, over this scheduler
-        self.planner = LivePlanner(cfg.planner, cfg.ps, cfg.policy)
+        self.planner = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=cfg.lanes or cfg.micro_batches)
         self.itemsize = ITEMSIZE[cfg.dtype]
         self.now = 0.0
         self._events: list[tuple] = []
@@ -330,8 +439,14 @@ class Simulation:
         self.recoveries: list[float] = []
         self.kinds: Counter = Counter()
         self._stats = StepStats()
-        self._op_done = False
-        self._pending_ops = 0
+        self._ops: dict[int, _Op] = {}  # issued ops not done yet
+        self._next_token = 1
+        self._chains: list[Iterator[Op]] = []
+        self._running = 0  # chains with ops left
+        self._deferred = 0  # deferred GEMMs not done yet
+        self._readers: Counter = Counter()  # tensor namespace -> GEMMs that will still read it
+        self._gemms_live = 0
+        self._gemms_since = 0.0
         self.events = 0
 
     # ------------------------------------------------------------------ clock
@@ -393,9 +508,12 @@ class Simulation:
             return (op.tensor, r0, r1)
         return (("G", gemm), which, r0, r1, c0, c1)
 
-    def _submit(self, call: GemmCall) -> None:
+    def _submit(self, call: GemmCall, token: int) -> int:
+        """Plan and queue one GEMM of op ``token``; returns its id."""
         cfg = self.cfg
-        live = self.planner.plan(call.m, call.n, call.k, call.kind, cfg.dtype, self._profiles, self._fleet_version)
+        live = self.planner.plan(
+            call.m, call.n, call.k, call.kind, cfg.dtype, self._profiles, self._fleet_version, now=self.now
+        )
         stats = self._stats
         if live.plan is not None and live.seconds is not None:
             stats.predicted += live.seconds
@@ -403,38 +521,51 @@ class Simulation:
         self.kinds[label] += 1
         gid = self._next_gemm
         self._next_gemm += 1
+        self._in_flight(+1)
         if live.tiles is None:  # the PS multiplies it
             stats.local_gemms += 1
             seconds = local_seconds(call.m, call.n, call.k, cfg.dtype, cfg.ps)
+            self.gemms[gid] = _Gemm(gid, call, 1, 0, token)
             self._cpu(seconds, "local_gemms", gid)
-            self.gemms[gid] = _Gemm(gid, call, 1, 0)
-            return
+            return gid
         stats.remote_gemms += 1
         plan = live.tiles
         kc = plan.k_cuts
         s = self.itemsize
         ps = cfg.ps
         tiles = plan.tiles
-        gemm = _Gemm(gid, call, len(tiles), s * call.m * call.n)
+        work = batches(tiles, live.owners) if cfg.batched else [[t] for t in tiles]
+        gemm = _Gemm(gid, call, len(work), s * call.m * call.n, token)
         self.gemms[gid] = gemm
         specs = []
-        for t in tiles:
+        for batch in work:
             blocks: dict[tuple, int] = {}
-            for q in range(t.p, t.p + t.pieces):
-                k0, k1 = kc[q], kc[q + 1]
-                blocks[self._key(call.a, gid, "a", t.r0, t.r1, k0, k1)] = s * (t.r1 - t.r0) * (k1 - k0)
-                blocks[self._key(call.b, gid, "b", k0, k1, t.c0, t.c1)] = s * (k1 - k0) * (t.c1 - t.c0)
-            rows, cols, depth = t.r1 - t.r0, t.c1 - t.c0, t.k1 - t.k0
-            verify = 32.0 * (rows * depth + depth * cols + rows * cols) / ps.verify_flops + ps.unit_overhead
+            products, b_blocks = [], set()
+            flops = up = 0
+            for t in batch:
+                for q in range(t.p, t.p + t.pieces):
+                    k0, k1 = kc[q], kc[q + 1]
+                    blocks[self._key(call.a, gid, "a", t.r0, t.r1, k0, k1)] = s * (t.r1 - t.r0) * (k1 - k0)
+                    blocks[self._key(call.b, gid, "b", k0, k1, t.c0, t.c1)] = s * (k1 - k0) * (t.c1 - t.c0)
+                rows, cols, depth = t.r1 - t.r0, t.c1 - t.c0, t.k1 - t.k0
+                products.append((rows, cols, depth))
+                b_blocks.add((t.k0, t.k1, t.c0, t.c1))
+                flops += t.flops
+                up += s * rows * cols
+            check = batch_check_flops(products, ((k1 - k0, c1 - c0) for k0, k1, c0, c1 in b_blocks))
+            verify = check / ps.verify_flops + ps.unit_overhead
             named = tuple((key, _name(key), size) for key, size in blocks.items())
             uid = self._next_unit
             self._next_unit += 1
-            unit = _Unit(gemm, named, t.flops, s * rows * cols, verify)
+            unit = _Unit(gemm, named, flops, up, verify)
             self.units[uid] = unit
             gemm.up_bytes += unit.up
-            specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], t.flops, live.owners.get(t.index)))
+            specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], flops, live.owners.get(batch[0].index)))
         self._outstanding += len(specs)
-        self.sched.add_gemm(gid, specs)
+        # Core.submit: ahead of deferred GEMMs' queued units, which only the optimizer waits for.
+        front = not call.deferred and any(g.call.deferred for g in self.gemms.values() if g is not gemm)
+        self.sched.add_gemm(gid, specs, front=front)
+        return gid
 
     def _gemm_done(self, gemm: _Gemm) -> None:
         """Every unit verified: the PS writes the output and adds partials (memory bound)."""
@@ -443,11 +574,19 @@ class Simulation:
         self.sched.drop_gemm(gemm.id)
         self._cpu((gemm.out_bytes + 2 * partial) / ps.memory_bw, "assembly", gemm.id)
 
-    def _cpu(self, seconds: float, what: str, gemm: int | None = None) -> None:
+    def _cpu(self, seconds: float, what: str, gemm: int | None = None, token: int | None = None) -> None:
         start = max(self.now, self.cpu_free)
         self.cpu_free = start + seconds
         self._stats.ps_cpu[what] += seconds
-        self._at(self.cpu_free, _CPU_DONE, gemm)
+        self._at(self.cpu_free, _CPU_DONE, gemm, token)
+
+    def _in_flight(self, change: int) -> None:
+        """GEMMs submitted and not yet assembled: their time-weighted count over the step."""
+        st = self._stats
+        st.gemm_seconds_in_flight += self._gemms_live * (self.now - self._gemms_since)
+        self._gemms_since = self.now
+        self._gemms_live += change
+        st.most_gemms_in_flight = max(st.most_gemms_in_flight, self._gemms_live)
 
     def _forget(self, namespaces: Iterable[tuple]) -> None:
         """Devices drop the blocks of tensors no GEMM will read again."""
@@ -684,25 +823,26 @@ class Simulation:
             gone_before = len(self.gone)
             if cfg.fail_at is not None and step == cfg.steps - 1:
                 self._at(began + cfg.fail_at, _FAIL)
-            program = step_program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step)
-            # A tensor is forgotten after the last op that reads it, or (Core._complete) after the
-            # first dW that reads it: q's, k's and v's dW each send X again.
-            last: dict[tuple, int] = {}
-            for i, op in enumerate(program):
-                for call in () if isinstance(op, PsWork) else op:
-                    last[call.a.tensor] = last[call.b.tensor] = i
-            for i, op in enumerate(program):
-                self._run_op(op)
-                if not isinstance(op, PsWork):
-                    self._release(
-                        op,
-                        {
-                            t
-                            for call in op
-                            for t in (call.a.tensor, call.b.tensor)
-                            if last[t] == i or _dropped(program, i, t)
-                        },
-                    )
+            if cfg.micro_batches == 1:  # today's order: one chain, every GEMM waited for in turn
+                chains = [step_program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step)]
+                tail: list[Op] = []
+            else:
+                chains = dataflow_program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step, cfg.micro_batches)
+                tail = [_optimizer(cfg.model, cfg.dtype, cfg.ps)]
+            fresh = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=self.planner.lanes)
+            self._stats.forecast = predict(chains, tail, fresh, cfg.dtype, dict(self._profiles))
+            self._stats.home = home_seconds(chains, tail, cfg.ps, cfg.dtype)
+            if self._stats.home < self._stats.forecast and cfg.planner is Planner.COST:
+                # Shipping would be slower than the PS alone: the cost model keeps the step home.
+                self._stats.kept_home = True
+                self._stats.forecast = self._stats.home
+                self.planner = LivePlanner(
+                    cfg.planner, cfg.ps, cfg.policy, PlannerOptions(kinds=frozenset({Kind.LOCAL})), lanes=1
+                )
+            self._run_chains(chains)
+            if tail:
+                self._run_chains([tail])
+            self._in_flight(0)
             self._stats.seconds = self.now - began
             self._device_figures(before, list(self.devices.values()) + self.gone[gone_before:])
             steps.append(self._stats)
@@ -730,6 +870,14 @@ class Simulation:
             rows.append((d.compute_s - c0, d.down_s - d0, d.up_s - u0, d.bytes_down - bd0, d.bytes_up - bu0))
         worked = [r for r in rows if r[0] > 0]
         st.devices_used = len(worked)
+        if rows and st.seconds > 0:  # every device present, idle ones too: the fleet's view
+            shares = sorted(r[0] / st.seconds for r in rows)
+            st.fleet_utilisation = sum(shares) / len(shares)
+            st.utilisation_quantiles = {q: shares[min(len(shares) - 1, int(q * len(shares)))] for q in QUANTILES}
+            by_class: dict[str, list[float]] = {}
+            for d, r in zip(present, rows, strict=True):
+                by_class.setdefault(d.cls, []).append(r[0] / st.seconds)
+            st.class_utilisation = {name: sum(v) / len(v) for name, v in sorted(by_class.items())}
         if rows:
             st.device_compute = max(r[0] for r in rows)
             st.device_down = max(r[1] for r in rows)
@@ -740,19 +888,26 @@ class Simulation:
             st.bytes_down_mean = sum(r[3] for r in worked) / len(worked)
             st.bytes_up_mean = sum(r[4] for r in worked) / len(worked)
 
-    def _run_op(self, op: Op) -> None:
-        """Issue one op and advance the clock until it completes."""
-        began, predicted = self.now, self._stats.predicted
-        if isinstance(op, PsWork):
-            self._pending_ops = 1
-            self._stats.predicted += op.seconds
-            self._cpu(op.seconds, op.what)
-        else:
-            self._pending_ops = len(op)
-            for call in op:  # Core.submit dispatches after each GEMM
-                self._submit(call)
-                self._dispatch()
-        while self._pending_ops > 0:
+    def _run_chains(self, chains: list[list[Op]]) -> None:
+        """Run chains of ops side by side until every op and every deferred GEMM is done: each
+        chain issues its next op when its current one is done (a micro-batch through the
+        model), and all of them share the fleet, the PS's CPU and its link."""
+        self._readers = Counter(
+            t
+            for chain in chains
+            for op in chain
+            if not isinstance(op, PsWork)
+            for c in op
+            for t in (c.a.tensor, c.b.tensor)
+        )
+        self._chains = [iter(chain) for chain in chains]
+        self._running = len(chains)
+        self._deferred = 0
+        self._ops.clear()
+        began = self.now
+        for index in range(len(chains)):
+            self._next_op(index)
+        while self._running or self._deferred:
             if not self._events:
                 raise SimulationError(
                     "the simulation stalled: work is queued that no device can take (every device left "
@@ -769,21 +924,67 @@ class Simulation:
                     if departed
                     else "no device finished its work"
                 )
+                what = ", ".join(sorted({_what(op.op) for op in self._ops.values()})) or "the deferred GEMMs"
                 raise SimulationError(
-                    f"the simulation stalled: no unit of {_what(op)} verified in {self.cfg.give_up:,.0f} simulated "
+                    f"the simulation stalled: no unit of {what} verified in {self.cfg.give_up:,.0f} simulated "
                     f"seconds, {self._outstanding} outstanding: {why}"
                 )
             self._step_event()
-        self._stats.ops.append((_what(op), self._stats.predicted - predicted, self.now - began))
 
-    def _release(self, calls: tuple[GemmCall, ...], last: set[tuple]) -> None:
-        """A GEMM's copied blocks and its weight are forgotten at its end (the live coordinator
-        drops a source no GEMM retains), X and dY after the last GEMM that reads them."""
-        spaces: list[tuple] = list(last)
-        for call in calls:
-            gid = next(g for g, gm in self.gemms.items() if gm.call is call)
-            del self.gemms[gid]
-            spaces.append(("G", gid))
+    def _next_op(self, chain: int) -> None:
+        """Issue chain ``chain``'s next op, or count the chain done."""
+        op = next(self._chains[chain], None)
+        if op is None:
+            self._running -= 1
+            return
+        token = self._next_token
+        self._next_token += 1
+        state = _Op(op, chain, self.now, self._stats.predicted)
+        self._ops[token] = state
+        if isinstance(op, PsWork):
+            state.pending = 1
+            self._stats.predicted += op.seconds
+            self._cpu(op.seconds, op.what, None, token)
+            return
+        state.pending = sum(1 for call in op if not call.deferred)
+        self._deferred += len(op) - state.pending
+        for call in op:  # Core.submit dispatches after each GEMM
+            state.gemms.append(self._submit(call, token))
+            self._dispatch()
+
+    def _gemm_finished(self, gemm: _Gemm) -> None:
+        """A GEMM's output is assembled (or the PS multiplied it). A deferred one releases what it
+        read at once; the others with their op, as the live coordinator drops sources."""
+        gemm.remaining = -1
+        self._in_flight(-1)
+        if gemm.call.deferred:  # its op may be done long ago
+            self._deferred -= 1
+            self._release([gemm])
+            return
+        state = self._ops[gemm.op]
+        state.pending -= 1
+        if state.pending == 0:
+            self._op_finished(gemm.op)
+
+    def _op_finished(self, token: int) -> None:
+        state = self._ops.pop(token)
+        if not isinstance(state.op, PsWork):
+            self._release([self.gemms[g] for g in state.gemms if g in self.gemms and not self.gemms[g].call.deferred])
+        self._stats.ops.append((_what(state.op), self._stats.predicted - state.predicted, self.now - state.began))
+        self._next_op(state.chain)
+
+    def _release(self, gemms: list[_Gemm]) -> None:
+        """Finished GEMMs' copied blocks are forgotten, and their inputs once nothing left reads
+        them, or (Core._complete) once a dW read them: q's, k's and v's dW each send X again."""
+        spaces: list[tuple] = []
+        for gemm in gemms:
+            call = gemm.call
+            del self.gemms[gemm.id]
+            spaces.append(("G", gemm.id))
+            for t in (call.a.tensor, call.b.tensor):
+                self._readers[t] -= 1
+            dw = call.kind is GemmKind.GRAD_WEIGHT
+            spaces += [t for t in {call.a.tensor, call.b.tensor} if self._readers[t] <= 0 or dw]
         self._forget(spaces)
 
     def _step_event(self) -> None:
@@ -803,12 +1004,14 @@ class Simulation:
             self._handle(*args)  # dispatches itself, as Core.handle does
             return
         if kind == _CPU_DONE:
-            gid = args[0]
-            gemm = self.gemms.get(gid) if gid is not None else None
-            if gid is None or (gemm is not None and (gemm.remaining <= 0 or gemm.out_bytes == 0)):
-                self._pending_ops -= 1  # PS work, a local GEMM, or an assembled output: the op's part is done
-                if gemm is not None:
-                    gemm.remaining = -1
+            gid, token = args
+            if gid is None:
+                self._ops[token].pending = 0  # PS work: the op is done
+                self._op_finished(token)
+            else:
+                gemm = self.gemms.get(gid)
+                if gemm is not None and gemm.remaining >= 0 and (gemm.remaining == 0 or gemm.out_bytes == 0):
+                    self._gemm_finished(gemm)  # an assembled output, or a local GEMM
         elif kind == _LEAVE:
             self._crash_or_leave(*args)
         elif kind == _DETECT:
@@ -828,12 +1031,22 @@ class Simulation:
         self._dispatch()
 
 
-def _dropped(program: list[Op], index: int, tensor: tuple) -> bool:
-    """Did op ``index`` drop ``tensor`` (a dW that reads it)?"""
-    op = program[index]
-    return not isinstance(op, PsWork) and any(
-        c.kind is GemmKind.GRAD_WEIGHT and tensor in (c.a.tensor, c.b.tensor) for c in op
-    )
+@dataclass(eq=False)
+class _Op:
+    """An op issued by a chain, until it is done."""
+
+    op: Op
+    chain: int
+    began: float
+    predicted: float  # the step's prediction when it was issued
+    pending: int = 0  # of its GEMMs (not deferred) or its PS work, not done yet
+    gemms: list[int] = field(default_factory=list)
+
+
+def _optimizer(model: ModelShape, dtype: str, ps: PSProfile) -> PsWork:
+    """AdamW over every parameter on the PS (``step_program``'s last op)."""
+    extra = ITEMSIZE[dtype] if dtype != "fp32" else 0
+    return PsWork(model.params * (ADAMW_BYTES + extra) / ps.memory_bw, "optimizer")
 
 
 def _what(op: Op) -> str:
