@@ -291,8 +291,6 @@ def build_report(
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     shape = model_shape(model)
-    if batch % micro_batches:
-        raise ConfigError(f"--micro-batches must divide --batch-size ({batch}), got {micro_batches}")
     if seq > shape.max_seq_len:
         raise ConfigError(f"--seq-len {seq} exceeds {shape.name}'s {shape.max_seq_len} positions")
     wire = "bf16" if wire_half else dtype

@@ -9,6 +9,7 @@ binding resource named, churn and crashes recovered from, the same seed giving t
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -263,9 +264,12 @@ def test_the_forecast_never_ships_a_step_the_coordinator_alone_runs_faster(gflop
 def test_a_step_forecast_faster_at_home_keeps_every_gemm_home(monkeypatch: pytest.MonkeyPatch) -> None:
     import coordinator.whatif.simulator as simulator
 
-    monkeypatch.setattr(simulator, "home_seconds", lambda *args: 1e-3)  # the PS alone: faster than any plan
-    st = run(fleet=LAN, ps=LAN_PS, micro_batches=2, batched=True).result.steps[-1]
-    assert st.kept_home and st.remote_gemms == 0 and st.local_gemms > 0 and st.forecast == 1e-3
+    calls = iter([1e-3, math.inf])  # the first step: the PS alone is faster than any plan; the second: not
+    monkeypatch.setattr(simulator, "home_seconds", lambda *args: next(calls))
+    home, shipped = run(fleet=LAN, ps=LAN_PS, micro_batches=2, batched=True, steps=2).result.steps
+    assert home.kept_home and home.remote_gemms == 0 and home.local_gemms > 0 and home.forecast == 1e-3
+    # The decision is the step's: the next one plans on its lanes again and ships.
+    assert not shipped.kept_home and shipped.remote_gemms > 0
 
 
 def test_lanes_share_each_class_out_and_the_ps_among_them() -> None:

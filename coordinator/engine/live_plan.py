@@ -203,6 +203,7 @@ class LivePlanner:
         # each GEMM is planned on the lane that is free first, so that GEMMs in flight side by
         # side run on different devices, each device with a larger share of fewer GEMMs.
         self.lanes = lanes
+        self._lane_ps = shared(ps, lanes)  # what one lane plans with
         self._free_at = [0.0] * lanes  # when each lane is predicted to finish what it was given
         # Tests force one partition kind through ``options.kinds``.
         self.options = options or PlannerOptions(kinds=LIVE_KINDS, uniform=policy)
@@ -293,7 +294,7 @@ class LivePlanner:
     def _price(self, gemm: Gemm, classes: list[DeviceClass]) -> Plan | None:
         if not classes:
             return None
-        ps = shared(self.ps, self.lanes)
+        ps = self._lane_ps
         if self.planner is Planner.UNIFORM:
             return baseline(gemm, classes, ps, PlannerOptions(uniform=self.policy))
         try:

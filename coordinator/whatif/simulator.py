@@ -227,10 +227,10 @@ def predict(
 
 def home_seconds(chains: list[list[Op]], tail: list[Op], ps: PSProfile, dtype: str) -> float:
     """The step with every GEMM kept on the PS: its CPU does everything, one op after another."""
-    total = 0.0
-    for op in (op for chain in chains for op in chain) if chains else ():
-        total += op.seconds if isinstance(op, PsWork) else sum(local_seconds(c.m, c.n, c.k, dtype, ps) for c in op)
-    return total + sum(op.seconds for op in tail if isinstance(op, PsWork))
+    return sum(
+        op.seconds if isinstance(op, PsWork) else sum(local_seconds(c.m, c.n, c.k, dtype, ps) for c in op)
+        for op in [*(op for chain in chains for op in chain), *tail]
+    )
 
 
 # --------------------------------------------------------------------------- configuration
@@ -412,7 +412,9 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         self.sched = scheduler if scheduler is not None else Scheduler(cfg.faults)
         self.conduct = Conduct(self.sched, cfg.trust)  # the live Core's rules, over this scheduler
-        self.planner = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=cfg.lanes or cfg.micro_batches)
+        self._shipping = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=cfg.lanes or cfg.micro_batches)
+        self._home = LivePlanner(cfg.planner, cfg.ps, cfg.policy, PlannerOptions(kinds=frozenset({Kind.LOCAL})))
+        self.planner = self._shipping  # per step: ``_home`` when the forecast keeps the step home
         self.itemsize = ITEMSIZE[cfg.dtype]
         self.now = 0.0
         self._events: list[tuple] = []
@@ -829,16 +831,14 @@ class Simulation:
             else:
                 chains = dataflow_program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step, cfg.micro_batches)
                 tail = [_optimizer(cfg.model, cfg.dtype, cfg.ps)]
-            fresh = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=self.planner.lanes)
+            fresh = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=self._shipping.lanes)
             self._stats.forecast = predict(chains, tail, fresh, cfg.dtype, dict(self._profiles))
             self._stats.home = home_seconds(chains, tail, cfg.ps, cfg.dtype)
-            if self._stats.home < self._stats.forecast and cfg.planner is Planner.COST:
-                # Shipping would be slower than the PS alone: the cost model keeps the step home.
-                self._stats.kept_home = True
+            # Shipping forecast slower than the PS alone: the cost model keeps this step home.
+            self._stats.kept_home = self._stats.home < self._stats.forecast and cfg.planner is Planner.COST
+            if self._stats.kept_home:
                 self._stats.forecast = self._stats.home
-                self.planner = LivePlanner(
-                    cfg.planner, cfg.ps, cfg.policy, PlannerOptions(kinds=frozenset({Kind.LOCAL})), lanes=1
-                )
+            self.planner = self._home if self._stats.kept_home else self._shipping
             self._run_chains(chains)
             if tail:
                 self._run_chains([tail])
