@@ -20,8 +20,11 @@ turn (interleaved, so that all see the same machine load) and their medians comp
 * its parts: drawing R (``n x ROUNDS``), the norms (``||A_i||``, ``||B||_F``, ``||C_i||``) and
   the products ``max_j |A (B R) - C R|``.
 
-A second table (skip it with ``--no-generators``) times the candidate generators of R for
-``n`` up to 4096 and up to 16 columns. Ratios are what to compare; absolute times drift.
+A batched table (``freivalds_batch``) checks a device's share of a GEMM, ``rows`` row bands
+of A times ``cols`` column blocks of B, tile by tile with ``freivalds`` and then as one batch, and
+prints the GEMM rate each reaches (the check's FLOP over its seconds): what the simulator's
+``PSProfile.check_rate`` prices. A last table (skip it with ``--no-generators``) times the
+candidate generators of R for ``n`` up to 4096 and up to 16 columns. Ratios are what to compare; absolute times drift.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 from timing import interleaved_medians
 
-from coordinator.wire.verify import ROUNDS, _row_norms, freivalds, rademacher, random_vectors
+from coordinator.wire.verify import ROUNDS, Product, _row_norms, freivalds, freivalds_batch, rademacher, random_vectors
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,61 @@ def time_shape(shape: Shape, repeats: int, rng: np.random.Generator, gen: torch.
     return ShapeTiming(shape.name, *interleaved_medians(fns, repeats))
 
 
+@dataclass(frozen=True)
+class Share:
+    """A device's share of one GEMM: ``rows`` x ``cols`` tiles of ``m x k @ k x n``."""
+
+    name: str
+    rows: int
+    cols: int
+    m: int
+    k: int
+    n: int
+
+
+SHARES = [
+    Share("1 x 1 of 512x4096 @ 4096x512", 1, 1, 512, 4096, 512),
+    Share("1 x 8 of 512x4096 @ 4096x512", 1, 8, 512, 4096, 512),
+    Share("2 x 4 of 512x4096 @ 4096x512", 2, 4, 512, 4096, 512),
+    Share("2 x 4 of 256x11008 @ 11008x256", 2, 4, 256, 11008, 256),
+    Share("4 x 4 of 256x1024 @ 1024x256", 4, 4, 256, 1024, 256),
+]
+
+
+@dataclass(frozen=True)
+class ShareTiming:
+    name: str
+    tiles: int
+    one_by_one_s: float  # freivalds per tile, norms shared as the coordinator shares them
+    batched_s: float  # freivalds_batch over the share
+    speedup: float
+    one_by_one_gflops: float  # check FLOP (per tile: A(BR), BR, CR) over seconds
+    batched_gflops: float
+
+
+def time_share(share: Share, repeats: int, rng: np.random.Generator, gen: torch.Generator) -> ShareTiming:
+    a_blocks = [torch.randn(share.m, share.k, generator=gen) for _ in range(share.rows)]
+    b_blocks = [torch.randn(share.k, share.n, generator=gen) for _ in range(share.cols)]
+    a_norms = [_row_norms(a) for a in a_blocks]
+    b_norms = [float(torch.linalg.vector_norm(b)) for b in b_blocks]
+    products = [
+        Product(a, b, a @ b, a_key=i, b_key=j, a_row_norms=a_norms[i], b_norm=b_norms[j])
+        for i, a in enumerate(a_blocks)
+        for j, b in enumerate(b_blocks)
+    ]
+    if not all(v.ok for v in freivalds_batch(products, rng)):
+        raise RuntimeError(f"an honest tile of {share.name} failed the batched check")
+
+    def one_by_one() -> None:
+        for p in products:
+            freivalds(p.a, p.b, p.c, rng, a_row_norms=p.a_row_norms, b_norm=p.b_norm)
+
+    single, batched = interleaved_medians([one_by_one, lambda: freivalds_batch(products, rng)], repeats)
+    flops = 2.0 * ROUNDS * len(products) * (share.m * share.k + share.k * share.n + share.m * share.n)
+    rates = (flops / single / 1e9, flops / batched / 1e9)
+    return ShareTiming(share.name, len(products), single, batched, single / batched, *rates)
+
+
 GENERATORS: dict[str, Callable[[int, int, np.random.Generator, torch.Generator], object]] = {
     "numpy uniform f32 (used)": lambda n, t, rng, g: random_vectors(n, t, rng),
     "numpy normal f32": lambda n, t, rng, g: torch.from_numpy(rng.standard_normal((n, t), dtype=np.float32)),
@@ -135,6 +193,23 @@ def time_generators(repeats: int, rng: np.random.Generator, gen: torch.Generator
         medians = interleaved_medians(fns, repeats * 10)
         out[f"{n}x{t}"] = dict(zip(GENERATORS, medians))
     return out
+
+
+def render_shares(timings: list[ShareTiming], console: Console) -> None:
+    table = Table(title=f"Batched checks (freivalds_batch, {ROUNDS} columns a tile): one device's share of a GEMM")
+    for col in ("share", "tiles", "one by one", "batched", "speedup", "GFLOP/s one by one", "GFLOP/s batched"):
+        table.add_column(col, justify="left" if col == "share" else "right")
+    for t in timings:
+        table.add_row(
+            t.name,
+            str(t.tiles),
+            _ms(t.one_by_one_s),
+            _ms(t.batched_s),
+            f"{t.speedup:.2f}x",
+            f"{t.one_by_one_gflops:.1f}",
+            f"{t.batched_gflops:.1f}",
+        )
+    console.print(table)
 
 
 def _ms(s: float) -> str:
@@ -201,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rng, gen = np.random.default_rng(), torch.Generator().manual_seed(0)
     timings = [time_shape(s, args.repeats, rng, gen) for s in SHAPES]
+    shares = [time_share(s, max(3, args.repeats // 3), rng, gen) for s in SHARES]
     generators = None if args.no_generators else time_generators(args.repeats, rng, gen)
     if args.json:
-        print(json.dumps({"rounds": ROUNDS, "shapes": [asdict(t) for t in timings], "generators_s": generators}))
+        shapes = [asdict(t) for t in timings]
+        batched = [asdict(t) for t in shares]
+        print(json.dumps({"rounds": ROUNDS, "shapes": shapes, "batched": batched, "generators_s": generators}))
     else:
-        render(timings, generators, Console(width=160))
+        console = Console(width=160)
+        render(timings, generators, console)
+        render_shares(shares, console)
     return 0
 
 

@@ -333,3 +333,74 @@ def test_a_result_then_leave_is_verified_before_the_leave_acts() -> None:
 
     tiles = asyncio.run(run())
     assert tiles["verified"] == 1
+
+
+def test_results_waiting_for_the_verifier_are_checked_as_one_batch_and_a_forged_one_alone() -> None:
+    """A slow verifier lets results queue: they are checked together (freivalds_batch), a forged
+    one among them is rejected alone, its device banned, and the product stays exact."""
+    from coordinator.net import server as server_module
+
+    batches: list[list[tuple[int, bool]]] = []
+    real = server_module.run_checks
+
+    def slow(checks, rng):  # noqa: ANN001, ANN202 - the verifier's signature
+        import time
+
+        time.sleep(0.05)  # results arriving meanwhile wait for the next batch
+        out = real(checks, rng)
+        batches.append([(c.dev.id, v.ok) for c, (v, _) in zip(checks, out, strict=True)])
+        return out
+
+    async def device(url: str, forge: bool, stop: asyncio.Event) -> int:
+        sent = 0
+        async with connect(url, compression=None, max_size=None) as ws:
+            await _enrol(ws, slots=2)
+            blocks: dict[str, torch.Tensor] = {}
+            try:
+                while not stop.is_set():
+                    try:
+                        msg = decode(await asyncio.wait_for(ws.recv(), 0.2))
+                    except TimeoutError:
+                        continue
+                    if not isinstance(msg, Work):
+                        continue
+                    blocks.update({blk.key: blk.data for blk in msg.blocks})
+                    a, b = msg.operands(blocks)
+                    c = a @ b
+                    if forge:  # a moment late: its result lands while honest ones wait
+                        await asyncio.sleep(0.02)
+                    await ws.send(encode(Result(msg.tile_id, c * 2 if forge else c)))
+                    sent += 1
+            except ConnectionClosed:
+                pass
+        return sent
+
+    async def run() -> tuple[torch.Tensor, torch.Tensor, Server]:
+        server = _server()
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            stop = asyncio.Event()
+            devices = [asyncio.create_task(device(url, i == 0, stop)) for i in range(4)]
+            while len(server.core.devices) < 4:
+                await asyncio.sleep(0.01)
+            a, b = torch.randn(128, 48), torch.randn(48, 96)
+            done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+            _, out = server.core.submit(a, b, GemmKind.FORWARD, server.clock(), done.set_result)
+            server.deliver(out)
+            got = await asyncio.wait_for(done, TIMEOUT)
+            stop.set()
+            await asyncio.gather(*devices)
+            return got, a @ b, server
+
+    server_module.run_checks = slow
+    try:
+        got, want, server = asyncio.run(run())
+    finally:
+        server_module.run_checks = real
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert server.checked > server.check_batches  # some results were checked together
+    forger = min(dev for batch in batches for dev, _ in batch)  # the first to enrol
+    assert all(ok == (dev != forger) for batch in batches for dev, ok in batch)  # rejected alone
+    mixed = [b for b in batches if {ok for _, ok in b} == {True, False}]
+    assert mixed, batches  # a forged result shared a batch with honest ones
+    assert forger not in server.core.devices  # banned and dropped

@@ -26,9 +26,11 @@ from coordinator.wire.verify import (
     GAMMA,
     ROUNDS,
     TARGET_BOUND,
+    Product,
     acceptance_bound,
     detection_threshold,
     freivalds,
+    freivalds_batch,
     rademacher,
     round_bound,
     tolerance,
@@ -266,3 +268,131 @@ def test_a_row_above_the_largest_honest_norm_is_rejected_without_the_products() 
 def test_rademacher_vectors_are_plus_or_minus_one() -> None:
     r = rademacher(1000, np.random.default_rng(24))
     assert set(r.unique().tolist()) == {-1.0, 1.0}
+
+
+# --- batched checks: many results, one pass over each operand block ----------------------------
+
+
+def _device_share(
+    rows: int = 2, cols: int = 3, m: int = 48, k: int = 160, n: int = 40, seed: int = 30
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[Product]]:
+    """A device's share of one GEMM: ``rows`` row bands of A times ``cols`` column blocks of B,
+    every tile an honest product, keyed by the blocks it reads."""
+    g = torch.Generator().manual_seed(seed)
+    a_blocks = [torch.randn(m, k, generator=g) + torch.randn(1, k, generator=g) for _ in range(rows)]
+    b_blocks = [torch.randn(k, n, generator=g) * 0.05 + 0.01 for _ in range(cols)]
+    products = [
+        Product(a, b, a @ b, a_key=("a", i), b_key=("b", j))
+        for i, a in enumerate(a_blocks)
+        for j, b in enumerate(b_blocks)
+    ]
+    return a_blocks, b_blocks, products
+
+
+def test_a_batch_of_one_is_the_single_check_draw_for_draw() -> None:
+    a, b = torch.randn(40, 64), torch.randn(64, 24)
+    c = a @ b
+    c[3, 5] += 1e-3
+    single = freivalds(a, b, c, np.random.default_rng(40))
+    (batched,) = freivalds_batch([Product(a, b, c)], np.random.default_rng(40))
+    assert batched.ok == single.ok
+    assert batched.worst_ratio == pytest.approx(single.worst_ratio, rel=1e-5)
+
+
+def test_an_honest_batch_passes_with_the_single_checks_margin() -> None:
+    rng = np.random.default_rng(41)
+    _, _, products = _device_share()
+    for _ in range(20):
+        verdicts = freivalds_batch(products, rng)
+        assert all(v.ok for v in verdicts), [v.reason for v in verdicts]
+        assert max(v.worst_ratio for v in verdicts) < 0.25
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_a_forged_tile_inside_a_batch_is_rejected_alone(name: str) -> None:
+    rng = np.random.default_rng(42)
+    _, _, products = _device_share()
+    for victim in (0, 4):
+        p = products[victim]
+        forged = FORGERIES[name](p.a, p.b, p.c, rng, 1.5)
+        batch = list(products)
+        batch[victim] = Product(p.a, p.b, forged, a_key=p.a_key, b_key=p.b_key)
+        for _ in range(30):  # fresh vectors every time
+            verdicts = freivalds_batch(batch, rng)
+            assert [v.ok for v in verdicts] == [i != victim for i in range(len(batch))], (name, victim)
+            if name in NON_FINITE:
+                assert "NaN or Inf" in verdicts[victim].reason
+
+
+def test_a_forged_tile_among_many_is_caught_as_often_as_alone() -> None:
+    """The per-tile bound holds in a batch: below the threshold (GAMMA/4 tolerances, one round)
+    a forged tile beside 11 honest ones passes no more often than Ball's bound allows alone."""
+    rng = np.random.default_rng(43)
+    _, _, products = _device_share(rows=3, cols=4, m=24, k=40, n=32)
+    victim = products[5]
+    a, b = victim.a.double(), victim.b.double()
+    batch = [Product(p.a.double(), p.b.double(), p.c.double(), a_key=p.a_key, b_key=p.b_key) for p in products]
+    trials, accepted = 3000, 0
+    for _ in range(trials):
+        forged = forge_pair(a, b, a @ b, rng, 0.25)
+        batch[5] = Product(a, b, forged, a_key=victim.a_key, b_key=victim.b_key)
+        verdicts = freivalds_batch(batch, rng, rounds=1)
+        assert all(v.ok for i, v in enumerate(verdicts) if i != 5)
+        accepted += verdicts[5].ok
+    rate = accepted / trials
+    assert 0 < rate <= round_bound(GAMMA / 4, b.shape[1])
+
+
+def test_a_batch_reports_screened_results_in_place_and_judges_the_rest() -> None:
+    rng = np.random.default_rng(44)
+    _, _, products = _device_share(rows=1, cols=4)
+    p0, p1, p2, p3 = products
+    wrong_shape = Product(p1.a, p1.b, p1.c[:-1], a_key=p1.a_key, b_key=p1.b_key)
+    with_nan = p2.c.clone()
+    with_nan[0, 0] = float("nan")
+    nan_result = Product(p2.a, p2.b, with_nan, a_key=p2.a_key, b_key=p2.b_key)
+    verdicts = freivalds_batch([p0, wrong_shape, nan_result, p3], rng)
+    assert [v.ok for v in verdicts] == [True, False, False, True]
+    assert "shape" in verdicts[1].reason and "NaN or Inf" in verdicts[2].reason
+    assert freivalds_batch([], rng) == []
+
+
+def test_copies_of_one_tile_share_their_columns_and_are_judged_apart() -> None:
+    rng = np.random.default_rng(45)
+    a, b = torch.randn(32, 48), torch.randn(48, 16)
+    honest = a @ b
+    forged = forge_scaled(a, b, honest, rng, 2.0)
+    verdicts = freivalds_batch(
+        [Product(a, b, honest, a_key="a", b_key="b"), Product(a, b, forged, a_key="a", b_key="b")], rng
+    )
+    assert [v.ok for v in verdicts] == [True, False]
+
+
+def test_honest_half_precision_batches_pass_and_forged_ones_fail() -> None:
+    rng = np.random.default_rng(46)
+    for dtype in (torch.bfloat16, torch.float16):
+        a_blocks, b_blocks, _ = _device_share(rows=2, cols=2)
+        a_blocks = [a.to(dtype) for a in a_blocks]
+        b_blocks = [b.to(dtype) for b in b_blocks]
+        batch = [
+            Product(a, b, (a.float() @ b.float()).to(dtype), a_key=i, b_key=j, rounded_to=dtype)
+            for i, a in enumerate(a_blocks)
+            for j, b in enumerate(b_blocks)
+        ]
+        assert all(v.ok for v in freivalds_batch(batch, rng)), dtype
+        p = batch[1]
+        batch[1] = Product(p.a, p.b, forge_scaled(p.a, p.b, p.c, rng, 2.0), a_key=p.a_key, b_key=p.b_key)
+        assert [v.ok for v in freivalds_batch(batch, rng)] == [True, False, True, True]
+
+
+def test_keys_that_name_blocks_of_different_shapes_are_a_caller_error() -> None:
+    rng = np.random.default_rng(47)
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    other = torch.randn(9, 16)
+    with pytest.raises(ValueError, match="A key"):
+        freivalds_batch([Product(a, b, a @ b, a_key="x"), Product(other, b, other @ b, a_key="x")], rng)
+    with pytest.raises(ValueError, match="B key"):
+        wide = torch.randn(16, 5)
+        freivalds_batch([Product(a, b, a @ b, b_key="y"), Product(a, wide, a @ wide, b_key="y")], rng)
+    with pytest.raises(ValueError, match="rounds"):
+        freivalds_batch([Product(a, b, a @ b)], rng, rounds=0)

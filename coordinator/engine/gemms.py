@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,7 +18,8 @@ from coordinator.engine.blocks import BlockRef, Source
 from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan
 from coordinator.wire.errors import Diverged
 from coordinator.wire.messages import Result
-from coordinator.wire.verify import Verdict, freivalds
+from coordinator.wire.verify import Product as VerifyProduct
+from coordinator.wire.verify import Verdict, freivalds_batch
 
 if TYPE_CHECKING:
     from coordinator.engine.devices import DeviceState
@@ -81,10 +82,9 @@ class Check:
     pairs: tuple[tuple[BlockRef, BlockRef], ...]  # the blocks of its reduction pieces
     arrived: float  # when the result was received: its timings count from here, not the verdict
 
-    def run(self, rng: np.random.Generator) -> tuple[Verdict, float]:
-        """The verdict and the seconds it took (``rng``: never seen by a device; not shared
-        between threads)."""
-        started = time.perf_counter()
+    def product(self) -> VerifyProduct:
+        """What ``freivalds_batch`` checks: the result, its operands, the blocks they are (so
+        that results of one GEMM checked together share the work) and their cached norms."""
         if self.a.dtype not in (torch.float32, torch.float64):  # the check takes norms of its own
             row_norms, b_norm = None, None
         elif len(self.pairs) == 1:
@@ -93,7 +93,7 @@ class Check:
         else:
             row_norms = torch.stack([ra.row_norms() for ra, _ in self.pairs]).square().sum(0).sqrt()
             b_norm = math.sqrt(sum(rb.norm() ** 2 for _, rb in self.pairs))
-        gemm = self.gemm
+        gemm, t = self.gemm, self.tile
         if gemm.a.dtype in (torch.float16, torch.bfloat16):
             # Half tiles (the half-precision wire, or a bf16/fp16/autocast job): devices sum in
             # float32 and round once (client/kernels.py), and only that rounding is tolerated
@@ -102,17 +102,34 @@ class Check:
             compute, rounded_to = torch.float32, gemm.a.dtype
         else:
             compute, rounded_to = gemm.a.dtype, None
-        verdict = freivalds(
+        return VerifyProduct(
             self.a,
             self.b,
             self.msg.c,
-            rng,
+            a_key=(gemm.id, "a", t.r0, t.r1, t.k0, t.k1),
+            b_key=(gemm.id, "b", t.k0, t.k1, t.c0, t.c1),
             compute_dtype=compute,
             rounded_to=rounded_to,
             a_row_norms=row_norms,
             b_norm=b_norm,
         )
-        return verdict, time.perf_counter() - started
+
+    def run(self, rng: np.random.Generator) -> tuple[Verdict, float]:
+        """The verdict and the seconds it took (``rng``: never seen by a device; not shared
+        between threads)."""
+        ((verdict, seconds),) = run_checks([self], rng)
+        return verdict, seconds
+
+
+def run_checks(checks: Sequence[Check], rng: np.random.Generator) -> list[tuple[Verdict, float]]:
+    """Verdicts of many results checked as one batch (``freivalds_batch``: each result keeps
+    its own random vectors, so a forged one is caught as surely as alone and named alone;
+    results of one GEMM share ``B R`` and the pass over A), with each one's share of the time.
+    Reads nothing of the Core's but the blocks' norm caches, like ``Check.run``."""
+    started = time.perf_counter()
+    verdicts = freivalds_batch([c.product() for c in checks], rng)
+    each = (time.perf_counter() - started) / max(1, len(checks))
+    return [(v, each) for v in verdicts]
 
 
 def _all_finite(t: torch.Tensor) -> bool:

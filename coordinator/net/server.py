@@ -43,7 +43,7 @@ from websockets.http11 import Request, Response
 
 from coordinator.engine import report
 from coordinator.engine.core import TICK, Core, Departure
-from coordinator.engine.gemms import Check, Product
+from coordinator.engine.gemms import Check, Product, run_checks
 from coordinator.engine.limits import Limits
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.net.dashboard import CHALLENGE, Dashboard, is_bearer
@@ -73,6 +73,9 @@ log = logging.getLogger("cleave.server")
 
 CHUNK = 256 << 10  # large replies go out in fragments of this size, so a slow reader costs little
 REFUSE_GRACE = 0.2  # seconds a refused peer has to answer our close before its socket is dropped
+# Results verified together at most: a batch's scratch is (rows + depth) x ROUNDS floats a result
+# (the stacked A (B R) and B R), 8 MB for 64 results of 1,024 x 1,024 x 1,024 tiles.
+MAX_CHECK_BATCH = 64
 CHECK_WAIT = 10.0  # seconds a closed connection's last result may take to be judged before it is let go
 _zeros: bytearray | None = None  # shared payload of every speed-test reply (never written)
 
@@ -152,6 +155,14 @@ class Server:
         self._verifier: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first check
         self._verify_rng = np.random.default_rng(core.rng.integers(0, 2**63, size=4))
         self._checks: set[asyncio.Future[tuple[Verdict, float]]] = set()
+        # Results wait here while the verifier is busy, then go to it together as one batch
+        # (``run_checks``): the busier it is, the more each batch shares. At most one result per
+        # connection waits (its next message waits for the verdict), and a batch takes at most
+        # ``MAX_CHECK_BATCH`` of them.
+        self._waiting: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]] = []
+        self._batch: asyncio.Future[list[tuple[Verdict, float]]] | None = None
+        self.check_batches = 0  # batches verified (results per batch: checked / batches)
+        self.checked = 0
         self._stopped = False
 
     # ------------------------------------------------------------------ connection counting
@@ -453,13 +464,48 @@ class Server:
         if self._stopped:  # the job is over: nobody needs the result
             check.dev.checking.discard(check.msg.tile_id)
             return
-        if self._verifier is None:
-            self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
-        future = asyncio.get_running_loop().run_in_executor(self._verifier, check.run, self._verify_rng)
+        future: asyncio.Future[tuple[Verdict, float]] = asyncio.get_running_loop().create_future()
         self._checks.add(future)
         conn.check = future
         conn.checked.clear()
         future.add_done_callback(lambda f: self._checked(check, conn, f))
+        self._waiting.append((check, future))
+        self._next_batch()
+
+    def _next_batch(self) -> None:
+        """Hand the verifier every result waiting for it (up to ``MAX_CHECK_BATCH``) if it is idle."""
+        if self._batch is not None or not self._waiting or self._stopped:
+            return
+        take, self._waiting = self._waiting[:MAX_CHECK_BATCH], self._waiting[MAX_CHECK_BATCH:]
+        if self._verifier is None:
+            self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
+        checks = [check for check, _ in take]
+        batch = asyncio.get_running_loop().run_in_executor(self._verifier, run_checks, checks, self._verify_rng)
+        self._batch = batch
+        batch.add_done_callback(lambda f: self._batch_done(take, f))
+
+    def _batch_done(
+        self, take: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]], batch: asyncio.Future
+    ) -> None:
+        """Each result's verdict to its own future (``_checked`` settles it); the next batch starts."""
+        self._batch = None
+        try:
+            if batch.cancelled():
+                for _, future in take:
+                    future.cancel()
+                return
+            error = batch.exception()
+            self.check_batches += 1
+            self.checked += len(take)
+            for i, (_, future) in enumerate(take):
+                if future.done():
+                    continue
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(batch.result()[i])
+        finally:
+            self._next_batch()
 
     def _checked(self, check: Check, conn: _Conn, future: asyncio.Future[tuple[Verdict, float]]) -> None:
         self._checks.discard(future)
@@ -479,6 +525,9 @@ class Server:
     def stop_verifying(self) -> None:
         """Drop the checks still pending (the job is over; their results are not needed)."""
         self._stopped = True
+        self._waiting.clear()
+        if self._batch is not None:
+            self._batch.cancel()
         for future in list(self._checks):
             future.cancel()
         if self._verifier is not None:

@@ -12,7 +12,7 @@ bytes per second; ``rtt`` is a round trip of a small message.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.wire.errors import ConfigError
@@ -130,6 +130,21 @@ class PSProfile:
         """Its GEMM rate in ``dtype`` (0: it cannot compute in it)."""
         return self.gflops.get(dtype, 0.0) * 1e9
 
+    def check_rate(self, width: int = VERIFY_ROUNDS) -> float:
+        """FLOP/s of a check's product with ``width`` stacked random vectors (checks run in fp32).
+
+        A skinny product is bound by reading its matrix: ``verify_flops`` at ``VERIFY_ROUNDS``
+        columns. A wider one reads the matrix once for all its columns and nears the GEMM rate:
+        seconds per FLOP ``1/peak + (1/verify - 1/peak) VERIFY_ROUNDS / width``, a roofline with a
+        soft knee that fits bench/bench_verify.py's stacked products here within 15% (one core:
+        44 GFLOP/s at 16 columns, 57-62 at 32, 62-73 at 64, 67-81 at 128, 73-86 at 256, against
+        ~90 for a square GEMM). ``peak`` is the fp32 GEMM rate, or the skinny rate where that is
+        stated lower (``--ps-gflops`` states what GEMMs may count on, not what checks need)."""
+        peak = max(self.flops_per_s("fp32"), self.verify_flops)
+        if width <= VERIFY_ROUNDS:
+            return self.verify_flops
+        return 1.0 / (1.0 / peak + (1.0 / self.verify_flops - 1.0 / peak) * VERIFY_ROUNDS / width)
+
     @classmethod
     def from_link(cls, gbps: float, **kwargs: object) -> PSProfile:
         """Both directions at ``gbps`` gigabits per second."""
@@ -189,13 +204,27 @@ class Unit:
         return 2.0 * VERIFY_ROUNDS * (self.m * self.k + self.k * self.n + self.m * self.n)
 
 
-def batch_check_flops(products: Iterable[tuple[float, float, float]], b_blocks: Iterable[tuple[float, float]]) -> float:
-    """PS work to check a batch of products ``(rows, cols, depth)`` that one device returned in
-    one message (coordinator/wire/verify.py): each product's ``A (B r)`` and ``C r`` with
-    ``VERIFY_ROUNDS`` vectors, and ``B r`` once per distinct B block ``(depth, cols)``, however
-    many of the batch's products read it. A batch of one is ``Unit.verify_flops``."""
-    per_product = sum(r * d + r * c for r, c, d in products)
-    return 2.0 * VERIFY_ROUNDS * (per_product + sum(d * c for d, c in b_blocks))
+def batch_check_seconds(products: Iterable[tuple[Hashable, Hashable, float, float, float]], ps: PSProfile) -> float:
+    """PS seconds to check a batch of products ``(a_block, b_block, rows, cols, depth)`` that one
+    device returned together (``coordinator.wire.verify.freivalds_batch``): ``B R`` once per
+    distinct B block, one stacked product ``A [B_1 R_1 | ...]`` per distinct A block with
+    ``VERIFY_ROUNDS`` columns for each distinct B block it meets (at ``check_rate`` of that
+    width), and each product's ``C R``. A batch of one is ``Unit.verify_flops`` at
+    ``check_rate()``."""
+    t = VERIFY_ROUNDS
+    skinny = ps.check_rate()
+    b_blocks: dict[Hashable, float] = {}
+    a_blocks: dict[Hashable, tuple[float, set[Hashable]]] = {}
+    cr = 0.0
+    for a, b, rows, cols, depth in products:
+        b_blocks[b] = depth * cols
+        a_blocks.setdefault(a, (rows * depth, set()))[1].add(b)
+        cr += rows * cols
+    seconds = 2.0 * t * (cr + sum(b_blocks.values())) / skinny
+    for area, met in a_blocks.values():
+        width = t * len(met)
+        seconds += 2.0 * area * width / ps.check_rate(width)
+    return seconds
 
 
 def in_flight_memory(units: int, unit_memory: float) -> int:
@@ -274,7 +303,7 @@ def pipelined(first: Stage, rest: Stage, count: int, rtt: float = 0.0) -> float:
 def ps_seconds(units: int, verify_flops: float, partial_bytes: float, out_bytes: float, ps: PSProfile) -> float:
     """PS CPU for a GEMM: per-unit bookkeeping, verifying every unit, writing the result and
     adding every extra partial block (split reductions) into it."""
-    return units * ps.unit_overhead + verify_flops / ps.verify_flops + (out_bytes + 2 * partial_bytes) / ps.memory_bw
+    return units * ps.unit_overhead + verify_flops / ps.check_rate() + (out_bytes + 2 * partial_bytes) / ps.memory_bw
 
 
 def output_egress_floor(area: float, k: float, itemsize: int) -> float:

@@ -51,7 +51,7 @@ from coordinator.planning.costmodel import (
     DeviceClass,
     Profile,
     PSProfile,
-    batch_check_flops,
+    batch_check_seconds,
     local_seconds,
 )
 from coordinator.planning.planner import Kind, PlannerOptions
@@ -291,6 +291,8 @@ class StepStats:
     units: int = 0  # leases made (copies included)
     copies: int = 0
     reclaimed: int = 0
+    checks: int = 0  # batches the verifier ran (results waiting for it are checked together)
+    checked: int = 0  # results those batches checked
     lost: int = 0  # leases that ended with their device's leave
     local_gemms: int = 0
     remote_gemms: int = 0
@@ -387,7 +389,9 @@ class _Unit:
     blocks: tuple[tuple[tuple, str, int], ...]  # (key, the scheduler's name for it, bytes) of every input block
     flops: int
     up: int
-    verify: float  # PS seconds to check it (with the per-unit overhead)
+    # What its check reads: (A block, B block, rows, cols, depth) per product, keys scoped by GEMM
+    # so that results of one GEMM checked together share B R and A's pass (batch_check_seconds).
+    products: tuple[tuple[tuple, tuple, int, int, int], ...]
 
 
 @dataclass(eq=False)
@@ -401,7 +405,7 @@ class _Gemm:
 
 
 # Event kinds, in the order ties are broken at one instant.
-_ARRIVE, _UPLOAD, _RESULT, _HANDLE, _CPU_DONE, _LEAVE, _DETECT, _JOIN, _FAIL, _TICK = range(10)
+_ARRIVE, _UPLOAD, _RESULT, _CHECK, _HANDLE, _CPU_DONE, _LEAVE, _DETECT, _JOIN, _FAIL, _TICK = range(11)
 
 
 class Simulation:
@@ -431,6 +435,8 @@ class Simulation:
         self._holders: dict[tuple, set[int]] = {}  # tensor namespace -> devices holding its blocks
         self._leased: dict[tuple[int, int], int] = {}  # (unit, device) -> lease epoch of the device
         self.egress_free = self.ingress_free = self.cpu_free = 0.0
+        self._checks: list[tuple[int, int, int, float]] = []  # results waiting for the verifier
+        self._check_due = False  # a _CHECK event is on the clock
         self._tick_at = math.inf
         self._progress_at = 0.0  # when a unit was last verified
         self._outstanding = 0  # units of live GEMMs not yet verified
@@ -534,7 +540,6 @@ class Simulation:
         plan = live.tiles
         kc = plan.k_cuts
         s = self.itemsize
-        ps = cfg.ps
         tiles = plan.tiles
         work = batches(tiles, live.owners) if cfg.batched else [[t] for t in tiles]
         gemm = _Gemm(gid, call, len(work), s * call.m * call.n, token)
@@ -542,7 +547,7 @@ class Simulation:
         specs = []
         for batch in work:
             blocks: dict[tuple, int] = {}
-            products, b_blocks = [], set()
+            products = []
             flops = up = 0
             for t in batch:
                 for q in range(t.p, t.p + t.pieces):
@@ -550,16 +555,13 @@ class Simulation:
                     blocks[self._key(call.a, gid, "a", t.r0, t.r1, k0, k1)] = s * (t.r1 - t.r0) * (k1 - k0)
                     blocks[self._key(call.b, gid, "b", k0, k1, t.c0, t.c1)] = s * (k1 - k0) * (t.c1 - t.c0)
                 rows, cols, depth = t.r1 - t.r0, t.c1 - t.c0, t.k1 - t.k0
-                products.append((rows, cols, depth))
-                b_blocks.add((t.k0, t.k1, t.c0, t.c1))
+                products.append(((gid, t.r0, t.r1, t.k0, t.k1), (gid, t.k0, t.k1, t.c0, t.c1), rows, cols, depth))
                 flops += t.flops
                 up += s * rows * cols
-            check = batch_check_flops(products, ((k1 - k0, c1 - c0) for k0, k1, c0, c1 in b_blocks))
-            verify = check / ps.verify_flops + ps.unit_overhead
             named = tuple((key, _name(key), size) for key, size in blocks.items())
             uid = self._next_unit
             self._next_unit += 1
-            unit = _Unit(gemm, named, flops, up, verify)
+            unit = _Unit(gemm, named, flops, up, tuple(products))
             self.units[uid] = unit
             gemm.up_bytes += unit.up
             specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], flops, live.owners.get(batch[0].index)))
@@ -717,10 +719,29 @@ class Simulation:
         if d is None or d.epoch != epoch or unit is None or self._leased.get((uid, device)) != epoch:
             return  # the device was dropped, or another copy won (its result is ignored unread)
         self._arrived.add((uid, device))
-        start = max(self.now, self.cpu_free)
-        self.cpu_free = start + unit.verify
-        self._stats.ps_cpu["verify"] += unit.verify
-        self._at(self.cpu_free, _HANDLE, uid, device, epoch, self.now)
+        self._checks.append((uid, device, epoch, self.now))
+        if not self._check_due:
+            self._check_due = True
+            self._at(max(self.now, self.cpu_free), _CHECK)
+
+    def _check(self) -> None:
+        """The verifier takes every result waiting for it and checks them as one batch
+        (``freivalds_batch``: each result its own vectors, operand work shared): while the CPU is
+        busy results queue up, and the busier it is, the more each batch shares."""
+        if self.cpu_free > self.now:  # other PS work took the CPU first
+            self._at(self.cpu_free, _CHECK)
+            return
+        self._check_due = False
+        waiting, self._checks = self._checks, []
+        ps = self.cfg.ps
+        products = [p for uid, *_ in waiting if uid in self.units for p in self.units[uid].products]
+        seconds = batch_check_seconds(products, ps) + len(waiting) * ps.unit_overhead
+        self.cpu_free = self.now + seconds
+        self._stats.ps_cpu["verify"] += seconds
+        self._stats.checks += 1
+        self._stats.checked += len(waiting)
+        for uid, device, epoch, arrived in waiting:
+            self._at(self.cpu_free, _HANDLE, uid, device, epoch, arrived)
 
     def _handle(self, uid: int, device: int, epoch: int, arrived: float) -> None:
         """Core._on_result, once the CPU got to it: the first verified copy wins."""
@@ -999,6 +1020,9 @@ class Simulation:
             return
         if kind == _RESULT:
             self._result(*args)
+            return
+        if kind == _CHECK:
+            self._check()
             return
         if kind == _HANDLE:
             self._handle(*args)  # dispatches itself, as Core.handle does

@@ -44,6 +44,7 @@ and large ones cannot overflow to an infinite tolerance.
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,6 +212,85 @@ def _bounds(
     return tol, c_norms, ab
 
 
+@dataclass(frozen=True, eq=False)
+class Product:
+    """One result of a batch check: ``c`` claimed to be ``a @ b`` (see ``freivalds``).
+
+    ``a_key`` and ``b_key`` name the operand blocks: products with equal keys must hold the
+    very same tensors (the coordinator's own operands, never a peer's), and share the work of
+    the check. ``None`` shares with nothing."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor
+    a_key: Hashable = None
+    b_key: Hashable = None
+    compute_dtype: torch.dtype = torch.float32
+    rounded_to: torch.dtype | None = None
+    a_row_norms: torch.Tensor | None = None
+    b_norm: float | None = None
+
+
+@dataclass
+class _Pending:
+    """A product past the structural checks: its operands in the working dtype and its bounds."""
+
+    index: int
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor
+    tol: np.ndarray
+
+
+def _screen(p: Product) -> Verdict | _Pending:
+    """The checks that need no random vectors: shapes, dtypes, empty products, NaN and rows too
+    large to be honest. A verdict, or the product ready for the residual."""
+    m, k = p.a.shape
+    k2, n = p.b.shape
+    if k != k2:
+        raise ValueError(f"operands do not chain: {tuple(p.a.shape)} @ {tuple(p.b.shape)}")
+    c = p.c
+    if tuple(c.shape) != (m, n):
+        return Verdict(False, f"result has shape {tuple(c.shape)}, expected {(m, n)}", float("inf"))
+    if c.dtype != p.a.dtype:
+        return Verdict(False, f"result has dtype {c.dtype}, expected {p.a.dtype}", float("inf"))
+    if m == 0 or n == 0:
+        return Verdict(True)
+    if k == 0:
+        ok = not bool(c.any())
+        return Verdict(ok, "" if ok else "nonzero result of an empty product", 0.0 if ok else float("inf"))
+    a, b, row_norms, b_norm = p.a, p.b, p.a_row_norms, p.b_norm
+    work, result = _work_dtype(a.dtype), a.dtype
+    if a.dtype != work:  # checked in float32, with norms of our own (see _work_dtype)
+        a, b, c = a.to(work), b.to(work), c.to(work)
+        row_norms, b_norm = None, None
+    tol, c_norms, ab = _bounds(a, b, c, p.compute_dtype, row_norms, b_norm, result, p.rounded_to)
+    # NaN and Inf in C show in its row norms; `not x <= y` is also true for NaN.
+    over = ~(c_norms <= NORM_CAP * ab)
+    if over.any():
+        if not bool(torch.isfinite(c).all()):
+            return Verdict(False, "result holds NaN or Inf", math.inf)
+        row = int(np.flatnonzero(over)[0])
+        return Verdict(
+            False,
+            f"row {row} has norm {c_norms[row]:.3g}, above the largest possible {ab[row]:.3g} of an honest product",
+            math.inf,
+        )
+    return _Pending(-1, a, b, c, tol)
+
+
+def _judge(p: _Pending, residual: torch.Tensor) -> Verdict:
+    """The verdict from ``|A (B R) - C R|`` (m x rounds, this product's own columns)."""
+    ratios = residual.amax(dim=1).numpy() / (p.tol * R_RMS)  # (m,) worst round of each row
+    worst = float(ratios.max())  # NaN anywhere (from A or B) makes this NaN
+    if not worst <= 1.0:  # NaN or Inf makes the comparison false: rejected here
+        if not bool(torch.isfinite(p.c).all()):
+            return Verdict(False, "result holds NaN or Inf", math.inf)
+        row = int(np.argmax(np.nan_to_num(ratios, nan=math.inf)))
+        return Verdict(False, f"Freivalds residual {worst:.3g}x the tolerance at row {row}", worst)
+    return Verdict(True, "", worst)
+
+
 def freivalds(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -232,45 +312,68 @@ def freivalds(
     ``rounded_to``: C was summed in ``compute_dtype`` (float32) and then rounded once to this
     half dtype (the half-precision wire): its rounding is tolerated, nothing more.
     """
-    m, k = a.shape
-    k2, n = b.shape
-    if k != k2:
-        raise ValueError(f"operands do not chain: {tuple(a.shape)} @ {tuple(b.shape)}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    if tuple(c.shape) != (m, n):
-        return Verdict(False, f"result has shape {tuple(c.shape)}, expected {(m, n)}", float("inf"))
-    if c.dtype != a.dtype:
-        return Verdict(False, f"result has dtype {c.dtype}, expected {a.dtype}", float("inf"))
-    if m == 0 or n == 0:
-        return Verdict(True)
-    if k == 0:
-        ok = not bool(c.any())
-        return Verdict(ok, "" if ok else "nonzero result of an empty product", 0.0 if ok else float("inf"))
-    work, result = _work_dtype(a.dtype), a.dtype
-    if a.dtype != work:  # checked in float32, with norms of our own (see _work_dtype)
-        a, b, c = a.to(work), b.to(work), c.to(work)
-        a_row_norms, b_norm = None, None
-    tol, c_norms, ab = _bounds(a, b, c, compute_dtype, a_row_norms, b_norm, result, rounded_to)
-    # NaN and Inf in C show in its row norms; `not x <= y` is also true for NaN.
-    over = ~(c_norms <= NORM_CAP * ab)
-    if over.any():
-        if not bool(torch.isfinite(c).all()):
-            return Verdict(False, "result holds NaN or Inf", math.inf)
-        row = int(np.flatnonzero(over)[0])
-        return Verdict(
-            False,
-            f"row {row} has norm {c_norms[row]:.3g}, above the largest possible {ab[row]:.3g} of an honest product",
-            math.inf,
-        )
-    r = random_vectors(n, rounds, rng).to(work)  # (n, t)
-    residual = a @ (b @ r)  # (m, t): one pass over A, B and C for all rounds
-    residual.sub_(c @ r).abs_()
-    ratios = residual.amax(dim=1).numpy() / (tol * R_RMS)  # (m,) worst round of each row
-    worst = float(ratios.max())  # NaN anywhere (from A or B) makes this NaN
-    if not worst <= 1.0:  # NaN or Inf makes the comparison false: rejected here
-        if not bool(torch.isfinite(c).all()):
-            return Verdict(False, "result holds NaN or Inf", math.inf)
-        row = int(np.argmax(np.nan_to_num(ratios, nan=math.inf)))
-        return Verdict(False, f"Freivalds residual {worst:.3g}x the tolerance at row {row}", worst)
-    return Verdict(True, "", worst)
+    p = Product(a, b, c, compute_dtype=compute_dtype, rounded_to=rounded_to, a_row_norms=a_row_norms, b_norm=b_norm)
+    screened = _screen(p)
+    if isinstance(screened, Verdict):
+        return screened
+    r = random_vectors(screened.b.shape[1], rounds, rng).to(screened.a.dtype)  # (n, t)
+    residual = screened.a @ (screened.b @ r)  # (m, t): one pass over A, B and C for all rounds
+    residual.sub_(screened.c @ r).abs_()
+    return _judge(screened, residual)
+
+
+def freivalds_batch(products: Sequence[Product], rng: np.random.Generator, *, rounds: int = ROUNDS) -> list[Verdict]:
+    """``freivalds`` for many results at once, one verdict each, in order.
+
+    Each product keeps a check of its own: its own ``rounds`` columns of the residual, drawn
+    afresh for each distinct B block, so a forged result among many is caught with exactly the
+    probability ``freivalds`` gives it alone, and a failed batch names its bad products with no
+    second pass (no bisection to do). What the batch shares is work: ``B R`` once per B block,
+    however many products read it, and one GEMM ``A [B_1 R_1 | B_2 R_2 | ...]`` per A block for
+    all the products that read it, ``rounds`` columns each. A skinny GEMM is bound by reading A;
+    a wide one reads A once for all its columns (bench/bench_verify.py, batched table). Two
+    products of the same A and B blocks (copies of one tile) share the same columns.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    verdicts: list[Verdict | None] = [None] * len(products)
+    pending: list[_Pending] = []
+    for i, p in enumerate(products):
+        screened = _screen(p)
+        if isinstance(screened, Verdict):
+            verdicts[i] = screened
+        else:
+            screened.index = i
+            pending.append(screened)
+    # Keys: a None key is the product's own; B R once per B block.
+    b_of = [(products[p.index].b_key if products[p.index].b_key is not None else ("own", p.index)) for p in pending]
+    a_of = [(products[p.index].a_key if products[p.index].a_key is not None else ("own", p.index)) for p in pending]
+    vectors: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}  # b key -> (R, B R)
+    for p, bk in zip(pending, b_of, strict=True):
+        if bk not in vectors:
+            r = random_vectors(p.b.shape[1], rounds, rng).to(p.a.dtype)
+            vectors[bk] = (r, p.b @ r)
+        elif vectors[bk][1].shape[0] != p.b.shape[0] or vectors[bk][0].shape[0] != p.b.shape[1]:
+            raise ValueError(f"products under B key {bk!r} hold B blocks of different shapes")
+    groups: dict[Hashable, list[int]] = {}
+    for j, ak in enumerate(a_of):
+        groups.setdefault(ak, []).append(j)
+    for members in groups.values():
+        a = pending[members[0]].a
+        columns: dict[Hashable, int] = {}  # b key -> its first column in the stacked product
+        for j in members:
+            if pending[j].a.shape != a.shape:
+                raise ValueError(f"products under A key {a_of[j]!r} hold A blocks of different shapes")
+            columns.setdefault(b_of[j], len(columns) * rounds)
+        stacked = torch.cat([vectors[bk][1] for bk in columns], dim=1)
+        product = a @ stacked  # (m, rounds x distinct B blocks): A read once
+        for j in members:
+            p, bk = pending[j], b_of[j]
+            first = columns[bk]
+            residual = product[:, first : first + rounds] - p.c @ vectors[bk][0]
+            verdicts[p.index] = _judge(p, residual.abs_())
+    done = [v for v in verdicts if v is not None]
+    assert len(done) == len(products)  # every product screened out or judged
+    return done
