@@ -647,7 +647,8 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
         q = c["utilisation_quantiles"]
         lines.append(
             f"fleet: devices computed {_share(c['fleet_utilisation'])} of the step on average "
-            f"(p10 {_share(q.get('p10'))}, median {_share(q.get('p50'))}, p90 {_share(q.get('p90'))}); "
+            f"(p10 {_share(q.get('p10'))}, median {_share(q.get('p50'))}, p90 {_share(q.get('p90'))}; "
+            f"their links allow at most {_share(c.get('utilisation_ceiling'))}); "
             f"GEMMs in flight {c['gemms_in_flight']['mean']:.1f} on average, at most {c['gemms_in_flight']['max']}\n"
         )
     lines.append(

@@ -185,6 +185,8 @@ def simulate_one(
             "fleet_utilisation": statistics.fmean(s.fleet_utilisation for s in stormy.measured),
             "utilisation_quantiles": {f"p{round(q * 100)}": v for q, v in stats.utilisation_quantiles.items()},
             "class_utilisation": stats.class_utilisation,
+            # The most the devices' links allow them to compute, whatever the plan (an upper bound).
+            "utilisation_ceiling": statistics.fmean(s.utilisation_ceiling for s in stormy.measured),
             "gemms_in_flight": {
                 "mean": statistics.fmean(s.gemms_in_flight for s in stormy.measured),
                 "max": max(s.most_gemms_in_flight for s in stormy.measured),

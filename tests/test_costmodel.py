@@ -156,3 +156,29 @@ def test_impossible_units_are_refused() -> None:
         Unit(0, 1, 1)
     with pytest.raises(CostModelError):
         PSProfile.from_link(0.0)
+
+
+def test_the_compute_share_ceiling_is_what_the_links_allow() -> None:
+    from coordinator.planning.costmodel import compute_share_ceiling
+
+    # A phone: 75 GFLOP/s bf16, 10 MB/s down, 1.875 MB/s up, 2 GiB.
+    phone = Profile({"bf16": 75.0}, 2 << 30, 10e6, 1.875e6)
+    # 4,096 deep: every tile's result is 1/10 of its compute time on the way up (2 k up / s F).
+    assert compute_share_ceiling(phone, "bf16", [(16384, 4096, 4096)], 2) == pytest.approx(4096 * 1.875e6 / 75e9)
+    # The deepest GEMM of the step sets it; a GEMM deep enough makes the phone compute-bound.
+    both = [(16384, 4096, 4096), (4096, 4096, 16384)]
+    assert compute_share_ceiling(phone, "bf16", both, 2) == pytest.approx(16384 * 1.875e6 / 75e9)
+    # 65,536 deep: the upload no longer binds, the held 4,096-wide block's download does...
+    deep = [(4096, 4096, 65536)]
+    assert compute_share_ceiling(phone, "bf16", deep, 2) == pytest.approx(2 * 4096 * 10e6 / (2 * 75e9))
+    # ...and on a 100 MB/s downlink nothing does; a block too wide for memory is held narrower.
+    fast = Profile({"bf16": 75.0}, 2 << 30, 100e6, 1.875e6)
+    assert compute_share_ceiling(fast, "bf16", deep, 2) == 1.0
+    assert compute_share_ceiling(fast, "bf16", [(4096, 4096, 1 << 23)], 2) == pytest.approx(
+        2 * ((2 << 30) / (2 * (1 << 23))) * 100e6 / (2 * 75e9)
+    )
+    # A held block must fit in memory: a narrow one leaves the downlink binding.
+    tiny = Profile({"bf16": 75.0}, 1 << 20, 10e6, 1e12)
+    wide = (1 << 20) / (2 * 4096)  # rows of a 4,096-deep block that fit in 1 MiB
+    assert compute_share_ceiling(tiny, "bf16", [(16384, 4096, 4096)], 2) == pytest.approx(2 * wide * 10e6 / (2 * 75e9))
+    assert compute_share_ceiling(phone, "fp32", both, 4) == 0.0  # it cannot compute in fp32

@@ -233,3 +233,63 @@ def test_long_runs_of_pieces_go_as_several_units_that_fit_a_frame() -> None:
     fleet.drain()
     assert fleet.summed
     torch.testing.assert_close(box["c"], a @ b, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "kind,gemm_kind,summed",
+    [
+        (Kind.OUTPUT, GemmKind.FORWARD, False),
+        (Kind.GRID3D, GemmKind.FORWARD, False),
+        (Kind.SPLIT_K, GemmKind.FORWARD, True),
+        (Kind.SPLIT_K, GemmKind.GRAD_WEIGHT, True),
+        (Kind.SPLIT_K, GemmKind.GRAD_WEIGHT, False),
+    ],
+)
+def test_results_of_live_gemms_checked_as_one_batch_are_judged_each_alone(
+    kind: Kind, gemm_kind: GemmKind, summed: bool, dtype: torch.dtype
+) -> None:
+    """Every partition the planner makes, dW's transposed views and pieces summed on the device
+    included: the blocks a check's keys name are the very tensors it reads (``freivalds_batch``
+    refuses anything else), honest results pass together, and a NaN and a forged result among
+    them are rejected alone."""
+    from coordinator.engine.gemms import Check, run_checks
+
+    def results(nan: int | None = None, forged: int | None = None) -> list[Check]:
+        core = make_core(frozenset({kind}), local_sum=summed)
+        fleet = Fleet(core)
+        for i in range(4):
+            fleet.join(f"d{i}")
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(2):  # two GEMMs: keys of one never name the other's blocks
+            b = torch.randn(256, 160, generator=gen).to(dtype)
+            if gemm_kind is GemmKind.GRAD_WEIGHT:
+                a = torch.randn(256, 192, generator=gen).to(dtype).t()  # dY^T, as the trainer passes it
+            else:
+                a = torch.randn(192, 256, generator=gen).to(dtype)
+            _, out = core.submit(a, b, gemm_kind, fleet.now, lambda c: None)
+            fleet.route(out)
+        checks = []
+        while fleet.pending:
+            item = fleet.pending.pop(0)
+            work = item.message
+            assert isinstance(work, Work)
+            x, y = work.operands(fleet.blocks[item.device])
+            c = (x.float() @ y.float()).to(dtype)
+            if len(checks) == nan:
+                c[0, 0] = float("nan")
+            if len(checks) == forged:
+                c[1] += 1.0
+            got = core.receive(item.device, Result(work.tile_id, c, 0.0005), fleet.now)
+            assert isinstance(got, Check)
+            checks.append(got)
+        return checks
+
+    honest = results()
+    assert len(honest) > 4
+    assert all(v.ok for v, _ in run_checks(honest, np.random.default_rng(1)))
+    if kind is not Kind.SPLIT_K:  # a grid: tiles share blocks, so the batch has work to share
+        shared = {c.product().a_key for c in honest}, {c.product().b_key for c in honest}
+        assert min(len(keys) for keys in shared) < len(honest)
+    verdicts = [v.ok for v, _ in run_checks(results(nan=0, forged=1), np.random.default_rng(2))]
+    assert verdicts[:2] == [False, False] and all(verdicts[2:])

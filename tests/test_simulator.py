@@ -249,6 +249,9 @@ def test_micro_batches_in_flight_verify_every_unit_once_and_keep_the_fleet_busie
     assert b.fleet_utilisation > a.fleet_utilisation
     q = b.utilisation_quantiles
     assert 0 <= q[0.1] <= q[0.5] <= q[0.9] <= 1 and 0 < b.fleet_utilisation <= 1
+    assert b.fleet_utilisation <= b.utilisation_ceiling <= 1  # no plan beats the links
+    # The PS's verifier took results that waited for it together, more than one a batch.
+    assert b.checked >= b.units - b.copies and b.checks < b.checked
     # The forecast is the cost model's, made before the step: within 25% of the simulated step.
     assert b.forecast == pytest.approx(b.seconds, rel=0.25)
     assert not b.kept_home and b.home > b.seconds

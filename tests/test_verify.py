@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -328,10 +329,11 @@ def test_a_forged_tile_among_many_is_caught_as_often_as_alone() -> None:
     """The per-tile bound holds in a batch: below the threshold (GAMMA/4 tolerances, one round)
     a forged tile beside 11 honest ones passes no more often than Ball's bound allows alone."""
     rng = np.random.default_rng(43)
-    _, _, products = _device_share(rows=3, cols=4, m=24, k=40, n=32)
-    victim = products[5]
-    a, b = victim.a.double(), victim.b.double()
-    batch = [Product(p.a.double(), p.b.double(), p.c.double(), a_key=p.a_key, b_key=p.b_key) for p in products]
+    a_blocks, b_blocks, _ = _device_share(rows=3, cols=4, m=24, k=40, n=32)
+    a_blocks, b_blocks = [a.double() for a in a_blocks], [b.double() for b in b_blocks]
+    batch = [Product(a, b, a @ b, a_key=i, b_key=j) for i, a in enumerate(a_blocks) for j, b in enumerate(b_blocks)]
+    victim = batch[5]
+    a, b = victim.a, victim.b
     trials, accepted = 3000, 0
     for _ in range(trials):
         forged = forge_pair(a, b, a @ b, rng, 0.25)
@@ -381,7 +383,7 @@ def test_honest_half_precision_batches_pass_and_forged_ones_fail() -> None:
         ]
         assert all(v.ok for v in freivalds_batch(batch, rng)), dtype
         p = batch[1]
-        batch[1] = Product(p.a, p.b, forge_scaled(p.a, p.b, p.c, rng, 2.0), a_key=p.a_key, b_key=p.b_key)
+        batch[1] = dataclasses.replace(p, c=forge_scaled(p.a, p.b, p.c, rng, 2.0))  # rounded_to kept
         assert [v.ok for v in freivalds_batch(batch, rng)] == [True, False, True, True]
 
 
@@ -391,6 +393,16 @@ def test_keys_that_name_blocks_of_different_shapes_are_a_caller_error() -> None:
     other = torch.randn(9, 16)
     with pytest.raises(ValueError, match="A key"):
         freivalds_batch([Product(a, b, a @ b, a_key="x"), Product(other, b, other @ b, a_key="x")], rng)
+    # Two blocks of one shape under one key: refused, never checked against the wrong A.
+    twin = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="same block"):
+        freivalds_batch([Product(a, b, a @ b, a_key="x"), Product(twin, b, a @ b, a_key="x")], rng)
+    # The same memory seen through two views is one block; an unkeyed product shares with no key.
+    (ok1, ok2) = freivalds_batch([Product(a, b, a @ b, a_key="x"), Product(a.view(8, 16), b, a @ b, a_key="x")], rng)
+    assert ok1.ok and ok2.ok
+    forged = a @ b * 2
+    verdicts = freivalds_batch([Product(a, b, a @ b, a_key=("own", 1)), Product(twin, b, forged)], rng)
+    assert [v.ok for v in verdicts] == [True, False]
     with pytest.raises(ValueError, match="B key"):
         wide = torch.randn(16, 5)
         freivalds_batch([Product(a, b, a @ b, b_key="y"), Product(a, wide, a @ wide, b_key="y")], rng)

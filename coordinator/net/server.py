@@ -73,8 +73,10 @@ log = logging.getLogger("cleave.server")
 
 CHUNK = 256 << 10  # large replies go out in fragments of this size, so a slow reader costs little
 REFUSE_GRACE = 0.2  # seconds a refused peer has to answer our close before its socket is dropped
-# Results verified together at most: a batch's scratch is (rows + depth) x ROUNDS floats a result
-# (the stacked A (B R) and B R), 8 MB for 64 results of 1,024 x 1,024 x 1,024 tiles.
+# Results verified together at most. The results are held anyway (one per connection, within its
+# frame limit); a batch adds (rows + depth) x ROUNDS floats a result (the stacked A (B R) and B R),
+# 8 MB for 64 results of 1,024 x 1,024 x 1,024 tiles, and for half-precision jobs a float32 copy
+# of each distinct operand block and result it reads while it runs.
 MAX_CHECK_BATCH = 64
 CHECK_WAIT = 10.0  # seconds a closed connection's last result may take to be judged before it is let go
 _zeros: bytearray | None = None  # shared payload of every speed-test reply (never written)
@@ -476,11 +478,12 @@ class Server:
         """Hand the verifier every result waiting for it (up to ``MAX_CHECK_BATCH``) if it is idle."""
         if self._batch is not None or not self._waiting or self._stopped:
             return
-        take, self._waiting = self._waiting[:MAX_CHECK_BATCH], self._waiting[MAX_CHECK_BATCH:]
+        take = self._waiting[:MAX_CHECK_BATCH]
         if self._verifier is None:
             self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
         checks = [check for check, _ in take]
         batch = asyncio.get_running_loop().run_in_executor(self._verifier, run_checks, checks, self._verify_rng)
+        del self._waiting[: len(take)]  # handed over only once the verifier has them
         self._batch = batch
         batch.add_done_callback(lambda f: self._batch_done(take, f))
 
@@ -495,15 +498,18 @@ class Server:
                     future.cancel()
                 return
             error = batch.exception()
+            verdicts = batch.result() if error is None else []
+            if error is None and len(verdicts) != len(take):  # a bug: never pair a verdict with the wrong result
+                error = RuntimeError(f"{len(verdicts)} verdicts for {len(take)} results")
             self.check_batches += 1
             self.checked += len(take)
             for i, (_, future) in enumerate(take):
                 if future.done():
                     continue
                 if error is not None:
-                    future.set_exception(error)
+                    future.set_exception(error)  # _checked aborts the job: nothing passes unchecked
                 else:
-                    future.set_result(batch.result()[i])
+                    future.set_result(verdicts[i])
         finally:
             self._next_batch()
 

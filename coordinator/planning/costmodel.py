@@ -227,6 +227,26 @@ def batch_check_seconds(products: Iterable[tuple[Hashable, Hashable, float, floa
     return seconds
 
 
+def compute_share_ceiling(profile: Profile, dtype: str, gemms: Iterable[tuple[int, int, int]], itemsize: int) -> float:
+    """The largest share of a step a device could spend computing, whatever the plan: its links
+    cap it. A tile ``a x b`` deep ``c`` computes ``2 a b c / F`` seconds; its result goes back
+    (``s a b / up``: results are never held), and at least one operand block comes down (``s c
+    min(a, b) / down``, the other held from an earlier tile, within the device's memory). With
+    downloads, computing and uploads overlapped, its share is ``compute / max(compute, down, up)``,
+    at best ``min(1, 2 c up / (s F), 2 max(a, b) down / (s F))``: the deepest reduction and the
+    widest held block of the step's GEMMs ``(m, n, k)``. No overheads, no waiting: an upper bound
+    (the simulator reports it beside the fleet utilisation it reached)."""
+    rate = profile.flops_per_s(dtype)
+    if rate <= 0:
+        return 0.0
+    best = 0.0
+    for m, n, k in gemms:
+        wide = min(max(m, n), profile.memory / (itemsize * max(1, k)))  # the held block must fit
+        share = min(1.0, 2.0 * k * profile.up / (itemsize * rate), 2.0 * wide * profile.down / (itemsize * rate))
+        best = max(best, share)
+    return best
+
+
 def in_flight_memory(units: int, unit_memory: float) -> int:
     """Bytes a device needs for ``units`` units of at most ``unit_memory`` bytes each: ``IN_FLIGHT``
     of them at once (one computing, one prefetched). Blocks it has finished with are kept only

@@ -52,6 +52,7 @@ from coordinator.planning.costmodel import (
     Profile,
     PSProfile,
     batch_check_seconds,
+    compute_share_ceiling,
     local_seconds,
 )
 from coordinator.planning.planner import Kind, PlannerOptions
@@ -324,6 +325,9 @@ class StepStats:
     fleet_utilisation: float = 0.0
     utilisation_quantiles: dict[float, float] = field(default_factory=dict)
     class_utilisation: dict[str, float] = field(default_factory=dict)
+    # The mean over the same devices of the most their links let them compute, whatever the plan
+    # (costmodel.compute_share_ceiling over the step's GEMMs): how close fleet_utilisation came.
+    utilisation_ceiling: float = 0.0
 
     @property
     def gemms_in_flight(self) -> float:
@@ -435,6 +439,7 @@ class Simulation:
         self._holders: dict[tuple, set[int]] = {}  # tensor namespace -> devices holding its blocks
         self._leased: dict[tuple[int, int], int] = {}  # (unit, device) -> lease epoch of the device
         self.egress_free = self.ingress_free = self.cpu_free = 0.0
+        self._shapes: set[tuple[int, int, int]] = set()  # the step's GEMMs (m, n, k)
         self._checks: list[tuple[int, int, int, float]] = []  # results waiting for the verifier
         self._check_due = False  # a _CHECK event is on the clock
         self._tick_at = math.inf
@@ -860,6 +865,9 @@ class Simulation:
             if self._stats.kept_home:
                 self._stats.forecast = self._stats.home
             self.planner = self._home if self._stats.kept_home else self._shipping
+            self._shapes = {
+                (c.m, c.n, c.k) for chain in chains for op in chain if not isinstance(op, PsWork) for c in op
+            }
             self._run_chains(chains)
             if tail:
                 self._run_chains([tail])
@@ -899,6 +907,11 @@ class Simulation:
             for d, r in zip(present, rows, strict=True):
                 by_class.setdefault(d.cls, []).append(r[0] / st.seconds)
             st.class_utilisation = {name: sum(v) / len(v) for name, v in sorted(by_class.items())}
+            ceiling: dict[str, float] = {}  # a class's devices share its profile
+            for d in present:
+                if d.cls not in ceiling:
+                    ceiling[d.cls] = compute_share_ceiling(d.profile, self.cfg.dtype, self._shapes, self.itemsize)
+            st.utilisation_ceiling = sum(ceiling[d.cls] for d in present) / len(present)
         if rows:
             st.device_compute = max(r[0] for r in rows)
             st.device_down = max(r[1] for r in rows)

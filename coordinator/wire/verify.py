@@ -242,9 +242,35 @@ class _Pending:
     tol: np.ndarray
 
 
-def _screen(p: Product) -> Verdict | _Pending:
+class _Shared:
+    """A batch's half-precision operands in float32 with their norms (computed here, never the
+    caller's), once per block key: a block read by many products is converted once."""
+
+    def __init__(self, a_keys: Sequence[Hashable], b_keys: Sequence[Hashable]) -> None:
+        self._a_keys, self._b_keys = a_keys, b_keys
+        self._as: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._bs: dict[Hashable, tuple[torch.Tensor, float]] = {}
+
+    def a(self, p: Product, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = self._a_keys[i]
+        if key not in self._as:
+            a = p.a.to(_work_dtype(p.a.dtype))
+            self._as[key] = (a, _row_norms(a))
+        return self._as[key]
+
+    def b(self, p: Product, i: int) -> tuple[torch.Tensor, float]:
+        key = self._b_keys[i]
+        if key not in self._bs:
+            b = p.b.to(_work_dtype(p.b.dtype))
+            self._bs[key] = (b, float(torch.linalg.vector_norm(b)))
+        return self._bs[key]
+
+
+def _screen(p: Product, shared: _Shared | None = None, i: int = 0) -> Verdict | _Pending:
     """The checks that need no random vectors: shapes, dtypes, empty products, NaN and rows too
-    large to be honest. A verdict, or the product ready for the residual."""
+    large to be honest. A verdict, or the product ready for the residual. ``shared``: the
+    batch's cache of operands in the working dtype and their norms, one per block (``i``: the
+    product's place in the batch)."""
     m, k = p.a.shape
     k2, n = p.b.shape
     if k != k2:
@@ -261,7 +287,11 @@ def _screen(p: Product) -> Verdict | _Pending:
         return Verdict(ok, "" if ok else "nonzero result of an empty product", 0.0 if ok else float("inf"))
     a, b, row_norms, b_norm = p.a, p.b, p.a_row_norms, p.b_norm
     work, result = _work_dtype(a.dtype), a.dtype
-    if a.dtype != work:  # checked in float32, with norms of our own (see _work_dtype)
+    if shared is not None and a.dtype != work:  # converted and normed once per block
+        a, row_norms = shared.a(p, i)
+        b, b_norm = shared.b(p, i)
+        c = c.to(work)
+    elif a.dtype != work:  # checked in float32, with norms of our own (see _work_dtype)
         a, b, c = a.to(work), b.to(work), c.to(work)
         row_norms, b_norm = None, None
     tol, c_norms, ab = _bounds(a, b, c, p.compute_dtype, row_norms, b_norm, result, p.rounded_to)
@@ -338,42 +368,61 @@ def freivalds_batch(products: Sequence[Product], rng: np.random.Generator, *, ro
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    # Keys: an unkeyed product's block is its own; products under one key must read one block.
+    a_keys = [p.a_key if p.a_key is not None else (_OWN, i) for i, p in enumerate(products)]
+    b_keys = [p.b_key if p.b_key is not None else (_OWN, i) for i, p in enumerate(products)]
+    for which, keys in (("A", a_keys), ("B", b_keys)):
+        first: dict[Hashable, torch.Tensor] = {}
+        for p, key in zip(products, keys, strict=True):
+            t = p.a if which == "A" else p.b
+            held = first.setdefault(key, t)
+            if held is not t and not _same_view(held, t):
+                raise ValueError(f"products under {which} key {key!r} do not read the same block")
+    shared = _Shared(a_keys, b_keys)
     verdicts: list[Verdict | None] = [None] * len(products)
     pending: list[_Pending] = []
     for i, p in enumerate(products):
-        screened = _screen(p)
+        screened = _screen(p, shared, i)
         if isinstance(screened, Verdict):
             verdicts[i] = screened
         else:
             screened.index = i
             pending.append(screened)
-    # Keys: a None key is the product's own; B R once per B block.
-    b_of = [(products[p.index].b_key if products[p.index].b_key is not None else ("own", p.index)) for p in pending]
-    a_of = [(products[p.index].a_key if products[p.index].a_key is not None else ("own", p.index)) for p in pending]
     vectors: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}  # b key -> (R, B R)
-    for p, bk in zip(pending, b_of, strict=True):
+    for p in pending:
+        bk = b_keys[p.index]
         if bk not in vectors:
             r = random_vectors(p.b.shape[1], rounds, rng).to(p.a.dtype)
             vectors[bk] = (r, p.b @ r)
-        elif vectors[bk][1].shape[0] != p.b.shape[0] or vectors[bk][0].shape[0] != p.b.shape[1]:
-            raise ValueError(f"products under B key {bk!r} hold B blocks of different shapes")
-    groups: dict[Hashable, list[int]] = {}
-    for j, ak in enumerate(a_of):
-        groups.setdefault(ak, []).append(j)
+    groups: dict[Hashable, list[_Pending]] = {}
+    for p in pending:
+        groups.setdefault(a_keys[p.index], []).append(p)
     for members in groups.values():
-        a = pending[members[0]].a
         columns: dict[Hashable, int] = {}  # b key -> its first column in the stacked product
-        for j in members:
-            if pending[j].a.shape != a.shape:
-                raise ValueError(f"products under A key {a_of[j]!r} hold A blocks of different shapes")
-            columns.setdefault(b_of[j], len(columns) * rounds)
+        for p in members:
+            columns.setdefault(b_keys[p.index], len(columns) * rounds)
         stacked = torch.cat([vectors[bk][1] for bk in columns], dim=1)
-        product = a @ stacked  # (m, rounds x distinct B blocks): A read once
-        for j in members:
-            p, bk = pending[j], b_of[j]
-            first = columns[bk]
-            residual = product[:, first : first + rounds] - p.c @ vectors[bk][0]
+        product = members[0].a @ stacked  # (m, rounds x distinct B blocks): A read once
+        for p in members:
+            bk = b_keys[p.index]
+            first_column = columns[bk]
+            residual = product[:, first_column : first_column + rounds] - p.c @ vectors[bk][0]
             verdicts[p.index] = _judge(p, residual.abs_())
     done = [v for v in verdicts if v is not None]
-    assert len(done) == len(products)  # every product screened out or judged
+    if len(done) != len(products):  # every product is screened out or judged: a bug otherwise
+        raise RuntimeError(f"freivalds_batch judged {len(done)} of {len(products)} products")
     return done
+
+
+_OWN = object()  # the key of an unkeyed product's blocks, paired with its index: shared with nothing
+
+
+def _same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Do two tensors read the very same memory the same way (hence hold the same values)?"""
+    return (
+        x.data_ptr() == y.data_ptr()
+        and x.shape == y.shape
+        and x.stride() == y.stride()
+        and x.dtype == y.dtype
+        and x.device == y.device
+    )
