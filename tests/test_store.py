@@ -548,7 +548,10 @@ def test_another_process_writes_while_a_busy_coordinator_groups_its_commits(tmp_
     finally:
         stop.set()
         thread.join(10)
-    assert waited < 1.0, f"the operator's write waited {waited:.2f} s"
+    # Starved, it would wait out SQLite's busy timeout; held off by one whole group, up to
+    # group_seconds. Two groups' worth leaves room for a loaded machine's scheduling (1.16 s seen
+    # once with the suite running beside it) and still fails a writer that is starved.
+    assert waited < 2 * store.group_seconds, f"the operator's write waited {waited:.2f} s"
     assert store.setting("revoked") == "yes" and store.devices(job)[0].tiles_done == writes
     store.close()
 
