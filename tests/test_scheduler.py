@@ -3,6 +3,8 @@ fleets (hypothesis state machine). No tensors, no store, no clock."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -47,6 +49,24 @@ def test_units_go_first_to_their_planned_owner_and_free_devices_steal_from_the_t
     assert assigned(s) == [(1, 1)]
     s.done(3, 2)
     assert assigned(s) == [(2, 2)]
+
+
+def test_a_thief_whose_links_would_make_it_late_does_not_steal() -> None:
+    """A device paced by its compute alone (it has not returned work yet) looks fast; its links
+    count too: 32 MB down at 5 MB/s is 6.4 s, more than the owner needs for its whole queue."""
+
+    def fleet(down_rate: float) -> Scheduler:
+        s = Scheduler(FAULTS)
+        s.join(1, slots=1, seconds_per_gflop=0.1)  # the owner: 0.1 s a unit
+        s.join(2, slots=1, seconds_per_gflop=0.001, down_rate=down_rate, up_rate=down_rate)
+        s.add_gemm(7, [dataclasses.replace(u, down_bytes=32 << 20, up_bytes=1 << 20) for u in units(7, 4, owner=1)])
+        return s
+
+    assert dict(assigned(fleet(5e6))) == {1: 0}  # 6.4 s of links against 0.4 s: it waits
+    assert dict(assigned(fleet(1e9))) == {1: 0, 2: 3}  # a fast link: it steals the tail
+    s = fleet(5e6)
+    s.links(2, 1e9, 1e9)  # its links as measured later
+    assert dict(assigned(s)) == {1: 0, 2: 3}
 
 
 def test_a_unit_without_an_owner_goes_to_a_device_holding_its_blocks() -> None:

@@ -143,14 +143,26 @@ class Conduct:
         self.sched = sched
         self.trust = trust
 
-    def seat(self, device: int, standing: Standing, pace: Pace, asked: int, *, paused: bool = False) -> Seat:
-        """A device joins: its seat, with the slots its record has earned and its pace."""
+    def seat(
+        self,
+        device: int,
+        standing: Standing,
+        pace: Pace,
+        asked: int,
+        *,
+        paused: bool = False,
+        down_rate: float = 0.0,
+        up_rate: float = 0.0,
+    ) -> Seat:
+        """A device joins: its seat, with the slots its record has earned, its pace and its links."""
         return self.sched.join(
             device,
             slots=standing.slots(self.trust, asked),
             seconds_per_gflop=pace.seconds_per_gflop,
             trusted=not standing.on_probation(self.trust),
             paused=paused,
+            down_rate=down_rate,
+            up_rate=up_rate,
         )
 
     def slots(self, dev: Conducted) -> int:

@@ -252,7 +252,11 @@ class Core:
         asked = min(hello.slots, self.trust.max_slots)
         pace = Pace.unproven(hello.gflops)  # its claim sets its first deadlines, nothing more
         lim = self.limits
-        seat = self.conduct.seat(device_id, standing, pace, asked, paused=bool(hello.paused))
+        measured = DeviceProfile(hello.gflops, hello.block_budget or PRIOR_MEMORY)
+        links = measured.profile(self.dtype)  # the link fit's priors until it returns work
+        seat = self.conduct.seat(
+            device_id, standing, pace, asked, paused=bool(hello.paused), down_rate=links.down, up_rate=links.up
+        )
         dev = DeviceState(
             device_id,
             admission.identity,
@@ -272,7 +276,7 @@ class Core:
         )
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
-        self.profiles[device_id] = DeviceProfile(hello.gflops, hello.block_budget or PRIOR_MEMORY)
+        self.profiles[device_id] = measured
         self._fleet_changed()
         if hello.paused:  # its owner is busy: it gets nothing until it resumes
             dev.paused = hello.paused
@@ -824,7 +828,16 @@ class Core:
         self.sched.add_gemm(
             gemm_id,
             [
-                UnitSpec(tid, gemm_id, nt.a_key, nt.b_key, nt.flops, owners.get(t.index))
+                UnitSpec(
+                    tid,
+                    gemm_id,
+                    nt.a_key,
+                    nt.b_key,
+                    nt.flops,
+                    owners.get(t.index),
+                    sum(ra.nbytes + rb.nbytes for ra, rb in gemm.pairs_of(t)),
+                    gemm.result_bytes(t),
+                )
                 for tid, nt, t in zip(ids, new, tiles)
             ],
             front=front,
@@ -843,7 +856,10 @@ class Core:
         # per GEMM, rather than at every result.)
         for device_id in self._measured:
             profile = self.profiles.get(device_id)
-            key = None if profile is None else fleet_key(profile.profile(self.dtype), self.dtype)
+            now_profile = None if profile is None else profile.profile(self.dtype)
+            key = None if now_profile is None else fleet_key(now_profile, self.dtype)
+            if now_profile is not None:  # a thief's links count against stealing (Seat.transfer)
+                self.sched.links(device_id, now_profile.down, now_profile.up)
             if key is not None and self._fleet_keys.get(device_id) != key:
                 self._fleet_keys[device_id] = key
                 self._fleet_changed()

@@ -113,6 +113,8 @@ class UnitSpec:
     b: str  # key of its B block
     flops: int
     owner: int | None = None  # the device the plan meant it for; None: whoever is free
+    down_bytes: int = 0  # its input blocks, all of them (a device holding some needs fewer)
+    up_bytes: int = 0  # its result
 
 
 @dataclass(eq=False)
@@ -151,6 +153,8 @@ class Seat:
     own_count: int = 0  # of which still queued and still its own
     blocks: set[str] = field(default_factory=set)  # keys of the blocks it holds
     nothing_at: int = -1  # queue version at which it found nothing it may take
+    down_rate: float = 0.0  # bytes/s of its links as last estimated (0: not known)
+    up_rate: float = 0.0
 
     @property
     def free(self) -> int:
@@ -162,6 +166,15 @@ class Seat:
     def expected(self, flops: int) -> float:
         """Seconds a unit of ``flops`` is expected to take it, lease to result."""
         return flops / 1e9 * self.seconds_per_gflop
+
+    def transfer(self, spec: UnitSpec) -> float:
+        """Seconds its links need for a unit's blocks and result, none of them held (0 where a
+        link is not known). Its pace, measured or claimed, is per GFLOP: a device that has not
+        returned work yet is paced by its claimed compute alone, and a link-bound device's
+        unit takes far longer than that."""
+        down = spec.down_bytes / self.down_rate if self.down_rate > 0 else 0.0
+        up = spec.up_bytes / self.up_rate if self.up_rate > 0 else 0.0
+        return down + up
 
 
 class Scheduler:
@@ -219,13 +232,27 @@ class Scheduler:
     # ------------------------------------------------------------------ devices
 
     def join(
-        self, device: int, *, slots: int, seconds_per_gflop: float, trusted: bool = True, paused: bool = False
+        self,
+        device: int,
+        *,
+        slots: int,
+        seconds_per_gflop: float,
+        trusted: bool = True,
+        paused: bool = False,
+        down_rate: float = 0.0,
+        up_rate: float = 0.0,
     ) -> Seat:
-        """A device joins with its slots and expected pace."""
-        seat = Seat(device, slots, seconds_per_gflop, trusted, paused)
+        """A device joins with its slots, expected pace and links (bytes/s; 0: not known)."""
+        seat = Seat(device, slots, seconds_per_gflop, trusted, paused, down_rate=down_rate, up_rate=up_rate)
         self.seats[device] = seat
         self._refresh(seat)
         return seat
+
+    def links(self, device: int, down_rate: float, up_rate: float) -> None:
+        """Its links as now estimated (bytes/s; 0: not known)."""
+        seat = self.seats.get(device)
+        if seat is not None:
+            seat.down_rate, seat.up_rate = down_rate, up_rate
 
     def leave(self, device: int) -> list[int]:
         """A device is gone: its leases end (their units queue again unless another device holds
@@ -633,7 +660,7 @@ class Scheduler:
         is not handed a fast one's last tile)."""
         if victim.paused:
             return True
-        mine = (len(thief.inflight) + 1) * thief.expected(u.spec.flops)
+        mine = (len(thief.inflight) + 1) * thief.expected(u.spec.flops) + thief.transfer(u.spec)
         theirs = (victim.own_count + len(victim.inflight)) * victim.expected(u.spec.flops)
         return mine < theirs
 

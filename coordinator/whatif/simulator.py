@@ -14,10 +14,11 @@ What is modelled (docs/simulation.md derives each rule and validates it against 
   ``max(now, egress_free) + B / egress`` and crosses the device's downlink in ``B / down``; it is
   usable when both are done, plus half a round trip. Results go back the same way through the
   device's uplink and the PS's ingress. Each device computes one unit at a time;
-* **the PS's CPU is one FIFO**: it verifies every result (``Unit.verify_flops`` at
-  ``PSProfile.verify_flops`` plus ``unit_overhead``), assembles GEMM outputs and adds partials
-  (``memory_bw``), multiplies the GEMMs its plan keeps, and runs the non-GEMM work (attention,
-  AdamW) between GEMMs, in the order the training loop issues them;
+* **the PS's CPU is two FIFOs, as the live coordinator's threads**: the verifier checks every
+  result waiting for it as one batch (``costmodel.batch_check_seconds`` plus ``unit_overhead``
+  per result); the trainer assembles GEMM outputs and adds partials (``memory_bw``), multiplies
+  the GEMMs its plan keeps, and runs the non-GEMM work (attention, AdamW), in the order the
+  training loop issues them. Leases are decided on the event loop, which neither blocks;
 * **churn**: each device stays for an exponential session with its class's mean; a leave is a
   clean close (seen at once) or a crash (seen after ``FaultPolicy.heartbeat_timeout``, as the
   live coordinator's heartbeat sweep sees it), and the device is replaced by a newcomer of the
@@ -438,8 +439,11 @@ class Simulation:
         self.gemms: dict[int, _Gemm] = {}
         self._holders: dict[tuple, set[int]] = {}  # tensor namespace -> devices holding its blocks
         self._leased: dict[tuple[int, int], int] = {}  # (unit, device) -> lease epoch of the device
-        self.egress_free = self.ingress_free = self.cpu_free = 0.0
+        self.egress_free = self.ingress_free = self.cpu_free = self.verify_free = 0.0
         self._shapes: set[tuple[int, int, int]] = set()  # the step's GEMMs (m, n, k)
+        import os
+
+        self.loop_blocked = os.environ.get("SIM_LOOP_BLOCKED", "1") == "1"
         self._checks: list[tuple[int, int, int, float]] = []  # results waiting for the verifier
         self._check_due = False  # a _CHECK event is on the clock
         self._tick_at = math.inf
@@ -482,7 +486,7 @@ class Simulation:
         self._next_device += 1
         d.down_free = d.cpu_free = d.up_free = self.now
         self.devices[d.id] = d
-        self.conduct.seat(d.id, d.standing, d.pace, d.asked)
+        self.conduct.seat(d.id, d.standing, d.pace, d.asked, down_rate=p.down, up_rate=p.up)
         if rate > 0:
             self._profiles[d.id] = p
         self._fleet_version += 1
@@ -569,7 +573,9 @@ class Simulation:
             unit = _Unit(gemm, named, flops, up, tuple(products))
             self.units[uid] = unit
             gemm.up_bytes += unit.up
-            specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], flops, live.owners.get(batch[0].index)))
+            owner = live.owners.get(batch[0].index)
+            down = sum(size for _, _, size in named)
+            specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], flops, owner, down, up))
         self._outstanding += len(specs)
         # Core.submit: ahead of deferred GEMMs' queued units, which only the optimizer waits for.
         front = not call.deferred and any(g.call.deferred for g in self.gemms.values() if g is not gemm)
@@ -610,16 +616,10 @@ class Simulation:
 
     # ------------------------------------------------------------------ decisions
 
-    def _dispatch(self, *, handler: bool = False) -> None:
-        """``Core._dispatch``: late leases, leases, copies. The live coordinator decides on its one
-        event loop, so while the PS's CPU is busy (verifying, assembling, attention) nothing is
-        decided but by the result handler that just ran: ticks wait for the loop to be free."""
+    def _dispatch(self) -> None:
+        """``Core._dispatch``: late leases, leases, copies. The live coordinator decides on its
+        event loop, which the verifier's thread and the trainer's do not hold up."""
         now, sched = self.now, self.sched
-        if not handler and self.cpu_free > now:
-            if self._tick_at <= now or self.cpu_free < self._tick_at:
-                self._tick_at = self.cpu_free
-                self._at(self.cpu_free, _TICK)
-            return
         self._apply(sched.expire(now))
         self._apply(sched.assign(now))
         self._apply(sched.copies(now))
@@ -727,26 +727,26 @@ class Simulation:
         self._checks.append((uid, device, epoch, self.now))
         if not self._check_due:
             self._check_due = True
-            self._at(max(self.now, self.cpu_free), _CHECK)
+            self._at(max(self.now, self.verify_free), _CHECK)
 
     def _check(self) -> None:
         """The verifier takes every result waiting for it and checks them as one batch
         (``freivalds_batch``: each result its own vectors, operand work shared): while the CPU is
         busy results queue up, and the busier it is, the more each batch shares."""
-        if self.cpu_free > self.now:  # other PS work took the CPU first
-            self._at(self.cpu_free, _CHECK)
+        if self.verify_free > self.now:
+            self._at(self.verify_free, _CHECK)
             return
         self._check_due = False
         waiting, self._checks = self._checks, []
         ps = self.cfg.ps
         products = [p for uid, *_ in waiting if uid in self.units for p in self.units[uid].products]
         seconds = batch_check_seconds(products, ps) + len(waiting) * ps.unit_overhead
-        self.cpu_free = self.now + seconds
+        self.verify_free = self.now + seconds
         self._stats.ps_cpu["verify"] += seconds
         self._stats.checks += 1
         self._stats.checked += len(waiting)
         for uid, device, epoch, arrived in waiting:
-            self._at(self.cpu_free, _HANDLE, uid, device, epoch, arrived)
+            self._at(self.verify_free, _HANDLE, uid, device, epoch, arrived)
 
     def _handle(self, uid: int, device: int, epoch: int, arrived: float) -> None:
         """Core._on_result, once the CPU got to it: the first verified copy wins."""
@@ -777,7 +777,7 @@ class Simulation:
         for other in stallers:
             if other.id in self.devices:
                 self._cut(other)
-        self._dispatch(handler=True)
+        self._dispatch()
 
     def _delivered(self, uid: int, device: int) -> None:
         """A unit was verified: crashes waiting on it may be over. O(crashes being recovered)."""
@@ -1109,6 +1109,7 @@ class SchedulerLog:
             "join",
             "leave",
             "update",
+            "links",
             "holds_block",
             "drops_blocks",
             "add_gemm",
