@@ -48,7 +48,7 @@ DESKTOP = Profile({"fp32": 1000.0, "bf16": 2000.0}, memory=8 * GIB, down=1e9 / 8
 GPU = Profile({"fp32": 50_000.0, "bf16": 110_000.0}, memory=24 * GIB, down=1e9 / 8, up=500e6 / 8, rtt=0.015)
 FLEET = (DeviceClass("laptop", 2, LAPTOP), DeviceClass("desktop", 2, DESKTOP))
 GPUS = (DeviceClass("gpu", 16, GPU),)
-PS = PSProfile.from_link(10.0)
+PS = PSProfile.from_link(10.0, check_columns=1)  # the examples price every check alone
 NO_LOCAL = PlannerOptions(kinds=frozenset(Kind) - {Kind.LOCAL})
 EX1 = Gemm(2048, 3072, 768, "fp32", "fwd")  # A 2048 x 768, B 768 x 3072
 EX2 = Gemm(512, 352, 64, "fp32", "fwd")  # tiny's gate_up forward on 8 x 64 tokens

@@ -134,6 +134,7 @@ def shared(ps: PSProfile, lanes: int) -> PSProfile:
         verify_flops=ps.verify_flops / lanes,
         unit_overhead=ps.unit_overhead * lanes,
         memory_bw=ps.memory_bw / lanes,
+        check_columns=ps.check_columns,
     )
 
 

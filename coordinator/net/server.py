@@ -51,6 +51,7 @@ from coordinator.net.dashboard import handles as dashboard_handles
 from coordinator.net.listener import ConnectionCounter, bind
 from coordinator.net.metrics import PATH as METRICS_PATH
 from coordinator.net.metrics import Metrics
+from coordinator.planning.costmodel import CHECK_BATCH
 from coordinator.training.linear import GemmRequest
 from coordinator.wire.codes import CloseCode, Code
 from coordinator.wire.errors import AuthError, JobAborted, ProtocolError
@@ -77,7 +78,7 @@ REFUSE_GRACE = 0.2  # seconds a refused peer has to answer our close before its 
 # frame limit); a batch adds (rows + depth) x ROUNDS floats a result (the stacked A (B R) and B R),
 # 8 MB for 64 results of 1,024 x 1,024 x 1,024 tiles, and for half-precision jobs a float32 copy
 # of each distinct operand block and result it reads while it runs.
-MAX_CHECK_BATCH = 64
+MAX_CHECK_BATCH = CHECK_BATCH
 CHECK_WAIT = 10.0  # seconds a closed connection's last result may take to be judged before it is let go
 _zeros: bytearray | None = None  # shared payload of every speed-test reply (never written)
 

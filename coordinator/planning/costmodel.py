@@ -22,6 +22,11 @@ ITEMSIZE: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Verification (coordinator/wire/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a
 # matrix-vector product per vector, so it reads A, B and C once and does 32 FLOP per element.
 VERIFY_ROUNDS = 16
+# Results the coordinator's verifier checks together at most (coordinator/net/server.py).
+CHECK_BATCH = 64
+# Column blocks of one A block a batch is priced to meet: a batch of CHECK_BATCH results from a
+# grid spans several row bands and column blocks, about sqrt(CHECK_BATCH) of each.
+CHECK_COLUMNS = 8
 # Units a device holds at once: the one it computes and the one it prefetches.
 IN_FLIGHT = 2
 # The PS's own work per step besides the GEMMs it hands out (cleave plan, the simulator and the
@@ -116,6 +121,9 @@ class PSProfile:
     # spends ~1e-4 s per Result on the test machine (bench/bench_scheduler.py, core column).
     unit_overhead: float = 2e-4
     memory_bw: float = 10e9  # bytes/s of copies: assembling results, summing partials (one socket)
+    # Column blocks of one A block a batched check is priced to meet (``check_width``): the
+    # coordinator checks results in batches (CHECK_COLUMNS); 1 prices every check alone.
+    check_columns: int = CHECK_COLUMNS
 
     def __post_init__(self) -> None:
         _positive("ps egress", self.egress)
@@ -123,12 +131,20 @@ class PSProfile:
         _positive("ps verify_flops", self.verify_flops)
         _positive("ps unit_overhead", self.unit_overhead, zero=True)
         _positive("ps memory_bw", self.memory_bw)
+        if isinstance(self.check_columns, bool) or not isinstance(self.check_columns, int) or self.check_columns < 1:
+            raise CostModelError(f"ps check_columns must be a positive integer, got {self.check_columns!r}")
         for dtype, rate in self.gflops.items():
             _positive(f"ps gflops[{dtype}]", rate, zero=True)
 
     def flops_per_s(self, dtype: str) -> float:
         """Its GEMM rate in ``dtype`` (0: it cannot compute in it)."""
         return self.gflops.get(dtype, 0.0) * 1e9
+
+    def check_width(self, cols: int) -> int:
+        """Columns of the stacked check of one A block of a grid with ``cols`` column blocks,
+        checked in batches (``batch_check_seconds``): ``VERIFY_ROUNDS`` for each column block a
+        batch meets, at most ``check_columns`` of them."""
+        return VERIFY_ROUNDS * max(1, min(cols, self.check_columns))
 
     def check_rate(self, width: int = VERIFY_ROUNDS) -> float:
         """FLOP/s of a check's product with ``width`` stacked random vectors (checks run in fp32).
@@ -320,10 +336,14 @@ def pipelined(first: Stage, rest: Stage, count: int, rtt: float = 0.0) -> float:
 # --------------------------------------------------------------------------- the PS
 
 
-def ps_seconds(units: int, verify_flops: float, partial_bytes: float, out_bytes: float, ps: PSProfile) -> float:
-    """PS CPU for a GEMM: per-unit bookkeeping, verifying every unit, writing the result and
-    adding every extra partial block (split reductions) into it."""
-    return units * ps.unit_overhead + verify_flops / ps.check_rate() + (out_bytes + 2 * partial_bytes) / ps.memory_bw
+def ps_seconds(
+    units: int, verify_flops: float, partial_bytes: float, out_bytes: float, ps: PSProfile, width: int = VERIFY_ROUNDS
+) -> float:
+    """PS CPU for a GEMM: per-unit bookkeeping, verifying every unit (at ``check_rate(width)``:
+    checked in batches, ``check_width``), writing the result and adding every extra partial
+    block (split reductions) into it."""
+    check = verify_flops / ps.check_rate(width)
+    return units * ps.unit_overhead + check + (out_bytes + 2 * partial_bytes) / ps.memory_bw
 
 
 def output_egress_floor(area: float, k: float, itemsize: int) -> float:
