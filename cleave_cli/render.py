@@ -648,7 +648,8 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
         lines.append(
             f"fleet: devices computed {_share(c['fleet_utilisation'])} of the step on average "
             f"(p10 {_share(q.get('p10'))}, median {_share(q.get('p50'))}, p90 {_share(q.get('p90'))}; "
-            f"their links allow at most {_share(c.get('utilisation_ceiling'))}); "
+            f"their links allow at most {_share(c.get('utilisation_ceiling'))}, this step's work "
+            f"{_share(c.get('utilisation_bound'))}); "
             f"GEMMs in flight {c['gemms_in_flight']['mean']:.1f} on average, at most {c['gemms_in_flight']['max']}\n"
         )
     lines.append(

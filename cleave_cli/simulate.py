@@ -188,6 +188,8 @@ def simulate_one(
             "class_utilisation": stats.class_utilisation,
             # The most the devices' links allow them to compute, whatever the plan (an upper bound).
             "utilisation_ceiling": statistics.fmean(s.utilisation_ceiling for s in stormy.measured),
+            # ...and the most the step's GEMM FLOP could keep them busy in its time, within that.
+            "utilisation_bound": statistics.fmean(s.utilisation_bound for s in stormy.measured),
             "gemms_in_flight": {
                 "mean": statistics.fmean(s.gemms_in_flight for s in stormy.measured),
                 "max": max(s.most_gemms_in_flight for s in stormy.measured),

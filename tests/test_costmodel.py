@@ -182,3 +182,17 @@ def test_the_compute_share_ceiling_is_what_the_links_allow() -> None:
     wide = (1 << 20) / (2 * 4096)  # rows of a 4,096-deep block that fit in 1 MiB
     assert compute_share_ceiling(tiny, "bf16", [(16384, 4096, 4096)], 2) == pytest.approx(2 * wide * 10e6 / (2 * 75e9))
     assert compute_share_ceiling(phone, "fp32", both, 4) == 0.0  # it cannot compute in fp32
+
+
+def test_the_utilisation_bound_gives_the_work_to_the_slowest_devices_first() -> None:
+    from coordinator.planning.costmodel import utilisation_bound
+
+    # Two laptops at 5 GFLOP/s, two GPUs at 10 TFLOP/s, a 100 s step: 1 TFLOP of work keeps both
+    # laptops busy the whole step (0.5 TFLOP each) and leaves the GPUs idle: a mean of 1/2.
+    fleet = [(5e9, 1.0), (5e9, 1.0), (1e13, 1.0), (1e13, 1.0)]
+    assert utilisation_bound(fleet, 1e12, 100.0) == pytest.approx(0.5)
+    # Twice the work: the rest goes to a GPU (1 TFLOP of its 1 PFLOP in the step).
+    assert utilisation_bound(fleet, 2e12, 100.0) == pytest.approx((2 + 1e12 / 1e15) / 4)
+    # A laptop whose links let it compute half the time takes half as much.
+    assert utilisation_bound([(5e9, 0.5), (5e9, 1.0)], 1e12, 100.0) == pytest.approx((0.5 + 1.0) / 2)
+    assert utilisation_bound([], 1e12, 100.0) == 0.0 and utilisation_bound(fleet, 1e12, 0.0) == 0.0

@@ -250,6 +250,7 @@ def test_micro_batches_in_flight_verify_every_unit_once_and_keep_the_fleet_busie
     q = b.utilisation_quantiles
     assert 0 <= q[0.1] <= q[0.5] <= q[0.9] <= 1 and 0 < b.fleet_utilisation <= 1
     assert b.fleet_utilisation <= b.utilisation_ceiling <= 1  # no plan beats the links
+    assert 0 < b.utilisation_bound <= b.utilisation_ceiling
     # The PS's verifier took results that waited for it together, more than one a batch.
     assert b.checked >= b.units - b.copies and b.checks < b.checked
     # The forecast is the cost model's, made before the step: within 25% of the simulated step.

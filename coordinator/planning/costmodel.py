@@ -263,6 +263,27 @@ def compute_share_ceiling(profile: Profile, dtype: str, gemms: Iterable[tuple[in
     return best
 
 
+def utilisation_bound(devices: Sequence[tuple[float, float]], work: float, seconds: float) -> float:
+    """The highest mean share of a step the devices could spend computing: ``devices`` are
+    ``(rate, ceiling)`` (FLOP/s, and ``compute_share_ceiling``), ``work`` the step's GEMM FLOP,
+    ``seconds`` the step. A device computing ``f`` FLOP is busy ``f / (rate seconds)`` of the step,
+    at most its ceiling; the mean is largest when the slowest devices take the work first (a
+    fractional knapsack: busy share per FLOP is ``1 / rate``). With less work than the slow
+    devices could do, no plan keeps the fleet busier, however it cuts the GEMMs."""
+    if not devices or seconds <= 0:
+        return 0.0
+    left, busy = max(0.0, work), 0.0
+    for rate, ceiling in sorted(devices):
+        if left <= 0:
+            break
+        if rate <= 0 or ceiling <= 0:
+            continue
+        take = min(left, rate * seconds * ceiling)
+        busy += take / (rate * seconds)
+        left -= take
+    return busy / len(devices)
+
+
 def in_flight_memory(units: int, unit_memory: float) -> int:
     """Bytes a device needs for ``units`` units of at most ``unit_memory`` bytes each: ``IN_FLIGHT``
     of them at once (one computing, one prefetched). Blocks it has finished with are kept only

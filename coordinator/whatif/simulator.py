@@ -55,6 +55,7 @@ from coordinator.planning.costmodel import (
     batch_check_seconds,
     compute_share_ceiling,
     local_seconds,
+    utilisation_bound,
 )
 from coordinator.planning.planner import Kind, PlannerOptions
 from coordinator.planning.tiles import GemmKind, TilingPolicy
@@ -329,6 +330,10 @@ class StepStats:
     # The mean over the same devices of the most their links let them compute, whatever the plan
     # (costmodel.compute_share_ceiling over the step's GEMMs): how close fleet_utilisation came.
     utilisation_ceiling: float = 0.0
+    # The most the same devices could have computed in this step's time with its GEMM FLOP, each
+    # within its ceiling (costmodel.utilisation_bound): below the ceiling when there is too little
+    # work to keep the slow devices busy.
+    utilisation_bound: float = 0.0
 
     @property
     def gemms_in_flight(self) -> float:
@@ -441,6 +446,7 @@ class Simulation:
         self._leased: dict[tuple[int, int], int] = {}  # (unit, device) -> lease epoch of the device
         self.egress_free = self.ingress_free = self.cpu_free = self.verify_free = 0.0
         self._shapes: set[tuple[int, int, int]] = set()  # the step's GEMMs (m, n, k)
+        self._work = 0.0  # the step's GEMM FLOP
         import os
 
         self.loop_blocked = os.environ.get("SIM_LOOP_BLOCKED", "1") == "1"
@@ -865,9 +871,9 @@ class Simulation:
             if self._stats.kept_home:
                 self._stats.forecast = self._stats.home
             self.planner = self._home if self._stats.kept_home else self._shipping
-            self._shapes = {
-                (c.m, c.n, c.k) for chain in chains for op in chain if not isinstance(op, PsWork) for c in op
-            }
+            calls = [c for chain in chains for op in chain if not isinstance(op, PsWork) for c in op]
+            self._shapes = {(c.m, c.n, c.k) for c in calls}
+            self._work = sum(2.0 * c.m * c.n * c.k for c in calls)
             self._run_chains(chains)
             if tail:
                 self._run_chains([tail])
@@ -912,6 +918,9 @@ class Simulation:
                 if d.cls not in ceiling:
                     ceiling[d.cls] = compute_share_ceiling(d.profile, self.cfg.dtype, self._shapes, self.itemsize)
             st.utilisation_ceiling = sum(ceiling[d.cls] for d in present) / len(present)
+            st.utilisation_bound = utilisation_bound(
+                [(d.rate, ceiling[d.cls]) for d in present], self._work, st.seconds
+            )
         if rows:
             st.device_compute = max(r[0] for r in rows)
             st.device_down = max(r[1] for r in rows)
