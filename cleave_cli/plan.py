@@ -214,6 +214,7 @@ def build_report(
             "verify_gflops": ps.verify_flops / 1e9,
             "memory_bw": ps.memory_bw,
             "unit_overhead": ps.unit_overhead,
+            "check_columns": ps.check_columns,
         },
         "batch_size": batch,
         "seq_len": seq,

@@ -349,6 +349,7 @@ def build_report(
             "verify_gflops": ps.verify_flops / 1e9,
             "memory_bw": ps.memory_bw,
             "unit_overhead": ps.unit_overhead,
+            "check_columns": ps.check_columns,
         },
     }
     if len(runs) == 1:

@@ -196,3 +196,14 @@ def test_the_utilisation_bound_gives_the_work_to_the_slowest_devices_first() -> 
     # A laptop whose links let it compute half the time takes half as much.
     assert utilisation_bound([(5e9, 0.5), (5e9, 1.0)], 1e12, 100.0) == pytest.approx((0.5 + 1.0) / 2)
     assert utilisation_bound([], 1e12, 100.0) == 0.0 and utilisation_bound(fleet, 1e12, 0.0) == 0.0
+
+
+def test_checks_are_priced_as_batches_meet_column_blocks() -> None:
+    ps = PSProfile()
+    assert ps.check_width(1) == 16 and ps.check_width(3) == 48 and ps.check_width(500) == 16 * ps.check_columns
+    assert PSProfile(check_columns=1).check_width(500) == 16  # every check alone
+    # Wider stacks run faster, up to the GEMM rate; 16 columns run at verify_flops.
+    assert ps.check_rate(16) == ps.verify_flops < ps.check_rate(64) < ps.check_rate(128) < ps.flops_per_s("fp32")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(CostModelError, match="check_columns"):
+            PSProfile(check_columns=bad)  # type: ignore[arg-type]

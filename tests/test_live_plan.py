@@ -293,3 +293,29 @@ def test_results_of_live_gemms_checked_as_one_batch_are_judged_each_alone(
         assert min(len(keys) for keys in shared) < len(honest)
     verdicts = [v.ok for v, _ in run_checks(results(nan=0, forged=1), np.random.default_rng(2))]
     assert verdicts[:2] == [False, False] and all(verdicts[2:])
+
+
+def test_a_seat_knows_its_links_from_join_and_follows_their_measurement() -> None:
+    """The scheduler weighs a thief's transfer time (``Seat.transfer``): at join from the link
+    fit's priors, then, once the device has verified work, from its measured links (refreshed
+    when the next GEMM is planned). Each unit carries its blocks' and result's bytes."""
+    core = make_core(None)
+    fleet = Fleet(core)
+    d = fleet.join("d0")
+    seat = core.sched.seats[d]
+    prior = core.profiles[d].profile(core.dtype)
+    assert (seat.down_rate, seat.up_rate) == (prior.down, prior.up) and prior.down > 0
+    a, b = torch.randn(96, 64), torch.randn(64, 80)
+    submit_and_drain = []
+    _, out = core.submit(a, b, GemmKind.FORWARD, fleet.now, submit_and_drain.append)
+    units = [core.sched.units[t].spec for t in core.gemms[max(core.gemms)].tiles]
+    assert all(u.down_bytes > 0 and u.up_bytes > 0 for u in units)
+    assert sum(u.up_bytes for u in units) == a.shape[0] * b.shape[1] * 4  # the whole result, once
+    fleet.route(out)
+    fleet.drain()
+    assert submit_and_drain  # the GEMM completed through the device
+    fleet.now += 1.0
+    core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda c: None)  # planning refreshes the links
+    measured = core.profiles[d].profile(core.dtype)
+    assert (measured.down, measured.up) != (prior.down, prior.up)  # the fit moved off its priors
+    assert (seat.down_rate, seat.up_rate) == (measured.down, measured.up)

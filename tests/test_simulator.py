@@ -19,7 +19,7 @@ from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.live_plan import LivePlanner, Planner, batches, shared
 from coordinator.engine.scheduler import Assign, Scheduler
-from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile
+from coordinator.planning.costmodel import CHECK_BATCH, CostModelError, DeviceClass, Profile, PSProfile
 from coordinator.planning.planner import PlannerOptions
 from coordinator.planning.tiles import GemmKind
 from coordinator.planning.tiles import plan_gemm as uniform_grid
@@ -253,6 +253,7 @@ def test_micro_batches_in_flight_verify_every_unit_once_and_keep_the_fleet_busie
     assert 0 < b.utilisation_bound <= b.utilisation_ceiling
     # The PS's verifier took results that waited for it together, more than one a batch.
     assert b.checked >= b.units - b.copies and b.checks < b.checked
+    assert b.checks * CHECK_BATCH >= b.checked  # no batch larger than the live verifier's
     # The forecast is the cost model's, made before the step: within 25% of the simulated step.
     assert b.forecast == pytest.approx(b.seconds, rel=0.25)
     assert not b.kept_home and b.home > b.seconds

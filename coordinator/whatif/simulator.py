@@ -47,6 +47,7 @@ from coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue,
 from coordinator.planning.costmodel import (
     ADAMW_BYTES,
     ATTENTION_PASSES,
+    CHECK_BATCH,
     ITEMSIZE,
     CostModelError,
     DeviceClass,
@@ -447,9 +448,6 @@ class Simulation:
         self.egress_free = self.ingress_free = self.cpu_free = self.verify_free = 0.0
         self._shapes: set[tuple[int, int, int]] = set()  # the step's GEMMs (m, n, k)
         self._work = 0.0  # the step's GEMM FLOP
-        import os
-
-        self.loop_blocked = os.environ.get("SIM_LOOP_BLOCKED", "1") == "1"
         self._checks: list[tuple[int, int, int, float]] = []  # results waiting for the verifier
         self._check_due = False  # a _CHECK event is on the clock
         self._tick_at = math.inf
@@ -492,6 +490,8 @@ class Simulation:
         self._next_device += 1
         d.down_free = d.cpu_free = d.up_free = self.now
         self.devices[d.id] = d
+        # Seated with its class's links: a running coordinator has measured its veterans' (the
+        # live one starts a newcomer from the link fit's priors until its first result).
         self.conduct.seat(d.id, d.standing, d.pace, d.asked, down_rate=p.down, up_rate=p.up)
         if rate > 0:
             self._profiles[d.id] = p
@@ -736,14 +736,14 @@ class Simulation:
             self._at(max(self.now, self.verify_free), _CHECK)
 
     def _check(self) -> None:
-        """The verifier takes every result waiting for it and checks them as one batch
-        (``freivalds_batch``: each result its own vectors, operand work shared): while the CPU is
-        busy results queue up, and the busier it is, the more each batch shares."""
+        """The verifier takes the results waiting for it, at most ``CHECK_BATCH``, and checks
+        them as one batch (``freivalds_batch``: each result its own vectors, operand work
+        shared): while it is busy results queue up, and the busier it is, the more a batch shares."""
         if self.verify_free > self.now:
             self._at(self.verify_free, _CHECK)
             return
-        self._check_due = False
-        waiting, self._checks = self._checks, []
+        waiting, self._checks = self._checks[:CHECK_BATCH], self._checks[CHECK_BATCH:]
+        self._check_due = bool(self._checks)
         ps = self.cfg.ps
         products = [p for uid, *_ in waiting if uid in self.units for p in self.units[uid].products]
         seconds = batch_check_seconds(products, ps) + len(waiting) * ps.unit_overhead
@@ -753,6 +753,8 @@ class Simulation:
         self._stats.checked += len(waiting)
         for uid, device, epoch, arrived in waiting:
             self._at(self.verify_free, _HANDLE, uid, device, epoch, arrived)
+        if self._check_due:  # the rest go to the next batch
+            self._at(self.verify_free, _CHECK)
 
     def _handle(self, uid: int, device: int, epoch: int, arrived: float) -> None:
         """Core._on_result, once the CPU got to it: the first verified copy wins."""
