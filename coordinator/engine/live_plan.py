@@ -127,14 +127,14 @@ def shared(ps: PSProfile, lanes: int) -> PSProfile:
     so a lane plans with its share of each (a GEMM kept home runs on a share of the CPU too)."""
     if lanes == 1:
         return ps
-    return PSProfile(
+    return dataclasses.replace(
+        ps,
         egress=ps.egress / lanes,
         ingress=ps.ingress / lanes,
         gflops={dtype: rate / lanes for dtype, rate in ps.gflops.items()},
         verify_flops=ps.verify_flops / lanes,
         unit_overhead=ps.unit_overhead * lanes,
         memory_bw=ps.memory_bw / lanes,
-        check_columns=ps.check_columns,
     )
 
 

@@ -74,11 +74,6 @@ log = logging.getLogger("cleave.server")
 
 CHUNK = 256 << 10  # large replies go out in fragments of this size, so a slow reader costs little
 REFUSE_GRACE = 0.2  # seconds a refused peer has to answer our close before its socket is dropped
-# Results verified together at most. The results are held anyway (one per connection, within its
-# frame limit); a batch adds (rows + depth) x ROUNDS floats a result (the stacked A (B R) and B R),
-# 8 MB for 64 results of 1,024 x 1,024 x 1,024 tiles, and for half-precision jobs a float32 copy
-# of each distinct operand block and result it reads while it runs.
-MAX_CHECK_BATCH = CHECK_BATCH
 CHECK_WAIT = 10.0  # seconds a closed connection's last result may take to be judged before it is let go
 _zeros: bytearray | None = None  # shared payload of every speed-test reply (never written)
 
@@ -161,7 +156,7 @@ class Server:
         # Results wait here while the verifier is busy, then go to it together as one batch
         # (``run_checks``): the busier it is, the more each batch shares. At most one result per
         # connection waits (its next message waits for the verdict), and a batch takes at most
-        # ``MAX_CHECK_BATCH`` of them.
+        # ``CHECK_BATCH`` of them.
         self._waiting: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]] = []
         self._batch: asyncio.Future[list[tuple[Verdict, float]]] | None = None
         self.check_batches = 0  # batches verified (results per batch: checked / batches)
@@ -476,10 +471,10 @@ class Server:
         self._next_batch()
 
     def _next_batch(self) -> None:
-        """Hand the verifier every result waiting for it (up to ``MAX_CHECK_BATCH``) if it is idle."""
+        """Hand the verifier every result waiting for it (up to ``CHECK_BATCH``) if it is idle."""
         if self._batch is not None or not self._waiting or self._stopped:
             return
-        take = self._waiting[:MAX_CHECK_BATCH]
+        take = self._waiting[:CHECK_BATCH]
         if self._verifier is None:
             self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
         checks = [check for check, _ in take]

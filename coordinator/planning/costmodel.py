@@ -22,7 +22,11 @@ ITEMSIZE: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Verification (coordinator/wire/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a
 # matrix-vector product per vector, so it reads A, B and C once and does 32 FLOP per element.
 VERIFY_ROUNDS = 16
-# Results the coordinator's verifier checks together at most (coordinator/net/server.py).
+# Results the coordinator's verifier checks together at most (coordinator/net/server.py). The
+# results are held anyway (one per connection, within its frame limit); a batch adds (rows +
+# depth) x ROUNDS floats a result (the stacked A (B R) and B R), 8 MB for 64 results of 1,024 x
+# 1,024 x 1,024 tiles, and for half-precision jobs a float32 copy of each distinct operand block
+# and result it reads while it runs.
 CHECK_BATCH = 64
 # Column blocks of one A block a batch is priced to meet: a batch of CHECK_BATCH results from a
 # grid spans several row bands and column blocks, about sqrt(CHECK_BATCH) of each.
@@ -221,8 +225,8 @@ class Unit:
 
 
 def batch_check_seconds(products: Iterable[tuple[Hashable, Hashable, float, float, float]], ps: PSProfile) -> float:
-    """PS seconds to check a batch of products ``(a_block, b_block, rows, cols, depth)`` that one
-    device returned together (``coordinator.wire.verify.freivalds_batch``): ``B R`` once per
+    """PS seconds to check a batch of products ``(a_block, b_block, rows, cols, depth)`` that the
+    verifier takes together (``coordinator.wire.verify.freivalds_batch``): ``B R`` once per
     distinct B block, one stacked product ``A [B_1 R_1 | ...]`` per distinct A block with
     ``VERIFY_ROUNDS`` columns for each distinct B block it meets (at ``check_rate`` of that
     width), and each product's ``C R``. A batch of one is ``Unit.verify_flops`` at
@@ -358,12 +362,12 @@ def pipelined(first: Stage, rest: Stage, count: int, rtt: float = 0.0) -> float:
 
 
 def ps_seconds(
-    units: int, verify_flops: float, partial_bytes: float, out_bytes: float, ps: PSProfile, width: int = VERIFY_ROUNDS
+    units: int, verify_flops: float, partial_bytes: float, out_bytes: float, ps: PSProfile, cols: int = 1
 ) -> float:
-    """PS CPU for a GEMM: per-unit bookkeeping, verifying every unit (at ``check_rate(width)``:
-    checked in batches, ``check_width``), writing the result and adding every extra partial
-    block (split reductions) into it."""
-    check = verify_flops / ps.check_rate(width)
+    """PS CPU for a GEMM: per-unit bookkeeping, verifying every unit (checked in batches from a
+    grid of ``cols`` column blocks: at ``check_rate(check_width(cols))``), writing the result
+    and adding every extra partial block (split reductions) into it."""
+    check = verify_flops / ps.check_rate(ps.check_width(cols))
     return units * ps.unit_overhead + check + (out_bytes + 2 * partial_bytes) / ps.memory_bw
 
 

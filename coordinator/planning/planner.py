@@ -424,8 +424,8 @@ def _fill(cand: _Candidate, classes: Sequence[tuple[DeviceClass, _Costs]], t: fl
         return fill
     g = cand.groups
     fill.down, fill.up, fill.units, fill.verify = fill.down * g, fill.up * g, fill.units * g, fill.verify * g
-    width = ps.check_width(cand.grid[1])
-    fill.ps = ps_seconds(fill.units, fill.verify, max(0.0, fill.up - cand.out_bytes), cand.out_bytes, ps, width)
+    cols = cand.grid[1]
+    fill.ps = ps_seconds(fill.units, fill.verify, max(0.0, fill.up - cand.out_bytes), cand.out_bytes, ps, cols)
     fill.ok = fill.down / ps.egress <= t and fill.up / ps.ingress <= t and fill.ps <= t
     return fill
 
@@ -717,15 +717,13 @@ def _lower_bound(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps:
         egress = float(gemm.itemsize * gemm.k * (gemm.m + cand.bands * gemm.n))
     if cand.kind is Kind.SPLIT_K and cand.local_sum:
         cells = cand.groups
-        check = ps_seconds(cells, cand.verify(cand.pieces) * cells, 0.0, out, ps, ps.check_width(cand.grid[1]))
+        check = ps_seconds(cells, cand.verify(cand.pieces) * cells, 0.0, out, ps, cand.grid[1])
         return max(compute, check, egress / ps.egress)
     units = cand.groups * cand.pieces
     partials = units * cand.unit.up
     return max(
         compute,
-        ps_seconds(
-            units, units * cand.unit.verify_flops(), max(0.0, partials - out), out, ps, ps.check_width(cand.grid[1])
-        ),
+        ps_seconds(units, units * cand.unit.verify_flops(), max(0.0, partials - out), out, ps, cand.grid[1]),
         partials / ps.ingress,
         egress / ps.egress,
     )
@@ -811,7 +809,7 @@ def baseline(
     egress, ingress = sum(sent.values()), sum(back.values())
     out_bytes = float(s * gemm.m * gemm.n)
     gr, gc, gk = tp.shape
-    ps_s = ps_seconds(len(tiles), verify, max(0.0, ingress - out_bytes), out_bytes, ps, ps.check_width(gc))
+    ps_s = ps_seconds(len(tiles), verify, max(0.0, ingress - out_bytes), out_bytes, ps, gc)
     seconds = max(worst, egress / ps.egress, ingress / ps.ingress, ps_s)
     if gk == 1:  # each device's outputs need at least the AM-GM bound, as an output plan's shares
         floor = sum(output_egress_floor(a, gemm.k, s) for a in area.values())
@@ -850,7 +848,7 @@ def _uniform_lower_bound(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile
     s, m, n, k = gemm.itemsize, gemm.m, gemm.n, gemm.k
     out = float(s * m * n)
     verify = 2.0 * VERIFY_ROUNDS * (m * k * cols + k * n * rows + m * n * parts)
-    ps_s = ps_seconds(rows * cols * parts, verify, out * (parts - 1), out, ps, ps.check_width(cols))
+    ps_s = ps_seconds(rows * cols * parts, verify, out * (parts - 1), out, ps, cols)
     return max(ps_s, out * parts / ps.ingress, s * (m * k + k * n) / ps.egress)
 
 

@@ -265,7 +265,7 @@ class SimConfig:
     # GEMM after another, each waited for, as the trainer without --micro-batches issues them.
     micro_batches: int = 1
     # A planned owner's tiles of a GEMM go out in a few batched work messages (live_plan.batches):
-    # one lease, one check and one result each. False: one tile per message.
+    # one lease and one result each. False: one tile per message. (Checks are batched either way.)
     batched: bool = False
     lanes: int = 0  # the fleet in this many lanes, a GEMM planned on one (LivePlanner); 0: micro_batches
 

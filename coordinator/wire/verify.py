@@ -266,7 +266,7 @@ class _Shared:
         return self._bs[key]
 
 
-def _screen(p: Product, shared: _Shared | None = None, i: int = 0) -> Verdict | _Pending:
+def _screen(p: Product, shared: _Shared, i: int) -> Verdict | _Pending:
     """The checks that need no random vectors: shapes, dtypes, empty products, NaN and rows too
     large to be honest. A verdict, or the product ready for the residual. ``shared``: the
     batch's cache of operands in the working dtype and their norms, one per block (``i``: the
@@ -287,13 +287,10 @@ def _screen(p: Product, shared: _Shared | None = None, i: int = 0) -> Verdict | 
         return Verdict(ok, "" if ok else "nonzero result of an empty product", 0.0 if ok else float("inf"))
     a, b, row_norms, b_norm = p.a, p.b, p.a_row_norms, p.b_norm
     work, result = _work_dtype(a.dtype), a.dtype
-    if shared is not None and a.dtype != work:  # converted and normed once per block
+    if a.dtype != work:  # checked in float32, with norms of our own, once per block (_work_dtype)
         a, row_norms = shared.a(p, i)
         b, b_norm = shared.b(p, i)
         c = c.to(work)
-    elif a.dtype != work:  # checked in float32, with norms of our own (see _work_dtype)
-        a, b, c = a.to(work), b.to(work), c.to(work)
-        row_norms, b_norm = None, None
     tol, c_norms, ab = _bounds(a, b, c, p.compute_dtype, row_norms, b_norm, result, p.rounded_to)
     # NaN and Inf in C show in its row norms; `not x <= y` is also true for NaN.
     over = ~(c_norms <= NORM_CAP * ab)
@@ -342,16 +339,8 @@ def freivalds(
     ``rounded_to``: C was summed in ``compute_dtype`` (float32) and then rounded once to this
     half dtype (the half-precision wire): its rounding is tolerated, nothing more.
     """
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
     p = Product(a, b, c, compute_dtype=compute_dtype, rounded_to=rounded_to, a_row_norms=a_row_norms, b_norm=b_norm)
-    screened = _screen(p)
-    if isinstance(screened, Verdict):
-        return screened
-    r = random_vectors(screened.b.shape[1], rounds, rng).to(screened.a.dtype)  # (n, t)
-    residual = screened.a @ (screened.b @ r)  # (m, t): one pass over A, B and C for all rounds
-    residual.sub_(screened.c @ r).abs_()
-    return _judge(screened, residual)
+    return freivalds_batch([p], rng, rounds=rounds)[0]
 
 
 def freivalds_batch(products: Sequence[Product], rng: np.random.Generator, *, rounds: int = ROUNDS) -> list[Verdict]:
@@ -401,7 +390,8 @@ def freivalds_batch(products: Sequence[Product], rng: np.random.Generator, *, ro
         columns: dict[Hashable, int] = {}  # b key -> its first column in the stacked product
         for p in members:
             columns.setdefault(b_keys[p.index], len(columns) * rounds)
-        stacked = torch.cat([vectors[bk][1] for bk in columns], dim=1)
+        products_of = [vectors[bk][1] for bk in columns]
+        stacked = products_of[0] if len(products_of) == 1 else torch.cat(products_of, dim=1)
         product = members[0].a @ stacked  # (m, rounds x distinct B blocks): A read once
         for p in members:
             bk = b_keys[p.index]
