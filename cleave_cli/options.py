@@ -62,8 +62,9 @@ MicroBatches = Annotated[
     int,
     typer.Option(
         "--micro-batches",
-        help="Cut each batch into this many equal parts, forward and backward one after another, "
-        "their gradients summed: the same step, a part's activations in memory. Must divide --batch-size.",
+        help="Cut each batch into this many equal parts, their gradients summed: the same step. The coordinator "
+        "runs up to 8 parts at once (more GEMMs out on the devices; at most 8 parts' activations held), "
+        "--local one after another (one part's activations). Must divide --batch-size.",
     ),
 ]
 

@@ -298,6 +298,9 @@ async def serve_job(
                 "mb_down": round(t.bytes_down / 1e6, 3),
                 "mb_up": round(t.bytes_up / 1e6, 3),
                 "predicted_s": None if predicted is None else round(predicted, 4),
+                # The step's most shipped GEMMs out at once, and of them waited on by the trainer.
+                "gemms_in_flight_max": core.peak_in_flight,
+                "waited_gemms_max": core.peak_waited,
             }
             result = StepResult(result.step, result.loss, result.tokens, result.seconds, result.lr, extra)
             results.append(result)
@@ -318,6 +321,8 @@ async def serve_job(
             trainer = Trainer(
                 train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus, model_factory=cfg.model_factory
             )
+            if trainer.parts_at_once > 1:  # planned as the trainer issues them: that many GEMMs side by side
+                loop.call_soon_threadsafe(core.plan_lanes, trainer.parts_at_once)
             loop.call_soon_threadsafe(
                 reporter.note,
                 f"model: {models.describe(train_cfg.model)}, "
@@ -333,6 +338,12 @@ async def serve_job(
             return trainer
 
         def train(trainer: Trainer) -> None:  # in the trainer thread
+            try:
+                _train(trainer)
+            finally:
+                trainer.close()  # the micro-batches' threads, when they ran at once
+
+        def _train(trainer: Trainer) -> None:
             while trainer.step < train_cfg.steps:
                 result = trainer.train_step()
                 loop.call_soon_threadsafe(record, result)

@@ -62,8 +62,9 @@ def test_two_clients_train_exactly_like_local_torch(tmp_path: Path, local_losses
 
 
 def test_micro_batches_through_clients_take_the_whole_batchs_step(tmp_path: Path, local_losses: list[float]) -> None:
-    """--micro-batches 4: each part's GEMMs go to the clients as tiles, and the step is plain
-    torch's whole-batch step (the first 4 steps: in the warm-up, the same whatever --steps)."""
+    """--micro-batches 4: the parts go through the model at once, their GEMMs to the clients as
+    tiles side by side, and the step is plain torch's whole-batch step (the first 4 steps: in the
+    warm-up, the same whatever --steps)."""
     coord = Coordinator(tmp_path, "--min-devices", "2", "--micro-batches", "4", steps=4)
     clients = [join(coord.url, f"part-{i}") for i in range(2)]
     assert coord.wait() == 0, coord.output
@@ -71,6 +72,8 @@ def test_micro_batches_through_clients_take_the_whole_batchs_step(tmp_path: Path
     assert_same_losses(coord.losses(), local_losses[:4])
     done = dict(coord.query("SELECT name, tiles_done FROM devices"))
     assert set(done) == {"part-0", "part-1"} and all(n > 0 for n in done.values())  # tiles were shipped
+    # The parts ran at once: GEMMs the trainer waited on were out side by side.
+    assert max(row["waited_gemms_max"] for row in metrics(coord.metrics_path)) >= 2
 
 
 def test_corrupted_results_are_always_caught_and_never_used(tmp_path: Path, local_losses: list[float]) -> None:

@@ -23,11 +23,15 @@ NEAR = {"bf16": 2e-2, "fp16": 1e-3, "autocast": 1e-3}  # relative, per step, ove
 
 
 @pytest.mark.drill
-@pytest.mark.parametrize("precision", ["bf16", "fp16", "autocast"])
-def test_a_mixed_precision_job_finishes_with_honest_tiles_and_near_local_losses(precision: str, tmp_path: Path) -> None:
-    coord = Coordinator(tmp_path, "--precision", precision, "--min-devices", "2", steps=STEPS)
+@pytest.mark.parametrize("precision, parts", [("bf16", 1), ("fp16", 1), ("autocast", 1), ("fp16", 4)])
+def test_a_mixed_precision_job_finishes_with_honest_tiles_and_near_local_losses(
+    precision: str, parts: int, tmp_path: Path
+) -> None:
+    """``parts`` 4: the micro-batches run at once, each scaled by the one loss scaler."""
+    micro = ("--micro-batches", str(parts))
+    coord = Coordinator(tmp_path, "--precision", precision, "--min-devices", "2", *micro, steps=STEPS)
     clients = [join(coord.url, f"{precision}-{i}") for i in range(2)]
-    want = local_losses(STEPS, precision=precision)  # plain torch, here, while the clients start
+    want = local_losses(STEPS, precision=precision, micro_batches=parts)  # plain torch, while the clients start
     assert coord.wait() == 0, coord.output
     assert [c.wait() for c in clients] == [0, 0]
     got = coord.losses()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from torch import nn
 from coordinator.planning.tiles import TilingPolicy, plan_gemm, tiled_matmul
 from coordinator.training.data import ByteBatches, DataError, load_corpus
 from coordinator.training.linear import GemmRequest, LocalEngine, TiledLinear, offload_linears
-from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.training.loop import PARTS_IN_FLIGHT, TrainConfig, Trainer, draws_randomness
 from coordinator.training.model import PRESETS, Transformer
 from coordinator.wire.errors import ConfigError
 
@@ -149,6 +151,106 @@ def test_micro_batches_take_the_whole_batchs_step(micro_batches: int) -> None:
     for (name, p), q in zip(whole.model.named_parameters(), parts.model.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
     assert parts.tokens_seen == whole.tokens_seen == 4 * 8 * 32
+
+
+class PartsAtOnceEngine(TiledLocalEngine):
+    """Takes GEMMs from several trainer threads at once, as the coordinator's RemoteEngine does:
+    each thread's deferred dWs are its own, and each GEMM lingers a little so that parts overlap.
+    Records the most threads inside ``run`` at once."""
+
+    takes_parts_at_once = True
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        super().__init__()
+        self._mine = threading.local()
+        self._lock = threading.Lock()
+        self.inside = self.most_inside = 0
+        self.threads: set[str] = set()
+        self.fail_on = fail_on  # raise in the GEMM with this many tokens (one part's size)
+
+    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
+        with self._lock:
+            self.inside += 1
+            self.most_inside = max(self.most_inside, self.inside)
+            self.threads.add(threading.current_thread().name)
+        try:
+            if self.fail_on is not None and threading.current_thread().name.endswith("_1"):
+                raise FloatingPointError("a part's GEMM failed")
+            time.sleep(0.002)
+            with self._lock:  # the tiling bookkeeping (kinds) is shared
+                return super().run(requests)
+        finally:
+            with self._lock:
+                self.inside -= 1
+
+    def defer(self, request: GemmRequest, param: torch.Tensor) -> None:
+        if not hasattr(self._mine, "pending"):
+            self._mine.pending = []
+        self._mine.pending.append((param, request))
+
+    def take_deferred(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        pending, self._mine.pending = getattr(self._mine, "pending", []), []
+        return [(param, self.run([request])[0]) for param, request in pending]
+
+    def finish_backward(self) -> None:
+        for param, grad in self.take_deferred():
+            param.grad = grad if param.grad is None else param.grad + grad
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_micro_batches_at_once_take_the_whole_batchs_step(micro_batches: int) -> None:
+    """Parts through forward and backward at the same time, on threads, each with its deferred
+    dWs: the same losses and weights as plain torch's whole batch (1e-5 relative), and the same
+    bits run after run (gradients are summed in part order, whichever part ends first)."""
+    cfg = TrainConfig(steps=4, seq_len=32, batch_size=8)
+    whole = Trainer(cfg)
+    want = [r.loss for r in whole.run()]
+    parts_cfg = TrainConfig(steps=4, seq_len=32, batch_size=8, micro_batches=micro_batches)
+    runs = []
+    for _ in range(2):
+        engine = PartsAtOnceEngine()
+        trainer = Trainer(parts_cfg, engine)
+        assert trainer.parts_at_once == micro_batches
+        runs.append(([r.loss for r in trainer.run()], trainer, engine))
+        trainer.close()
+    (got, parts, engine), (again, _, _) = runs
+    assert got == pytest.approx(want, rel=1e-5)
+    assert got == again  # bit for bit
+    for (name, p), q in zip(whole.model.named_parameters(), parts.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
+    assert parts.tokens_seen == whole.tokens_seen == 4 * 8 * 32
+    assert engine.most_inside >= 2 and len(engine.threads) == micro_batches  # they did overlap
+
+
+def test_parts_at_once_are_bounded_and_kept_sequential_when_the_model_draws_randomness() -> None:
+    cfg = TrainConfig(steps=1, seq_len=8, batch_size=16, micro_batches=16)
+    assert Trainer(cfg, PartsAtOnceEngine()).parts_at_once == PARTS_IN_FLIGHT  # memory: at most 8 parts' activations
+    assert Trainer(cfg, DeferringLocalEngine()).parts_at_once == 1  # an engine of one thread
+    assert Trainer(TrainConfig(steps=1, seq_len=8, batch_size=4), PartsAtOnceEngine()).parts_at_once == 1
+    # Dropout draws from torch's one generator: parts at once would draw in a different order.
+    assert draws_randomness(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
+    assert not draws_randomness(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)))
+
+    class Config:
+        attention_dropout = 0.1
+
+    class HFLike(nn.Module):
+        config = Config()
+
+    assert draws_randomness(HFLike())
+    assert not draws_randomness(Transformer(PRESETS["tiny"]))
+    custom = TrainConfig(model="custom:mine", steps=1, seq_len=8, batch_size=4, micro_batches=2)
+    trainer = Trainer(custom, PartsAtOnceEngine(), model_factory=lambda: Transformer(PRESETS["tiny"]))
+    assert trainer.parts_at_once == 1  # its forward is not ours to read
+
+
+def test_a_failed_part_fails_the_step_after_every_part_has_stopped() -> None:
+    engine = PartsAtOnceEngine(fail_on=1)
+    trainer = Trainer(TrainConfig(steps=2, seq_len=16, batch_size=4, micro_batches=4), engine)
+    with pytest.raises(FloatingPointError, match="a part's GEMM failed"):
+        trainer.train_step()
+    assert engine.inside == 0  # no part still computing when the step has failed
+    trainer.close()
 
 
 def test_training_is_deterministic_and_the_loss_falls() -> None:

@@ -195,6 +195,10 @@ class Core:
         self._stuck_since: dict[int, float] = {}  # re-opened tiles failed everywhere again: since when
         self._aborted = False  # an Abort went out
         self.progress = Progress(steps=store.job(job_id).steps)
+        # This step's most shipped GEMMs out at once, and of them the most the trainer waited on
+        # (not deferred): above 1 only when micro-batches run at once (Trainer.parts_at_once).
+        self.peak_in_flight = 0
+        self.peak_waited = 0
         self.finished = False
         self.verify_seconds = 0.0
         # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
@@ -731,11 +735,17 @@ class Core:
                 self.sched.drops_blocks(dev.id, keys)
                 self.sched.update(dev.id, full=dev.full)
 
+    def plan_lanes(self, lanes: int) -> None:
+        """The trainer runs this many micro-batches at once: each GEMM is planned on one of as
+        many lanes of the fleet (``LivePlanner``), as the simulator plans them."""
+        self.planner = self.planner.with_lanes(lanes)
+
     def begin_step(self, step: int, now: float | None = None) -> None:
         """A training step starts: blocks still kept from the last one will not be read again."""
         if now is not None:
             self.prediction.step_done(now)
         self.progress.current = step
+        self.peak_in_flight = self.peak_waited = 0
         for namespace in self.sources.sweep():
             self._forget(namespace)
 
@@ -820,6 +830,9 @@ class Core:
         if not self.gemms and pred.busy_since is None:
             pred.busy_since = now
         self.gemms[gemm_id] = gemm
+        self.peak_in_flight = max(self.peak_in_flight, len(self.gemms))
+        if not deferred:
+            self.peak_waited = max(self.peak_waited, sum(not g.deferred for g in self.gemms.values()))
         for tid in ids:
             self._tile_gemm[tid] = gemm_id
         owners = live.owners

@@ -212,6 +212,12 @@ class LivePlanner:
         self._fleet: tuple | None = None  # (version, dtype), classes, members, devices
         self._limit = cache
 
+    def with_lanes(self, lanes: int) -> LivePlanner:
+        """This planner for ``lanes`` GEMMs side by side (the micro-batches the trainer runs at once)."""
+        if lanes == self.lanes:
+            return self
+        return LivePlanner(self.planner, self.ps, self.policy, self.options, self._limit, lanes)
+
     def plan(
         self,
         m: int,

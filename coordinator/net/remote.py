@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -43,19 +44,38 @@ class RemoteEngine:
     the GEMM reads a view of the copy, laid out as the original: the forward's X and the dW
     that reads it again then share blocks, as in float32."""
 
+    # The trainer may run micro-batches on several threads at once (Trainer.parts_at_once).
+    takes_parts_at_once = True
+
     def __init__(self, server: Server, loop: asyncio.AbstractEventLoop, wire: WireDtype = WireDtype.FP32) -> None:
         self.server = server
         self.loop = loop
         self.wire = wire
         self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # base's identity -> (base, its copy)
-        self._deferred: list[tuple[torch.Tensor, concurrent.futures.Future[Product]]] = []  # (param, its dW)
-        self._evict: list[tuple] = []  # casts of deferred dWs' operands, dropped at the next GEMM waited on
+        self._casting = threading.Lock()  # one copy of a weight however many parts cast it at once
+        # Per trainer thread (a micro-batch each when they run at once): its deferred dWs and casts to drop.
+        self._mine = threading.local()
         # Set by a Trainer with a loss scaler: a GEMM with Inf or NaN inputs is an fp16 overflow
         # the scaler will skip, not divergence. It is multiplied here instead of stopping the job.
         self.overflow_here = False
 
+    @property
+    def _deferred(self) -> list[tuple[torch.Tensor, concurrent.futures.Future[Product]]]:
+        """This thread's deferred dWs: (param, its product's future)."""
+        if not hasattr(self._mine, "deferred"):
+            self._mine.deferred = []
+        return self._mine.deferred
+
+    @property
+    def _evict(self) -> list[tuple]:
+        """This thread's casts of deferred dWs' operands, dropped at its next GEMM waited on."""
+        if not hasattr(self._mine, "evict"):
+            self._mine.evict = []
+        return self._mine.evict
+
     def begin_step(self, step: int) -> None:
-        self._casts.clear()  # the step's activations and the weights before their update
+        with self._casting:
+            self._casts.clear()  # the step's activations and the weights before their update
         self._deferred.clear()  # left over only by a step that failed
         self._evict.clear()
         # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
@@ -77,9 +97,10 @@ class RemoteEngine:
         base, key = self._key(t)
         if not base.is_contiguous():
             return t.detach().to(dtype)
-        hit = self._casts.get(key)
-        if hit is None:  # the original is kept with its copy: its memory cannot be reused meanwhile
-            hit = self._casts[key] = (base, base.detach().to(dtype))
+        with self._casting:
+            hit = self._casts.get(key)
+            if hit is None:  # the original is kept with its copy: its memory cannot be reused meanwhile
+                hit = self._casts[key] = (base, base.detach().to(dtype))
         return hit[1].as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
 
     def _wire_for(self, r: GemmRequest) -> torch.dtype | None:
@@ -108,10 +129,15 @@ class RemoteEngine:
     def finish_backward(self) -> None:
         """Wait for the deferred weight gradients and add each to its parameter's ``.grad``, in
         the order backward produced them (as autograd would have, had it waited)."""
-        deferred, self._deferred = self._deferred, []
-        for param, future in deferred:
-            grad = future.result()()
+        for param, grad in self.take_deferred():
             param.grad = grad if param.grad is None else param.grad + grad
+
+    def take_deferred(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Wait for this thread's deferred weight gradients: (param, its dW), in the order
+        backward deferred them. A micro-batch run beside others keeps them as its own."""
+        deferred = list(self._deferred)
+        self._deferred.clear()
+        return [(param, future.result()()) for param, future in deferred]
 
     def _submit(self, requests: Sequence[GemmRequest], *, deferred: bool) -> list[concurrent.futures.Future[Product]]:
         sent, out, kept = [], [], []
@@ -155,8 +181,9 @@ class RemoteEngine:
         if deferred:
             self._evict.extend(evict)
         else:
-            for key in (*self._evict, *evict):
-                self._casts.pop(key, None)
+            with self._casting:
+                for key in (*self._evict, *evict):
+                    self._casts.pop(key, None)
             self._evict.clear()
         sent_futures = iter(futures)
         return [f if f is not None else next(sent_futures) for f in mine]

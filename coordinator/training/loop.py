@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,6 +28,32 @@ from coordinator.wire.errors import ConfigError
 # weights, forward under bfloat16 autocast). The loss is always returned as a float.
 PRECISIONS = ("fp32", "bf16", "fp16", "autocast")
 _AUTOCAST = {"fp16": torch.float16, "autocast": torch.bfloat16}
+
+# Micro-batches through forward and backward at once (an engine that takes concurrent GEMMs):
+# at most this many, so the activations held are at most this many parts' (with
+# --micro-batches M: min(M, 8)/M of the whole batch's, never more than --micro-batches 1 holds),
+# and the gradients held besides the sum at most this many copies (parts done before an earlier one).
+PARTS_IN_FLIGHT = 8
+
+
+def draws_randomness(model: nn.Module) -> bool:
+    """Whether a training forward may draw from torch's random state (dropout), which is one
+    generator for every thread: parts run at once would draw in a different order each run.
+    Functional dropout inside a module's own ``forward`` cannot be seen here: a model given as
+    a factory (``custom:``) is never run in parts at once for that reason."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        config = getattr(module, "config", None)  # a transformers model's dropout lives in its config
+        for name in dir(config) if config is not None else ():
+            if ("dropout" in name or "pdrop" in name) and not name.startswith("_"):
+                try:
+                    value = getattr(config, name)
+                except Exception:  # a config property that cannot answer: assume the worst
+                    return True
+                if isinstance(value, float | int) and not isinstance(value, bool) and value > 0:
+                    return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -124,6 +151,19 @@ class Trainer:
         self.begin_step: Callable[[int], None] | None = getattr(engine, "begin_step", None)
         # Engines that compute weight gradients in the background hand them over after backward.
         self.finish_backward: Callable[[], None] | None = getattr(engine, "finish_backward", None)
+        # Engines that take GEMMs from several threads at once (the coordinator's) get the
+        # micro-batches concurrently: while one part waits on the devices, the others' GEMMs are out.
+        self.take_deferred: Callable[[], list] | None = getattr(engine, "take_deferred", None)
+        self.parts_at_once = 1
+        if (
+            self.take_deferred is not None
+            and getattr(engine, "takes_parts_at_once", False)
+            and model_factory is None
+            and not draws_randomness(self.model)
+        ):
+            self.parts_at_once = min(cfg.micro_batches, PARTS_IN_FLIGHT)
+        self._pool: ThreadPoolExecutor | None = None
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
@@ -186,20 +226,25 @@ class Trainer:
             group["lr"] = lr
         x, y = self.batches.next()  # (B, T)
         self.optimizer.zero_grad(set_to_none=True)
-        # Micro-batches: equal parts of the batch, forward and backward one after another. Each
-        # loss is its part's mean weighted by its share of the tokens, so the gradients, summed in
-        # .grad in part order, are the whole batch's to float error (losses within 2e-7 relative here).
-        # Only one part's activations are held at a time.
-        loss_sum = 0.0
-        for xs, ys in zip(x.chunk(self.cfg.micro_batches), y.chunk(self.cfg.micro_batches), strict=True):
-            with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
-                _, part = self.model(xs, ys)
-            assert part is not None
-            loss = part * (xs.numel() / x.numel()) if self.cfg.micro_batches > 1 else part
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-            if self.finish_backward is not None:
-                self.finish_backward()
-            loss_sum += float(loss.item())
+        parts = list(zip(x.chunk(self.cfg.micro_batches), y.chunk(self.cfg.micro_batches), strict=True))
+        share = 1 / len(parts)  # equal parts: each loss weighted by its share of the tokens
+        if self.parts_at_once > 1:
+            loss_sum = self._parts_at_once(parts, share)
+        else:
+            # Micro-batches one after another. Each loss is its part's mean weighted by its share
+            # of the tokens, so the gradients, summed in .grad in part order, are the whole
+            # batch's to float error (losses within 2e-7 relative here). Only one part's
+            # activations are held at a time.
+            loss_sum = 0.0
+            for xs, ys in parts:
+                with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+                    _, part = self.model(xs, ys)
+                assert part is not None
+                loss = part * share if len(parts) > 1 else part
+                (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+                if self.finish_backward is not None:
+                    self.finish_backward()
+                loss_sum += float(loss.item())
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients
         if self.cfg.grad_clip:
@@ -211,6 +256,63 @@ class Trainer:
             self.scaler.update()
         self.tokens_seen += x.numel()
         return StepResult(self.step, loss_sum, x.numel(), time.perf_counter() - started, lr)
+
+    def _parts_at_once(self, parts: list[tuple[torch.Tensor, torch.Tensor]], share: float) -> float:
+        """Forward and backward of every part at once, on ``parts_at_once`` threads; the loss.
+
+        Each part's gradients are its own (``autograd.grad``, plus the weight gradients its
+        backward deferred to the engine), never accumulated into a shared ``.grad`` as they come:
+        they are summed here in part order, so the step is the same whichever part finishes
+        first (the whole batch's gradient to float error, as one part after another)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.parts_at_once, thread_name_prefix="cleave-part")
+        # The loss scaler's factor, made on this thread: its lazy set-up is not thread-safe.
+        scale = None if self.scaler is None else self.scaler.scale(torch.ones(()))
+        running = [self._pool.submit(self._one_part, xs, ys, share, scale) for xs, ys in parts]
+        totals: list[torch.Tensor | None] = [None] * len(self._params)
+        loss_sum = 0.0
+        try:
+            for future in running:  # in part order, each part's gradients dropped once added
+                loss, grads = future.result()
+                loss_sum += loss
+                for i, grad in enumerate(grads):
+                    if grad is not None:
+                        totals[i] = grad if totals[i] is None else totals[i] + grad
+        finally:
+            wait(running)  # every part, even after one failed: no part's thread outlives its step
+        for param, total in zip(self._params, totals, strict=True):
+            if total is not None:
+                param.grad = total
+        return loss_sum
+
+    def _one_part(
+        self, xs: torch.Tensor, ys: torch.Tensor, share: float, scale: torch.Tensor | None
+    ) -> tuple[float, list[torch.Tensor | None]]:
+        """One part's loss and its gradient for each of ``self._params`` (None: none reached it)."""
+        assert self.take_deferred is not None
+        try:
+            with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+                _, part = self.model(xs, ys)
+            assert part is not None
+            loss = part * share
+            grads = list(torch.autograd.grad(loss if scale is None else loss * scale, self._params, allow_unused=True))
+        except BaseException:
+            try:  # this thread's deferred dWs belong to the failed step: not to its next one
+                self.take_deferred()
+            except Exception:
+                pass
+            raise
+        where = {id(p): i for i, p in enumerate(self._params)}
+        for param, grad in self.take_deferred():  # in the order backward deferred them, as finish_backward adds
+            i = where[id(param)]
+            grads[i] = grad if grads[i] is None else grads[i] + grad
+        return float(loss.item()), grads
+
+    def close(self) -> None:
+        """Stop the parts' threads (a trainer that ran parts at once holds a pool)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def run(self, on_step: Callable[[StepResult], None] | None = None) -> list[StepResult]:
         results = []
