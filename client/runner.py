@@ -58,6 +58,7 @@ from coordinator.wire.messages import (
     MAX_TOKEN,
     Hello,
     Leave,
+    Result,
     encode,
 )
 from coordinator.wire.verify import freivalds
@@ -67,6 +68,9 @@ log = logging.getLogger("cleave.client")
 
 MAX_FRAME = 256 << 20  # the coordinator is trusted more than its volunteers, but not unboundedly
 CHALLENGE_TIMEOUT = 10.0  # seconds for the coordinator's first frame
+# Seconds a computed result may wait for the next tile's, to go out in one frame with it: far
+# below any deadline, and a tile slower than this sends its result at once.
+RESULT_HOLD = 0.02
 
 
 VERSION = package_version()  # hello.client_version
@@ -353,6 +357,7 @@ class Worker:
             device=self.device.type,
             gflops=min(round(self.stats.benchmark_gflops, 3), MAX_GFLOPS),
             slots=self.cfg.slots,
+            batch=self.cfg.slots,  # all it may hold in one frame: fewer frames, one header for many tiles
             client_version=VERSION,
             block_budget=min(self._block_budget(), MAX_BYTES),
         )
@@ -511,6 +516,23 @@ class Worker:
             await asyncio.sleep(max(0.0, at - self._clock()))
             await self._send(ws, frame)
 
+    async def _send_results(
+        self,
+        ws: ClientConnection,
+        session: Session,
+        pending: list[Result],
+        outbox: asyncio.Queue[tuple[float, bytes]] | None,
+    ) -> None:
+        """Send the results held (emptying ``pending``), as few frames as the session allows."""
+        messages = session.frames_of(pending)
+        pending.clear()
+        for msg in messages:
+            frame = encode(msg)
+            if outbox is None or self._pacer is None:
+                await self._send(ws, frame)
+            else:
+                outbox.put_nowait((self._pacer.deliver_at(len(frame)), frame))
+
     async def _compute_loop(
         self,
         ws: ClientConnection,
@@ -520,50 +542,76 @@ class Worker:
     ) -> None:
         loop = asyncio.get_running_loop()
         pacer = self._pacer
-        while True:
-            queued = session.pop()
-            if queued is None:
-                work.clear()
-                await work.wait()
-                continue
-            # An emulated device's turn, paced; a real one's is now.
-            started = self._clock() if pacer is None else await pacer.start(queued.ready)
-            tile = session.start(queued, started)
-            if tile is None:
-                await self._flush(ws, session)  # a release, if its blocks were missing
-                continue
-            self._set(WorkerState.WORKING)
+        # Results computed and not yet sent: held while the next tile is queued and would be done
+        # within RESULT_HOLD, then sent together (``session.frames_of``). A timer sends them
+        # RESULT_HOLD after the first was held whatever the next tile does (it may stall).
+        pending: list[Result] = []
+        held_since = 0.0
+        timer: asyncio.Task[None] | None = None
+
+        async def send_held(after: float) -> None:
+            await asyncio.sleep(after)
             try:
+                await self._send_results(ws, session, pending, outbox)
+            except ConnectionClosed:  # the session is ending: the results go with it
+                pass
+
+        try:
+            while True:
+                queued = session.pop()
+                if queued is None:
+                    await self._send_results(ws, session, pending, outbox)
+                    work.clear()
+                    await work.wait()
+                    continue
+                # An emulated device's turn, paced; a real one's is now.
+                started = self._clock() if pacer is None else await pacer.start(queued.ready)
+                tile = session.start(queued, started)
+                if tile is None:
+                    await self._flush(ws, session)  # a release, if its blocks were missing
+                    continue
+                self._set(WorkerState.WORKING)
                 try:
-                    c, seconds = await loop.run_in_executor(self._pool, self._compute, tile.a, tile.b)
-                except RuntimeError as exc:
-                    if self.device.type == "cpu":
-                        raise
-                    # The GPU failed (out of memory, driver reset...): carry on with the CPU.
-                    self._fall_back(f"{self.device} failed: {exc}")
-                    self._blocks_to_cpu()
-                    c, seconds = await loop.run_in_executor(self._pool, self._compute, tile.a.cpu(), tile.b.cpu())
-            except (RuntimeError, MemoryError) as exc:
-                # Never die holding a tile: give it back and carry on with the next one.
-                log.error("tile %d failed on %s (%s); releasing it", tile.tile_id, self.device, exc)
-                self.stats.last_error = f"tile failed: {exc}"
-                session.failed(tile.tile_id, str(exc))
-                await self._flush(ws, session)
-                continue
-            if pacer is not None:
-                seconds = await pacer.finish(started, tile.flops)
-            result = session.computed(tile, c, seconds)
-            if result is None:  # cancelled (or paused) while computing: nobody wants it
-                continue
-            frame = encode(result)
-            if outbox is None or pacer is None:
-                await self._send(ws, frame)
-            else:
-                outbox.put_nowait((pacer.deliver_at(len(frame)), frame))
-            self.stats.tiles += 1
-            self.stats.flops += tile.flops
-            self.stats.compute_seconds += seconds
-            if not session.queued and self._allowed:
-                self._set(WorkerState.WAITING)
-            else:
-                self._on_update(self.stats)
+                    try:
+                        c, seconds = await loop.run_in_executor(self._pool, self._compute, tile.a, tile.b)
+                    except RuntimeError as exc:
+                        if self.device.type == "cpu":
+                            raise
+                        # The GPU failed (out of memory, driver reset...): carry on with the CPU.
+                        self._fall_back(f"{self.device} failed: {exc}")
+                        self._blocks_to_cpu()
+                        c, seconds = await loop.run_in_executor(self._pool, self._compute, tile.a.cpu(), tile.b.cpu())
+                except (RuntimeError, MemoryError) as exc:
+                    # Never die holding a tile: give it back and carry on with the next one.
+                    log.error("tile %d failed on %s (%s); releasing it", tile.tile_id, self.device, exc)
+                    self.stats.last_error = f"tile failed: {exc}"
+                    session.failed(tile.tile_id, str(exc))
+                    await self._flush(ws, session)
+                    continue
+                if pacer is not None:
+                    seconds = await pacer.finish(started, tile.flops)
+                result = session.computed(tile, c, seconds)
+                if result is None:  # cancelled (or paused) while computing: nobody wants it
+                    continue
+                if not pending:
+                    held_since = self._clock()
+                pending.append(result)
+                # Held only while another tile waits and this one's pace says it will be done soon.
+                if (
+                    len(pending) >= session.batch
+                    or not session.queued
+                    or self._clock() - held_since + seconds > RESULT_HOLD
+                ):
+                    await self._send_results(ws, session, pending, outbox)
+                elif timer is None or timer.done():
+                    timer = asyncio.create_task(send_held(max(0.0, held_since + RESULT_HOLD - self._clock())))
+                self.stats.tiles += 1
+                self.stats.flops += tile.flops
+                self.stats.compute_seconds += seconds
+                if not session.queued and self._allowed:
+                    self._set(WorkerState.WAITING)
+                else:
+                    self._on_update(self.stats)
+        finally:
+            if timer is not None:
+                timer.cancel()

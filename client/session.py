@@ -51,9 +51,11 @@ from coordinator.wire.messages import (
     Pause,
     Release,
     Result,
+    ResultBatch,
     Resume,
     Welcome,
     Work,
+    WorkBatch,
     decode,
 )
 
@@ -203,6 +205,7 @@ class Session:
         self.coordinator: str | None = None  # its id, from the challenge; None until then
         self.enrolling = False  # the hello carried the join token, not a proof
         self.interval = DEFAULT_HEARTBEAT
+        self.batch = 1  # the most results one frame may carry: the hello's batch within the welcome's slots
         self.blocks: dict[str, torch.Tensor] = {}  # the block cache, by key
         self.ended: str | None = None  # the outcome, once the protocol ended the session
         self._credit_before = credit_before
@@ -258,7 +261,10 @@ class Session:
         if self.coordinator is None:
             return self._on_challenge(msg)
         if isinstance(msg, Work):
-            return self._on_work(msg, now, nbytes)
+            return self._on_work(msg, now if self._arrival is None else self._arrival(nbytes))
+        if isinstance(msg, WorkBatch):  # as its works one after another, all usable when the frame is
+            ready = now if self._arrival is None else self._arrival(nbytes)
+            return [event for work in msg.works for event in self._on_work(work, ready)]
         if isinstance(msg, Cancel):
             # Another copy won: skip it, or drop its result. Cancels for tiles already answered need
             # no memory.
@@ -270,6 +276,7 @@ class Session:
             return [Enrolled(self.coordinator, msg.identity, bytes.fromhex(msg.secret))]
         elif isinstance(msg, Welcome):
             self.interval = min(max(msg.heartbeat, MIN_HEARTBEAT), MAX_HEARTBEAT)
+            self.batch = max(1, min(self._hello.batch, msg.slots))
             self._next_beat = now + self.interval
             return [Welcomed(msg.device_id, msg.identity, msg.job, self.interval)]
         elif isinstance(msg, Finished):
@@ -347,6 +354,13 @@ class Session:
         self._done(tile.tile_id)
         return None if cancelled else Result(tile.tile_id, c, seconds, tile.waited)
 
+    def frames_of(self, results: list[Result]) -> list[Result | ResultBatch]:
+        """``results`` as the messages that carry them: one ``Result`` each, or batches of at
+        most ``batch`` (the coordinator lets a batching device send frames that large)."""
+        n = self.batch
+        chunks = [results[i : i + n] for i in range(0, len(results), n)]
+        return [chunk[0] if len(chunk) == 1 else ResultBatch(tuple(chunk)) for chunk in chunks]
+
     # ---------------------------------------------------------------- the end
 
     def closed(self, code: int | None, reason: str) -> str:
@@ -398,7 +412,7 @@ class Session:
         self.enrolling = True
         return replace(hello, token=self._token)
 
-    def _on_work(self, msg: Work, now: float, nbytes: int) -> list[Event]:
+    def _on_work(self, msg: Work, ready: float) -> list[Event]:
         for namespace in msg.forget:
             prefix = f"{namespace}."
             for key in [k for k in self.blocks if k.startswith(prefix)]:
@@ -406,6 +420,5 @@ class Session:
         for block in msg.blocks:
             self.blocks[block.key] = block.data if self._place is None else self._place(block.data)
         self._assigned.add(msg.tile_id)
-        ready = now if self._arrival is None else self._arrival(nbytes)
         self._queue.append(Queued(msg, ready))
         return [TileQueued(msg.tile_id)]

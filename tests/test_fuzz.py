@@ -61,12 +61,14 @@ from coordinator.wire.messages import (
     Pause,
     Release,
     Result,
+    ResultBatch,
     Resume,
     SpeedTest,
     StatusReply,
     StatusRequest,
     Welcome,
     Work,
+    WorkBatch,
     decode,
     encode,
     tensor_dtypes,
@@ -95,6 +97,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     SpeedTest,
     Welcome,
     Work,
+    WorkBatch,
+    ResultBatch,
     StatusReply,
     Finished,
     Error,
@@ -221,6 +225,12 @@ def messages(cls: type) -> st.SearchStrategy[Any]:
         )
     elif cls is StatusReply:
         kwargs["status"] = STATUS
+    elif cls is WorkBatch:  # up to 4 works of up to 16 blocks: at most 64 tensors
+        works = st.lists(messages(Work), min_size=1, max_size=4, unique_by=lambda w: w.tile_id)
+        return st.builds(WorkBatch, works=works.map(tuple))
+    elif cls is ResultBatch:
+        results = st.lists(messages(Result), min_size=1, max_size=8, unique_by=lambda r: r.tile_id)
+        return st.builds(ResultBatch, results=results.map(tuple))
     return st.builds(cls, **kwargs)
 
 
@@ -229,6 +239,10 @@ ANY_MESSAGE = st.one_of([messages(cls) for cls in MESSAGE_TYPES])
 
 def after_decode(msg: Any) -> Any:
     """``msg`` as the peer's decode returns it: free text cleaned of non-printable characters."""
+    if isinstance(msg, WorkBatch):
+        return WorkBatch(tuple(after_decode(w) for w in msg.works))
+    if isinstance(msg, ResultBatch):
+        return ResultBatch(tuple(after_decode(r) for r in msg.results))
     cleaned = {
         f.name: clean(getattr(msg, f.name))
         for f in fields(msg)
@@ -255,6 +269,10 @@ def assert_same(got: Any, want: Any) -> None:
             if isinstance(want, SpeedTest):
                 w = w.reshape(-1)  # travels flat
             assert_same_tensor(g, w)
+        elif f.name in ("works", "results"):  # a batch: its messages, each as itself
+            assert len(g) == len(w)
+            for gm, wm in zip(g, w):
+                assert_same(gm, wm)
         elif f.name == "blocks":
             assert [b.key for b in g] == [b.key for b in w]
             for gb, wb in zip(g, w):
@@ -316,6 +334,12 @@ def assert_within_limits(msg: Any) -> None:
             assert blk.data.dim() == 2
     elif isinstance(msg, StatusReply):
         assert isinstance(msg.status, dict)
+    elif isinstance(msg, (WorkBatch, ResultBatch)):
+        inner = msg.works if isinstance(msg, WorkBatch) else msg.results
+        assert type(inner) is tuple and 1 <= len(inner) <= 64
+        assert len({m.tile_id for m in inner}) == len(inner)
+        for m in inner:
+            assert_within_limits(m)
 
 
 def assert_decodes_safely(frame: bytes | bytearray | memoryview) -> Any:

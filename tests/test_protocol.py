@@ -27,12 +27,14 @@ from coordinator.wire.messages import (
     Pause,
     Release,
     Result,
+    ResultBatch,
     Resume,
     SpeedTest,
     StatusReply,
     StatusRequest,
     Welcome,
     Work,
+    WorkBatch,
     decode,
     encode,
 )
@@ -170,7 +172,7 @@ def test_non_contiguous_tensors_are_sent_by_value() -> None:
 GOLDEN = {
     "challenge": (
         Challenge(nonce="ab" * 32, coordinator="c0ffee"),
-        b'CLV\x04\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"'
+        b'CLV\x05\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"'
         + b"ab" * 32
         + b'","tensors":[],"type":"challenge"}',
     ),
@@ -186,7 +188,7 @@ GOLDEN = {
             slots=2,
             client_version="0.2.0",
         ),
-        b'CLV\x04\xd2\x00\x00\x00{"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
+        b'CLV\x05\xdc\x00\x00\x00{"batch":1,"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
         b'"identity":0,"memory_bytes":4,"name":"n","paused":"","platform":"p","proof":"","slots":2,"tensors":[],'
         b'"token":"t","type":"hello"}',
     ),
@@ -200,7 +202,7 @@ GOLDEN = {
             forget=(3,),
         ),
         bytes.fromhex(
-            "434c56049a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
+            "434c56059a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
             "625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274656e736f"
             "7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964223a372c2274"
             "797065223a22776f726b227d0000803f00000040"
@@ -209,9 +211,44 @@ GOLDEN = {
     "result": (
         Result(tile_id=7, c=torch.tensor([[0.5]]), seconds=0.25, waited=0.125),
         bytes.fromhex(
-            "434c5604650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
+            "434c5605650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
             "227368617065223a5b312c315d7d5d2c2274696c655f6964223a372c2274797065223a22726573756c74222c227761697465"
             "64223a302e3132357d0000003f"
+        ),
+    ),
+    # Two tiles under one header: each work's blocks in order (1.0, 2.0 | 3.0, 4.0).
+    "work_batch": (
+        WorkBatch(
+            (
+                Work(
+                    7,
+                    "1.0.1x2",
+                    "2.0.2x1",
+                    b_t=True,
+                    blocks=(Block("1.0.1x2", torch.tensor([[1.0, 2.0]])),),
+                    forget=(3,),
+                ),
+                Work(8, "1.0.1x2", "2.1.2x1", b_t=True, blocks=(Block("2.1.2x1", torch.tensor([[3.0, 4.0]])),)),
+            )
+        ),
+        bytes.fromhex(
+            "434c56052c0100007b2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d2c"
+            "7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274797065223a22776f726b5f626174636822"
+            "2c22776f726b73223a5b7b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e32783122"
+            "2c22625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274696c"
+            "655f6964223a377d2c7b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e312e327831222c"
+            "22625f74223a747275652c22626c6f636b73223a5b22322e312e327831225d2c22666f72676574223a5b5d2c2274696c655f"
+            "6964223a387d5d7d0000803f000000400000404000008040"
+        ),
+    ),
+    "result_batch": (
+        ResultBatch((Result(7, torch.tensor([[0.5]]), 0.25, 0.125), Result(8, torch.tensor([[11.0]]), 0.25, 0.0))),
+        bytes.fromhex(
+            "434c5605c10000007b22726573756c7473223a5b7b227365636f6e6473223a302e32352c2274696c655f6964223a372c2277"
+            "6169746564223a302e3132357d2c7b227365636f6e6473223a302e32352c2274696c655f6964223a382c2277616974656422"
+            "3a302e307d5d2c2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c315d7d2c7b22"
+            "6474797065223a22663332222c227368617065223a5b312c315d7d5d2c2274797065223a22726573756c745f626174636822"
+            "7d0000003f00003041"
         ),
     ),
 }
@@ -371,3 +408,53 @@ def test_loopback_addresses_are_recognised_without_resolving_names() -> None:
         assert not is_loopback(host), host
     assert url_host("wss://Example.org:8765/path") == "example.org" and url_host("ws://[::1]:1") == "::1"
     assert url_host("not a url") == ""
+
+
+def _batch_frame(header: dict, tensors: list[torch.Tensor]) -> bytes:
+    header = {**header, "tensors": [{"dtype": "f32", "shape": list(t.shape)} for t in tensors]}
+    head = json.dumps(header).encode()
+    return (
+        struct.pack("<3sBI", MAGIC, PROTOCOL_VERSION, len(head)) + head + b"".join(t.numpy().tobytes() for t in tensors)
+    )
+
+
+def _work_entry(tile: int, blocks: list[str]) -> dict:
+    return {"tile_id": tile, "a": "1.a", "b": "1.b", "blocks": blocks, "forget": []}
+
+
+@pytest.mark.parametrize(
+    "header, tensors, message",
+    [
+        ({"type": "result_batch", "results": []}, [], "1 to 64"),
+        ({"type": "result_batch", "results": [{"tile_id": 1}] * 65}, [torch.ones(1, 1)] * 64, "1 to 64"),
+        ({"type": "result_batch", "results": [{"tile_id": 1}, {"tile_id": 2}]}, [torch.ones(1, 1)], "one tensor per"),
+        ({"type": "result_batch", "results": [{"tile_id": 1}, {"tile_id": 1}]}, [torch.ones(1, 1)] * 2, "twice"),
+        ({"type": "result_batch", "results": [{"tile_id": -1}]}, [torch.ones(1, 1)], "between"),
+        ({"type": "result_batch", "results": [7]}, [torch.ones(1, 1)], "must be an object"),
+        ({"type": "result_batch", "results": {"tile_id": 1}}, [torch.ones(1, 1)], "must be a list"),
+        ({"type": "work_batch", "works": [_work_entry(1, ["1.a", "1.b"])]}, [torch.ones(1, 1)], "more blocks than"),
+        ({"type": "work_batch", "works": [_work_entry(1, [])]}, [torch.ones(1, 1)], "one block descriptor"),
+        ({"type": "work_batch", "works": [_work_entry(1, []), _work_entry(1, [])]}, [], "twice"),
+        ({"type": "work_batch", "works": [_work_entry(1, ["1.a"])]}, [torch.ones(2)], "2-D"),
+        ({"type": "work_batch", "works": [{**_work_entry(1, []), "a_t": 1}]}, [], "booleans"),
+        ({"type": "work_batch", "works": []}, [], "1 to 64"),
+    ],
+)
+def test_hostile_batches_are_refused_with_one_line(header: dict, tensors: list, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        decode(_batch_frame(header, tensors))
+
+
+def test_batches_round_trip_and_act_as_their_parts() -> None:
+    blocks = [Block(f"1.k{i}", torch.full((2, 2), float(i))) for i in range(3)]
+    works = tuple(Work(i, "1.k0", f"1.k{i}", blocks=(blocks[i],)) for i in range(3))
+    got = decode(encode(WorkBatch(works)))
+    assert isinstance(got, WorkBatch) and [w.tile_id for w in got.works] == [0, 1, 2]
+    assert all(torch.equal(g.blocks[0].data, w.blocks[0].data) for g, w in zip(got.works, works))
+    results = tuple(Result(i, torch.full((2, 2), float(i)), 0.1 * i, 0.0) for i in range(1, 4))
+    back = decode(encode(ResultBatch(results)))
+    assert isinstance(back, ResultBatch) and [r.tile_id for r in back.results] == [1, 2, 3]
+    assert all(torch.equal(b.c, r.c) and b.seconds == r.seconds for b, r in zip(back.results, results))
+    # 64 tensors fit a batch frame; a plain work frame still takes at most 16.
+    many = ResultBatch(tuple(Result(i, torch.ones(1, 1)) for i in range(64)))
+    assert len(decode(encode(many)).results) == 64

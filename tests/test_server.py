@@ -19,7 +19,20 @@ from coordinator.engine.outbound import Send
 from coordinator.net.server import Server, listen
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.wire.codes import CloseCode, Code
-from coordinator.wire.messages import Challenge, Credential, Error, Hello, Leave, Result, Welcome, Work, decode, encode
+from coordinator.wire.messages import (
+    Challenge,
+    Credential,
+    Error,
+    Hello,
+    Leave,
+    Result,
+    ResultBatch,
+    Welcome,
+    Work,
+    WorkBatch,
+    decode,
+    encode,
+)
 from db.memory import MemoryStore
 
 
@@ -404,3 +417,80 @@ def test_results_waiting_for_the_verifier_are_checked_as_one_batch_and_a_forged_
     mixed = [b for b in batches if {ok for _, ok in b} == {True, False}]
     assert mixed, batches  # a forged result shared a batch with honest ones
     assert forger not in server.core.devices  # banned and dropped
+
+
+def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch_is_rejected_alone() -> None:
+    """Devices that say hello.batch 4 take their work in work_batch frames and answer in
+    result_batch frames. One forges the last result of each batch it sends: that result is
+    rejected on its own (an error names that tile), its honest neighbours in the frame are
+    verified, the device is banned, and the product is exact."""
+
+    async def device(url: str, forge: bool, stop: asyncio.Event, seen: dict[str, int]) -> dict[str, list[int]]:
+        tiles: dict[str, list[int]] = {"rejected": [], "forged": [], "beside": []}
+        async with connect(url, compression=None, max_size=None) as ws:
+            assert isinstance(decode(await ws.recv()), Challenge)
+            await ws.send(encode(Hello(token="tok", name="b", slots=4, batch=4)))
+            assert isinstance(decode(await ws.recv()), Credential)
+            assert isinstance(decode(await ws.recv()), Welcome)
+            blocks: dict[str, torch.Tensor] = {}
+            try:
+                while not stop.is_set():
+                    try:
+                        msg = decode(await asyncio.wait_for(ws.recv(), 0.2))
+                    except TimeoutError:
+                        continue
+                    if isinstance(msg, Error) and msg.code == Code.REJECTED:
+                        tiles["rejected"].append(int(msg.message.split()[1]))
+                    works = msg.works if isinstance(msg, WorkBatch) else (msg,) if isinstance(msg, Work) else ()
+                    if not works:
+                        continue
+                    seen[type(msg).__name__] = seen.get(type(msg).__name__, 0) + 1
+                    results = []
+                    for w in works:
+                        blocks.update({blk.key: blk.data for blk in w.blocks})
+                        a, b = w.operands(blocks)
+                        results.append(Result(w.tile_id, a @ b))
+                    if forge and len(results) > 1:  # the last of a batch forged, the rest honest
+                        last = results[-1]
+                        results[-1] = Result(last.tile_id, last.c + 1.0)
+                        tiles["forged"].append(last.tile_id)
+                        tiles["beside"].extend(r.tile_id for r in results[:-1])
+                    await ws.send(encode(results[0] if len(results) == 1 else ResultBatch(tuple(results))))
+            except ConnectionClosed:
+                pass
+        return tiles
+
+    async def run() -> tuple[torch.Tensor, torch.Tensor, Server, list[dict[str, list[int]]], dict[str, int]]:
+        server = _server()
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            stop = asyncio.Event()
+            seen: dict[str, int] = {}
+            devices = [asyncio.create_task(device(url, True, stop, seen))]  # the forger, first
+            while len(server.core.devices) < 1:
+                await asyncio.sleep(0.01)
+            (forger,) = server.core.devices
+            devices += [asyncio.create_task(device(url, False, stop, seen)) for _ in range(2)]
+            while len(server.core.devices) < 3:
+                await asyncio.sleep(0.01)
+            a, b = torch.randn(192, 48), torch.randn(48, 192)
+            done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+            _, out = server.core.submit(a, b, GemmKind.FORWARD, server.clock(), done.set_result)
+            server.deliver(out)
+            got = await asyncio.wait_for(done, TIMEOUT)
+            stop.set()
+            tiles = await asyncio.gather(*devices)
+            assert forger not in server.core.devices  # banned and dropped
+            seen["forger"] = forger
+            return got, a @ b, server, tiles, seen
+
+    got, want, server, tiles, seen = asyncio.run(run())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert seen.get("WorkBatch", 0) > 0, seen  # tiles went out several to a frame
+    mine = tiles[0]
+    assert mine["forged"] and sorted(mine["rejected"]) == sorted(mine["forged"])  # each forged tile, and only those
+    assert not any(t["rejected"] for t in tiles[1:])
+    store = server.core.store
+    for tile in mine["beside"]:  # honest results that shared a frame with a forgery were verified
+        mine_rows = [row for row in store.leases(tile) if row.device_id == seen["forger"]]
+        assert [row.outcome for row in mine_rows] == ["verified"], store.leases(tile)

@@ -4,6 +4,7 @@ clock that is only the numbers passed in: no socket, no event loop, no waiting."
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,9 +39,11 @@ from coordinator.wire.messages import (
     Pause,
     Release,
     Result,
+    ResultBatch,
     Resume,
     Welcome,
     Work,
+    WorkBatch,
     decode,
     encode,
 )
@@ -424,3 +427,42 @@ def test_the_session_reads_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compute(session, 9.0) is None  # tile 1: paused meanwhile
     assert compute(session, 9.0) is not None
     assert session.closed(CloseCode.SILENT, "") == "connection closed (4008 )"
+
+
+def test_a_work_batch_is_its_works_in_order_and_a_missing_block_releases_only_its_tile() -> None:
+    """A batch's second tile reads a block its first brought; its third names a block nobody
+    sent: that one is released as missing, the others computed and answered in one frame."""
+    session = Session(replace(HELLO, batch=4), now=0.0, token="join-token", arrival=lambda nbytes: 4.0)
+    challenge(session)
+    session.receive_frame(welcome(), 0.0)
+    batch = WorkBatch(
+        (
+            Work(tile_id=1, a="1.a", b="1.b", blocks=(Block("1.a", A), Block("1.b", B))),
+            Work(tile_id=2, a="1.a", b="1.b"),
+            Work(tile_id=3, a="1.a", b="9.lost"),
+        )
+    )
+    session.receive_frame(encode(batch), 3.0)
+    assert session.held == frozenset({1, 2, 3}) and session.queued == 3
+    results = [compute(session, 5.0) for _ in range(3)]
+    assert results[2] is None and sent(session) == [Release((3,), ReleaseWhy.MISSING_BLOCK)]
+    assert session.held == frozenset()
+    done = [r for r in results if r is not None]
+    assert all(torch.equal(r.c, A @ B) and r.waited == 1.0 for r in done)  # usable when the frame was
+    [frame] = session.frames_of(done)
+    back = decode(encode(frame))
+    assert isinstance(back, ResultBatch) and [r.tile_id for r in back.results] == [1, 2]
+
+
+def test_results_go_in_frames_of_at_most_the_batch_the_welcome_allows() -> None:
+    session = Session(replace(HELLO, batch=8), now=0.0, token="join-token")
+    challenge(session)
+    assert session.batch == 1  # nothing batched before the welcome
+    session.receive_frame(welcome(), 0.0)  # slots=2
+    assert session.batch == 2
+    results = [Result(i, torch.ones(1, 1)) for i in range(5)]
+    frames = session.frames_of(results)
+    assert [type(f).__name__ for f in frames] == ["ResultBatch", "ResultBatch", "Result"]
+    assert [r.tile_id for f in frames for r in (f.results if isinstance(f, ResultBatch) else (f,))] == list(range(5))
+    plain = connected()  # hello.batch 1: one result a frame, whatever the slots
+    assert [type(f).__name__ for f in plain.frames_of(results[:2])] == ["Result", "Result"]

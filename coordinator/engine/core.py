@@ -277,6 +277,7 @@ class Core:
             lim.pauses.bucket(),
             lim.idle_frame,
             budget=hello.block_budget,
+            batch=min(hello.batch, asked),
         )
         self.devices[device_id] = dev
         self._by_identity[admission.identity] = device_id
@@ -963,7 +964,9 @@ class Core:
         gemm = self.gemms[self._tile_gemm[tile_id]]
         tile = gemm.tiles[tile_id]
         out: list[Outbound] = []
-        need = gemm.result_bytes(tile) + self.limits.frame_slack
+        # A device that batches may answer its ``batch`` tiles in one frame (the client sends at
+        # most that many, and never more than the slots it was welcomed with).
+        need = gemm.result_bytes(tile) * dev.batch + self.limits.frame_slack
         if need > dev.frame_limit:  # raised before the device can possibly answer
             dev.frame_limit = need
             out.append(Limit(dev.id, need))

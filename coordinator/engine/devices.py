@@ -50,6 +50,7 @@ class DeviceState:
     credit_at: float = 0.0
     big_until: float = 0.0  # until then it may still send a result for a tile it lost
     result_at: float = -math.inf  # when its last verified result arrived
+    batch: int = 1  # the most tiles it takes in one work frame and answers in one (hello.batch, within its slots)
 
     @property
     def inflight(self) -> dict[int, float]:

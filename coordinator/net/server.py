@@ -57,13 +57,16 @@ from coordinator.wire.codes import CloseCode, Code
 from coordinator.wire.errors import AuthError, JobAborted, ProtocolError
 from coordinator.wire.messages import (
     DEVICE_MESSAGES,
+    MAX_BATCH_TENSORS,
     MAX_SPEEDTEST_BYTES,
     Hello,
     Leave,
+    ResultBatch,
     SpeedTest,
     StatusReply,
     StatusRequest,
     Work,
+    WorkBatch,
     decode,
     encode,
     encode_parts,
@@ -87,7 +90,7 @@ class _Frame:
     data: bytes | list[bytes | memoryview]
     size: int
     control: bool  # anything but work: counted against Limits.control_queue
-    tile: int | None = None  # a work frame's tile: the Core learns when it goes on the wire
+    tiles: tuple[int, ...] = ()  # a work frame's tiles: the Core learns when they go on the wire
 
 
 @dataclass
@@ -100,9 +103,10 @@ class _Conn:
     sending: _Frame | None = None  # the frame being written now (still counted)
     done: bool = False  # its writer has ended: nothing more is queued or counted
     cut: str | None = None  # why the server cut this peer
-    # Its result under check (at most one: the next message waits for its verdict, so the
-    # device's messages act in the order sent and the frames held stay within the stated bound).
-    check: asyncio.Future[tuple[Verdict, float]] | None = None
+    # Its results under check: one frame's (a result, or a result batch's). The next message
+    # waits for their verdicts, so the device's messages act in the order sent and the frames
+    # held stay within the stated bound.
+    checks: set[asyncio.Future[tuple[Verdict, float]]] = field(default_factory=set)
     checked: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -240,14 +244,18 @@ class Server:
                     reason = f"{exc.code.value}: {exc}"
                     conn.queue.put_nowait((CloseCode.PROTOCOL, _reason(reason)))
                     break
-                if conn.check is not None:  # its last result's verdict comes first
+                if conn.checks:  # its last results' verdicts come first
                     await conn.checked.wait()
                 try:
-                    got = self.core.receive(device_id, msg, self.clock())
-                    if isinstance(got, Check):
-                        self._verify(got, conn)
-                    else:
-                        self.deliver(got)
+                    # A result batch acts as its results would, one frame after another.
+                    for one in msg.results if isinstance(msg, ResultBatch) else (msg,):
+                        got = self.core.receive(device_id, one, self.clock())
+                        if isinstance(got, Check):
+                            self._verify(got, conn)
+                        else:
+                            self.deliver(got)
+                        if device_id not in self.core.devices:  # dropped: the rest is not read
+                            break
                 except Exception:  # a bug must not pass silently, nor take the server down
                     log.exception("handling %s from device %d failed", msg.TYPE, device_id)
                     reason = f"internal error on {msg.TYPE}"
@@ -262,7 +270,7 @@ class Server:
             if ws.close_code == CloseCode.TOO_BIG:  # a frame over its limit: do not read (and discard) the rest of it
                 ws.transport.abort()
         finally:
-            if conn.check is not None:  # a forgery is still judged (and banned) while it is here
+            if conn.checks:  # a forgery is still judged (and banned) while it is here
                 try:
                     await asyncio.wait_for(conn.checked.wait(), CHECK_WAIT)
                 except (TimeoutError, asyncio.TimeoutError):
@@ -402,8 +410,8 @@ class Server:
                     await conn.ws.close(*item)
                     return
                 conn.sending = item
-                if item.tile is not None:
-                    self.core.on_wire(device_id, item.tile, self.clock())
+                for tile in item.tiles:
+                    self.core.on_wire(device_id, tile, self.clock())
                 try:
                     # A peer that does not read would hold the frame (and the queue behind it) forever.
                     await asyncio.wait_for(conn.ws.send(item.data), self.limits.write_timeout)
@@ -457,16 +465,16 @@ class Server:
 
     def _verify(self, check: Check, conn: _Conn) -> None:
         """Verify a result off the loop; ``settle`` acts on the verdict back on the loop, as soon
-        as it is known. One check per connection at a time (the handler waits before the next
-        message), so pending checks are bounded by the connections."""
+        as it is known. One frame's results per connection at a time (the handler waits before
+        the next message), so pending checks are bounded by the connections' slots."""
         if self._stopped:  # the job is over: nobody needs the result
             check.dev.checking.discard(check.msg.tile_id)
             return
         future: asyncio.Future[tuple[Verdict, float]] = asyncio.get_running_loop().create_future()
         self._checks.add(future)
-        conn.check = future
+        conn.checks.add(future)
         conn.checked.clear()
-        future.add_done_callback(lambda f: self._checked(check, conn, f))
+        future.add_done_callback(lambda f: self._checked(conn, f))
         self._waiting.append((check, future))
         self._next_batch()
 
@@ -486,8 +494,10 @@ class Server:
     def _batch_done(
         self, take: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]], batch: asyncio.Future
     ) -> None:
-        """Each result's verdict to its own future (``_checked`` settles it); the next batch starts."""
+        """Settle each result on its verdict, then send what they decided together (the tiles
+        the batch freed go out in as few frames as the devices take); the next batch starts."""
         self._batch = None
+        out: list[Outbound] = []
         try:
             if batch.cancelled():
                 for _, future in take:
@@ -499,30 +509,37 @@ class Server:
                 error = RuntimeError(f"{len(verdicts)} verdicts for {len(take)} results")
             self.check_batches += 1
             self.checked += len(take)
-            for i, (_, future) in enumerate(take):
-                if future.done():
+            if error is not None:  # a bug in verification must stop the job, never pass a result unchecked
+                log.error("verifying a batch of %d results failed", len(take), exc_info=error)
+                self.abort("internal error in the coordinator's verification (see the log)")
+            for i, (check, future) in enumerate(take):
+                if future.done():  # cancelled: the server is stopping
                     continue
                 if error is not None:
-                    future.set_exception(error)  # _checked aborts the job: nothing passes unchecked
-                else:
-                    future.set_result(verdicts[i])
+                    future.set_exception(error)
+                    continue
+                verdict, seconds = verdicts[i]
+                try:
+                    out.extend(self.core.settle(check, verdict, seconds, self.clock()))
+                except Exception as exc:  # a bug must not pass a result unchecked, nor go unheard
+                    log.exception("settling tile %d of device %d failed", check.msg.tile_id, check.dev.id)
+                    self.abort("internal error in the coordinator's verification (see the log)")
+                    future.set_exception(exc)
+                    continue
+                future.set_result(verdicts[i])
         finally:
+            self.deliver(out)
             self._next_batch()
 
-    def _checked(self, check: Check, conn: _Conn, future: asyncio.Future[tuple[Verdict, float]]) -> None:
+    def _checked(self, conn: _Conn, future: asyncio.Future[tuple[Verdict, float]]) -> None:
+        """A result's verdict is settled (or the server is stopping): its connection may read on
+        once every result of its frame is."""
         self._checks.discard(future)
-        try:
-            if future.cancelled():  # the server is stopping
-                return
-            verdict, seconds = future.result()
-            self.deliver(self.core.settle(check, verdict, seconds, self.clock()))
-        except Exception:  # a bug in verification must stop the job, never pass a result unchecked
-            log.exception("verifying tile %d of device %d failed", check.msg.tile_id, check.dev.id)
-            self.abort("internal error in the coordinator's verification (see the log)")
-        finally:
-            if conn.check is future:
-                conn.check = None
-                conn.checked.set()
+        if not future.cancelled():
+            future.exception()  # retrieved: logged and acted on in _batch_done
+        conn.checks.discard(future)
+        if not conn.checks:
+            conn.checked.set()
 
     def stop_verifying(self) -> None:
         """Drop the checks still pending (the job is over; their results are not needed)."""
@@ -536,8 +553,9 @@ class Server:
             self._verifier.shutdown(wait=False, cancel_futures=True)
 
     def deliver(self, outbound: Sequence[Outbound]) -> None:
-        """Queue the Core's messages on their sockets (never blocks the loop)."""
-        for item in outbound:
+        """Queue the Core's messages on their sockets (never blocks the loop); a device's work
+        goes out in batches as large as it takes (``_batched``)."""
+        for item in _batched(outbound, self.core.devices):
             if isinstance(item, Abort):  # training cannot go on: the trainer hears why
                 log.error("stopping the job: %s", item.reason)
                 self.abort(item.reason)
@@ -547,16 +565,17 @@ class Server:
                 continue
             if isinstance(item, Send):
                 msg = item.message
-                parts = encode_parts(msg) if isinstance(msg, Work) and msg.blocks else None
+                works = (msg,) if isinstance(msg, Work) else msg.works if isinstance(msg, WorkBatch) else ()
+                tiles = tuple(w.tile_id for w in works)
+                parts = encode_parts(msg) if any(w.blocks for w in works) else None
                 if parts is not None and sum(len(p) for p in parts) > CHUNK:
                     # Large: views of the blocks in fragments. Small ones are joined: one frame
                     # costs less than two, and the copy is cheap.
                     parts = _fragments(parts)
-                    frame = _Frame(parts, sum(len(p) for p in parts), False, msg.tile_id)
+                    frame = _Frame(parts, sum(len(p) for p in parts), False, tiles)
                 else:
                     data = encode(msg) if parts is None else b"".join(parts)
-                    work = isinstance(msg, Work)
-                    frame = _Frame(data, len(data), not work, msg.tile_id if work else None)
+                    frame = _Frame(data, len(data), not works, tiles)
                 self.traffic.bytes_down += frame.size
                 self._queue(conn, frame)
             elif isinstance(item, Limit):
@@ -680,6 +699,42 @@ class Server:
         for future in list(self._pending):
             if not future.done():
                 future.set_exception(JobAborted(reason))
+
+
+def _batched(outbound: Sequence[Outbound], devices: dict[int, Any]) -> list[Outbound]:
+    """``outbound`` with each device's work sent together as one ``WorkBatch`` where it takes
+    batches (its hello's ``batch``): at most that many tiles and ``MAX_BATCH_TENSORS`` new
+    blocks a frame. A batch goes out where its first work was; any other message to the device
+    (a cancel, an error, a close) ends it, so each device hears everything in the order the
+    Core decided. A ``Limit`` does not: it takes effect at once, before any frame is written."""
+    out: list[Any] = []
+    open_: dict[int, int] = {}  # device -> index in ``out`` of its batch still taking work
+    for item in outbound:
+        if isinstance(item, Send) and isinstance(item.message, Work):
+            dev = devices.get(item.device)
+            cap = getattr(dev, "batch", 1)
+            i = open_.get(item.device)
+            if i is not None:
+                works = out[i][1]
+                blocks = sum(len(w.blocks) for w in works) + len(item.message.blocks)
+                if len(works) < cap and blocks <= MAX_BATCH_TENSORS:
+                    works.append(item.message)
+                    continue
+            if cap > 1:
+                open_[item.device] = len(out)
+                out.append((item.device, [item.message]))
+                continue
+        elif isinstance(item, (Send, Close)):
+            open_.pop(item.device, None)
+        out.append(item)
+    return [
+        (
+            Send(item[0], item[1][0] if len(item[1]) == 1 else WorkBatch(tuple(item[1])))
+            if isinstance(item, tuple)
+            else item
+        )
+        for item in out
+    ]
 
 
 def _speedtest_reply(nbytes: int) -> list[bytes | memoryview]:

@@ -12,7 +12,8 @@ when it differs from what this module renders.
 
 The examples tell one story: the device enrolled earlier as identity 42 answers a challenge with
 the vector's proof, is welcomed, computes three tiles (one block pair; two pairs summed; a bf16
-pair) and gives one back. Each result is computed from its ``work`` example's blocks.
+pair), then two more that came in one batch and go back in one, and gives one back. Each result
+is computed from its ``work`` example's blocks.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ from coordinator.wire.messages import (
     Message,
     Release,
     Result,
+    ResultBatch,
     Welcome,
     Work,
+    WorkBatch,
     encode,
     tensor_dtypes,
 )
@@ -114,6 +117,7 @@ _COMMON = dict(
     device="cpu",
     gflops=85.5,
     slots=2,
+    batch=2,
     client_version="0.1.0",
     block_budget=4 << 30,
 )
@@ -157,6 +161,26 @@ WORK_BF16 = Work(
 )
 
 
+# Two tiles in one frame: the first reuses block 12.0.2x3 (cached from WORK) with a new B; the
+# second reads that new block, sent with the first, as its A (blocks serve the tiles after them).
+WORK_BATCH = WorkBatch(
+    (
+        Work(
+            tile_id=19,
+            a="12.0.2x3",
+            b="20.0.3x1",
+            blocks=(Block("20.0.3x1", _f32([[1.0], [1.0], [1.0]])),),
+        ),
+        Work(
+            tile_id=20,
+            a="20.0.3x1",
+            b="21.0.1x2",
+            blocks=(Block("21.0.1x2", _f32([[2.0, -1.0]])),),
+        ),
+    )
+)
+
+
 def product(work: Work, cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """A work message's ``C``, as a device must compute it: every block pair's product summed in
     float32 and rounded once to the blocks' dtype."""
@@ -173,18 +197,26 @@ def examples() -> dict[str, Message]:
     """Every example message of the page, by the name its markers use, in session order."""
     v = vector()
     cache = {blk.key: blk.data for blk in WORK.blocks}  # the device holds WORK's blocks by then
+    batch_cache = {**cache, **{blk.key: blk.data for w in WORK_BATCH.works for blk in w.blocks}}
     return {
         "challenge": Challenge(nonce=NONCE.hex(), coordinator=COORDINATOR),
         "hello-enrol": Hello(token="s3cret", **_COMMON),  # type: ignore[arg-type]
         "credential": Credential(identity=IDENTITY, secret=SECRET.hex()),
         "hello-credential": Hello(identity=IDENTITY, proof=v["proof"].hex(), **_COMMON),  # type: ignore[arg-type,union-attr]
-        "welcome": Welcome(device_id=3, identity=IDENTITY, job="tiny, 200 steps", slots=1, heartbeat=2.0),
+        "welcome": Welcome(device_id=3, identity=IDENTITY, job="tiny, 200 steps", slots=2, heartbeat=2.0),
         "work": WORK,
         "result": Result(tile_id=WORK.tile_id, c=product(WORK), seconds=0.25, waited=0.125),
         "work-more": WORK_MORE,
         "result-more": Result(tile_id=WORK_MORE.tile_id, c=product(WORK_MORE, cache), seconds=0.5, waited=0.0),
         "work-bf16": WORK_BF16,
         "result-bf16": Result(tile_id=WORK_BF16.tile_id, c=product(WORK_BF16), seconds=0.125, waited=0.0),
+        "work-batch": WORK_BATCH,
+        "result-batch": ResultBatch(
+            tuple(
+                Result(tile_id=w.tile_id, c=product(w, batch_cache), seconds=0.0625, waited=waited)
+                for w, waited in zip(WORK_BATCH.works, (0.0, 0.0625), strict=True)
+            )
+        ),
         "release": Release(tile_ids=(10,), why=ReleaseWhy.MISSING_BLOCK),
         "cancel": Cancel(tile_ids=(11,), reason="another copy was verified first"),
         "error": Error(code=Code.NOT_LEASED, message="tile 12 is not leased to you; result ignored"),
@@ -205,6 +237,8 @@ def _value(value: object) -> str:
         return f"<{_WIRE_NAMES[value.dtype]} {list(value.shape)}>"
     if isinstance(value, Block):
         return f"Block({value.key!r}, {_value(value.data)})"
+    if isinstance(value, (Work, Result)):  # inside a batch
+        return constructor(value)
     if isinstance(value, Enum):
         return f"{type(value).__name__}.{value.name}"
     if isinstance(value, tuple):
@@ -246,6 +280,10 @@ def _tensors_of(msg: Message) -> list[tuple[str, torch.Tensor]]:
         return [(f'block "{blk.key}"', blk.data) for blk in msg.blocks]
     if isinstance(msg, Result):
         return [("C", msg.c)]
+    if isinstance(msg, WorkBatch):
+        return [(f'work {w.tile_id}, block "{blk.key}"', blk.data) for w in msg.works for blk in w.blocks]
+    if isinstance(msg, ResultBatch):
+        return [(f"result {r.tile_id}, C", r.c) for r in msg.results]
     return []
 
 

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 from coordinator.wire.codes import Code, Name, ReleaseWhy
 from coordinator.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 4  # 3: result.waited; 4: work.more (a tile summed over several block pairs)
+PROTOCOL_VERSION = 5  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
+# 5: work_batch, result_batch and hello.batch (many tiles under one header)
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
@@ -50,6 +51,8 @@ MAX_DIM = 1 << 27  # elements along one dimension (a 1-D speed-test payload reac
 MAX_ELEMENTS = 1 << 40  # elements of one tensor, counting a zero-size dim as 1 (far above any frame limit)
 MAX_SPEEDTEST_BYTES = 16 << 20
 MAX_IDS = 1024  # tile ids in one release or cancel
+MAX_BATCH = 64  # tiles in one work_batch or result_batch (= MAX_SLOTS: all a device may hold)
+MAX_BATCH_TENSORS = 64  # tensors in one batch frame: its results, or its works' new blocks
 MAX_TENSORS = 16  # tensors in one frame
 MAX_PAIRS = MAX_TENSORS // 2 - 1  # (A, B) block pairs in one work message beyond the first: all its
 # pieces' blocks fit one frame even when the device holds none of them
@@ -195,6 +198,9 @@ class Hello:
     client_version: str = _text("", max_len=32)
     block_budget: int = _int(0, hi=MAX_BYTES)  # bytes of input blocks the device will cache; 0: no limit
     paused: str = _text("")  # not empty: it connects paused, for this reason (no work until Resume)
+    # The most tiles it takes in one work_batch frame (and may answer in one result_batch); 1:
+    # one work frame per tile (a client from before batches, or one that wants none).
+    batch: int = _int(1, lo=1, hi=MAX_BATCH)
 
 
 @dataclass(frozen=True)
@@ -363,6 +369,26 @@ class Work:
 
 
 @dataclass(frozen=True)
+class WorkBatch:
+    """Coordinator -> device: several tiles under one header, as if each ``Work`` had come in
+    its own frame, in order (a tile's blocks may serve the tiles after it). Sent only to a device
+    whose hello said ``batch`` > 1, at most that many tiles and ``MAX_BATCH_TENSORS`` new blocks."""
+
+    TYPE: ClassVar[str] = "work_batch"
+    works: tuple[Work, ...]
+
+
+@dataclass(frozen=True)
+class ResultBatch:
+    """Device -> coordinator: several results under one header, each as a ``Result`` would carry
+    it (at most ``MAX_BATCH``; each tile once). The coordinator acts on them in order, and on the
+    device's next frame only once every one of them is judged."""
+
+    TYPE: ClassVar[str] = "result_batch"
+    results: tuple[Result, ...]
+
+
+@dataclass(frozen=True)
 class StatusReply:
     """Coordinator -> observer: a JSON snapshot of the job, devices and tiles."""
 
@@ -403,6 +429,8 @@ Message = (
     | SpeedTest
     | Welcome
     | Work
+    | WorkBatch
+    | ResultBatch
     | StatusReply
     | Finished
     | Error
@@ -428,7 +456,7 @@ _PLAIN: dict[str, type] = {
     )
 }
 # What each side may send; the rest of the table is the other side's.
-DEVICE_MESSAGES = (Hello, Result, Release, Heartbeat, Pause, Resume, Leave)
+DEVICE_MESSAGES = (Hello, Result, ResultBatch, Release, Heartbeat, Pause, Resume, Leave)
 OBSERVER_MESSAGES = (StatusRequest, SpeedTest)
 
 
@@ -472,22 +500,17 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
     them); a large payload can then go out in fragments without a copy of the whole."""
     tensors: list[torch.Tensor] = []
     if isinstance(msg, Work):
-        header: dict[str, Any] = {
-            "tile_id": msg.tile_id,
-            "a": msg.a,
-            "b": msg.b,
-            "a_t": msg.a_t,
-            "b_t": msg.b_t,
-            "blocks": [b.key for b in msg.blocks],
-            "forget": list(msg.forget),
-        }
-        if msg.more:  # absent when empty: one-pair work frames are unchanged
-            header["more"] = list(msg.more)
-            header["more_t"] = list(msg.more_t)
+        header: dict[str, Any] = _work_header(msg)
         tensors = [b.data for b in msg.blocks]
+    elif isinstance(msg, WorkBatch):
+        header = {"works": [_work_header(w) for w in msg.works]}
+        tensors = [b.data for w in msg.works for b in w.blocks]
     elif isinstance(msg, Result):
-        header = {"tile_id": msg.tile_id, "seconds": msg.seconds, "waited": msg.waited}
+        header = _result_header(msg)
         tensors = [msg.c]
+    elif isinstance(msg, ResultBatch):
+        header = {"results": [_result_header(r) for r in msg.results]}
+        tensors = [r.c for r in msg.results]
     elif isinstance(msg, SpeedTest):
         header = {"reply_bytes": msg.reply_bytes, "token": msg.token}
         tensors = [msg.data.reshape(-1)]
@@ -501,6 +524,26 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
     parts: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, PROTOCOL_VERSION, len(head)) + head]
     parts.extend(_raw(t) for t in tensors)
     return parts
+
+
+def _work_header(msg: Work) -> dict[str, Any]:
+    header: dict[str, Any] = {
+        "tile_id": msg.tile_id,
+        "a": msg.a,
+        "b": msg.b,
+        "a_t": msg.a_t,
+        "b_t": msg.b_t,
+        "blocks": [b.key for b in msg.blocks],
+        "forget": list(msg.forget),
+    }
+    if msg.more:  # absent when empty: one-pair work frames are unchanged
+        header["more"] = list(msg.more)
+        header["more_t"] = list(msg.more_t)
+    return header
+
+
+def _result_header(msg: Result) -> dict[str, Any]:
+    return {"tile_id": msg.tile_id, "seconds": msg.seconds, "waited": msg.waited}
 
 
 # --------------------------------------------------------------------------- decoding
@@ -585,8 +628,9 @@ def _fields_of(cls: type, header: dict[str, Any], skip: tuple[str, ...] = ()) ->
 
 def _tensors(header: dict[str, Any], buf: bytes | bytearray, offset: int) -> list[torch.Tensor]:
     descs = header.get("tensors", [])
-    if not isinstance(descs, list) or len(descs) > MAX_TENSORS:
-        raise ProtocolError(f"'tensors' must be a list of at most {MAX_TENSORS} descriptors", Code.BAD_TENSOR)
+    most = MAX_BATCH_TENSORS if header["type"] in (WorkBatch.TYPE, ResultBatch.TYPE) else MAX_TENSORS
+    if not isinstance(descs, list) or len(descs) > most:
+        raise ProtocolError(f"'tensors' must be a list of at most {most} descriptors", Code.BAD_TENSOR)
     out: list[torch.Tensor] = []
     if descs:  # a frame without tensors needs no torch
         import torch
@@ -669,6 +713,10 @@ def decode(frame: bytes | bytearray | memoryview | str) -> Message:
         if len(tensors) != 1:
             raise ProtocolError("result must carry exactly one tensor", Code.BAD_TENSOR)
         return Result(c=tensors[0], **_fields_of(Result, header, skip=("c",)))
+    if kind == WorkBatch.TYPE:
+        return _decode_work_batch(header, tensors)
+    if kind == ResultBatch.TYPE:
+        return _decode_result_batch(header, tensors)
     if kind == "speedtest":
         if len(tensors) != 1 or tensors[0].dtype is not tensor_dtypes()["u8"] or tensors[0].dim() != 1:
             raise ProtocolError("speedtest carries one 1-D u8 tensor", Code.BAD_TENSOR)
@@ -710,3 +758,45 @@ def _decode_work(header: dict[str, Any], tensors: list[torch.Tensor]) -> Work:
     return Work(
         a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, more=more, more_t=tuple(more_t), **plain
     )
+
+
+def _entries(header: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """A batch's list of per-tile headers: 1 to ``MAX_BATCH`` JSON objects."""
+    entries = header.get(name)
+    kind = header["type"]
+    if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_BATCH:
+        raise ProtocolError(f"{kind}: '{name}' must be a list of 1 to {MAX_BATCH} objects")
+    if not all(isinstance(e, dict) for e in entries):
+        raise ProtocolError(f"{kind}: each of '{name}' must be an object")
+    return entries
+
+
+def _unique(kind: str, ids: list[int]) -> None:
+    if len(set(ids)) != len(ids):
+        raise ProtocolError(f"{kind}: a tile appears twice")
+
+
+def _decode_work_batch(header: dict[str, Any], tensors: list[torch.Tensor]) -> WorkBatch:
+    works, at = [], 0
+    for entry in _entries(header, "works"):
+        blocks = entry.get("blocks", [])
+        if not isinstance(blocks, list) or at + len(blocks) > len(tensors):
+            raise ProtocolError("work_batch: its works name more blocks than it carries")
+        works.append(_decode_work({**entry, "type": Work.TYPE}, tensors[at : at + len(blocks)]))
+        at += len(blocks)
+    if at != len(tensors):
+        raise ProtocolError("work_batch: one block descriptor per tensor expected")
+    _unique(WorkBatch.TYPE, [w.tile_id for w in works])
+    return WorkBatch(tuple(works))
+
+
+def _decode_result_batch(header: dict[str, Any], tensors: list[torch.Tensor]) -> ResultBatch:
+    entries = _entries(header, "results")
+    if len(tensors) != len(entries):
+        raise ProtocolError("result_batch must carry one tensor per result", Code.BAD_TENSOR)
+    results = tuple(
+        Result(c=c, **_fields_of(Result, {**entry, "type": Result.TYPE}, skip=("c",)))
+        for entry, c in zip(entries, tensors, strict=True)
+    )
+    _unique(ResultBatch.TYPE, [r.tile_id for r in results])
+    return ResultBatch(results)
