@@ -205,7 +205,9 @@ class Session:
         self.coordinator: str | None = None  # its id, from the challenge; None until then
         self.enrolling = False  # the hello carried the join token, not a proof
         self.interval = DEFAULT_HEARTBEAT
-        self.batch = 1  # the most results one frame may carry: the hello's batch within the welcome's slots
+        # The most results one frame may carry: the hello's batch (the coordinator's frame limit
+        # allows that many of the tiles it leases, and no device holds more than it leased).
+        self.batch = max(1, hello.batch)
         self.blocks: dict[str, torch.Tensor] = {}  # the block cache, by key
         self.ended: str | None = None  # the outcome, once the protocol ended the session
         self._credit_before = credit_before
@@ -276,7 +278,6 @@ class Session:
             return [Enrolled(self.coordinator, msg.identity, bytes.fromhex(msg.secret))]
         elif isinstance(msg, Welcome):
             self.interval = min(max(msg.heartbeat, MIN_HEARTBEAT), MAX_HEARTBEAT)
-            self.batch = max(1, min(self._hello.batch, msg.slots))
             self._next_beat = now + self.interval
             return [Welcomed(msg.device_id, msg.identity, msg.job, self.interval)]
         elif isinstance(msg, Finished):

@@ -454,11 +454,10 @@ def test_a_work_batch_is_its_works_in_order_and_a_missing_block_releases_only_it
     assert isinstance(back, ResultBatch) and [r.tile_id for r in back.results] == [1, 2]
 
 
-def test_results_go_in_frames_of_at_most_the_batch_the_welcome_allows() -> None:
-    session = Session(replace(HELLO, batch=8), now=0.0, token="join-token")
+def test_results_go_in_frames_of_at_most_the_hellos_batch() -> None:
+    session = Session(replace(HELLO, batch=2), now=0.0, token="join-token")
     challenge(session)
-    assert session.batch == 1  # nothing batched before the welcome
-    session.receive_frame(welcome(), 0.0)  # slots=2
+    session.receive_frame(welcome(), 0.0)
     assert session.batch == 2
     results = [Result(i, torch.ones(1, 1)) for i in range(5)]
     frames = session.frames_of(results)

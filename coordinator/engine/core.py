@@ -964,8 +964,8 @@ class Core:
         gemm = self.gemms[self._tile_gemm[tile_id]]
         tile = gemm.tiles[tile_id]
         out: list[Outbound] = []
-        # A device that batches may answer its ``batch`` tiles in one frame (the client sends at
-        # most that many, and never more than the slots it was welcomed with).
+        # A device that batches may answer ``batch`` tiles in one frame (at most its hello's
+        # batch, within the slots it asked for: cleave join asks batch = slots).
         need = gemm.result_bytes(tile) * dev.batch + self.limits.frame_slack
         if need > dev.frame_limit:  # raised before the device can possibly answer
             dev.frame_limit = need
