@@ -61,12 +61,20 @@ async def _closed(ws: ClientConnection) -> tuple[int | None, str | None]:
     return ws.close_code, ws.close_reason
 
 
-async def _enrol(ws: ClientConnection, slots: int) -> None:
+async def _enrol(ws: ClientConnection, slots: int, batch: int = 1) -> None:
     """A new device's handshake: challenge, hello with the join token, credential, welcome."""
     assert isinstance(decode(await ws.recv()), Challenge)
-    await ws.send(encode(Hello(token="tok", name="d", slots=slots)))
+    await ws.send(encode(Hello(token="tok", name="d", slots=slots, batch=batch)))
     assert isinstance(decode(await ws.recv()), Credential)
     assert isinstance(decode(await ws.recv()), Welcome)
+
+
+async def _product(server: Server, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` submitted to the server's Core as a forward GEMM, its tiles sent to the devices."""
+    done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+    _, out = server.core.submit(a, b, GemmKind.FORWARD, server.clock(), done.set_result)
+    server.deliver(out)
+    return await asyncio.wait_for(done, TIMEOUT)
 
 
 def test_a_peer_that_never_says_hello_is_dropped_with_a_reason() -> None:
@@ -397,10 +405,7 @@ def test_results_waiting_for_the_verifier_are_checked_as_one_batch_and_a_forged_
             while len(server.core.devices) < 4:
                 await asyncio.sleep(0.01)
             a, b = torch.randn(128, 48), torch.randn(48, 96)
-            done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-            _, out = server.core.submit(a, b, GemmKind.FORWARD, server.clock(), done.set_result)
-            server.deliver(out)
-            got = await asyncio.wait_for(done, TIMEOUT)
+            got = await _product(server, a, b)
             stop.set()
             await asyncio.gather(*devices)
             return got, a @ b, server
@@ -428,10 +433,7 @@ def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch
     async def device(url: str, forge: bool, stop: asyncio.Event, seen: dict[str, int]) -> dict[str, list[int]]:
         tiles: dict[str, list[int]] = {"rejected": [], "forged": [], "beside": []}
         async with connect(url, compression=None, max_size=None) as ws:
-            assert isinstance(decode(await ws.recv()), Challenge)
-            await ws.send(encode(Hello(token="tok", name="b", slots=4, batch=4)))
-            assert isinstance(decode(await ws.recv()), Credential)
-            assert isinstance(decode(await ws.recv()), Welcome)
+            await _enrol(ws, slots=4, batch=4)
             blocks: dict[str, torch.Tensor] = {}
             try:
                 while not stop.is_set():
@@ -474,10 +476,7 @@ def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch
             while len(server.core.devices) < 3:
                 await asyncio.sleep(0.01)
             a, b = torch.randn(192, 48), torch.randn(48, 192)
-            done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
-            _, out = server.core.submit(a, b, GemmKind.FORWARD, server.clock(), done.set_result)
-            server.deliver(out)
-            got = await asyncio.wait_for(done, TIMEOUT)
+            got = await _product(server, a, b)
             stop.set()
             tiles = await asyncio.gather(*devices)
             assert forger not in server.core.devices  # banned and dropped

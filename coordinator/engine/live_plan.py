@@ -24,7 +24,7 @@ from coordinator.planning.planner import Gemm, Kind, Plan, PlannerOptions, basel
 from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
 from coordinator.planning.tiles import plan_gemm as uniform_grid
 from coordinator.wire.codes import Name
-from coordinator.wire.messages import MAX_PAIRS
+from coordinator.wire.messages import MAX_BATCH, MAX_PAIRS
 
 # Partitions the live data plane runs: all of them (split-K units that span several pieces go
 # out as one work message with several block pairs, summed by the device).
@@ -308,9 +308,6 @@ class LivePlanner:
             return plan_gemm(gemm, classes, ps, self.options)
         except CostModelError:
             return None
-
-
-MAX_BATCH = 64  # tiles in one work message at most (a batched frame's header names each)
 
 
 def batches(tiles: Sequence[Tile], owners: Mapping[int, int], limit: int = MAX_BATCH) -> list[list[Tile]]:

@@ -11,6 +11,7 @@ import concurrent.futures
 import functools
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +37,15 @@ def _row_norms(t: torch.Tensor) -> torch.Tensor:
     return row_norms(t.t(), True) if t.t().is_contiguous() else row_norms(t.contiguous(), False)
 
 
+@dataclass
+class _Mine(threading.local):
+    """One trainer thread's (a micro-batch's, when they run at once) own state."""
+
+    deferred: list[tuple[torch.Tensor, concurrent.futures.Future[Product]]] = field(default_factory=list)
+    # Casts of deferred dWs' operands, dropped at this thread's next GEMM waited on.
+    evict: list[tuple] = field(default_factory=list)
+
+
 class RemoteEngine:
     """The MatmulEngine the trainer sees: GEMMs become tiles on volunteers.
 
@@ -51,33 +61,18 @@ class RemoteEngine:
         self.server = server
         self.loop = loop
         self.wire = wire
-        self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # base's identity -> (base, its copy)
-        self._casting = threading.Lock()  # one copy of a weight however many parts cast it at once
-        # Per trainer thread (a micro-batch each when they run at once): its deferred dWs and casts to drop.
-        self._mine = threading.local()
+        # base's identity -> (base, its copy); read and filled by every part's thread (dict
+        # operations are atomic: setdefault keeps one copy of a weight however many cast it)
+        self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mine = _Mine()
         # Set by a Trainer with a loss scaler: a GEMM with Inf or NaN inputs is an fp16 overflow
         # the scaler will skip, not divergence. It is multiplied here instead of stopping the job.
         self.overflow_here = False
 
-    @property
-    def _deferred(self) -> list[tuple[torch.Tensor, concurrent.futures.Future[Product]]]:
-        """This thread's deferred dWs: (param, its product's future)."""
-        if not hasattr(self._mine, "deferred"):
-            self._mine.deferred = []
-        return self._mine.deferred
-
-    @property
-    def _evict(self) -> list[tuple]:
-        """This thread's casts of deferred dWs' operands, dropped at its next GEMM waited on."""
-        if not hasattr(self._mine, "evict"):
-            self._mine.evict = []
-        return self._mine.evict
-
     def begin_step(self, step: int) -> None:
-        with self._casting:
-            self._casts.clear()  # the step's activations and the weights before their update
-        self._deferred.clear()  # left over only by a step that failed
-        self._evict.clear()
+        self._casts.clear()  # the step's activations and the weights before their update
+        self._mine.deferred.clear()  # left over only by a step that failed
+        self._mine.evict.clear()
         # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
         self.loop.call_soon_threadsafe(lambda: self.server.core.begin_step(step, self.server.clock()))
 
@@ -97,10 +92,9 @@ class RemoteEngine:
         base, key = self._key(t)
         if not base.is_contiguous():
             return t.detach().to(dtype)
-        with self._casting:
-            hit = self._casts.get(key)
-            if hit is None:  # the original is kept with its copy: its memory cannot be reused meanwhile
-                hit = self._casts[key] = (base, base.detach().to(dtype))
+        hit = self._casts.get(key)
+        if hit is None:  # the original is kept with its copy: its memory cannot be reused meanwhile
+            hit = self._casts.setdefault(key, (base, base.detach().to(dtype)))
         return hit[1].as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
 
     def _wire_for(self, r: GemmRequest) -> torch.dtype | None:
@@ -124,7 +118,7 @@ class RemoteEngine:
         ``finish_backward``: backward goes on to the layers below meanwhile, and the GEMMs it
         waits on go ahead of this one's tiles on the devices."""
         (future,) = self._submit([request], deferred=True)
-        self._deferred.append((param, future))
+        self._mine.deferred.append((param, future))
 
     def finish_backward(self) -> None:
         """Wait for the deferred weight gradients and add each to its parameter's ``.grad``, in
@@ -135,8 +129,7 @@ class RemoteEngine:
     def take_deferred(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Wait for this thread's deferred weight gradients: (param, its dW), in the order
         backward deferred them. A micro-batch run beside others keeps them as its own."""
-        deferred = list(self._deferred)
-        self._deferred.clear()
+        deferred, self._mine.deferred = self._mine.deferred, []
         return [(param, future.result()()) for param, future in deferred]
 
     def _submit(self, requests: Sequence[GemmRequest], *, deferred: bool) -> list[concurrent.futures.Future[Product]]:
@@ -179,11 +172,10 @@ class RemoteEngine:
         # the dX that a deferred dW precedes has cast the same dY (the next GEMM waited on).
         evict = [self._key(t)[1] for r in requests if r.kind is GemmKind.GRAD_WEIGHT for t in (r.a, r.b)]
         if deferred:
-            self._evict.extend(evict)
+            self._mine.evict.extend(evict)
         else:
-            with self._casting:
-                for key in (*self._evict, *evict):
-                    self._casts.pop(key, None)
-            self._evict.clear()
+            for key in (*self._mine.evict, *evict):
+                self._casts.pop(key, None)
+            self._mine.evict.clear()
         sent_futures = iter(futures)
         return [f if f is not None else next(sent_futures) for f in mine]

@@ -31,7 +31,7 @@ import concurrent.futures
 import logging
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from websockets.http11 import Request, Response
 
 from coordinator.engine import report
 from coordinator.engine.core import TICK, Core, Departure
+from coordinator.engine.devices import DeviceState
 from coordinator.engine.gemms import Check, Product, run_checks
 from coordinator.engine.limits import Limits
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
@@ -158,9 +159,9 @@ class Server:
         self._verify_rng = np.random.default_rng(core.rng.integers(0, 2**63, size=4))
         self._checks: set[asyncio.Future[tuple[Verdict, float]]] = set()
         # Results wait here while the verifier is busy, then go to it together as one batch
-        # (``run_checks``): the busier it is, the more each batch shares. At most one result per
-        # connection waits (its next message waits for the verdict), and a batch takes at most
-        # ``CHECK_BATCH`` of them.
+        # (``run_checks``): the busier it is, the more each batch shares. At most one frame's
+        # results per connection wait (its next message waits for their verdicts), and a batch
+        # takes at most ``CHECK_BATCH`` of them.
         self._waiting: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]] = []
         self._batch: asyncio.Future[list[tuple[Verdict, float]]] | None = None
         self.check_batches = 0  # batches verified (results per batch: checked / batches)
@@ -701,7 +702,7 @@ class Server:
                 future.set_exception(JobAborted(reason))
 
 
-def _batched(outbound: Sequence[Outbound], devices: dict[int, Any]) -> list[Outbound]:
+def _batched(outbound: Sequence[Outbound], devices: Mapping[int, DeviceState]) -> list[Outbound]:
     """``outbound`` with each device's work sent together as one ``WorkBatch`` where it takes
     batches (its hello's ``batch``): at most that many tiles and ``MAX_BATCH_TENSORS`` new
     blocks a frame. A batch goes out where its first work was; any other message to the device
@@ -712,7 +713,7 @@ def _batched(outbound: Sequence[Outbound], devices: dict[int, Any]) -> list[Outb
     for item in outbound:
         if isinstance(item, Send) and isinstance(item.message, Work):
             dev = devices.get(item.device)
-            cap = getattr(dev, "batch", 1)
+            cap = 1 if dev is None else dev.batch
             i = open_.get(item.device)
             if i is not None:
                 works = out[i][1]
