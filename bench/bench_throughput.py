@@ -143,9 +143,14 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
             # Tiles verified as the store counts them: whole GEMMs would blur the window's edges.
             t0, cpu0, ver0 = time.perf_counter(), time.process_time(), _thread_cpu("cleave-verify")
             v0 = core.store.tile_counts(core.job_id)["verified"]
+            t = server.traffic
+            counts0 = (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches)
             await asyncio.sleep(args.seconds)
             t1, cpu1, ver1 = time.perf_counter(), time.process_time(), _thread_cpu("cleave-verify")
             v1 = core.store.tile_counts(core.job_id)["verified"]
+            counts1 = (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches)
+            deltas = [b - a for a, b in zip(counts0, counts1, strict=True)]
+            frames_up, work_frames, work_tiles, checked, batches = deltas
         except BaseException:
             log.flush()
             print(db.with_suffix(".emulator.log").read_text()[-2000:], file=sys.stderr)
@@ -179,6 +184,10 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
         "cpu_ms_per_tile": 1e3 * per_tile,
         "tiles_per_cpu_s": 1.0 / per_tile if tiles else 0.0,
         "verifier_cpu_share": (ver1 - ver0) / cpu if cpu else 0.0,
+        # How much each frame and each verifier batch carried (batching amortises per-frame costs).
+        "tiles_per_work_frame": work_tiles / work_frames if work_frames else 0.0,
+        "results_per_frame_up": checked / frames_up if frames_up else 0.0,
+        "results_per_check_batch": checked / batches if batches else 0.0,
         "goal_tiles_per_s": GOAL_TILES_PER_S,
     }
 
@@ -195,6 +204,9 @@ def render(r: dict[str, Any], console: Console) -> None:
     table.add_row("coordinator CPU per verified tile (all threads)", f"{r['cpu_ms_per_tile']:.3f} ms")
     table.add_row("tiles per second that CPU allows on one core", f"{r['tiles_per_cpu_s']:,.0f}")
     table.add_row("share of that CPU on the verifier thread", f"{r['verifier_cpu_share']:.1%}")
+    table.add_row("tiles per work frame (down)", f"{r['tiles_per_work_frame']:.2f}")
+    table.add_row("results per frame (up)", f"{r['results_per_frame_up']:.2f}")
+    table.add_row("results per verifier batch", f"{r['results_per_check_batch']:.1f}")
     console.print(table)
     console.print(
         f"{r['tiles']:,} tiles verified; {r['tiles_per_gemm']} tiles per GEMM of {r['size']}x{r['k']} @ "

@@ -552,21 +552,35 @@ class Core:
             dev.last_seen,
         )
 
-    def settle(self, check: Check, verdict: Verdict, seconds: float, now: float) -> list[Outbound]:
+    def settle(
+        self, check: Check, verdict: Verdict, seconds: float, now: float, *, dispatch: bool = True
+    ) -> list[Outbound]:
         """Act on a result's verdict. The device may have left, or lost the tile to a copy or a
         deadline, while it was checked: a good result then comes too late and is dropped (as a
         losing copy's would be), a forgery still counts against its identity. Once the GEMM has
         completed, its operands may have changed under the check (an optimizer step): then the
-        verdict means nothing and is dropped, whatever it says."""
+        verdict means nothing and is dropped, whatever it says.
+
+        ``dispatch=False``: the caller settles a batch and calls ``dispatch`` once after it, so
+        the slots the batch freed are granted together (a device gets them as one work batch)."""
+        out = self._settle(check, verdict, seconds, now)
+        if out is None:  # nothing changed: nothing to dispatch
+            return []
+        return out + self._dispatch(now) if dispatch else out
+
+    def dispatch(self, now: float) -> list[Outbound]:
+        """What the scheduler decides now (after ``settle(..., dispatch=False)``)."""
+        return self._dispatch(now)
+
+    def _settle(self, check: Check, verdict: Verdict, seconds: float, now: float) -> list[Outbound] | None:
         dev, msg, gemm, tile = check.dev, check.msg, check.gemm, check.tile
         dev.checking.discard(msg.tile_id)
         self.verify_seconds += seconds
         current = self.devices.get(dev.id) is dev and msg.tile_id in dev.inflight
         if not current:
             if verdict.ok or self.gemms.get(gemm.id) is not gemm:
-                return []
-            dropped = self._forged(dev, now)
-            return dropped + self._dispatch(now) if dropped else []
+                return None
+            return self._forged(dev, now) or None
         leased_at = dev.inflight[msg.tile_id]
         arrived = check.arrived
         nbytes = msg.c.numel() * msg.c.element_size()
@@ -582,7 +596,7 @@ class Core:
                     dev.id, Error(Code.REJECTED, f"tile {msg.tile_id} failed verification: {verdict.reason}"), now
                 )
             )
-            return out + self._forged(dev, now) + self._dispatch(now)
+            return out + self._forged(dev, now)
         kind = gemm.kind.value
         self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
         losers = self.sched.done(msg.tile_id, dev.id)
@@ -624,7 +638,7 @@ class Core:
                         now,
                     )
                 )
-        return out + self._dispatch(now)
+        return out
 
     def _forged(self, dev: DeviceState, now: float) -> list[Outbound]:
         """Count a rejected result against its identity; when that bans it, drop the identity's

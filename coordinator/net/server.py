@@ -115,6 +115,10 @@ class _Conn:
 class Traffic:
     bytes_down: int = 0
     bytes_up: int = 0
+    frames_down: int = 0  # every frame queued to a peer (a fragmented one counts once)
+    frames_up: int = 0
+    work_frames: int = 0  # of frames_down, those carrying tiles: work_tiles / work_frames per frame
+    work_tiles: int = 0
 
 
 def _reason(text: str) -> str:
@@ -209,6 +213,7 @@ class Server:
             ws.transport.abort()  # a frame over the limit, say: stop reading what follows it
             return
         self.traffic.bytes_up += len(first)
+        self.traffic.frames_up += 1
         try:
             msg = decode(first)
         except ProtocolError as exc:
@@ -237,6 +242,7 @@ class Server:
         try:
             async for frame in ws:
                 self.traffic.bytes_up += len(frame)
+                self.traffic.frames_up += 1
                 try:
                     msg = decode(frame)
                     if not isinstance(msg, DEVICE_MESSAGES) or isinstance(msg, Hello):
@@ -495,8 +501,9 @@ class Server:
     def _batch_done(
         self, take: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]], batch: asyncio.Future
     ) -> None:
-        """Settle each result on its verdict, then send what they decided together (the tiles
-        the batch freed go out in as few frames as the devices take); the next batch starts."""
+        """Settle each result on its verdict, then dispatch once and send what they decided
+        together: the slots the batch freed are granted at one moment, so the tiles go out in as
+        few frames as the devices take (``_batched``); the next batch starts."""
         self._batch = None
         out: list[Outbound] = []
         try:
@@ -520,8 +527,8 @@ class Server:
                     future.set_exception(error)
                     continue
                 verdict, seconds = verdicts[i]
-                try:
-                    out.extend(self.core.settle(check, verdict, seconds, self.clock()))
+                try:  # the slots it frees are granted once the whole batch is settled
+                    out.extend(self.core.settle(check, verdict, seconds, self.clock(), dispatch=False))
                 except Exception as exc:  # a bug must not pass a result unchecked, nor go unheard
                     log.exception("settling tile %d of device %d failed", check.msg.tile_id, check.dev.id)
                     self.abort("internal error in the coordinator's verification (see the log)")
@@ -529,6 +536,12 @@ class Server:
                     continue
                 future.set_result(verdicts[i])
         finally:
+            if not self._stopped:
+                try:
+                    out.extend(self.core.dispatch(self.clock()))
+                except Exception:  # a bug must not go unheard, nor leave the batch's verdicts unsent
+                    log.exception("dispatching after a batch of %d results failed", len(take))
+                    self.abort("internal error in the coordinator's scheduling (see the log)")
             self.deliver(out)
             self._next_batch()
 
@@ -577,7 +590,12 @@ class Server:
                 else:
                     data = encode(msg) if parts is None else b"".join(parts)
                     frame = _Frame(data, len(data), not works, tiles)
-                self.traffic.bytes_down += frame.size
+                t = self.traffic
+                t.bytes_down += frame.size
+                t.frames_down += 1
+                if tiles:
+                    t.work_frames += 1
+                    t.work_tiles += len(tiles)
                 self._queue(conn, frame)
             elif isinstance(item, Limit):
                 conn.ws.protocol.max_message_size = item.nbytes
