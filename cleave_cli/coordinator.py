@@ -65,7 +65,7 @@ def start(
     seed: opt.Seed = D.seed,
     data: opt.Data = None,
     precision: opt.Precision = D.precision,
-    micro_batches: opt.MicroBatches = D.micro_batches,
+    micro_batches: opt.MicroBatches = "auto",
     metrics: opt.Metrics = None,
     min_devices: Annotated[
         int, typer.Option("--min-devices", help="Wait until this many devices joined before step 1.")

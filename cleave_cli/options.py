@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from coordinator.wire.errors import ConfigError
 from coordinator.wire.messages import WireDtype
 
 if TYPE_CHECKING:  # the training modules import torch: the commands that train import them
@@ -59,14 +60,28 @@ WireDtypeOpt = Annotated[
 
 
 MicroBatches = Annotated[
-    int,
+    str,
     typer.Option(
         "--micro-batches",
         help="Cut each batch into this many equal parts, their gradients summed: the same step. The coordinator "
         "runs up to 8 parts at once (more GEMMs out on the devices; at most 8 parts' activations held), "
-        "--local one after another (one part's activations). Must divide --batch-size.",
+        "--local one after another (one part's activations). Must divide --batch-size. auto: the cost model "
+        "forecasts the step on the devices that joined for each choice up to 8 and takes the best (1 with --local).",
     ),
 ]
+
+
+def micro_batches_of(value: str) -> int:
+    """``--micro-batches``: a number of parts, or ``auto`` (0: the cost model's choice)."""
+    if value.strip().lower() == "auto":
+        return 0
+    try:
+        parts = int(value)
+    except ValueError:
+        raise ConfigError(f"--micro-batches must be a whole number or auto, got {value!r}") from None
+    if parts < 1:
+        raise ConfigError(f"--micro-batches must be at least 1 (or auto), got {parts}")
+    return parts
 
 
 def train_config(
@@ -78,7 +93,7 @@ def train_config(
     seed: int,
     data: Path | None,
     precision: str = "fp32",
-    micro_batches: int = 1,
+    micro_batches: str | int = 1,
 ) -> TrainConfig:
     from coordinator.training.loop import TrainConfig
 
@@ -91,7 +106,7 @@ def train_config(
         seed=seed,
         data=str(data) if data is not None else None,
         precision=precision,
-        micro_batches=micro_batches,
+        micro_batches=micro_batches if isinstance(micro_batches, int) else micro_batches_of(micro_batches),
     )
 
 

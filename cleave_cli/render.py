@@ -652,6 +652,11 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
             f"{_share(c.get('utilisation_bound'))}); "
             f"GEMMs in flight {c['gemms_in_flight']['mean']:.1f} on average, at most {c['gemms_in_flight']['max']}\n"
         )
+    forecasts = c.get("micro_batch_forecasts_s")
+    if forecasts:
+        weighed = ", ".join(f"{m}: {_seconds(s)}" for m, s in forecasts.items())
+        chosen = c["micro_batches"]
+        lines.append(f"micro-batches: {chosen}, the cost model's choice (forecast step by parts: {weighed})\n")
     lines.append(
         f"the planner predicted {_seconds(c['predicted_s'])} for the last step"
         f"{' (kept every GEMM home)' if c.get('kept_home') else ''}, the coordinator alone "

@@ -22,6 +22,7 @@ from rich.console import Console
 
 from cleave_cli import render
 from cleave_cli.errors import friendly, stderr_console
+from cleave_cli.options import micro_batches_of
 from cleave_cli.plan import (
     DEFAULT_LINK_GBPS,
     AsJson,
@@ -159,7 +160,8 @@ def simulate_one(
     progress(f"simulating {model.name} on {devices:,} devices (churn, one crash) ...")
     # The crash lands mid-step of the last step (measured without churn), on its busiest device.
     last = calm.steps[-1].seconds
-    stormy_cfg = dataclasses.replace(base, churn=churn, fail_at=FAIL_AT * last)
+    # The calm run's micro-batches (the cost model's choice, when asked for auto) for both.
+    stormy_cfg = dataclasses.replace(base, churn=churn, fail_at=FAIL_AT * last, micro_batches=calm.micro_batches)
     stormy = Simulation(stormy_cfg).run()
     wall = time.perf_counter() - started
     step_s = stormy.step_s
@@ -174,6 +176,11 @@ def simulate_one(
             # The cost model's step: the program list-scheduled with each GEMM's predicted time.
             "predicted_s": stats.forecast,
             "home_s": stats.home,  # every GEMM kept on the coordinator
+            "micro_batches": calm.micro_batches,  # the parts each step ran in
+            # With --micro-batches auto: the cost model's forecast step for each choice it weighed.
+            "micro_batch_forecasts_s": None
+            if calm.choice is None
+            else {str(m): s for m, s in sorted(calm.choice.forecasts.items())},
             "kept_home": stats.kept_home,
             "tokens_per_s": _ratio(batch * seq, step_s),
             "flops_per_s": _ratio(step_flops(model, batch, seq), step_s),
@@ -337,7 +344,7 @@ def build_report(
         "seed": seed,
         "steps": steps,
         "planner": planner.value,
-        "micro_batches": micro_batches,
+        "micro_batches": micro_batches or "auto",  # each run says what it ran (auto: the cost model chose)
         "batched": batched,
         "churn": churn,
         "down_up_ratio": down_up_ratio,
@@ -440,13 +447,14 @@ def simulate(
         float, typer.Option("--heartbeat-timeout", help="Seconds of silence before a crashed device is noticed.")
     ] = FaultPolicy().heartbeat_timeout,
     micro_batches: Annotated[
-        int,
+        str,
         typer.Option(
             "--micro-batches",
             help="The batch in this many parts through the model side by side, the fleet in as many lanes "
-            "(1: one GEMM after another, each waited for).",
+            "(1: one GEMM after another, each waited for; auto: the cost model forecasts the step for each "
+            "choice up to 8 on the fleet and takes the best).",
         ),
-    ] = 1,
+    ] = "auto",
     batched: Annotated[
         bool,
         typer.Option(
@@ -466,8 +474,9 @@ def simulate(
     counts: list[int | None] = parse_sweep(sweep) if sweep is not None else [devices]
     if not 1 <= steps <= 100:
         raise ConfigError(f"--steps must be between 1 and 100, got {steps}")
-    if not 1 <= micro_batches <= batch_size or batch_size % micro_batches:
-        raise ConfigError(f"--micro-batches must divide --batch-size ({batch_size}), got {micro_batches}")
+    parts = micro_batches_of(micro_batches)  # 0: auto
+    if parts and (parts > batch_size or batch_size % parts):
+        raise ConfigError(f"--micro-batches must divide --batch-size ({batch_size}), got {parts}")
     if ps_gflops is not None and not (math.isfinite(ps_gflops) and 0 < ps_gflops <= MAX_PS_GFLOPS):
         raise ConfigError(f"--ps-gflops must be above 0 and at most {MAX_PS_GFLOPS:,.0f}, got {ps_gflops}")
     if down_up_ratio is not None and not (math.isfinite(down_up_ratio) and 0 < down_up_ratio <= 1000):
@@ -497,7 +506,7 @@ def simulate(
                 down_up_ratio=down_up_ratio,
                 wire_half=wire_half,
                 heartbeat_timeout=heartbeat_timeout,
-                micro_batches=micro_batches,
+                micro_batches=parts,
                 batched=batched,
                 progress=status.update,
             )

@@ -30,7 +30,7 @@ def train(
     seed: opt.Seed = D.seed,
     data: opt.Data = None,
     precision: opt.Precision = D.precision,
-    micro_batches: opt.MicroBatches = D.micro_batches,
+    micro_batches: opt.MicroBatches = "auto",
     metrics: opt.Metrics = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final loss.")] = False,
 ) -> None:

@@ -231,6 +231,44 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
     return _Plan(Books.resume(store, unfinished.id, resume.step, now), train, resume)
 
 
+# The dtype the trainer's GEMMs reach the engine in, by --precision (float32 unless the model is).
+_GEMM_DTYPE = {"bf16": "bf16", "fp16": "fp16", "autocast": "bf16"}
+
+
+async def _choose_micro_batches(
+    trainer: Trainer, core: Core, train: TrainConfig, cfg: CoordinatorConfig, reporter: Reporter
+) -> None:
+    """``--micro-batches auto``: the cost model forecasts the step on the devices that joined for
+    each part count (``choose_micro_batches``) and the trainer takes the best from its first step;
+    one part where parts cannot run at once or the model's shape is not known to the cost model."""
+    from coordinator.whatif.presets import MODELS
+    from coordinator.whatif.simulator import choose_micro_batches
+
+    shape = MODELS.get(train.model)
+    if not trainer.concurrent or shape is None:
+        why = "its parts could not run at once" if not trainer.concurrent else "the cost model has no shape for it"
+        reporter.note(f"micro-batches: 1 (auto: {why})")
+        return
+    dtype = cfg.wire_dtype.value if cfg.wire_dtype.torch is not None else _GEMM_DTYPE.get(train.precision, "fp32")
+    planner = core.planner
+    profiles = core.fleet_profiles()  # on the loop, where the Core lives; the forecasts in a thread
+    choice = await asyncio.to_thread(
+        choose_micro_batches,
+        shape,
+        train.batch_size,
+        train.seq_len,
+        dtype,
+        planner.ps,
+        planner.planner,
+        planner.policy,
+        profiles,
+    )
+    trainer.use_micro_batches(choice.micro_batches)
+    if trainer.parts_at_once > 1:
+        core.plan_lanes(trainer.parts_at_once)
+    reporter.note(choice.summary())
+
+
 async def serve_job(
     cfg: CoordinatorConfig,
     reporter: Reporter,
@@ -386,6 +424,8 @@ async def serve_job(
                     finally:
                         joining.cancel()
                 model = await building
+                if train_cfg.micro_batches == 0:  # --micro-batches auto: from the fleet that joined
+                    await _choose_micro_batches(model, core, train_cfg, cfg, reporter)
                 core.start_training(time.monotonic())  # waiting for devices is not training time
                 trainer = asyncio.ensure_future(asyncio.to_thread(train, model))
                 try:

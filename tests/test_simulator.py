@@ -31,7 +31,11 @@ from coordinator.whatif.simulator import (
     SimConfig,
     Simulation,
     SimulationError,
+    choose_micro_batches,
     dataflow_program,
+    micro_batch_choices,
+    predict,
+    program,
     replay,
     step_program,
 )
@@ -275,6 +279,56 @@ def test_a_step_forecast_faster_at_home_keeps_every_gemm_home(monkeypatch: pytes
     assert home.kept_home and home.remote_gemms == 0 and home.local_gemms > 0 and home.forecast == 1e-3
     # The decision is the step's: the next one plans on its lanes again and ships.
     assert not shipped.kept_home and shipped.remote_gemms > 0
+
+
+def test_micro_batch_choices_are_the_batchs_divisors_up_to_the_parts_the_trainer_runs_at_once() -> None:
+    assert micro_batch_choices(64) == [1, 2, 4, 8]
+    assert micro_batch_choices(12) == [1, 2, 3, 4, 6]
+    assert micro_batch_choices(7) == [1, 7]
+    assert micro_batch_choices(1) == [1]
+
+
+def test_auto_micro_batches_take_the_fewest_parts_within_the_slack_of_the_best_forecast() -> None:
+    from coordinator.whatif.simulator import MICRO_BATCH_SLACK
+
+    model = model_shape("small")
+    members = {i + 1: cls.profile for i, cls in enumerate(c for c in LAN for _ in range(c.count))}  # 16 devices
+    for planner in (Planner.COST, Planner.UNIFORM):
+        choice = choose_micro_batches(model, 8, 256, "fp32", LAN_PS, planner, POLICY, members)
+        assert set(choice.forecasts) == {1, 2, 4, 8}
+        # Each forecast is predict's for that many lanes (the PS alone where sooner, with COST).
+        for m, forecast in choice.forecasts.items():
+            chains, tail = program(model, 8, 256, "fp32", LAN_PS, 0, m)
+            want = predict(chains, tail, LivePlanner(planner, LAN_PS, POLICY, lanes=m), "fp32", members)
+            assert forecast <= want * (1 + 1e-9)
+        best = min(choice.forecasts.values())
+        assert choice.forecasts[choice.micro_batches] <= best * (1 + MICRO_BATCH_SLACK)
+        assert all(f > best * (1 + MICRO_BATCH_SLACK) for m, f in choice.forecasts.items() if m < choice.micro_batches)
+        assert f"micro-batches: {choice.micro_batches}" in choice.summary()
+    # On this LAN fleet parts side by side do pay (test_micro_batches_in_flight...): auto takes more than one.
+    assert choose_micro_batches(model, 8, 256, "fp32", LAN_PS, Planner.COST, POLICY, members).micro_batches > 1
+    # A PS that outruns the fleet keeps every step home: parts change nothing, so one part.
+    fast = PSProfile.from_link(10, gflops={"fp32": 1e6, "bf16": 1e6, "fp16": 1e6})
+    assert choose_micro_batches(model, 8, 256, "fp32", fast, Planner.COST, POLICY, members).micro_batches == 1
+
+
+def test_a_simulation_asked_for_auto_micro_batches_runs_the_cost_models_choice() -> None:
+    sim = run(batch=8, seq=256, fleet=LAN, ps=LAN_PS, micro_batches=0, batched=True)
+    res = sim.result
+    assert res.choice is not None and res.micro_batches == res.choice.micro_batches > 1
+    st = res.steps[-1]
+    # The step ran as chosen: as many parts' GEMMs, forecast as the choice forecast it.
+    assert st.forecast == pytest.approx(res.choice.forecasts[res.micro_batches])
+    assert st.remote_gemms + st.local_gemms == res.micro_batches * len(
+        [
+            c
+            for op in step_program(model_shape("small"), 8, 256, "fp32", LAN_PS)
+            if not isinstance(op, PsWork)
+            for c in op
+        ]
+    )
+    with pytest.raises(SimulationError, match="micro_batches"):
+        SimConfig(model_shape("small"), LAN, LAN_PS, micro_batches=-1)
 
 
 def test_lanes_share_each_class_out_and_the_ps_among_them() -> None:

@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
+from coordinator.planning.costmodel import PARTS_IN_FLIGHT
 from coordinator.planning.tiles import TilingPolicy, plan_gemm, tiled_matmul
 from coordinator.training.data import ByteBatches, DataError, load_corpus
 from coordinator.training.linear import GemmRequest, LocalEngine, TiledLinear, offload_linears
-from coordinator.training.loop import PARTS_IN_FLIGHT, TrainConfig, Trainer, draws_randomness
+from coordinator.training.loop import TrainConfig, Trainer, draws_randomness
 from coordinator.training.model import PRESETS, Transformer
 from coordinator.wire.errors import ConfigError
 
@@ -222,6 +223,27 @@ def test_micro_batches_at_once_take_the_whole_batchs_step(micro_batches: int) ->
     assert engine.most_inside >= 2 and len(engine.threads) == micro_batches  # they did overlap
 
 
+def test_auto_micro_batches_start_as_one_part_and_take_the_jobs_choice_from_the_next_step() -> None:
+    """--micro-batches auto (0): the trainer runs one part until the job hands it the cost
+    model's choice; a checkpoint keeps saying auto, so a resumed job chooses again."""
+    cfg = TrainConfig(steps=3, seq_len=32, batch_size=8)
+    want = [r.loss for r in Trainer(cfg).run()]
+    trainer = Trainer(TrainConfig(steps=3, seq_len=32, batch_size=8, micro_batches=0), PartsAtOnceEngine())
+    assert (trainer.micro_batches, trainer.parts_at_once) == (1, 1)
+    got = [trainer.train_step().loss]
+    trainer.use_micro_batches(4)
+    assert (trainer.micro_batches, trainer.parts_at_once) == (4, 4)
+    got += [trainer.train_step().loss for _ in range(2)]
+    trainer.close()
+    assert got == pytest.approx(want, rel=1e-5)
+    assert trainer.state_dict()["config"]["micro_batches"] == 0
+    with pytest.raises(ConfigError, match="must divide"):
+        trainer.use_micro_batches(3)
+    local = Trainer(TrainConfig(steps=1, seq_len=32, batch_size=8, micro_batches=0))
+    local.use_micro_batches(4)
+    assert (local.micro_batches, local.parts_at_once) == (4, 1)  # no concurrent engine: one after another
+
+
 def test_parts_at_once_are_bounded_and_kept_sequential_when_the_model_draws_randomness() -> None:
     cfg = TrainConfig(steps=1, seq_len=8, batch_size=16, micro_batches=16)
     assert Trainer(cfg, PartsAtOnceEngine()).parts_at_once == PARTS_IN_FLIGHT  # memory: at most 8 parts' activations
@@ -280,7 +302,7 @@ def test_presets_have_the_advertised_sizes() -> None:
         ({"lr": -1.0}, "--lr"),
         ({"seed": -3}, "--seed"),
         ({"micro_batches": 3}, "--micro-batches"),  # does not divide the batch of 8
-        ({"micro_batches": 0}, "--micro-batches"),
+        ({"micro_batches": -1}, "--micro-batches"),  # 0 is auto: the cost model chooses
     ],
 )
 def test_absurd_options_are_refused_with_the_option_name(kwargs: dict, message: str) -> None:

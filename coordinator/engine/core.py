@@ -877,9 +877,6 @@ class Core:
         rebuilt (O(devices)) only when the fleet changed: a device joined, left, paused or
         resumed, or its measured profile moved on the planner's grid."""
 
-        def active() -> dict[int, Profile]:
-            return {d: self.profiles[d].profile(self.dtype) for d, dev in self.devices.items() if dev.paused is None}
-
         # Devices measured since the last plan: has any moved on the planner's grid? (Here, once
         # per GEMM, rather than at every result.)
         for device_id in self._measured:
@@ -892,7 +889,11 @@ class Core:
                 self._fleet_keys[device_id] = key
                 self._fleet_changed()
         self._measured.clear()
-        return self.planner.plan(m, n, k, kind, self.dtype, active, self._fleet_version)
+        return self.planner.plan(m, n, k, kind, self.dtype, self.fleet_profiles, self._fleet_version)
+
+    def fleet_profiles(self) -> dict[int, Profile]:
+        """What the cost model knows of each device that may take work now (O(devices))."""
+        return {d: self.profiles[d].profile(self.dtype) for d, dev in self.devices.items() if dev.paused is None}
 
     def _fleet_changed(self) -> None:
         """A device joined, left, paused, resumed or moved on the planner's grid."""

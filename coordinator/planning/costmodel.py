@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 
 from coordinator.wire.errors import ConfigError
 
+# The most micro-batches the coordinator's trainer runs at once (Trainer.parts_at_once), and so
+# the most lanes a plan is cut into: memory on the PS grows with it (one part's activations and
+# gradients each), the fleet's work in flight too.
+PARTS_IN_FLIGHT = 8
+
 # Training dtypes and their element sizes. Names are the CLI's (``--dtype``).
 ITEMSIZE: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Verification (coordinator/wire/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a

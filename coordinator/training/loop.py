@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from coordinator.planning.costmodel import PARTS_IN_FLIGHT
 from coordinator.training import models
 from coordinator.training.data import ByteBatches, load_corpus
 from coordinator.training.linear import MatmulEngine, offload_linears
@@ -30,10 +31,9 @@ PRECISIONS = ("fp32", "bf16", "fp16", "autocast")
 _AUTOCAST = {"fp16": torch.float16, "autocast": torch.bfloat16}
 
 # Micro-batches through forward and backward at once (an engine that takes concurrent GEMMs):
-# at most this many, so the activations held are at most this many parts' (with
+# at most PARTS_IN_FLIGHT (8), so the activations held are at most that many parts' (with
 # --micro-batches M: min(M, 8)/M of the whole batch's, never more than --micro-batches 1 holds),
-# and the gradients held besides the sum at most this many copies (parts done before an earlier one).
-PARTS_IN_FLIGHT = 8
+# and the gradients held besides the sum at most that many copies (parts done before an earlier one).
 
 
 def draws_randomness(model: nn.Module) -> bool:
@@ -69,7 +69,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     warmup: int = 10
     precision: str = "fp32"  # fp32 | bf16 (weights too) | fp16 (autocast, loss scaler) | autocast (bf16)
-    micro_batches: int = 1  # the batch's sequences in this many equal parts, their gradients summed
+    micro_batches: int = 1  # the batch's sequences in this many equal parts, their gradients summed; 0: auto
 
     def __post_init__(self) -> None:
         try:
@@ -87,7 +87,8 @@ class TrainConfig:
             (0 <= self.seed < 2**63, f"--seed must be a non-negative 64-bit integer, got {self.seed}"),
             (self.weight_decay >= 0 and self.grad_clip >= 0 and self.warmup >= 0, "negative optimizer setting"),
             (
-                1 <= self.micro_batches <= self.batch_size and self.batch_size % self.micro_batches == 0,
+                self.micro_batches == 0  # auto: the cost model's choice from the fleet (a coordinator's job)
+                or (1 <= self.micro_batches <= self.batch_size and self.batch_size % self.micro_batches == 0),
                 f"--micro-batches must divide --batch-size ({self.batch_size}), got {self.micro_batches}",
             ),
             (
@@ -154,15 +155,18 @@ class Trainer:
         # Engines that take GEMMs from several threads at once (the coordinator's) get the
         # micro-batches concurrently: while one part waits on the devices, the others' GEMMs are out.
         self.take_deferred: Callable[[], list] | None = getattr(engine, "take_deferred", None)
-        self.parts_at_once = 1
-        if (
+        # Whether the parts may run at once: concurrent GEMMs, and no random draws whose order
+        # would then depend on the threads.
+        self.concurrent = (
             self.take_deferred is not None
             and getattr(engine, "takes_parts_at_once", False)
             and model_factory is None
             and not draws_randomness(self.model)
-        ):
-            self.parts_at_once = min(cfg.micro_batches, PARTS_IN_FLIGHT)
+        )
         self._pool: ThreadPoolExecutor | None = None
+        self.micro_batches = self.parts_at_once = 1
+        # 0 (--micro-batches auto): one part until the job asks for the cost model's choice.
+        self.use_micro_batches(cfg.micro_batches or 1)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
@@ -180,6 +184,17 @@ class Trainer:
         self.batches = ByteBatches(ids, cfg.seq_len, cfg.batch_size, np.random.default_rng(cfg.seed))
         self.step = 0
         self.tokens_seen = 0
+
+    def use_micro_batches(self, parts: int) -> None:
+        """Cut each batch into ``parts`` from the next step on (the same step, to float error);
+        up to ``PARTS_IN_FLIGHT`` of them at once where the engine and the model allow it."""
+        if not 1 <= parts <= self.cfg.batch_size or self.cfg.batch_size % parts:
+            raise ConfigError(f"micro-batches must divide the batch size ({self.cfg.batch_size}), got {parts}")
+        at_once = min(parts, PARTS_IN_FLIGHT) if self.concurrent else 1
+        if self._pool is not None and at_once != self.parts_at_once:
+            self._pool.shutdown()
+            self._pool = None
+        self.micro_batches, self.parts_at_once = parts, at_once
 
     def state_dict(self) -> dict[str, Any]:
         """Everything that decides the next step, for a checkpoint."""
@@ -226,7 +241,7 @@ class Trainer:
             group["lr"] = lr
         x, y = self.batches.next()  # (B, T)
         self.optimizer.zero_grad(set_to_none=True)
-        parts = list(zip(x.chunk(self.cfg.micro_batches), y.chunk(self.cfg.micro_batches), strict=True))
+        parts = list(zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True))
         share = 1 / len(parts)  # equal parts: each loss weighted by its share of the tokens
         if self.parts_at_once > 1:
             loss_sum = self._parts_at_once(parts, share)

@@ -49,6 +49,7 @@ from coordinator.planning.costmodel import (
     ATTENTION_PASSES,
     CHECK_BATCH,
     ITEMSIZE,
+    PARTS_IN_FLIGHT,
     CostModelError,
     DeviceClass,
     Profile,
@@ -229,6 +230,67 @@ def predict(
     return end
 
 
+# --micro-batches auto: fewer parts win within this share of the best forecast (less held on the
+# PS, larger GEMMs); the forecasts themselves are within 25% of simulated steps (docs/simulation.md).
+MICRO_BATCH_SLACK = 0.05
+
+
+def program(
+    model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile, step: int, micro_batches: int
+) -> tuple[list[list[Op]], list[Op]]:
+    """The step's chains and what runs once they are all done, as the trainer issues them."""
+    if micro_batches == 1:  # today's order: one chain, every GEMM waited for in turn
+        return [step_program(model, batch, seq, dtype, ps, step)], []
+    return dataflow_program(model, batch, seq, dtype, ps, step, micro_batches), [_optimizer(model, dtype, ps)]
+
+
+def micro_batch_choices(batch: int, most: int = PARTS_IN_FLIGHT) -> list[int]:
+    """The part counts the cost model weighs: divisors of the batch, at most ``most``."""
+    return [m for m in range(1, min(batch, most) + 1) if batch % m == 0]
+
+
+@dataclass(frozen=True)
+class MicroBatchChoice:
+    """The cost model's number of micro-batches and the forecast step of every candidate."""
+
+    micro_batches: int
+    forecasts: dict[int, float]  # candidate -> forecast step seconds (the PS alone if that is sooner)
+
+    def summary(self) -> str:
+        others = ", ".join(f"{m}: {s:.3g} s" for m, s in sorted(self.forecasts.items()) if m != self.micro_batches)
+        return (
+            f"micro-batches: {self.micro_batches}, chosen by the cost model "
+            f"(forecast step {self.forecasts[self.micro_batches]:.3g} s; {others or 'no other choice'})"
+        )
+
+
+def choose_micro_batches(
+    model: ModelShape,
+    batch: int,
+    seq: int,
+    dtype: str,
+    ps: PSProfile,
+    planner: Planner,
+    policy: TilingPolicy,
+    profiles: Mapping[int, Profile],
+    most: int = PARTS_IN_FLIGHT,
+) -> MicroBatchChoice:
+    """``--micro-batches auto``: forecast one step for each candidate part count on this fleet
+    (``predict``, the fleet in as many lanes; with the cost planner, the PS alone where that is
+    sooner) and take the fewest parts within ``MICRO_BATCH_SLACK`` of the best forecast: fewer
+    parts hold less on the coordinator and cut the GEMMs less. Pure: no clock, no I/O."""
+    forecasts: dict[int, float] = {}
+    for m in micro_batch_choices(batch, most):
+        chains, tail = program(model, batch, seq, dtype, ps, 0, m)
+        forecast = predict(chains, tail, LivePlanner(planner, ps, policy, lanes=m), dtype, profiles)
+        if planner is Planner.COST:
+            forecast = min(forecast, home_seconds(chains, tail, ps, dtype))
+        forecasts[m] = forecast
+    best = min(forecasts.values())
+    chosen = min(m for m, f in forecasts.items() if f <= best * (1 + MICRO_BATCH_SLACK))
+    return MicroBatchChoice(chosen, forecasts)
+
+
 def home_seconds(chains: list[list[Op]], tail: list[Op], ps: PSProfile, dtype: str) -> float:
     """The step with every GEMM kept on the PS: its CPU does everything, one op after another."""
     return sum(
@@ -262,7 +324,8 @@ class SimConfig:
     slots: int = DEFAULT_SLOTS  # what `cleave join` asks for by default (--slots)
     give_up: float = 3600.0  # simulated seconds without a verified unit before the run is declared stalled
     # The batch in this many parts through the model side by side (``dataflow_program``); 1: one
-    # GEMM after another, each waited for, as the trainer without --micro-batches issues them.
+    # GEMM after another, each waited for, as the trainer without --micro-batches issues them;
+    # 0: as many as the cost model chooses from the fleet at the first step (``choose_micro_batches``).
     micro_batches: int = 1
     # A planned owner's tiles of a GEMM go out in a few batched work messages (live_plan.batches):
     # one lease and one result each. False: one tile per message. (Checks are batched either way.)
@@ -274,13 +337,14 @@ class SimConfig:
             raise SimulationError(f"unknown dtype {self.dtype!r}; use one of {', '.join(ITEMSIZE)}")
         for name in ("batch", "seq", "steps", "slots", "micro_batches"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            least = 0 if name == "micro_batches" else 1  # 0 micro-batches: the cost model's choice
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise SimulationError(f"{name} must be a positive integer, got {value!r}")
         if not 0 <= self.crash_share <= 1:
             raise SimulationError(f"crash_share must be between 0 and 1, got {self.crash_share!r}")
         if not sum(c.count for c in self.fleet):
             raise SimulationError("the fleet has no devices")
-        if self.batch % self.micro_batches:
+        if self.micro_batches and self.batch % self.micro_batches:
             raise SimulationError(f"micro_batches ({self.micro_batches}) must divide the batch ({self.batch})")
 
 
@@ -355,6 +419,8 @@ class SimResult:
     kinds: Counter
     events: int
     injected_recovery: float | None = None  # the injected crash's (``fail_at``)
+    micro_batches: int = 1  # the parts each step ran in (the cost model's choice when asked for 0)
+    choice: MicroBatchChoice | None = None  # that choice and its forecasts, when the cost model made it
 
     @property
     def measured(self) -> list[StepStats]:
@@ -427,7 +493,10 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         self.sched = scheduler if scheduler is not None else Scheduler(cfg.faults)
         self.conduct = Conduct(self.sched, cfg.trust)  # the live Core's rules, over this scheduler
-        self._shipping = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=cfg.lanes or cfg.micro_batches)
+        # 0 micro-batches: the cost model chooses at the first step (``choose_micro_batches``).
+        self.micro_batches = cfg.micro_batches or 1
+        self.choice: MicroBatchChoice | None = None
+        self._shipping = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=cfg.lanes or self.micro_batches)
         self._home = LivePlanner(cfg.planner, cfg.ps, cfg.policy, PlannerOptions(kinds=frozenset({Kind.LOCAL})))
         self.planner = self._shipping  # per step: ``_home`` when the forecast keeps the step home
         self.itemsize = ITEMSIZE[cfg.dtype]
@@ -859,12 +928,13 @@ class Simulation:
             gone_before = len(self.gone)
             if cfg.fail_at is not None and step == cfg.steps - 1:
                 self._at(began + cfg.fail_at, _FAIL)
-            if cfg.micro_batches == 1:  # today's order: one chain, every GEMM waited for in turn
-                chains = [step_program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step)]
-                tail: list[Op] = []
-            else:
-                chains = dataflow_program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step, cfg.micro_batches)
-                tail = [_optimizer(cfg.model, cfg.dtype, cfg.ps)]
+            if step == 0 and not cfg.micro_batches:  # auto: the cost model chooses from the fleet that joined
+                self.choice = choose_micro_batches(
+                    cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, cfg.planner, cfg.policy, dict(self._profiles)
+                )
+                self.micro_batches = self.choice.micro_batches
+                self._shipping = self._shipping.with_lanes(cfg.lanes or self.micro_batches)
+            chains, tail = program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step, self.micro_batches)
             fresh = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=self._shipping.lanes)
             self._stats.forecast = predict(chains, tail, fresh, cfg.dtype, dict(self._profiles))
             self._stats.home = home_seconds(chains, tail, cfg.ps, cfg.dtype)
@@ -896,6 +966,8 @@ class Simulation:
             self.kinds,
             self.events,
             self.injected_recovery,
+            self.micro_batches,
+            self.choice,
         )
 
     def _device_figures(self, before: dict[int, tuple], present: list[_Device]) -> None:
