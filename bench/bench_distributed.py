@@ -80,6 +80,7 @@ from rich.table import Table
 from timing import interleaved_medians
 
 from cleave_cli.local import serve_with_local_clients
+from cleave_cli.options import micro_batches_of
 from coordinator.engine.identity import new_token
 from coordinator.engine.live_plan import Planner
 from coordinator.job import CoordinatorConfig, JobOutcome, Listening
@@ -208,9 +209,12 @@ class BenchReporter:
         self.snapshots: list[Snapshot] = []
         self._task: TaskID | None = None
         self._started = False
+        self.micro_batches = ""  # the job's note of the parts it cut each batch into
 
     def note(self, text: str) -> None:
-        pass
+        if text.startswith("micro-batches:"):
+            self.micro_batches = text
+            self.ui.note(text)
 
     def listening(self, info: Listening) -> None:
         self.ui.note(f"coordinator listening on {info.url}")
@@ -236,6 +240,7 @@ class DistributedRun:
     snapshots: list[Snapshot]
     outcome: JobOutcome
     gemms: list[tuple[int, str, int, int, int, int]]  # (step column, kind, m, n, k, tiles)
+    micro_batches: str = ""  # what the job said of its micro-batches (auto: the cost model's choice)
 
 
 def _read_gemms(db: Path) -> list[tuple[int, str, int, int, int, int]]:
@@ -277,7 +282,7 @@ def run_distributed(
             )
         )
         gemms = _read_gemms(db)
-    return DistributedRun(clients, client_threads, reporter.snapshots, outcome, gemms)
+    return DistributedRun(clients, client_threads, reporter.snapshots, outcome, gemms, reporter.micro_batches)
 
 
 # ---------------------------------------------------------------------------- phase 3: Freivalds micro-benchmark
@@ -480,6 +485,8 @@ def compute_figures(
             "cpu_count": os.cpu_count(),
             "torch": torch.__version__,
             "wire_dtype": args.wire_dtype,
+            "micro_batches": args.micro_batches,
+            "micro_batches_chosen": dist.micro_batches,
             "gemms_per_step": len(window) // measured,
             "tiles_per_step": sum(t.per_step for t in timings),
         },
@@ -552,10 +559,10 @@ def compute_figures(
 # ---------------------------------------------------------------------------- phase 4: the demo
 
 
-def run_demo(steps: int, clients: int, ui: ProgressUI) -> dict[str, Any]:
+def run_demo(steps: int, clients: int, ui: ProgressUI, micro_batches: int = 1) -> dict[str, Any]:
     """``cleave demo``'s job (tiny, batch 8 x 64): its wall time through local clients, with the
     demo's round-robin tiles and with the cost model, against plain torch, as the demo reports."""
-    train = TrainConfig(model="tiny", steps=steps, batch_size=8, seq_len=64)
+    train = TrainConfig(model="tiny", steps=steps, batch_size=8, seq_len=64, micro_batches=micro_batches)
     out: dict[str, Any] = {"steps": steps, "clients": clients}
     for planner in (Planner.UNIFORM, Planner.COST):
         task = ui.phase(f"demo job, --planner {planner.value}", 1)
@@ -753,6 +760,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=TrainConfig().seed)
+    p.add_argument(
+        "--micro-batches",
+        default="auto",
+        help="the coordinator's --micro-batches, for the job and the demo (default: auto, as cleave runs it; "
+        "plain torch always takes the whole batch)",
+    )
     p.add_argument("--clients", type=int, default=2, help="local client processes (default: 2)")
     p.add_argument("--client-threads", type=int, default=1, help="torch threads per client (default: 1)")
     p.add_argument(
@@ -802,7 +815,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     train = TrainConfig(
-        model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed
+        model=args.model,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        micro_batches=micro_batches_of(args.micro_batches),
     )
     ui = ProgressUI(enabled=not args.quiet)
     try:
@@ -818,7 +836,11 @@ def main(argv: list[str] | None = None) -> int:
         offset = _gemm_step_offset(dist.gemms, args.steps)
         last_step = [(kind, m, n, k, tiles) for s, kind, m, n, k, tiles in dist.gemms if s + offset == args.steps]
         timings = micro_benchmark(last_step, args.clients, args.micro_repeats, ui)
-        demo = run_demo(args.demo_steps, args.clients, ui) if args.demo_steps > 0 else None
+        demo = (
+            run_demo(args.demo_steps, args.clients, ui, micro_batches_of(args.micro_batches))
+            if args.demo_steps > 0
+            else None
+        )
         wire = None
         if args.wire_mb > 0:
             task = ui.phase("wire floor: plain websockets on loopback", 1)

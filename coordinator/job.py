@@ -236,18 +236,26 @@ _GEMM_DTYPE = {"bf16": "bf16", "fp16": "fp16", "autocast": "bf16"}
 
 
 async def _choose_micro_batches(
-    trainer: Trainer, core: Core, train: TrainConfig, cfg: CoordinatorConfig, reporter: Reporter
+    trainer: Trainer,
+    core: Core,
+    train: TrainConfig,
+    cfg: CoordinatorConfig,
+    reporter: Reporter,
+    basis: str = "the devices that joined",
 ) -> None:
-    """``--micro-batches auto``: the cost model forecasts the step on the devices that joined for
-    each part count (``choose_micro_batches``) and the trainer takes the best from its first step;
-    one part where parts cannot run at once or the model's shape is not known to the cost model."""
+    """``--micro-batches auto``: the cost model forecasts the step on the devices there now for
+    each part count (``choose_micro_batches``) and the trainer takes the best from its next step;
+    one part where parts cannot run at once or the model's shape is not known to the cost model.
+    Asked before the first step (the devices' claims) and again after it (their measured rates
+    and links); the step is the same step whatever the parts, to float error."""
     from coordinator.whatif.presets import MODELS
     from coordinator.whatif.simulator import choose_micro_batches
 
     shape = MODELS.get(train.model)
     if not trainer.concurrent or shape is None:
-        why = "its parts could not run at once" if not trainer.concurrent else "the cost model has no shape for it"
-        reporter.note(f"micro-batches: 1 (auto: {why})")
+        if trainer.step == 0:  # said once
+            why = "its parts could not run at once" if not trainer.concurrent else "the cost model has no shape for it"
+            reporter.note(f"micro-batches: 1 (auto: {why})")
         return
     dtype = cfg.wire_dtype.value if cfg.wire_dtype.torch is not None else _GEMM_DTYPE.get(train.precision, "fp32")
     planner = core.planner
@@ -264,9 +272,8 @@ async def _choose_micro_batches(
         profiles,
     )
     trainer.use_micro_batches(choice.micro_batches)
-    if trainer.parts_at_once > 1:
-        core.plan_lanes(trainer.parts_at_once)
-    reporter.note(choice.summary())
+    core.plan_lanes(trainer.parts_at_once)
+    reporter.note(choice.summary(basis))
 
 
 async def serve_job(
@@ -382,9 +389,16 @@ async def serve_job(
                 trainer.close()  # the micro-batches' threads, when they ran at once
 
         def _train(trainer: Trainer) -> None:
+            first = True
             while trainer.step < train_cfg.steps:
                 result = trainer.train_step()
                 loop.call_soon_threadsafe(record, result)
+                if first and train_cfg.micro_batches == 0 and trainer.step < train_cfg.steps:
+                    # --micro-batches auto, again: the first step measured the devices.
+                    basis = f"the devices as step {trainer.step} measured them"
+                    again = _choose_micro_batches(trainer, core, train_cfg, cfg, reporter, basis)
+                    asyncio.run_coroutine_threadsafe(again, loop).result()
+                first = False
                 every = cfg.checkpoint_every
                 if (every and trainer.step % every == 0) or trainer.step == train_cfg.steps:
                     # Between steps, in the thread that owns the model: a consistent state.

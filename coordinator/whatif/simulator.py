@@ -256,10 +256,10 @@ class MicroBatchChoice:
     micro_batches: int
     forecasts: dict[int, float]  # candidate -> forecast step seconds (the PS alone if that is sooner)
 
-    def summary(self) -> str:
+    def summary(self, basis: str = "the fleet") -> str:
         others = ", ".join(f"{m}: {s:.3g} s" for m, s in sorted(self.forecasts.items()) if m != self.micro_batches)
         return (
-            f"micro-batches: {self.micro_batches}, chosen by the cost model "
+            f"micro-batches: {self.micro_batches}, chosen by the cost model on {basis} "
             f"(forecast step {self.forecasts[self.micro_batches]:.3g} s; {others or 'no other choice'})"
         )
 
