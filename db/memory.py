@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -434,6 +435,10 @@ class MemoryStore:
 
     def flush(self) -> None:
         pass
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        yield  # every call is atomic on its own here already
 
     def close(self) -> None:
         pass

@@ -116,6 +116,8 @@ class SQLiteStore:
         self._clock = clock
         self._group_since: float | None = None  # when the open group transaction began
         self._depth = 0  # atomic blocks open inside this call chain
+        self._in_batch = False  # inside batch(): hot-path writes share its savepoint
+        self._commit_after = False  # a write inside the batch must commit as soon as it ends
         self._cool_until = -math.inf  # no group before then (see _grouped)
         self._closed = False
         # Given ``flush`` when a group opens: a server passes its loop's ``call_soon``, so the group
@@ -150,6 +152,8 @@ class SQLiteStore:
                 yield self.conn
             if not self._depth:
                 self.flush()
+            elif self._in_batch:  # durable once the batch is
+                self._commit_after = True
             return
         self.conn.execute("BEGIN IMMEDIATE")
         self._depth += 1
@@ -163,8 +167,31 @@ class SQLiteStore:
         self.conn.execute("COMMIT")
 
     @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hot-path writes of one batch: inside it, each call is no longer a savepoint of its own
+        (SAVEPOINT and RELEASE were half the statements of a tile's lease, end and credit); the
+        batch is one. A write that fails inside a batch fails the job (the Core's caller aborts
+        on any error), and a restart abandons the window's tile bookkeeping anyway. Writes that
+        must outlive a crash commit as the batch ends."""
+        if self._in_batch:
+            yield
+            return
+        with self._grouped():
+            self._in_batch = True
+            try:
+                yield
+            finally:
+                self._in_batch = False
+        if self._commit_after:
+            self._commit_after = False
+            self.flush()
+
+    @contextmanager
     def _grouped(self) -> Iterator[sqlite3.Connection]:
         """A hot-path write: atomic on its own, committed with the group (see the module doc)."""
+        if self._in_batch:  # the batch's savepoint holds it
+            yield self.conn
+            return
         if not self.group_seconds or self._depth:
             with self.atomic() as c:
                 yield c

@@ -16,6 +16,7 @@ Time is always passed in (``now``, seconds since the epoch) so tests can move th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -399,6 +400,11 @@ class Store(Protocol):
 
     def flush(self) -> None:
         """Make every write so far durable (a store may group hot-path writes; see db/sqlite.py)."""
+        ...
+
+    def batch(self) -> AbstractContextManager[None]:
+        """Hot-path writes of one batch (a verifier batch settled and dispatched) as one unit:
+        the calls inside it share one savepoint instead of one each (db/sqlite.py)."""
         ...
 
     def close(self) -> None: ...

@@ -232,3 +232,48 @@ def test_timings_count_from_the_result_arriving_not_from_its_verdict() -> None:
     core.settle(check, verdict, seconds, arrived + 30.0)  # a long queue before the verifier
     assert core.devices[d].verified_at == arrived
     assert core.devices[d].result_at == arrived
+
+
+def test_a_batch_settled_as_one_credits_each_device_once_and_grants_its_freed_slots_together() -> None:
+    """The server settles a verifier batch inside ``Core.batch()`` and dispatches once after it:
+    the product is exact, each device's verified tiles are credited in one write, and a device
+    whose results freed several slots gets its next tiles in the same dispatch."""
+    core = _core()
+    credits: list[tuple[int, int]] = []
+    credit = core.store.credit_device
+
+    def counted(device_id: int, **kw) -> None:
+        credits.append((device_id, kw.get("verified", 0)))
+        credit(device_id, **kw)
+
+    core.store.credit_device = counted  # type: ignore[method-assign]
+    fleet = Fleet(core)
+    devices = [fleet.join("a"), fleet.join("b")]
+    a, b = torch.randn(256, 64), torch.randn(64, 256)
+    box = submit(core, fleet, a, b)
+    rounds = most = 0
+    while fleet.pending:
+        checks = []
+        for d in devices:
+            while any(item.device == d for item in fleet.pending):
+                checks.append(_receive(fleet, d)[0])
+        verdicts = [check.run(np.random.default_rng(1)) for check in checks]
+        before = len(credits)
+        with core.batch():
+            out = [
+                o
+                for check, (v, s) in zip(checks, verdicts, strict=True)
+                for o in core.settle(check, v, s, fleet.now, dispatch=False)
+            ]
+            assert not any(isinstance(o, Send) and isinstance(o.message, Work) for o in out)  # nothing granted yet
+            out += core.dispatch(fleet.now)
+        per_device = [d for d, _ in credits[before:]]
+        assert sorted(per_device) == sorted(set(per_device))  # one credit write per device a batch
+        assert sum(n for _, n in credits[before:]) == len(checks)
+        granted = [o.device for o in out if isinstance(o, Send) and isinstance(o.message, Work)]
+        most = max([most, *(granted.count(d) for d in devices)])
+        fleet.route(out)
+        rounds += 1
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    assert most >= 2  # a device's freed slots went out together (one work batch on the wire)
+    assert rounds >= 2 and sum(n for _, n in credits) == report.status(core, fleet.now)["tiles"]["verified"]

@@ -506,6 +506,39 @@ def test_a_failed_write_in_a_group_rolls_back_alone(tmp_path: Path) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("group_seconds", [0.0, 1.0])
+def test_a_batch_writes_under_one_savepoint_and_commits_durable_writes_as_it_ends(
+    tmp_path: Path, group_seconds: float
+) -> None:
+    """store.batch(): the hot-path calls inside it share one savepoint (SAVEPOINT and RELEASE were
+    half of a tile's statements); what they write is what they write one by one; a durable
+    write inside it (a ban, a step) is committed as the batch ends, not later with the group."""
+    path = tmp_path / "b.db"
+    store = SQLiteStore(path, group_seconds=group_seconds)
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _, tiles = _gemm(store, job, n=4)
+    store.flush()
+    statements: list[str] = []
+    store.conn.set_trace_callback(statements.append)
+    with store.batch():
+        for t in tiles:
+            store.lease_tile(t, d, 1.0)
+        for t in tiles[:3]:
+            store.end_lease(t, d, "verified", 2.0)
+        store.credit_device(d, verified=3, gflop=3.0, now=2.0)
+        with store.batch():  # nested: the same batch
+            store.record_step(job, 1, 2.0, 8, 0.1, 3.0)
+        assert _seen_by_another_process(path, job)["verified"] == 0  # not before the batch ends
+    store.conn.set_trace_callback(None)
+    # The batch's savepoint (and at most one of the durable write's): 11 calls, not 22 savepoints.
+    assert 1 <= sum(q.startswith("SAVEPOINT") for q in statements) <= 2
+    assert _seen_by_another_process(path, job) == store.recount(job) == {**store.recount(job), "verified": 3}
+    assert store.recount(job)["leased"] == 1
+    assert [row.tiles_done for row in store.devices(job)] == [3]
+    store.close()
+
+
 def test_group_window_is_bounded() -> None:
     with pytest.raises(ValueError, match="group_seconds"):
         SQLiteStore(":memory:", group_seconds=5.0)

@@ -41,7 +41,8 @@ import functools
 import logging
 import math
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -182,6 +183,7 @@ class Core:
         # (tile, device) -> [bytes of blocks its work carried, when the frame went on the wire]
         self._sent: dict[tuple[int, int], list] = {}
         self.dtype = "fp32"  # of the job's GEMMs: the dtype devices are measured and planned in
+        self._credits: dict[int, tuple[int, float, float]] | None = None  # in batch(): device -> (tiles, GFLOP, when)
         self.prediction = Prediction()
         self._fleet_version = 0  # moves when the planner's view of the fleet may have changed
         self._fleet_keys: dict[int, tuple[float, ...]] = {}  # each device's place on the planner's grid
@@ -572,6 +574,23 @@ class Core:
         """What the scheduler decides now (after ``settle(..., dispatch=False)``)."""
         return self._dispatch(now)
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Settle and dispatch a verifier batch as one piece of bookkeeping: its store rows in one
+        savepoint of the group (``store.batch``), and one credit per device for its verified
+        results, written as the batch ends."""
+        if self._credits is not None:  # already in one
+            yield
+            return
+        self._credits = {}
+        try:
+            with self.store.batch():
+                yield
+                for device_id, (n, gflop, at) in self._credits.items():
+                    self.store.credit_device(device_id, verified=n, gflop=gflop, now=at)
+        finally:
+            self._credits = None
+
     def _settle(self, check: Check, verdict: Verdict, seconds: float, now: float) -> list[Outbound] | None:
         dev, msg, gemm, tile = check.dev, check.msg, check.gemm, check.tile
         dev.checking.discard(msg.tile_id)
@@ -602,7 +621,11 @@ class Core:
         losers = self.sched.done(msg.tile_id, dev.id)
         self.store.end_lease(msg.tile_id, dev.id, Outcome.VERIFIED, self.wall(now))
         gflop = tile.flops / 1e9
-        self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self.wall(now))
+        if self._credits is not None:  # in a batch: one credit per device as it ends
+            n, total, _ = self._credits.get(dev.id, (0, 0.0, 0.0))
+            self._credits[dev.id] = (n + 1, total + gflop, self.wall(now))
+        else:
+            self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self.wall(now))
         dev.gflop_verified += gflop
         dev.tiles_done += 1
         dev.compute_seconds += msg.seconds

@@ -503,7 +503,8 @@ class Server:
     ) -> None:
         """Settle each result on its verdict, then dispatch once and send what they decided
         together: the slots the batch freed are granted at one moment, so the tiles go out in as
-        few frames as the devices take (``_batched``); the next batch starts."""
+        few frames as the devices take (``_batched``), and the batch's store rows and credits are
+        one piece of bookkeeping (``Core.batch``); the next batch starts."""
         self._batch = None
         out: list[Outbound] = []
         try:
@@ -520,30 +521,42 @@ class Server:
             if error is not None:  # a bug in verification must stop the job, never pass a result unchecked
                 log.error("verifying a batch of %d results failed", len(take), exc_info=error)
                 self.abort("internal error in the coordinator's verification (see the log)")
-            for i, (check, future) in enumerate(take):
-                if future.done():  # cancelled: the server is stopping
-                    continue
-                if error is not None:
-                    future.set_exception(error)
-                    continue
-                verdict, seconds = verdicts[i]
-                try:  # the slots it frees are granted once the whole batch is settled
-                    out.extend(self.core.settle(check, verdict, seconds, self.clock(), dispatch=False))
-                except Exception as exc:  # a bug must not pass a result unchecked, nor go unheard
-                    log.exception("settling tile %d of device %d failed", check.msg.tile_id, check.dev.id)
-                    self.abort("internal error in the coordinator's verification (see the log)")
-                    future.set_exception(exc)
-                    continue
-                future.set_result(verdicts[i])
+                for _, future in take:
+                    if not future.done():
+                        future.set_exception(error)
+                return
+            try:
+                with self.core.batch():
+                    out = self._settle_all(take, verdicts)
+            except Exception:  # the batch's bookkeeping failed: never go on as if it had not
+                log.exception("writing a batch of %d results failed", len(take))
+                self.abort("internal error in the coordinator's verification (see the log)")
         finally:
-            if not self._stopped:
-                try:
-                    out.extend(self.core.dispatch(self.clock()))
-                except Exception:  # a bug must not go unheard, nor leave the batch's verdicts unsent
-                    log.exception("dispatching after a batch of %d results failed", len(take))
-                    self.abort("internal error in the coordinator's scheduling (see the log)")
             self.deliver(out)
             self._next_batch()
+
+    def _settle_all(
+        self, take: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]], verdicts: list[tuple[Verdict, float]]
+    ) -> list[Outbound]:
+        out: list[Outbound] = []
+        for (check, future), (verdict, seconds) in zip(take, verdicts, strict=True):
+            if future.done():  # cancelled: the server is stopping
+                continue
+            try:  # the slots it frees are granted once the whole batch is settled
+                out.extend(self.core.settle(check, verdict, seconds, self.clock(), dispatch=False))
+            except Exception as exc:  # a bug must not pass a result unchecked, nor go unheard
+                log.exception("settling tile %d of device %d failed", check.msg.tile_id, check.dev.id)
+                self.abort("internal error in the coordinator's verification (see the log)")
+                future.set_exception(exc)
+                continue
+            future.set_result((verdict, seconds))
+        if not self._stopped:
+            try:
+                out.extend(self.core.dispatch(self.clock()))
+            except Exception:  # a bug must not go unheard, nor leave the batch's verdicts unsent
+                log.exception("dispatching after a batch of %d results failed", len(take))
+                self.abort("internal error in the coordinator's scheduling (see the log)")
+        return out
 
     def _checked(self, conn: _Conn, future: asyncio.Future[tuple[Verdict, float]]) -> None:
         """A result's verdict is settled (or the server is stopping): its connection may read on
