@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import wire_floor
 from rich.console import Console
 from rich.table import Table
 
@@ -50,6 +51,7 @@ from coordinator.engine.limits import Limits
 from coordinator.net.server import Server, listen
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from db.sqlite import GROUP_SECONDS, SQLiteStore
+from db.store import DeviceInfo, NewTile, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-throughput-token"
@@ -144,13 +146,13 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
             t0, cpu0, ver0 = time.perf_counter(), time.process_time(), _thread_cpu("cleave-verify")
             v0 = core.store.tile_counts(core.job_id)["verified"]
             t = server.traffic
-            counts0 = (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches)
+            counts0 = (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches, t.bytes_down)
             await asyncio.sleep(args.seconds)
             t1, cpu1, ver1 = time.perf_counter(), time.process_time(), _thread_cpu("cleave-verify")
             v1 = core.store.tile_counts(core.job_id)["verified"]
-            counts1 = (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches)
+            counts1 = (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches, t.bytes_down)
             deltas = [b - a for a, b in zip(counts0, counts1, strict=True)]
-            frames_up, work_frames, work_tiles, checked, batches = deltas
+            frames_up, work_frames, work_tiles, checked, batches, bytes_down = deltas
         except BaseException:
             log.flush()
             print(db.with_suffix(".emulator.log").read_text()[-2000:], file=sys.stderr)
@@ -186,9 +188,63 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
         "verifier_cpu_share": (ver1 - ver0) / cpu if cpu else 0.0,
         # How much each frame and each verifier batch carried (batching amortises per-frame costs).
         "tiles_per_work_frame": work_tiles / work_frames if work_frames else 0.0,
+        "mb_down_per_tile": (bytes_down / tiles / 1e6) if tiles else 0.0,
         "results_per_frame_up": checked / frames_up if frames_up else 0.0,
         "results_per_check_batch": checked / batches if batches else 0.0,
         "goal_tiles_per_s": GOAL_TILES_PER_S,
+    }
+
+
+def store_floor(tiles: int = 4096, batch: int = 64) -> float:
+    """Seconds of the store's own per-tile rows (a GEMM's tile rows, a lease, its verified end,
+    a credit per batch), written as the coordinator writes them (group commit, one store.batch
+    per verifier batch), on a fresh SQLite file: what any design that keeps a row per tile pays."""
+    pending: list = []
+    with tempfile.TemporaryDirectory(prefix="cleave-bench-store-") as tmp:
+        store = SQLiteStore(str(Path(tmp) / "floor.db"), group_seconds=GROUP_SECONDS, defer=pending.append)
+        job = store.create_job("floor", {}, 1, 0.0)
+        devices = [store.add_device(job, DeviceInfo(f"d{i}"), 0.0) for i in range(64)]
+        started = time.process_time()
+        for g in range(1, tiles // 256 + 1):
+            ids = store.add_gemm(
+                g, job, 1, "fwd", (512, 512, 64), [NewTile(i, f"a{g}.{i}", f"b{g}.{i}", 1) for i in range(256)], 1.0
+            )
+            for first in range(0, len(ids), batch):
+                with store.batch():
+                    for j, t in enumerate(ids[first : first + batch]):
+                        store.lease_tile(t, devices[j % 64], 1.0)
+                with store.batch():
+                    for j, t in enumerate(ids[first : first + batch]):
+                        store.end_lease(t, devices[j % 64], Outcome.VERIFIED, 2.0)
+                    for d in devices:
+                        store.credit_device(d, verified=1, gflop=1e-4, now=2.0)
+                for flush in pending:
+                    flush()
+                pending.clear()
+        seconds = time.process_time() - started
+        store.close()
+    return seconds / (tiles // 256 * 256)
+
+
+def floors(r: dict[str, Any]) -> dict[str, Any]:
+    """The per-tile floor of this design on this machine, measured now: plain websockets'
+    CPU for one work frame down and one result frame up (wire_floor.py, frames of this run's
+    mean size), the store's rows, and the verifier's CPU per tile in the run. Anything the
+    coordinator does besides (scheduling, the Core's books, asyncio) comes on top."""
+    frame = max(1024, int(r["mb_down_per_tile"] * 1e6 * r["tiles_per_work_frame"]))
+    count = 20_000
+    wire = wire_floor.measure(mb=max(1, (count * frame) >> 20), message=frame)
+    messages = wire["bytes"] / 2 / frame
+    per_frame = max(1.0, min(r["tiles_per_work_frame"], r["results_per_frame_up"]))  # tiles a frame carried
+    wire_ms = 1e3 * wire["server_cpu_s"] / messages / per_frame
+    store_ms = 1e3 * store_floor()
+    verify_ms = r["cpu_ms_per_tile"] * r["verifier_cpu_share"]
+    return {
+        "wire_ms_per_tile": wire_ms,
+        "store_ms_per_tile": store_ms,
+        "verify_ms_per_tile": verify_ms,
+        "floor_ms_per_tile": wire_ms + store_ms + verify_ms,
+        "floor_frame_bytes": frame,
     }
 
 
@@ -207,6 +263,11 @@ def render(r: dict[str, Any], console: Console) -> None:
     table.add_row("tiles per work frame (down)", f"{r['tiles_per_work_frame']:.2f}")
     table.add_row("results per frame (up)", f"{r['results_per_frame_up']:.2f}")
     table.add_row("results per verifier batch", f"{r['results_per_check_batch']:.1f}")
+    if "floor_ms_per_tile" in r:
+        table.add_row("floor: plain websockets, a frame each way per tile", f"{r['wire_ms_per_tile']:.3f} ms")
+        table.add_row("floor: the store's rows per tile", f"{r['store_ms_per_tile']:.3f} ms")
+        table.add_row("floor: verification per tile (in the run)", f"{r['verify_ms_per_tile']:.3f} ms")
+        table.add_row("floor of this design (their sum; goal 0.2 ms)", f"{r['floor_ms_per_tile']:.3f} ms")
     console.print(table)
     console.print(
         f"{r['tiles']:,} tiles verified; {r['tiles_per_gemm']} tiles per GEMM of {r['size']}x{r['k']} @ "
@@ -227,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=10.0, help="seconds before measuring (default: 10)")
     p.add_argument("--seconds", type=float, default=20.0, help="seconds measured (default: 20)")
     p.add_argument("--join-timeout", type=float, default=120.0, help="seconds to wait for every device to join")
+    p.add_argument("--no-floor", action="store_true", help="skip the per-tile floor (websockets, store) after the run")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     if args.devices < 1 or args.tile < 1 or args.k < 1 or args.size < args.tile or args.gemms < 1:
@@ -234,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("cleave").setLevel(logging.ERROR)  # enrolment refusals while 200 join: expected
     with tempfile.TemporaryDirectory(prefix="cleave-bench-throughput-") as tmp:
         result = asyncio.run(measure(args, Path(tmp) / "throughput.db"))
+    if not args.no_floor:
+        result.update(floors(result))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -12,7 +12,9 @@ the event loop's turn (``defer``), once it is ``group_seconds`` old, at any
 for as long as it held the write lock; hot writes meanwhile commit one by one, with the lock
 free between them. Groups therefore hold the lock at most about half the time, and another
 process's write (an operator revoking a device) gets in within its busy timeout however busy
-the coordinator is. Each call stays atomic on its own (a savepoint inside the group). A crash
+the coordinator is. Each call stays atomic on its own (a savepoint inside the group), except
+inside ``batch()``, where a verifier batch's calls share one savepoint (the Core settles and
+dispatches a batch in it: half the statements of a tile were SAVEPOINT and RELEASE). A crash
 loses at most that window of tile bookkeeping, which a restart abandons anyway (its operands
 died with the process); writes that must outlive a crash (bans, enrolments, steps, job
 states, checkpoints) commit at once, taking the group with them.
