@@ -180,7 +180,7 @@ def simulate_one(
             # With --micro-batches auto: the cost model's forecast step for each choice it weighed.
             "micro_batch_forecasts_s": None
             if calm.choice is None
-            else {str(m): s for m, s in sorted(calm.choice.forecasts.items())},
+            else {str(m): _finite(s) for m, s in sorted(calm.choice.forecasts.items())},  # the calm run's choice
             "kept_home": stats.kept_home,
             "tokens_per_s": _ratio(batch * seq, step_s),
             "flops_per_s": _ratio(step_flops(model, batch, seq), step_s),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -231,6 +232,8 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
     return _Plan(Books.resume(store, unfinished.id, resume.step, now), train, resume)
 
 
+CHOICE_TIMEOUT = 60.0  # seconds the trainer waits for --micro-batches auto's second choice
+
 # The dtype the trainer's GEMMs reach the engine in, by --precision (float32 unless the model is).
 _GEMM_DTYPE = {"bf16": "bf16", "fp16": "fp16", "autocast": "bf16"}
 
@@ -259,17 +262,20 @@ async def _choose_micro_batches(
         return
     dtype = cfg.wire_dtype.value if cfg.wire_dtype.torch is not None else _GEMM_DTYPE.get(train.precision, "fp32")
     planner = core.planner
-    profiles = core.fleet_profiles()  # on the loop, where the Core lives; the forecasts in a thread
+    profiles = core.fleet_profiles(dtype)  # on the loop, where the Core lives; the forecasts in a thread
     choice = await asyncio.to_thread(
-        choose_micro_batches,
-        shape,
-        train.batch_size,
-        train.seq_len,
-        dtype,
-        planner.ps,
-        planner.planner,
-        planner.policy,
-        profiles,
+        functools.partial(
+            choose_micro_batches,
+            shape,
+            train.batch_size,
+            train.seq_len,
+            dtype,
+            planner.ps,
+            planner.planner,
+            planner.policy,
+            profiles,
+            keeps_home=False,  # the live coordinator keeps GEMMs home one by one, never a whole step
+        )
     )
     trainer.use_micro_batches(choice.micro_batches)
     core.plan_lanes(trainer.parts_at_once)
@@ -394,10 +400,16 @@ async def serve_job(
                 result = trainer.train_step()
                 loop.call_soon_threadsafe(record, result)
                 if first and train_cfg.micro_batches == 0 and trainer.step < train_cfg.steps:
-                    # --micro-batches auto, again: the first step measured the devices.
+                    # --micro-batches auto, again: the first step measured the devices. A choice
+                    # that fails or takes too long leaves the parts as they are: never the job.
                     basis = f"the devices as step {trainer.step} measured them"
                     again = _choose_micro_batches(trainer, core, train_cfg, cfg, reporter, basis)
-                    asyncio.run_coroutine_threadsafe(again, loop).result()
+                    choosing = asyncio.run_coroutine_threadsafe(again, loop)
+                    try:
+                        choosing.result(CHOICE_TIMEOUT)
+                    except Exception as exc:  # a report and a speed-up only: training goes on
+                        choosing.cancel()  # never applied once this thread trains on
+                        log.warning("choosing micro-batches again failed (%r); keeping %d", exc, trainer.micro_batches)
                 first = False
                 every = cfg.checkpoint_every
                 if (every and trainer.step % every == 0) or trainer.step == train_cfg.steps:

@@ -171,22 +171,31 @@ class SQLiteStore:
     @contextmanager
     def batch(self) -> Iterator[None]:
         """Hot-path writes of one batch: inside it, each call is no longer a savepoint of its own
-        (SAVEPOINT and RELEASE were half the statements of a tile's lease, end and credit); the
-        batch is one. A write that fails inside a batch fails the job (the Core's caller aborts
-        on any error), and a restart abandons the window's tile bookkeeping anyway. Writes that
-        must outlive a crash commit as the batch ends."""
+        (SAVEPOINT and RELEASE were half the statements of a tile's lease, end and credit). A
+        call that fails inside a batch may leave its earlier statements (each statement is
+        atomic); the coordinator stops the job on any such failure, and a restart abandons the
+        window's tile bookkeeping anyway. Nothing written is rolled back when the batch's body
+        raises: a ban or a step recorded in it stands. Writes that must outlive a crash (bans,
+        steps) commit as the batch ends."""
         if self._in_batch:
             yield
             return
-        with self._grouped():
-            self._in_batch = True
-            try:
-                yield
-            finally:
-                self._in_batch = False
-        if self._commit_after:
-            self._commit_after = False
+        failed: BaseException | None = None
+        try:
+            with self._grouped():
+                self._in_batch = True
+                try:
+                    yield
+                except BaseException as exc:  # keep what was written; raised again below
+                    failed = exc
+                finally:
+                    self._in_batch = False
+        finally:
+            commit, self._commit_after = self._commit_after, False
+        if commit:
             self.flush()
+        if failed is not None:
+            raise failed
 
     @contextmanager
     def _grouped(self) -> Iterator[sqlite3.Connection]:

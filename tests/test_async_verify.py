@@ -277,3 +277,15 @@ def test_a_batch_settled_as_one_credits_each_device_once_and_grants_its_freed_sl
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
     assert most >= 2  # a device's freed slots went out together (one work batch on the wire)
     assert rounds >= 2 and sum(n for _, n in credits) == report.status(core, fleet.now)["tiles"]["verified"]
+
+
+def test_the_fleets_profiles_are_given_in_the_dtype_asked_before_any_gemm_came() -> None:
+    """--micro-batches auto chooses before the first GEMM, when the Core's own dtype is still
+    fp32's: a bf16 job's forecast must see the devices' bf16 rates, not a fleet that cannot work."""
+    core = _core()
+    fleet = Fleet(core)
+    d = fleet.join("a")
+    assert core.dtype == "fp32"
+    for dtype in ("fp32", "bf16"):
+        assert core.fleet_profiles(dtype)[d].flops_per_s(dtype) > 0
+    assert core.fleet_profiles()[d] == core.fleet_profiles("fp32")[d]

@@ -33,6 +33,7 @@ from coordinator.whatif.simulator import (
     SimulationError,
     choose_micro_batches,
     dataflow_program,
+    home_seconds,
     micro_batch_choices,
     predict,
     program,
@@ -300,7 +301,8 @@ def test_auto_micro_batches_take_the_fewest_parts_within_the_slack_of_the_best_f
         for m, forecast in choice.forecasts.items():
             chains, tail = program(model, 8, 256, "fp32", LAN_PS, 0, m)
             want = predict(chains, tail, LivePlanner(planner, LAN_PS, POLICY, lanes=m), "fp32", members)
-            assert forecast <= want * (1 + 1e-9)
+            home = home_seconds(chains, tail, LAN_PS, "fp32")
+            assert forecast == (min(want, home) if planner is Planner.COST else want)
         best = min(choice.forecasts.values())
         assert choice.forecasts[choice.micro_batches] <= best * (1 + MICRO_BATCH_SLACK)
         assert all(f > best * (1 + MICRO_BATCH_SLACK) for m, f in choice.forecasts.items() if m < choice.micro_batches)
@@ -310,6 +312,12 @@ def test_auto_micro_batches_take_the_fewest_parts_within_the_slack_of_the_best_f
     # A PS that outruns the fleet keeps every step home: parts change nothing, so one part.
     fast = PSProfile.from_link(10, gflops={"fp32": 1e6, "bf16": 1e6, "fp16": 1e6})
     assert choose_micro_batches(model, 8, 256, "fp32", fast, Planner.COST, POLICY, members).micro_batches == 1
+    # The live coordinator never keeps a whole step home (it decides GEMM by GEMM): its forecasts
+    # are the lanes' own, never the PS alone's.
+    live = choose_micro_batches(model, 8, 256, "fp32", LAN_PS, Planner.COST, POLICY, members, keeps_home=False)
+    for m, forecast in live.forecasts.items():
+        chains, tail = program(model, 8, 256, "fp32", LAN_PS, 0, m)
+        assert forecast == predict(chains, tail, LivePlanner(Planner.COST, LAN_PS, POLICY, lanes=m), "fp32", members)
 
 
 def test_a_simulation_asked_for_auto_micro_batches_runs_the_cost_models_choice() -> None:

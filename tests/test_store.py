@@ -539,6 +539,29 @@ def test_a_batch_writes_under_one_savepoint_and_commits_durable_writes_as_it_end
     store.close()
 
 
+def test_a_batch_that_raises_keeps_what_it_wrote_and_the_next_batch_starts_clean(tmp_path: Path) -> None:
+    """The coordinator stops the job on any failure inside a batch, but what the batch wrote
+    stands (a ban or a step recorded before the failure must not be rolled back with it)."""
+    path = tmp_path / "b.db"
+    store = SQLiteStore(path, group_seconds=1.0)
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _, tiles = _gemm(store, job, n=2)
+    with pytest.raises(RuntimeError, match="a bug"), store.batch():
+        store.lease_tile(tiles[0], d, 1.0)
+        store.record_step(job, 1, 2.0, 8, 0.1, 3.0)  # durable
+        raise RuntimeError("a bug in the Core")
+    assert _seen_by_another_process(path, job)["leased"] == 1  # committed as the batch ended
+    other = SQLiteStore(path)
+    assert [row.step for row in other.steps(job)] == [1]
+    other.close()
+    with store.batch():
+        store.lease_tile(tiles[1], d, 1.0)
+    assert store.recount(job)["leased"] == 2 and store.conn.in_transaction  # a hot write: with the group
+    store.close()
+    assert _seen_by_another_process(path, job)["leased"] == 2
+
+
 def test_group_window_is_bounded() -> None:
     with pytest.raises(ValueError, match="group_seconds"):
         SQLiteStore(":memory:", group_seconds=5.0)

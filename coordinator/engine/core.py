@@ -585,9 +585,11 @@ class Core:
         self._credits = {}
         try:
             with self.store.batch():
-                yield
-                for device_id, (n, gflop, at) in self._credits.items():
-                    self.store.credit_device(device_id, verified=n, gflop=gflop, now=at)
+                try:
+                    yield
+                finally:  # what was verified is credited, whatever stopped the batch after it
+                    for device_id, (n, gflop, at) in self._credits.items():
+                        self.store.credit_device(device_id, verified=n, gflop=gflop, now=at)
         finally:
             self._credits = None
 
@@ -912,11 +914,13 @@ class Core:
                 self._fleet_keys[device_id] = key
                 self._fleet_changed()
         self._measured.clear()
-        return self.planner.plan(m, n, k, kind, self.dtype, self.fleet_profiles, self._fleet_version)
+        return self.planner.plan(m, n, k, kind, self.dtype, lambda: self.fleet_profiles(), self._fleet_version)
 
-    def fleet_profiles(self) -> dict[int, Profile]:
-        """What the cost model knows of each device that may take work now (O(devices))."""
-        return {d: self.profiles[d].profile(self.dtype) for d, dev in self.devices.items() if dev.paused is None}
+    def fleet_profiles(self, dtype: str | None = None) -> dict[int, Profile]:
+        """What the cost model knows of each device that may take work now (O(devices)), in
+        ``dtype`` (default: the job's GEMMs' dtype, known once the first GEMM has come)."""
+        dtype = dtype or self.dtype
+        return {d: self.profiles[d].profile(dtype) for d, dev in self.devices.items() if dev.paused is None}
 
     def _fleet_changed(self) -> None:
         """A device joined, left, paused, resumed or moved on the planner's grid."""

@@ -527,7 +527,7 @@ class Server:
                 return
             try:
                 with self.core.batch():
-                    out = self._settle_all(take, verdicts)
+                    self._settle_all(take, verdicts, out)
             except Exception:  # the batch's bookkeeping failed: never go on as if it had not
                 log.exception("writing a batch of %d results failed", len(take))
                 self.abort("internal error in the coordinator's verification (see the log)")
@@ -536,9 +536,13 @@ class Server:
             self._next_batch()
 
     def _settle_all(
-        self, take: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]], verdicts: list[tuple[Verdict, float]]
-    ) -> list[Outbound]:
-        out: list[Outbound] = []
+        self,
+        take: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]],
+        verdicts: list[tuple[Verdict, float]],
+        out: list[Outbound],
+    ) -> None:
+        """Settle every verdict, then dispatch once; what they decide goes into ``out`` as it is
+        decided (sent even if the batch's bookkeeping then fails: a ban's close, say)."""
         for (check, future), (verdict, seconds) in zip(take, verdicts, strict=True):
             if future.done():  # cancelled: the server is stopping
                 continue
@@ -556,7 +560,6 @@ class Server:
             except Exception:  # a bug must not go unheard, nor leave the batch's verdicts unsent
                 log.exception("dispatching after a batch of %d results failed", len(take))
                 self.abort("internal error in the coordinator's scheduling (see the log)")
-        return out
 
     def _checked(self, conn: _Conn, future: asyncio.Future[tuple[Verdict, float]]) -> None:
         """A result's verdict is settled (or the server is stopping): its connection may read on

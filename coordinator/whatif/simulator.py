@@ -274,16 +274,20 @@ def choose_micro_batches(
     policy: TilingPolicy,
     profiles: Mapping[int, Profile],
     most: int = PARTS_IN_FLIGHT,
+    *,
+    keeps_home: bool = True,
 ) -> MicroBatchChoice:
     """``--micro-batches auto``: forecast one step for each candidate part count on this fleet
-    (``predict``, the fleet in as many lanes; with the cost planner, the PS alone where that is
-    sooner) and take the fewest parts within ``MICRO_BATCH_SLACK`` of the best forecast: fewer
-    parts hold less on the coordinator and cut the GEMMs less. Pure: no clock, no I/O."""
+    (``predict``, the fleet in as many lanes) and take the fewest parts within
+    ``MICRO_BATCH_SLACK`` of the best forecast: fewer parts hold less on the coordinator and cut
+    the GEMMs less. ``keeps_home``: the step runs on the PS alone where that is forecast sooner
+    (the simulator's cost planner does; the live coordinator decides GEMM by GEMM, so it passes
+    False). Pure: no clock, no I/O."""
     forecasts: dict[int, float] = {}
     for m in micro_batch_choices(batch, most):
         chains, tail = program(model, batch, seq, dtype, ps, 0, m)
         forecast = predict(chains, tail, LivePlanner(planner, ps, policy, lanes=m), dtype, profiles)
-        if planner is Planner.COST:
+        if keeps_home and planner is Planner.COST:
             forecast = min(forecast, home_seconds(chains, tail, ps, dtype))
         forecasts[m] = forecast
     best = min(forecasts.values())
@@ -339,7 +343,8 @@ class SimConfig:
             value = getattr(self, name)
             least = 0 if name == "micro_batches" else 1  # 0 micro-batches: the cost model's choice
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise SimulationError(f"{name} must be a positive integer, got {value!r}")
+                what = "a non-negative integer (0: auto)" if least == 0 else "a positive integer"
+                raise SimulationError(f"{name} must be {what}, got {value!r}")
         if not 0 <= self.crash_share <= 1:
             raise SimulationError(f"crash_share must be between 0 and 1, got {self.crash_share!r}")
         if not sum(c.count for c in self.fleet):
