@@ -26,6 +26,7 @@ from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.wire.verify import (
     GAMMA,
     ROUNDS,
+    STACK_BELOW,
     TARGET_BOUND,
     Product,
     acceptance_bound,
@@ -290,6 +291,11 @@ def _device_share(
     return a_blocks, b_blocks, products
 
 
+# Small products of one shape are checked stacked (verify._stacked) unless stack_below is 0: every
+# batch test runs both ways, so both paths keep the per-tile guarantees.
+STACKED_OR_NOT = [0, STACK_BELOW]
+
+
 def test_a_batch_of_one_is_the_single_check_draw_for_draw() -> None:
     a, b = torch.randn(40, 64), torch.randn(64, 24)
     c = a @ b
@@ -300,17 +306,19 @@ def test_a_batch_of_one_is_the_single_check_draw_for_draw() -> None:
     assert batched.worst_ratio == pytest.approx(single.worst_ratio, rel=1e-5)
 
 
-def test_an_honest_batch_passes_with_the_single_checks_margin() -> None:
+@pytest.mark.parametrize("stack_below", STACKED_OR_NOT)
+def test_an_honest_batch_passes_with_the_single_checks_margin(stack_below: int) -> None:
     rng = np.random.default_rng(41)
     _, _, products = _device_share()
     for _ in range(20):
-        verdicts = freivalds_batch(products, rng)
+        verdicts = freivalds_batch(products, rng, stack_below=stack_below)
         assert all(v.ok for v in verdicts), [v.reason for v in verdicts]
         assert max(v.worst_ratio for v in verdicts) < 0.25
 
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))
-def test_a_forged_tile_inside_a_batch_is_rejected_alone(name: str) -> None:
+@pytest.mark.parametrize("stack_below", STACKED_OR_NOT)
+def test_a_forged_tile_inside_a_batch_is_rejected_alone(name: str, stack_below: int) -> None:
     rng = np.random.default_rng(42)
     _, _, products = _device_share()
     for victim in (0, 4):
@@ -319,13 +327,14 @@ def test_a_forged_tile_inside_a_batch_is_rejected_alone(name: str) -> None:
         batch = list(products)
         batch[victim] = Product(p.a, p.b, forged, a_key=p.a_key, b_key=p.b_key)
         for _ in range(30):  # fresh vectors every time
-            verdicts = freivalds_batch(batch, rng)
+            verdicts = freivalds_batch(batch, rng, stack_below=stack_below)
             assert [v.ok for v in verdicts] == [i != victim for i in range(len(batch))], (name, victim)
             if name in NON_FINITE:
                 assert "NaN or Inf" in verdicts[victim].reason
 
 
-def test_a_forged_tile_among_many_is_caught_as_often_as_alone() -> None:
+@pytest.mark.parametrize("stack_below", STACKED_OR_NOT)
+def test_a_forged_tile_among_many_is_caught_as_often_as_alone(stack_below: int) -> None:
     """The per-tile bound holds in a batch: below the threshold (GAMMA/4 tolerances, one round)
     a forged tile beside 11 honest ones passes no more often than Ball's bound allows alone."""
     rng = np.random.default_rng(43)
@@ -338,14 +347,15 @@ def test_a_forged_tile_among_many_is_caught_as_often_as_alone() -> None:
     for _ in range(trials):
         forged = forge_pair(a, b, a @ b, rng, 0.25)
         batch[5] = Product(a, b, forged, a_key=victim.a_key, b_key=victim.b_key)
-        verdicts = freivalds_batch(batch, rng, rounds=1)
+        verdicts = freivalds_batch(batch, rng, rounds=1, stack_below=stack_below)
         assert all(v.ok for i, v in enumerate(verdicts) if i != 5)
         accepted += verdicts[5].ok
     rate = accepted / trials
     assert 0 < rate <= round_bound(GAMMA / 4, b.shape[1])
 
 
-def test_a_batch_reports_screened_results_in_place_and_judges_the_rest() -> None:
+@pytest.mark.parametrize("stack_below", STACKED_OR_NOT)
+def test_a_batch_reports_screened_results_in_place_and_judges_the_rest(stack_below: int) -> None:
     rng = np.random.default_rng(44)
     _, _, products = _device_share(rows=1, cols=4)
     p0, p1, p2, p3 = products
@@ -353,24 +363,28 @@ def test_a_batch_reports_screened_results_in_place_and_judges_the_rest() -> None
     with_nan = p2.c.clone()
     with_nan[0, 0] = float("nan")
     nan_result = Product(p2.a, p2.b, with_nan, a_key=p2.a_key, b_key=p2.b_key)
-    verdicts = freivalds_batch([p0, wrong_shape, nan_result, p3], rng)
+    verdicts = freivalds_batch([p0, wrong_shape, nan_result, p3], rng, stack_below=stack_below)
     assert [v.ok for v in verdicts] == [True, False, False, True]
     assert "shape" in verdicts[1].reason and "NaN or Inf" in verdicts[2].reason
     assert freivalds_batch([], rng) == []
 
 
-def test_copies_of_one_tile_share_their_columns_and_are_judged_apart() -> None:
+@pytest.mark.parametrize("stack_below", STACKED_OR_NOT)
+def test_copies_of_one_tile_share_their_columns_and_are_judged_apart(stack_below: int) -> None:
     rng = np.random.default_rng(45)
     a, b = torch.randn(32, 48), torch.randn(48, 16)
     honest = a @ b
     forged = forge_scaled(a, b, honest, rng, 2.0)
     verdicts = freivalds_batch(
-        [Product(a, b, honest, a_key="a", b_key="b"), Product(a, b, forged, a_key="a", b_key="b")], rng
+        [Product(a, b, honest, a_key="a", b_key="b"), Product(a, b, forged, a_key="a", b_key="b")],
+        rng,
+        stack_below=stack_below,
     )
     assert [v.ok for v in verdicts] == [True, False]
 
 
-def test_honest_half_precision_batches_pass_and_forged_ones_fail() -> None:
+@pytest.mark.parametrize("stack_below", STACKED_OR_NOT)
+def test_honest_half_precision_batches_pass_and_forged_ones_fail(stack_below: int) -> None:
     rng = np.random.default_rng(46)
     for dtype in (torch.bfloat16, torch.float16):
         a_blocks, b_blocks, _ = _device_share(rows=2, cols=2)
@@ -381,10 +395,10 @@ def test_honest_half_precision_batches_pass_and_forged_ones_fail() -> None:
             for i, a in enumerate(a_blocks)
             for j, b in enumerate(b_blocks)
         ]
-        assert all(v.ok for v in freivalds_batch(batch, rng)), dtype
+        assert all(v.ok for v in freivalds_batch(batch, rng, stack_below=stack_below)), dtype
         p = batch[1]
         batch[1] = dataclasses.replace(p, c=forge_scaled(p.a, p.b, p.c, rng, 2.0))  # rounded_to kept
-        assert [v.ok for v in freivalds_batch(batch, rng)] == [True, False, True, True]
+        assert [v.ok for v in freivalds_batch(batch, rng, stack_below=stack_below)] == [True, False, True, True]
 
 
 def test_keys_that_name_blocks_of_different_shapes_are_a_caller_error() -> None:
@@ -408,3 +422,22 @@ def test_keys_that_name_blocks_of_different_shapes_are_a_caller_error() -> None:
         freivalds_batch([Product(a, b, a @ b, b_key="y"), Product(a, wide, a @ wide, b_key="y")], rng)
     with pytest.raises(ValueError, match="rounds"):
         freivalds_batch([Product(a, b, a @ b)], rng, rounds=0)
+
+
+def test_small_tiles_are_checked_stacked_and_large_ones_alone_with_the_same_verdicts() -> None:
+    """The stacked path (small products of one shape, one batched call a step) and the one by
+    one path judge a mixed batch alike: honest results pass with the same margin, a forged one
+    is rejected alone, whichever path its size sends it down."""
+    rng = np.random.default_rng(47)
+    small = [Product(a, b, a @ b) for a, b in ((torch.randn(16, 32), torch.randn(32, 16)) for _ in range(6))]
+    big_a, big_b = torch.randn(256, 128), torch.randn(128, 256)
+    big = Product(big_a, big_b, big_a @ big_b)
+    assert 256 * 128 * 2 + 256 * 256 > STACK_BELOW >= 16 * 32 * 2 + 16 * 16
+    for victim in (2, 6):
+        batch = [*small, big]
+        p = batch[victim]
+        batch[victim] = Product(p.a, p.b, forge_scaled(p.a, p.b, p.c, rng, 2.0))
+        for stack_below in STACKED_OR_NOT:
+            verdicts = freivalds_batch(batch, rng, stack_below=stack_below)
+            assert [v.ok for v in verdicts] == [i != victim for i in range(len(batch))], (victim, stack_below)
+            assert max(v.worst_ratio for i, v in enumerate(verdicts) if i != victim) < 0.25

@@ -75,6 +75,10 @@ if not all(GAMMA * ROUNDING_FACTOR * torch.finfo(d).eps / 2 < 1 for d in (torch.
 
 # Entries of R: uniform on [-1/2, 1/2), drawn as float32 (24-bit grid, see _GRID), rms 1/sqrt(12).
 R_RMS = 1.0 / math.sqrt(12.0)
+# Products with at most this many elements in A, B and C together are checked stacked with the
+# others of their shape (``_stacked``): below it a tile's check costs its torch calls, not its
+# arithmetic (bench/bench_verify.py). 0: never stacked.
+STACK_BELOW = 1 << 16
 # Density of a . X for a unit vector a and X uniform on [-1/2, 1/2]^n is at most sqrt(2)
 # (K. Ball, "Cube slicing in R^n", 1986). With unit-variance entries (X sqrt(12)), the slab
 # |e . r| <= 2 tol has probability at most 2 * 2 tol * sqrt(2) / (sqrt(12) ||e||) = SLAB tol / ||e||.
@@ -197,19 +201,33 @@ def _bounds(
         b_norm = float(torch.linalg.vector_norm(b))
     ab = a_norms * b_norm  # ||A_i|| ||B||_F
     c_norms = _row_norms(c).numpy()  # untrusted
+    return _tolerance(ab, c_norms, c.shape[1], compute_dtype, work, result_dtype, rounded_to), c_norms, ab
+
+
+def _tolerance(
+    ab: np.ndarray,
+    c_norms: np.ndarray,
+    n: int,
+    compute_dtype: torch.dtype,
+    work: torch.dtype,
+    result_dtype: torch.dtype,
+    rounded_to: torch.dtype | None,
+) -> np.ndarray:
+    """``tol_i`` from ``||A_i|| ||B||_F`` and ``||C_i||`` (arrays of any shape, elementwise), for
+    rows of ``n`` columns: the one formula every check uses, one tile or a stack of them."""
     # The product's error scales with the dtype the device computed in; the check's own
     # rounding with the dtype the check runs in (float32 for half-precision operands).
     product = torch.finfo(compute_dtype).eps * ab
-    check = torch.finfo(work).eps * math.sqrt(c.shape[1]) * np.minimum(c_norms, ab)
+    check = torch.finfo(work).eps * math.sqrt(n) * np.minimum(c_norms, ab)
     # Below its normal range a result's rounding is absolute, not relative: up to half the
     # subnormal spacing per element (2^-25 in fp16, where small gradients live; negligible in
     # bf16 and float32), a bounded error per element that ROUNDING_FACTOR covers (Hoeffding).
     out = torch.finfo(result_dtype)
-    subnormal = ROUNDING_FACTOR * math.sqrt(c.shape[1]) * out.smallest_normal * out.eps / 2
+    subnormal = ROUNDING_FACTOR * math.sqrt(n) * out.smallest_normal * out.eps / 2
     tol = TOL_FACTOR * (product + check) + subnormal + torch.finfo(work).tiny
     if rounded_to is not None:  # summed in compute_dtype, then rounded once (see ROUNDING_FACTOR)
         tol = tol + ROUNDING_FACTOR * torch.finfo(rounded_to).eps / 2 * np.minimum(c_norms, ab)
-    return tol, c_norms, ab
+    return tol
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,11 +284,8 @@ class _Shared:
         return self._bs[key]
 
 
-def _screen(p: Product, shared: _Shared, i: int) -> Verdict | _Pending:
-    """The checks that need no random vectors: shapes, dtypes, empty products, NaN and rows too
-    large to be honest. A verdict, or the product ready for the residual. ``shared``: the
-    batch's cache of operands in the working dtype and their norms, one per block (``i``: the
-    product's place in the batch)."""
+def _structure(p: Product) -> Verdict | None:
+    """Shapes, dtypes and empty products: a verdict, or None when the product needs the check."""
     m, k = p.a.shape
     k2, n = p.b.shape
     if k != k2:
@@ -285,6 +300,45 @@ def _screen(p: Product, shared: _Shared, i: int) -> Verdict | _Pending:
     if k == 0:
         ok = not bool(c.any())
         return Verdict(ok, "" if ok else "nonzero result of an empty product", 0.0 if ok else float("inf"))
+    return None
+
+
+def _too_large(c: torch.Tensor, c_norms: np.ndarray, ab: np.ndarray) -> Verdict | None:
+    """Rows too large to be honest (NaN and Inf show in the row norms: ``not x <= y`` is true
+    for NaN): a verdict, or None."""
+    over = ~(c_norms <= NORM_CAP * ab)
+    if not over.any():
+        return None
+    if not bool(torch.isfinite(c).all()):
+        return Verdict(False, "result holds NaN or Inf", math.inf)
+    row = int(np.flatnonzero(over)[0])
+    return Verdict(
+        False,
+        f"row {row} has norm {c_norms[row]:.3g}, above the largest possible {ab[row]:.3g} of an honest product",
+        math.inf,
+    )
+
+
+def _verdict(c: torch.Tensor, ratios: np.ndarray) -> Verdict:
+    """The verdict from each row's worst residual over its tolerance (one product's rows)."""
+    worst = float(ratios.max())  # NaN anywhere (from A or B) makes this NaN
+    if not worst <= 1.0:  # NaN or Inf makes the comparison false: rejected here
+        if not bool(torch.isfinite(c).all()):
+            return Verdict(False, "result holds NaN or Inf", math.inf)
+        row = int(np.argmax(np.nan_to_num(ratios, nan=math.inf)))
+        return Verdict(False, f"Freivalds residual {worst:.3g}x the tolerance at row {row}", worst)
+    return Verdict(True, "", worst)
+
+
+def _screen(p: Product, shared: _Shared, i: int) -> Verdict | _Pending:
+    """The checks that need no random vectors: shapes, dtypes, empty products, NaN and rows too
+    large to be honest. A verdict, or the product ready for the residual. ``shared``: the
+    batch's cache of operands in the working dtype and their norms, one per block (``i``: the
+    product's place in the batch)."""
+    structural = _structure(p)
+    if structural is not None:
+        return structural
+    c = p.c
     a, b, row_norms, b_norm = p.a, p.b, p.a_row_norms, p.b_norm
     work, result = _work_dtype(a.dtype), a.dtype
     if a.dtype != work:  # checked in float32, with norms of our own, once per block (_work_dtype)
@@ -292,30 +346,49 @@ def _screen(p: Product, shared: _Shared, i: int) -> Verdict | _Pending:
         b, b_norm = shared.b(p, i)
         c = c.to(work)
     tol, c_norms, ab = _bounds(a, b, c, p.compute_dtype, row_norms, b_norm, result, p.rounded_to)
-    # NaN and Inf in C show in its row norms; `not x <= y` is also true for NaN.
-    over = ~(c_norms <= NORM_CAP * ab)
-    if over.any():
-        if not bool(torch.isfinite(c).all()):
-            return Verdict(False, "result holds NaN or Inf", math.inf)
-        row = int(np.flatnonzero(over)[0])
-        return Verdict(
-            False,
-            f"row {row} has norm {c_norms[row]:.3g}, above the largest possible {ab[row]:.3g} of an honest product",
-            math.inf,
-        )
-    return _Pending(-1, a, b, c, tol)
+    large = _too_large(c, c_norms, ab)
+    return large if large is not None else _Pending(-1, a, b, c, tol)
 
 
 def _judge(p: _Pending, residual: torch.Tensor) -> Verdict:
     """The verdict from ``|A (B R) - C R|`` (m x rounds, this product's own columns)."""
-    ratios = residual.amax(dim=1).numpy() / (p.tol * R_RMS)  # (m,) worst round of each row
-    worst = float(ratios.max())  # NaN anywhere (from A or B) makes this NaN
-    if not worst <= 1.0:  # NaN or Inf makes the comparison false: rejected here
-        if not bool(torch.isfinite(p.c).all()):
-            return Verdict(False, "result holds NaN or Inf", math.inf)
-        row = int(np.argmax(np.nan_to_num(ratios, nan=math.inf)))
-        return Verdict(False, f"Freivalds residual {worst:.3g}x the tolerance at row {row}", worst)
-    return Verdict(True, "", worst)
+    return _verdict(p.c, residual.amax(dim=1).numpy() / (p.tol * R_RMS))  # (m,) worst round of each row
+
+
+def _stacked(
+    products: Sequence[Product], b_keys: Sequence[Hashable], rng: np.random.Generator, rounds: int
+) -> list[Verdict]:
+    """``freivalds_batch`` for small products of one shape and dtypes, stacked: each step is one
+    batched torch call for them all (``bmm``), not one call per product, which is what a small
+    tile's check costs (torch's dispatch, 5-10 us a call). The same check: each distinct B block
+    its own ``rounds`` vectors, shared by the products that read it; the same bounds
+    (``_tolerance``) and verdicts. A and its norms are read per product (stacked copies): for
+    small blocks that costs less than the calls it saves."""
+    first = products[0]
+    work, result = _work_dtype(first.a.dtype), first.a.dtype
+    n = first.b.shape[1]
+    slot: dict[Hashable, int] = {}  # b key -> its block's place in the stack of distinct Bs
+    distinct: list[torch.Tensor] = []
+    for p, key in zip(products, b_keys, strict=True):
+        if key not in slot:
+            slot[key] = len(distinct)
+            distinct.append(p.b)
+    which = torch.tensor([slot[key] for key in b_keys])
+    a = torch.stack([p.a for p in products]).to(work)  # (G, m, k)
+    c = torch.stack([p.c for p in products]).to(work)  # (G, m, n)
+    b = torch.stack(distinct).to(work)  # (Gb, k, n)
+    r = torch.from_numpy(rng.random((len(distinct), n, rounds), dtype=np.float32)).sub_(0.5).to(work)
+    residual = (torch.bmm(a, torch.bmm(b, r)[which]) - torch.bmm(c, r[which])).abs_().amax(dim=2).numpy()  # (G, m)
+    b_norms = torch.linalg.vector_norm(b, dim=(1, 2)).numpy()[which.numpy(), None]  # ||B||_F of each product's B
+    ab = torch.linalg.vector_norm(a, dim=2).numpy() * b_norms  # (G, m): ||A_i|| ||B||_F
+    c_norms = torch.linalg.vector_norm(c, dim=2).numpy()  # untrusted
+    tol = _tolerance(ab, c_norms, n, first.compute_dtype, work, result, first.rounded_to)
+    ratios = residual / (tol * R_RMS)
+    verdicts = []
+    for g, p in enumerate(products):
+        large = _too_large(p.c, c_norms[g], ab[g])
+        verdicts.append(large if large is not None else _verdict(p.c, ratios[g]))
+    return verdicts
 
 
 def freivalds(
@@ -343,7 +416,9 @@ def freivalds(
     return freivalds_batch([p], rng, rounds=rounds)[0]
 
 
-def freivalds_batch(products: Sequence[Product], rng: np.random.Generator, *, rounds: int = ROUNDS) -> list[Verdict]:
+def freivalds_batch(
+    products: Sequence[Product], rng: np.random.Generator, *, rounds: int = ROUNDS, stack_below: int = STACK_BELOW
+) -> list[Verdict]:
     """``freivalds`` for many results at once, one verdict each, in order.
 
     Each product keeps a check of its own: its own ``rounds`` columns of the residual, drawn
@@ -370,7 +445,31 @@ def freivalds_batch(products: Sequence[Product], rng: np.random.Generator, *, ro
     shared = _Shared(a_keys, b_keys)
     verdicts: list[Verdict | None] = [None] * len(products)
     pending: list[_Pending] = []
+    # Small products of one shape and dtypes are checked stacked (``_stacked``): one call per
+    # step for all of them. The rest, one by one, sharing B R and each A block's pass.
+    stacks: dict[tuple, list[int]] = {}
+    alone: list[int] = []
     for i, p in enumerate(products):
+        structural = _structure(p)
+        if structural is not None:
+            verdicts[i] = structural
+            continue
+        (m, k), n = p.a.shape, p.b.shape[1]
+        if m * k + k * n + m * n <= stack_below:
+            key = (m, k, n, p.a.dtype, p.compute_dtype, p.rounded_to)
+            stacks.setdefault(key, []).append(i)
+        else:
+            alone.append(i)
+    for members in stacks.values():
+        if len(members) == 1:
+            alone.extend(members)
+            continue
+        for i, verdict in zip(
+            members, _stacked([products[i] for i in members], [b_keys[i] for i in members], rng, rounds), strict=True
+        ):
+            verdicts[i] = verdict
+    for i in sorted(alone):
+        p = products[i]
         screened = _screen(p, shared, i)
         if isinstance(screened, Verdict):
             verdicts[i] = screened
