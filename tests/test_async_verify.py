@@ -276,6 +276,8 @@ def test_a_batch_settled_as_one_credits_each_device_once_and_grants_its_freed_sl
         rounds += 1
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
     assert most >= 2  # a device's freed slots went out together (one work batch on the wire)
+    # The planner's cached profiles are each device's as its observations left it.
+    assert core.fleet_profiles() == {d: core.profiles[d].profile(core.dtype) for d in devices}
     assert rounds >= 2 and sum(n for _, n in credits) == report.status(core, fleet.now)["tiles"]["verified"]
 
 

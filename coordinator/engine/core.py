@@ -188,6 +188,7 @@ class Core:
         self._fleet_version = 0  # moves when the planner's view of the fleet may have changed
         self._fleet_keys: dict[int, tuple[float, ...]] = {}  # each device's place on the planner's grid
         self._measured: set[int] = set()  # devices with observations since the last plan
+        self._profiled: dict[int, Profile] = {}  # each device's profile in self.dtype, as of its last observation
         self._dispatching = False
         self._sweep: list[int] = []  # devices still to look after in this tick round
         self._sweep_at = 0.0
@@ -327,6 +328,7 @@ class Core:
         self.sched.leave(device_id)
         profile = self.profiles.pop(device_id, None)
         self._fleet_keys.pop(device_id, None)
+        self._profiled.pop(device_id, None)
         self._fleet_changed()
         for tile_id in held:
             self._sent.pop((tile_id, device_id), None)
@@ -823,7 +825,10 @@ class Core:
             check_finite(a, b, kind)
         m, k = a.shape
         n = b.shape[1]
-        self.dtype = DTYPE_NAMES[str(a.dtype)]
+        dtype = DTYPE_NAMES[str(a.dtype)]
+        if dtype != self.dtype:  # profiles are cached in the job's dtype
+            self._profiled.clear()
+            self.dtype = dtype
         live = self._plan(m, n, k, kind)
         pred = self.prediction
         pred.planned.append(live.seconds)
@@ -909,6 +914,7 @@ class Core:
             now_profile = None if profile is None else profile.profile(self.dtype)
             key = None if now_profile is None else fleet_key(now_profile, self.dtype)
             if now_profile is not None:  # a thief's links count against stealing (Seat.transfer)
+                self._profiled[device_id] = now_profile
                 self.sched.links(device_id, now_profile.down, now_profile.up)
             if key is not None and self._fleet_keys.get(device_id) != key:
                 self._fleet_keys[device_id] = key
@@ -920,7 +926,19 @@ class Core:
         """What the cost model knows of each device that may take work now (O(devices)), in
         ``dtype`` (default: the job's GEMMs' dtype, known once the first GEMM has come)."""
         dtype = dtype or self.dtype
-        return {d: self.profiles[d].profile(dtype) for d, dev in self.devices.items() if dev.paused is None}
+        if dtype != self.dtype:
+            return {d: self.profiles[d].profile(dtype) for d, dev in self.devices.items() if dev.paused is None}
+        # A profile changes only with an observation (which marks the device measured): each
+        # device's is computed once per observation, not once per GEMM the fleet changed for.
+        out = {}
+        for d, dev in self.devices.items():
+            if dev.paused is not None:
+                continue
+            known = None if d in self._measured else self._profiled.get(d)
+            if known is None:
+                known = self._profiled[d] = self.profiles[d].profile(dtype)
+            out[d] = known
+        return out
 
     def _fleet_changed(self) -> None:
         """A device joined, left, paused, resumed or moved on the planner's grid."""
