@@ -109,8 +109,11 @@ def test_a_client_killed_mid_step_costs_only_its_tiles(tmp_path: Path, local_los
     assert_same_losses(coord.losses(), local_losses)
     (victim_id,) = coord.query("SELECT id FROM devices WHERE name = 'victim'")[0]
     lost = coord.query("SELECT tile_id FROM leases WHERE device_id = ? AND outcome = 'lost'", victim_id)
-    assert lost, "the victim held tiles when it died"
-    for (tile,) in lost:  # each lost tile was then computed by the survivor and verified
+    # On a loaded machine the held tile may be copied to the survivor, and that copy verified,
+    # before the kill lands: the victim's lease then ends cancelled, not lost.
+    raced = coord.query("SELECT tile_id FROM leases WHERE device_id = ? AND outcome = 'cancelled'", victim_id)
+    assert lost or raced, "the victim held tiles when it died"
+    for (tile,) in lost + raced:  # each was then computed by the survivor and verified
         history = coord.query("SELECT outcome FROM leases WHERE tile_id = ? ORDER BY id", tile)
         assert history[-1] == ("verified",)
 
