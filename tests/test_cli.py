@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
 import typer.main
 from conftest import ROOT
 
 from cleave_cli.app import app
+from cleave_cli.options import micro_batches_of
+from coordinator.wire.errors import ConfigError
 
 
 def _commands() -> dict[str, Any]:
@@ -112,3 +115,11 @@ def test_each_command_alone_parses_as_in_the_whole_app() -> None:
     alone = typer.main.get_command(build(["coordinator", "devices", "list"]))
     assert set(alone.commands) == {"coordinator"}
     assert set(alone.commands["coordinator"].commands) == {"devices", "token"}  # no start: no torch
+
+
+def test_micro_batches_take_a_number_or_auto() -> None:
+
+    assert [micro_batches_of(v) for v in ("auto", " Auto ", "1", "8")] == [0, 0, 1, 8]
+    for bad, why in (("0", "at least 1"), ("-2", "at least 1"), ("many", "whole number or auto"), ("2.5", "whole")):
+        with pytest.raises(ConfigError, match=why):
+            micro_batches_of(bad)

@@ -45,6 +45,17 @@ def test_json_holds_cleave_dtfm_and_cloud_step_times_and_the_breakdown() -> None
     # The same seed, the same answer.
     again = simulate(*FAST, "--devices", "24", "--seed", "3")
     assert again["cleave"]["steps_s"] == c["steps_s"]
+    # --micro-batches auto (the default): the cost model's choice and what it weighed.
+    assert report["micro_batches"] == "auto"
+    forecasts = c["micro_batch_forecasts_s"]
+    assert set(forecasts) == {"1", "2"} and str(c["micro_batches"]) in forecasts  # the divisors of batch 2
+    assert forecasts[str(c["micro_batches"])] <= min(forecasts.values()) * 1.05
+    console = Console(file=io.StringIO(), width=200)
+    console.print(render.simulate_report(report))
+    assert f"micro-batches: {c['micro_batches']}, the cost model's choice" in console.file.getvalue()
+    fixed = simulate(*FAST, "--devices", "24", "--seed", "3", "--micro-batches", "2")
+    assert fixed["micro_batches"] == fixed["cleave"]["micro_batches"] == 2
+    assert fixed["cleave"]["micro_batch_forecasts_s"] is None
 
 
 def test_a_sweep_reports_every_count_and_the_table_renders(tmp_path: Path) -> None:
@@ -75,6 +86,8 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         (["--fleet", "nowhere"], "unknown fleet"),
         (["--ps-link-gbps", "0"], "--ps-link-gbps must be above 0"),
         (["--seq-len", "100000"], "exceeds"),
+        (["--micro-batches", "3"], "--micro-batches must divide"),
+        (["--micro-batches", "some"], "--micro-batches must be a whole number or auto"),
     ],
 )
 def test_bad_options_are_one_line_errors(args: list[str], message: str) -> None:
