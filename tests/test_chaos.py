@@ -31,7 +31,7 @@ def assert_every_tile_verified_once(coord: Coordinator) -> None:
 
 
 def test_chaos_kills_and_freezes_clients_without_changing_a_loss(tmp_path: Path) -> None:
-    steps, options = 20, {"batch_size": 16, "seq_len": 128}
+    steps, options = 16, {"batch_size": 16, "seq_len": 128}
     coord = Coordinator(
         tmp_path,
         "--batch-size",
