@@ -146,12 +146,15 @@ async def measure(args: argparse.Namespace, db: Path) -> dict[str, Any]:
             t0, cpu0, ver0 = time.perf_counter(), time.process_time(), _thread_cpu("cleave-verify")
             v0 = core.store.tile_counts(core.job_id)["verified"]
             t = server.traffic
-            counts0 = (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches, t.bytes_down)
+
+            def counts() -> tuple[int, ...]:
+                return (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches, t.bytes_down)
+
+            counts0 = counts()
             await asyncio.sleep(args.seconds)
             t1, cpu1, ver1 = time.perf_counter(), time.process_time(), _thread_cpu("cleave-verify")
             v1 = core.store.tile_counts(core.job_id)["verified"]
-            counts1 = (t.frames_up, t.work_frames, t.work_tiles, server.checked, server.check_batches, t.bytes_down)
-            deltas = [b - a for a, b in zip(counts0, counts1, strict=True)]
+            deltas = [b - a for a, b in zip(counts0, counts(), strict=True)]
             frames_up, work_frames, work_tiles, checked, batches, bytes_down = deltas
         except BaseException:
             log.flush()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ from coordinator.wire.messages import (
     Error,
     Hello,
     Leave,
+    Message,
     Result,
     ResultBatch,
     Welcome,
@@ -67,6 +70,17 @@ async def _enrol(ws: ClientConnection, slots: int, batch: int = 1) -> None:
     await ws.send(encode(Hello(token="tok", name="d", slots=slots, batch=batch)))
     assert isinstance(decode(await ws.recv()), Credential)
     assert isinstance(decode(await ws.recv()), Welcome)
+
+
+async def _messages(ws: ClientConnection, stop: asyncio.Event) -> AsyncIterator[Message]:
+    """A device double's decoded frames until ``stop`` is set (the caller handles the server
+    closing the connection: its own sends can meet that too)."""
+    while not stop.is_set():
+        try:
+            frame = await asyncio.wait_for(ws.recv(), 0.2)
+        except TimeoutError:
+            continue
+        yield decode(frame)
 
 
 async def _product(server: Server, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -377,12 +391,8 @@ def test_results_waiting_for_the_verifier_are_checked_as_one_batch_and_a_forged_
         async with connect(url, compression=None, max_size=None) as ws:
             await _enrol(ws, slots=2)
             blocks: dict[str, torch.Tensor] = {}
-            try:
-                while not stop.is_set():
-                    try:
-                        msg = decode(await asyncio.wait_for(ws.recv(), 0.2))
-                    except TimeoutError:
-                        continue
+            with contextlib.suppress(ConnectionClosed):  # banned: the server closed it
+                async for msg in _messages(ws, stop):
                     if not isinstance(msg, Work):
                         continue
                     blocks.update({blk.key: blk.data for blk in msg.blocks})
@@ -392,8 +402,6 @@ def test_results_waiting_for_the_verifier_are_checked_as_one_batch_and_a_forged_
                         await asyncio.sleep(0.02)
                     await ws.send(encode(Result(msg.tile_id, c * 2 if forge else c)))
                     sent += 1
-            except ConnectionClosed:
-                pass
         return sent
 
     async def run() -> tuple[torch.Tensor, torch.Tensor, Server]:
@@ -435,12 +443,8 @@ def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch
         async with connect(url, compression=None, max_size=None) as ws:
             await _enrol(ws, slots=4, batch=4)
             blocks: dict[str, torch.Tensor] = {}
-            try:
-                while not stop.is_set():
-                    try:
-                        msg = decode(await asyncio.wait_for(ws.recv(), 0.2))
-                    except TimeoutError:
-                        continue
+            with contextlib.suppress(ConnectionClosed):  # banned: the server closed it
+                async for msg in _messages(ws, stop):
                     if isinstance(msg, Error) and msg.code == Code.REJECTED:
                         tiles["rejected"].append(int(msg.message.split()[1]))
                     works = msg.works if isinstance(msg, WorkBatch) else (msg,) if isinstance(msg, Work) else ()
@@ -458,8 +462,6 @@ def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch
                         tiles["forged"].append(last.tile_id)
                         tiles["beside"].extend(r.tile_id for r in results[:-1])
                     await ws.send(encode(results[0] if len(results) == 1 else ResultBatch(tuple(results))))
-            except ConnectionClosed:
-                pass
         return tiles
 
     async def run() -> tuple[torch.Tensor, torch.Tensor, Server, list[dict[str, list[int]]], dict[str, int]]:

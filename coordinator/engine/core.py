@@ -920,7 +920,7 @@ class Core:
                 self._fleet_keys[device_id] = key
                 self._fleet_changed()
         self._measured.clear()
-        return self.planner.plan(m, n, k, kind, self.dtype, lambda: self.fleet_profiles(), self._fleet_version)
+        return self.planner.plan(m, n, k, kind, self.dtype, self.fleet_profiles, self._fleet_version)
 
     def fleet_profiles(self, dtype: str | None = None) -> dict[int, Profile]:
         """What the cost model knows of each device that may take work now (O(devices)), in

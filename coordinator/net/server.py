@@ -115,10 +115,9 @@ class _Conn:
 class Traffic:
     bytes_down: int = 0
     bytes_up: int = 0
-    frames_down: int = 0  # every frame queued to a peer (a fragmented one counts once)
     frames_up: int = 0
-    work_frames: int = 0  # of frames_down, those carrying tiles: work_tiles / work_frames per frame
-    work_tiles: int = 0
+    work_frames: int = 0  # frames queued that carry tiles (a fragmented one counts once)
+    work_tiles: int = 0  # the tiles they carry: work_tiles / work_frames a frame
 
 
 def _reason(text: str) -> str:
@@ -608,7 +607,6 @@ class Server:
                     frame = _Frame(data, len(data), not works, tiles)
                 t = self.traffic
                 t.bytes_down += frame.size
-                t.frames_down += 1
                 if tiles:
                     t.work_frames += 1
                     t.work_tiles += len(tiles)

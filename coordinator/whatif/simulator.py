@@ -256,7 +256,7 @@ class MicroBatchChoice:
     """The cost model's number of micro-batches and the forecast step of every candidate."""
 
     micro_batches: int
-    forecasts: dict[int, float]  # candidate -> forecast step seconds (the PS alone if that is sooner)
+    forecasts: dict[int, float]  # candidate -> forecast step seconds (capped at the PS alone with keeps_home)
 
     def summary(self, basis: str = "the fleet") -> str:
         others = ", ".join(f"{m}: {s:.3g} s" for m, s in sorted(self.forecasts.items()) if m != self.micro_batches)
