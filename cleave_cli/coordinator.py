@@ -66,6 +66,7 @@ def start(
     data: opt.Data = None,
     precision: opt.Precision = D.precision,
     micro_batches: opt.MicroBatches = "auto",
+    device: opt.Device = "auto",
     metrics: opt.Metrics = None,
     min_devices: Annotated[
         int, typer.Option("--min-devices", help="Wait until this many devices joined before step 1.")
@@ -148,6 +149,7 @@ def start(
     )
     cfg = CoordinatorConfig(
         train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision, micro_batches),
+        device=device,
         host=host,
         port=port,
         db=str(db),

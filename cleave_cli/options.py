@@ -59,6 +59,16 @@ WireDtypeOpt = Annotated[
 ]
 
 
+Device = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        help="Where the coordinator's own work runs (the model, attention, the optimizer, GEMMs kept home): auto "
+        "(CUDA when torch sees a GPU, else the CPU), cpu or cuda. Tiles still travel through host memory.",
+    ),
+]
+
+
 MicroBatches = Annotated[
     str,
     typer.Option(

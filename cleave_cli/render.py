@@ -150,6 +150,8 @@ def dashboard(status: dict[str, Any]) -> Group:
             f"{plan.get('planner', '?')} planner: step {_num(predicted, '{:.3f} s')} predicted, "
             f"{_num(measured, '{:.3f} s')} measured"
         )
+        if plan.get("predicted_home_step_s") is not None:
+            line += f", {plan['predicted_home_step_s']:.3f} s predicted on the coordinator alone"
         kinds = plan.get("partitions") or {}
         if kinds:
             line += (

@@ -11,6 +11,7 @@ from cleave_cli import options as opt
 from cleave_cli import render
 from cleave_cli.errors import friendly
 from coordinator.job import metrics_line
+from coordinator.training.hardware import coordinator_device, describe
 from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.wire.errors import ConfigError
 
@@ -31,6 +32,7 @@ def train(
     data: opt.Data = None,
     precision: opt.Precision = D.precision,
     micro_batches: opt.MicroBatches = "auto",
+    device: opt.Device = "auto",
     metrics: opt.Metrics = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final loss.")] = False,
 ) -> None:
@@ -39,7 +41,10 @@ def train(
         raise ConfigError("distributed training runs with `cleave coordinator start`; use --local for the baseline")
     cfg = opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision, micro_batches)
     console = Console(highlight=False)
-    trainer = Trainer(cfg)
+    where = coordinator_device(device)
+    trainer = Trainer(cfg, device=where)
+    if not quiet:
+        console.print(f"device: {describe(where)}")
     out = open(metrics, "w", encoding="utf-8") if metrics else None  # noqa: SIM115
     tokens = 0.0
     elapsed = 0.0

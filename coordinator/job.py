@@ -42,6 +42,7 @@ from coordinator.training import checkpoint, models
 from coordinator.training.checkpoint import Resume
 from coordinator.training.data import load_corpus
 from coordinator.training.flops import GemmShare, gemm_share
+from coordinator.training.hardware import DEVICES, coordinator_device, describe
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from coordinator.wire.addresses import is_loopback
 from coordinator.wire.errors import ConfigError
@@ -78,6 +79,7 @@ class CoordinatorConfig:
     ps_link_gbps: float = 10.0  # the coordinator's link, each way (--ps-link-gbps)
     ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
     wire_dtype: WireDtype = WireDtype.FP32  # what float32 operands and results travel as (--wire-dtype)
+    device: str = "auto"  # where the trainer's tensors live (--device auto|cpu|cuda; hardware.py)
     model_factory: Callable[[], nn.Module] | None = None  # builds a custom:LABEL model (docs/api.md)
     # Seconds a finished job stays visible (the page, /api/status, cleave status, /metrics) before
     # the coordinator exits; 0 exits at once. ``cleave coordinator start`` defaults to LINGER.
@@ -105,6 +107,8 @@ class CoordinatorConfig:
             raise ConfigError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
         if (self.model_factory is not None) != models.is_custom(self.train.model):
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
+        if self.device.lower() not in DEVICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
 
 @dataclass
@@ -245,10 +249,11 @@ async def _choose_micro_batches(
     cfg: CoordinatorConfig,
     reporter: Reporter,
     basis: str = "the devices that joined",
-) -> None:
+) -> tuple[int, str] | None:
     """``--micro-batches auto``: the cost model forecasts the step on the devices there now for
-    each part count (``choose_micro_batches``) and the trainer takes the best from its next step;
-    one part where parts cannot run at once or the model's shape is not known to the cost model.
+    each part count (``choose_micro_batches``); the parts it takes and the line that says why,
+    for the trainer to take from its next step (``_use_micro_batches``); None (one part) where
+    parts cannot run at once or the model's shape is not known to the cost model.
     Asked before the first step (the devices' claims) and again after it (their measured rates
     and links); the step is the same step whatever the parts, to float error."""
     from coordinator.whatif.presets import MODELS
@@ -259,7 +264,7 @@ async def _choose_micro_batches(
         if trainer.step == 0:  # said once
             why = "its parts could not run at once" if not trainer.concurrent else "the cost model has no shape for it"
             reporter.note(f"micro-batches: 1 (auto: {why})")
-        return
+        return None
     dtype = cfg.wire_dtype.value if cfg.wire_dtype.torch is not None else _GEMM_DTYPE.get(train.precision, "fp32")
     planner = core.planner
     profiles = core.fleet_profiles(dtype)  # on the loop, where the Core lives; the forecasts in a thread
@@ -277,9 +282,15 @@ async def _choose_micro_batches(
             keeps_home=False,  # the live coordinator keeps GEMMs home one by one, never a whole step
         )
     )
-    trainer.use_micro_batches(choice.micro_batches)
-    core.plan_lanes(trainer.parts_at_once)
-    reporter.note(choice.summary(basis))
+    return choice.micro_batches, choice.summary(basis)
+
+
+def _use_micro_batches(trainer: Trainer, parts: int, apply_lanes: Callable[[int], None]) -> None:
+    """Hand the trainer its parts, on the thread that trains (between steps: no part runs, so
+    its pool of parts may be shut down without waiting on the event loop), and the planner its
+    lanes (``apply_lanes``: on the loop, where the Core lives)."""
+    trainer.use_micro_batches(parts)
+    apply_lanes(trainer.parts_at_once)
 
 
 async def serve_job(
@@ -307,7 +318,9 @@ async def serve_job(
         books, train_cfg = plan.books, plan.train
         corpus = await asyncio.to_thread(load_corpus, train_cfg.data)  # fail fast on bad --data
         # The cost model's view of this machine: its GEMM, verification and copy rates, measured.
-        ps = await asyncio.to_thread(measure_ps, cfg.ps_link_gbps)
+        device = coordinator_device(cfg.device)
+        reporter.note(f"coordinator device: {describe(device)}")
+        ps = await asyncio.to_thread(measure_ps, cfg.ps_link_gbps, device=device)
         if cfg.ps_gflops is not None:  # the operator keeps the coordinator's CPU for its own work
             ps = dataclasses.replace(ps, gflops=dict.fromkeys(ps.gflops, cfg.ps_gflops))
         elif cfg.wire_dtype.torch is not None:  # half-precision wire: a GEMM kept here runs in float32
@@ -344,11 +357,14 @@ async def serve_job(
         def record(result: StepResult) -> None:  # on the loop, where the engine keeps its books
             t = server.traffic
             predicted = core.prediction.current()  # its GEMMs were all submitted: it is over
+            home = core.prediction.current_home()
             extra = {
                 "devices": len(core.devices),
                 "mb_down": round(t.bytes_down / 1e6, 3),
                 "mb_up": round(t.bytes_up / 1e6, 3),
                 "predicted_s": None if predicted is None else round(predicted, 4),
+                # The cost model's step had the coordinator kept every GEMM (the plan never loses to it).
+                "home_s": None if home is None or not math.isfinite(home) else round(home, 4),
                 # The step's most shipped GEMMs out at once, and of them waited on by the trainer.
                 "gemms_in_flight_max": core.peak_in_flight,
                 "waited_gemms_max": core.peak_waited,
@@ -370,7 +386,11 @@ async def serve_job(
 
         def build() -> Trainer:  # in a thread, while the devices join: their first step need not wait
             trainer = Trainer(
-                train_cfg, RemoteEngine(server, loop, cfg.wire_dtype), corpus=corpus, model_factory=cfg.model_factory
+                train_cfg,
+                RemoteEngine(server, loop, cfg.wire_dtype),
+                corpus=corpus,
+                model_factory=cfg.model_factory,
+                device=device,
             )
             if trainer.parts_at_once > 1:  # planned as the trainer issues them: that many GEMMs side by side
                 loop.call_soon_threadsafe(core.plan_lanes, trainer.parts_at_once)
@@ -406,10 +426,15 @@ async def serve_job(
                     again = _choose_micro_batches(trainer, core, train_cfg, cfg, reporter, basis)
                     choosing = asyncio.run_coroutine_threadsafe(again, loop)
                     try:
-                        choosing.result(CHOICE_TIMEOUT)
+                        chosen = choosing.result(CHOICE_TIMEOUT)
                     except Exception as exc:  # a report and a speed-up only: training goes on
-                        choosing.cancel()  # never applied once this thread trains on
+                        choosing.cancel()
                         log.warning("choosing micro-batches again failed (%r); keeping %d", exc, trainer.micro_batches)
+                    else:  # applied here, on the trainer thread, between steps
+                        if chosen is not None:
+                            lanes = functools.partial(loop.call_soon_threadsafe, core.plan_lanes)
+                            _use_micro_batches(trainer, chosen[0], lanes)
+                            loop.call_soon_threadsafe(reporter.note, chosen[1])
                 first = False
                 every = cfg.checkpoint_every
                 if (every and trainer.step % every == 0) or trainer.step == train_cfg.steps:
@@ -451,7 +476,10 @@ async def serve_job(
                         joining.cancel()
                 model = await building
                 if train_cfg.micro_batches == 0:  # --micro-batches auto: from the fleet that joined
-                    await _choose_micro_batches(model, core, train_cfg, cfg, reporter)
+                    chosen = await _choose_micro_batches(model, core, train_cfg, cfg, reporter)
+                    if chosen is not None:  # the trainer thread has not started: nothing runs parts yet
+                        _use_micro_batches(model, chosen[0], core.plan_lanes)
+                        reporter.note(chosen[1])
                 core.start_training(time.monotonic())  # waiting for devices is not training time
                 trainer = asyncio.ensure_future(asyncio.to_thread(train, model))
                 try:

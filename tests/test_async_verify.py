@@ -291,3 +291,33 @@ def test_the_fleets_profiles_are_given_in_the_dtype_asked_before_any_gemm_came()
     for dtype in ("fp32", "bf16"):
         assert core.fleet_profiles(dtype)[d].flops_per_s(dtype) > 0
     assert core.fleet_profiles()[d] == core.fleet_profiles("fp32")[d]
+
+
+def test_a_banning_forgery_first_in_a_batch_drops_the_honest_results_after_it() -> None:
+    """A verifier batch settled in order: the forged result bans its device (a proven one with
+    several tiles out, under a policy that bans at the first rejection), and its honest results after it in the batch
+    are dropped with the rest of its tiles (``lost``, never verified: nothing of a banned
+    device enters training), as docs/protocol.md says. The tiles are redone elsewhere."""
+    core = _core(probation_tiles=0)
+    core.conduct.trust = dataclasses.replace(core.conduct.trust, ban_rejects=1)
+    fleet = Fleet(core)
+    forger = fleet.join("forger", slots=4)
+    a, b = torch.randn(128, 64), torch.randn(64, 128)
+    box = submit(core, fleet, a, b)
+    checks = [_receive(fleet, forger, corrupt)[0]]
+    while any(item.device == forger for item in fleet.pending):
+        checks.append(_receive(fleet, forger)[0])
+    assert len(checks) >= 2
+    verdicts = [c.run(np.random.default_rng(1)) for c in checks]
+    assert [v.ok for v, _ in verdicts] == [False] + [True] * (len(checks) - 1)
+    with core.batch():
+        for check, (verdict, seconds) in zip(checks, verdicts, strict=True):
+            fleet.route(core.settle(check, verdict, seconds, fleet.now, dispatch=False))
+        fleet.route(core.dispatch(fleet.now))
+    assert fleet.closed[forger] == CloseCode.BANNED
+    outcomes = [[r.outcome.value for r in core.store.leases(c.msg.tile_id)] for c in checks]
+    assert outcomes[0] == ["rejected"]
+    assert all(o == ["lost"] for o in outcomes[1:]), outcomes
+    fleet.join("honest")
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)

@@ -37,10 +37,10 @@ def local_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return losses
 
 
-def assert_same_losses(got: list[float], want: list[float]) -> None:
+def assert_same_losses(got: list[float], want: list[float], rel: float = REL) -> None:
     assert len(got) == len(want)
     for step, (g, w) in enumerate(zip(got, want), start=1):
-        assert abs(g - w) <= REL * abs(w), f"step {step}: {g} vs local {w}"
+        assert abs(g - w) <= rel * abs(w), f"step {step}: {g} vs local {w}"
 
 
 def test_two_clients_train_exactly_like_local_torch(tmp_path: Path, local_losses: list[float]) -> None:
@@ -74,7 +74,7 @@ def test_micro_batches_through_clients_take_the_whole_batchs_step(tmp_path: Path
     clients = [join(coord.url, f"part-{i}") for i in range(2)]
     assert coord.wait() == 0, coord.output
     assert [c.wait() for c in clients] == [0, 0]
-    assert_same_losses(coord.losses(), local_losses[:4])
+    assert_same_losses(coord.losses(), local_losses[:4], rel=1e-5)  # what docs/architecture.md states
     done = dict(coord.query("SELECT name, tiles_done FROM devices"))
     assert set(done) == {"part-0", "part-1"} and all(n > 0 for n in done.values())  # tiles were shipped
     # The parts ran at once: GEMMs the trainer waited on were out side by side.

@@ -215,6 +215,9 @@ def test_training_with_each_partition_equals_local_torch(kinds, local_losses: li
     assert status["measured_step_s"] is not None
     if kinds in (None, "uniform"):  # a forced kind falls back to the fixed grid where it has no plan
         assert status["predicted_gemm_s"] is not None and status["predicted_step_s"] is not None
+    assert status["predicted_home_step_s"] is not None  # the coordinator alone, beside the plan
+    if kinds is None:  # the cost planner weighs keeping each GEMM home: never a slower plan
+        assert status["predicted_step_s"] <= status["predicted_home_step_s"] + 1e-4, status
 
 
 def test_long_runs_of_pieces_go_as_several_units_that_fit_a_frame() -> None:
@@ -319,3 +322,16 @@ def test_a_seat_knows_its_links_from_join_and_follows_their_measurement() -> Non
     measured = core.profiles[d].profile(core.dtype)
     assert (measured.down, measured.up) != (prior.down, prior.up)  # the fit moved off its priors
     assert (seat.down_rate, seat.up_rate) == (measured.down, measured.up)
+
+
+@pytest.mark.parametrize("planner", [Planner.COST, Planner.UNIFORM])
+def test_with_no_device_the_cost_planner_keeps_the_gemm_home_and_the_grid_waits(planner: Planner) -> None:
+    """``--min-devices 0`` before anyone joins (or every device gone): the cost planner prices
+    the PS alone and keeps the GEMM there, however slow the PS; the uniform grid is dealt to
+    whoever comes."""
+    live = LivePlanner(planner, SLOW_PS, POLICY)
+    plan = live.plan(256, 256, 256, GemmKind.FORWARD, "fp32", {})
+    if planner is Planner.COST:
+        assert plan.tiles is None and plan.plan is not None and plan.plan.kind is Kind.LOCAL
+    else:
+        assert plan.tiles is not None and plan.plan is None

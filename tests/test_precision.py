@@ -40,6 +40,8 @@ def test_a_mixed_precision_job_finishes_with_honest_tiles_and_near_local_losses(
         assert abs(g - w) <= NEAR[precision] * abs(w), f"{precision} step {step}: {g} vs local {w}"
     assert coord.query("SELECT COUNT(*) FROM leases WHERE outcome = 'rejected'") == [(0,)]
     assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
+    done = dict(coord.query("SELECT name, tiles_done FROM devices"))  # the half tiles reached the clients
+    assert len(done) == 2 and all(n > 0 for n in done.values()), done
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -166,6 +166,7 @@ def test_dashboard_shows_the_plan_and_measured_links() -> None:
         "plan": {
             "planner": "cost",
             "predicted_step_s": 1.25,
+            "predicted_home_step_s": 3.5,
             "measured_step_s": 1.5,
             "partitions": {"output": 20, "local": 7},
         },
@@ -173,7 +174,10 @@ def test_dashboard_shows_the_plan_and_measured_links() -> None:
             {**STATUS["devices"][0], "profile": {"down_mbps": 980.4, "up_mbps": 120.0, "measured_results": 12}}
         ],
     }
-    out = _text(render.dashboard(status), width=140)
-    assert "cost planner: step 1.250 s predicted, 1.500 s measured  (last step's GEMMs, by how each was cut: " in out
+    out = _text(render.dashboard(status), width=220)
+    assert (
+        "cost planner: step 1.250 s predicted, 1.500 s measured, 3.500 s predicted on the coordinator alone  "
+        "(last step's GEMMs, by how each was cut: " in out
+    )
     assert "7 local, 20 output)" in out
     assert "980/120" in out and "(prior)" not in out

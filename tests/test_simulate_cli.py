@@ -15,6 +15,7 @@ from cleave_cli import render
 from cleave_cli.app import app
 from coordinator.whatif.baselines import cloud_step, dtfm_step
 from coordinator.whatif.presets import model_shape, resolve_fleet
+from coordinator.whatif.simulator import MICRO_BATCH_SLACK
 
 RUNNER = CliRunner()
 FAST = ["--model", "small", "--fleet", "laptops", "--ps-gflops", "2", "--batch-size", "2", "--seq-len", "64"]
@@ -49,10 +50,17 @@ def test_json_holds_cleave_dtfm_and_cloud_step_times_and_the_breakdown() -> None
     assert report["micro_batches"] == "auto"
     forecasts = c["micro_batch_forecasts_s"]
     assert set(forecasts) == {"1", "2"} and str(c["micro_batches"]) in forecasts  # the divisors of batch 2
-    assert forecasts[str(c["micro_batches"])] <= min(forecasts.values()) * 1.05
+    assert forecasts[str(c["micro_batches"])] <= min(forecasts.values()) * (1 + MICRO_BATCH_SLACK)
+    # The fleet's utilisation: the mean over the devices that joined, its spread, GEMMs in flight.
+    assert 0 < c["fleet_utilisation"] <= c["utilisation_ceiling"] <= 1
+    q = c["utilisation_quantiles"]
+    assert 0 <= q["p10"] <= q["p50"] <= q["p90"] <= 1
+    assert 1 <= c["gemms_in_flight"]["mean"] <= c["gemms_in_flight"]["max"]
     console = Console(file=io.StringIO(), width=200)
     console.print(render.simulate_report(report))
-    assert f"micro-batches: {c['micro_batches']}, the cost model's choice" in console.file.getvalue()
+    text = console.file.getvalue()
+    assert f"micro-batches: {c['micro_batches']}, the cost model's choice" in text
+    assert "fleet: devices computed" in text and "GEMMs in flight" in text
     fixed = simulate(*FAST, "--devices", "24", "--seed", "3", "--micro-batches", "2")
     assert fixed["micro_batches"] == fixed["cleave"]["micro_batches"] == 2
     assert fixed["cleave"]["micro_batch_forecasts_s"] is None

@@ -514,7 +514,7 @@ def test_a_batch_writes_under_one_savepoint_and_commits_durable_writes_as_it_end
     half of a tile's statements); what they write is what they write one by one; a durable
     write inside it (a ban, a step) is committed as the batch ends, not later with the group."""
     path = tmp_path / "b.db"
-    store = SQLiteStore(path, group_seconds=group_seconds)
+    store = SQLiteStore(path, group_seconds=group_seconds, clock=lambda: 100.0)  # no timing on a loaded host
     job = store.create_job("j", {}, 1, 0.0)
     d = store.add_device(job, DeviceInfo("a"), 0.0)
     _, tiles = _gemm(store, job, n=4)
@@ -543,7 +543,9 @@ def test_a_batch_that_raises_keeps_what_it_wrote_and_the_next_batch_starts_clean
     """The coordinator stops the job on any failure inside a batch, but what the batch wrote
     stands (a ban or a step recorded before the failure must not be rolled back with it)."""
     path = tmp_path / "b.db"
-    store = SQLiteStore(path, group_seconds=1.0)
+    # A clock that stands still: no group ages past its window and no cool-off after a commit
+    # follows from how long a loaded host took (the second batch must open a group of its own).
+    store = SQLiteStore(path, group_seconds=1.0, clock=lambda: 100.0)
     job = store.create_job("j", {}, 1, 0.0)
     d = store.add_device(job, DeviceInfo("a"), 0.0)
     _, tiles = _gemm(store, job, n=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch import nn
 from coordinator.planning.costmodel import PARTS_IN_FLIGHT
 from coordinator.planning.tiles import TilingPolicy, plan_gemm, tiled_matmul
 from coordinator.training.data import ByteBatches, DataError, load_corpus
+from coordinator.training.hardware import coordinator_device, to_host
 from coordinator.training.linear import GemmRequest, LocalEngine, TiledLinear, offload_linears
 from coordinator.training.loop import TrainConfig, Trainer, draws_randomness
 from coordinator.training.model import PRESETS, Transformer
@@ -223,6 +225,44 @@ def test_micro_batches_at_once_take_the_whole_batchs_step(micro_batches: int) ->
     assert engine.most_inside >= 2 and len(engine.threads) == micro_batches  # they did overlap
 
 
+def test_parts_at_once_hold_at_most_a_window_of_parts_however_many_there_are() -> None:
+    """--micro-batches 16 runs 8 parts at a time: part i + 8 starts once part i is summed, so
+    while the first part lingers no more than 8 parts' activations or gradients are held (the
+    bound docs/cli.md states), and the step is still the whole batch's."""
+    lock = threading.Lock()
+    state = {"started": 0, "freed": 0, "peak": 0}
+
+    class Counting(Trainer):
+        def _one_part(self, xs, ys, share, scale):  # noqa: ANN001, ANN202
+            with lock:
+                state["started"] += 1
+                first = state["started"] == 1
+                state["peak"] = max(state["peak"], state["started"] - state["freed"])
+            if first:
+                time.sleep(0.3)  # the others finish meanwhile and must wait their turn to start
+            loss, grads = super()._one_part(xs, ys, share, scale)
+            held = next(g for g in grads if g is not None)
+
+            def freed() -> None:
+                with lock:
+                    state["freed"] += 1
+
+            weakref.finalize(held, freed)
+            return loss, grads
+
+    cfg = TrainConfig(steps=1, seq_len=8, batch_size=16, micro_batches=16)
+    want = [r.loss for r in Trainer(TrainConfig(steps=1, seq_len=8, batch_size=16)).run()]
+    trainer = Counting(cfg, PartsAtOnceEngine())
+    assert trainer.parts_at_once == PARTS_IN_FLIGHT == 8
+    got = [r.loss for r in trainer.run()]
+    trainer.close()
+    assert got == pytest.approx(want, rel=1e-5)
+    assert state["started"] == 16
+    # 8 parts in the window, plus the first part's gradients, which are the running sum until the
+    # second is added (the sum is held besides the window). Without the window: all 16.
+    assert state["peak"] <= PARTS_IN_FLIGHT + 1, state
+
+
 def test_auto_micro_batches_start_as_one_part_and_take_the_jobs_choice_from_the_next_step() -> None:
     """--micro-batches auto (0): the trainer runs one part until the job hands it the cost
     model's choice; a checkpoint keeps saying auto, so a resumed job chooses again."""
@@ -340,3 +380,31 @@ def test_batches_are_shifted_windows() -> None:
     assert torch.equal(x[:, 1:], y[:, :-1])
     with pytest.raises(DataError, match="shorter"):
         ByteBatches(b"tiny", seq_len=8, batch_size=1, rng=np.random.default_rng(0))
+
+
+def test_the_coordinator_device_is_cuda_only_where_there_is_one() -> None:
+    cuda = torch.cuda.is_available()
+    assert coordinator_device("auto").type == ("cuda" if cuda else "cpu")
+    assert coordinator_device("CPU") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="must be one of auto, cpu, cuda"):
+        coordinator_device("mps")
+    if not cuda:
+        with pytest.raises(ConfigError, match="sees no CUDA device"):
+            coordinator_device("cuda")
+
+
+def test_to_host_gives_a_contiguous_copy_in_the_asked_dtype() -> None:
+    t = torch.randn(6, 4).t()  # a transposed view
+    host = to_host(t, torch.bfloat16)
+    assert host.is_contiguous() and host.dtype == torch.bfloat16 and host.shape == t.shape
+    assert torch.equal(host, t.to(torch.bfloat16))
+    same = to_host(t)
+    assert same.dtype == torch.float32 and torch.equal(same, t) and same.data_ptr() != t.data_ptr()
+
+
+def test_a_trainer_on_the_cpu_device_is_the_default_trainer() -> None:
+    cfg = TrainConfig(steps=3)
+    default = [r.loss for r in Trainer(cfg).run()]
+    placed = Trainer(cfg, device=torch.device("cpu"))
+    assert [r.loss for r in placed.run()] == default
+    assert all(p.device.type == "cpu" for p in placed.model.parameters())

@@ -68,7 +68,7 @@ from coordinator.engine.scheduler import (
     Scheduler,
     UnitSpec,
 )
-from coordinator.planning.costmodel import Profile, PSProfile
+from coordinator.planning.costmodel import Profile, PSProfile, local_seconds
 from coordinator.planning.tiles import (
     GemmKind,
     TilingPolicy,
@@ -832,6 +832,7 @@ class Core:
         live = self._plan(m, n, k, kind)
         pred = self.prediction
         pred.planned.append(live.seconds)
+        pred.home.append(local_seconds(m, n, k, dtype, self.planner.ps))
         label = live.label
         pred.kinds[label] = pred.kinds.get(label, 0) + 1
         if live.tiles is None:  # cheaper here than shipped: the PS multiplies itself

@@ -299,8 +299,10 @@ class LivePlanner:
         return LivePlan(tiles, owners, plan, done_at)
 
     def _price(self, gemm: Gemm, classes: list[DeviceClass]) -> Plan | None:
-        if not classes:
-            return None
+        if not classes and self.planner is Planner.UNIFORM:
+            return None  # the grid waits for devices
+        # With no device (--min-devices 0, or every one gone or paused) the cost planner keeps
+        # the GEMM home: the PS alone is a plan it can price, and waiting for devices is not.
         ps = self._lane_ps
         if self.planner is Planner.UNIFORM:
             return baseline(gemm, classes, ps, PlannerOptions(uniform=self.policy))

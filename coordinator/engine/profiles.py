@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -220,12 +221,22 @@ class DeviceProfile:
 
 
 def measure_ps(
-    link_gbps: float, *, dtype: str = "fp32", seconds: float = 0.3, clock: Callable[[], float] = time.perf_counter
+    link_gbps: float,
+    *,
+    dtype: str = "fp32",
+    seconds: float = 0.3,
+    clock: Callable[[], float] = time.perf_counter,
+    device: Any = None,
 ) -> PSProfile:
     """The coordinator's own profile, measured here in about ``seconds``: its GEMM rate in the
-    job's dtype, its verification rate (the 16-vector check is a skinny GEMM) and its memory
-    bandwidth (assembly, partial sums). The link is the operator's ``--ps-link-gbps``."""
+    job's dtype on ``device`` (a ``torch.device``; the CPU by default: where the trainer
+    multiplies the GEMMs it keeps), its verification rate (the 16-vector check is a skinny GEMM)
+    and its memory bandwidth (assembly, partial sums), both on the host where tiles arrive. The
+    link is the operator's ``--ps-link-gbps``."""
     import torch
+
+    device = device or torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     from coordinator.planning.costmodel import VERIFY_ROUNDS
 
@@ -246,7 +257,12 @@ def measure_ps(
             if elapsed >= budget or count >= 1000:
                 return work * count / max(elapsed, 1e-9)
 
-    gemm = rate(lambda: a @ b, 2.0 * n**3)
+    if device.type == "cuda":  # big enough to show a GPU's rate, not its launch latency
+        big_n = 4096
+        ga, gb = (torch.randn(big_n, big_n, dtype=tdtype, device=device) for _ in range(2))
+        gemm = rate(lambda: (ga @ gb, sync()), 2.0 * big_n**3)
+    else:
+        gemm = rate(lambda: a @ b, 2.0 * n**3)
     af, bf, cf = a.float(), b.float(), (a @ b).float()
     verify = rate(lambda: (af @ (bf @ r)) - cf @ r, 2.0 * VERIFY_ROUNDS * 3 * n * n)
     copy = rate(lambda: big.clone(), 2.0 * big.numel() * big.element_size())

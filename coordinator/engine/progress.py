@@ -3,6 +3,7 @@ the one measured (shown by ``cleave status``, the dashboard and ``/metrics``).""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,9 +15,11 @@ class Prediction:
     """The cost model's predicted step time against the measured one."""
 
     planned: list[float | None] = field(default_factory=list)  # this step's GEMMs, as submitted
+    home: list[float] = field(default_factory=list)  # ... and each kept on the PS instead
     kinds: dict[str, int] = field(default_factory=dict)  # this step's partitions, by kind
     local_gemms: int = 0  # GEMMs the PS kept, all steps
     gemm_seconds: float | None = None  # last finished step: its GEMMs' predicted seconds
+    home_gemm_seconds: float | None = None  # ... had the PS multiplied every one of them itself
     last_kinds: dict[str, int] = field(default_factory=dict)
     busy: float = 0.0  # this step: seconds with at least one GEMM out
     busy_since: float | None = None
@@ -31,9 +34,11 @@ class Prediction:
             busy = self.busy + (now - self.busy_since if self.busy_since is not None else 0.0)
             self.last_busy = busy
             self.gemm_seconds = self._planned_seconds()
+            self.home_gemm_seconds = float(sum(self.home)) if self.home else None
             self.last_kinds = dict(self.kinds)
         self.step_started = now
         self.planned.clear()
+        self.home.clear()
         self.kinds.clear()
         self.busy = 0.0
         self.busy_since = now if self.busy_since is not None else None
@@ -51,17 +56,27 @@ class Prediction:
 
     def current(self) -> float | None:
         """The step in progress, once its GEMMs are all submitted: their predicted seconds plus
-        the PS's own time of the step before."""
+        the PS's own time of the step before. GEMMs planned side by side (micro-batches at once,
+        on lanes of the fleet) are summed: an upper bound then, not a forecast of their overlap
+        (``--micro-batches auto`` reports the list-scheduled forecast)."""
         gemms, other = self._planned_seconds(), self.other
         return None if gemms is None or other is None else gemms + other
+
+    def current_home(self) -> float | None:
+        """The step in progress had the PS kept every GEMM: the cost model's figure to compare
+        the plan with (the planner picks per GEMM, never a plan slower than keeping it)."""
+        other = self.other
+        return None if not self.home or other is None else float(sum(self.home)) + other
 
     def as_json(self) -> dict[str, Any]:
         """Predicted step = the GEMMs' predicted seconds + the PS's own time measured last step
         (the step's seconds with no GEMM out): the model predicts the part it plans."""
         other = self.other
         predicted = None if self.gemm_seconds is None or other is None else self.gemm_seconds + other
+        home = None if self.home_gemm_seconds is None or other is None else self.home_gemm_seconds + other
         return {
             "predicted_step_s": _round(predicted),
+            "predicted_home_step_s": _round(home),
             "measured_step_s": _round(self.measured),
             "predicted_gemm_s": _round(self.gemm_seconds),
             "measured_gemm_s": _round(self.last_busy),
@@ -72,7 +87,7 @@ class Prediction:
 
 
 def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
+    return None if x is None or not math.isfinite(x) else round(x, 4)
 
 
 @dataclass

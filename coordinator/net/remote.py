@@ -19,6 +19,7 @@ from coordinator.engine.blocks import row_norms
 from coordinator.engine.gemms import Product, check_finite
 from coordinator.net.server import Server
 from coordinator.planning.tiles import GemmKind
+from coordinator.training.hardware import to_host
 from coordinator.training.linear import GemmRequest
 from coordinator.wire.messages import WireDtype
 
@@ -52,7 +53,12 @@ class RemoteEngine:
     With a half-precision ``wire``, float32 operands are cast here, on the trainer thread, and
     the products come back in float32. Each operand's whole tensor is cast once per step and
     the GEMM reads a view of the copy, laid out as the original: the forward's X and the dW
-    that reads it again then share blocks, as in float32."""
+    that reads it again then share blocks, as in float32.
+
+    A trainer on a GPU (``Trainer(device=cuda)``) hands CUDA operands: they are staged to the
+    host the same way (one pinned copy per tensor and step, in the wire's dtype), a GEMM the
+    planner keeps home is multiplied on the GPU from the originals, and each product comes back
+    to the GPU in one copy."""
 
     # The trainer may run micro-batches on several threads at once (Trainer.parts_at_once).
     takes_parts_at_once = True
@@ -89,12 +95,13 @@ class RemoteEngine:
         )
 
     def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t`` in ``dtype`` on the host: a view of its whole tensor's one copy this step."""
         base, key = self._key(t)
         if not base.is_contiguous():
-            return t.detach().to(dtype)
+            return to_host(t, dtype)
         hit = self._casts.get(key)
         if hit is None:  # the original is kept with its copy: its memory cannot be reused meanwhile
-            hit = self._casts.setdefault(key, (base, base.detach().to(dtype)))
+            hit = self._casts.setdefault(key, (base, to_host(base, dtype)))
         return hit[1].as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
 
     def _wire_for(self, r: GemmRequest) -> torch.dtype | None:
@@ -111,7 +118,7 @@ class RemoteEngine:
     def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
         futures = self._submit(requests, deferred=False)
         # Each GEMM is put together here (partial sums, or the PS's own product), off the loop.
-        return [f.result()() for f in futures]
+        return [_on(r.a.device, f.result()()) for r, f in zip(requests, futures, strict=True)]
 
     def defer(self, request: GemmRequest, param: torch.Tensor) -> None:
         """Start ``request`` (a weight gradient) and add its product to ``param.grad`` at
@@ -119,6 +126,7 @@ class RemoteEngine:
         waits on go ahead of this one's tiles on the devices."""
         (future,) = self._submit([request], deferred=True)
         self._mine.deferred.append((param, future))
+        # (param lives where the trainer does: take_deferred brings the product there)
 
     def finish_backward(self) -> None:
         """Wait for the deferred weight gradients and add each to its parameter's ``.grad``, in
@@ -130,7 +138,7 @@ class RemoteEngine:
         """Wait for this thread's deferred weight gradients: (param, its dW), in the order
         backward deferred them. A micro-batch run beside others keeps them as its own."""
         deferred, self._mine.deferred = self._mine.deferred, []
-        return [(param, future.result()()) for param, future in deferred]
+        return [(param, _on(param.device, future.result()())) for param, future in deferred]
 
     def _submit(self, requests: Sequence[GemmRequest], *, deferred: bool) -> list[concurrent.futures.Future[Product]]:
         sent, out, kept = [], [], []
@@ -151,10 +159,15 @@ class RemoteEngine:
                 continue
             mine.append(None)
             dtype = self._wire_for(r)
-            if dtype is None:
+            if dtype is None and r.a.device.type == "cpu":
                 sent.append(r)
                 out.append(None)
                 kept.append(None)
+                continue
+            if dtype is None:  # a GPU's operands, staged to the host as they are
+                sent.append(GemmRequest(self._cast(r.a, r.a.dtype), self._cast(r.b, r.b.dtype), r.kind))
+                out.append(None)
+                kept.append(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
                 continue
             half = GemmRequest(self._cast(r.a, dtype), self._cast(r.b, dtype), r.kind)
             if dtype == torch.float16:  # fp16 cannot hold what float32 can (bf16 can)
@@ -179,3 +192,9 @@ class RemoteEngine:
             self._mine.evict.clear()
         sent_futures = iter(futures)
         return [f if f is not None else next(sent_futures) for f in mine]
+
+
+def _on(device: torch.device, product: torch.Tensor) -> torch.Tensor:
+    """A product where the trainer wants it: tiles are assembled on the host, a kept GEMM is
+    multiplied where its operands are."""
+    return product if product.device == device else product.to(device)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -31,9 +32,10 @@ PRECISIONS = ("fp32", "bf16", "fp16", "autocast")
 _AUTOCAST = {"fp16": torch.float16, "autocast": torch.bfloat16}
 
 # Micro-batches through forward and backward at once (an engine that takes concurrent GEMMs):
-# at most PARTS_IN_FLIGHT (8), so the activations held are at most that many parts' (with
-# --micro-batches M: min(M, 8)/M of the whole batch's, never more than --micro-batches 1 holds),
-# and the gradients held besides the sum at most that many copies (parts done before an earlier one).
+# at most PARTS_IN_FLIGHT (8) started and not yet summed (a window: part i + 8 starts once part
+# i is summed), so the activations held are at most that many parts' (with --micro-batches M:
+# min(M, 8)/M of the whole batch's, never more than --micro-batches 1 holds), and the gradients
+# held besides the sum at most that many copies, each the parameters' size in their dtype.
 
 
 def draws_randomness(model: nn.Module) -> bool:
@@ -130,10 +132,15 @@ class Trainer:
         engine: MatmulEngine | None = None,
         corpus: bytes | None = None,
         model_factory: Callable[[], nn.Module] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``model_factory``: builds the model of a ``custom:LABEL`` job (docs/api.md); it is
-        called after the seed is set, so it gives the same weights wherever it runs."""
+        called after the seed is set, so it gives the same weights wherever it runs.
+        ``device``: where the model, its optimizer and every op that is not an offloaded GEMM
+        run (``hardware.coordinator_device``); the model is built on the CPU first, so a seed
+        gives the same initial weights on any device."""
         self.cfg = cfg
+        self.device = device or torch.device("cpu")
         if (model_factory is not None) != models.is_custom(cfg.model):
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
         torch.manual_seed(cfg.seed)
@@ -143,8 +150,9 @@ class Trainer:
             raise ConfigError(str(exc)) from None
         if cfg.precision == "bf16":
             self.model.to(torch.bfloat16)
+        self.model.to(self.device)
         self.autocast = _AUTOCAST.get(cfg.precision)
-        self.scaler = torch.amp.GradScaler("cpu") if cfg.precision == "fp16" else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
         if self.scaler is not None and hasattr(engine, "overflow_here"):
             engine.overflow_here = True  # an overflowing step is the scaler's to skip (RemoteEngine)
         self.offloaded = offload_linears(self.model, engine) if engine is not None else 0
@@ -204,6 +212,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            **({"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}),
             "data_rng": self.batches.rng.bit_generator.state,
             "config": self.cfg.to_dict(),
             **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
@@ -219,6 +228,8 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and "cuda_rng" in state:  # dropout on a GPU draws from its own generator
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.batches.rng.bit_generator.state = state["data_rng"]
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
@@ -240,6 +251,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = self.batches.next()  # (B, T)
+        x, y = x.to(self.device), y.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         parts = list(zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True))
         share = 1 / len(parts)  # equal parts: each loss weighted by its share of the tokens
@@ -252,7 +264,7 @@ class Trainer:
             # activations are held at a time.
             loss_sum = 0.0
             for xs, ys in parts:
-                with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+                with self._autocast():
                     _, part = self.model(xs, ys)
                 assert part is not None
                 loss = part * share if len(parts) > 1 else part
@@ -272,6 +284,12 @@ class Trainer:
         self.tokens_seen += x.numel()
         return StepResult(self.step, loss_sum, x.numel(), time.perf_counter() - started, lr)
 
+    def _autocast(self) -> torch.autocast:
+        """The forward's autocast on the trainer's device (off unless --precision asks for it)."""
+        return torch.autocast(
+            self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None
+        )
+
     def _parts_at_once(self, parts: list[tuple[torch.Tensor, torch.Tensor]], share: float) -> float:
         """Forward and backward of every part at once, on ``parts_at_once`` threads; the loss.
 
@@ -282,19 +300,29 @@ class Trainer:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.parts_at_once, thread_name_prefix="cleave-part")
         # The loss scaler's factor, made on this thread: its lazy set-up is not thread-safe.
-        scale = None if self.scaler is None else self.scaler.scale(torch.ones(()))
-        running = [self._pool.submit(self._one_part, xs, ys, share, scale) for xs, ys in parts]
+        scale = None if self.scaler is None else self.scaler.scale(torch.ones((), device=self.device))
+        # A window of parts_at_once: part i + parts_at_once starts once part i is summed, so at
+        # most that many parts are running or done and waiting, each holding its activations or
+        # its gradients (one copy of the parameters' size), whatever --micro-batches is. A part's
+        # future leaves the window once summed: a future holds its result (the gradients).
+        window: deque[Future] = deque()
         totals: list[torch.Tensor | None] = [None] * len(self._params)
         loss_sum = 0.0
         try:
-            for future in running:  # in part order, each part's gradients dropped once added
-                loss, grads = future.result()
+            for xs, ys in parts[: self.parts_at_once]:
+                window.append(self._pool.submit(self._one_part, xs, ys, share, scale))
+            for index in range(len(parts)):  # in part order, each part's gradients dropped once added
+                loss, grads = window.popleft().result()
+                if index + self.parts_at_once < len(parts):
+                    xs, ys = parts[index + self.parts_at_once]
+                    window.append(self._pool.submit(self._one_part, xs, ys, share, scale))
                 loss_sum += loss
                 for i, grad in enumerate(grads):
                     if grad is not None:
                         totals[i] = grad if totals[i] is None else totals[i] + grad
+                del grads
         finally:
-            wait(running)  # every part, even after one failed: no part's thread outlives its step
+            wait(window)  # every part started, even after one failed: no part's thread outlives its step
         for param, total in zip(self._params, totals, strict=True):
             if total is not None:
                 param.grad = total
@@ -306,7 +334,7 @@ class Trainer:
         """One part's loss and its gradient for each of ``self._params`` (None: none reached it)."""
         assert self.take_deferred is not None
         try:
-            with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            with self._autocast():
                 _, part = self.model(xs, ys)
             assert part is not None
             loss = part * share

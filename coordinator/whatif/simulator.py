@@ -394,7 +394,8 @@ class StepStats:
     kept_home: bool = False  # the forecast said the PS alone is faster: every GEMM stayed home
     gemm_seconds_in_flight: float = 0.0  # the integral of GEMMs in flight over the step
     most_gemms_in_flight: int = 0
-    # Each device present in the step: the share of the step it spent computing. Their mean
+    # Each device present in the step: the share of the step it spent multiplying (its units'
+    # FLOP at its rate; the per-unit overhead is busy time, not compute). Their mean
     # (idle devices count), a few quantiles of the distribution, and the mean per class.
     fleet_utilisation: float = 0.0
     utilisation_quantiles: dict[float, float] = field(default_factory=dict)
@@ -460,7 +461,8 @@ class _Device:
     cpu_free: float = 0.0
     up_free: float = 0.0
     blocks: set = field(default_factory=set)
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # busy: its units' FLOP at its rate plus the per-unit overhead
+    flop_s: float = 0.0  # of which multiplying: what utilisation counts and its bounds price
     down_s: float = 0.0
     up_s: float = 0.0
     bytes_down: float = 0.0
@@ -781,6 +783,7 @@ class Simulation:
         seconds = unit.flops / d.rate + d.profile.overhead
         d.cpu_free = start + seconds
         d.compute_s += seconds
+        d.flop_s += unit.flops / d.rate
         self._at(d.cpu_free, _UPLOAD, uid, device, epoch)
 
     def _upload(self, uid: int, device: int, epoch: int) -> None:
@@ -931,7 +934,9 @@ class Simulation:
                 progress(step, cfg.steps)
             self._stats = StepStats()
             began = self.now
-            before = {d.id: (d.compute_s, d.down_s, d.up_s, d.bytes_down, d.bytes_up) for d in self.devices.values()}
+            before = {
+                d.id: (d.compute_s, d.down_s, d.up_s, d.bytes_down, d.bytes_up, d.flop_s) for d in self.devices.values()
+            }
             gone_before = len(self.gone)
             if cfg.fail_at is not None and step == cfg.steps - 1:
                 self._at(began + cfg.fail_at, _FAIL)
@@ -982,17 +987,20 @@ class Simulation:
         st = self._stats
         rows = []
         for d in present:
-            c0, d0, u0, bd0, bu0 = before.get(d.id, (0.0, 0.0, 0.0, 0.0, 0.0))
-            rows.append((d.compute_s - c0, d.down_s - d0, d.up_s - u0, d.bytes_down - bd0, d.bytes_up - bu0))
+            c0, d0, u0, bd0, bu0, f0 = before.get(d.id, (0.0,) * 6)
+            rows.append(
+                (d.compute_s - c0, d.down_s - d0, d.up_s - u0, d.bytes_down - bd0, d.bytes_up - bu0, d.flop_s - f0)
+            )
         worked = [r for r in rows if r[0] > 0]
         st.devices_used = len(worked)
         if rows and st.seconds > 0:  # every device present, idle ones too: the fleet's view
-            shares = sorted(r[0] / st.seconds for r in rows)
+            # Multiplying, not the per-unit overhead: the share its ceiling and bound price.
+            shares = sorted(r[5] / st.seconds for r in rows)
             st.fleet_utilisation = sum(shares) / len(shares)
             st.utilisation_quantiles = {q: shares[min(len(shares) - 1, int(q * len(shares)))] for q in QUANTILES}
             by_class: dict[str, list[float]] = {}
             for d, r in zip(present, rows, strict=True):
-                by_class.setdefault(d.cls, []).append(r[0] / st.seconds)
+                by_class.setdefault(d.cls, []).append(r[5] / st.seconds)
             st.class_utilisation = {name: sum(v) / len(v) for name, v in sorted(by_class.items())}
             ceiling: dict[str, float] = {}  # a class's devices share its profile
             for d in present:
