@@ -23,6 +23,7 @@ from coordinator.planning.costmodel import PARTS_IN_FLIGHT
 from coordinator.training import models
 from coordinator.training.data import ByteBatches, load_corpus
 from coordinator.training.linear import MatmulEngine, offload_linears
+from coordinator.training.parallel import DataParallel, ShardedAdamW
 from coordinator.wire.errors import ConfigError
 
 # How a step computes: fp32; bf16 (weights, activations and optimizer state in bfloat16); fp16
@@ -133,14 +134,28 @@ class Trainer:
         corpus: bytes | None = None,
         model_factory: Callable[[], nn.Module] | None = None,
         device: torch.device | None = None,
+        parallel: DataParallel | None = None,
     ) -> None:
         """``model_factory``: builds the model of a ``custom:LABEL`` job (docs/api.md); it is
         called after the seed is set, so it gives the same weights wherever it runs.
         ``device``: where the model, its optimizer and every op that is not an offloaded GEMM
         run (``hardware.coordinator_device``); the model is built on the CPU first, so a seed
-        gives the same initial weights on any device."""
+        gives the same initial weights on any device.
+        ``parallel``: this trainer is one rank of a tier (``coordinator/training/parallel.py``):
+        it trains its slice of each global batch, the gradients are summed over the ranks, and
+        AdamW's state is sharded across them; every rank logs the global loss."""
         self.cfg = cfg
         self.device = device or torch.device("cpu")
+        self.parallel = parallel
+        if parallel is not None:
+            if cfg.batch_size % parallel.world:
+                raise ConfigError(
+                    f"--batch-size {cfg.batch_size} does not cut into {parallel.world} equal slices, one per rank"
+                )
+            if cfg.precision == "fp16":
+                raise ConfigError("--precision fp16 (its loss scaler) does not run on a tier yet: use bf16 or autocast")
+            if self.device.type != "cpu":
+                raise ConfigError("a tier's ranks train on the CPU for now (gloo reduces CPU tensors)")
         if (model_factory is not None) != models.is_custom(cfg.model):
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
         torch.manual_seed(cfg.seed)
@@ -178,12 +193,18 @@ class Trainer:
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(0.9, 0.95),
-            foreach=False,
-        )
+        self.optimizer: torch.optim.AdamW | ShardedAdamW
+        if parallel is None:
+            self.optimizer = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                lr=cfg.lr,
+                betas=(0.9, 0.95),
+                foreach=False,
+            )
+        else:  # ZeRO-1: this rank's slice of AdamW's state; the same update, elementwise
+            self.optimizer = ShardedAdamW(
+                [(decay, cfg.weight_decay), (no_decay, 0.0)], parallel, lr=cfg.lr, betas=(0.9, 0.95)
+            )
         data = corpus if corpus is not None else load_corpus(cfg.data)
         try:
             ids = models.tokens(cfg.model, data)
@@ -193,11 +214,19 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
 
+    @property
+    def local_batch(self) -> int:
+        """Sequences this trainer computes each step: the batch, or its rank's slice of it."""
+        return self.cfg.batch_size // (self.parallel.world if self.parallel is not None else 1)
+
     def use_micro_batches(self, parts: int) -> None:
-        """Cut each batch into ``parts`` from the next step on (the same step, to float error);
-        up to ``PARTS_IN_FLIGHT`` of them at once where the engine and the model allow it."""
-        if not 1 <= parts <= self.cfg.batch_size or self.cfg.batch_size % parts:
-            raise ConfigError(f"micro-batches must divide the batch size ({self.cfg.batch_size}), got {parts}")
+        """Cut each batch (a rank's slice, on a tier) into ``parts`` from the next step on (the
+        same step, to float error); up to ``PARTS_IN_FLIGHT`` of them at once where the engine
+        and the model allow it."""
+        batch = self.local_batch
+        if not 1 <= parts <= batch or batch % parts:
+            what = "the batch size" if self.parallel is None else "each rank's slice of the batch"
+            raise ConfigError(f"micro-batches must divide {what} ({batch}), got {parts}")
         at_once = min(parts, PARTS_IN_FLIGHT) if self.concurrent else 1
         if self._pool is not None and at_once != self.parts_at_once:
             self._pool.shutdown()
@@ -250,11 +279,15 @@ class Trainer:
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        x, y = self.batches.next()  # (B, T)
+        x, y = self.batches.next()  # (B, T): the global batch, the same on every rank of a tier
+        world = 1
+        if self.parallel is not None:  # this rank's slice of it, fixed by step
+            rows = self.parallel.slice_of(self.cfg.batch_size)
+            x, y, world = x[rows], y[rows], self.parallel.world
         x, y = x.to(self.device), y.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         parts = list(zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True))
-        share = 1 / len(parts)  # equal parts: each loss weighted by its share of the tokens
+        share = 1 / (len(parts) * world)  # equal parts: each loss weighted by its share of the global batch
         if self.parts_at_once > 1:
             loss_sum = self._parts_at_once(parts, share)
         else:
@@ -267,11 +300,19 @@ class Trainer:
                 with self._autocast():
                     _, part = self.model(xs, ys)
                 assert part is not None
-                loss = part * share if len(parts) > 1 else part
+                loss = part * share if share != 1 else part
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
                 if self.finish_backward is not None:
                     self.finish_backward()
                 loss_sum += float(loss.item())
+        tokens = x.numel()
+        if self.parallel is not None:
+            # Every rank ends with the global batch's gradient (float32, summed in rank order),
+            # its loss and token count (float64), so clipping and logging are the same everywhere.
+            self.parallel.arrive(self.step)
+            self.parallel.reduce_gradients(self._params)
+            loss_sum, tokens_f = self.parallel.all_sum([loss_sum, float(tokens)])
+            tokens = int(tokens_f)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients
         if self.cfg.grad_clip:
@@ -281,8 +322,8 @@ class Trainer:
         else:
             self.scaler.step(self.optimizer)  # skipped when a gradient overflowed fp16
             self.scaler.update()
-        self.tokens_seen += x.numel()
-        return StepResult(self.step, loss_sum, x.numel(), time.perf_counter() - started, lr)
+        self.tokens_seen += tokens
+        return StepResult(self.step, loss_sum, tokens, time.perf_counter() - started, lr)
 
     def _autocast(self) -> torch.autocast:
         """The forward's autocast on the trainer's device (off unless --precision asks for it)."""

@@ -74,3 +74,20 @@ def token_matches(token: str, stored: bytes | None) -> bool:
     if stored is None or not token:
         return False
     return hmac.compare_digest(token_hash(token), stored)
+
+
+_RANK = "cleave-rank-v1|{rank}|{world}|"
+
+
+def rank_proof(secret: bytes, rank: int, world: int, job: bytes, nonces: bytes) -> bytes:
+    """A coordinator rank's proof that it holds the tier's secret: an HMAC over its place in
+    the tier, the job it was started with (a digest of its options) and every rank's fresh
+    nonce, so it cannot be replayed in another tier, as another rank or for another job."""
+    return hmac.new(secret, _RANK.format(rank=rank, world=world).encode() + job + nonces, hashlib.sha256).digest()
+
+
+def rank_proof_ok(secret: bytes, rank: int, world: int, job: bytes, nonces: bytes, answer: bytes) -> bool:
+    """Constant-time check of ``answer`` against the proof rank ``rank`` should have given."""
+    return len(answer) == hashlib.sha256().digest_size and hmac.compare_digest(
+        rank_proof(secret, rank, world, job, nonces), answer
+    )

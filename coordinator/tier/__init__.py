@@ -1,0 +1,1 @@
+"""A coordinator tier: one job's ranks on torch.distributed (``group.py``)."""

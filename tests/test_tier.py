@@ -1,0 +1,153 @@
+"""A coordinator tier on torch.distributed: ranks in real processes, gloo on loopback."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from coordinator.tier.group import RankLost, TierRefused, job_digest, join_tier
+from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.training.parallel import DataParallel, ShardedAdamW
+
+SECRET = "tier-secret-for-tests"
+CTX = multiprocessing.get_context("spawn")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, world: int, port: int, secret: str, options: dict, out: Any, die_after: int = 0) -> None:
+    """One rank: join, train, report (losses, final weights, optimizer state size)."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig(**options)
+    try:
+        tier = join_tier(f"tcp://127.0.0.1:{port}", rank, world, secret, job_digest(options), timeout=4.0)
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, str(exc)))
+        return
+    trainer = Trainer(cfg, parallel=tier.parallel)
+    losses = []
+    try:
+        while trainer.step < cfg.steps:
+            losses.append(trainer.train_step().loss)
+            if die_after and trainer.step == die_after:
+                os._exit(9)  # as a SIGKILL would: no goodbye
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, str(exc)))
+        tier.close()
+        return
+    state = sum(v.numel() for s in trainer.optimizer.inner.state.values() for v in s.values() if v.dim())
+    # numpy, not tensors: a tensor crosses a queue as a shared-memory handle that dies with this process
+    weights = {k: v.numpy().copy() for k, v in trainer.model.state_dict().items()}
+    out.put((rank, losses, weights, state, trainer.tokens_seen))
+    tier.close()
+
+
+def _tier(world: int, options: dict, secrets: list[str] | None = None, die: dict[int, int] | None = None) -> dict:
+    port, out = _port(), CTX.Queue()
+    procs = [
+        CTX.Process(
+            target=_rank, args=(r, world, port, (secrets or [SECRET] * world)[r], options, out, (die or {}).get(r, 0))
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = {}
+    deadline = time.monotonic() + 120
+    while len(results) < world - len(die or {}) and time.monotonic() < deadline:
+        try:
+            item = out.get(timeout=1)
+        except queue.Empty:
+            continue
+        results[item[0]] = item[1:]
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return results
+
+
+OPTIONS = {"steps": 4, "batch_size": 6, "seq_len": 32}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_train_the_global_batch_exactly_as_one_process(world: int) -> None:
+    """Each rank trains its slice; gradients summed in rank order, AdamW sharded: every rank
+    logs the same global loss and ends with the same weights, the bits of one process running
+    the slices as micro-batches in order, and plain torch's whole batch within 1e-5."""
+    results = _tier(world, OPTIONS)
+    assert sorted(results) == list(range(world)), results
+    whole = Trainer(TrainConfig(**OPTIONS))
+    want = [r.loss for r in whole.run()]
+    parts = Trainer(TrainConfig(**OPTIONS, micro_batches=world))
+    in_order = [r.loss for r in parts.run()]
+    losses, weights, state, tokens = results[0][0], results[0][1], results[0][2], results[0][3]
+    for r in range(1, world):
+        assert results[r][0] == losses  # the same global loss, bit for bit
+        assert all((weights[k] == results[r][1][k]).all() for k in weights)
+    assert losses == in_order
+    assert losses == pytest.approx(want, rel=1e-5)
+    for k, v in parts.model.state_dict().items():
+        assert torch.equal(torch.from_numpy(weights[k]), v), k
+    assert tokens == whole.tokens_seen  # the global count
+    # ZeRO-1: each rank holds AdamW's moments for its share of the parameters only.
+    total = sum(p.numel() for p in whole.model.parameters())
+    assert 2 * total / world <= state <= 2 * (total / world + 2 * world)
+
+
+def test_a_rank_without_the_secret_never_counts_as_one() -> None:
+    """A stranger at the rendezvous port, taking rank 1's place without the secret: the tier
+    refuses to start, and says which rank failed."""
+    results = _tier(2, OPTIONS, secrets=[SECRET, "guessed"])
+    assert results[0][0] == "TierRefused" and "rank 1 did not prove" in results[0][1], results
+    assert results[1][0] == "TierRefused"
+
+
+def test_a_lost_rank_stops_the_others_naming_it() -> None:
+    started = time.monotonic()
+    results = _tier(2, {**OPTIONS, "steps": 6}, die={1: 2})
+    assert results[0][0] == "RankLost" and "rank 1 of the tier was lost" in results[0][1], results
+    assert time.monotonic() - started < 60
+
+
+def test_sharded_adamw_on_one_rank_is_torchs_adamw_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    plain = torch.optim.AdamW(
+        [{"params": [a[0]], "weight_decay": 0.1}, {"params": [a[1]], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        foreach=False,
+    )
+    sharded = ShardedAdamW([([b[0]], 0.1), ([b[1]], 0.0)], DataParallel(0, 1), lr=1e-2, betas=(0.9, 0.95))
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in a]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        plain.step()
+        sharded.step()
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_join_tier_refuses_bad_options_in_one_line() -> None:
+    from coordinator.wire.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tcp://HOST:PORT or env://"):
+        join_tier("udp://x:1", 0, 2, SECRET, bytes(32))
+    with pytest.raises(ConfigError, match="--rank must be between 0 and 1"):
+        join_tier("tcp://127.0.0.1:1", 2, 2, SECRET, bytes(32))
+    with pytest.raises(ConfigError, match="needs its secret"):
+        join_tier("tcp://127.0.0.1:1", 0, 2, "", bytes(32))
+    assert RankLost(3, "x").rank == 3 and issubclass(TierRefused, ConfigError)
