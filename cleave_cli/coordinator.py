@@ -16,8 +16,9 @@ from cleave_cli.progress import ConsoleReporter
 from coordinator.engine.limits import Limits
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
-from coordinator.job import LINGER, CoordinatorConfig, run_job
+from coordinator.job import LINGER, CoordinatorConfig, TierOptions, run_job
 from coordinator.planning.tiles import TilingPolicy
+from coordinator.tier.group import TIER_TIMEOUT
 from coordinator.training.loop import TrainConfig
 from coordinator.wire.errors import ConfigError
 from coordinator.wire.messages import WireDtype
@@ -127,6 +128,41 @@ def start(
         ),
     ] = None,
     wire_dtype: opt.WireDtypeOpt = WireDtype.FP32,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            help="Run this job across this many coordinators (ranks), each training its slice of every batch "
+            "through its own devices (docs/operations.md, Running a tier). Needs --rank and --rendezvous.",
+        ),
+    ] = None,
+    rank: Annotated[
+        int | None, typer.Option("--rank", help="This coordinator's rank in the tier, 0 to --world-size - 1.")
+    ] = None,
+    rendezvous: Annotated[
+        str | None,
+        typer.Option(
+            "--rendezvous",
+            help="Where the ranks meet: tcp://HOST:PORT (rank 0 listens there; a private network only) or env:// "
+            "(under torchrun).",
+        ),
+    ] = None,
+    tier_secret: Annotated[
+        str | None,
+        typer.Option(
+            "--tier-secret",
+            envvar="CLEAVE_TIER_SECRET",
+            show_envvar=True,
+            help="The secret every rank proves before it counts as one (the same on every rank; prefer the "
+            "environment variable, which other users cannot read from the process list).",
+        ),
+    ] = None,
+    tier_timeout: Annotated[
+        float,
+        typer.Option(
+            "--tier-timeout", help="Seconds without a heartbeat before a rank counts as lost and the others stop."
+        ),
+    ] = TIER_TIMEOUT,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the URL, tokens and final result.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every device that joins or leaves.")] = False,
 ) -> None:
@@ -147,7 +183,13 @@ def start(
         max_unauthenticated=min(Limits().max_unauthenticated, max_connections),
         max_observers=min(Limits().max_observers, max_connections),
     )
+    tier = None
+    if world_size is not None or rank is not None or rendezvous is not None:
+        if rendezvous is None:
+            raise ConfigError("a tier needs --rendezvous tcp://HOST:PORT (or env:// under torchrun)")
+        tier = TierOptions(rendezvous, rank, world_size, tier_secret or "", tier_timeout)
     cfg = CoordinatorConfig(
+        tier=tier,
         train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision, micro_batches),
         device=device,
         host=host,

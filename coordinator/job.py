@@ -38,6 +38,7 @@ from coordinator.net.remote import RemoteEngine
 from coordinator.net.server import Server, listen
 from coordinator.planning.costmodel import MAX_PS_GFLOPS
 from coordinator.planning.tiles import TilingPolicy
+from coordinator.tier.group import TIER_TIMEOUT, Tier, TierRefused, job_digest, join_tier
 from coordinator.training import checkpoint, models
 from coordinator.training.checkpoint import Resume
 from coordinator.training.data import load_corpus
@@ -80,6 +81,7 @@ class CoordinatorConfig:
     ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
     wire_dtype: WireDtype = WireDtype.FP32  # what float32 operands and results travel as (--wire-dtype)
     device: str = "auto"  # where the trainer's tensors live (--device auto|cpu|cuda; hardware.py)
+    tier: TierOptions | None = None  # one rank of a job across several coordinators (tier/group.py)
     model_factory: Callable[[], nn.Module] | None = None  # builds a custom:LABEL model (docs/api.md)
     # Seconds a finished job stays visible (the page, /api/status, cleave status, /metrics) before
     # the coordinator exits; 0 exits at once. ``cleave coordinator start`` defaults to LINGER.
@@ -109,6 +111,21 @@ class CoordinatorConfig:
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
         if self.device.lower() not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """``--world-size``, ``--rank``, ``--rendezvous``, the tier's secret and ``--tier-timeout``."""
+
+    rendezvous: str
+    rank: int | None
+    world: int | None
+    secret: str = field(repr=False)
+    timeout: float = TIER_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.timeout <= 3600:
+            raise ConfigError(f"--tier-timeout must be between 1 and 3600 s, got {self.timeout:g}")
 
 
 @dataclass
@@ -272,7 +289,7 @@ async def _choose_micro_batches(
         functools.partial(
             choose_micro_batches,
             shape,
-            train.batch_size,
+            trainer.local_batch,  # a rank's slice, on a tier
             train.seq_len,
             dtype,
             planner.ps,
@@ -312,6 +329,7 @@ async def serve_job(
     store = SQLiteStore(cfg.db, group_seconds=GROUP_SECONDS, defer=loop.call_soon)
     metrics: _Metrics | None = None
     plan: _Plan | None = None
+    joined: asyncio.Future[Tier] | None = None  # the tier, once met (a job of several ranks)
     results: list[StepResult] = []
     try:
         plan = _plan(cfg, store, reporter, clock())
@@ -384,13 +402,14 @@ async def serve_job(
             core.shared(share.to_dict())
             reporter.note(share.summary())
 
-        def build() -> Trainer:  # in a thread, while the devices join: their first step need not wait
+        def build(tier: Tier | None) -> Trainer:  # in a thread, while the devices join
             trainer = Trainer(
                 train_cfg,
                 RemoteEngine(server, loop, cfg.wire_dtype),
                 corpus=corpus,
                 model_factory=cfg.model_factory,
                 device=device,
+                parallel=None if tier is None else tier.parallel,
             )
             if trainer.parts_at_once > 1:  # planned as the trainer issues them: that many GEMMs side by side
                 loop.call_soon_threadsafe(core.plan_lanes, trainer.parts_at_once)
@@ -462,7 +481,14 @@ async def serve_job(
                 core.waiting()
                 # The model is built (torch's optimizer alone takes a second or two to import) while
                 # the devices join; a model that cannot be built fails the job without waiting for them.
-                building = asyncio.ensure_future(asyncio.to_thread(build))
+                if cfg.tier is not None:  # meet and prove every rank while the devices join
+                    joined = asyncio.ensure_future(_join(cfg.tier, train_cfg, plan, reporter))
+
+                async def built() -> Trainer:  # a rank's trainer needs its place in the tier
+                    tier = None if joined is None else await joined
+                    return await asyncio.to_thread(build, tier)
+
+                building = asyncio.ensure_future(built())
                 if start_step < train_cfg.steps:  # a job killed after its last step has nothing left
                     joining = asyncio.ensure_future(
                         server.wait_for_devices(cfg.min_devices, lambda have: reporter.waiting(have, cfg.min_devices))
@@ -510,8 +536,36 @@ async def serve_job(
     finally:
         if metrics is not None:
             metrics.close()
+        if joined is not None:
+            if joined.done() and not joined.cancelled() and joined.exception() is None:
+                joined.result().close()
+            else:
+                joined.cancel()
         store.close()
     return JobOutcome(results, final, url, plan.resume.step if plan.resume else None)
+
+
+async def _join(options: TierOptions, train: TrainConfig, plan: _Plan, reporter: Reporter) -> Tier:
+    """Meet the other ranks (blocks until they all came, at most ``--tier-timeout``), prove the
+    secret, and agree on where the job stands: every rank must resume from the same step."""
+    reporter.note(f"tier: meeting the other ranks at {options.rendezvous} ...")
+    tier = await asyncio.to_thread(
+        join_tier,
+        options.rendezvous,
+        options.rank,
+        options.world,
+        options.secret,
+        job_digest(train.to_dict()),
+        timeout=options.timeout,
+    )
+    mine = plan.resume.step if plan.resume else 0
+    steps = [int(s) for s in await asyncio.to_thread(tier.parallel.gather, mine)]
+    if len(set(steps)) > 1:
+        tier.close()
+        held = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
+        raise TierRefused(f"the ranks would resume from different steps ({held}): restore the same checkpoint on each")
+    reporter.note(f"tier: rank {tier.rank} of {tier.world}, every rank proven; from step {mine}")
+    return tier
 
 
 def _tokens(cfg: CoordinatorConfig, core: Core, reporter: Reporter) -> tuple[str | None, str | None, tuple[str, ...]]:

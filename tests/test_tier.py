@@ -5,12 +5,15 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import signal
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from procs import Coordinator, join
 
 from coordinator.tier.group import RankLost, TierRefused, job_digest, join_tier
 from coordinator.training.loop import TrainConfig, Trainer
@@ -151,3 +154,65 @@ def test_join_tier_refuses_bad_options_in_one_line() -> None:
     with pytest.raises(ConfigError, match="needs its secret"):
         join_tier("tcp://127.0.0.1:1", 0, 2, "", bytes(32))
     assert RankLost(3, "x").rank == 3 and issubclass(TierRefused, ConfigError)
+
+
+def _ranks(tmp: Path, world: int, port: int, *args: str, steps: int, batch: int) -> list[Coordinator]:
+    """``world`` real coordinators, one tier on loopback."""
+    out = []
+    for r in range(world):
+        (tmp / f"rank{r}").mkdir(exist_ok=True)
+        out.append(
+            Coordinator(
+                tmp / f"rank{r}",
+                *("--world-size", str(world), "--rank", str(r), "--rendezvous", f"tcp://127.0.0.1:{port}"),
+                *("--tier-secret", SECRET, "--batch-size", str(batch), "--micro-batches", "1", *args),
+                steps=steps,
+            )
+        )
+    return out
+
+
+@pytest.mark.drill
+@pytest.mark.parametrize("pools", [(1, 1), (2, 1, 1)], ids=["2-ranks", "3-ranks-uneven"])
+def test_coordinator_ranks_with_their_own_clients_train_exactly_like_local_torch(
+    tmp_path: Path, pools: tuple[int, ...]
+) -> None:
+    """Each rank trains its slice through its own volunteers: every rank logs the same global
+    loss, plain torch's for the whole batch (1e-5), and tiles reached every client."""
+    world, batch, steps = len(pools), 6, 6
+    ranks = _ranks(tmp_path, world, _port(), "--min-devices", "1", steps=steps, batch=batch)
+    clients = [join(coord.url, f"r{r}-c{i}") for r, coord in enumerate(ranks) for i in range(pools[r])]
+    assert [c.wait() for c in ranks] == [0] * world, [c.output for c in ranks]
+    assert all(c.wait() == 0 for c in clients)
+    want = [r.loss for r in Trainer(TrainConfig(steps=steps, batch_size=batch)).run()]
+    losses = [coord.losses() for coord in ranks]
+    assert all(got == losses[0] for got in losses)  # one global loss, bit for bit
+    assert losses[0] == pytest.approx(want, rel=1e-5)
+    for r, coord in enumerate(ranks):
+        assert f"tier: rank {r} of {world}, every rank proven" in coord.output
+        done = dict(coord.query("SELECT name, tiles_done FROM devices"))
+        assert len(done) == pools[r] and all(n > 0 for n in done.values()), done  # tiles were shipped
+
+
+@pytest.mark.drill
+def test_a_killed_rank_stops_the_others_and_a_restart_finishes_exactly(tmp_path: Path) -> None:
+    port, steps, batch = _port(), 10, 4
+    args = ("--min-devices", "1", "--checkpoint-every", "2", "--tier-timeout", "5")
+    ranks = _ranks(tmp_path, 2, port, *args, steps=steps, batch=batch)
+    clients = [join(coord.url, f"c{r}") for r, coord in enumerate(ranks)]
+    ranks[1].wait_for_step(5)
+    ranks[1].proc.send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    assert ranks[0].wait() == 1, ranks[0].output
+    assert time.monotonic() - started < 30  # the tier timeout (5 s) and the barrier's look
+    assert "rank 1 of the tier was lost" in ranks[0].output
+    for c in clients:
+        c.kill()
+    again = _ranks(tmp_path, 2, _port(), *args, steps=steps, batch=batch)
+    clients = [join(coord.url, f"c{r}") for r, coord in enumerate(again)]
+    assert [c.wait() for c in again] == [0, 0], [c.output for c in again]
+    assert all("resuming job 1" in c.output for c in again)
+    want = [r.loss for r in Trainer(TrainConfig(steps=steps, batch_size=batch)).run()]
+    for coord in again:
+        losses = [row[0] for row in coord.query("SELECT loss FROM steps WHERE job_id = 1 ORDER BY step")]
+        assert losses == pytest.approx(want, rel=1e-5)

@@ -170,7 +170,10 @@ def join_tier(
     host, port, rank, world = _place(rendezvous, rank, world)
     wait = timedelta(seconds=timeout)
     try:
-        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=wait, wait_for_workers=False)
+        # Under torchrun the agent already serves the store at MASTER_PORT: rank 0 is then a client.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        host_it = rank == 0 and not agent
+        store = dist.TCPStore(host, port, world, is_master=host_it, timeout=wait, wait_for_workers=False)
         prefixed = dist.PrefixStore("cleave-tier/", store)
         group = dist.PrefixStore("pg/", prefixed)
         dist.init_process_group("gloo", store=group, rank=rank, world_size=world, timeout=wait)

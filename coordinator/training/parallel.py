@@ -67,6 +67,15 @@ class DataParallel:
             total += parts[r]
         return total
 
+    def gather(self, value: float) -> list[float]:
+        """Every rank's ``value`` (float64), in rank order."""
+        mine = torch.tensor([float(value)], dtype=torch.float64)
+        if self.world == 1:
+            return [float(value)]
+        out = torch.empty(self.world, dtype=torch.float64)
+        all_gather(out, mine)
+        return [float(v) for v in out]
+
     def all_sum(self, values: Sequence[float]) -> list[float]:
         """``values`` summed over ranks in float64, rank order: the same floats on every rank."""
         return [float(v) for v in self.gather_sum(torch.tensor(list(values), dtype=torch.float64))]
