@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 import queue
 import signal
 import socket
@@ -29,7 +28,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, port: int, secret: str, options: dict, out: Any, die_after: int = 0) -> None:
+def _rank(rank: int, world: int, port: int, secret: str, options: dict, out: Any) -> None:
     """One rank: join, train, report (losses, final weights, optimizer state size)."""
     torch.set_num_threads(1)
     cfg = TrainConfig(**options)
@@ -43,8 +42,6 @@ def _rank(rank: int, world: int, port: int, secret: str, options: dict, out: Any
     try:
         while trainer.step < cfg.steps:
             losses.append(trainer.train_step().loss)
-            if die_after and trainer.step == die_after:
-                os._exit(9)  # as a SIGKILL would: no goodbye
     except Exception as exc:
         out.put((rank, type(exc).__name__, str(exc)))
         tier.close()
@@ -56,19 +53,17 @@ def _rank(rank: int, world: int, port: int, secret: str, options: dict, out: Any
     tier.close()
 
 
-def _tier(world: int, options: dict, secrets: list[str] | None = None, die: dict[int, int] | None = None) -> dict:
+def _tier(world: int, options: dict, secrets: list[str] | None = None) -> dict:
     port, out = _port(), CTX.Queue()
     procs = [
-        CTX.Process(
-            target=_rank, args=(r, world, port, (secrets or [SECRET] * world)[r], options, out, (die or {}).get(r, 0))
-        )
+        CTX.Process(target=_rank, args=(r, world, port, (secrets or [SECRET] * world)[r], options, out))
         for r in range(world)
     ]
     for p in procs:
         p.start()
     results = {}
     deadline = time.monotonic() + 120
-    while len(results) < world - len(die or {}) and time.monotonic() < deadline:
+    while len(results) < world and time.monotonic() < deadline:
         try:
             item = out.get(timeout=1)
         except queue.Empty:
@@ -115,13 +110,6 @@ def test_a_rank_without_the_secret_never_counts_as_one() -> None:
     results = _tier(2, OPTIONS, secrets=[SECRET, "guessed"])
     assert results[0][0] == "TierRefused" and "rank 1 did not prove" in results[0][1], results
     assert results[1][0] == "TierRefused"
-
-
-def test_a_lost_rank_stops_the_others_naming_it() -> None:
-    started = time.monotonic()
-    results = _tier(2, {**OPTIONS, "steps": 6}, die={1: 2})
-    assert results[0][0] == "RankLost" and "rank 1 of the tier was lost" in results[0][1], results
-    assert time.monotonic() - started < 60
 
 
 def test_sharded_adamw_on_one_rank_is_torchs_adamw_bit_for_bit() -> None:
@@ -173,7 +161,7 @@ def _ranks(tmp: Path, world: int, port: int, *args: str, steps: int, batch: int)
 
 
 @pytest.mark.drill
-@pytest.mark.parametrize("pools", [(1, 1), (2, 1, 1)], ids=["2-ranks", "3-ranks-uneven"])
+@pytest.mark.parametrize("pools", [(2, 1, 1)], ids=["3-ranks-uneven"])  # 2 ranks: the restart test below
 def test_coordinator_ranks_with_their_own_clients_train_exactly_like_local_torch(
     tmp_path: Path, pools: tuple[int, ...]
 ) -> None:
@@ -196,11 +184,14 @@ def test_coordinator_ranks_with_their_own_clients_train_exactly_like_local_torch
 
 @pytest.mark.drill
 def test_a_killed_rank_stops_the_others_and_a_restart_finishes_exactly(tmp_path: Path) -> None:
-    port, steps, batch = _port(), 10, 4
+    """Two ranks, one client each: rank 1 is SIGKILLed mid-run, rank 0 stops within the tier
+    timeout naming it (exit 1); both restarted on their databases resume from the step they
+    both hold and finish with plain torch's losses (1e-5), each logging the same ones."""
+    port, steps, batch = _port(), 8, 4
     args = ("--min-devices", "1", "--checkpoint-every", "2", "--tier-timeout", "5")
     ranks = _ranks(tmp_path, 2, port, *args, steps=steps, batch=batch)
     clients = [join(coord.url, f"c{r}") for r, coord in enumerate(ranks)]
-    ranks[1].wait_for_step(5)
+    ranks[1].wait_for_step(3)
     ranks[1].proc.send_signal(signal.SIGKILL)
     started = time.monotonic()
     assert ranks[0].wait() == 1, ranks[0].output
@@ -213,6 +204,7 @@ def test_a_killed_rank_stops_the_others_and_a_restart_finishes_exactly(tmp_path:
     assert [c.wait() for c in again] == [0, 0], [c.output for c in again]
     assert all("resuming job 1" in c.output for c in again)
     want = [r.loss for r in Trainer(TrainConfig(steps=steps, batch_size=batch)).run()]
-    for coord in again:
-        losses = [row[0] for row in coord.query("SELECT loss FROM steps WHERE job_id = 1 ORDER BY step")]
-        assert losses == pytest.approx(want, rel=1e-5)
+    logged = [[row[0] for row in c.query("SELECT loss FROM steps WHERE job_id = 1 ORDER BY step")] for c in again]
+    assert logged[0] == logged[1] and logged[0] == pytest.approx(want, rel=1e-5)
+    done = [dict(c.query("SELECT name, tiles_done FROM devices")) for c in again]
+    assert all(n > 0 for d in done for n in d.values()), done  # tiles went to both ranks' clients
