@@ -354,14 +354,14 @@ class Trainer:
                 window.append(self._pool.submit(self._one_part, xs, ys, share, scale))
             for index in range(len(parts)):  # in part order, each part's gradients dropped once added
                 loss, grads = window.popleft().result()
-                if index + self.parts_at_once < len(parts):
-                    xs, ys = parts[index + self.parts_at_once]
-                    window.append(self._pool.submit(self._one_part, xs, ys, share, scale))
                 loss_sum += loss
                 for i, grad in enumerate(grads):
                     if grad is not None:
                         totals[i] = grad if totals[i] is None else totals[i] + grad
-                del grads
+                grads = grad = None  # summed: its copy goes before the next part starts
+                if index + self.parts_at_once < len(parts):
+                    xs, ys = parts[index + self.parts_at_once]
+                    window.append(self._pool.submit(self._one_part, xs, ys, share, scale))
         finally:
             wait(window)  # every part started, even after one failed: no part's thread outlives its step
         for param, total in zip(self._params, totals, strict=True):
