@@ -39,6 +39,7 @@ from client.runner import Worker, WorkerConfig  # noqa: E402
 from coordinator.wire.errors import ClientError
 
 WARMUP = 25  # honest tiles before a forger starts lying: past the 20 of probation
+RUN_LIMIT = 90.0  # seconds a forger's run may take, so the test fails rather than hangs
 MAGNITUDE = 2.0  # forged errors at twice the detection threshold: the smallest that must be caught
 
 
@@ -96,10 +97,12 @@ async def forge_all(url: str, token: str, name: str, kinds: list[str]) -> list[d
         closes = []
         for _ in range(2):  # the second run: the stored credential of a banned identity
             worker = Worker(cfg, compute=forger)
-            try:
-                closes.append(("exit", await worker.run()))
+            try:  # bounded: a worker retries a coordinator that has gone for ever
+                closes.append(("exit", await asyncio.wait_for(worker.run(), RUN_LIMIT)))
             except ClientError as exc:
                 closes.append(("error", exc.exit_code, str(exc)))
+            except (TimeoutError, asyncio.TimeoutError):  # cancelled by wait_for
+                closes.append(("timeout", RUN_LIMIT))
         return {"kind": kind, "name": cfg.name, "forged": len(forger.forged), "honest": forger.honest, "closes": closes}
 
     return await asyncio.gather(*(one(i, k) for i, k in enumerate(kinds)))

@@ -364,7 +364,9 @@ def test_every_forging_double_is_caught_banned_and_stays_banned(tmp_path: Path) 
     probation, then forging every result at twice the detection threshold, next to one honest
     client: nothing forged is verified, each forger is banned and refused when it comes back."""
     steps = 14
-    coord = Coordinator(tmp_path, "--min-devices", str(len(KINDS) + 1), steps=steps)
+    # It lingers: a forger banned by the last steps comes back after the job, and must still be
+    # refused (not left retrying a coordinator that has gone).
+    coord = Coordinator(tmp_path, "--min-devices", str(len(KINDS) + 1), steps=steps, linger=5)
     forgers = double("forge", coord.url, "forger", ",".join(KINDS))
     honest = join(coord.url, "honest")
     assert coord.wait(4 * TIMEOUT) == 0, coord.output
