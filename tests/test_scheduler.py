@@ -51,6 +51,25 @@ def test_units_go_first_to_their_planned_owner_and_free_devices_steal_from_the_t
     assert assigned(s) == [(2, 2)]
 
 
+def test_a_device_that_batches_is_topped_up_in_runs_of_half_its_slots() -> None:
+    """A device taking 8 tiles a frame gets 8 at first, nothing more until 4 are free, then 4 in
+    one assign (one work frame); one that batches nothing is topped up a unit at a time."""
+    s = Scheduler(FAULTS)
+    s.join(1, slots=8, seconds_per_gflop=0.1, batch=8)
+    s.join(2, slots=8, seconds_per_gflop=0.1)  # batch 1
+    s.add_gemm(7, units(7, 40))
+    got = assigned(s)
+    assert sorted(d for d, _ in got) == [1] * 8 + [2] * 8
+    mine = [u for d, u in got if d == 1]
+    theirs = [u for d, u in got if d == 2]
+    for unit in mine[:3]:
+        s.done(unit, 1)
+    s.done(theirs[0], 2)
+    assert [d for d, _ in assigned(s)] == [2]  # 3 free of 8: not yet
+    s.done(mine[3], 1)
+    assert [d for d, _ in assigned(s)] == [1] * 4  # 4 free: a run of 4
+
+
 def test_a_thief_whose_links_would_make_it_late_does_not_steal() -> None:
     """A device paced by its compute alone (it has not returned work yet) looks fast; its links
     count too: 32 MB down at 5 MB/s is 6.4 s, more than the owner needs for its whole queue."""

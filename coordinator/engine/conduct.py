@@ -153,8 +153,10 @@ class Conduct:
         paused: bool = False,
         down_rate: float = 0.0,
         up_rate: float = 0.0,
+        batch: int = 1,
     ) -> Seat:
-        """A device joins: its seat, with the slots its record has earned, its pace and its links."""
+        """A device joins: its seat, with the slots its record has earned, its pace, its links
+        and the most tiles it takes in one frame."""
         return self.sched.join(
             device,
             slots=standing.slots(self.trust, asked),
@@ -163,6 +165,7 @@ class Conduct:
             paused=paused,
             down_rate=down_rate,
             up_rate=up_rate,
+            batch=batch,
         )
 
     def slots(self, dev: Conducted) -> int:

@@ -262,7 +262,14 @@ class Core:
         measured = DeviceProfile(hello.gflops, hello.block_budget or PRIOR_MEMORY)
         links = measured.profile(self.dtype)  # the link fit's priors until it returns work
         seat = self.conduct.seat(
-            device_id, standing, pace, asked, paused=bool(hello.paused), down_rate=links.down, up_rate=links.up
+            device_id,
+            standing,
+            pace,
+            asked,
+            paused=bool(hello.paused),
+            down_rate=links.down,
+            up_rate=links.up,
+            batch=min(hello.batch, asked),
         )
         dev = DeviceState(
             device_id,

@@ -155,6 +155,15 @@ class Seat:
     nothing_at: int = -1  # queue version at which it found nothing it may take
     down_rate: float = 0.0  # bytes/s of its links as last estimated (0: not known)
     up_rate: float = 0.0
+    batch: int = 1  # the most units it takes in one work frame (its hello's batch)
+
+    @property
+    def refill(self) -> int:
+        """Free slots it needs before more units are leased to it while it still holds some: a
+        device that batches is topped up in runs of half its slots (one work frame, one result
+        frame back, one verifier batch), not a unit a frame; it computes what it holds
+        meanwhile. A device that holds nothing takes work at once."""
+        return max(1, min(self.batch, self.slots) // 2)
 
     @property
     def free(self) -> int:
@@ -241,9 +250,13 @@ class Scheduler:
         paused: bool = False,
         down_rate: float = 0.0,
         up_rate: float = 0.0,
+        batch: int = 1,
     ) -> Seat:
-        """A device joins with its slots, expected pace and links (bytes/s; 0: not known)."""
-        seat = Seat(device, slots, seconds_per_gflop, trusted, paused, down_rate=down_rate, up_rate=up_rate)
+        """A device joins with its slots, expected pace, links (bytes/s; 0: not known) and the
+        most units it takes in one frame (``Seat.refill``)."""
+        seat = Seat(
+            device, slots, seconds_per_gflop, trusted, paused, down_rate=down_rate, up_rate=up_rate, batch=batch
+        )
         self.seats[device] = seat
         self._refresh(seat)
         return seat
@@ -342,11 +355,13 @@ class Scheduler:
         if seat.id not in self.seats:
             return
         self._deferred.pop(seat.id, None)
-        if seat.free > 0:
-            if seat.id not in self._ready and seat.nothing_at != self.version:
-                self._ready[seat.id] = None
-        else:
+        free = seat.free
+        if free <= 0:
             self._ready.pop(seat.id, None)
+        elif seat.id not in self._ready and seat.nothing_at != self.version:
+            # Once offered work it stays on offer until full (a run is leased in one dispatch).
+            if not seat.inflight or free >= seat.refill:
+                self._ready[seat.id] = None
 
     # ------------------------------------------------------------------ work
 
