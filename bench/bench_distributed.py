@@ -47,7 +47,9 @@ The first ``--warmup-steps`` steps of both runs are skipped by every figure. The
   figure 1 for this model, batch and wire dtype on this machine.
 * **the demo**: ``cleave demo``'s job (tiny, batch 8 x 64, ``--demo-steps``, default 100) through
   ``--clients`` local clients with the demo's round-robin tiles and with the cost model, wall
-  time over plain torch's, as the demo prints it (process starts and joins included).
+  time over plain torch's, as the demo prints it (process starts and joins included); and,
+  from the round-robin job's books, where a shipped GEMM's time goes (``gemm_round_trip``):
+  the demo's step is a chain of small GEMMs, each waited for before the next.
 
 The losses of both runs are also compared (they should agree to ~1e-4 relative).
 """
@@ -63,6 +65,7 @@ import asyncio
 import json
 import os
 import sqlite3
+import statistics
 import sys
 import tempfile
 import time
@@ -590,11 +593,13 @@ def run_demo(steps: int, clients: int, ui: ProgressUI, micro_batches: int = 1) -
             wall = time.perf_counter() - started
             with sqlite3.connect(Path(tmp) / "demo.db") as conn:
                 tiles = int(conn.execute("SELECT COALESCE(SUM(tiles), 0) FROM gemms").fetchone()[0])
+                round_trip = gemm_round_trip(conn)
         out[planner.value] = {
             "wall_s": wall,
             "train_s": sum(r.seconds for r in outcome.results),
             "tiles": tiles,
             "final_loss": outcome.results[-1].loss,
+            "gemm_ms": round_trip,
         }
         ui.advance(task, f"{wall:.1f} s, {tiles} tiles")
     task = ui.phase("demo job, plain torch", 1)
@@ -605,6 +610,29 @@ def run_demo(steps: int, clients: int, ui: ProgressUI, micro_batches: int = 1) -
     for planner in (Planner.UNIFORM, Planner.COST):
         out[planner.value]["ratio"] = out[planner.value]["wall_s"] / out["local"]["wall_s"]
     return out
+
+
+def gemm_round_trip(conn: sqlite3.Connection) -> dict[str, float] | None:
+    """Where the demo's step goes, from the job's books (medians over the GEMMs of the second
+    half of the job, whose tiles went out): ``gemm`` ms from a GEMM's submission to its last
+    verified tile (its planning, store rows and work frames, the wire both ways, the clients'
+    compute, the check; the books take one clock reading per event-loop turn, so they cannot
+    split these), ``trainer`` ms from a GEMM done to the next one's submission within a step
+    (the PS's own ops and the trainer thread's hand-offs), and ``gemms_per_step``."""
+    rows = conn.execute(
+        """SELECT g.id, g.step, g.created_at, g.done_at
+           FROM gemms g WHERE g.done_at IS NOT NULL AND g.tiles > 0 ORDER BY g.id"""
+    ).fetchall()
+    rows = rows[len(rows) // 2 :]
+    if len(rows) < 2:
+        return None
+    ms = 1e3
+    trainer = [b[2] - a[3] for a, b in zip(rows, rows[1:]) if b[1] == a[1] and b[2] >= a[3]]
+    return {
+        "gemm": ms * statistics.median(r[3] - r[2] for r in rows),
+        "trainer": ms * statistics.median(trainer) if trainer else float("nan"),
+        "gemms_per_step": len(rows) / len({r[1] for r in rows}),
+    }
 
 
 # ---------------------------------------------------------------------------- output
@@ -708,6 +736,14 @@ def render(fig: Figures, console: Console, show_tiles: bool) -> None:
                 f"{dm[planner]['wall_s']:.1f} s ({dm[planner]['tiles']:,} tiles)",
                 f"{dm['local']['wall_s']:.1f} s",
                 f"{dm[planner]['ratio']:.2f}x",
+            )
+        rt = dm["uniform"].get("gemm_ms")
+        if rt is not None:
+            table.add_row(
+                "   round-robin: a GEMM submitted to done;\n   the trainer between two GEMMs (medians)",
+                f"{rt['gemm']:.1f} ms",
+                f"{rt['trainer']:.1f} ms",
+                f"{rt['gemms_per_step']:.0f} GEMMs a step",
             )
     console.print(table)
     if show_tiles:
