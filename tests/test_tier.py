@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from procs import Coordinator, join
 
 from coordinator.tier.group import RankLost, TierRefused, job_digest, join_tier
 from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.training.parallel import DataParallel, ShardedAdamW
+from coordinator.training.parallel import DataParallel, ShardedAdamW, partition
 
 SECRET = "tier-secret-for-tests"
 CTX = multiprocessing.get_context("spawn")
@@ -46,7 +48,7 @@ def _rank(rank: int, world: int, port: int, secret: str, options: dict, out: Any
         out.put((rank, type(exc).__name__, str(exc)))
         tier.close()
         return
-    state = sum(v.numel() for s in trainer.optimizer.inner.state.values() for v in s.values() if v.dim())
+    state = sum(v.numel() for s in trainer.optimizer.state.values() for v in s.values() if v.dim())
     # numpy, not tensors: a tensor crosses a queue as a shared-memory handle that dies with this process
     weights = {k: v.numpy().copy() for k, v in trainer.model.state_dict().items()}
     out.put((rank, losses, weights, state, trainer.tokens_seen))
@@ -99,9 +101,11 @@ def test_ranks_train_the_global_batch_exactly_as_one_process(world: int) -> None
     for k, v in parts.model.state_dict().items():
         assert torch.equal(torch.from_numpy(weights[k]), v), k
     assert tokens == whole.tokens_seen  # the global count
-    # ZeRO-1: each rank holds AdamW's moments for its share of the parameters only.
+    # ZeRO-1: each rank holds AdamW's moments for its share of the parameters only (whole
+    # parameters: within one parameter of an equal share).
     total = sum(p.numel() for p in whole.model.parameters())
-    assert 2 * total / world <= state <= 2 * (total / world + 2 * world)
+    largest = max(p.numel() for p in whole.model.parameters())
+    assert abs(state - 2 * total / world) <= 2 * largest, (state, total, largest)
 
 
 def test_a_rank_without_the_secret_never_counts_as_one() -> None:
@@ -130,6 +134,85 @@ def test_sharded_adamw_on_one_rank_is_torchs_adamw_bit_for_bit() -> None:
         plain.step()
         sharded.step()
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=30), st.integers(1, 8))
+def test_partition_gives_each_rank_a_contiguous_run_within_one_parameter_of_its_share(
+    sizes: list[int], world: int
+) -> None:
+    owners = partition(sizes, world)
+    assert owners == sorted(owners) and all(0 <= o < world for o in owners)
+    total, largest = sum(sizes), max(sizes)
+    for r in range(world):
+        load = sum(n for n, o in zip(sizes, owners) if o == r)
+        assert abs(load - total / world) <= largest
+
+
+def _shard_rank(rank: int, world: int, path: str, out: Any) -> None:
+    """One rank of a reduce-scatter, clip and all-gather in buckets of a few elements."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in SHAPES]
+    opt = ShardedAdamW(
+        [(params[:3], 0.1), (params[3:], 0.0)],
+        DataParallel(rank, world),
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        order=params[::-1],  # the model's order need not be the groups'
+        bucket_bytes=4 * 5 * world,  # 5 elements a rank a bucket: buckets cut parameters
+    )
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * (10 if step == 1 else 0.1)
+        params[2].grad = None if rank == 1 else params[2].grad  # counts as zeros there
+        opt.reduce_gradients()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+    out.put((rank, [p.detach().numpy().copy() for p in params]))
+    dist.destroy_process_group()
+
+
+SHAPES = [(3, 4), (7,), (2, 2, 3), (1,), (11, 2)]
+
+
+def test_the_sharded_step_in_small_buckets_is_one_process_summing_the_ranks_in_order(tmp_path: Path) -> None:
+    """Three ranks, buckets of 5 elements a rank (so buckets and shards cut parameters), one rank
+    without a gradient for one parameter, a step that clips: every rank ends with the weights
+    of one process that adds the ranks' gradients in rank order, clips and steps AdamW."""
+    world, out = 3, CTX.Queue()
+    procs = [CTX.Process(target=_shard_rank, args=(r, world, str(tmp_path / "rdv"), out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in range(world))
+    for p in procs:
+        p.join(10)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*shape)) for shape in SHAPES]
+    plain = torch.optim.AdamW(
+        [{"params": params[:3], "weight_decay": 0.1}, {"params": params[3:], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        foreach=False,
+    )
+    for step in range(3):
+        total = [torch.zeros_like(p) for p in params]
+        for r in range(world):
+            gen = torch.Generator().manual_seed(100 * step + r)
+            grads = [torch.randn(p.shape, generator=gen) * (10 if step == 1 else 0.1) for p in params]
+            if r == 1:
+                grads[2] = torch.zeros_like(params[2])
+            total = [g.clone() if r == 0 else t + g for t, g in zip(total, grads)]
+        for p, g in zip(params, total):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params[::-1], 1.0, foreach=False)
+        plain.step()
+    for r in range(world):
+        for p, q in zip(params, got[r]):
+            assert torch.equal(p.detach(), torch.from_numpy(q)), r
 
 
 def test_join_tier_refuses_bad_options_in_one_line() -> None:

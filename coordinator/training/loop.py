@@ -203,7 +203,11 @@ class Trainer:
             )
         else:  # ZeRO-1: this rank's slice of AdamW's state; the same update, elementwise
             self.optimizer = ShardedAdamW(
-                [(decay, cfg.weight_decay), (no_decay, 0.0)], parallel, lr=cfg.lr, betas=(0.9, 0.95)
+                [(decay, cfg.weight_decay), (no_decay, 0.0)],
+                parallel,
+                lr=cfg.lr,
+                betas=(0.9, 0.95),
+                order=list(self.model.parameters()),  # the clip's order, as clip_grad_norm_ below
             )
         data = corpus if corpus is not None else load_corpus(cfg.data)
         try:
@@ -306,16 +310,20 @@ class Trainer:
                     self.finish_backward()
                 loss_sum += float(loss.item())
         tokens = x.numel()
-        if self.parallel is not None:
-            # Every rank ends with the global batch's gradient (float32, summed in rank order),
-            # its loss and token count (float64), so clipping and logging are the same everywhere.
+        sharded = isinstance(self.optimizer, ShardedAdamW)
+        if self.parallel is not None and sharded:
+            # Each rank ends with the global batch's gradient of the parameters it steps (float32,
+            # summed in rank order), and every rank with its loss and token count (float64), so
+            # clipping and logging are the same everywhere.
             self.parallel.arrive(self.step)
-            self.parallel.reduce_gradients(self._params)
+            self.optimizer.reduce_gradients()
             loss_sum, tokens_f = self.parallel.all_sum([loss_sum, float(tokens)])
             tokens = int(tokens_f)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients
-        if self.cfg.grad_clip:
+        if self.cfg.grad_clip and sharded:
+            self.optimizer.clip_grad_norm_(self.cfg.grad_clip)  # the tier's total, as below
+        elif self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=False)
         if self.scaler is None:
             self.optimizer.step()

@@ -1,18 +1,25 @@
 """Data parallel across the ranks of a coordinator tier: the collectives the trainer calls.
 
 The global batch is cut into fixed slices, one per rank in rank order; each rank computes its
-slice's gradient (through its own volunteers), then:
+slice's gradient (through its own volunteers). The optimizer is sharded by whole parameters
+(ZeRO-1, ``ShardedAdamW``): rank r owns a contiguous run of the parameters (in model order,
+balanced by size), keeps AdamW's state for those only, and steps them. Each step then moves
+each gradient element across the tier once and each updated weight once, as a ring all-reduce
+would (``2 (N-1)/N`` of the parameters' float32 bytes in and out per rank), never gathering
+every rank's whole gradient:
 
-- ``reduce_gradients``: every rank ends with the sum of all slices' gradients, in float32
-  buckets (never half precision: a bf16 all-reduce sums in bf16). The sum's order is fixed: each
-  bucket is all-gathered and added up in rank order, ``g_0 + g_1 + ... + g_{N-1}``, the order in
-  which one process adds its micro-batches, so every rank holds the same bits, run after run,
-  whatever order the network delivered them in (gloo's own all-reduce is not the rank-order sum
-  at 3 ranks). Memory: the gather buffer is ``world`` buckets.
-- ``ShardedAdamW`` (ZeRO-1): each rank keeps AdamW's state for a contiguous ``1/world`` of the
-  flattened parameters only, steps that slice with torch's own AdamW (elementwise, so the
-  slice's values are the bits an unsharded AdamW gives), and all-gathers the updated slices.
-- ``all_sum``: float64 scalars (the loss, the token count) summed in rank order.
+- ``ShardedAdamW.reduce_gradients`` (a reduce-scatter): every rank sends each owner its slice
+  of the gradient (``all_to_all``, float32 buckets, never half precision), and each owner adds
+  the slices up in rank order, ``g_0 + g_1 + ... + g_{N-1}``: the order in which one process adds
+  its micro-batches, so the sum has the same bits run after run and as one coordinator running
+  the slices as micro-batches in order (gloo's own all-reduce is not the rank-order sum at 3
+  ranks). A rank keeps the summed gradients of its own parameters only.
+- ``clip_grad_norm_``: each owner takes its parameters' norms, every rank gathers them all and
+  makes the total as torch's ``clip_grad_norm_`` does from the same per-parameter norms (the
+  same bits), and each scales its own gradients.
+- ``step``: torch's AdamW (``foreach=False``, as the unsharded trainer) on the owned parameters,
+  then every owner's updated weights are all-gathered (float32 buckets).
+- ``DataParallel.all_sum``: float64 scalars (the loss, the token count) summed in rank order.
 
 The group is torch.distributed's default (gloo on CPU tensors); who may be a rank is decided
 before (``coordinator/tier/``).
@@ -20,7 +27,7 @@ before (``coordinator/tier/``).
 
 from __future__ import annotations
 
-import math
+import bisect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +38,7 @@ import torch.distributed as dist
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-BUCKET_BYTES = 16 << 20  # float32 bytes a gradient bucket holds; the gather buffer is world x this
+BUCKET_BYTES = 16 << 20  # float32 bytes a bucket of the collectives holds, across every rank
 
 
 @dataclass(frozen=True)
@@ -85,50 +92,30 @@ class DataParallel:
         if self.before_sum is not None:
             self.before_sum(step)
 
-    def reduce_gradients(self, params: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> None:
-        """Replace each parameter's ``.grad`` by the sum of every rank's, in float32 buckets. A
-        parameter without a gradient here counts as zeros (another rank's slice may reach it)."""
-        per_bucket = max(1, bucket_bytes // 4)
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for p in params:
-            if bucket and size + p.numel() > per_bucket:
-                self._reduce_bucket(bucket)
-                bucket, size = [], 0
-            bucket.append(p)
-            size += p.numel()
-        if bucket:
-            self._reduce_bucket(bucket)
 
-    def _reduce_bucket(self, params: list[torch.Tensor]) -> None:
-        flat = torch.cat(
-            [
-                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).to(torch.float32)
-                for p in params
-            ]
-        )
-        total = self.gather_sum(flat)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).to(p.dtype)
-            offset += n
-
-
-def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+def partition(sizes: Sequence[int], world: int) -> list[int]:
+    """The owner of each of ``sizes`` (parameters in order): contiguous runs, rank 0 first, each
+    parameter going to the rank whose equal share of the total holds its middle element (so a
+    rank's load is within one parameter of ``total / world``; a rank may own none)."""
+    total = sum(sizes)
+    owners, start = [], 0
+    for n in sizes:
+        middle = start + n / 2
+        owners.append(min(world - 1, int(middle * world / total)) if total else 0)
+        start += n
+    return owners
 
 
 class ShardedAdamW:
-    """ZeRO-1 AdamW: optimizer state for this rank's slice of the flattened parameters only.
+    """ZeRO-1 AdamW, sharded by whole parameters: this rank's optimizer state, and the tier's
+    gradient reduce-scatter, clip and weight all-gather (see the module doc).
 
-    ``groups``: ``(params, weight_decay)`` as torch's AdamW takes them. Each group is flattened
-    (in parameter order) and cut into ``world`` contiguous slices of ``ceil(numel / world)``
-    elements; this rank holds its slice as a flat parameter of the group's dtype and steps it
-    with ``torch.optim.AdamW`` (``foreach=False``, as the unsharded trainer). ``step`` reads the
-    model's ``.grad`` (already summed over ranks), steps the slice and all-gathers every slice
-    back into the model's parameters. Memory per rank: AdamW's two moments for ``1/world`` of
-    the parameters, plus one flat copy of each group for the gather."""
+    ``groups``: ``(params, weight_decay)`` as torch's AdamW takes them; ``order``: every
+    parameter in the model's order (default: the groups' order), which sets who owns what and
+    the order of the norms in the clip, as the unsharded trainer's ``clip_grad_norm_`` over
+    ``model.parameters()``. Memory per rank: AdamW's two moments for its parameters (about
+    ``1/world`` of them), and two bucket buffers of ``world`` x ``bucket_bytes / world`` for the
+    collectives; after ``reduce_gradients`` it holds the gradients of its own parameters only."""
 
     def __init__(
         self,
@@ -138,68 +125,184 @@ class ShardedAdamW:
         lr: float,
         betas: tuple[float, float],
         eps: float = 1e-8,
+        order: Sequence[torch.Tensor] | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         self.dp = dp
-        self._groups: list[tuple[list[torch.Tensor], int, torch.nn.Parameter]] = []
-        shards = []
-        for params, weight_decay in groups:
-            params = list(params)
-            if len({p.dtype for p in params}) > 1:
-                raise ValueError("a parameter group of mixed dtypes cannot be flattened")
-            total = sum(p.numel() for p in params)
-            per = math.ceil(total / dp.world) if total else 0
-            lo, hi = min(total, dp.rank * per), min(total, (dp.rank + 1) * per)
-            flat = _flat(params) if params else torch.empty(0)
-            shard = torch.nn.Parameter(flat[lo:hi].clone())
-            self._groups.append((params, per, shard))
-            shards.append({"params": [shard], "weight_decay": weight_decay})
-        self.inner = torch.optim.AdamW(shards, lr=lr, betas=betas, eps=eps, foreach=False)
+        decay = {id(p): wd for params, wd in groups for p in params}
+        self.params = list(order) if order is not None else [p for params, _ in groups for p in params]
+        if {id(p) for p in self.params} != set(decay) or len(self.params) != len(decay):
+            raise ValueError("order must hold every parameter of the groups once")
+        self.owners = partition([p.numel() for p in self.params], dp.world)
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        lo = [self.offsets[self.owners.index(r)] if r in self.owners else None for r in range(dp.world)]
+        self.regions = []  # (flat start, elements) of each rank's parameters
+        for r in range(dp.world):
+            idx = [i for i, o in enumerate(self.owners) if o == r]
+            self.regions.append((lo[r] or 0, self.offsets[idx[-1] + 1] - self.offsets[idx[0]]) if idx else (0, 0))
+        self.mine = [p for p, o in zip(self.params, self.owners) if o == dp.rank]
+        self.chunk = max(1, bucket_bytes // 4 // dp.world)  # elements per rank per bucket
+        # torch's AdamW on this rank's parameters, in the groups' order with their weight decay.
+        own = {id(p) for p in self.mine}
+        self.inner = (
+            torch.optim.AdamW(
+                [{"params": [p for p in params if id(p) in own], "weight_decay": wd} for params, wd in groups],
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                foreach=False,
+            )
+            if self.mine
+            else None
+        )
+        self._groups = [{"lr": lr} for _ in groups] if self.inner is None else None
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups  # the trainer sets each step's learning rate here
+        """Where the trainer sets each step's learning rate."""
+        return self.inner.param_groups if self.inner is not None else self._groups or []
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """AdamW's state of this rank's parameters (empty before its first step)."""
+        return self.inner.state if self.inner is not None else {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for params, _, _ in self._groups:
-            for p in params:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # ------------------------------------------------------------------ the collectives
+
+    def _spans(self, lo: int, n: int) -> Iterable[tuple[int, int, int]]:
+        """(parameter index, start within it, elements) covering flat elements [lo, lo + n)."""
+        i = bisect.bisect_right(self.offsets, lo) - 1
+        while n > 0:
+            start = lo - self.offsets[i]
+            take = min(n, self.params[i].numel() - start)
+            yield i, start, take
+            lo, n = lo + take, n - take
+            i += 1
+
+    def _read_grads(self, lo: int, n: int, out: torch.Tensor) -> None:
+        at = 0
+        for i, start, take in self._spans(lo, n):
+            g = self.params[i].grad
+            if g is None:  # no gradient here: zeros (another rank's slice may reach it)
+                out[at : at + take].zero_()
+            else:
+                out[at : at + take].copy_(g.detach().reshape(-1)[start : start + take])
+            at += take
+
+    def _rounds(self) -> int:
+        longest = max(n for _, n in self.regions)
+        return -(-longest // self.chunk)
+
+    def _sizes(self, k: int) -> list[int]:
+        """Elements of each rank's region in bucket round ``k``."""
+        return [max(0, min(self.chunk, n - k * self.chunk)) for _, n in self.regions]
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Each rank's own parameters get the rank-order sum of every rank's gradient; the others'
+        gradients are dropped. A parameter without a gradient on a rank counts as zeros there."""
+        world, me = self.dp.world, self.dp.rank
+        start, mine = self.regions[me]
+        total = torch.empty(mine, dtype=torch.float32)  # this rank's summed region
+        for k in range(self._rounds()):
+            sizes = self._sizes(k)
+            send = torch.empty(sum(sizes), dtype=torch.float32)
+            at = 0
+            for r, n in enumerate(sizes):
+                self._read_grads(self.regions[r][0] + k * self.chunk, n, send[at : at + n])
+                at += n
+            m = sizes[me]
+            got = torch.empty(world * m, dtype=torch.float32)
+            if world == 1:
+                got.copy_(send)
+            else:
+                dist.all_to_all_single(got, send, [m] * world, sizes)
+            parts = got.view(world, m)
+            acc = total[k * self.chunk : k * self.chunk + m]
+            acc.copy_(parts[0])
+            for r in range(1, world):  # rank order: the bits of one process's micro-batches
+                acc += parts[r]
+        for p, o in zip(self.params, self.owners):
+            if o != me:
+                p.grad = None
+        for i, begin, take in self._spans(start, mine):
+            p = self.params[i]
+            at = self.offsets[i] + begin - start
+            p.grad = total[at : at + take].view_as(p).to(p.dtype)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` over every parameter of the tier (2-norm, ``foreach=False``):
+        the total from each parameter's norm, taken where the parameter is owned; this rank's
+        gradients scaled. Returns the total norm (the same on every rank)."""
+        world = self.dp.world
+        counts = [self.owners.count(r) for r in range(world)]
+        width = max(counts)
+        own = torch.zeros(width, dtype=torch.float32)
+        for j, p in enumerate(self.mine):
+            own[j] = torch.linalg.vector_norm(p.grad, 2.0).to(torch.float32)
+        if world == 1:
+            every = own.view(1, width)
+        else:
+            every = torch.empty(world * width, dtype=torch.float32)
+            all_gather(every, own)
+            every = every.view(world, width)
+        norms, seen = [], [0] * world
+        for p, o in zip(self.params, self.owners):  # the model's order, each in its gradient's dtype
+            norms.append(every[o, seen[o]].to(p.dtype))
+            seen[o] += 1
+        total = torch.nn.utils.get_total_norm(norms, 2.0, foreach=False)
+        torch.nn.utils.clip_grads_with_norm_(self.mine, max_norm, total, foreach=False)
+        return total
 
     @torch.no_grad()
     def step(self) -> None:
-        for params, per, shard in self._groups:
-            if not params:
+        """AdamW on this rank's parameters, then every rank's updated weights to every rank."""
+        if self.inner is not None:
+            self.inner.step()
+        if self.dp.world == 1:
+            return
+        world = self.dp.world
+        for k in range(self._rounds()):
+            sizes = self._sizes(k)
+            width = max(sizes)
+            if not width:
                 continue
-            lo = self.dp.rank * per
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            shard.grad = _flat(grads)[lo : lo + shard.numel()].clone()
-        self.inner.step()
-        for params, per, shard in self._groups:
-            if not params:
-                continue
-            # Every slice padded to ``per`` elements: all_gather needs equal parts.
-            mine = torch.zeros(per, dtype=shard.dtype)
-            mine[: shard.numel()] = shard.detach()
-            whole = torch.empty(per * self.dp.world, dtype=shard.dtype)
-            if self.dp.world == 1:
-                whole.copy_(mine)
-            else:
-                all_gather(whole, mine)
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.copy_(whole[offset : offset + n].view_as(p))
-                offset += n
+            mine = torch.zeros(width, dtype=torch.float32)  # padded: all_gather needs equal parts
+            lo, n = self.regions[self.dp.rank][0] + k * self.chunk, sizes[self.dp.rank]
+            at = 0
+            for i, begin, take in self._spans(lo, n):
+                mine[at : at + take].copy_(self.params[i].detach().reshape(-1)[begin : begin + take])
+                at += take
+            whole = torch.empty(world * width, dtype=torch.float32)
+            all_gather(whole, mine)
+            for r, n in enumerate(sizes):
+                if r == self.dp.rank or not n:
+                    continue
+                at = r * width
+                for i, begin, take in self._spans(self.regions[r][0] + k * self.chunk, n):
+                    p = self.params[i]
+                    p.view(-1)[begin : begin + take].copy_(whole[at : at + take])  # float32 holds bf16/fp16 exactly
+                    at += take
+
+    # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's slice of the optimizer: its moments, and where the slice lies."""
+        """This rank's share of the optimizer: its parameters' moments, and which they are."""
         return {
-            "inner": self.inner.state_dict(),
+            "inner": self.inner.state_dict() if self.inner is not None else None,
             "rank": self.dp.rank,
             "world": self.dp.world,
-            "shards": [shard.detach().clone() for _, _, shard in self._groups],
+            "owners": list(self.owners),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -208,7 +311,7 @@ class ShardedAdamW:
                 f"the optimizer state is rank {state.get('rank')} of {state.get('world')}, "
                 f"this is rank {self.dp.rank} of {self.dp.world}"
             )
-        self.inner.load_state_dict(state["inner"])
-        with torch.no_grad():
-            for (_, _, shard), saved in zip(self._groups, state["shards"], strict=True):
-                shard.copy_(saved)
+        if state.get("owners") != self.owners:
+            raise ValueError("the optimizer state shards the parameters otherwise (another model or version)")
+        if self.inner is not None:
+            self.inner.load_state_dict(state["inner"])
