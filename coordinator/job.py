@@ -377,6 +377,7 @@ async def serve_job(
             predicted = core.prediction.current()  # its GEMMs were all submitted: it is over
             home = core.prediction.current_home()
             extra = {
+                **result.extra,  # the trainer's own (a tier's collectives)
                 "devices": len(core.devices),
                 "mb_down": round(t.bytes_down / 1e6, 3),
                 "mb_up": round(t.bytes_up / 1e6, 3),

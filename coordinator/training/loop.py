@@ -311,18 +311,27 @@ class Trainer:
                 loss_sum += float(loss.item())
         tokens = x.numel()
         sharded = isinstance(self.optimizer, ShardedAdamW)
+        extra: dict[str, Any] = {}
         if self.parallel is not None and sharded:
             # Each rank ends with the global batch's gradient of the parameters it steps (float32,
             # summed in rank order), and every rank with its loss and token count (float64), so
             # clipping and logging are the same everywhere.
+            arrived = time.perf_counter()
             self.parallel.arrive(self.step)
+            summing = time.perf_counter()
             self.optimizer.reduce_gradients()
             loss_sum, tokens_f = self.parallel.all_sum([loss_sum, float(tokens)])
             tokens = int(tokens_f)
+            # The tier's share of the step: waiting at the barrier for the slowest rank, then the
+            # gradients' reduce-scatter with the scalars (the clip's norms and the weights'
+            # all-gather are added below).
+            extra = {"tier_wait_s": summing - arrived, "tier_sum_s": time.perf_counter() - summing}
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clipping sees the true gradients
         if self.cfg.grad_clip and sharded:
+            clipping = time.perf_counter()
             self.optimizer.clip_grad_norm_(self.cfg.grad_clip)  # the tier's total, as below
+            extra["tier_sum_s"] = extra.get("tier_sum_s", 0.0) + time.perf_counter() - clipping
         elif self.cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip, foreach=False)
         if self.scaler is None:
@@ -330,8 +339,10 @@ class Trainer:
         else:
             self.scaler.step(self.optimizer)  # skipped when a gradient overflowed fp16
             self.scaler.update()
+        if sharded and self.parallel is not None:
+            extra["tier_gather_s"] = self.optimizer.gather_seconds
         self.tokens_seen += tokens
-        return StepResult(self.step, loss_sum, tokens, time.perf_counter() - started, lr)
+        return StepResult(self.step, loss_sum, tokens, time.perf_counter() - started, lr, extra)
 
     def _autocast(self) -> torch.autocast:
         """The forward's autocast on the trainer's device (off unless --precision asks for it)."""

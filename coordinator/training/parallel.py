@@ -28,6 +28,7 @@ before (``coordinator/tier/``).
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -144,6 +145,7 @@ class ShardedAdamW:
             self.regions.append((lo[r] or 0, self.offsets[idx[-1] + 1] - self.offsets[idx[0]]) if idx else (0, 0))
         self.mine = [p for p, o in zip(self.params, self.owners) if o == dp.rank]
         self.chunk = max(1, bucket_bytes // 4 // dp.world)  # elements per rank per bucket
+        self.gather_seconds = 0.0  # the last step's weight all-gather
         # torch's AdamW on this rank's parameters, in the groups' order with their weight decay.
         own = {id(p) for p in self.mine}
         self.inner = (
@@ -269,8 +271,10 @@ class ShardedAdamW:
         """AdamW on this rank's parameters, then every rank's updated weights to every rank."""
         if self.inner is not None:
             self.inner.step()
+        self.gather_seconds = 0.0
         if self.dp.world == 1:
             return
+        started = time.perf_counter()
         world = self.dp.world
         for k in range(self._rounds()):
             sizes = self._sizes(k)
@@ -293,6 +297,7 @@ class ShardedAdamW:
                     p = self.params[i]
                     p.view(-1)[begin : begin + take].copy_(whole[at : at + take])  # float32 holds bf16/fp16 exactly
                     at += take
+        self.gather_seconds = time.perf_counter() - started
 
     # ------------------------------------------------------------------ checkpoints
 
