@@ -24,12 +24,23 @@ from coordinator.planning.costmodel import (
     ADAMW_BYTES,
     ATTENTION_PASSES,
     ITEMSIZE,
+    MAX_PS_GFLOPS,
     CostModelError,
     DeviceClass,
     PSProfile,
 )
 from coordinator.planning.planner import Gemm, Kind, Plan, StepPlan, baseline, plan_step
-from coordinator.whatif.presets import FLEETS, MODELS, ModelShape, model_shape, resolve_fleet, step_gemms
+from coordinator.planning.tier import DEFAULT_TIER_GBPS, MAX_RANKS, SOLO, Tier
+from coordinator.whatif.presets import (
+    COORDINATORS,
+    FLEETS,
+    MODELS,
+    ModelShape,
+    coordinator_preset,
+    model_shape,
+    resolve_fleet,
+    step_gemms,
+)
 from coordinator.wire.errors import ConfigError
 
 
@@ -52,8 +63,38 @@ def default_ps(link_gbps: float) -> PSProfile:
     """A server-class PS (PSProfile's documented defaults, docs/cost-model.md) at ``link_gbps``
     both ways; its own work in every dtype at its fp32 rate (it can always upcast what it
     computes itself: local GEMMs, attention)."""
-    fp32 = PSProfile().gflops["fp32"]
-    return PSProfile.from_link(link_gbps, gflops={dtype: fp32 for dtype in ITEMSIZE})
+    return coordinator_ps("server", link_gbps)
+
+
+def coordinator_ps(name: str, link_gbps: float, gflops: float | None = None) -> PSProfile:
+    """``--coordinator`` on ``--ps-link-gbps``, its GEMM rate set by ``--ps-gflops`` if given."""
+    if gflops is not None and not (math.isfinite(gflops) and 0 < gflops <= MAX_PS_GFLOPS):
+        raise ConfigError(f"--ps-gflops must be above 0 and at most {MAX_PS_GFLOPS:,.0f}, got {gflops}")
+    try:
+        return coordinator_preset(name, link_gbps, gflops)
+    except CostModelError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def tier_of(coordinators: int, tier_link_gbps: float, batch_size: int) -> Tier:
+    """``--coordinators`` on ``--tier-link-gbps``, checked against the batch they cut."""
+    if not 1 <= coordinators <= MAX_RANKS:
+        raise ConfigError(f"--coordinators must be between 1 and {MAX_RANKS}, got {coordinators}")
+    if not (math.isfinite(tier_link_gbps) and 0 < tier_link_gbps <= 1e6):
+        raise ConfigError(f"--tier-link-gbps must be above 0 and at most 1,000,000, got {tier_link_gbps}")
+    if batch_size % coordinators:
+        raise ConfigError(
+            f"--batch-size {batch_size} does not cut into {coordinators} equal slices, one per coordinator"
+        )
+    return Tier.from_gbps(coordinators, tier_link_gbps)
+
+
+def rank_fleet(fleet: Sequence[DeviceClass], tier: Tier) -> tuple[DeviceClass, ...]:
+    """The devices of the tier's slowest rank (each class dealt out round-robin)."""
+    share = tuple(DeviceClass(c.name, tier.share(c.count), c.profile) for c in fleet if tier.share(c.count))
+    if not share:
+        raise ConfigError(f"{tier.ranks} coordinators leave the slowest of them no devices")
+    return share
 
 
 def step_inputs(model: ModelShape, batch: int, seq: int, dtype: str) -> list[tuple[Gemm, int]]:
@@ -62,15 +103,18 @@ def step_inputs(model: ModelShape, batch: int, seq: int, dtype: str) -> list[tup
     return [(Gemm(g.m, g.n, g.k, dtype, g.kind, f"{g.layer}.{g.kind}"), g.count) for g in step_gemms(model, batch, seq)]
 
 
-def ps_other_seconds(model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile) -> tuple[float, float]:
-    """Seconds of the PS's own work besides the GEMMs it hands out: (attention, AdamW).
+def ps_other_seconds(
+    model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile, tier: Tier = SOLO
+) -> tuple[float, float]:
+    """Seconds of the PS's own work besides the GEMMs it hands out: (attention, AdamW), for
+    ``batch`` sequences (a rank's slice on a tier, with AdamW on its share of the parameters).
     Element-wise work (norms, activations, softmax, residuals, loss) is not counted."""
     rate = ps.flops_per_s(dtype)
     if rate <= 0:
         raise CostModelError(f"the parameter server cannot compute in {dtype}")
     attention = ATTENTION_PASSES * model.attention_flops(batch, seq) / rate
     per_param = ADAMW_BYTES + (ITEMSIZE[dtype] if dtype != DType.FP32.value else 0)
-    return attention, model.params * per_param / ps.memory_bw
+    return attention, tier.optimizer_share(model.params) * per_param / ps.optimizer_bw
 
 
 def _finite(value: float) -> float | None:
@@ -163,19 +207,31 @@ def build_report(
     seq: int,
     dtype: str,
     progress: Callable[[str], None] = lambda _: None,
+    *,
+    coordinator: str = "server",
+    ps_gflops: float | None = None,
+    tier: Tier = SOLO,
 ) -> dict[str, Any]:
-    """Plan one step and price the round-robin baseline; the JSON object of ``--json``."""
+    """Plan one step and price the round-robin baseline; the JSON object of ``--json``. On a
+    tier, the step is its slowest rank's: its slice of the batch on its share of the fleet, the
+    tier's collectives and AdamW on its share of the parameters."""
     model = model_shape(model_name)
     if seq > model.max_seq_len:
         raise ConfigError(f"--seq-len {seq} exceeds {model.name}'s {model.max_seq_len} positions")
-    fleet = resolve_fleet(fleet_spec, dtype, devices)
-    total = sum(cls.count for cls in fleet)
+    whole = resolve_fleet(fleet_spec, dtype, devices)
+    total = sum(cls.count for cls in whole)
     if total > MAX_DEVICES:
         raise ConfigError(f"the fleet has {total:,} devices; cleave plan prices at most {MAX_DEVICES:,}")
-    ps = default_ps(link_gbps)
-    attention, optimizer = ps_other_seconds(model, batch, seq, dtype, ps)
-    progress(f"planning {model.name} on {total:,} devices ...")
-    step = plan_step(step_inputs(model, batch, seq, dtype), fleet, ps, ps_other_seconds=attention + optimizer)
+    ps = coordinator_ps(coordinator, link_gbps, ps_gflops)
+    fleet = rank_fleet(whole, tier)
+    global_batch, batch = batch, tier.slice(batch)
+    attention, optimizer = ps_other_seconds(model, batch, seq, dtype, ps, tier)
+    collectives = tier.reduce_seconds(model.params, ps.memory_bw) + tier.gather_seconds(model.params)
+    where = f"{total:,} devices" if tier.ranks == 1 else f"one of {tier.ranks} coordinators' share of {total:,} devices"
+    progress(f"planning {model.name} on {where} ...")
+    step = plan_step(
+        step_inputs(model, batch, seq, dtype), fleet, ps, ps_other_seconds=attention + optimizer + collectives
+    )
     bases = _baselines(step, fleet, ps, lambda i, n: progress(f"pricing the round-robin baseline ({i + 1}/{n}) ..."))
     base_step: float | None = None  # null when no device can multiply in the dtype
     if all(b is not None for b in bases):
@@ -206,7 +262,15 @@ def build_report(
             "gflops": step.fleet_flops / 1e9,
             "classes": [_class_json(cls, dtype) for cls in fleet],
         },
+        "coordinators": tier.ranks,
+        "tier": {
+            "link_gbps": tier.link * 8 / 1e9,
+            "devices_per_rank": sum(cls.count for cls in fleet),
+            "batch_per_rank": batch,
+            "seconds": collectives,  # the gradients' reduce-scatter and the weights' all-gather, per step
+        },
         "ps": {
+            "preset": coordinator,
             "link_gbps": link_gbps,
             "egress": ps.egress,
             "ingress": ps.ingress,
@@ -216,17 +280,18 @@ def build_report(
             "unit_overhead": ps.unit_overhead,
             "check_columns": ps.check_columns,
         },
-        "batch_size": batch,
+        "batch_size": global_batch,
         "seq_len": seq,
-        "tokens": batch * seq,
+        "tokens": global_batch * seq,
         "dtype": dtype,
         "step": {
             "seconds": step.seconds,
-            "tokens_per_s": batch * seq / step.seconds,
+            "tokens_per_s": global_batch * seq / step.seconds,
             "gemm_seconds": step.gemm_seconds,
             "ps_other_seconds": step.ps_other_seconds,
             "attention_seconds": attention,
             "optimizer_seconds": optimizer,
+            "tier_seconds": collectives,
             "compute_seconds": step.total("compute_seconds"),
             "down_seconds": step.total("down_seconds"),
             "up_seconds": step.total("up_seconds"),
@@ -262,6 +327,29 @@ BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence (at most the model's positions).")]
 DTypeName = Annotated[str, typer.Option("--dtype", help="Training dtype: fp32, bf16 or fp16.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")]
+CoordinatorPreset = Annotated[
+    str,
+    typer.Option(
+        "--coordinator",
+        help=f"What each coordinator runs on: {', '.join(COORDINATORS)} (docs/presets.md). --ps-gflops overrides "
+        "its GEMM rate.",
+    ),
+]
+Coordinators = Annotated[
+    int,
+    typer.Option(
+        "--coordinators",
+        help="Coordinators training the batch together (a tier, docs/operations.md): each its slice of the batch "
+        "on its share of the fleet, with its own --ps-gflops and --ps-link-gbps.",
+    ),
+]
+TierLinkGbps = Annotated[
+    float, typer.Option("--tier-link-gbps", help="Each coordinator's link to the others in Gbit/s, each way.")
+]
+PsGflops = Annotated[
+    float | None,
+    typer.Option("--ps-gflops", help="The parameter server's own GEMM rate (GFLOP/s). Default: the --coordinator's."),
+]
 
 
 def check_options(
@@ -286,6 +374,10 @@ def plan(
     fleet: FleetSpec = "laptops",
     devices: Devices = None,
     ps_link_gbps: PsLinkGbps = DEFAULT_LINK_GBPS,
+    ps_gflops: PsGflops = None,
+    coordinator: CoordinatorPreset = "server",
+    coordinators: Coordinators = 1,
+    tier_link_gbps: TierLinkGbps = DEFAULT_TIER_GBPS,
     batch_size: BatchSize = 8,
     seq_len: SeqLen = 256,
     dtype: DTypeName = DType.FP32.value,
@@ -294,9 +386,22 @@ def plan(
     """Predict how every GEMM of one training step would be cut over a fleet, the step's time,
     traffic and memory, and the speedup over round-robin tiles."""
     check_options(dtype, devices, batch_size, seq_len, ps_link_gbps)
+    tier = tier_of(coordinators, tier_link_gbps, batch_size)
     # Transient: a terminal sees it while the baseline is priced, a pipe or a file never does.
     with stderr_console().status("planning ...") as status:
-        report = build_report(model, fleet, devices, ps_link_gbps, batch_size, seq_len, dtype, status.update)
+        report = build_report(
+            model,
+            fleet,
+            devices,
+            ps_link_gbps,
+            batch_size,
+            seq_len,
+            dtype,
+            status.update,
+            coordinator=coordinator,
+            ps_gflops=ps_gflops,
+            tier=tier,
+        )
     if as_json:
         Console(highlight=False).out(json.dumps(report, sort_keys=True, allow_nan=False))
         return

@@ -468,9 +468,17 @@ def plan_report(report: dict[str, Any]) -> Group:
     )
     summary.add_row(
         "parameter server",
-        f"{ps['link_gbps']:g} Gbit/s each way, {_flops(ps['gflops'] * 1e9)} in {dtype}, "
-        f"verifies at {_flops(ps['verify_gflops'] * 1e9)}, memory {_bytes(ps['memory_bw'])}/s",
+        f"{ps.get('preset', 'server')}: {ps['link_gbps']:g} Gbit/s each way, {_flops(ps['gflops'] * 1e9)} in "
+        f"{dtype}, verifies at {_flops(ps['verify_gflops'] * 1e9)}, memory {_bytes(ps['memory_bw'])}/s",
     )
+    tier = report.get("tier")
+    if report.get("coordinators", 1) > 1 and tier is not None:
+        summary.add_row(
+            "tier",
+            f"{report['coordinators']} coordinators on {tier['link_gbps']:g} Gbit/s each way: the slowest trains "
+            f"{tier['batch_per_rank']:,} sequences on {tier['devices_per_rank']:,} devices, its collectives "
+            f"{_seconds(tier['seconds'])} a step",
+        )
     summary.add_row(
         "step",
         Text(
@@ -482,7 +490,8 @@ def plan_report(report: dict[str, Any]) -> Group:
         "",
         f"GEMMs {_seconds(step['gemm_seconds'])} + parameter server's own work "
         f"{_seconds(step['ps_other_seconds'])} (attention {_seconds(step['attention_seconds'])}, "
-        f"AdamW {_seconds(step['optimizer_seconds'])})",
+        f"AdamW {_seconds(step['optimizer_seconds'])}"
+        + (f", the tier's collectives {_seconds(step['tier_seconds'])})" if step.get("tier_seconds") else ")"),
     )
     bound = step["seconds_by_bound"]
     summary.add_row(
@@ -589,7 +598,13 @@ def _share(value: float | None) -> str:
 def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
     """One device count: Cleave's simulated step and its breakdown, beside the baselines."""
     c, dtfm, cloud, speed = run["cleave"], run["dtfm"], run["cloud"], run["speedup"]
-    head = Table(title=f"{run['devices']:,} devices", title_justify="left", show_header=True, expand=False)
+    title = f"{run['devices']:,} devices"
+    if report.get("coordinators", 1) > 1:
+        title += (
+            f", {report['coordinators']} coordinators on {report['tier_link_gbps']:g} Gbit/s (the slowest serves "
+            f"{c['devices_per_rank']:,} devices; its collectives {_seconds(c['tier_s'])} a step)"
+        )
+    head = Table(title=title, title_justify="left", show_header=True, expand=False)
     for name in ("", "seconds per batch", "tokens/s", "binds", "recovery after a crash"):
         head.add_column(name, justify="right" if name else "left")
     head.add_row(
@@ -676,8 +691,9 @@ def simulate_report(report: dict[str, Any]) -> Group:
     title.append(
         f"({report['model']['params'] / 1e9:.3g} B parameters) on '{report['fleet_spec']}', batch "
         f"{report['batch_size']} x {report['seq_len']} {report['dtype']}"
-        f"{' (bf16 on the wire)' if report['wire_dtype'] != report['dtype'] else ''}, PS link "
-        f"{report['ps']['link_gbps']:g} Gbit/s, PS {report['ps']['gflops']:,.0f} GFLOP/s, "
+        f"{' (bf16 on the wire)' if report['wire_dtype'] != report['dtype'] else ''}, PS "
+        f"{report['ps'].get('preset', 'server')} on {report['ps']['link_gbps']:g} Gbit/s, "
+        f"{report['ps']['gflops']:,.0f} GFLOP/s, "
         f"planner {report['planner']}, churn {'on' if report['churn'] else 'off'}, seed {report['seed']}"
     )
     runs = report.get("sweep") or [report]

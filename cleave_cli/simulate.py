@@ -27,19 +27,25 @@ from cleave_cli.plan import (
     DEFAULT_LINK_GBPS,
     AsJson,
     BatchSize,
+    CoordinatorPreset,
+    Coordinators,
     Devices,
     DType,
     DTypeName,
     FleetSpec,
     ModelPreset,
+    PsGflops,
     PsLinkGbps,
     SeqLen,
+    TierLinkGbps,
     check_options,
-    default_ps,
+    coordinator_ps,
+    tier_of,
 )
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
-from coordinator.planning.costmodel import ITEMSIZE, MAX_PS_GFLOPS, CostModelError, DeviceClass, PSProfile
+from coordinator.planning.costmodel import CostModelError, DeviceClass, PSProfile
+from coordinator.planning.tier import DEFAULT_TIER_GBPS, SOLO, Tier
 from coordinator.whatif.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
 from coordinator.whatif.presets import model_shape, resolve_fleet
 from coordinator.whatif.simulator import SimConfig, SimResult, Simulation
@@ -133,9 +139,12 @@ def simulate_one(
     baseline_dtype: str | None = None,
     micro_batches: int = 1,
     batched: bool = False,
+    tier: Tier = SOLO,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """Simulate one fleet size and price the baselines: the report for one device count."""
+    """Simulate one fleet size and price the baselines: the report for one device count. On a
+    tier, the simulation is its slowest rank (the batch's slice, its share of the fleet); the
+    baselines train the whole batch on the whole fleet."""
     model = model_shape(model_name)
     devices = sum(c.count for c in classes)
     faults = FaultPolicy(heartbeat_timeout=heartbeat_timeout)
@@ -153,11 +162,15 @@ def simulate_one(
         churn=False,
         micro_batches=micro_batches,
         batched=batched,
+        tier=tier,
     )
     started = time.perf_counter()
-    progress(f"simulating {model.name} on {devices:,} devices (no churn) ...")
+    where = f"{devices:,} devices"
+    if tier.ranks > 1:
+        where = f"one of {tier.ranks} coordinators' share of {where}"
+    progress(f"simulating {model.name} on {where} (no churn) ...")
     calm = Simulation(base).run()
-    progress(f"simulating {model.name} on {devices:,} devices (churn, one crash) ...")
+    progress(f"simulating {model.name} on {where} (churn, one crash) ...")
     # The crash lands mid-step of the last step (measured without churn), on its busiest device.
     last = calm.steps[-1].seconds
     # The calm run's micro-batches (the cost model's choice, when asked for auto) for both.
@@ -182,6 +195,9 @@ def simulate_one(
             if calm.choice is None
             else {str(m): _finite(s) for m, s in sorted(calm.choice.forecasts.items())},  # the calm run's choice
             "kept_home": stats.kept_home,
+            # On a tier: the slowest rank's devices, and its collectives' seconds a step.
+            "devices_per_rank": sum(tier.share(c.count) for c in classes),
+            "tier_s": statistics.fmean(s.ps_cpu["tier"] for s in stormy.measured),
             "tokens_per_s": _ratio(batch * seq, step_s),
             "flops_per_s": _ratio(step_flops(model, batch, seq), step_s),
             # Per measured step, as every figure of the report.
@@ -300,6 +316,8 @@ def build_report(
     heartbeat_timeout: float,
     micro_batches: int = 1,
     batched: bool = False,
+    tier: Tier = SOLO,
+    coordinator: str = "server",
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     shape = model_shape(model)
@@ -330,6 +348,7 @@ def build_report(
                 baseline_dtype=dtype,
                 micro_batches=micro_batches,
                 batched=batched,
+                tier=tier,
                 progress=progress,
             )
         )
@@ -348,7 +367,10 @@ def build_report(
         "batched": batched,
         "churn": churn,
         "down_up_ratio": down_up_ratio,
+        "coordinators": tier.ranks,
+        "tier_link_gbps": tier.link * 8 / 1e9,
         "ps": {
+            "preset": coordinator,
             "link_gbps": link_gbps,
             "egress": ps.egress,
             "ingress": ps.ingress,
@@ -422,10 +444,10 @@ def simulate(
         typer.Option("--sweep", help="Several device counts, e.g. 16,64,256,1024,4096 (overrides --devices)."),
     ] = None,
     ps_link_gbps: PsLinkGbps = DEFAULT_LINK_GBPS,
-    ps_gflops: Annotated[
-        float | None,
-        typer.Option("--ps-gflops", help="The parameter server's own GEMM rate (GFLOP/s). Default: a server, 1000."),
-    ] = None,
+    ps_gflops: PsGflops = None,
+    coordinator: CoordinatorPreset = "server",
+    coordinators: Coordinators = 1,
+    tier_link_gbps: TierLinkGbps = DEFAULT_TIER_GBPS,
     batch_size: BatchSize = 8,
     seq_len: SeqLen = 256,
     dtype: DTypeName = DType.FP32.value,
@@ -475,19 +497,18 @@ def simulate(
     if not 1 <= steps <= 100:
         raise ConfigError(f"--steps must be between 1 and 100, got {steps}")
     parts = micro_batches_of(micro_batches)  # 0: auto
-    if parts and (parts > batch_size or batch_size % parts):
-        raise ConfigError(f"--micro-batches must divide --batch-size ({batch_size}), got {parts}")
-    if ps_gflops is not None and not (math.isfinite(ps_gflops) and 0 < ps_gflops <= MAX_PS_GFLOPS):
-        raise ConfigError(f"--ps-gflops must be above 0 and at most {MAX_PS_GFLOPS:,.0f}, got {ps_gflops}")
+    tier = tier_of(coordinators, tier_link_gbps, batch_size)
+    per_rank = batch_size // coordinators
+    if parts and (parts > per_rank or per_rank % parts):
+        what = "--batch-size" if coordinators == 1 else "each coordinator's slice of --batch-size"
+        raise ConfigError(f"--micro-batches must divide {what} ({per_rank}), got {parts}")
     if down_up_ratio is not None and not (math.isfinite(down_up_ratio) and 0 < down_up_ratio <= 1000):
         raise ConfigError(f"--down-up-ratio must be above 0 and at most 1000, got {down_up_ratio}")
     if not (math.isfinite(heartbeat_timeout) and FaultPolicy().heartbeat < heartbeat_timeout <= 3600):
         raise ConfigError(
             f"--heartbeat-timeout must be above {FaultPolicy().heartbeat:g} s and at most 3600, got {heartbeat_timeout}"
         )
-    ps = default_ps(ps_link_gbps)
-    if ps_gflops is not None:
-        ps = dataclasses.replace(ps, gflops={d: ps_gflops for d in ITEMSIZE})
+    ps = coordinator_ps(coordinator, ps_link_gbps, ps_gflops)
     with stderr_console().status("simulating ...") as status:
         try:
             report = build_report(
@@ -508,6 +529,8 @@ def simulate(
                 heartbeat_timeout=heartbeat_timeout,
                 micro_batches=parts,
                 batched=batched,
+                tier=tier,
+                coordinator=coordinator,
                 progress=status.update,
             )
         except CostModelError as exc:

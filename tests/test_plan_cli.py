@@ -17,6 +17,7 @@ from cleave_cli import render
 from cleave_cli.app import app
 from cleave_cli.plan import default_ps
 from coordinator.planning.planner import Gemm, baseline, plan_step
+from coordinator.planning.tier import Tier
 from coordinator.whatif.presets import model_shape, resolve_fleet, step_gemms
 
 RUNNER = CliRunner(env={"COLUMNS": "200"})  # rich's width off a terminal; tables are cut at 80
@@ -171,6 +172,12 @@ def test_a_round_robin_that_cannot_run_is_null_not_infinity(tmp_path: Path) -> N
         (("--dtype", "bogus"), "unknown --dtype 'bogus'"),
         (("--batch-size", "0"), "--batch-size must be between 1 and"),
         (("--ps-link-gbps", "0"), "--ps-link-gbps must be above 0"),
+        (("--coordinators", "0"), "--coordinators must be between 1 and 1024"),
+        (("--coordinators", "3"), "--batch-size 8 does not cut into 3 equal slices"),
+        (("--tier-link-gbps", "-1", "--coordinators", "2"), "--tier-link-gbps must be above 0"),
+        (("--coordinator", "tpu"), "unknown coordinator 'tpu'; use one of server, h100"),
+        (("--ps-gflops", "0"), "--ps-gflops must be above 0"),
+        (("--coordinators", "8", "--devices", "7"), "8 coordinators leave the slowest of them no devices"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], message: str) -> None:
@@ -215,3 +222,35 @@ def test_without_json_the_command_prints_the_table() -> None:
     result = _run("--model", "tiny", "--fleet", "laptops", "--devices", "2")
     assert result.exit_code == 0, result.stderr
     assert "cleave plan" in result.stdout and "local" in result.stdout and "laptop-low" in result.stdout
+
+
+def test_a_tier_plans_its_slowest_coordinators_slice_with_the_collectives_priced() -> None:
+    """--coordinators 4: the step is one coordinator's quarter of the batch on its quarter of the
+    fleet (each class dealt round-robin, the last getting the fewest), its AdamW on a quarter of
+    the parameters, and the collectives' seconds from the tier's own formula."""
+    args = ("--model", "opt-1.3b", "--fleet", "mixed", "--devices", "1003", "--batch-size", "16", "--ps-gflops", "50")
+    one = _plan_json(*args)
+    tier = _plan_json(*args, "--coordinators", "4", "--tier-link-gbps", "25")
+    assert tier["coordinators"] == 4 and tier["batch_size"] == 16 and tier["tokens"] == one["tokens"]
+    t = tier["tier"]
+    assert t["batch_per_rank"] == 4 and t["link_gbps"] == 25
+    assert t["devices_per_rank"] == sum(c["count"] // 4 for c in one["fleet"]["classes"]) < 1003 / 4
+    params = one["model"]["params"]
+    want = Tier.from_gbps(4, 25).reduce_seconds(params, 10e9) + Tier.from_gbps(4, 25).gather_seconds(params)
+    assert t["seconds"] == pytest.approx(want) and tier["step"]["tier_seconds"] == pytest.approx(want)
+    # 3/4 of the float32 parameters each way, twice, on 25 Gbit/s: most of those seconds.
+    assert want > 2 * 0.75 * 4 * params / (25e9 / 8)
+    assert tier["step"]["optimizer_seconds"] == pytest.approx(one["step"]["optimizer_seconds"] / 4, rel=1e-6)
+    # A quarter of the batch on a quarter of the fleet: the slowest coordinator's attention is a quarter.
+    assert tier["step"]["attention_seconds"] == pytest.approx(one["step"]["attention_seconds"] / 4)
+    assert "4 coordinators on 25 Gbit/s" in _text(tier, width=220)
+    assert one["coordinators"] == 1 and one["tier"]["seconds"] == 0
+
+
+def test_the_h100_coordinator_preset_is_priced_as_documented() -> None:
+    report = _plan_json("--coordinator", "h100", "--dtype", "bf16")
+    ps = report["ps"]
+    assert ps["preset"] == "h100" and ps["gflops"] == 600_000 and ps["verify_gflops"] == 20_000
+    assert ps["memory_bw"] == 50e9
+    server = _plan_json("--dtype", "bf16")["step"]
+    assert report["step"]["optimizer_seconds"] < server["optimizer_seconds"] / 100  # HBM, not a socket

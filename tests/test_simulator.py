@@ -21,6 +21,7 @@ from coordinator.engine.live_plan import LivePlanner, Planner, batches, shared
 from coordinator.engine.scheduler import Assign, Scheduler
 from coordinator.planning.costmodel import CHECK_BATCH, CostModelError, DeviceClass, Profile, PSProfile
 from coordinator.planning.planner import PlannerOptions
+from coordinator.planning.tier import Tier
 from coordinator.planning.tiles import GemmKind
 from coordinator.planning.tiles import plan_gemm as uniform_grid
 from coordinator.training.loop import TrainConfig, Trainer
@@ -367,3 +368,36 @@ def test_a_batch_holds_one_owners_tiles_and_every_tile_goes_out_once() -> None:
             assert len(b) == 1
     mine = [b for b in out if owners.get(b[0].index) == 0]
     assert len(mine) >= 2  # at least two messages per owner: it downloads one while computing the other
+
+
+def test_a_tier_simulates_its_slowest_coordinator_with_the_collectives_on_its_trainer() -> None:
+    """Two coordinators: the run is one of them with half the batch, the fewer of each class's
+    devices, and after the step's GEMMs the reduce-scatter, AdamW on half the parameters and
+    the all-gather, priced by the tier's formula, on the trainer thread."""
+    model = model_shape("small")
+    tier = Tier.from_gbps(2, 10)
+    chains, tail = program(model, 4, 256, "fp32", LAN_PS, 0, 1, tier)
+    assert not any(isinstance(op, PsWork) and op.what == "optimizer" for op in chains[0])
+    assert [op.what for op in tail] == ["tier", "optimizer", "tier"]
+    assert tail[0].seconds == pytest.approx(tier.reduce_seconds(model.params, LAN_PS.memory_bw))
+    assert tail[2].seconds == pytest.approx(tier.gather_seconds(model.params))
+    (whole,) = program(model, 8, 256, "fp32", LAN_PS, 0, 2)[1]
+    assert tail[1].seconds == pytest.approx(whole.seconds / 2, rel=1e-6)
+    fleet = (DeviceClass("a", 5, LAN[0].profile), DeviceClass("b", 3, LAN[0].profile))
+    sim = run(batch=8, seq=256, fleet=fleet, ps=LAN_PS, tier=tier, micro_batches=2)
+    st = sim.result.steps[-1]
+    assert sim.result.devices == 2 + 1  # 5 // 2 + 3 // 2: the rank dealt the fewest
+    assert st.ps_cpu["tier"] == pytest.approx(tail[0].seconds + tail[2].seconds)
+    assert st.remote_gemms > 0 and not sim.units  # its slice's GEMMs shipped and verified
+    share = (DeviceClass("a", 2, LAN[0].profile), DeviceClass("b", 1, LAN[0].profile))
+    solo = run(batch=4, seq=256, fleet=share, ps=LAN_PS, micro_batches=2)
+    # The same slice on the same devices, plus the tier's collectives and less AdamW.
+    assert st.seconds == pytest.approx(
+        solo.result.steps[-1].seconds + st.ps_cpu["tier"] - (whole.seconds - tail[1].seconds), rel=0.1
+    )
+    with pytest.raises(SimulationError, match="does not cut into 3 equal slices"):
+        SimConfig(model, fleet, LAN_PS, batch=8, tier=Tier.from_gbps(3, 10))
+    with pytest.raises(SimulationError, match="leave the slowest of them no devices"):
+        SimConfig(model, fleet, LAN_PS, batch=8, tier=Tier.from_gbps(8, 10))
+    with pytest.raises(SimulationError, match="each rank's slice of the batch"):
+        SimConfig(model, fleet, LAN_PS, batch=8, micro_batches=8, tier=tier)

@@ -88,6 +88,11 @@ class Profile:
         if not self.session > 0:
             raise CostModelError(f"session must be positive, got {self.session!r}")
 
+    @property
+    def optimizer_bw(self) -> float:
+        """Bytes/s at which AdamW streams its parameters, moments and gradients."""
+        return self.own_bw or self.memory_bw
+
     def flops_per_s(self, dtype: str) -> float:
         """Its GEMM rate in ``dtype`` (0: it cannot compute in it)."""
         """FLOP/s in ``dtype``; 0 when the device cannot multiply in it."""
@@ -130,6 +135,9 @@ class PSProfile:
     # spends ~1e-4 s per Result on the test machine (bench/bench_scheduler.py, core column).
     unit_overhead: float = 2e-4
     memory_bw: float = 10e9  # bytes/s of copies: assembling results, summing partials (one socket)
+    # bytes/s of the memory AdamW streams (0: memory_bw): a GPU coordinator's optimizer reads its
+    # own memory, while results still come through the host.
+    own_bw: float = 0.0
     # Column blocks of one A block a batched check is priced to meet (``check_width``): the
     # coordinator checks results in batches (CHECK_COLUMNS); 1 prices every check alone.
     check_columns: int = CHECK_COLUMNS
@@ -140,10 +148,16 @@ class PSProfile:
         _positive("ps verify_flops", self.verify_flops)
         _positive("ps unit_overhead", self.unit_overhead, zero=True)
         _positive("ps memory_bw", self.memory_bw)
+        _positive("ps own_bw", self.own_bw, zero=True)
         if isinstance(self.check_columns, bool) or not isinstance(self.check_columns, int) or self.check_columns < 1:
             raise CostModelError(f"ps check_columns must be a positive integer, got {self.check_columns!r}")
         for dtype, rate in self.gflops.items():
             _positive(f"ps gflops[{dtype}]", rate, zero=True)
+
+    @property
+    def optimizer_bw(self) -> float:
+        """Bytes/s at which AdamW streams its parameters, moments and gradients."""
+        return self.own_bw or self.memory_bw
 
     def flops_per_s(self, dtype: str) -> float:
         """Its GEMM rate in ``dtype`` (0: it cannot compute in it)."""

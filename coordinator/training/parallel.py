@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coordinator.planning.tier import TIER_BUCKET_BYTES
+
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-BUCKET_BYTES = 16 << 20  # float32 bytes a bucket of the collectives holds, across every rank
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class ShardedAdamW:
         betas: tuple[float, float],
         eps: float = 1e-8,
         order: Sequence[torch.Tensor] | None = None,
-        bucket_bytes: int = BUCKET_BYTES,
+        bucket_bytes: int = TIER_BUCKET_BYTES,
     ) -> None:
         self.dp = dp
         decay = {id(p): wd for params, wd in groups for p in params}

@@ -7,6 +7,7 @@ fleet class where its throughput, memory, link and session figures come from.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ try:
 except ModuleNotFoundError:  # pragma: no cover - python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile
+from coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile, PSProfile
 from coordinator.training.model import PRESETS
 from coordinator.wire.messages import MAX_NAME  # a class's name names its emulated devices
 
@@ -503,3 +504,42 @@ def resolve_fleet(spec: str, dtype: str, devices: int | None = None) -> tuple[De
     else:
         raise CostModelError(f"unknown fleet {spec!r}: not a preset ({', '.join(FLEETS)}) and not a .toml file")
     return classes if devices is None else scale_fleet(classes, devices)
+
+
+# --------------------------------------------------------------------------- coordinators
+
+
+def _server() -> PSProfile:
+    """The cost model's documented default (docs/cost-model.md): a many-core server, its own
+    work in every dtype at its fp32 rate (it can always upcast what it computes itself)."""
+    fp32 = PSProfile().gflops["fp32"]
+    return PSProfile(gflops={dtype: fp32 for dtype in ITEMSIZE})
+
+
+def _h100() -> PSProfile:
+    """A coordinator on one H100 SXM5 80 GB (``--device cuda``; docs/presets.md has the sources):
+    GEMMs, attention, checks and AdamW on the GPU; results still arrive through the host and
+    cross PCIe once. TF32 stays off (exactness), so fp32 runs on the CUDA cores."""
+    return PSProfile(
+        gflops={"fp32": 50_000.0, "bf16": 600_000.0, "fp16": 600_000.0},  # 75% of 67, 60% of 989 TFLOP/s
+        verify_flops=20e12,  # the 16-column check reads HBM3 (3.35 TB/s) at ~8 FLOP per byte, 75%
+        memory_bw=50e9,  # PCIe 5.0 x16, pinned: results come through the host (64 GB/s each way)
+        own_bw=2.5e12,  # AdamW streams HBM3 (3.35 TB/s, 75%)
+    )
+
+
+COORDINATORS = {"server": _server, "h100": _h100}
+
+
+def coordinator_preset(name: str, link_gbps: float, gflops: float | None = None) -> PSProfile:
+    """A coordinator preset (``--coordinator``) on a link of ``link_gbps`` each way; ``gflops``
+    overrides its GEMM rate in every dtype (``--ps-gflops``)."""
+    make = COORDINATORS.get(name)
+    if make is None:
+        raise CostModelError(f"unknown coordinator {name!r}; use one of {', '.join(COORDINATORS)}")
+    ps = make()
+    rate = PSProfile.from_link(link_gbps)
+    ps = dataclasses.replace(ps, egress=rate.egress, ingress=rate.ingress)
+    if gflops is not None:
+        ps = dataclasses.replace(ps, gflops={dtype: gflops for dtype in ITEMSIZE})
+    return ps

@@ -60,6 +60,7 @@ from coordinator.planning.costmodel import (
     utilisation_bound,
 )
 from coordinator.planning.planner import Kind, PlannerOptions
+from coordinator.planning.tier import SOLO, Tier
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.whatif.presets import ModelShape
 from coordinator.wire.messages import DEFAULT_SLOTS
@@ -102,7 +103,7 @@ class GemmCall:
 @dataclass(frozen=True)
 class PsWork:
     seconds: float
-    what: str  # "attention" | "optimizer"
+    what: str  # "attention" | "optimizer" | "tier" (a rank's collectives)
 
 
 Op = PsWork | tuple[GemmCall, ...]
@@ -238,12 +239,35 @@ MICRO_BATCH_SLACK = 0.005
 
 
 def program(
-    model: ModelShape, batch: int, seq: int, dtype: str, ps: PSProfile, step: int, micro_batches: int
+    model: ModelShape,
+    batch: int,
+    seq: int,
+    dtype: str,
+    ps: PSProfile,
+    step: int,
+    micro_batches: int,
+    tier: Tier = SOLO,
 ) -> tuple[list[list[Op]], list[Op]]:
-    """The step's chains and what runs once they are all done, as the trainer issues them."""
+    """The step's chains and what runs once they are all done, as the trainer issues them. On a
+    tier, ``batch`` is one rank's slice, and the tail is the tier's: the gradients'
+    reduce-scatter, AdamW on the rank's share of the parameters, the weights' all-gather."""
+    tail = optimizer_tail(model, dtype, ps, tier)
     if micro_batches == 1:  # today's order: one chain, every GEMM waited for in turn
-        return [step_program(model, batch, seq, dtype, ps, step)], []
-    return dataflow_program(model, batch, seq, dtype, ps, step, micro_batches), [_optimizer(model, dtype, ps)]
+        ops = step_program(model, batch, seq, dtype, ps, step)
+        return ([ops], []) if tier.ranks == 1 else ([ops[:-1]], tail)
+    return dataflow_program(model, batch, seq, dtype, ps, step, micro_batches), tail
+
+
+def optimizer_tail(model: ModelShape, dtype: str, ps: PSProfile, tier: Tier = SOLO) -> list[Op]:
+    """What the trainer runs once every GEMM of the step is done: AdamW, and on a tier the
+    collectives around it (``coordinator/planning/tier.py``), all on its thread."""
+    if tier.ranks == 1:
+        return [_optimizer(model, dtype, ps)]
+    return [
+        PsWork(tier.reduce_seconds(model.params, ps.memory_bw), "tier"),
+        _optimizer(model, dtype, ps, tier.optimizer_share(model.params)),
+        PsWork(tier.gather_seconds(model.params), "tier"),
+    ]
 
 
 def micro_batch_choices(batch: int, most: int = PARTS_IN_FLIGHT) -> list[int]:
@@ -278,16 +302,18 @@ def choose_micro_batches(
     most: int = PARTS_IN_FLIGHT,
     *,
     keeps_home: bool = True,
+    tier: Tier = SOLO,
 ) -> MicroBatchChoice:
     """``--micro-batches auto``: forecast one step for each candidate part count on this fleet
     (``predict``, the fleet in as many lanes) and take the fewest parts within
     ``MICRO_BATCH_SLACK`` of the best forecast: fewer parts hold less on the coordinator and cut
     the GEMMs less. ``keeps_home``: the step runs on the PS alone where that is forecast sooner
     (the simulator's cost planner does; the live coordinator decides GEMM by GEMM, so it passes
-    False). Pure: no clock, no I/O."""
+    False). On a tier, ``batch`` is one rank's slice and ``profiles`` its devices. Pure: no
+    clock, no I/O."""
     forecasts: dict[int, float] = {}
     for m in micro_batch_choices(batch, most):
-        chains, tail = program(model, batch, seq, dtype, ps, 0, m)
+        chains, tail = program(model, batch, seq, dtype, ps, 0, m, tier)
         forecast = predict(chains, tail, LivePlanner(planner, ps, policy, lanes=m), dtype, profiles)
         if keeps_home and planner is Planner.COST:
             forecast = min(forecast, home_seconds(chains, tail, ps, dtype))
@@ -337,6 +363,14 @@ class SimConfig:
     # one lease and one result each. False: one tile per message. (Checks are batched either way.)
     batched: bool = False
     lanes: int = 0  # the fleet in this many lanes, a GEMM planned on one (LivePlanner); 0: micro_batches
+    # Coordinators training the batch together (``coordinator/planning/tier.py``): the run
+    # simulates the tier's slowest rank, with its slice of the batch and its share of the fleet.
+    tier: Tier = SOLO
+
+    @property
+    def rank_batch(self) -> int:
+        """Sequences the simulated coordinator trains each step: the batch, or a rank's slice."""
+        return self.batch // self.tier.ranks
 
     def __post_init__(self) -> None:
         if self.dtype not in ITEMSIZE:
@@ -351,8 +385,14 @@ class SimConfig:
             raise SimulationError(f"crash_share must be between 0 and 1, got {self.crash_share!r}")
         if not sum(c.count for c in self.fleet):
             raise SimulationError("the fleet has no devices")
-        if self.micro_batches and self.batch % self.micro_batches:
-            raise SimulationError(f"micro_batches ({self.micro_batches}) must divide the batch ({self.batch})")
+        if self.batch % self.tier.ranks:
+            ranks = self.tier.ranks
+            raise SimulationError(f"a batch of {self.batch} does not cut into {ranks} equal slices, one per rank")
+        if self.micro_batches and self.rank_batch % self.micro_batches:
+            what = "the batch" if self.tier.ranks == 1 else "each rank's slice of the batch"
+            raise SimulationError(f"micro_batches ({self.micro_batches}) must divide {what} ({self.rank_batch})")
+        if not sum(self.tier.share(c.count) for c in self.fleet):
+            raise SimulationError(f"{self.tier.ranks} coordinators leave the slowest of them no devices")
 
 
 # --------------------------------------------------------------------------- results
@@ -375,7 +415,14 @@ class StepStats:
     egress_bytes: float = 0.0
     ingress_bytes: float = 0.0
     ps_cpu: dict[str, float] = field(
-        default_factory=lambda: {"verify": 0.0, "assembly": 0.0, "local_gemms": 0.0, "attention": 0.0, "optimizer": 0.0}
+        default_factory=lambda: {
+            "verify": 0.0,
+            "assembly": 0.0,
+            "local_gemms": 0.0,
+            "attention": 0.0,
+            "optimizer": 0.0,
+            "tier": 0.0,  # a rank's collectives (on its trainer thread, which they hold)
+        }
     )
     leaves: int = 0
     joins: int = 0
@@ -918,7 +965,7 @@ class Simulation:
 
     def run(self, progress: Callable[[int, int], None] | None = None) -> SimResult:
         cfg = self.cfg
-        counts = [(cls, cls.count) for cls in cfg.fleet]
+        counts = [(cls, cfg.tier.share(cls.count)) for cls in cfg.fleet]  # the (slowest) rank's devices
         if (
             not any(cls.profile.flops_per_s(cfg.dtype) > 0 and n for cls, n in counts)
             and cfg.ps.flops_per_s(cfg.dtype) <= 0
@@ -942,11 +989,21 @@ class Simulation:
                 self._at(began + cfg.fail_at, _FAIL)
             if step == 0 and not cfg.micro_batches:  # auto: the cost model chooses from the fleet that joined
                 self.choice = choose_micro_batches(
-                    cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, cfg.planner, cfg.policy, dict(self._profiles)
+                    cfg.model,
+                    cfg.rank_batch,
+                    cfg.seq,
+                    cfg.dtype,
+                    cfg.ps,
+                    cfg.planner,
+                    cfg.policy,
+                    dict(self._profiles),
+                    tier=cfg.tier,
                 )
                 self.micro_batches = self.choice.micro_batches
                 self._shipping = self._shipping.with_lanes(cfg.lanes or self.micro_batches)
-            chains, tail = program(cfg.model, cfg.batch, cfg.seq, cfg.dtype, cfg.ps, step, self.micro_batches)
+            chains, tail = program(
+                cfg.model, cfg.rank_batch, cfg.seq, cfg.dtype, cfg.ps, step, self.micro_batches, cfg.tier
+            )
             fresh = LivePlanner(cfg.planner, cfg.ps, cfg.policy, lanes=self._shipping.lanes)
             self._stats.forecast = predict(chains, tail, fresh, cfg.dtype, dict(self._profiles))
             self._stats.home = home_seconds(chains, tail, cfg.ps, cfg.dtype)
@@ -1178,10 +1235,11 @@ class _Op:
     gemms: list[int] = field(default_factory=list)
 
 
-def _optimizer(model: ModelShape, dtype: str, ps: PSProfile) -> PsWork:
-    """AdamW over every parameter on the PS (``step_program``'s last op)."""
+def _optimizer(model: ModelShape, dtype: str, ps: PSProfile, params: int | None = None) -> PsWork:
+    """AdamW over every parameter on the PS (``step_program``'s last op), or over ``params`` of
+    them (a rank's share on a tier)."""
     extra = ITEMSIZE[dtype] if dtype != "fp32" else 0
-    return PsWork(model.params * (ADAMW_BYTES + extra) / ps.memory_bw, "optimizer")
+    return PsWork((model.params if params is None else params) * (ADAMW_BYTES + extra) / ps.optimizer_bw, "optimizer")
 
 
 def _what(op: Op) -> str:
