@@ -234,6 +234,8 @@ def simulate_one(
         "step_s": _finite(dtfm.step_s),
         "why": dtfm.why,
         "stages": dtfm.stages,
+        "head_stage": dtfm.head_stage,  # the lm head in a stage of its own
+        "embed_stage": dtfm.embed_stage,  # the embedding in a stage of its own
         "replicas": dtfm.replicas,
         "devices_used": dtfm.devices_used,
         "bound": dtfm.bound,

@@ -215,7 +215,8 @@ def test_big_models_pipeline_over_many_stages(fleet: str, model: str) -> None:
     shape = model_shape(model)
     got = dtfm_step(shape, resolve_fleet(fleet, "fp32", 1000), 8, 256, "fp32")
     assert got.step_s is not None and math.isfinite(got.step_s) and got.step_s > 0
-    assert got.stages > 1 and shape.n_layers % got.stages == 0
+    layers = got.stages - got.head_stage - got.embed_stage  # the head and embedding may have stages of their own
+    assert got.stages > 1 and shape.n_layers % layers == 0
     assert got.devices_used == got.stages * got.replicas <= 1000
     assert got.replicas <= 8  # never more replicas than sequences
     assert _close(got.step_s, got.compute_s + got.pipeline_comm_s + got.bubble_s + got.allreduce_s)
@@ -293,17 +294,20 @@ def test_dtfm_refuses_bad_arguments(kwargs: dict, message: str) -> None:
 
 
 def _brute_force(model, fleet: list[DeviceClass], batch: int, seq: int) -> float | None:
-    """Every split, every number in flight and every placement of individual devices on stages,
-    priced with the documented per-device formulas."""
+    """Every split (the lm head and the embedding each in a stage of its own or not), every number in flight and every
+    placement of individual devices on stages, priced with the documented per-device formulas."""
     import itertools
 
     devices = [cls.profile for cls in fleet for _ in range(cls.count)]
     parts = baselines._parts(model, seq)
     best = None
-    for stages in (s for s in range(1, model.n_layers + 1) if model.n_layers % s == 0):
+    divisors = [s for s in range(1, model.n_layers + 1) if model.n_layers % s == 0]
+    splits = [(s, h, e) for s in divisors for h in (False, True) for e in (False, True)]
+    for layers, head_stage, embed_stage in splits:
+        stages = layers + head_stage + embed_stage
         for replicas in range(1, min(batch, len(devices) // stages) + 1):
             micro = math.ceil(batch / replicas)
-            roles = baselines._roles(model, parts, stages, replicas, 1, seq, "fp32")
+            roles = baselines._roles(model, parts, layers, replicas, 1, seq, "fp32", head_stage, embed_stage)
             slots = [role for role in roles for _ in range(role.count)]
             act = seq * model.d_model * 4
             full = min(micro, roles[0].depth)
@@ -367,7 +371,7 @@ def test_assignment_search_matches_brute_force_on_small_fleets(seed: int) -> Non
             ],
             4,
         ),
-        # Only "big" holds the first stage; "small" devices take the last one, in two replicas.
+        # Only "big" holds the first stage with the embedding; "small" ones hold a layer alone.
         (
             [
                 _device(2, gflops=2.0, memory=4_000_000, up=1e9, down=1e9, rtt=0.001, name="big"),
@@ -397,4 +401,20 @@ def test_heterogeneous_replicas_match_brute_force(fleet: list[DeviceClass], batc
     model = model_shape("tiny")
     got = dtfm_step(model, fleet, batch, 16, "fp32")
     assert got.step_s is not None and _close(got.step_s, _brute_force(model, fleet, batch, 16))
-    assert got.replicas > 1
+    # Several replicas, unless the head and embedding in stages of their own beat them (the
+    # "big"/"small" fleet: one replica of four stages, every small device holding a piece).
+    assert got.replicas > 1 or (got.head_stage and got.embed_stage and got.stages == 4)
+
+
+def test_the_lm_head_and_the_embedding_get_stages_of_their_own_where_that_fits_smaller_devices() -> None:
+    """OPT-13B's first stage (embedding and a layer) needs 8.79 GiB and its last (a layer and the
+    lm head) about as much: 8 GB laptops hold neither, but they hold a layer, the embedding alone
+    and the head alone, as DT-FM's own planner would place them: 42 stages."""
+    laptops = resolve_fleet("laptops", "fp32", 1024)
+    got = dtfm_step(model_shape("opt-13b"), laptops, 8, 256, "fp32")
+    assert got.step_s is not None and got.head_stage and got.embed_stage
+    assert got.stages == model_shape("opt-13b").n_layers + 2
+    assert got.memory_per_device <= 8 * 2**30
+    parts = baselines._parts(model_shape("opt-13b"), 256)
+    glued = baselines._roles(model_shape("opt-13b"), parts, 40, 1, 1, 256, "fp32")
+    assert min(r.memory(1) for r in glued if r.name in ("first", "last")) > 8 * 2**30  # as before: no fit

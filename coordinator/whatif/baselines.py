@@ -200,7 +200,7 @@ class DtfmResult:
 
     step_s: float | None  # None: the model does not fit the fleet's memory, or no device computes the dtype
     why: str | None  # one line when step_s is None
-    stages: int  # D_PP
+    stages: int  # D_PP (with the head's own stage, when it has one)
     replicas: int  # D_DP
     devices_used: int  # stages * replicas
     micro_batches: int  # per replica
@@ -211,6 +211,8 @@ class DtfmResult:
     memory_per_device: float  # bytes the busiest device needs (for None: the need that fits nowhere)
     bound: str  # "compute" | "pipeline" | "allreduce"; "infeasible" when step_s is None
     rounds: int = 1  # pipeline flushes per step (gradient accumulation), > 1 only to fit memory
+    head_stage: bool = False  # the lm head has a stage of its own (the last)
+    embed_stage: bool = False  # the token embedding has a stage of its own (the first)
 
 
 @dataclass(frozen=True)
@@ -246,36 +248,69 @@ def _divisors(n: int) -> list[int]:
     return [s for s in range(1, n + 1) if n % s == 0]
 
 
+def _splits(model: ModelShape) -> list[tuple[int, bool, bool]]:
+    """Every split the search weighs: (stages of layers, the head alone, the embedding alone)."""
+    return [(s, h, e) for s in _divisors(model.n_layers) for h in (False, True) for e in (False, True)]
+
+
+def head_activation_bytes(model: ModelShape, sequences: int, seq: int, dtype: str) -> float:
+    """What the lm head keeps for backward for ``sequences`` sequences: its input, the logits and
+    their gradient (``d_model + 2 vocab`` values a token, in ``dtype``)."""
+    return sequences * seq * (model.d_model + 2 * model.vocab) * ITEMSIZE[dtype]
+
+
 def _roles(
-    model: ModelShape, parts: _Parts, stages: int, replicas: int, sequences: int, seq: int, dtype: str
+    model: ModelShape,
+    parts: _Parts,
+    stages: int,
+    replicas: int,
+    sequences: int,
+    seq: int,
+    dtype: str,
+    head_stage: bool = False,
+    embed_stage: bool = False,
 ) -> list[_Role]:
-    """The kinds of stage for ``stages`` even stages of ``sequences``-sequence micro-batches.
-    A middle stage is charged the activations of the busiest middle stage (the second)."""
+    """The kinds of stage for ``stages`` even stages of layers of ``sequences``-sequence
+    micro-batches. With ``embed_stage`` the token embedding (and a learned position table) has a
+    stage of its own before them, with ``head_stage`` the lm head (and the final norm) one after
+    them, as DT-FM's own planner may place them; otherwise the first stage of layers holds the
+    embedding and the last the head. A middle stage is charged the activations of the busiest
+    middle stage (the second of layers)."""
     per_param = bytes_per_param(dtype)
     k = model.n_layers // stages
     layers = k * parts.layer_params
     act = k * layer_activation_bytes(model, sequences, seq, dtype)
     flops = k * parts.layer_flops * sequences
     head = parts.head_params + parts.final_norm_params
-    if stages == 1:
+    head_flops = parts.head_flops * sequences
+    head_act = head_activation_bytes(model, sequences, seq, dtype)
+    embed = parts.embedding_params
+    depth = stages + head_stage + embed_stage  # the pipeline's stages; stage i holds at most depth - i in flight
+    if depth == 1:
         params = model.params  # the whole model once: a tied head shares the embedding
-        return [_Role("only", replicas, params, flops + parts.head_flops * sequences, params * per_param, act, 1, 0)]
-    first = layers + parts.embedding_params
-    roles = [_Role("first", replicas, first, flops, first * per_param, act, stages, 1)]
-    if stages > 2:
-        roles.append(_Role("middle", replicas * (stages - 2), layers, flops, layers * per_param, act, stages - 1, 2))
-    roles.append(
-        _Role(
-            "last",
-            replicas,
-            layers + head,
-            flops + parts.head_flops * sequences,
-            (layers + head) * per_param,
-            act,
-            1,
-            1,
-        )
-    )
+        return [_Role("only", replicas, params, flops + head_flops, params * per_param, act + head_act, 1, 0)]
+    roles = []
+    if embed_stage:  # a lookup and its scatter-add: no GEMM FLOP; it keeps its output for backward
+        out = sequences * seq * model.d_model * ITEMSIZE[dtype]
+        roles.append(_Role("embed", replicas, embed, 0.0, embed * per_param, out, depth, 1))
+    first_at = int(embed_stage)
+    for j in range(stages):
+        if 0 < j < stages - 1:  # the middle stages: one role, at the busiest one's depth
+            if j == 1:
+                n = replicas * (stages - 2)
+                roles.append(_Role("middle", n, layers, flops, layers * per_param, act, depth - first_at - 1, 2))
+            continue
+        p, f, a = layers, flops, act
+        if j == 0 and not embed_stage:
+            p += embed
+        if j == stages - 1 and not head_stage:
+            p, f, a = p + head, f + head_flops, a + head_act
+        position = first_at + j
+        sends = (position > 0) + (position < depth - 1)  # a neighbour on each side it has
+        name = "layers" if stages == 1 else "first" if j == 0 else "last"
+        roles.append(_Role(name, replicas, p, f, p * per_param, a, depth - position, sends))
+    if head_stage:
+        roles.append(_Role("head", replicas, head, head_flops, head * per_param, head_act, 1, 1))
     return roles
 
 
@@ -396,14 +431,15 @@ def dtfm_step(
     parts = _parts(model, seq)
 
     best: DtfmResult | None = None
-    for stages in _divisors(model.n_layers):
+    for layers, head_stage, embed_stage in _splits(model):
+        stages = layers + head_stage + embed_stage
         if stages > total:
-            break
+            continue
         for replicas in _replica_counts(batch, total // stages):
             sequences = -(-batch // replicas)  # the busiest replica's share
             mb = min(micro_batch, sequences)
             micro_batches = -(-sequences // mb)
-            roles = _roles(model, parts, stages, replicas, mb, seq, dtype)
+            roles = _roles(model, parts, layers, replicas, mb, seq, dtype, head_stage, embed_stage)
             activation = mb * seq * model.d_model * itemsize
             spread = ALLREDUCE_PHASES * (replicas - 1) / replicas
             pace: list[list[float]] = []
@@ -442,6 +478,8 @@ def dtfm_step(
                     step_s=step,
                     why=None,
                     stages=stages,
+                    head_stage=head_stage,
+                    embed_stage=embed_stage,
                     replicas=replicas,
                     devices_used=stages * replicas,
                     micro_batches=micro_batches,
@@ -483,19 +521,30 @@ def _why_not(
     total: int,
 ) -> DtfmResult:
     """Why no split works, at the finest split the fleet can staff (fewest layers per stage) and
-    one micro-batch in flight: the smallest stage that fits no device, or too few devices that
-    fit a stage."""
-    stages = max(s for s in _divisors(model.n_layers) if s <= total)
+    one micro-batch in flight, the lm head in a stage of its own where the fleet has a device for
+    it: the smallest stage that fits no device, or too few devices that fit a stage."""
+    # The finest split the fleet staffs, with the head and the embedding alone where it can.
+    layers_in, head_stage, embed_stage = max(
+        (split for split in _splits(model) if split[0] + split[1] + split[2] <= total),
+        key=lambda split: (split[0], split[1] + split[2], split[1]),
+    )
+    stages = layers_in + head_stage + embed_stage
     replicas = min(batch, total // stages)
-    roles = _roles(model, parts, stages, replicas, min(micro_batch, -(-batch // replicas)), seq, dtype)
+    mb = min(micro_batch, -(-batch // replicas))
+    roles = _roles(model, parts, layers_in, replicas, mb, seq, dtype, head_stage, embed_stage)
     largest = max(classes, key=lambda cls: cls.profile.memory)
-    k = model.n_layers // stages
+    k = model.n_layers // layers_in
     layers = f"{k} layer{'s' * (k > 1)}"
     what = {
         "only": f"the whole model ({layers})",
-        "first": f"the first stage (embedding and {layers})",
         "middle": f"a stage of {layers}",
-        "last": f"the last stage ({layers} and the lm head)",
+        "first": f"the first stage of layers ({layers})"
+        if embed_stage
+        else f"the first stage (embedding and {layers})",
+        "last": f"the last stage of layers ({layers})" if head_stage else f"the last stage ({layers} and the lm head)",
+        "layers": f"the stage of layers ({layers})",
+        "head": "the lm head's own stage",
+        "embed": "the embedding's own stage",
     }
     for role in sorted(roles, key=lambda role: role.memory(1)):
         if role.memory(1) > largest.profile.memory:
