@@ -24,10 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cleave_cli.plan import default_ps  # noqa: E402
+from cleave_cli.plan import coordinator_ps, default_ps  # noqa: E402
 from cleave_cli.simulate import adjust_fleet, simulate_one  # noqa: E402
 from coordinator.engine.live_plan import Planner  # noqa: E402
 from coordinator.planning.costmodel import ITEMSIZE  # noqa: E402
+from coordinator.planning.tier import Tier  # noqa: E402
 from coordinator.whatif.presets import resolve_fleet  # noqa: E402
 
 
@@ -76,6 +77,88 @@ def row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+# The tier's comparison (issue 21): bf16, a 400 Gbit/s coordinator link, home links at the fleet's
+# own ratios, churn and one crash, the cost model's micro-batches, coordinators on 100 Gbit/s.
+TIER_COLUMNS = [
+    "model",
+    "devices",
+    "batch",
+    "coordinators",
+    "Cleave s",
+    "binds",
+    "tier s",
+    "parts",
+    "GEMMs shipped",
+    "fleet util.",
+    "DTFM s",
+    "cloud s",
+    "vs DTFM",
+    "vs cloud",
+    "wall s",
+]
+
+
+def tier_run(
+    model: str, devices: int, batch: int, seq: int, coordinator: str, ranks: int, args: argparse.Namespace
+) -> dict:
+    ps = coordinator_ps(coordinator, args.tier_ps_gbps)
+    classes = resolve_fleet(args.tier_fleet, "bf16", devices)
+    return simulate_one(
+        model,
+        classes,
+        ps,
+        batch=batch,
+        seq=seq,
+        dtype="bf16",
+        seed=0,
+        steps=1,
+        planner=Planner.COST,
+        churn=True,
+        heartbeat_timeout=30.0,
+        micro_batches=0,  # auto: the cost model's choice, as cleave runs it
+        batched=True,
+        tier=Tier.from_gbps(ranks, args.tier_link_gbps),
+    )
+
+
+def tier_grid(args: argparse.Namespace) -> list[dict]:
+    """One row per (model, devices, batch, coordinator x count), streamed as it completes."""
+    print(row(TIER_COLUMNS))
+    print(row(["---"] * len(TIER_COLUMNS)), flush=True)
+    batches = [tuple(int(x) for x in b.split("x")) for b in args.tier_batches.split(",")]
+    setups = [(c.split(":")[0], int(c.split(":")[1])) for c in args.tier_setups.split(",")]
+    reports = []
+    for model, devices, (batch, seq), (coordinator, ranks) in itertools.product(
+        args.tier_models.split(","), [int(c) for c in args.counts.split(",")], batches, setups
+    ):
+        r = tier_run(model, devices, batch, seq, coordinator, ranks, args)
+        reports.append({"model": model, "devices": devices, "coordinator": coordinator, "ranks": ranks, **r})
+        c, vs, vc = r["cleave"], r["speedup"]["vs_dtfm"], r["speedup"]["vs_cloud"]
+        print(
+            row(
+                [
+                    model,
+                    f"{devices:,}",
+                    f"{batch} x {seq}",
+                    f"{ranks} {coordinator}",
+                    fmt(c["step_s"]),
+                    c["bound"],
+                    fmt(c["tier_s"]) if ranks > 1 else "-",
+                    str(c["micro_batches"]),
+                    f"{c['remote_gemms'] / max(1, c['remote_gemms'] + c['local_gemms']):.0%}",
+                    f"{c['fleet_utilisation']:.1%}",
+                    fmt(r["dtfm"]["step_s"]),
+                    fmt(r["cloud"]["step_s"]),
+                    "-" if vs is None else f"{vs:.3g}x",
+                    "-" if vc is None else f"{vc:.3g}x",
+                    f"{c['wall_s']:.0f}",
+                ]
+            ),
+            flush=True,
+        )
+    return reports
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", default="16,256,1024,10000", help="device counts")
@@ -86,7 +169,21 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--no-levers", action="store_true", help="only the grid")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--tier", action="store_true", help="the tier's comparison instead (issue 21)")
+    parser.add_argument("--tier-models", default="llama2-7b", help="--tier: models")
+    parser.add_argument("--tier-fleet", default="mixed", help="--tier: the fleet preset")
+    parser.add_argument("--tier-batches", default="8x256,256x1024", help="--tier: batches, SEQUENCESxTOKENS")
+    parser.add_argument(
+        "--tier-setups", default="server:1,server:4,server:16,h100:1,h100:16", help="--tier: COORDINATOR:COUNT"
+    )
+    parser.add_argument("--tier-ps-gbps", type=float, default=400.0, help="--tier: each coordinator's link")
+    parser.add_argument("--tier-link-gbps", type=float, default=100.0, help="--tier: the ranks' links")
     args = parser.parse_args()
+    if args.tier:
+        reports = tier_grid(args)
+        if args.json:
+            Path("comparison-tier.json").write_text(json.dumps(reports))
+        return 0
     counts = [int(c) for c in args.counts.split(",")]
     links = [float(g) for g in args.links.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
