@@ -210,7 +210,10 @@ def dashboard(status: dict[str, Any]) -> Group:
         devices.caption = f"{listed} of {total} devices listed: " + ", ".join(
             f"{v:,} {k}" for k, v in sorted(counts.items()) if k != "connected"
         )
-    parts: list[Any] = [Panel(summary, title="cleave", border_style="blue"), devices]
+    parts: list[Any] = [Panel(summary, title="cleave", border_style="blue")]
+    if status.get("tier"):
+        parts.append(tier_table(status["tier"]))
+    parts.append(devices)
     if status.get("leaderboard"):
         board = Table(title="leaderboard: verified work by device", expand=True)
         board.add_column("#", justify="right")
@@ -222,6 +225,44 @@ def dashboard(status: dict[str, Any]) -> Group:
             board.add_row(str(rank), who, f"{row.get('gflop', 0):,.2f}", f"{row.get('tiles', 0):,}")
         parts.append(board)
     return Group(*parts)
+
+
+_HEALTH_STYLE = {"alive": "green", "self": "bold green", "silent": "yellow", "lost": "bold red"}
+
+
+def tier_table(tier: dict[str, Any]) -> Table:
+    """A rank's view of its tier (``status["tier"]``): a row per rank, this one marked."""
+    table = Table(title=f"tier: rank {tier['rank']} of {tier['world']} (this one marked *)", expand=True)
+    for col, justify in [
+        ("rank", "right"),
+        ("health", "left"),
+        ("state", "left"),
+        ("step", "right"),
+        ("devices", "right"),
+        ("tiles/s", "right"),
+        ("pool GFLOP/s", "right"),
+        ("URL", "left"),
+    ]:
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in tier.get("ranks", []):
+        health = r.get("health", "")
+        if health in ("silent", "lost"):
+            health += f" {r.get('silent_s', 0):.0f} s"
+        figures = (
+            [
+                Text(str(r.get("state", ""))),
+                f"{r['step']:,}",
+                f"{r['devices']:,}",
+                f"{r['tiles_per_s']:,.1f}",
+                f"{r['gflops']:,.1f}",
+                Text(str(r.get("url", ""))),
+            ]
+            if "step" in r
+            else [Text(r.get("note") or "no status yet", style="red" if r.get("note") else "dim"), "", "", "", "", ""]
+        )
+        marker = "*" if r.get("rank") == tier.get("rank") else ""
+        table.add_row(f"{marker}{r.get('rank')}", Text(health, style=_HEALTH_STYLE.get(r.get("health"), "")), *figures)
+    return table
 
 
 _STATE_STYLE = {

@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 from torch import nn
 
+from coordinator.engine import report
 from coordinator.engine.books import Books
 from coordinator.engine.core import Core, Departure
 from coordinator.engine.identity import STRONG_TOKEN, new_token
@@ -38,7 +39,7 @@ from coordinator.net.remote import RemoteEngine
 from coordinator.net.server import Server, listen
 from coordinator.planning.costmodel import MAX_PS_GFLOPS
 from coordinator.planning.tiles import TilingPolicy
-from coordinator.tier.group import TIER_TIMEOUT, Tier, TierRefused, job_digest, join_tier
+from coordinator.tier.group import HEARTBEAT, TIER_TIMEOUT, RankSummary, Tier, TierRefused, job_digest, join_tier
 from coordinator.training import checkpoint, models
 from coordinator.training.checkpoint import Resume
 from coordinator.training.data import load_corpus
@@ -330,6 +331,7 @@ async def serve_job(
     metrics: _Metrics | None = None
     plan: _Plan | None = None
     joined: asyncio.Future[Tier] | None = None  # the tier, once met (a job of several ranks)
+    summaries: list[asyncio.Future[None]] = []  # keeping this rank's summary fresh for the tier
     results: list[StepResult] = []
     try:
         plan = _plan(cfg, store, reporter, clock())
@@ -468,6 +470,7 @@ async def serve_job(
                 port = ws_server.sockets[0].getsockname()[1] if ws_server.sockets else cfg.port
                 scheme = "wss" if tls else "ws"
                 url = f"{scheme}://{cfg.host}:{port}"
+                public = _public_url(scheme, cfg.host, port)
                 reporter.listening(
                     Listening(
                         url,
@@ -487,6 +490,10 @@ async def serve_job(
 
                 async def built() -> Trainer:  # a rank's trainer needs its place in the tier
                     tier = None if joined is None else await joined
+                    if tier is not None:  # the whole tier in status, the dashboard and /metrics
+                        summaries.append(asyncio.ensure_future(_summarise(tier, core, server, public)))
+                        server.tier_view = tier.view
+                        server.metrics.rank = tier.rank
                     return await asyncio.to_thread(build, tier)
 
                 building = asyncio.ensure_future(built())
@@ -528,6 +535,8 @@ async def serve_job(
                 await server.close_observers("job finished")
             finally:
                 ticker.cancel()
+                for task in summaries:
+                    task.cancel()
                 server.stop_verifying()  # before the store closes: a late verdict writes to it
     except BaseException:
         if plan is not None:
@@ -544,6 +553,23 @@ async def serve_job(
                 joined.cancel()
         store.close()
     return JobOutcome(results, final, url, plan.resume.step if plan.resume else None)
+
+
+async def _summarise(tier: Tier, core: Core, server: Server, url: str) -> None:
+    """Keep this rank's summary fresh for the tier (read by its heartbeat thread, which must not
+    touch the engine or the store): on the loop, once a heartbeat."""
+    seq, checked, since = 0, server.checked, time.monotonic()
+    latest: list[RankSummary] = []
+    tier.summary = lambda: latest[-1] if latest else None
+    while True:
+        devices, gflops = report.pool(core)
+        now = time.monotonic()
+        rate = (server.checked - checked) / max(now - since, 1e-9)  # results verified a second
+        checked, since, seq = server.checked, now, seq + 1
+        p = core.progress
+        summary = RankSummary(seq, p.step, p.state.value, devices, round(min(rate, 1e9), 1), round(gflops, 2), url)
+        latest[:] = [summary]
+        await asyncio.sleep(HEARTBEAT)
 
 
 async def _join(options: TierOptions, train: TrainConfig, plan: _Plan, reporter: Reporter) -> Tier:

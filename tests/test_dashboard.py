@@ -309,3 +309,69 @@ def test_a_finished_job_stays_on_the_page_and_the_page_fits_a_phone(tmp_path: Pa
         assert "elapsed" in page["timing"] and "left" not in page["timing"], page
         assert len(page["devices"]) == 2 and all("phone-" in row and " #" in row for row in page["devices"]), page
     assert seen["phone"]["box"] <= 420  # the devices table scrolls in its own box
+
+
+TIER_STATUS = {
+    "job": {"name": "tiered", "state": "training", "step": 5, "steps": 20, "loss": 3.2},
+    "tiles": {},
+    "device_counts": {"connected": 3},
+    "leaderboard": [],
+    "tier": {
+        "rank": 1,
+        "world": 3,
+        "ranks": [
+            {"rank": 0, "health": "alive", "silent_s": 0.3, "step": 5, "state": "training", "devices": 4,
+             "tiles_per_s": 12.5, "gflops": 250.0, "url": "wss://rank0.example.org:8765"},
+            {"rank": 1, "health": "self", "silent_s": 0.0, "step": 5, "state": "training", "devices": 3,
+             "tiles_per_s": 9.0, "gflops": 180.0, "url": "ws://10.0.0.2:8765"},
+            {"rank": 2, "health": "silent", "silent_s": 4.0,
+             "note": "its published status failed the tier's seal: not believed"},
+        ],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.drill
+@pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (.ci/run installs it)")
+def test_a_rank_of_a_tier_shows_every_rank_with_a_link_to_its_page(tmp_path: Path) -> None:
+    """The page of rank 1 of 3 (the real Dashboard and page over HTTP, a status with a tier):
+    its header says which rank it is, the tier's table has a row per rank with its figures and a
+    link to that rank's own page (https for wss), and a rank whose status is not believed says
+    why, with no figures."""
+    import http.server
+    import threading
+
+    board = Dashboard(lambda: TIER_STATUS, lambda token: False)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+            path = "/" if self.path.startswith("/?") else self.path
+            status, ctype, body, headers = board.respond(path, self.headers.get("Authorization"))
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    page = _Page(f"http://127.0.0.1:{httpd.server_address[1]}/", 1100, 900, tmp_path / "profile")
+    try:
+        page.wait_for("document.getElementById('tier-section')?.hidden === false", "the tier")
+        assert page.js("document.getElementById('job-rank').textContent") == "rank 1 of 3"
+        cells = "[...document.querySelectorAll('#tier tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
+        rows = page.js(cells)
+        assert [r[0] for r in rows] == ["0", "* 1", "2"]
+        assert rows[0][1:7] == ["alive", "training", "5", "4", "12.5", "250.0"]
+        assert "failed the tier's seal" in rows[2][2] and rows[2][3] == "-"
+        links = page.js("[...document.querySelectorAll('#tier a')].map(a => a.href)")
+        assert links[:2] == ["https://rank0.example.org:8765/", "http://10.0.0.2:8765/"]
+        assert page.js("document.querySelectorAll('#tier a')[2].hasAttribute('href')") is False  # no URL: no link
+    finally:
+        page.close()
+        httpd.shutdown()
+        httpd.server_close()

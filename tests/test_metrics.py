@@ -132,3 +132,20 @@ def test_scrapes_in_a_loop_render_at_most_once_a_second() -> None:
     now[0] += 1.0
     m.render()
     assert len(calls) == 2
+
+
+def test_a_rank_of_a_tier_labels_every_series_with_its_rank() -> None:
+    """Before it has joined a tier a coordinator's series have no rank label; once it is rank 1,
+    every series of a scrape (the books, the step histogram, the operator's per-device ones) has
+    rank="1", so one Prometheus scraping every rank keeps them apart."""
+    devices = [{"label": "laptop #3", "tiles_done": 5, "gflops": 2.0, "slots": 2, "last_seen": 1.0}]
+    m = metrics_mod.Metrics(lambda: {"job": {"state": "training", "step": 2}}, devices=lambda: devices)
+    m.step(0.5)
+    plain = [s for f in text_string_to_metric_families(m.render(operator=True)[2].decode()) for s in f.samples]
+    assert plain and not any("rank" in s.labels for s in plain)
+    m.rank = 1
+    m.step(0.25)  # (a new step: the cached scrape is dropped)
+    ranked = [s for f in text_string_to_metric_families(m.render(operator=True)[2].decode()) for s in f.samples]
+    assert {s.name for s in ranked} == {s.name for s in plain}
+    assert all(s.labels.get("rank") == "1" for s in ranked), [s for s in ranked if s.labels.get("rank") != "1"]
+    assert any(s.name == "cleave_device_tiles_total" and s.labels["device"] == "laptop #3" for s in ranked)

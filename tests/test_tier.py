@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import queue
 import signal
@@ -14,11 +15,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from procs import Coordinator, join
+from procs import OPERATOR, Coordinator, cleave_cmd, join, run_all, wait_until
 
-from coordinator.tier.group import RankLost, TierRefused, job_digest, join_tier
+from coordinator.tier.group import MAX_STATUS_BYTES, RankLost, RankSummary, Tier, TierRefused, job_digest, join_tier
 from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.training.parallel import DataParallel, ShardedAdamW, partition
+from coordinator.wire import auth
 
 SECRET = "tier-secret-for-tests"
 CTX = multiprocessing.get_context("spawn")
@@ -79,6 +81,7 @@ def _tier(world: int, options: dict, secrets: list[str] | None = None) -> dict:
 
 
 OPTIONS = {"steps": 4, "batch_size": 6, "seq_len": 32}
+TIER_WAIT = 10  # the drill's --tier-timeout: long enough for a look at the stalled tier
 
 
 @pytest.mark.parametrize("world", [3])  # 3: gloo's own all-reduce would not be the rank-order sum here
@@ -215,6 +218,73 @@ def test_the_sharded_step_in_small_buckets_is_one_process_summing_the_ranks_in_o
             assert torch.equal(p.detach(), torch.from_numpy(q)), r
 
 
+def _summary(seq: int, step: int = 3, url: str = "ws://10.0.0.2:8765") -> RankSummary:
+    return RankSummary(seq, step, "training", 4, 12.5, 250.0, url)
+
+
+def test_each_rank_sees_the_whole_tier_and_believes_only_sealed_fresh_summaries() -> None:
+    """Two ranks' views through a real TCPStore: each sees both rows with figures and health; a
+    stranger at the port who writes a summary without the secret, an oversized or malformed one,
+    or an old genuine one again (a replay), changes nothing anyone believes; a rank that stops
+    beating turns silent, then lost."""
+    import torch.distributed as dist
+
+    port = _port()
+    now = [100.0]
+    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    ranks = [
+        Tier(r, 2, store, timeout=10.0, clock=lambda: now[0], secret=SECRET.encode())
+        for r, store in enumerate((master, client))
+    ]
+    summaries = [_summary(1, url="ws://10.0.0.1:8765"), _summary(1)]
+    for r, tier in enumerate(ranks):
+        tier.summary = lambda r=r: summaries[r]
+        tier.store.add(f"alive/{r}", 1)
+    for tier, store in [*zip(ranks, (master, client))] * 2:  # rank 0 reads rank 1's on its second look
+        tier.exchange(store)
+    view = ranks[0].view()
+    assert view["rank"] == 0 and view["world"] == 2
+    mine, other = view["ranks"]
+    assert mine["health"] == "self" and other["health"] == "alive"
+    assert other["url"] == "ws://10.0.0.2:8765" and other["devices"] == 4 and other["gflops"] == 250.0
+    # A stranger at the port overwrites rank 1's summary without the secret.
+    forged = _summary(9, step=999).to_json()
+    client.set("status/1", auth.tier_status_mac(b"guessed", 1, forged) + forged)
+    ranks[0].exchange(master)
+    row = ranks[0].view()["ranks"][1]
+    assert "step" not in row and "failed the tier's seal" in row["note"]
+    # Rank 0's genuine summary passed off as rank 1's: sealed for another rank, not believed.
+    genuine = _summary(5, step=7).to_json()
+    client.set("status/1", auth.tier_status_mac(SECRET.encode(), 0, genuine) + genuine)
+    ranks[0].exchange(master)
+    assert "failed the tier's seal" in ranks[0].view()["ranks"][1]["note"]
+    # Malformed (a field out of bounds) and oversized, even when sealed: not believed either.
+    for payload in (
+        json.dumps({**json.loads(_summary(6).to_json()), "devices": -1}).encode(),
+        b" " * (MAX_STATUS_BYTES + 1),
+    ):
+        client.set("status/1", auth.tier_status_mac(SECRET.encode(), 1, payload) + payload)
+        ranks[0].exchange(master)
+        assert "not believed" in ranks[0].view()["ranks"][1]["note"]
+    # Fresh (seq 8), then an older genuine summary replayed (seq 2): the fresh one stands.
+    for seq in (8, 2):
+        fresh = _summary(seq, step=seq).to_json()
+        client.set("status/1", auth.tier_status_mac(SECRET.encode(), 1, fresh) + fresh)
+        ranks[0].exchange(master)
+    assert ranks[0].view()["ranks"][1]["step"] == 8
+    # Rank 1 stops beating: silent after a few heartbeats, lost after the tier's timeout.
+    now[0] += 5
+    ranks[0].exchange(master)
+    assert ranks[0].view()["ranks"][1]["health"] == "silent"
+    now[0] += 10
+    ranks[0].exchange(master)
+    assert ranks[0].view()["ranks"][1]["health"] == "lost"
+    master.add("alive/1", 1)
+    ranks[0].exchange(master)
+    assert ranks[0].view()["ranks"][1]["health"] == "alive"
+
+
 def test_join_tier_refuses_bad_options_in_one_line() -> None:
     from coordinator.wire.errors import ConfigError
 
@@ -225,6 +295,14 @@ def test_join_tier_refuses_bad_options_in_one_line() -> None:
     with pytest.raises(ConfigError, match="needs its secret"):
         join_tier("tcp://127.0.0.1:1", 0, 2, "", bytes(32))
     assert RankLost(3, "x").rank == 3 and issubclass(TierRefused, ConfigError)
+
+
+def _rows_seen(coord: Coordinator, seen: list[list[dict]]) -> list[dict]:
+    """The tier's rows in ``coord``'s ``cleave status --json`` (kept in ``seen``)."""
+    (done,) = run_all(cleave_cmd("status", "--url", coord.url, "--token", OPERATOR, "--json"))
+    rows = json.loads(done.stdout).get("tier", {}).get("ranks", []) if done.returncode == 0 else []
+    seen.append(rows)
+    return rows
 
 
 def _ranks(tmp: Path, world: int, port: int, *args: str, steps: int, batch: int) -> list[Coordinator]:
@@ -250,14 +328,27 @@ def test_ranks_with_uneven_pools_train_exactly_and_a_killed_rank_stops_them_unti
     databases resume from the step they all hold and finish: every rank logged the same global
     loss each step, plain torch's for the whole batch (1e-5), and tiles reached every client."""
     pools, steps, batch = (2, 1, 1), 8, 6
-    args = ("--min-devices", "1", "--checkpoint-every", "2", "--tier-timeout", "6")
+    args = ("--min-devices", "1", "--checkpoint-every", "2", "--tier-timeout", str(TIER_WAIT))
     ranks = _ranks(tmp_path, 3, _port(), *args, steps=steps, batch=batch)
     clients = [join(coord.url, f"r{r}-c{i}") for r, coord in enumerate(ranks) for i in range(pools[r])]
     ranks[2].wait_for_step(3)
     ranks[2].proc.send_signal(signal.SIGKILL)
     started = time.monotonic()
+    # Any rank shows the whole tier: while the others wait for rank 2 at the barrier, rank 1's
+    # status has a row per rank (its pool, step and URL), and rank 2's heartbeat has stopped.
+    seen: list[list[dict]] = []
+
+    def stalled() -> bool:
+        rows = _rows_seen(ranks[1], seen)
+        return len(rows) == 3 and rows[2]["health"] != "alive" and [r.get("devices") for r in rows[:2]] == [2, 1]
+
+    wait_until(stalled, timeout=TIER_WAIT, what="rank 1's view of the tier")
+    rows = seen[-1]
+    assert [r["health"] for r in rows[:2]] == ["alive", "self"] and rows[2]["health"] in ("silent", "lost")
+    assert all(r["url"] == ranks[r["rank"]].url and 0 <= r["step"] <= steps for r in rows), rows
+    assert all(r["gflops"] > 0 for r in rows[:2]), rows  # (rank 2's last summary may predate its client)
     assert [ranks[r].wait() for r in (0, 1)] == [1, 1], [c.output for c in ranks]
-    assert time.monotonic() - started < 30  # the tier timeout (6 s) and the barrier's look
+    assert time.monotonic() - started < 30  # the tier timeout and the barrier's look
     assert all("rank 2 of the tier was lost" in ranks[r].output for r in (0, 1))
     assert all(f"tier: rank {r} of 3, every rank proven" in coord.output for r, coord in enumerate(ranks))
     for c in clients:

@@ -119,6 +119,14 @@ class Dashboard:
             ],
             "losses": self.curve.points,
         }
+        tier = s.get("tier")
+        if tier is not None:  # a rank of a tier: every rank's row (its URL is public: volunteers join it)
+            keys = ("rank", "health", "step", "state", "devices", "tiles_per_s", "gflops", "url", "note")
+            out["tier"] = {
+                "rank": tier["rank"],
+                "world": tier["world"],
+                "ranks": [{k: r[k] for k in keys if k in r} for r in tier["ranks"]],
+            }
         if operator:
             out["lost_reasons"] = s.get("lost_reasons") or {}
             out["devices"] = [

@@ -11,6 +11,9 @@ Anyone who reaches the port sees the job-wide series. A scrape with the operator
 (the name and number ``cleave status`` shows): at most ``Limits.status_rows`` devices (100),
 connected ones first, so a fleet of any size adds a bounded number of series.
 
+On a tier of coordinators (``--world-size``), every series of a rank carries ``rank="R"``, so
+one Prometheus scraping every rank keeps them apart.
+
 Needs ``prometheus-client`` (``pip install 'cleave[metrics]'``); without it ``/metrics`` answers
 404 with a one-line hint, and training is unaffected.
 """
@@ -157,9 +160,28 @@ class _Devices:
         yield from (tiles, rate, work, up, seen)
 
 
+class _Ranked:
+    """Another registry's series, each with this coordinator's ``rank`` label once it has one."""
+
+    def __init__(self, inner: Any, rank: Callable[[], int | None]) -> None:
+        self.inner = inner
+        self.rank = rank
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        rank = self.rank()
+        for family in self.inner.collect():
+            if rank is not None:
+                family.samples = [s._replace(labels={**s.labels, "rank": str(rank)}) for s in family.samples]
+            yield family
+
+
 class Metrics:
     """The coordinator's registries: the books collector and the step-time histogram for every
-    scrape, the per-device collector for the operator's."""
+    scrape, the per-device collector for the operator's. ``rank``: set once this coordinator is a
+    rank of a tier; every series then carries it."""
 
     def __init__(
         self,
@@ -170,18 +192,23 @@ class Metrics:
         """``status``: the job's books (``report.books``); ``devices``: the status document's
         device rows (``report.status``, bounded by ``Limits.status_rows``)."""
         self.clock = clock
+        self.rank: int | None = None
         self._cached: dict[bool, tuple[float, bytes]] = {}
         self.registry = None
         if not available():
             return
         disable_created_metrics()  # a histogram's _created series would read as a stray gauge
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Books(status))
-        self.devices = CollectorRegistry(auto_describe=False)
-        self.devices.register(_Devices(devices))
+        books = CollectorRegistry(auto_describe=False)
+        books.register(_Books(status))
         self.step_seconds = Histogram(
-            "cleave_step_seconds", "Wall seconds of each training step.", buckets=STEP_BUCKETS, registry=self.registry
+            "cleave_step_seconds", "Wall seconds of each training step.", buckets=STEP_BUCKETS, registry=books
         )
+        per_device = CollectorRegistry(auto_describe=False)
+        per_device.register(_Devices(devices))
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Ranked(books, lambda: self.rank))
+        self.devices = CollectorRegistry(auto_describe=False)
+        self.devices.register(_Ranked(per_device, lambda: self.rank))
 
     def step(self, seconds: float) -> None:
         if self.registry is not None:

@@ -145,6 +145,8 @@ class Server:
         self.traffic = Traffic()
         self.metrics = Metrics(self._books, clock, devices=lambda: self.status()["devices"])
         self.dashboard = Dashboard(self.status, core.is_operator, clock)
+        # A rank of a tier: the whole tier as this rank sees it (tier/group.py; set by the job).
+        self.tier_view: Callable[[], dict[str, Any]] | None = None
         self.counter = ConnectionCounter(self.limits)  # fed by the listening socket (listen())
         self._observing: set[ServerConnection] = set()  # cleave status and link tests, connected
         self.refused = 0  # connections refused at a cap after the upgrade
@@ -404,6 +406,8 @@ class Server:
             "refused": self.refused + self.counter.refused,
             "mb_queued": round(self.outbound_bytes / 1e6, 2),
         }
+        if self.tier_view is not None:
+            snapshot["tier"] = self.tier_view()
         return snapshot
 
     async def _write(self, conn: _Conn, device_id: int) -> None:

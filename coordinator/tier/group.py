@@ -13,6 +13,14 @@ stranger from ever counting as a rank (the tier refuses to start); it cannot kee
 disturbing the rendezvous, which is why the port belongs on a private network
 (docs/security.md).
 
+The tier's view: every ``STATUS_EVERY`` seconds the same thread publishes this rank's summary
+(its step, devices, tiles a second, its pool's measured GFLOP/s, its URL) under ``status/<rank>``
+in the store, sealed with an HMAC under the tier's secret (``wire/auth.tier_status_mac``), and
+reads the others'. ``Tier.view()`` is what ``cleave status``, the dashboard and ``/metrics`` show
+of the whole tier: a row per rank, with its health from its heartbeats. A summary whose seal fails
+(written by a stranger at the port), that is too big or malformed, or older than one already
+seen, is not believed: the rank's row then says so and carries no figures.
+
 Liveness: every rank bumps a counter in the store every ``HEARTBEAT`` seconds from a thread of
 its own. Before each step's collectives a rank waits at the step's barrier until every rank has
 arrived; while it waits it watches the counters, and a rank whose counter has not moved for
@@ -23,14 +31,18 @@ with it: the others then name rank 0.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import Enum
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -42,6 +54,9 @@ from coordinator.wire.errors import ConfigError, JobAborted
 
 TIER_TIMEOUT = 60.0  # seconds without a heartbeat before a rank counts as lost (--tier-timeout)
 HEARTBEAT = 1.0  # seconds between a rank's heartbeats
+STATUS_EVERY = 2  # heartbeats between two publications of a rank's summary
+MAX_STATUS_BYTES = 2048  # a published summary's JSON, at most (a bigger one is not read)
+MAX_URL = 256
 POLL = 0.02  # seconds between looks at a barrier
 NONCE_BYTES = 32
 MAX_WORLD = 1024
@@ -59,6 +74,57 @@ class TierRefused(ConfigError):
     """A rank could not prove it holds the tier's secret, or was started for another job."""
 
 
+class Health(str, Enum):
+    """A rank as the others see it, from its heartbeats."""
+
+    ALIVE = "alive"  # beating
+    SILENT = "silent"  # no heartbeat for a few seconds (slow, or on its way to lost)
+    LOST = "lost"  # no heartbeat for the tier's timeout: the others stop at their next step
+    SELF = "self"  # this rank
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one rank publishes of itself (``Tier.publish``), checked field by field on reading."""
+
+    seq: int  # publications so far: a summary older than one seen is a replay
+    step: int
+    state: str
+    devices: int
+    tiles_per_s: float
+    gflops: float  # its connected devices' measured GEMM rates, summed: its pool's strength
+    url: str
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RankSummary:
+        """Raises ValueError on anything but a well-formed summary within bounds."""
+        if len(data) > MAX_STATUS_BYTES:
+            raise ValueError("too big")
+        raw = json.loads(data)
+        if not isinstance(raw, dict) or set(raw) != {f.name for f in dataclasses.fields(cls)}:
+            raise ValueError("not a summary")
+        ints = {"seq": 2**53, "step": 10**9, "devices": 10**7}
+        floats = {"tiles_per_s": 1e9, "gflops": 1e12}
+        for key, top in ints.items():
+            v = raw[key]
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+                raise ValueError(f"bad {key}")
+        for key, top in floats.items():
+            v = raw[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 0 <= v <= top):
+                raise ValueError(f"bad {key}")
+        for key, limit in (("state", 32), ("url", MAX_URL)):
+            v = raw[key]
+            if not isinstance(v, str) or len(v) > limit or not v.isprintable():
+                raise ValueError(f"bad {key}")
+        if raw["url"] and not raw["url"].startswith(("ws://", "wss://")):
+            raise ValueError("bad url")
+        return cls(**raw)
+
+
 @dataclass
 class Tier:
     """This process's membership of a tier, once proven."""
@@ -68,9 +134,17 @@ class Tier:
     store: dist.Store
     timeout: float = TIER_TIMEOUT
     clock: Callable[[], float] = time.monotonic
+    secret: bytes = b""
+    # This rank's summary now (set by the job; read by the heartbeat thread, so it must not touch
+    # the store or the engine: the job refreshes a snapshot on its loop).
+    summary: Callable[[], RankSummary | None] | None = None
     _beats: dist.Store | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _rows: list[dict[str, Any]] = field(default_factory=list)
+    _seen: dict[int, RankSummary] = field(default_factory=dict)  # the newest believed summary of each rank
+    _moved: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (beat count, when it last moved)
 
     @property
     def parallel(self) -> DataParallel:
@@ -80,10 +154,18 @@ class Tier:
     def start_heartbeat(self, beats: dist.Store) -> None:
         self._beats = beats
 
+        # Every rank reads every rank's summary: O(world^2) store reads a round over the tier, so
+        # a big tier exchanges less often (every 2 s up to 64 ranks, every 32 s at 1,024).
+        every = max(STATUS_EVERY, math.ceil(self.world / 32))
+
         def beat() -> None:
+            n = 0
             while not self._stop.wait(HEARTBEAT):
                 try:
                     beats.add(f"alive/{self.rank}", 1)
+                    n += 1
+                    if n % every == 0:
+                        self.exchange(beats)
                 except Exception:  # the store (rank 0) is gone: the barrier will say so
                     return
 
@@ -121,6 +203,73 @@ class Tier:
                 arrived = int(self.store.add(key, 0))
             except Exception as exc:
                 raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
+
+    # ------------------------------------------------------------------ the tier's view
+
+    def publish(self, store: dist.Store, summary: RankSummary) -> None:
+        """Seal and publish this rank's summary (the heartbeat thread's store client)."""
+        payload = summary.to_json()
+        store.set(f"status/{self.rank}", auth.tier_status_mac(self.secret, self.rank, payload) + payload)
+
+    def exchange(self, store: dist.Store) -> None:
+        """Publish this rank's summary, read every rank's and their heartbeats: the view."""
+        if self.summary is not None:
+            mine = self.summary()
+            if mine is not None:
+                self.publish(store, mine)
+        now = self.clock()
+        rows = []
+        for r in range(self.world):
+            count = int(store.add(f"alive/{r}", 0))
+            last, since = self._moved.get(r, (count, now))
+            if count != last:
+                since = now
+            self._moved[r] = (count, since)
+            quiet = now - since
+            health = (
+                Health.SELF
+                if r == self.rank
+                else Health.LOST
+                if quiet > self.timeout
+                else Health.SILENT
+                if quiet > 3 * HEARTBEAT
+                else Health.ALIVE
+            )
+            row: dict[str, Any] = {"rank": r, "health": health.value, "silent_s": round(quiet, 1)}
+            summary, note = self._read(store, r)
+            if summary is not None:
+                row.update(dataclasses.asdict(summary))
+                del row["seq"]
+            elif note:
+                row["note"] = note
+            rows.append(row)
+        with self._lock:
+            self._rows = rows
+
+    def _read(self, store: dist.Store, r: int) -> tuple[RankSummary | None, str | None]:
+        """Rank ``r``'s newest believable summary, or why none is."""
+        key = f"status/{r}"
+        if not store.check([key]):
+            return self._seen.get(r), None
+        data = store.get(key)
+        mac, payload = data[:32], data[32:]
+        if len(data) > 32 + MAX_STATUS_BYTES or not auth.tier_status_ok(self.secret, r, payload, mac):
+            return None, "its published status failed the tier's seal: not believed"
+        try:
+            summary = RankSummary.from_json(payload)
+        except ValueError as exc:
+            return None, f"its published status is malformed ({exc}): not believed"
+        seen = self._seen.get(r)
+        if seen is not None and summary.seq < seen.seq:  # an old one again: a replay
+            return seen, None
+        self._seen[r] = summary
+        return summary, None
+
+    def view(self) -> dict[str, Any]:
+        """The whole tier as this rank last saw it (no I/O: the heartbeat thread refreshes it)."""
+        with self._lock:
+            rows = [dict(row) for row in self._rows]
+        return {"rank": self.rank, "world": self.world, "ranks": rows}
 
     def close(self) -> None:
         self._stop.set()
@@ -179,7 +328,7 @@ def join_tier(
         dist.init_process_group("gloo", store=group, rank=rank, world_size=world, timeout=wait)
     except (RuntimeError, TimeoutError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
         raise JobAborted(f"could not form the tier at {rendezvous} as rank {rank} of {world}: {exc}") from None
-    tier = Tier(rank, world, prefixed, timeout)
+    tier = Tier(rank, world, prefixed, timeout, secret=secret.encode())
     try:
         _prove(tier, secret.encode(), job, random_bytes)
     except BaseException:

@@ -91,3 +91,18 @@ def rank_proof_ok(secret: bytes, rank: int, world: int, job: bytes, nonces: byte
     return len(answer) == hashlib.sha256().digest_size and hmac.compare_digest(
         rank_proof(secret, rank, world, job, nonces), answer
     )
+
+
+_TIER_STATUS = "cleave-tier-status-v1|{rank}|"
+
+
+def tier_status_mac(secret: bytes, rank: int, payload: bytes) -> bytes:
+    """A rank's seal on the status it publishes to the others (through the rendezvous store,
+    which anyone reaching its port can write): an HMAC under the tier's secret over its rank and
+    the payload, so a stranger can neither forge a rank's figures nor pass one rank's as another's."""
+    return hmac.new(secret, _TIER_STATUS.format(rank=rank).encode() + payload, hashlib.sha256).digest()
+
+
+def tier_status_ok(secret: bytes, rank: int, payload: bytes, mac: bytes) -> bool:
+    """Constant-time check of a published status's seal."""
+    return len(mac) == hashlib.sha256().digest_size and hmac.compare_digest(tier_status_mac(secret, rank, payload), mac)

@@ -142,8 +142,35 @@ function reliability(d) {  // never "100.0%" once a tile failed: rounding must n
   return `${fmt(failed && share >= 99.95 ? 99.9 : share, 1)}%`;
 }
 
+function dashboardLink(url) {  // a rank's websocket URL -> its dashboard's address, as a link
+  const a = document.createElement("a");
+  const match = /^(wss?):\/\/([^\s/]+)$/.exec(url || "");
+  if (!match) { a.textContent = "-"; return a; }
+  a.href = `${match[1] === "wss" ? "https" : "http"}://${match[2]}/`;
+  a.textContent = a.href;
+  a.rel = "noreferrer";
+  return a;
+}
+
+function drawTier(tier) {
+  $("tier-section").hidden = !tier;
+  $("job-rank").textContent = tier ? `rank ${tier.rank} of ${tier.world}` : "";
+  if (!tier) return;
+  const body = $("tier").querySelector("tbody");
+  body.replaceChildren(...(tier.ranks || []).map((r) => {
+    const tr = row([`${r.rank === tier.rank ? "* " : ""}${r.rank}`, r.health || "-",
+      r.step === undefined ? (r.note || "no status yet") : r.state, fmt(r.step, 0), fmt(r.devices, 0),
+      fmt(r.tiles_per_s, 1), fmt(r.gflops, 1)]);
+    const td = document.createElement("td");
+    td.appendChild(dashboardLink(r.url));
+    tr.appendChild(td);
+    return tr;
+  }));
+}
+
 function draw(s) {
   const job = s.job || {};
+  drawTier(s.tier);
   $("job-name").textContent = job.name || "";
   $("job-state").textContent = job.state || "";
   $("job-state").classList.toggle("finished", job.state === "finished");
