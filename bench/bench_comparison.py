@@ -131,6 +131,8 @@ def tier_grid(args: argparse.Namespace) -> list[dict]:
     for model, devices, (batch, seq), (coordinator, ranks) in itertools.product(
         args.tier_models.split(","), [int(c) for c in args.counts.split(",")], batches, setups
     ):
+        if batch % ranks:  # a tier cuts the batch into equal slices: 8 sequences do not make 16
+            continue
         r = tier_run(model, devices, batch, seq, coordinator, ranks, args)
         reports.append({"model": model, "devices": devices, "coordinator": coordinator, "ranks": ranks, **r})
         c, vs, vc = r["cleave"], r["speedup"]["vs_dtfm"], r["speedup"]["vs_cloud"]
