@@ -44,7 +44,18 @@ from client.credentials import Credential as StoredCredential
 from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
-from client.session import Credited, Ended, Ending, Enrolled, ErrorReceived, HangUp, Session, TileQueued, Welcomed
+from client.session import (
+    Credited,
+    Ended,
+    Ending,
+    Enrolled,
+    ErrorReceived,
+    HangUp,
+    Redirected,
+    Session,
+    TileQueued,
+    Welcomed,
+)
 from client.state import WorkerState
 from coordinator.wire.codes import CloseCode
 from coordinator.wire.errors import Banned, ClientError, Refused
@@ -71,6 +82,7 @@ CHALLENGE_TIMEOUT = 10.0  # seconds for the coordinator's first frame
 # Seconds a computed result may wait for the next tile's, to go out in one frame with it: far
 # below any deadline, and a tile slower than this sends its result at once.
 RESULT_HOLD = 0.02
+MAX_REDIRECTS = 4  # redirects followed in a row without a welcome (ranks of one tier: one is enough)
 
 
 VERSION = package_version()  # hello.client_version
@@ -222,6 +234,11 @@ class Worker:
             self._tls = client_tls(cfg.url, cfg.cafile)
         except URLRefused as exc:
             raise Refused(str(exc)) from None
+        # Where it connects now: the configured URL, or the rank of a tier a redirect sent it to
+        # (with the ticket it enrols there with, until that rank welcomes it).
+        self.url = cfg.url
+        self._ticket = ""
+        self._redirects = 0  # redirects followed since the last welcome
 
     def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self._custom_compute is not None:
@@ -297,7 +314,7 @@ class Worker:
                 self._set(WorkerState.CONNECTING)
                 try:
                     async with connect(
-                        self.cfg.url,
+                        self.url,
                         compression=None,
                         max_size=MAX_FRAME,
                         open_timeout=10,
@@ -329,6 +346,8 @@ class Worker:
                     outcome = "job finished; waiting for the next one"
                 if self._stopping:
                     break
+                if outcome == Ending.REDIRECTED:  # another rank of the tier: go there now
+                    continue
                 wait = delay * random.uniform(0.8, 1.2)
                 self._set(WorkerState.RECONNECTING, f"{outcome}; retrying in {wait:.1f} s")
                 try:
@@ -367,7 +386,7 @@ class Worker:
         if self.cfg.new_identity and not self._enrolled:
             return None
         try:
-            return self._credentials.get(coordinator, self.cfg.name, self.cfg.url)
+            return self._credentials.get(coordinator, self.cfg.name, self.url)
         except CredentialError as exc:
             raise Refused(str(exc)) from None
 
@@ -392,6 +411,7 @@ class Worker:
             self._hello(),
             now=self._clock(),
             token=self.cfg.token,
+            ticket=self._ticket,
             credential=self._stored_credential,
             credentials_file=str(self._credentials.path),
             paused="" if self._allowed else (self.stats.reason or "paused by its owner"),  # still paused from before
@@ -410,6 +430,8 @@ class Worker:
         for event in session.receive_frame(first, self._clock()):
             if isinstance(event, Ended):
                 return event.outcome
+            if isinstance(event, Redirected):  # not a first message: ignored by the session
+                return self._follow(event)
         await self._flush(ws, session)  # the hello
         work = asyncio.Event()  # set when tiles are queued
         # Paced results wait for their upload here, so the next tile computes meanwhile.
@@ -433,6 +455,7 @@ class Worker:
                     elif isinstance(event, Enrolled):
                         self._store_credential(event)
                     elif isinstance(event, Welcomed):
+                        self._ticket, self._redirects = "", 0  # spent: it has a credential here now
                         self.stats.device_id, self.stats.job = event.device_id, event.job
                         self.stats.identity = event.identity
                         pulse.cancel()  # the interval changed: the next beat is one new interval away
@@ -443,6 +466,8 @@ class Worker:
                             self._set(WorkerState.PAUSED, reason=self.stats.reason)
                     elif isinstance(event, Ended):
                         return event.outcome
+                    elif isinstance(event, Redirected):
+                        return self._follow(event)
                     elif isinstance(event, ErrorReceived):
                         if event.rejected:
                             self.stats.rejected += 1
@@ -458,11 +483,31 @@ class Worker:
             return Ending.STOPPED
         return session.closed(ws.close_code, ws.close_reason or "")
 
+    def _follow(self, event: Redirected) -> str:
+        """A rank of the tier sent this newcomer to another rank: connect there next, with the
+        ticket. Refused (the client stops, saying why) for a URL it would not take from its user,
+        for a step down from wss:// to ws://, and after ``MAX_REDIRECTS`` without a welcome (ranks
+        sending it round in circles)."""
+        self._redirects += 1
+        if self._redirects > MAX_REDIRECTS:
+            raise Refused(f"redirected {MAX_REDIRECTS} times without being welcomed (last to {event.url})")
+        try:
+            check_url(event.url, insecure=self.cfg.insecure)
+            if self.url.startswith("wss://") and not event.url.startswith("wss://"):
+                raise URLRefused(f"refusing a redirect from wss:// to {event.url}: it would drop TLS")
+            tls = client_tls(event.url, self.cfg.cafile)
+        except URLRefused as exc:
+            raise Refused(f"the coordinator redirected this device to rank {event.rank}: {exc}") from None
+        log.info("redirected to rank %d at %s: %s", event.rank, event.url, event.reason)
+        self.url, self._tls, self._ticket = event.url, tls, event.ticket
+        self._set(self.stats.state, reason=f"redirected to rank {event.rank}: {event.reason}")
+        return Ending.REDIRECTED
+
     def _store_credential(self, event: Enrolled) -> None:
         self._enrolled = True
         try:
             self._credentials.put(
-                event.coordinator, self.cfg.name, StoredCredential(event.identity, event.secret, self.cfg.url)
+                event.coordinator, self.cfg.name, StoredCredential(event.identity, event.secret, self.url)
             )
         except CredentialError as exc:  # the session works; the next one enrols again
             log.warning("%s; this device will enrol again next time", exc)

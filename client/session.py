@@ -49,6 +49,7 @@ from coordinator.wire.messages import (
     Hello,
     Message,
     Pause,
+    Redirect,
     Release,
     Result,
     ResultBatch,
@@ -126,6 +127,7 @@ class Ending(Name):
 
     FINISHED = "finished"  # the job is complete
     STOPPED = "stopped"  # the owner stopped the client
+    REDIRECTED = "redirected"  # sent to another rank of a tier: connect there at once
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,18 @@ class HangUp:
     silent: float
 
 
-Event = Welcomed | TileQueued | Credited | Enrolled | ErrorReceived | Ended | HangUp
+@dataclass(frozen=True)
+class Redirected:
+    """The coordinator (a rank of a tier) sent this newcomer to another rank: connect to ``url``
+    and enrol there with ``ticket``. The session is over."""
+
+    url: str
+    rank: int
+    ticket: str
+    reason: str
+
+
+Event = Welcomed | TileQueued | Credited | Enrolled | ErrorReceived | Ended | HangUp | Redirected
 
 
 @dataclass(frozen=True)
@@ -188,6 +201,7 @@ class Session:
         *,
         now: float,
         token: str = "",
+        ticket: str = "",
         credential: CredentialLookup = lambda coordinator: None,
         credentials_file: str = "",
         paused: str = "",
@@ -197,6 +211,8 @@ class Session:
     ) -> None:
         self._hello = hello
         self._token = token
+        self._ticket = ticket  # from a redirect: enrols here instead of the join token
+        self.welcomed = False
         self._credential = credential
         self._credentials_file = credentials_file
         self._place = place
@@ -276,7 +292,14 @@ class Session:
             return [Credited(self._credit_before + msg.session_gflop, msg.total_gflop)]
         elif isinstance(msg, Credential):
             return [Enrolled(self.coordinator, msg.identity, bytes.fromhex(msg.secret))]
+        elif isinstance(msg, Redirect):
+            if self.welcomed:  # a redirect answers a hello, never a session under way
+                log.error("coordinator sent a redirect after its welcome; ignored")
+                return []
+            self.ended = Ending.REDIRECTED
+            return [Redirected(msg.url, msg.rank, msg.ticket, msg.reason)]
         elif isinstance(msg, Welcome):
+            self.welcomed = True
             self.interval = min(max(msg.heartbeat, MIN_HEARTBEAT), MAX_HEARTBEAT)
             self._next_beat = now + self.interval
             return [Welcomed(msg.device_id, msg.identity, msg.job, self.interval)]
@@ -367,7 +390,11 @@ class Session:
     def closed(self, code: int | None, reason: str) -> str:
         """The connection closed with ``code`` and ``reason``: why, for the owner, before a
         reconnect. Raises ``Refused`` or ``Banned`` when reconnecting cannot help."""
+        if code == CloseCode.REDIRECTED:
+            return Ending.REDIRECTED
         if code == CloseCode.AUTH:
+            if self.enrolling and self._ticket:
+                raise Refused(f"the coordinator refused the redirect's ticket ({reason})")
             if self.enrolling:
                 raise Refused(f"the coordinator refused the join token ({reason})")
             # Never dropped silently: a server that refuses it may not be the one that issued it.
@@ -404,6 +431,9 @@ class Session:
         if credential is not None:
             answer = auth.proof(credential.secret, credential.identity, bytes.fromhex(challenge.nonce))
             return replace(hello, identity=credential.identity, proof=answer.hex())
+        if self._ticket:  # sent here by another rank: its ticket, never the other rank's token
+            self.enrolling = True
+            return replace(hello, ticket=self._ticket)
         if not self._token:
             where = f" in {self._credentials_file}" if self._credentials_file else ""
             raise Refused(

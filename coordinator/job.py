@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 from torch import nn
 
-from coordinator.engine import report
+from coordinator.engine.balance import Balancer, Pool
 from coordinator.engine.books import Books
 from coordinator.engine.core import Core, Departure
 from coordinator.engine.identity import STRONG_TOKEN, new_token
@@ -557,12 +557,16 @@ async def serve_job(
 
 async def _summarise(tier: Tier, core: Core, server: Server, url: str) -> None:
     """Keep this rank's summary fresh for the tier (read by its heartbeat thread, which must not
-    touch the engine or the store): on the loop, once a heartbeat."""
+    touch the engine or the store), and the balancer's view of the other ranks' pools: on the
+    loop, once a heartbeat."""
     seq, checked, since = 0, server.checked, time.monotonic()
     latest: list[RankSummary] = []
     tier.summary = lambda: latest[-1] if latest else None
+    balancer = Balancer(tier.rank, tier.secret)
+    core.join_tier(balancer)  # newcomers go where the tier needs them; tickets admit
     while True:
-        devices, gflops = report.pool(core)
+        balancer.update(Pool(r, s.url, s.gflops, s.seq) for r, s in tier.summaries().items())
+        devices, gflops = core.pool()
         now = time.monotonic()
         rate = (server.checked - checked) / max(now - since, 1e-9)  # results verified a second
         checked, since, seq = server.checked, now, seq + 1

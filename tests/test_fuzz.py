@@ -59,6 +59,7 @@ from coordinator.wire.messages import (
     Hello,
     Leave,
     Pause,
+    Redirect,
     Release,
     Result,
     ResultBatch,
@@ -100,6 +101,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     WorkBatch,
     ResultBatch,
     StatusReply,
+    Redirect,
     Finished,
     Error,
 )

@@ -364,3 +364,31 @@ def test_ranks_with_uneven_pools_train_exactly_and_a_killed_rank_stops_them_unti
     for r, coord in enumerate(again):
         done = dict(coord.query("SELECT name, tiles_done FROM devices"))
         assert len(done) == pools[r] and all(n > 0 for n in done.values()), done  # tiles were shipped
+
+
+@pytest.mark.drill
+def test_volunteers_given_one_ranks_url_fill_the_weaker_pool_and_compute_there(tmp_path: Path) -> None:
+    """Two ranks; every volunteer is given rank 0's URL and join token. The first stays at rank 0
+    (no pool is weaker than its empty one). Once rank 0 sees rank 1's pool empty beside its own,
+    the second is redirected: it enrols at rank 1 on its ticket (never at rank 0) and computes
+    tiles there, and rank 1 starts training with it."""
+    ranks = _ranks(tmp_path, 2, _port(), "--min-devices", "1", "--checkpoint-every", "0", steps=200, batch=4)
+    first = join(ranks[0].url, "first")
+    seen: list[list[dict]] = []
+    try:
+        wait_until(
+            lambda: [r.get("devices") for r in _rows_seen(ranks[0], seen)] == [1, 0] and seen[-1][0]["gflops"] > 0,
+            what="rank 0's view of both pools",
+        )
+    except AssertionError:
+        raise AssertionError(f"rank 0's view: {seen[-3:]}") from None
+    second = join(ranks[0].url, "second")
+
+    def computed_at_rank_1() -> bool:
+        rows = ranks[1].query("SELECT tiles_done FROM devices WHERE name = 'second'")
+        return bool(rows) and rows[0][0] > 0
+
+    wait_until(computed_at_rank_1, what="the second volunteer's tiles at rank 1")
+    assert ranks[0].query("SELECT name FROM identities") == [("first",)]  # nothing of it at rank 0
+    assert ranks[0].query("SELECT name FROM devices") == [("first",)]
+    assert first.proc.poll() is None and second.proc.poll() is None

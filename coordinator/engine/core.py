@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from coordinator.engine.balance import Balancer, Redirecting
 from coordinator.engine.blocks import BlockRef, Sources, block_ref
 from coordinator.engine.books import Books
 from coordinator.engine.conduct import Conduct, Pace
@@ -203,6 +204,8 @@ class Core:
         self.peak_in_flight = 0
         self.peak_waited = 0
         self.finished = False
+        # A rank of a tier: where newcomers go (engine/balance.py; set with ``join_tier``).
+        self.balancer: Balancer | None = None
         self.verify_seconds = 0.0
         # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
         self.verify_worst_honest: dict[str, float] = {}
@@ -233,7 +236,15 @@ class Core:
 
     def connect(self, hello: Hello, nonce: str, now: float) -> tuple[int, list[Outbound]]:
         """Admit a device that answered ``nonce`` with ``hello``. Raises AuthError (the server
-        closes with its code): wrong token or credential, banned, revoked, cooling off, in use."""
+        closes with its code): wrong token or credential, banned, revoked, cooling off, in use.
+        On a rank of a tier, a newcomer with the join token may instead be sent to a rank whose
+        pool is weaker: ``Redirecting`` (engine/balance.py), before it enrols here."""
+        if self.balancer is not None and not hello.identity and not hello.ticket and not self.finished:
+            self.gate.check_join(hello.token)
+            rate = DeviceProfile(hello.gflops, PRIOR_MEMORY).profile(self.dtype).flops_per_s(self.dtype) / 1e9
+            redirect = self.balancer.place(self.pool()[1], rate, self.wall(now))
+            if redirect is not None:
+                raise Redirecting(redirect)
         admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
         if admission.identity in self._by_identity:
             raise AuthError(CloseCode.IN_USE, "this identity is already connected")
@@ -929,6 +940,17 @@ class Core:
                 self._fleet_changed()
         self._measured.clear()
         return self.planner.plan(m, n, k, kind, self.dtype, self.fleet_profiles, self._fleet_version)
+
+    def join_tier(self, balancer: Balancer) -> None:
+        """This coordinator is a rank of a tier: newcomers may be redirected, and tickets admit."""
+        self.balancer = balancer
+        self.gate.tickets = balancer
+
+    def pool(self) -> tuple[int, float]:
+        """The devices that may take work now and their GEMM GFLOP/s as the cost model counts
+        them (measured, or a discounted claim until a device has returned work). O(devices)."""
+        profiles = self.fleet_profiles()
+        return len(profiles), sum(p.flops_per_s(self.dtype) for p in profiles.values()) / 1e9
 
     def fleet_profiles(self, dtype: str | None = None) -> dict[int, Profile]:
         """What the cost model knows of each device that may take work now (O(devices)), in

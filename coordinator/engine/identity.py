@@ -12,6 +12,7 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from coordinator.engine.balance import Balancer
 from coordinator.engine.conduct import Standing
 from coordinator.engine.limits import TokenBucket, TrustPolicy
 from coordinator.wire import auth
@@ -63,6 +64,8 @@ class Gate:
         self.coordinator = coordinator
         self._join: bytes | None = None
         self._operator: bytes | None = None
+        # A rank of a tier: the balancer that checks and spends redirect tickets (engine/balance.py).
+        self.tickets: Balancer | None = None
         self.reload()
 
     # ------------------------------------------------------------------ tokens
@@ -109,14 +112,23 @@ class Gate:
         """Check a device's hello against the nonce it was sent. Raises AuthError."""
         if hello.identity:
             return self._returning(hello, nonce)
-        if not auth.token_matches(hello.token, self._join):
-            raise AuthError(CloseCode.AUTH, "wrong join token")
+        if hello.ticket:  # another rank of the tier sent it here: its ticket stands for the token
+            if self.tickets is None:
+                raise AuthError(CloseCode.AUTH, "redirect ticket refused (this coordinator is not a rank of a tier)")
+            self.tickets.admit(hello.ticket, record_now)
+        else:
+            self.check_join(hello.token)
         if not self._enrolments.take(now):
             raise AuthError(CloseCode.BUSY, "too many new devices at once; try again shortly")
         secret = self.randbytes(auth.SECRET_BYTES)
         name = hello.name or "device"
         identity = self.store.enrol(name, auth.stored_key(secret), record_now)
         return Admission(identity, name, secret)
+
+    def check_join(self, token: str) -> None:
+        """Raise AuthError unless ``token`` is the join token."""
+        if not auth.token_matches(token, self._join):
+            raise AuthError(CloseCode.AUTH, "wrong join token")
 
     def _returning(self, hello: Hello, nonce: str) -> Admission:
         row = self.store.identity(hello.identity)

@@ -144,11 +144,3 @@ def books(core: Core) -> dict[str, Any]:
         "gemms_in_flight": len(core.gemms),
         "device_counts": {"connected": len(core.devices), **core.store.device_states(core.job_id)},
     }
-
-
-def pool(core: Core) -> tuple[int, float]:
-    """This coordinator's pool now: the devices that may take work, and their GEMM GFLOP/s as the
-    cost model counts them (measured, or a discounted claim until a device has returned work).
-    O(devices): profiles are cached per observation."""
-    profiles = core.fleet_profiles()
-    return len(profiles), sum(p.flops_per_s(core.dtype) for p in profiles.values()) / 1e9

@@ -42,6 +42,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from coordinator.engine import report
+from coordinator.engine.balance import Redirecting
 from coordinator.engine.core import TICK, Core, Departure
 from coordinator.engine.devices import DeviceState
 from coordinator.engine.gemms import Check, Product, run_checks
@@ -231,6 +232,14 @@ class Server:
         except AuthError as exc:  # never log what the peer presented: it may be someone's secret
             log.warning("refused a device from %s: %s", ws.remote_address, exc.reason)
             await _refuse(ws, exc.code, _reason(exc.reason))
+            return
+        except Redirecting as exc:  # a rank of a tier: another rank needs devices more
+            log.info("sent a newcomer from %s to rank %d", ws.remote_address, exc.message.rank)
+            try:
+                await asyncio.wait_for(ws.send(encode(exc.message)), REFUSE_GRACE)
+            except (ConnectionClosed, TimeoutError, asyncio.TimeoutError):
+                return
+            await _refuse(ws, CloseCode.REDIRECTED, f"redirected to rank {exc.message.rank}")
             return
         self._authenticated(ws)
         conn = _Conn(ws)

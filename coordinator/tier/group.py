@@ -262,8 +262,15 @@ class Tier:
         seen = self._seen.get(r)
         if seen is not None and summary.seq < seen.seq:  # an old one again: a replay
             return seen, None
-        self._seen[r] = summary
+        with self._lock:
+            self._seen[r] = summary
         return summary, None
+
+    def summaries(self) -> dict[int, RankSummary]:
+        """The newest believed summary of every other rank that is alive now (the balancer's)."""
+        with self._lock:
+            alive = {row["rank"] for row in self._rows if row["health"] == Health.ALIVE.value}
+            return {r: s for r, s in self._seen.items() if r in alive}
 
     def view(self) -> dict[str, Any]:
         """The whole tier as this rank last saw it (no I/O: the heartbeat thread refreshes it)."""

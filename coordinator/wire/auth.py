@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 from collections.abc import Callable
 
 SECRET_BYTES = 32
@@ -106,3 +107,31 @@ def tier_status_mac(secret: bytes, rank: int, payload: bytes) -> bytes:
 def tier_status_ok(secret: bytes, rank: int, payload: bytes, mac: bytes) -> bool:
     """Constant-time check of a published status's seal."""
     return len(mac) == hashlib.sha256().digest_size and hmac.compare_digest(tier_status_mac(secret, rank, payload), mac)
+
+
+_TICKET = b"cleave-redirect-v1|"
+TICKET = struct.Struct("<IQ16s")  # the rank it is for, when it expires (Unix seconds), a nonce
+TICKET_BYTES = TICKET.size + hashlib.sha256().digest_size  # 60: hex, the 120 digits of hello.ticket
+
+
+def redirect_ticket(secret: bytes, rank: int, expires: int, nonce: bytes) -> bytes:
+    """What a rank of a tier gives a newcomer it redirects: the right to enrol once at rank
+    ``rank`` before ``expires``, sealed under the tier's secret (only ranks can make one)."""
+    body = TICKET.pack(rank, expires, nonce)
+    return body + hmac.new(secret, _TICKET + body, hashlib.sha256).digest()
+
+
+def open_ticket(secret: bytes, rank: int, ticket: bytes, now: float) -> bytes:
+    """The nonce of a ticket good for rank ``rank`` at ``now`` (Unix seconds); ValueError with
+    the reason when it is not (forged, for another rank, expired). The caller makes it single-use."""
+    if len(ticket) != TICKET_BYTES:
+        raise ValueError("not a ticket")
+    body, seal = ticket[: TICKET.size], ticket[TICKET.size :]
+    if not hmac.compare_digest(hmac.new(secret, _TICKET + body, hashlib.sha256).digest(), seal):
+        raise ValueError("not sealed by a rank of this tier")
+    to, expires, nonce = TICKET.unpack(body)
+    if to != rank:
+        raise ValueError(f"made for rank {to}")
+    if now > expires:
+        raise ValueError("expired")
+    return nonce

@@ -36,6 +36,7 @@ class CloseCode(IntEnum):
     STALLING = 4010  # its leases kept expiring: cut, may come back after a cool-off
     SLOW_READER = 4011  # it stopped reading its frames
     IDLE = 4012  # an observer sent no request for a while (1000 to an observer means the job is over)
+    REDIRECTED = 4013  # after a redirect: connect to the rank it names
     RATE_LIMITED = 4029  # it sent more requests than its allowance
 
 

@@ -42,6 +42,7 @@ from coordinator.wire.messages import (
     Heartbeat,
     Hello,
     Message,
+    Redirect,
     Release,
     Result,
     ResultBatch,
@@ -221,6 +222,17 @@ def examples() -> dict[str, Message]:
         "cancel": Cancel(tile_ids=(11,), reason="another copy was verified first"),
         "error": Error(code=Code.NOT_LEASED, message="tile 12 is not leased to you; result ignored"),
         "heartbeat": Heartbeat(sent_at=1767225600.5),
+        # A newcomer at a rank of a tier whose pool is strong: sent to rank 1 with a ticket, which
+        # it presents there instead of the join token (the ticket is opaque to the device).
+        "redirect": Redirect(
+            url="wss://rank1.example.org:8765",
+            rank=1,
+            ticket=auth.redirect_ticket(b"the tier's secret", 1, 1767225900, bytes(range(16))).hex(),
+            reason="rank 1's pool (120 GFLOP/s) needs devices more",
+        ),
+        "hello-ticket": Hello(  # type: ignore[arg-type]
+            ticket=auth.redirect_ticket(b"the tier's secret", 1, 1767225900, bytes(range(16))).hex(), **_COMMON
+        ),
     }
 
 

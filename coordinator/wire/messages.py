@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 from coordinator.wire.codes import Code, Name, ReleaseWhy
 from coordinator.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 5  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
-# 5: work_batch, result_batch and hello.batch (many tiles under one header)
+PROTOCOL_VERSION = 6  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
+# 5: work_batch, result_batch and hello.batch (many tiles under one header); 6: redirect and
+# hello.ticket (a tier's rank sends a newcomer to the rank that needs devices most)
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
@@ -68,6 +69,9 @@ DEFAULT_HEARTBEAT = 2.0  # seconds between heartbeats, until a welcome says othe
 MAX_PLATFORM = 128  # characters of a hello's platform description
 MAX_CORES = 1 << 16
 MAX_BYTES = 1 << 50  # the largest memory or block budget a hello may state
+MAX_URL = 256  # characters of a coordinator's URL in a redirect
+TICKET_HEX = 120  # a redirect's ticket: 60 bytes, hex (coordinator/wire/auth.py)
+MAX_RANK = 1023  # a tier has at most 1,024 ranks
 
 # Wire names of the tensor dtypes a tile may use, in the order of ``tensor_dtypes``.
 DTYPE_NAMES = ("f32", "f16", "bf16", "u8")
@@ -201,6 +205,8 @@ class Hello:
     # The most tiles it takes in one work_batch frame (and may answer in one result_batch); 1:
     # one work frame per tile (a client from before batches, or one that wants none).
     batch: int = _int(1, lo=1, hi=MAX_BATCH)
+    # Enrolment on a redirect: the ticket another rank of the tier gave it, instead of the token.
+    ticket: str = _text("", max_len=TICKET_HEX, text="hex")
 
 
 @dataclass(frozen=True)
@@ -397,6 +403,20 @@ class StatusReply:
 
 
 @dataclass(frozen=True)
+class Redirect:
+    """Coordinator -> device, instead of a welcome: this job runs on a tier of coordinators and
+    another rank needs devices more. Connect to ``url`` (rank ``rank``) and enrol there with
+    ``ticket`` instead of the join token; the coordinator then closes with 4013. A ticket is good
+    for one enrolment, at that rank, for a few minutes (coordinator/wire/auth.py)."""
+
+    TYPE: ClassVar[str] = "redirect"
+    url: str = _text(max_len=MAX_URL, text="name")
+    rank: int = _int(hi=MAX_RANK)
+    ticket: str = _text(max_len=TICKET_HEX, text="hex")
+    reason: str = _text("")
+
+
+@dataclass(frozen=True)
 class Finished:
     """Coordinator -> device: the job is over; a client started with --once exits."""
 
@@ -432,6 +452,7 @@ Message = (
     | WorkBatch
     | ResultBatch
     | StatusReply
+    | Redirect
     | Finished
     | Error
 )
@@ -451,6 +472,7 @@ _PLAIN: dict[str, type] = {
         Credit,
         Welcome,
         StatusReply,
+        Redirect,
         Finished,
         Error,
     )

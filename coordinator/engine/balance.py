@@ -1,0 +1,119 @@
+"""Which rank of a tier a newcomer should serve: the tier's pools kept even by measured rate.
+
+A job on a tier of coordinators trains equal slices of every batch on each rank, so the tier
+goes at the pace of its weakest pool. Volunteers may all be given one rank's URL; that rank
+sends a newcomer on (``Redirect``, with a ticket) to the rank whose pool is weakest, when that
+pool is clearly weaker than its own: ``SLACK`` below it, as the ranks' published summaries say
+(their ``gflops``: the devices' rates as each rank's cost model counts them, measured once a
+device has returned work). The rank that gets it admits it once on its ticket (sealed under the
+tier's secret, for that rank, for ``TICKET_TTL`` seconds, single-use).
+
+Only newcomers move: a device that already has an identity on this rank keeps it (its record,
+credit and trust are here), and one that came with a ticket stays where it was sent. The other
+ranks' pools are a heartbeat or two old; this rank counts the devices it sent each rank since
+that rank's last summary, so a burst of newcomers is spread rather than all sent to one rank.
+
+Pure: no clock (``now`` is passed in), no I/O; randomness is injected.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.errors import AuthError
+from coordinator.wire.messages import Redirect
+
+SLACK = 0.1  # another pool must be this much weaker than ours (a share of ours) to send a newcomer there
+TICKET_TTL = 300  # seconds a ticket is good for (the ranks' clocks may disagree by a little)
+MAX_TICKETS = 100_000  # tickets remembered as used, at most (each until it expires): ~10 MB
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Another rank as its last believed summary describes it."""
+
+    rank: int
+    url: str
+    gflops: float  # its devices' GEMM rate as its cost model counts them
+    seq: int  # the summary's number: what this rank sent it since is counted until a newer one
+
+
+class Redirecting(Exception):  # noqa: N818 -- a decision, not an error: the server sends it and closes
+    """``Core.connect``'s answer for a newcomer that should serve another rank."""
+
+    def __init__(self, message: Redirect) -> None:
+        super().__init__(f"redirected to rank {message.rank}")
+        self.message = message
+
+
+class Balancer:
+    """This rank's side of keeping the tier's pools even (module doc)."""
+
+    def __init__(
+        self,
+        rank: int,
+        secret: bytes,
+        *,
+        slack: float = SLACK,
+        ttl: int = TICKET_TTL,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.rank = rank
+        self.secret = secret
+        self.slack = slack
+        self.ttl = ttl
+        self.random_bytes = random_bytes
+        self.pools: dict[int, Pool] = {}
+        self._sent: dict[int, tuple[int, float]] = {}  # rank -> (its summary's seq, GFLOP/s sent it since)
+        self._used: OrderedDict[bytes, float] = OrderedDict()  # ticket nonce -> when it expires
+        self.redirected = 0  # newcomers sent elsewhere
+        self.admitted = 0  # newcomers admitted on a ticket
+
+    def update(self, pools: Iterable[Pool]) -> None:
+        """The other ranks' pools, from the tier's view (alive ranks with a believed summary)."""
+        self.pools = {p.rank: p for p in pools if p.rank != self.rank and p.url}
+        for rank, (seq, _) in list(self._sent.items()):
+            pool = self.pools.get(rank)
+            if pool is None or pool.seq != seq:  # a newer summary counts what was sent: start again
+                del self._sent[rank]
+
+    def place(self, mine: float, device: float, now: float) -> Redirect | None:
+        """Where a newcomer of ``device`` GFLOP/s should go, this rank's pool being ``mine``:
+        ``None`` to stay, else the redirect to send it (a fresh ticket). O(ranks)."""
+        if not math.isfinite(device) or device < 0:
+            return None
+        weakest = min(self.pools.values(), key=lambda p: (self._with_sent(p), p.rank), default=None)
+        if weakest is None or self._with_sent(weakest) >= mine * (1 - self.slack):
+            return None
+        seq, sent = self._sent.get(weakest.rank, (weakest.seq, 0.0))
+        self._sent[weakest.rank] = (seq, sent + device)
+        self.redirected += 1
+        ticket = auth.redirect_ticket(self.secret, weakest.rank, int(now) + self.ttl, self.random_bytes(16))
+        why = f"rank {weakest.rank}'s pool ({self._with_sent(weakest) - device:.0f} GFLOP/s) needs devices more"
+        return Redirect(weakest.url, weakest.rank, ticket.hex(), why)
+
+    def _with_sent(self, pool: Pool) -> float:
+        seq, sent = self._sent.get(pool.rank, (pool.seq, 0.0))
+        return pool.gflops + (sent if seq == pool.seq else 0.0)
+
+    def admit(self, ticket: str, now: float) -> None:
+        """Check a newcomer's ticket for this rank and spend it. Raises ``AuthError`` (4001): one
+        reason for the log, one message for the peer."""
+        try:
+            nonce = auth.open_ticket(self.secret, self.rank, bytes.fromhex(ticket), now)
+        except ValueError as exc:
+            raise AuthError(CloseCode.AUTH, f"redirect ticket refused ({exc})") from None
+        while self._used and next(iter(self._used.values())) < now:  # expired ones cannot come back
+            self._used.popitem(last=False)
+        if nonce in self._used:
+            raise AuthError(CloseCode.AUTH, "redirect ticket refused (already used)")
+        if len(self._used) >= MAX_TICKETS:
+            raise AuthError(CloseCode.BUSY, "too many newcomers on tickets at once; try again shortly")
+        self._used[nonce] = now + self.ttl  # (its own expiry is no later: the ticket's TTL is the same)
+        self.admitted += 1

@@ -1,0 +1,155 @@
+"""A tier's pools kept even: redirect tickets (wire/auth.py), the balancer's placement rule and its
+single-use tickets (engine/balance.py), the client session's side, and the Core admitting and
+redirecting newcomers on a real store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client.session import Ending, Redirected, Session
+from coordinator.engine.balance import TICKET_TTL, Balancer, Pool, Redirecting
+from coordinator.engine.core import Core
+from coordinator.engine.outbound import Send
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.errors import AuthError
+from coordinator.wire.messages import Challenge, Credential, Hello, Redirect, Welcome
+from db.memory import MemoryStore
+
+SECRET = b"the tier's secret"
+NOW = 1_767_225_600.0
+
+
+def test_a_ticket_opens_only_at_its_rank_before_it_expires_and_only_with_the_tiers_seal() -> None:
+    ticket = auth.redirect_ticket(SECRET, 2, int(NOW) + 300, bytes(16))
+    assert len(ticket) == auth.TICKET_BYTES == 60
+    assert auth.open_ticket(SECRET, 2, ticket, NOW) == bytes(16)
+    for secret, rank, data, now, why in [
+        (b"another tier", 2, ticket, NOW, "not sealed"),
+        (SECRET, 1, ticket, NOW, "made for rank 2"),
+        (SECRET, 2, ticket, NOW + 301, "expired"),
+        (SECRET, 2, ticket[:-1], NOW, "not a ticket"),
+        (SECRET, 2, ticket[:5] + bytes([ticket[5] ^ 1]) + ticket[6:], NOW, "not sealed"),  # its expiry moved
+    ]:
+        with pytest.raises(ValueError, match=why):
+            auth.open_ticket(secret, rank, data, now)
+
+
+def _balancer(rank: int = 0) -> Balancer:
+    counter = iter(range(1000))
+    return Balancer(rank, SECRET, random_bytes=lambda n: next(counter).to_bytes(n, "little"))
+
+
+def test_a_newcomer_goes_to_the_weakest_pool_when_it_is_clearly_weaker_than_ours() -> None:
+    b = _balancer()
+    assert b.place(100.0, 10.0, NOW) is None  # no other rank known: stay
+    b.update([Pool(1, "ws://r1:1", 95.0, seq=1), Pool(2, "ws://r2:1", 60.0, seq=1), Pool(0, "ws://me:1", 1.0, 1)])
+    assert set(b.pools) == {1, 2}  # never itself
+    go = b.place(100.0, 10.0, NOW)
+    assert isinstance(go, Redirect) and go.rank == 2 and go.url == "ws://r2:1" and "needs devices more" in go.reason
+    assert auth.open_ticket(SECRET, 2, bytes.fromhex(go.ticket), NOW + TICKET_TTL) is not None
+    assert b.place(100.0, 10.0, NOW).rank == 2  # 70 counted (60 + the 10 sent): still the weakest
+    assert b.place(100.0, 10.0, NOW).rank == 2  # 80
+    assert b.place(100.0, 10.0, NOW) is None  # 90 >= 100 x 0.9 and 95 too: within the slack, stay
+    b.update([Pool(1, "ws://r1:1", 95.0, seq=1), Pool(2, "ws://r2:1", 60.0, seq=1)])  # the same summary
+    assert b.place(100.0, 10.0, NOW) is None  # what was sent still counts
+    b.update([Pool(1, "ws://r1:1", 95.0, seq=1), Pool(2, "ws://r2:1", 92.0, seq=2)])  # rank 2's new summary
+    assert b.place(100.0, 10.0, NOW) is None
+    assert b.place(200.0, 10.0, NOW).rank == 2  # our pool grew: 92 is clearly weaker again
+    assert b.redirected == 4
+
+
+def test_a_ticket_admits_once_at_its_rank() -> None:
+    sender, receiver = _balancer(0), _balancer(1)
+    sender.update([Pool(1, "ws://r1:1", 0.0, 1)])
+    ticket = sender.place(50.0, 5.0, NOW).ticket
+    receiver.admit(ticket, NOW + 1)
+    with pytest.raises(AuthError, match="already used") as spent:
+        receiver.admit(ticket, NOW + 2)
+    assert spent.value.code == CloseCode.AUTH
+    with pytest.raises(AuthError, match="made for rank 1"):
+        _balancer(2).admit(ticket, NOW + 1)
+    with pytest.raises(AuthError, match="expired"):
+        _balancer(1).admit(sender.place(50.0, 5.0, NOW).ticket, NOW + TICKET_TTL + 1)
+    with pytest.raises(AuthError, match="not sealed by a rank of this tier"):
+        receiver.admit("00" * 60, NOW)
+    with pytest.raises(AuthError, match="not a ticket"):
+        receiver.admit("00" * 59, NOW)
+    assert receiver.admitted == 1
+
+
+def _session(**kw: object) -> Session:
+    return Session(Hello(name="lap"), now=0.0, token="join", **kw)  # type: ignore[arg-type]
+
+
+def test_the_client_session_follows_a_redirect_only_in_answer_to_its_hello() -> None:
+    s = _session()
+    s.receive(Challenge(nonce="ab" * 32, coordinator="c0"), 0.0)
+    (hello,) = s.messages_to_send()
+    assert hello.token == "join" and not hello.ticket
+    ticket = "cd" * 60
+    (event,) = s.receive(Redirect("wss://r1:8765", 1, ticket, "rank 1 needs devices more"), 0.1)
+    assert event == Redirected("wss://r1:8765", 1, ticket, "rank 1 needs devices more")
+    assert s.ended == Ending.REDIRECTED and s.closed(CloseCode.REDIRECTED, "redirected to rank 1") == Ending.REDIRECTED
+    # At the new rank: the ticket, never the first rank's join token.
+    t = _session(ticket=ticket)
+    t.receive(Challenge(nonce="ab" * 32, coordinator="c1"), 0.0)
+    (hello,) = t.messages_to_send()
+    assert hello.ticket == ticket and hello.token == "" and t.enrolling
+    # After a welcome, a redirect is not taken.
+    t.receive(Welcome(3, 9, "job", 2), 0.1)
+    assert t.receive(Redirect("ws://127.0.0.1:1", 0, ticket), 0.2) == [] and t.ended is None
+
+
+def _core(token: str = "tok") -> Core:
+    store = MemoryStore()
+    return Core(
+        store, store.create_job("tier", {}, 10, 0.0), join_token=token, operator_token="op",
+        rng=np.random.default_rng(0), epoch=NOW,
+    )  # fmt: skip
+
+
+def _credential(out: list) -> Credential:
+    (cred,) = [o.message for o in out if isinstance(o, Send) and isinstance(o.message, Credential)]
+    return cred
+
+
+def test_a_rank_redirects_a_newcomer_before_enrolling_it_and_the_other_rank_admits_its_ticket_once() -> None:
+    """Rank 0 (one device) learns rank 1's pool is empty: a newcomer with the join token is sent
+    there with a ticket and leaves no identity behind; rank 1 (its own join token) admits it on
+    the ticket, once. A wrong join token is refused before any placement, a device with an
+    identity at rank 0 is never sent away, and a ticket means nothing to a coordinator that is
+    no rank of a tier."""
+    rank0, rank1 = _core(), _core(token="another-token")
+    rank0.join_tier(Balancer(0, SECRET))
+    rank1.join_tier(Balancer(1, SECRET))
+    first, out = rank0.connect(Hello(name="first", token="tok", gflops=50.0), rank0.gate.challenge().nonce, 1.0)
+    cred = _credential(out)
+    rank0.disconnect(first, 1.5, "left")
+    rank0.connect(Hello(name="second", token="tok", gflops=50.0), rank0.gate.challenge().nonce, 1.6)
+    rank0.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
+    with pytest.raises(AuthError, match="wrong join token"):
+        rank0.connect(Hello(name="x", token="nope"), rank0.gate.challenge().nonce, 2.0)
+    identities = len(rank0.store.identities())
+    with pytest.raises(Redirecting) as sent:
+        rank0.connect(Hello(name="newcomer", token="tok", gflops=50.0), rank0.gate.challenge().nonce, 2.0)
+    redirect = sent.value.message
+    assert redirect.rank == 1 and redirect.url == "ws://127.0.0.1:9"
+    assert len(rank0.store.identities()) == identities  # nothing enrolled for it here
+    assert "newcomer" not in [d.name for d in rank0.devices.values()]
+    _, out = rank1.connect(
+        Hello(name="newcomer", ticket=redirect.ticket, gflops=50.0), rank1.gate.challenge().nonce, 3.0
+    )
+    assert [d.name for d in rank1.devices.values()] == ["newcomer"] and _credential(out).identity
+    with pytest.raises(AuthError, match="already used"):
+        rank1.connect(Hello(name="again", ticket=redirect.ticket), rank1.gate.challenge().nonce, 4.0)
+    # A device with an identity here stays, however weak the other pool.
+    challenge = rank0.gate.challenge()
+    proof = auth.proof(bytes.fromhex(cred.secret), cred.identity, bytes.fromhex(challenge.nonce)).hex()
+    back, _ = rank0.connect(Hello(name="first", identity=cred.identity, proof=proof), challenge.nonce, 5.0)
+    assert rank0.devices[back].identity == cred.identity
+    # A coordinator that is no rank refuses tickets.
+    plain = _core()
+    with pytest.raises(AuthError, match="not a rank of a tier"):
+        plain.connect(Hello(name="t", ticket=redirect.ticket), plain.gate.challenge().nonce, 5.0)
