@@ -163,6 +163,14 @@ def start(
             "--tier-timeout", help="Seconds without a heartbeat before a rank counts as lost and the others stop."
         ),
     ] = TIER_TIMEOUT,
+    redirect: Annotated[
+        bool,
+        typer.Option(
+            "--redirect/--no-redirect",
+            help="On a tier: send a new volunteer to the rank whose pool is weakest (--no-redirect keeps every "
+            "newcomer here, for an operator who assigns volunteers to ranks).",
+        ),
+    ] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the URL, tokens and final result.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every device that joins or leaves.")] = False,
 ) -> None:
@@ -187,7 +195,7 @@ def start(
     if world_size is not None or rank is not None or rendezvous is not None:
         if rendezvous is None:
             raise ConfigError("a tier needs --rendezvous tcp://HOST:PORT (or env:// under torchrun)")
-        tier = TierOptions(rendezvous, rank, world_size, tier_secret or "", tier_timeout)
+        tier = TierOptions(rendezvous, rank, world_size, tier_secret or "", tier_timeout, redirect)
     cfg = CoordinatorConfig(
         tier=tier,
         train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision, micro_batches),

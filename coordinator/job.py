@@ -116,13 +116,15 @@ class CoordinatorConfig:
 
 @dataclass(frozen=True)
 class TierOptions:
-    """``--world-size``, ``--rank``, ``--rendezvous``, the tier's secret and ``--tier-timeout``."""
+    """``--world-size``, ``--rank``, ``--rendezvous``, the tier's secret, ``--tier-timeout`` and
+    ``--redirect``."""
 
     rendezvous: str
     rank: int | None
     world: int | None
     secret: str = field(repr=False)
     timeout: float = TIER_TIMEOUT
+    redirect: bool = True  # send newcomers to the rank whose pool is weakest (tickets are admitted either way)
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.timeout <= 3600:
@@ -491,7 +493,9 @@ async def serve_job(
                 async def built() -> Trainer:  # a rank's trainer needs its place in the tier
                     tier = None if joined is None else await joined
                     if tier is not None:  # the whole tier in status, the dashboard and /metrics
-                        summaries.append(asyncio.ensure_future(_summarise(tier, core, server, public)))
+                        summaries.append(
+                            asyncio.ensure_future(_summarise(tier, core, server, public, cfg.tier.redirect))
+                        )
                         server.tier_view = tier.view
                         server.metrics.rank = tier.rank
                     return await asyncio.to_thread(build, tier)
@@ -555,7 +559,7 @@ async def serve_job(
     return JobOutcome(results, final, url, plan.resume.step if plan.resume else None)
 
 
-async def _summarise(tier: Tier, core: Core, server: Server, url: str) -> None:
+async def _summarise(tier: Tier, core: Core, server: Server, url: str, redirect: bool = True) -> None:
     """Keep this rank's summary fresh for the tier (read by its heartbeat thread, which must not
     touch the engine or the store), and the balancer's view of the other ranks' pools: on the
     loop, once a heartbeat."""
@@ -563,7 +567,7 @@ async def _summarise(tier: Tier, core: Core, server: Server, url: str) -> None:
     latest: list[RankSummary] = []
     tier.summary = lambda: latest[-1] if latest else None
     balancer = Balancer(tier.rank, tier.secret)
-    core.join_tier(balancer)  # newcomers go where the tier needs them; tickets admit
+    core.join_tier(balancer, redirect=redirect)  # newcomers go where the tier needs them; tickets admit
     while True:
         balancer.update(Pool(r, s.url, s.gflops, s.seq) for r, s in tier.summaries().items())
         devices, gflops = core.pool()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from procs import OPERATOR, Coordinator, cleave_cmd, join, run_all, wait_until
+from procs import OPERATOR, Coordinator, join, wait_until
 
 from coordinator.tier.group import MAX_STATUS_BYTES, RankLost, RankSummary, Tier, TierRefused, job_digest, join_tier
 from coordinator.training.loop import TrainConfig, Trainer
@@ -298,9 +298,21 @@ def test_join_tier_refuses_bad_options_in_one_line() -> None:
 
 
 def _rows_seen(coord: Coordinator, seen: list[list[dict]]) -> list[dict]:
-    """The tier's rows in ``coord``'s ``cleave status --json`` (kept in ``seen``)."""
-    (done,) = run_all(cleave_cmd("status", "--url", coord.url, "--token", OPERATOR, "--json"))
-    rows = json.loads(done.stdout).get("tier", {}).get("ranks", []) if done.returncode == 0 else []
+    """The tier's rows in ``coord``'s status snapshot, asked as ``cleave status`` asks (kept in
+    ``seen``; none once it is gone). In this process: a new process a look is too slow here."""
+    from websockets.exceptions import WebSocketException
+    from websockets.sync.client import connect
+
+    from coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
+
+    try:
+        with connect(coord.url, compression=None, max_size=None, open_timeout=10, proxy=None) as ws:
+            ws.recv(timeout=10)  # the challenge
+            ws.send(encode(StatusRequest(token=OPERATOR)))
+            reply = decode(ws.recv(timeout=10))
+    except (OSError, TimeoutError, WebSocketException):
+        reply = None
+    rows = reply.status.get("tier", {}).get("ranks", []) if isinstance(reply, StatusReply) else []
     seen.append(rows)
     return rows
 
@@ -328,7 +340,8 @@ def test_ranks_with_uneven_pools_train_exactly_and_a_killed_rank_stops_them_unti
     databases resume from the step they all hold and finish: every rank logged the same global
     loss each step, plain torch's for the whole batch (1e-5), and tiles reached every client."""
     pools, steps, batch = (2, 1, 1), 8, 6
-    args = ("--min-devices", "1", "--checkpoint-every", "2", "--tier-timeout", str(TIER_WAIT))
+    # --no-redirect: each client stays at the rank it is given (the pools are this test's).
+    args = ("--min-devices", "1", "--checkpoint-every", "2", "--tier-timeout", str(TIER_WAIT), "--no-redirect")
     ranks = _ranks(tmp_path, 3, _port(), *args, steps=steps, batch=batch)
     clients = [join(coord.url, f"r{r}-c{i}") for r, coord in enumerate(ranks) for i in range(pools[r])]
     ranks[2].wait_for_step(3)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode
-from coordinator.wire.errors import AuthError
+from coordinator.wire.errors import AuthError, CleaveError
 from coordinator.wire.messages import Redirect
 
 SLACK = 0.1  # another pool must be this much weaker than ours (a share of ours) to send a newcomer there
@@ -44,7 +44,7 @@ class Pool:
     seq: int  # the summary's number: what this rank sent it since is counted until a newer one
 
 
-class Redirecting(Exception):  # noqa: N818 -- a decision, not an error: the server sends it and closes
+class Redirecting(CleaveError):  # noqa: N818 -- a decision, not an error: the server sends it and closes
     """``Core.connect``'s answer for a newcomer that should serve another rank."""
 
     def __init__(self, message: Redirect) -> None:

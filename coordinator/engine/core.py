@@ -941,9 +941,10 @@ class Core:
         self._measured.clear()
         return self.planner.plan(m, n, k, kind, self.dtype, self.fleet_profiles, self._fleet_version)
 
-    def join_tier(self, balancer: Balancer) -> None:
-        """This coordinator is a rank of a tier: newcomers may be redirected, and tickets admit."""
-        self.balancer = balancer
+    def join_tier(self, balancer: Balancer, *, redirect: bool = True) -> None:
+        """This coordinator is a rank of a tier: tickets from the other ranks admit newcomers, and
+        (``redirect``) newcomers with the join token may be sent to a weaker rank."""
+        self.balancer = balancer if redirect else None
         self.gate.tickets = balancer
 
     def pool(self) -> tuple[int, float]:
