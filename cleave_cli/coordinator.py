@@ -37,6 +37,15 @@ def setup_logging(console: Console, verbose: bool) -> None:
 def start(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 to accept other machines).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one (printed).")] = 8765,
+    public_url: Annotated[
+        str | None,
+        typer.Option(
+            "--public-url",
+            help="The address volunteers reach this coordinator at, when it is not --host:--port (a proxy, "
+            "NAT, the name on its certificate): printed in the join command, and where a tier's other ranks "
+            "send newcomers.",
+        ),
+    ] = None,
     db: Annotated[Path, typer.Option(help="SQLite file holding the job, devices and tile history.")] = Path(
         "cleave.db"
     ),
@@ -201,6 +210,7 @@ def start(
         train=opt.train_config(model, steps, batch_size, seq_len, lr, seed, data, precision, micro_batches),
         device=device,
         host=host,
+        public_url=public_url,
         port=port,
         db=str(db),
         token=token,

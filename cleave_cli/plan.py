@@ -114,7 +114,7 @@ def ps_other_seconds(
         raise CostModelError(f"the parameter server cannot compute in {dtype}")
     attention = ATTENTION_PASSES * model.attention_flops(batch, seq) / rate
     per_param = ADAMW_BYTES + (ITEMSIZE[dtype] if dtype != DType.FP32.value else 0)
-    return attention, tier.optimizer_share(model.params) * per_param / ps.optimizer_bw
+    return attention, tier.optimizer_share(model.parameter_sizes()) * per_param / ps.optimizer_bw
 
 
 def _finite(value: float) -> float | None:
@@ -226,7 +226,8 @@ def build_report(
     fleet = rank_fleet(whole, tier)
     global_batch, batch = batch, tier.slice(batch)
     attention, optimizer = ps_other_seconds(model, batch, seq, dtype, ps, tier)
-    collectives = tier.reduce_seconds(model.params, ps.memory_bw) + tier.gather_seconds(model.params)
+    sizes = model.parameter_sizes()
+    collectives = tier.reduce_seconds(sizes, ps.memory_bw) + tier.gather_seconds(sizes)
     where = f"{total:,} devices" if tier.ranks == 1 else f"one of {tier.ranks} coordinators' share of {total:,} devices"
     progress(f"planning {model.name} on {where} ...")
     step = plan_step(

@@ -239,6 +239,7 @@ class Worker:
         self.url = cfg.url
         self._ticket = ""
         self._redirects = 0  # redirects followed since the last welcome
+        self._welcomed_here = False  # a coordinator at ``url`` has welcomed this device
 
     def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self._custom_compute is not None:
@@ -331,12 +332,22 @@ class Worker:
                         outcome = await self._run_session(ws)
                 except InvalidURI as exc:
                     raise Refused(f"bad coordinator URL: {exc}") from None
+                except Refused as exc:
+                    if self.url == self.cfg.url:
+                        raise
+                    outcome = self._back_home(str(exc))  # where it was sent refused it: start over
                 except ssl.SSLCertVerificationError as exc:
                     # Never retried silently: a certificate that does not verify is a wrong address,
-                    # a missing --cafile, or someone in the middle.
-                    raise Refused(f"the coordinator's TLS certificate does not verify: {exc.verify_message}") from None
+                    # a missing --cafile, or someone in the middle. (At a rank a redirect named:
+                    # back to the URL its owner gave, saying so.)
+                    why = f"the coordinator's TLS certificate does not verify: {exc.verify_message}"
+                    if self.url == self.cfg.url:
+                        raise Refused(why) from None
+                    outcome = self._back_home(f"{why} (at {self.url})")
                 except (OSError, InvalidHandshake, ConnectionClosed, TimeoutError, asyncio.TimeoutError) as exc:
                     outcome = f"coordinator unavailable ({type(exc).__name__}: {exc})".strip()
+                    if self.url != self.cfg.url and not self._welcomed_here:
+                        outcome = self._back_home(outcome)  # the rank it was sent to is not there
                 finally:
                     self._ws = None
                 if outcome == Ending.FINISHED:
@@ -410,7 +421,7 @@ class Worker:
         session = Session(
             self._hello(),
             now=self._clock(),
-            token=self.cfg.token,
+            token=self.cfg.token if self.url == self.cfg.url else "",  # never one rank's token to another
             ticket=self._ticket,
             credential=self._stored_credential,
             credentials_file=str(self._credentials.path),
@@ -456,6 +467,7 @@ class Worker:
                         self._store_credential(event)
                     elif isinstance(event, Welcomed):
                         self._ticket, self._redirects = "", 0  # spent: it has a credential here now
+                        self._welcomed_here = True
                         self.stats.device_id, self.stats.job = event.device_id, event.job
                         self.stats.identity = event.identity
                         pulse.cancel()  # the interval changed: the next beat is one new interval away
@@ -499,9 +511,18 @@ class Worker:
         except URLRefused as exc:
             raise Refused(f"the coordinator redirected this device to rank {event.rank}: {exc}") from None
         log.info("redirected to rank %d at %s: %s", event.rank, event.url, event.reason)
-        self.url, self._tls, self._ticket = event.url, tls, event.ticket
+        self.url, self._tls, self._ticket, self._welcomed_here = event.url, tls, event.ticket, False
         self._set(self.stats.state, reason=f"redirected to rank {event.rank}: {event.reason}")
         return Ending.REDIRECTED
+
+    def _back_home(self, why: str) -> str:
+        """Where a redirect sent it did not work out (unreachable before it was welcomed, or it
+        refused the ticket or has no credential for it): back to the URL its owner gave, with the
+        join token, after the usual back-off."""
+        log.warning("%s; back to %s", why, self.cfg.url)
+        self.url, self._ticket, self._welcomed_here = self.cfg.url, "", False
+        self._tls = client_tls(self.cfg.url, self.cfg.cafile)
+        return f"{why}; back to {self.cfg.url}"
 
     def _store_credential(self, event: Enrolled) -> None:
         self._enrolled = True

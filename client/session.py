@@ -390,7 +390,7 @@ class Session:
     def closed(self, code: int | None, reason: str) -> str:
         """The connection closed with ``code`` and ``reason``: why, for the owner, before a
         reconnect. Raises ``Refused`` or ``Banned`` when reconnecting cannot help."""
-        if code == CloseCode.REDIRECTED:
+        if code == CloseCode.REDIRECTED and self.ended == Ending.REDIRECTED:  # a 4013 alone is a close
             return Ending.REDIRECTED
         if code == CloseCode.AUTH:
             if self.enrolling and self._ticket:

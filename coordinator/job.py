@@ -46,9 +46,9 @@ from coordinator.training.data import load_corpus
 from coordinator.training.flops import GemmShare, gemm_share
 from coordinator.training.hardware import DEVICES, coordinator_device, describe
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
-from coordinator.wire.addresses import is_loopback
+from coordinator.wire.addresses import is_loopback, url_host
 from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import MAX_TOKEN, WireDtype
+from coordinator.wire.messages import MAX_TOKEN, MAX_URL, WireDtype
 from db.sqlite import GROUP_SECONDS, SQLiteStore
 from db.store import CheckpointRow
 
@@ -87,10 +87,19 @@ class CoordinatorConfig:
     # Seconds a finished job stays visible (the page, /api/status, cleave status, /metrics) before
     # the coordinator exits; 0 exits at once. ``cleave coordinator start`` defaults to LINGER.
     linger: float = 0.0
+    # The address volunteers reach this coordinator at, when it is not the one it listens on (a
+    # proxy, a NAT, a name on its certificate): printed in the join command, and what a tier's
+    # other ranks send newcomers to.
+    public_url: str | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
+        url = self.public_url
+        if url is not None and not (
+            url.startswith(("ws://", "wss://")) and url_host(url) and len(url) <= MAX_URL and url.isprintable()
+        ):
+            raise ConfigError(f"--public-url must be ws://HOST[:PORT] or wss://... (at most {MAX_URL} characters)")
         if not (0 <= self.min_devices <= 100_000):
             raise ConfigError(f"--min-devices must be between 0 and 100000, got {self.min_devices}")
         for flag, value in (("--token", self.token), ("--operator-token", self.operator_token)):
@@ -366,6 +375,8 @@ async def serve_job(
         start_step = plan.resume.step if plan.resume else 0
         core.resume_from(start_step)
         server = Server(core, time.monotonic, cfg.limits)
+        if cfg.tier is not None and cfg.tier.rank is not None:  # labelled from the first scrape on
+            server.metrics.rank = cfg.tier.rank
         if plan.resume:  # the dashboard's curve starts with the steps before the checkpoint
             for row in books.steps():
                 server.dashboard.step(row.step, row.loss)
@@ -472,11 +483,11 @@ async def serve_job(
                 port = ws_server.sockets[0].getsockname()[1] if ws_server.sockets else cfg.port
                 scheme = "wss" if tls else "ws"
                 url = f"{scheme}://{cfg.host}:{port}"
-                public = _public_url(scheme, cfg.host, port)
+                public = cfg.public_url or _public_url(scheme, cfg.host, port)
                 reporter.listening(
                     Listening(
                         url,
-                        _public_url(scheme, cfg.host, port),
+                        public,
                         *tokens,
                         tls=tls is not None,
                         exposed=tls is None and not is_loopback(cfg.host),
@@ -566,7 +577,7 @@ async def _summarise(tier: Tier, core: Core, server: Server, url: str, redirect:
     seq, checked, since = 0, server.checked, time.monotonic()
     latest: list[RankSummary] = []
     tier.summary = lambda: latest[-1] if latest else None
-    balancer = Balancer(tier.rank, tier.secret)
+    balancer = Balancer(tier.rank, tier.key, url=url)
     core.join_tier(balancer, redirect=redirect)  # newcomers go where the tier needs them; tickets admit
     while True:
         balancer.update(Pool(r, s.url, s.gflops, s.seq) for r, s in tier.summaries().items())

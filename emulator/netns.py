@@ -24,12 +24,14 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
+from coordinator.wire.errors import CleaveError
+
 SUBNET = "10.77.0"  # /24, inside the lab only
 MIN_BURST = 16 * 1024  # bytes a tbf may send at line rate (at least a few full frames)
 LATENCY_MS = 200  # how long a packet may wait in a tbf queue before it is dropped
 
 
-class LabError(RuntimeError):
+class LabError(CleaveError, RuntimeError):
     """A namespace, link or shaping rule could not be made."""
 
 

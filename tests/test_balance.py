@@ -18,13 +18,14 @@ from coordinator.wire.messages import Challenge, Credential, Hello, Redirect, We
 from db.memory import MemoryStore
 
 SECRET = b"the tier's secret"
+LOCAL = "ws://127.0.0.1:8"  # a rank on this machine: it may send newcomers to others on it
 NOW = 1_767_225_600.0
 
 
 def test_a_ticket_opens_only_at_its_rank_before_it_expires_and_only_with_the_tiers_seal() -> None:
     ticket = auth.redirect_ticket(SECRET, 2, int(NOW) + 300, bytes(16))
     assert len(ticket) == auth.TICKET_BYTES == 60
-    assert auth.open_ticket(SECRET, 2, ticket, NOW) == bytes(16)
+    assert auth.open_ticket(SECRET, 2, ticket, NOW) == (bytes(16), int(NOW) + 300)
     for secret, rank, data, now, why in [
         (b"another tier", 2, ticket, NOW, "not sealed"),
         (SECRET, 1, ticket, NOW, "made for rank 2"),
@@ -60,22 +61,42 @@ def test_a_newcomer_goes_to_the_weakest_pool_when_it_is_clearly_weaker_than_ours
     assert b.redirected == 4
 
 
+def _admit(balancer: Balancer, ticket: str, now: float) -> None:
+    balancer.spend(balancer.check(ticket, now))
+
+
+def test_a_newcomer_is_only_sent_where_it_can_follow() -> None:
+    """Not from a wss:// rank to a ws:// one (the client would not drop TLS), not to a loopback
+    address from a rank that is not on one (a newcomer from elsewhere would reach itself)."""
+    pools = [Pool(1, "ws://10.0.0.2:8765", 0.0, 1), Pool(2, "ws://127.0.0.1:8765", 0.0, 1),
+             Pool(3, "wss://r3.example.org:8765", 0.0, 1), Pool(4, "http://r4:80", 0.0, 1)]  # fmt: skip
+    for url, reachable in [
+        ("wss://r0.example.org:8765", {3}),
+        ("ws://10.0.0.1:8765", {1, 3}),
+        ("ws://127.0.0.1:8765", {1, 2, 3}),
+    ]:
+        b = Balancer(0, SECRET, url=url)
+        b.update(pools)
+        assert set(b.pools) == reachable, url
+
+
 def test_a_ticket_admits_once_at_its_rank() -> None:
     sender, receiver = _balancer(0), _balancer(1)
     sender.update([Pool(1, "ws://r1:1", 0.0, 1)])
     ticket = sender.place(50.0, 5.0, NOW).ticket
-    receiver.admit(ticket, NOW + 1)
+    receiver.check(ticket, NOW + 1)  # checked, not spent (its newcomer was told to wait): still good
+    _admit(receiver, ticket, NOW + 1)
     with pytest.raises(AuthError, match="already used") as spent:
-        receiver.admit(ticket, NOW + 2)
+        receiver.check(ticket, NOW + 2)
     assert spent.value.code == CloseCode.AUTH
     with pytest.raises(AuthError, match="made for rank 1"):
-        _balancer(2).admit(ticket, NOW + 1)
+        _balancer(2).check(ticket, NOW + 1)
     with pytest.raises(AuthError, match="expired"):
-        _balancer(1).admit(sender.place(50.0, 5.0, NOW).ticket, NOW + TICKET_TTL + 1)
+        _balancer(1).check(sender.place(50.0, 5.0, NOW).ticket, NOW + TICKET_TTL + 1)
     with pytest.raises(AuthError, match="not sealed by a rank of this tier"):
-        receiver.admit("00" * 60, NOW)
+        receiver.check("00" * 60, NOW)
     with pytest.raises(AuthError, match="not a ticket"):
-        receiver.admit("00" * 59, NOW)
+        receiver.check("00" * 59, NOW)
     assert receiver.admitted == 1
 
 
@@ -122,8 +143,8 @@ def test_a_rank_redirects_a_newcomer_before_enrolling_it_and_the_other_rank_admi
     identity at rank 0 is never sent away, and a ticket means nothing to a coordinator that is
     no rank of a tier."""
     rank0, rank1 = _core(), _core(token="another-token")
-    rank0.join_tier(Balancer(0, SECRET))
-    rank1.join_tier(Balancer(1, SECRET))
+    rank0.join_tier(Balancer(0, SECRET, url=LOCAL))
+    rank1.join_tier(Balancer(1, SECRET, url=LOCAL))
     first, out = rank0.connect(Hello(name="first", token="tok", gflops=50.0), rank0.gate.challenge().nonce, 1.0)
     cred = _credential(out)
     rank0.disconnect(first, 1.5, "left")
@@ -153,3 +174,29 @@ def test_a_rank_redirects_a_newcomer_before_enrolling_it_and_the_other_rank_admi
     plain = _core()
     with pytest.raises(AuthError, match="not a rank of a tier"):
         plain.connect(Hello(name="t", ticket=redirect.ticket), plain.gate.challenge().nonce, 5.0)
+
+
+def test_a_burst_of_newcomers_on_tickets_waits_for_the_enrolment_rate_without_losing_its_tickets() -> None:
+    """Thirty newcomers sent to rank 1 at once: past the enrolment burst they are told to come back
+    (1013), their tickets unspent; coming back later, each enrols on the same ticket."""
+    rank0, rank1 = _core(), _core(token="another-token")
+    rank0.join_tier(Balancer(0, SECRET, url=LOCAL))
+    rank1.join_tier(Balancer(1, SECRET, url=LOCAL))
+    rank0.connect(Hello(name="anchor", token="tok", gflops=1000.0), rank0.gate.challenge().nonce, 0.0)
+    rank0.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
+    tickets = []
+    for i in range(30):  # rank 0 sends them (its own enrolment rate counts them, spread over time)
+        with pytest.raises(Redirecting) as sent:
+            rank0.connect(Hello(name=f"n{i}", token="tok", gflops=1.0), rank0.gate.challenge().nonce, 0.5 * i)
+        tickets.append(sent.value.message.ticket)
+    busy = []
+    for i, ticket in enumerate(tickets):
+        try:
+            rank1.connect(Hello(name=f"n{i}", ticket=ticket), rank1.gate.challenge().nonce, 20.0)
+        except AuthError as exc:
+            assert exc.code == CloseCode.BUSY, exc
+            busy.append((i, ticket))
+    assert busy and len(busy) < 30
+    for n, (i, ticket) in enumerate(busy):  # later, at the enrolment rate
+        rank1.connect(Hello(name=f"n{i}", ticket=ticket), rank1.gate.challenge().nonce, 30.0 + n)
+    assert len(rank1.devices) == 30 and rank1.balancer.admitted == 30

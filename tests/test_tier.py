@@ -17,12 +17,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from procs import OPERATOR, Coordinator, join, wait_until
 
+from coordinator.planning.tier import partition
 from coordinator.tier.group import MAX_STATUS_BYTES, RankLost, RankSummary, Tier, TierRefused, job_digest, join_tier
 from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.training.parallel import DataParallel, ShardedAdamW, partition
+from coordinator.training.parallel import DataParallel, ShardedAdamW
 from coordinator.wire import auth
 
 SECRET = "tier-secret-for-tests"
+KEY = b"this meeting's key"  # (join_tier derives one from the secret and the ranks' nonces)
 CTX = multiprocessing.get_context("spawn")
 
 
@@ -172,6 +174,7 @@ def _shard_rank(rank: int, world: int, path: str, out: Any) -> None:
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen) * (10 if step == 1 else 0.1)
         params[2].grad = None if rank == 1 else params[2].grad  # counts as zeros there
+        params[5].grad = None  # on no rank (a frozen or unused parameter): left alone, as in one process
         opt.reduce_gradients()
         opt.clip_grad_norm_(1.0)
         opt.step()
@@ -179,7 +182,7 @@ def _shard_rank(rank: int, world: int, path: str, out: Any) -> None:
     dist.destroy_process_group()
 
 
-SHAPES = [(3, 4), (7,), (2, 2, 3), (1,), (11, 2)]
+SHAPES = [(3, 4), (7,), (2, 2, 3), (1,), (11, 2), (4,)]
 
 
 def test_the_sharded_step_in_small_buckets_is_one_process_summing_the_ranks_in_order(tmp_path: Path) -> None:
@@ -211,11 +214,14 @@ def test_the_sharded_step_in_small_buckets_is_one_process_summing_the_ranks_in_o
             total = [g.clone() if r == 0 else t + g for t, g in zip(total, grads)]
         for p, g in zip(params, total):
             p.grad = g
+        params[5].grad = None
         torch.nn.utils.clip_grad_norm_(params[::-1], 1.0, foreach=False)
         plain.step()
     for r in range(world):
         for p, q in zip(params, got[r]):
             assert torch.equal(p.detach(), torch.from_numpy(q)), r
+    torch.manual_seed(0)
+    assert torch.equal(torch.from_numpy(got[0][5]), [torch.randn(*shape) for shape in SHAPES][5])  # untouched
 
 
 def _summary(seq: int, step: int = 3, url: str = "ws://10.0.0.2:8765") -> RankSummary:
@@ -234,7 +240,7 @@ def test_each_rank_sees_the_whole_tier_and_believes_only_sealed_fresh_summaries(
     master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
     ranks = [
-        Tier(r, 2, store, timeout=10.0, clock=lambda: now[0], secret=SECRET.encode())
+        Tier(r, 2, store, timeout=10.0, clock=lambda: now[0], secret=SECRET.encode(), key=KEY)
         for r, store in enumerate((master, client))
     ]
     summaries = [_summary(1, url="ws://10.0.0.1:8765"), _summary(1)]
@@ -248,15 +254,21 @@ def test_each_rank_sees_the_whole_tier_and_believes_only_sealed_fresh_summaries(
     mine, other = view["ranks"]
     assert mine["health"] == "self" and other["health"] == "alive"
     assert other["url"] == "ws://10.0.0.2:8765" and other["devices"] == 4 and other["gflops"] == 250.0
-    # A stranger at the port overwrites rank 1's summary without the secret.
+    # A stranger at the port overwrites rank 1's summary without the secret, or with a summary
+    # sealed in an earlier run of the tier (the same secret, another meeting's key).
     forged = _summary(9, step=999).to_json()
     client.set("status/1", auth.tier_status_mac(b"guessed", 1, forged) + forged)
     ranks[0].exchange(master)
     row = ranks[0].view()["ranks"][1]
     assert "step" not in row and "failed the tier's seal" in row["note"]
+    earlier = auth.tier_session_key(SECRET.encode(), bytes(32), b"an earlier meeting's nonces")
+    client.set("status/1", auth.tier_status_mac(earlier, 1, forged) + forged)
+    ranks[0].exchange(master)
+    row = ranks[0].view()["ranks"][1]
+    assert "step" not in row and "failed the tier's seal" in row["note"]
     # Rank 0's genuine summary passed off as rank 1's: sealed for another rank, not believed.
     genuine = _summary(5, step=7).to_json()
-    client.set("status/1", auth.tier_status_mac(SECRET.encode(), 0, genuine) + genuine)
+    client.set("status/1", auth.tier_status_mac(KEY, 0, genuine) + genuine)
     ranks[0].exchange(master)
     assert "failed the tier's seal" in ranks[0].view()["ranks"][1]["note"]
     # Malformed (a field out of bounds) and oversized, even when sealed: not believed either.
@@ -264,13 +276,13 @@ def test_each_rank_sees_the_whole_tier_and_believes_only_sealed_fresh_summaries(
         json.dumps({**json.loads(_summary(6).to_json()), "devices": -1}).encode(),
         b" " * (MAX_STATUS_BYTES + 1),
     ):
-        client.set("status/1", auth.tier_status_mac(SECRET.encode(), 1, payload) + payload)
+        client.set("status/1", auth.tier_status_mac(KEY, 1, payload) + payload)
         ranks[0].exchange(master)
         assert "not believed" in ranks[0].view()["ranks"][1]["note"]
     # Fresh (seq 8), then an older genuine summary replayed (seq 2): the fresh one stands.
     for seq in (8, 2):
         fresh = _summary(seq, step=seq).to_json()
-        client.set("status/1", auth.tier_status_mac(SECRET.encode(), 1, fresh) + fresh)
+        client.set("status/1", auth.tier_status_mac(KEY, 1, fresh) + fresh)
         ranks[0].exchange(master)
     assert ranks[0].view()["ranks"][1]["step"] == 8
     # Rank 1 stops beating: silent after a few heartbeats, lost after the tier's timeout.

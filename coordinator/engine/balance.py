@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from coordinator.wire import auth
+from coordinator.wire.addresses import is_loopback, url_host
 from coordinator.wire.codes import CloseCode
 from coordinator.wire.errors import AuthError, CleaveError
 from coordinator.wire.messages import Redirect
@@ -32,6 +33,7 @@ from coordinator.wire.messages import Redirect
 SLACK = 0.1  # another pool must be this much weaker than ours (a share of ours) to send a newcomer there
 TICKET_TTL = 300  # seconds a ticket is good for (the ranks' clocks may disagree by a little)
 MAX_TICKETS = 100_000  # tickets remembered as used, at most (each until it expires): ~10 MB
+MIN_COUNTED = 1.0  # GFLOP/s a newcomer sent elsewhere counts for at least (a claim of 0 still fills a pool)
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,13 @@ class Balancer:
         rank: int,
         secret: bytes,
         *,
+        url: str = "",
         slack: float = SLACK,
         ttl: int = TICKET_TTL,
         random_bytes: Callable[[int], bytes] = os.urandom,
     ) -> None:
         self.rank = rank
+        self.url = url  # this rank's own public URL: which others its newcomers can follow to
         self.secret = secret
         self.slack = slack
         self.ttl = ttl
@@ -76,12 +80,22 @@ class Balancer:
         self.admitted = 0  # newcomers admitted on a ticket
 
     def update(self, pools: Iterable[Pool]) -> None:
-        """The other ranks' pools, from the tier's view (alive ranks with a believed summary)."""
-        self.pools = {p.rank: p for p in pools if p.rank != self.rank and p.url}
+        """The other ranks' pools, from the tier's view (alive ranks with a believed summary).
+        Only ranks a newcomer here can follow to: not a plain ws:// one when this rank serves
+        wss:// (the client would refuse to drop TLS), nor one on a loopback address unless this
+        rank is on one too (a newcomer from elsewhere would be sent to itself)."""
+        self.pools = {p.rank: p for p in pools if p.rank != self.rank and self._reachable(p.url)}
         for rank, (seq, _) in list(self._sent.items()):
             pool = self.pools.get(rank)
             if pool is None or pool.seq != seq:  # a newer summary counts what was sent: start again
                 del self._sent[rank]
+
+    def _reachable(self, url: str) -> bool:
+        if not url.startswith(("ws://", "wss://")):
+            return False
+        if self.url.startswith("wss://") and not url.startswith("wss://"):
+            return False
+        return not is_loopback(url_host(url)) or (bool(self.url) and is_loopback(url_host(self.url)))
 
     def place(self, mine: float, device: float, now: float) -> Redirect | None:
         """Where a newcomer of ``device`` GFLOP/s should go, this rank's pool being ``mine``:
@@ -92,7 +106,7 @@ class Balancer:
         if weakest is None or self._with_sent(weakest) >= mine * (1 - self.slack):
             return None
         seq, sent = self._sent.get(weakest.rank, (weakest.seq, 0.0))
-        self._sent[weakest.rank] = (seq, sent + device)
+        self._sent[weakest.rank] = (seq, sent + max(device, MIN_COUNTED))
         self.redirected += 1
         ticket = auth.redirect_ticket(self.secret, weakest.rank, int(now) + self.ttl, self.random_bytes(16))
         why = f"rank {weakest.rank}'s pool ({self._with_sent(weakest) - device:.0f} GFLOP/s) needs devices more"
@@ -102,11 +116,12 @@ class Balancer:
         seq, sent = self._sent.get(pool.rank, (pool.seq, 0.0))
         return pool.gflops + (sent if seq == pool.seq else 0.0)
 
-    def admit(self, ticket: str, now: float) -> None:
-        """Check a newcomer's ticket for this rank and spend it. Raises ``AuthError`` (4001): one
-        reason for the log, one message for the peer."""
+    def check(self, ticket: str, now: float) -> tuple[bytes, float]:
+        """A newcomer's ticket for this rank, not yet spent: ``(nonce, expiry)`` for ``spend``.
+        Raises ``AuthError``: 4001 for a ticket that is no good (one reason for the log, one
+        message for the peer), 1013 while too many spent tickets are remembered."""
         try:
-            nonce = auth.open_ticket(self.secret, self.rank, bytes.fromhex(ticket), now)
+            nonce, expires = auth.open_ticket(self.secret, self.rank, bytes.fromhex(ticket), now)
         except ValueError as exc:
             raise AuthError(CloseCode.AUTH, f"redirect ticket refused ({exc})") from None
         while self._used and next(iter(self._used.values())) < now:  # expired ones cannot come back
@@ -115,5 +130,10 @@ class Balancer:
             raise AuthError(CloseCode.AUTH, "redirect ticket refused (already used)")
         if len(self._used) >= MAX_TICKETS:
             raise AuthError(CloseCode.BUSY, "too many newcomers on tickets at once; try again shortly")
-        self._used[nonce] = now + self.ttl  # (its own expiry is no later: the ticket's TTL is the same)
+        return nonce, expires
+
+    def spend(self, ticket: tuple[bytes, float]) -> None:
+        """The newcomer enrols on its ticket: it is used, until the ticket's own expiry."""
+        nonce, expires = ticket
+        self._used[nonce] = expires
         self.admitted += 1

@@ -244,6 +244,7 @@ class Core:
             rate = DeviceProfile(hello.gflops, PRIOR_MEMORY).profile(self.dtype).flops_per_s(self.dtype) / 1e9
             redirect = self.balancer.place(self.pool()[1], rate, self.wall(now))
             if redirect is not None:
+                self.gate.take_enrolment(now)  # a ticket is an enrolment elsewhere: the same rate
                 raise Redirecting(redirect)
         admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
         if admission.identity in self._by_identity:

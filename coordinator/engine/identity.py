@@ -112,18 +112,26 @@ class Gate:
         """Check a device's hello against the nonce it was sent. Raises AuthError."""
         if hello.identity:
             return self._returning(hello, nonce)
+        ticket = None
         if hello.ticket:  # another rank of the tier sent it here: its ticket stands for the token
             if self.tickets is None:
                 raise AuthError(CloseCode.AUTH, "redirect ticket refused (this coordinator is not a rank of a tier)")
-            self.tickets.admit(hello.ticket, record_now)
+            ticket = self.tickets.check(hello.ticket, record_now)
         else:
             self.check_join(hello.token)
-        if not self._enrolments.take(now):
-            raise AuthError(CloseCode.BUSY, "too many new devices at once; try again shortly")
+        self.take_enrolment(now)
+        if ticket is not None:  # spent only once it enrols: a newcomer told to wait keeps it
+            self.tickets.spend(ticket)  # type: ignore[union-attr]
         secret = self.randbytes(auth.SECRET_BYTES)
         name = hello.name or "device"
         identity = self.store.enrol(name, auth.stored_key(secret), record_now)
         return Admission(identity, name, secret)
+
+    def take_enrolment(self, now: float) -> None:
+        """One newcomer more (enrolled here, or sent to another rank): AuthError (1013) past the
+        enrolment rate."""
+        if not self._enrolments.take(now):
+            raise AuthError(CloseCode.BUSY, "too many new devices at once; try again shortly")
 
     def check_join(self, token: str) -> None:
         """Raise AuthError unless ``token`` is the join token."""

@@ -18,8 +18,11 @@ The tier's view: every ``STATUS_EVERY`` seconds the same thread publishes this r
 in the store, sealed with an HMAC under the tier's secret (``wire/auth.tier_status_mac``), and
 reads the others'. ``Tier.view()`` is what ``cleave status``, the dashboard and ``/metrics`` show
 of the whole tier: a row per rank, with its health from its heartbeats. A summary whose seal fails
-(written by a stranger at the port), that is too big or malformed, or older than one already
-seen, is not believed: the rank's row then says so and carries no figures.
+(written by a stranger at the port, or in an earlier run of the tier), that is too big or
+malformed, or older than one already seen, is not believed: the rank's row then says so and
+carries no figures. (The store hands over a value whole, however big: the size check is damage
+control, not a bound on what a stranger at the port can make a rank read. The exchange runs on
+a thread of its own with a 5 s store timeout, so it can never hold up a heartbeat.)
 
 Liveness: every rank bumps a counter in the store every ``HEARTBEAT`` seconds from a thread of
 its own. Before each step's collectives a rank waits at the step's barrier until every rank has
@@ -34,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import threading
@@ -52,10 +56,13 @@ from coordinator.training.parallel import DataParallel, all_gather
 from coordinator.wire import auth
 from coordinator.wire.errors import ConfigError, JobAborted
 
+log = logging.getLogger("cleave.tier")
+
 TIER_TIMEOUT = 60.0  # seconds without a heartbeat before a rank counts as lost (--tier-timeout)
 HEARTBEAT = 1.0  # seconds between a rank's heartbeats
 STATUS_EVERY = 2  # heartbeats between two publications of a rank's summary
-MAX_STATUS_BYTES = 2048  # a published summary's JSON, at most (a bigger one is not read)
+MAX_STATUS_BYTES = 2048  # a published summary's JSON, at most (a bigger one is not believed)
+VIEW_TIMEOUT = 5.0  # seconds a look at the store for the tier's view may wait
 MAX_URL = 256
 POLL = 0.02  # seconds between looks at a barrier
 NONCE_BYTES = 32
@@ -135,6 +142,10 @@ class Tier:
     timeout: float = TIER_TIMEOUT
     clock: Callable[[], float] = time.monotonic
     secret: bytes = b""
+    # This meeting's key: HMAC(secret, the job and every rank's fresh nonce), made when the ranks
+    # prove themselves. It seals the summaries and the redirect tickets, so neither outlives this
+    # run of the tier (a replay from an earlier run, under the same secret, fails its seal).
+    key: bytes = b""
     # This rank's summary now (set by the job; read by the heartbeat thread, so it must not touch
     # the store or the engine: the job refreshes a snapshot on its loop).
     summary: Callable[[], RankSummary | None] | None = None
@@ -151,27 +162,39 @@ class Tier:
         """What the trainer needs: its place, and this tier's barrier before each step's sums."""
         return DataParallel(self.rank, self.world, before_sum=self.arrive)
 
-    def start_heartbeat(self, beats: dist.Store) -> None:
+    def start_heartbeat(self, beats: dist.Store, views: dist.Store | None = None) -> None:
+        """Beat from a thread of its own on ``beats``, and exchange summaries from another on
+        ``views`` (a store client with a short timeout): nothing a stranger does to a summary in
+        the store can hold up a heartbeat, and so get this rank counted as lost."""
         self._beats = beats
 
-        # Every rank reads every rank's summary: O(world^2) store reads a round over the tier, so
-        # a big tier exchanges less often (every 2 s up to 64 ranks, every 32 s at 1,024).
-        every = max(STATUS_EVERY, math.ceil(self.world / 32))
-
         def beat() -> None:
-            n = 0
             while not self._stop.wait(HEARTBEAT):
                 try:
                     beats.add(f"alive/{self.rank}", 1)
-                    n += 1
-                    if n % every == 0:
-                        self.exchange(beats)
                 except Exception:  # the store (rank 0) is gone: the barrier will say so
                     return
+
+        # Every rank reads every rank's summary: O(world^2) store reads a round over the tier, so
+        # a big tier exchanges less often (every 2 s up to 64 ranks, every 32 s at 1,024).
+        every = max(STATUS_EVERY, math.ceil(self.world / 32)) * HEARTBEAT
+
+        def look() -> None:
+            failed = 0
+            while not self._stop.wait(every):
+                try:
+                    self.exchange(views)
+                    failed = 0
+                except Exception as exc:  # a stranger's key, a slow store: the view waits, training does not
+                    failed += 1
+                    if failed == 1:
+                        log.warning("tier: could not refresh the view of the other ranks: %s", exc)
 
         beats.add(f"alive/{self.rank}", 1)
         self._thread = threading.Thread(target=beat, name=f"cleave-tier-beat-{self.rank}", daemon=True)
         self._thread.start()
+        if views is not None:
+            threading.Thread(target=look, name=f"cleave-tier-view-{self.rank}", daemon=True).start()
 
     def _beat_counts(self) -> list[int]:
         try:
@@ -209,7 +232,7 @@ class Tier:
     def publish(self, store: dist.Store, summary: RankSummary) -> None:
         """Seal and publish this rank's summary (the heartbeat thread's store client)."""
         payload = summary.to_json()
-        store.set(f"status/{self.rank}", auth.tier_status_mac(self.secret, self.rank, payload) + payload)
+        store.set(f"status/{self.rank}", auth.tier_status_mac(self.key, self.rank, payload) + payload)
 
     def exchange(self, store: dist.Store) -> None:
         """Publish this rank's summary, read every rank's and their heartbeats: the view."""
@@ -253,7 +276,7 @@ class Tier:
             return self._seen.get(r), None
         data = store.get(key)
         mac, payload = data[:32], data[32:]
-        if len(data) > 32 + MAX_STATUS_BYTES or not auth.tier_status_ok(self.secret, r, payload, mac):
+        if len(data) > 32 + MAX_STATUS_BYTES or not auth.tier_status_ok(self.key, r, payload, mac):
             return None, "its published status failed the tier's seal: not believed"
         try:
             summary = RankSummary.from_json(payload)
@@ -342,7 +365,9 @@ def join_tier(
         tier.close()
         raise
     beats = dist.PrefixStore("cleave-tier/", dist.TCPStore(host, port, world, is_master=False, timeout=wait))
-    tier.start_heartbeat(beats)
+    look = timedelta(seconds=VIEW_TIMEOUT)
+    views = dist.PrefixStore("cleave-tier/", dist.TCPStore(host, port, world, is_master=False, timeout=look))
+    tier.start_heartbeat(beats, views)
     return tier
 
 
@@ -368,6 +393,7 @@ def _prove(tier: Tier, secret: bytes, job: bytes, random_bytes: Callable[[int], 
             raise TierRefused(f"rank {r} did not prove it holds the tier's secret: the tier will not start")
         if jobs[r].tobytes() != digest:
             raise TierRefused(f"rank {r} was started with other training options than rank {tier.rank}")
+    tier.key = auth.tier_session_key(secret, digest, nonces)
 
 
 def job_digest(options: dict) -> bytes:

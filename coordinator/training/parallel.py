@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coordinator.planning.tier import TIER_BUCKET_BYTES
+from coordinator.planning.tier import TIER_BUCKET_BYTES, partition
+from coordinator.wire.errors import ConfigError
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -94,19 +95,6 @@ class DataParallel:
             self.before_sum(step)
 
 
-def partition(sizes: Sequence[int], world: int) -> list[int]:
-    """The owner of each of ``sizes`` (parameters in order): contiguous runs, rank 0 first, each
-    parameter going to the rank whose equal share of the total holds its middle element (so a
-    rank's load is within one parameter of ``total / world``; a rank may own none)."""
-    total = sum(sizes)
-    owners, start = [], 0
-    for n in sizes:
-        middle = start + n / 2
-        owners.append(min(world - 1, int(middle * world / total)) if total else 0)
-        start += n
-    return owners
-
-
 class ShardedAdamW:
     """ZeRO-1 AdamW, sharded by whole parameters: this rank's optimizer state, and the tier's
     gradient reduce-scatter, clip and weight all-gather (see the module doc).
@@ -146,6 +134,7 @@ class ShardedAdamW:
         self.mine = [p for p, o in zip(self.params, self.owners) if o == dp.rank]
         self.chunk = max(1, bucket_bytes // 4 // dp.world)  # elements per rank per bucket
         self.gather_seconds = 0.0  # the last step's weight all-gather
+        self._has = [True] * len(self.params)  # which parameters had a gradient on some rank (the last reduce)
         # torch's AdamW on this rank's parameters, in the groups' order with their weight decay.
         own = {id(p) for p in self.mine}
         self.inner = (
@@ -211,9 +200,15 @@ class ShardedAdamW:
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Each rank's own parameters get the rank-order sum of every rank's gradient; the others'
-        gradients are dropped. A parameter without a gradient on a rank counts as zeros there."""
+        gradients are dropped. A parameter without a gradient on a rank counts as zeros there; one
+        without a gradient on any rank (frozen, or unused by this batch) keeps none, so AdamW
+        leaves it alone, as it would in one process."""
         world, me = self.dp.world, self.dp.rank
         start, mine = self.regions[me]
+        has = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32)
+        if world > 1:
+            dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        self._has = [bool(h) for h in has.tolist()]
         total = torch.empty(mine, dtype=torch.float32)  # this rank's summed region
         for k in range(self._rounds()):
             sizes = self._sizes(k)
@@ -239,7 +234,7 @@ class ShardedAdamW:
         for i, begin, take in self._spans(start, mine):
             p = self.params[i]
             at = self.offsets[i] + begin - start
-            p.grad = total[at : at + take].view_as(p).to(p.dtype)
+            p.grad = total[at : at + take].view_as(p).to(p.dtype) if self._has[i] else None
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -251,7 +246,8 @@ class ShardedAdamW:
         width = max(counts)
         own = torch.zeros(width, dtype=torch.float32)
         for j, p in enumerate(self.mine):
-            own[j] = torch.linalg.vector_norm(p.grad, 2.0).to(torch.float32)
+            if p.grad is not None:
+                own[j] = torch.linalg.vector_norm(p.grad, 2.0).to(torch.float32)
         if world == 1:
             every = own.view(1, width)
         else:
@@ -259,8 +255,9 @@ class ShardedAdamW:
             all_gather(every, own)
             every = every.view(world, width)
         norms, seen = [], [0] * world
-        for p, o in zip(self.params, self.owners):  # the model's order, each in its gradient's dtype
-            norms.append(every[o, seen[o]].to(p.dtype))
+        for i, (p, o) in enumerate(zip(self.params, self.owners)):  # the model's order, each in its dtype
+            if self._has[i]:  # as clip_grad_norm_ skips a parameter without a gradient
+                norms.append(every[o, seen[o]].to(p.dtype))
             seen[o] += 1
         total = torch.nn.utils.get_total_norm(norms, 2.0, foreach=False)
         torch.nn.utils.clip_grads_with_norm_(self.mine, max_norm, total, foreach=False)
@@ -295,7 +292,12 @@ class ShardedAdamW:
                 at = r * width
                 for i, begin, take in self._spans(self.regions[r][0] + k * self.chunk, n):
                     p = self.params[i]
-                    p.view(-1)[begin : begin + take].copy_(whole[at : at + take])  # float32 holds bf16/fp16 exactly
+                    if p.is_contiguous():  # float32 holds bf16/fp16 exactly
+                        p.view(-1)[begin : begin + take].copy_(whole[at : at + take])
+                    else:
+                        flat = p.detach().reshape(-1).clone()
+                        flat[begin : begin + take] = whole[at : at + take]
+                        p.copy_(flat.view_as(p))
                     at += take
         self.gather_seconds = time.perf_counter() - started
 
@@ -317,6 +319,9 @@ class ShardedAdamW:
                 f"this is rank {self.dp.rank} of {self.dp.world}"
             )
         if state.get("owners") != self.owners:
-            raise ValueError("the optimizer state shards the parameters otherwise (another model or version)")
+            raise ConfigError(
+                "this rank's checkpoint shards the optimizer otherwise (another model, or a checkpoint from "
+                "before the tier sharded AdamW by whole parameters): start the tier anew with --new-job"
+            )
         if self.inner is not None:
             self.inner.load_state_dict(state["inner"])

@@ -126,6 +126,26 @@ class ModelShape:
         norms = (2 * self.n_layers + 1) * self.d_model * (2 if self.norm == "layer" else 1)
         return self.linear_params() + biases + embedding - tied + self.position_rows * self.d_model + norms
 
+    def parameter_sizes(self) -> list[int]:
+        """Each parameter tensor's elements, in the model's order (the embedding and a position
+        table, then each layer's norms, Linear weights and biases, the final norm, the head unless
+        tied): what a tier shards whole among its ranks. They add up to ``params``."""
+        d, L = self.d_model, self.n_layers
+        norm = [d] * (2 if self.norm == "layer" else 1)
+        sizes = [self.vocab * d] + ([self.position_rows * d] if self.position_rows else [])
+        body = [lin for lin in self.linears() if lin.name != "head"]
+        for _ in range(L):
+            sizes += norm
+            for lin in body:
+                sizes.append(lin.in_features * lin.out_features)
+                if lin.bias:
+                    sizes.append(lin.out_features)
+            sizes += norm
+        sizes += norm
+        if not self.tied_head:
+            sizes.append(d * self.vocab)
+        return sizes
+
     def attention_flops(self, batch: int, seq: int) -> float:
         """Forward FLOP of ``softmax(Q K^T) V`` per step, all layers: ``Q K^T`` and ``P V`` are
         ``2 * seq^2 * d_model`` each per sequence. Full, not causal-halved: the kernel on the

@@ -263,10 +263,11 @@ def optimizer_tail(model: ModelShape, dtype: str, ps: PSProfile, tier: Tier = SO
     collectives around it (``coordinator/planning/tier.py``), all on its thread."""
     if tier.ranks == 1:
         return [_optimizer(model, dtype, ps)]
+    sizes = model.parameter_sizes()
     return [
-        PsWork(tier.reduce_seconds(model.params, ps.memory_bw), "tier"),
-        _optimizer(model, dtype, ps, tier.optimizer_share(model.params)),
-        PsWork(tier.gather_seconds(model.params), "tier"),
+        PsWork(tier.reduce_seconds(sizes, ps.memory_bw), "tier"),
+        _optimizer(model, dtype, ps, tier.optimizer_share(sizes)),
+        PsWork(tier.gather_seconds(sizes), "tier"),
     ]
 
 

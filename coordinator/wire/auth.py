@@ -94,19 +94,27 @@ def rank_proof_ok(secret: bytes, rank: int, world: int, job: bytes, nonces: byte
     )
 
 
+_TIER_SESSION = b"cleave-tier-session-v1|"
 _TIER_STATUS = "cleave-tier-status-v1|{rank}|"
 
 
-def tier_status_mac(secret: bytes, rank: int, payload: bytes) -> bytes:
+def tier_session_key(secret: bytes, job: bytes, nonces: bytes) -> bytes:
+    """The key of one meeting of a tier's ranks: what seals their summaries and redirect tickets
+    (so nothing sealed in an earlier run, under the same secret, passes in this one)."""
+    return hmac.new(secret, _TIER_SESSION + job + nonces, hashlib.sha256).digest()
+
+
+def tier_status_mac(key: bytes, rank: int, payload: bytes) -> bytes:
     """A rank's seal on the status it publishes to the others (through the rendezvous store,
-    which anyone reaching its port can write): an HMAC under the tier's secret over its rank and
-    the payload, so a stranger can neither forge a rank's figures nor pass one rank's as another's."""
-    return hmac.new(secret, _TIER_STATUS.format(rank=rank).encode() + payload, hashlib.sha256).digest()
+    which anyone reaching its port can write): an HMAC under the meeting's key
+    (``tier_session_key``) over its rank and the payload, so a stranger can neither forge a rank's
+    figures nor pass one rank's as another's, nor replay one from another run."""
+    return hmac.new(key, _TIER_STATUS.format(rank=rank).encode() + payload, hashlib.sha256).digest()
 
 
-def tier_status_ok(secret: bytes, rank: int, payload: bytes, mac: bytes) -> bool:
+def tier_status_ok(key: bytes, rank: int, payload: bytes, mac: bytes) -> bool:
     """Constant-time check of a published status's seal."""
-    return len(mac) == hashlib.sha256().digest_size and hmac.compare_digest(tier_status_mac(secret, rank, payload), mac)
+    return len(mac) == hashlib.sha256().digest_size and hmac.compare_digest(tier_status_mac(key, rank, payload), mac)
 
 
 _TICKET = b"cleave-redirect-v1|"
@@ -116,14 +124,16 @@ TICKET_BYTES = TICKET.size + hashlib.sha256().digest_size  # 60: hex, the 120 di
 
 def redirect_ticket(secret: bytes, rank: int, expires: int, nonce: bytes) -> bytes:
     """What a rank of a tier gives a newcomer it redirects: the right to enrol once at rank
-    ``rank`` before ``expires``, sealed under the tier's secret (only ranks can make one)."""
+    ``rank`` before ``expires``, sealed under ``secret`` (the meeting's key: only ranks of this
+    run of the tier can make one)."""
     body = TICKET.pack(rank, expires, nonce)
     return body + hmac.new(secret, _TICKET + body, hashlib.sha256).digest()
 
 
-def open_ticket(secret: bytes, rank: int, ticket: bytes, now: float) -> bytes:
-    """The nonce of a ticket good for rank ``rank`` at ``now`` (Unix seconds); ValueError with
-    the reason when it is not (forged, for another rank, expired). The caller makes it single-use."""
+def open_ticket(secret: bytes, rank: int, ticket: bytes, now: float) -> tuple[bytes, int]:
+    """The nonce and expiry of a ticket good for rank ``rank`` at ``now`` (Unix seconds);
+    ValueError with the reason when it is not (forged, for another rank, expired). The caller
+    makes it single-use."""
     if len(ticket) != TICKET_BYTES:
         raise ValueError("not a ticket")
     body, seal = ticket[: TICKET.size], ticket[TICKET.size :]
@@ -134,4 +144,4 @@ def open_ticket(secret: bytes, rank: int, ticket: bytes, now: float) -> bytes:
         raise ValueError(f"made for rank {to}")
     if now > expires:
         raise ValueError("expired")
-    return nonce
+    return nonce, expires
