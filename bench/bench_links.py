@@ -9,13 +9,13 @@ Run from the repository root, as root (network namespaces)::
 ``--ps-mbps`` each way (the one bottleneck every device shares), each client behind
 ``--down-mbps`` / ``--up-mbps``, all shaped by tc's token bucket. The coordinator
 (``cleave coordinator start``) and the clients (``cleave join``) run inside them as they would
-on separate machines, over ws:// on the lab's own addresses. The coordinator is told its link
-(``--ps-link-gbps``) and a GEMM rate low enough (``--ps-gflops``) that its cost model ships the
-GEMMs: the bench is about links, so they must carry the step.
+on separate machines, over ws:// on the lab's own addresses. Every GEMM goes out as round-robin
+tiles (``--planner uniform``): the bench is about links, so they must carry the step.
 
 Then ``cleave simulate`` prices the same job on the same fleet: a fleet file with the clients'
-links and the GEMM rate the coordinator measured for them in the run, the same coordinator link
-and rate, no churn, one part a step. One JSON line (``--json``) or a table:
+links and the GEMM rate the coordinator measured for them in the run, the same coordinator link,
+its own rate ``--ps-gflops`` (for its attention and AdamW), the same tiles, no churn, one part a
+step. One JSON line (``--json``) or a table:
 
 * ``measured_step_s``: the mean real step after ``--warmup``;
 * ``predicted_step_s``: the simulator's step for that fleet and those links;
@@ -75,6 +75,7 @@ def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     *("--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len)),
                     *("--min-devices", str(args.clients), "--micro-batches", "1", "--checkpoint-every", "0"),
                     *("--ps-link-gbps", str(args.ps_mbps / 1000), "--ps-gflops", str(args.ps_gflops)),
+                    *("--planner", "uniform"),
                     *("--linger", "0", "--quiet"),
                 ),
             ),
@@ -143,7 +144,8 @@ def predict(args: argparse.Namespace, gflops: float, tmp: Path) -> dict[str, Any
             "simulate",
             *("--model", args.model, "--fleet", str(fleet), "--batch-size", str(args.batch_size)),
             *("--seq-len", str(args.seq_len), "--ps-link-gbps", str(args.ps_mbps / 1000)),
-            *("--ps-gflops", str(args.ps_gflops), "--no-churn", "--steps", "3", "--micro-batches", "1", "--json"),
+            *("--ps-gflops", str(args.ps_gflops), "--planner", "uniform", "--no-churn", "--steps", "3"),
+            *("--micro-batches", "1", "--json"),
         ),
         cwd=ROOT,
         capture_output=True,
@@ -174,6 +176,16 @@ def figures(args: argparse.Namespace, job: dict[str, Any], sim: dict[str, Any]) 
         "predicted_over_measured": predicted / measured,
         "ps_egress_utilisation": (last - first) * 8 / (args.ps_mbps * 1e6 * seconds),
         "ps_mb_sent_per_step": (last - first) / 1e6 / len(rows),
+        # The coordinator's own count of frame bytes (metrics rows), and the simulator's.
+        "mb_down_per_step": (rows[-1]["mb_down"] - job["rows"][args.warmup - 1]["mb_down"]) / len(rows)
+        if args.warmup
+        else rows[-1]["mb_down"] / len(rows),
+        "mb_up_per_step": (rows[-1]["mb_up"] - job["rows"][args.warmup - 1]["mb_up"]) / len(rows)
+        if args.warmup
+        else rows[-1]["mb_up"] / len(rows),
+        "simulated_mb_down_per_step": sim["cleave"]["bytes"]["ps_egress"] / 1e6,
+        "simulated_mb_up_per_step": sim["cleave"]["bytes"]["ps_ingress"] / 1e6,
+        "simulated_busy_s": sim["cleave"]["busy_s"],
         "simulated_bound": sim["cleave"]["bound"],
         "client_gflops": job["client_gflops"],
         "tiles_per_client": job["tiles"],
@@ -192,7 +204,12 @@ def main() -> int:
     p.add_argument("--ps-mbps", type=float, default=20.0, help="the coordinator's link, Mbit/s each way")
     p.add_argument("--down-mbps", type=float, default=10.0, help="each client's downlink, Mbit/s")
     p.add_argument("--up-mbps", type=float, default=5.0, help="each client's uplink, Mbit/s")
-    p.add_argument("--ps-gflops", type=float, default=0.01, help="the coordinator's GEMM rate for its cost model")
+    p.add_argument(
+        "--ps-gflops",
+        type=float,
+        default=80.0,
+        help="the coordinator's own GEMM rate, for the simulator's attention and AdamW (default 80: one core here)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line on stdout")
     args = p.parse_args()
     why = available()
