@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import re
+import select
+import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +37,98 @@ def env() -> dict[str, str]:
     return e
 
 
+# --------------------------------------------------------------------------- the fork server
+#
+# tests/zygote.py imports torch once and forks the tests' `cleave` processes from it: a process
+# that would spend 2.3 s of CPU importing torch starts in milliseconds (the suite is CPU-bound
+# on two cores). CLEAVE_TEST_ZYGOTE=0 starts every process afresh instead.
+
+_ZYGOTE: list = []  # (its Popen, its socket's path), started once per test process
+
+
+def _zygote_path() -> str | None:
+    if os.environ.get("CLEAVE_TEST_ZYGOTE", "1") == "0" or not hasattr(socket, "send_fds"):
+        return None
+    if not _ZYGOTE:
+        path = os.path.join(tempfile.mkdtemp(prefix="cleave-zygote-"), "sock")
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "zygote.py"), path],
+            stdin=subprocess.PIPE,  # the zygote leaves when this process does (its stdin closes)
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env(),
+            cwd=ROOT,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", "the zygote did not start"
+        _ZYGOTE.append((proc, path))
+    return _ZYGOTE[0][1]
+
+
+class Forked:
+    """A process the zygote forked, with the part of Popen's interface the tests use."""
+
+    def __init__(self, args: list[str], path: str, stdin: int, stdout: int, stderr: int) -> None:
+        self.args = args
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(path)
+        request = {"argv": args[1:], "env": env(), "cwd": str(ROOT)}
+        socket.send_fds(self._conn, [json.dumps(request).encode()], [stdin, stdout, stderr])
+        self._reader = self._conn.makefile("r")
+        self.pid = int(json.loads(self._reader.readline())["pid"])
+        self.returncode: int | None = None
+        self.stdout = None
+        self.stderr = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._ended()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            self._ended()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _ended(self) -> None:
+        line = self._reader.readline()
+        status = json.loads(line)["status"] if line else 9  # the zygote gone: as if killed
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._reader.close()
+        self._conn.close()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def start(cmd: list[str], *, stdout: int, stderr: int) -> subprocess.Popen | Forked:
+    """``cmd`` as a child with stdin from /dev/null: forked by the zygote when it is a Python
+    command (``[sys.executable, ...]``), else started afresh. ``stdout``/``stderr``: pipes'
+    write ends or ``subprocess.STDOUT`` (stderr with stdout); the caller closes them."""
+    path = _zygote_path() if cmd and cmd[0] == sys.executable else None
+    if path is None:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env(), cwd=ROOT)
+    with open(os.devnull, "rb") as devnull:
+        return Forked(cmd, path, devnull.fileno(), stdout, stdout if stderr == subprocess.STDOUT else stderr)
+
+
+def _pipe() -> tuple[io.TextIOWrapper, int]:
+    r, w = os.pipe()
+    return os.fdopen(r, "r"), w
+
+
 class Proc:
     """A child process whose output is collected by a thread (so its pipe never fills)."""
 
@@ -41,15 +138,12 @@ class Proc:
         Proc.running.append(self)
         self.name = name
         self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=env(),
-            cwd=ROOT,
-        )
+        out, w = _pipe()
+        try:
+            self.proc = start(cmd, stdout=w, stderr=subprocess.STDOUT)
+        finally:
+            os.close(w)
+        self.proc.stdout = out  # type: ignore[assignment]
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -182,21 +276,38 @@ def wait_until(predicate, timeout: float = TIMEOUT, what: str = "condition") -> 
 
 
 def run_all(*commands: list[str], timeout: float = TIMEOUT) -> list[subprocess.CompletedProcess[str]]:
-    """Independent commands run side by side (each mostly imports torch: two cores, half the wait);
-    like ``subprocess.run(command, capture_output=True, text=True)`` for each, in order."""
-    started = [
-        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
-        for command in commands
-    ]
-    done = []
-    for command, proc in zip(commands, started):
+    """Independent commands run side by side; like ``subprocess.run(command, capture_output=True,
+    text=True)`` for each, in order."""
+    started = []
+    for command in commands:
+        (out, w_out), (err, w_err) = _pipe(), _pipe()
         try:
-            out, err = proc.communicate(timeout=timeout)
+            proc = start(command, stdout=w_out, stderr=w_err)
+        finally:
+            os.close(w_out)
+            os.close(w_err)
+        texts: dict[str, str] = {}
+        readers = [
+            threading.Thread(target=lambda f=f, k=k, t=texts: t.__setitem__(k, f.read()), daemon=True)
+            for f, k in ((out, "out"), (err, "err"))
+        ]
+        for t in readers:
+            t.start()
+        started.append((command, proc, readers, texts, (out, err)))
+    done = []
+    deadline = time.monotonic() + timeout
+    for command, proc, readers, texts, files in started:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for p in started:
+            for _, p, *_ in started:
                 p.kill()
             raise AssertionError(f"{command} did not finish in {timeout} s") from None
-        done.append(subprocess.CompletedProcess(command, proc.returncode, out, err))
+        for t in readers:
+            t.join(10)
+        for f in files:
+            f.close()
+        done.append(subprocess.CompletedProcess(command, proc.returncode, texts.get("out", ""), texts.get("err", "")))
     return done
 
 
