@@ -297,6 +297,26 @@ def test_each_rank_sees_the_whole_tier_and_believes_only_sealed_fresh_summaries(
     assert ranks[0].view()["ranks"][1]["health"] == "alive"
 
 
+def test_a_lost_rank_is_named_alike_by_every_rank_and_only_on_a_ranks_sealed_word() -> None:
+    """The rank that notices a lost one writes it to the store, sealed; another rank waiting at
+    the barrier names that same rank from it. A stranger's unsealed "lost" changes nothing."""
+    import torch.distributed as dist
+
+    from coordinator.tier.group import LOST
+
+    port = _port()
+    master = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 3, is_master=False)
+    rank0, rank1 = Tier(0, 3, master, timeout=30.0, key=KEY), Tier(1, 3, client, timeout=30.0, key=KEY)
+    client.set(LOST, b"x" * 32 + b"lost|2|a stranger says so")
+    client.add("step/1", 2)  # ranks 1 and 2 are there already
+    rank0.arrive(1)  # not believed: the barrier passes
+    with pytest.raises(RankLost, match="rank 2 of the tier was lost [(]no heartbeat for 30 s[)]"):
+        rank1._announce(2, "no heartbeat for 30 s")
+    with pytest.raises(RankLost, match="rank 2 of the tier was lost [(]no heartbeat for 30 s[)]"):
+        rank0.arrive(2)
+
+
 def test_join_tier_refuses_bad_options_in_one_line() -> None:
     from coordinator.wire.errors import ConfigError
 
@@ -374,7 +394,9 @@ def test_ranks_with_uneven_pools_train_exactly_and_a_killed_rank_stops_them_unti
     assert all(r["gflops"] > 0 for r in rows[:2]), rows  # (rank 2's last summary may predate its client)
     assert [ranks[r].wait() for r in (0, 1)] == [1, 1], [c.output for c in ranks]
     assert time.monotonic() - started < 30  # the tier timeout and the barrier's look
-    assert all("rank 2 of the tier was lost" in ranks[r].output for r in (0, 1))
+    assert all("rank 2 of the tier was lost" in ranks[r].output for r in (0, 1)), [
+        ranks[r].output[-600:] for r in (0, 1)
+    ]
     assert all(f"tier: rank {r} of 3, every rank proven" in coord.output for r, coord in enumerate(ranks))
     for c in clients:
         c.kill()

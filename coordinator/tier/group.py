@@ -27,9 +27,11 @@ a thread of its own with a 5 s store timeout, so it can never hold up a heartbea
 Liveness: every rank bumps a counter in the store every ``HEARTBEAT`` seconds from a thread of
 its own. Before each step's collectives a rank waits at the step's barrier until every rank has
 arrived; while it waits it watches the counters, and a rank whose counter has not moved for
-``timeout`` seconds is lost: ``RankLost`` names it and the job stops (exit 1). A rank that is
-merely slow (its volunteers are) keeps beating and is waited for. A lost rank 0 takes the store
-with it: the others then name rank 0.
+``timeout`` seconds is lost: ``RankLost`` names it and the job stops (exit 1). The rank that
+notices first writes the loss to the store, and the others name the same rank from it (rank 0,
+which hosts the store, waits up to ``ANNOUNCE_GRACE`` for them to read it before it leaves). A
+rank that is merely slow (its volunteers are) keeps beating and is waited for. A lost rank 0
+takes the store with it: the others then name rank 0.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ HEARTBEAT = 1.0  # seconds between a rank's heartbeats
 STATUS_EVERY = 2  # heartbeats between two publications of a rank's summary
 MAX_STATUS_BYTES = 2048  # a published summary's JSON, at most (a bigger one is not believed)
 VIEW_TIMEOUT = 5.0  # seconds a look at the store for the tier's view may wait
+LOST, LOST_ACKS = "lost", "lost/acks"  # store keys: which rank was lost and why; ranks that read it
+ANNOUNCE_GRACE = 5.0  # seconds rank 0 keeps the store up for the others to read a loss
 MAX_URL = 256
 POLL = 0.02  # seconds between looks at a barrier
 NONCE_BYTES = 32
@@ -154,6 +158,7 @@ class Tier:
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _rows: list[dict[str, Any]] = field(default_factory=list)
+    _lost_announced: bool = False  # this rank told the others one was lost
     _seen: dict[int, RankSummary] = field(default_factory=dict)  # the newest believed summary of each rank
     _moved: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (beat count, when it last moved)
 
@@ -214,18 +219,50 @@ class Tier:
         moved = [self.clock()] * self.world
         while arrived < self.world:
             time.sleep(POLL)
+            self._heard_of_a_loss()
             now = self.clock()
             counts = self._beat_counts()
             for r, (old, new) in enumerate(zip(last, counts, strict=True)):
                 if new != old:
                     moved[r] = now
                 elif r != self.rank and now - moved[r] > self.timeout:
-                    raise RankLost(r, f"no heartbeat for {self.timeout:g} s")
+                    self._announce(r, f"no heartbeat for {self.timeout:g} s")
             last = counts
             try:
                 arrived = int(self.store.add(key, 0))
             except Exception as exc:
                 raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
+
+    def _announce(self, rank: int, why: str) -> None:
+        """Rank ``rank`` is lost: tell the others through the store (so each names the same rank,
+        whoever noticed first, even once rank 0 leaves and takes the store), then stop."""
+        self._lost_announced = True
+        try:
+            news = f"lost|{rank}|{why}".encode()  # sealed: a stranger at the port cannot stop the tier so
+            self.store.set(LOST, auth.tier_status_mac(self.key, rank, news) + news)
+            if self.rank != 0:  # it knows: rank 0 need not wait for it to read the news
+                self.store.add(LOST_ACKS, 1)
+        except Exception:  # the store is gone too: the others will say so
+            pass
+        raise RankLost(rank, why)
+
+    def _heard_of_a_loss(self) -> None:
+        """Another rank announced a lost one: acknowledge, and stop naming the same rank."""
+        try:
+            if not self.store.check([LOST]):
+                return
+            data = self.store.get(LOST)
+        except Exception:  # the store went while we looked: the caller's next look says so
+            return
+        mac, news = data[:32], data[32:]
+        _, rank, why = news.decode(errors="replace").split("|", 2) if news.count(b"|") >= 2 else ("", "", "")
+        if not (rank.isdigit() and 0 <= int(rank) < self.world and auth.tier_status_ok(self.key, int(rank), news, mac)):
+            return  # not a rank's word: not believed
+        try:
+            self.store.add(LOST_ACKS, 1)
+        except Exception:
+            pass
+        raise RankLost(int(rank), why[:200] or "announced by another rank")
 
     # ------------------------------------------------------------------ the tier's view
 
@@ -303,6 +340,13 @@ class Tier:
 
     def close(self) -> None:
         self._stop.set()
+        if self._lost_announced and self.rank == 0:  # rank 0 holds the store: let the others read it
+            deadline = time.monotonic() + ANNOUNCE_GRACE
+            try:
+                while int(self.store.add(LOST_ACKS, 0)) < self.world - 2 and time.monotonic() < deadline:
+                    time.sleep(POLL)
+            except Exception:
+                pass
         if dist.is_initialized():
             dist.destroy_process_group()
 
