@@ -102,3 +102,28 @@ def test_a_gpu_jobs_checkpoint_resumes_on_the_cpu(tmp_path: Path, cpu_losses: li
     assert "resuming job 1" in again.output
     losses = [row[0] for row in again.query("SELECT loss FROM steps WHERE job_id = 1 ORDER BY step")]
     _same(losses, cpu_losses)
+
+
+def test_a_tier_of_two_gpu_ranks_trains_exactly(tmp_path: Path) -> None:
+    """Two coordinator ranks on the one GPU (buckets staged through host memory, gloo), a CPU
+    client each: every rank logs the same global loss, bit for bit, and it is one CUDA
+    coordinator's on the whole batch (and the CPU reference) within CUDA's tolerance."""
+    from test_tier import _port, _ranks  # the tier's own helpers: real ranks on loopback
+
+    steps, batch = 6, 4
+    ranks = _ranks(
+        tmp_path, 2, _port(), "--device", "cuda", "--min-devices", "1", "--no-redirect", steps=steps, batch=batch
+    )
+    clients = [join(coord.url, f"r{r}") for r, coord in enumerate(ranks)]
+    assert [c.wait() for c in ranks] == [0, 0], [c.output[-2000:] for c in ranks]
+    for c in clients:
+        c.wait()
+    assert all("coordinator device: cuda" in c.output for c in ranks)
+    logged = [[row[0] for row in c.query("SELECT loss FROM steps ORDER BY step")] for c in ranks]
+    assert logged[0] == logged[1] and len(logged[0]) == steps
+    cfg = TrainConfig(steps=steps, batch_size=batch)
+    _same(logged[0], [r.loss for r in Trainer(cfg, device=torch.device("cuda")).run()])
+    _same(logged[0], [r.loss for r in Trainer(cfg, device=torch.device("cpu")).run()])
+    for coord in ranks:  # tiles reached each rank's client
+        done = dict(coord.query("SELECT name, tiles_done FROM devices"))
+        assert len(done) == 1 and all(n > 0 for n in done.values()), done

@@ -154,8 +154,6 @@ class Trainer:
                 )
             if cfg.precision == "fp16":
                 raise ConfigError("--precision fp16 (its loss scaler) does not run on a tier yet: use bf16 or autocast")
-            if self.device.type != "cpu":
-                raise ConfigError("a tier's ranks train on the CPU for now (gloo reduces CPU tensors)")
         if (model_factory is not None) != models.is_custom(cfg.model):
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
         torch.manual_seed(cfg.seed)

@@ -21,8 +21,11 @@ every rank's whole gradient:
   then every owner's updated weights are all-gathered (float32 buckets).
 - ``DataParallel.all_sum``: float64 scalars (the loss, the token count) summed in rank order.
 
-The group is torch.distributed's default (gloo on CPU tensors); who may be a rank is decided
-before (``coordinator/tier/``).
+The group is torch.distributed's default, gloo, on CPU tensors; who may be a rank is decided
+before (``coordinator/tier/``). A rank on a GPU (``--device cuda``) stages each bucket through
+host memory: one copy of the bucket each way over PCIe (tens of GB/s), against a tier link of
+1-100 Gbit/s that the bucket crosses anyway. So ranks may share a GPU, or have none, and the sums
+stay the CPU's rank-order float32 adds. (NCCL would need a GPU of its own per rank.)
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ class ShardedAdamW:
             idx = [i for i, o in enumerate(self.owners) if o == r]
             self.regions.append((lo[r] or 0, self.offsets[idx[-1] + 1] - self.offsets[idx[0]]) if idx else (0, 0))
         self.mine = [p for p, o in zip(self.params, self.owners) if o == dp.rank]
+        self.device = self.params[0].device if self.params else torch.device("cpu")  # buckets fill here
         self.chunk = max(1, bucket_bytes // 4 // dp.world)  # elements per rank per bucket
         self.gather_seconds = 0.0  # the last step's weight all-gather
         self._has = [True] * len(self.params)  # which parameters had a gradient on some rank (the last reduce)
@@ -212,11 +216,12 @@ class ShardedAdamW:
         total = torch.empty(mine, dtype=torch.float32)  # this rank's summed region
         for k in range(self._rounds()):
             sizes = self._sizes(k)
-            send = torch.empty(sum(sizes), dtype=torch.float32)
+            send = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
             at = 0
             for r, n in enumerate(sizes):
                 self._read_grads(self.regions[r][0] + k * self.chunk, n, send[at : at + n])
                 at += n
+            send = send.cpu()  # a GPU rank's bucket to host memory, once (gloo sends host tensors)
             m = sizes[me]
             got = torch.empty(world * m, dtype=torch.float32)
             if world == 1:
@@ -234,7 +239,7 @@ class ShardedAdamW:
         for i, begin, take in self._spans(start, mine):
             p = self.params[i]
             at = self.offsets[i] + begin - start
-            p.grad = total[at : at + take].view_as(p).to(p.dtype) if self._has[i] else None
+            p.grad = total[at : at + take].view_as(p).to(p.device, p.dtype) if self._has[i] else None
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -247,7 +252,7 @@ class ShardedAdamW:
         own = torch.zeros(width, dtype=torch.float32)
         for j, p in enumerate(self.mine):
             if p.grad is not None:
-                own[j] = torch.linalg.vector_norm(p.grad, 2.0).to(torch.float32)
+                own[j] = torch.linalg.vector_norm(p.grad, 2.0).to("cpu", torch.float32)
         if world == 1:
             every = own.view(1, width)
         else:
@@ -257,7 +262,7 @@ class ShardedAdamW:
         norms, seen = [], [0] * world
         for i, (p, o) in enumerate(zip(self.params, self.owners)):  # the model's order, each in its dtype
             if self._has[i]:  # as clip_grad_norm_ skips a parameter without a gradient
-                norms.append(every[o, seen[o]].to(p.dtype))
+                norms.append(every[o, seen[o]].to(p.device, p.dtype))  # the total where the weights are
             seen[o] += 1
         total = torch.nn.utils.get_total_norm(norms, 2.0, foreach=False)
         torch.nn.utils.clip_grads_with_norm_(self.mine, max_norm, total, foreach=False)
@@ -278,14 +283,15 @@ class ShardedAdamW:
             width = max(sizes)
             if not width:
                 continue
-            mine = torch.zeros(width, dtype=torch.float32)  # padded: all_gather needs equal parts
+            mine = torch.zeros(width, dtype=torch.float32, device=self.device)  # padded: all_gather needs equal parts
             lo, n = self.regions[self.dp.rank][0] + k * self.chunk, sizes[self.dp.rank]
             at = 0
             for i, begin, take in self._spans(lo, n):
                 mine[at : at + take].copy_(self.params[i].detach().reshape(-1)[begin : begin + take])
                 at += take
             whole = torch.empty(world * width, dtype=torch.float32)
-            all_gather(whole, mine)
+            all_gather(whole, mine.cpu())
+            whole = whole.to(self.device)  # back to a GPU rank's memory, once
             for r, n in enumerate(sizes):
                 if r == self.dp.rank or not n:
                     continue
