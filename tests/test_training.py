@@ -408,3 +408,39 @@ def test_a_trainer_on_the_cpu_device_is_the_default_trainer() -> None:
     placed = Trainer(cfg, device=torch.device("cpu"))
     assert [r.loss for r in placed.run()] == default
     assert all(p.device.type == "cpu" for p in placed.model.parameters())
+
+
+class _AnsweringLoop:
+    """Stands for the event loop and the server: answers each GEMM RemoteEngine submits with
+    its product, computed here (as a GEMM the planner keeps home)."""
+
+    def call_soon_threadsafe(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        requests, futures = fn.args[0], fn.args[1]
+        for r, f in zip(requests, futures, strict=True):
+            f.set_result(lambda r=r: r.a @ r.b)
+
+
+def test_a_layers_deferred_dw_reaches_the_thread_that_ran_its_forward() -> None:
+    """On a GPU, autograd runs backward on its own device thread, not the trainer's: a dW that
+    backward defers must still reach the trainer thread's ``finish_backward`` (a CUDA
+    coordinator once dropped every deferred dW, so its Linear weights never learned). Here
+    backward runs on another thread, as CUDA's would."""
+    from coordinator.net.remote import RemoteEngine
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    tiled = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    tiled.load_state_dict(plain.state_dict())
+    server = type("S", (), {"submit": lambda *a, **k: None})()  # (the loop answers in its stead)
+    engine = RemoteEngine(server=server, loop=_AnsweringLoop())  # type: ignore[arg-type]
+    assert offload_linears(tiled, engine) == 2
+    x = torch.randn(5, 8)
+    plain(x).square().sum().backward()
+    loss = tiled(x).square().sum()  # forward on this thread
+    other = threading.Thread(target=loss.backward)  # backward on another
+    other.start()
+    other.join()
+    engine.finish_backward()  # here, where the forward ran
+    for (name, want), got in zip(plain.named_parameters(), tiled.parameters(), strict=True):
+        assert got.grad is not None, name
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6)

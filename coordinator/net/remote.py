@@ -39,12 +39,19 @@ def _row_norms(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _Mine(threading.local):
-    """One trainer thread's (a micro-batch's, when they run at once) own state."""
+class Part:
+    """One micro-batch's own state (one trainer thread's; several run at once with parts at
+    once). Its layers' backward hands it back explicitly: on a GPU, autograd runs backward on
+    its own device thread, not the thread that ran the forward and will collect the dWs."""
 
     deferred: list[tuple[torch.Tensor, concurrent.futures.Future[Product]]] = field(default_factory=list)
-    # Casts of deferred dWs' operands, dropped at this thread's next GEMM waited on.
+    # Casts of deferred dWs' operands, dropped at this part's next GEMM waited on.
     evict: list[tuple] = field(default_factory=list)
+
+
+class _Mine(threading.local):
+    def __init__(self) -> None:
+        self.part = Part()
 
 
 class RemoteEngine:
@@ -77,8 +84,8 @@ class RemoteEngine:
 
     def begin_step(self, step: int) -> None:
         self._casts.clear()  # the step's activations and the weights before their update
-        self._mine.deferred.clear()  # left over only by a step that failed
-        self._mine.evict.clear()
+        self._mine.part.deferred.clear()  # left over only by a step that failed
+        self._mine.part.evict.clear()
         # Queued before the step's first GEMM (same FIFO), so every GEMM row carries its step.
         self.loop.call_soon_threadsafe(lambda: self.server.core.begin_step(step, self.server.clock()))
 
@@ -115,17 +122,23 @@ class RemoteEngine:
             return None
         return dtype
 
-    def run(self, requests: Sequence[GemmRequest]) -> list[torch.Tensor]:
-        futures = self._submit(requests, deferred=False)
+    def part(self) -> Part:
+        """The calling thread's micro-batch: a layer's forward takes it for its backward."""
+        return self._mine.part
+
+    def run(self, requests: Sequence[GemmRequest], part: Part | None = None) -> list[torch.Tensor]:
+        futures = self._submit(requests, deferred=False, part=part or self._mine.part)
         # Each GEMM is put together here (partial sums, or the PS's own product), off the loop.
         return [_on(r.a.device, f.result()()) for r, f in zip(requests, futures, strict=True)]
 
-    def defer(self, request: GemmRequest, param: torch.Tensor) -> None:
+    def defer(self, request: GemmRequest, param: torch.Tensor, part: Part | None = None) -> None:
         """Start ``request`` (a weight gradient) and add its product to ``param.grad`` at
-        ``finish_backward``: backward goes on to the layers below meanwhile, and the GEMMs it
-        waits on go ahead of this one's tiles on the devices."""
-        (future,) = self._submit([request], deferred=True)
-        self._mine.deferred.append((param, future))
+        ``finish_backward`` of ``part`` (the micro-batch whose forward read the layer; the
+        calling thread's by default): backward goes on to the layers below meanwhile, and the
+        GEMMs it waits on go ahead of this one's tiles on the devices."""
+        part = part or self._mine.part
+        (future,) = self._submit([request], deferred=True, part=part)
+        part.deferred.append((param, future))
         # (param lives where the trainer does: take_deferred brings the product there)
 
     def finish_backward(self) -> None:
@@ -137,10 +150,14 @@ class RemoteEngine:
     def take_deferred(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Wait for this thread's deferred weight gradients: (param, its dW), in the order
         backward deferred them. A micro-batch run beside others keeps them as its own."""
-        deferred, self._mine.deferred = self._mine.deferred, []
+        part = self._mine.part
+        deferred, part.deferred = part.deferred, []
         return [(param, _on(param.device, future.result()())) for param, future in deferred]
 
-    def _submit(self, requests: Sequence[GemmRequest], *, deferred: bool) -> list[concurrent.futures.Future[Product]]:
+    def _submit(
+        self, requests: Sequence[GemmRequest], *, deferred: bool, part: Part | None = None
+    ) -> list[concurrent.futures.Future[Product]]:
+        part = part or self._mine.part
         sent, out, kept = [], [], []
         mine: list[concurrent.futures.Future[Product] | None] = []  # per request: answered here, or None
         for r in requests:  # here, on the trainer thread (idle while tiles are out), not on the loop
@@ -185,11 +202,11 @@ class RemoteEngine:
         # the dX that a deferred dW precedes has cast the same dY (the next GEMM waited on).
         evict = [self._key(t)[1] for r in requests if r.kind is GemmKind.GRAD_WEIGHT for t in (r.a, r.b)]
         if deferred:
-            self._mine.evict.extend(evict)
+            part.evict.extend(evict)
         else:
-            for key in (*self._mine.evict, *evict):
+            for key in (*part.evict, *evict):
                 self._casts.pop(key, None)
-            self._mine.evict.clear()
+            part.evict.clear()
         sent_futures = iter(futures)
         return [f if f is not None else next(sent_futures) for f in mine]
 

@@ -44,7 +44,8 @@ class MatmulEngine(Protocol):
 
 class DeferringEngine(MatmulEngine, Protocol):
     def defer(self, request: GemmRequest, param: torch.Tensor) -> None:
-        """Start ``request``; its product is added to ``param.grad`` by ``finish_backward``."""
+        """Start ``request``; its product is added to ``param.grad`` by ``finish_backward``.
+        (An engine with ``part()`` gets the forward's part as ``part=`` here and in ``run``.)"""
         ...
 
     def finish_backward(self) -> None:
@@ -69,6 +70,10 @@ class _TiledLinearFn(torch.autograd.Function):
         ctx.engine = engine
         ctx.in_out = in_out
         ctx.param = weight  # the parameter itself, whose .grad a deferred dW goes into
+        # The micro-batch this forward belongs to, for an engine that keeps one's state (its
+        # deferred dWs): backward may run on another thread (autograd's own, on a GPU).
+        part = getattr(engine, "part", None)
+        ctx.part = {} if part is None else {"part": part()}
         (y,) = engine.run([GemmRequest(x2d, weight if in_out else weight.t(), GemmKind.FORWARD)])
         return y
 
@@ -86,14 +91,14 @@ class _TiledLinearFn(torch.autograd.Function):
         requests = []
         defer = getattr(ctx.engine, "defer", None)
         if want_w and defer is not None and ctx.param.is_leaf:
-            defer(dw, ctx.param)
+            defer(dw, ctx.param, **ctx.part)
             want_w = False  # autograd leaves .grad alone; finish_backward adds it
         if want_x:
             requests.append(GemmRequest(grad_y, weight.t() if ctx.in_out else weight, GemmKind.GRAD_INPUT))
         if want_w:
             requests.append(dw)
         # dX and dW are independent: submitted together, they are tiled and computed together.
-        results = iter(ctx.engine.run(requests) if requests else ())
+        results = iter(ctx.engine.run(requests, **ctx.part) if requests else ())
         grad_x = next(results) if want_x else None
         grad_w = next(results) if want_w else None
         return grad_x, grad_w, None, None
