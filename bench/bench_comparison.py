@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cleave_cli.plan import coordinator_ps, default_ps  # noqa: E402
+from cleave_cli.plan import coordinator_ps, default_ps, with_relays  # noqa: E402
 from cleave_cli.simulate import adjust_fleet, simulate_one  # noqa: E402
 from coordinator.engine.live_plan import Planner  # noqa: E402
 from coordinator.planning.costmodel import ITEMSIZE  # noqa: E402
@@ -99,9 +99,16 @@ TIER_COLUMNS = [
 
 
 def tier_run(
-    model: str, devices: int, batch: int, seq: int, coordinator: str, ranks: int, args: argparse.Namespace
+    model: str,
+    devices: int,
+    batch: int,
+    seq: int,
+    coordinator: str,
+    ranks: int,
+    args: argparse.Namespace,
+    relays: int = 0,
 ) -> dict:
-    ps = coordinator_ps(coordinator, args.tier_ps_gbps)
+    ps = with_relays(coordinator_ps(coordinator, args.tier_ps_gbps), relays, args.relay_gbps, args.relay_gb)
     classes = resolve_fleet(args.tier_fleet, "bf16", devices)
     return simulate_one(
         model,
@@ -126,15 +133,21 @@ def tier_grid(args: argparse.Namespace) -> list[dict]:
     print(row(TIER_COLUMNS))
     print(row(["---"] * len(TIER_COLUMNS)), flush=True)
     batches = [tuple(int(x) for x in b.split("x")) for b in args.tier_batches.split(",")]
-    setups = [(c.split(":")[0], int(c.split(":")[1])) for c in args.tier_setups.split(",")]
+    # COORDINATOR:COUNT[:rRELAYS], relays per coordinator
+    setups = [
+        (c.split(":")[0], int(c.split(":")[1]), int(c.split(":")[2][1:]) if c.count(":") == 2 else 0)
+        for c in args.tier_setups.split(",")
+    ]
     reports = []
-    for model, devices, (batch, seq), (coordinator, ranks) in itertools.product(
+    for model, devices, (batch, seq), (coordinator, ranks, relays) in itertools.product(
         args.tier_models.split(","), [int(c) for c in args.counts.split(",")], batches, setups
     ):
         if batch % ranks:  # a tier cuts the batch into equal slices: 8 sequences do not make 16
             continue
-        r = tier_run(model, devices, batch, seq, coordinator, ranks, args)
-        reports.append({"model": model, "devices": devices, "coordinator": coordinator, "ranks": ranks, **r})
+        r = tier_run(model, devices, batch, seq, coordinator, ranks, args, relays)
+        reports.append(
+            {"model": model, "devices": devices, "coordinator": coordinator, "ranks": ranks, "relays": relays, **r}
+        )
         c, vs, vc = r["cleave"], r["speedup"]["vs_dtfm"], r["speedup"]["vs_cloud"]
         print(
             row(
@@ -142,7 +155,7 @@ def tier_grid(args: argparse.Namespace) -> list[dict]:
                     model,
                     f"{devices:,}",
                     f"{batch} x {seq}",
-                    f"{ranks} {coordinator}",
+                    f"{ranks} {coordinator}" + (f" + {relays} relays" if relays else ""),
                     fmt(c["step_s"]),
                     c["bound"],
                     fmt(c["tier_s"]) if ranks > 1 else "-",
@@ -176,10 +189,14 @@ def main() -> int:
     parser.add_argument("--tier-fleet", default="mixed", help="--tier: the fleet preset")
     parser.add_argument("--tier-batches", default="8x256,256x1024", help="--tier: batches, SEQUENCESxTOKENS")
     parser.add_argument(
-        "--tier-setups", default="server:1,server:4,server:16,h100:1,h100:16", help="--tier: COORDINATOR:COUNT"
+        "--tier-setups",
+        default="server:1,server:4,server:16,h100:1,h100:16",
+        help="--tier: COORDINATOR:COUNT[:rRELAYS] (relays per coordinator)",
     )
     parser.add_argument("--tier-ps-gbps", type=float, default=400.0, help="--tier: each coordinator's link")
     parser.add_argument("--tier-link-gbps", type=float, default=100.0, help="--tier: the ranks' links")
+    parser.add_argument("--relay-gbps", type=float, default=10.0, help="--tier: each relay's link (Gbit/s)")
+    parser.add_argument("--relay-gb", type=float, default=16.0, help="--tier: each relay's block cache (GB)")
     args = parser.parse_args()
     if args.tier:
         reports = tier_grid(args)

@@ -347,6 +347,32 @@ Coordinators = Annotated[
 TierLinkGbps = Annotated[
     float, typer.Option("--tier-link-gbps", help="Each coordinator's link to the others in Gbit/s, each way.")
 ]
+Relays = Annotated[
+    int,
+    typer.Option(
+        "--relays",
+        help="Relays per coordinator (cleave relay): each takes a block from the coordinator once and serves it "
+        "to its devices; every device sits behind one.",
+    ),
+]
+RelayLinkGbps = Annotated[float, typer.Option("--relay-link-gbps", help="Each relay's link in Gbit/s, each way.")]
+RelayMemoryGb = Annotated[float, typer.Option("--relay-memory-gb", help="Each relay's block cache in GB.")]
+DEFAULT_RELAY_GBPS = 10.0  # a university server or a cloud VM
+DEFAULT_RELAY_GB = 16.0
+MAX_RELAYS = 10_000
+
+
+def with_relays(ps: PSProfile, relays: int, link_gbps: float, memory_gb: float) -> PSProfile:
+    """``ps`` with ``--relays`` relays on ``--relay-link-gbps`` links, caching ``--relay-memory-gb``."""
+    if not 0 <= relays <= MAX_RELAYS:
+        raise ConfigError(f"--relays must be between 0 and {MAX_RELAYS:,}, got {relays}")
+    if not (math.isfinite(link_gbps) and 0 < link_gbps <= 1e6):
+        raise ConfigError(f"--relay-link-gbps must be above 0 and at most 1,000,000, got {link_gbps}")
+    if not (math.isfinite(memory_gb) and 0 < memory_gb <= 1e6):
+        raise ConfigError(f"--relay-memory-gb must be above 0 and at most 1,000,000, got {memory_gb}")
+    return dataclasses.replace(ps, relays=relays, relay_egress=link_gbps * 1e9 / 8, relay_memory=memory_gb * 1e9)
+
+
 PsGflops = Annotated[
     float | None,
     typer.Option("--ps-gflops", help="The parameter server's own GEMM rate (GFLOP/s). Default: the --coordinator's."),

@@ -680,8 +680,11 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
         ("uplink", "device uplink"),
         ("ps_egress", "PS egress"),
         ("ps_ingress", "PS ingress"),
+        ("relay_egress", "relay egress (each)"),
         ("ps_cpu", "PS CPU"),
     ):
+        if key == "relay_egress" and not c["busy_s"].get(key):
+            continue  # no relays
         busy.add_row(label, _seconds(c["busy_s"][key]), _share(c["utilisation"][key]))
     busy.add_row(
         "stalls from churn", _seconds(c["stall_s"]), _share(c["stall_s"] / c["step_s"] if c["step_s"] else None)
@@ -691,7 +694,9 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
     lines = Text()
     lines.append(f"PS CPU: {cpu or 'idle'}\n")
     lines.append(
-        f"bytes: PS sent {_bytes(b['ps_egress'])}, received {_bytes(b['ps_ingress'])}; per device "
+        f"bytes: PS sent {_bytes(b['ps_egress'])}, received {_bytes(b['ps_ingress'])}"
+        + (f"; relays served {_bytes(b['relay_out'])}" if b.get("relay_out") else "")
+        + "; per device "
         f"{_bytes(b['device_down_mean'])} down (at most {_bytes(b['device_down_max'])}), "
         f"{_bytes(b['device_up_mean'])} up\n"
     )

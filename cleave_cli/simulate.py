@@ -25,6 +25,8 @@ from cleave_cli.errors import friendly, stderr_console
 from cleave_cli.options import micro_batches_of
 from cleave_cli.plan import (
     DEFAULT_LINK_GBPS,
+    DEFAULT_RELAY_GB,
+    DEFAULT_RELAY_GBPS,
     AsJson,
     BatchSize,
     CoordinatorPreset,
@@ -36,11 +38,15 @@ from cleave_cli.plan import (
     ModelPreset,
     PsGflops,
     PsLinkGbps,
+    RelayLinkGbps,
+    RelayMemoryGb,
+    Relays,
     SeqLen,
     TierLinkGbps,
     check_options,
     coordinator_ps,
     tier_of,
+    with_relays,
 )
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
@@ -92,7 +98,7 @@ def _breakdown(result: SimResult, step_s: float, ps: PSProfile) -> dict[str, Any
     def mean(attr: str) -> float:
         return sum(getattr(s, attr) for s in steps) * per
 
-    egress, ingress = mean("egress_bytes"), mean("ingress_bytes")
+    egress, ingress, relayed = mean("egress_bytes"), mean("ingress_bytes"), mean("relay_bytes")
     cpu = {k: sum(s.ps_cpu[k] for s in steps) * per for k in steps[0].ps_cpu}
     busy = {
         "compute": mean("device_compute"),
@@ -100,6 +106,7 @@ def _breakdown(result: SimResult, step_s: float, ps: PSProfile) -> dict[str, Any
         "uplink": mean("device_up"),
         "ps_egress": egress / ps.egress,
         "ps_ingress": ingress / ps.ingress,
+        "relay_egress": relayed / (ps.relays * ps.relay_egress) if ps.relays else 0.0,  # the relays' mean
         # Its two threads: the verifier's checks, the trainer's attention, assembly and AdamW.
         "ps_cpu": max(cpu.get("verify", 0.0), sum(v for k, v in cpu.items() if k != "verify")),
     }
@@ -115,6 +122,7 @@ def _breakdown(result: SimResult, step_s: float, ps: PSProfile) -> dict[str, Any
         "bytes": {
             "ps_egress": egress,
             "ps_ingress": ingress,
+            "relay_out": relayed,
             "device_down_mean": mean("bytes_down_mean"),
             "device_down_max": mean("bytes_down_max"),
             "device_up_mean": mean("bytes_up_mean"),
@@ -381,6 +389,9 @@ def build_report(
             "memory_bw": ps.memory_bw,
             "unit_overhead": ps.unit_overhead,
             "check_columns": ps.check_columns,
+            "relays": ps.relays,
+            "relay_link_gbps": ps.relay_egress * 8 / 1e9,
+            "relay_memory_gb": ps.relay_memory / 1e9,
         },
     }
     if len(runs) == 1:
@@ -450,6 +461,9 @@ def simulate(
     coordinator: CoordinatorPreset = "server",
     coordinators: Coordinators = 1,
     tier_link_gbps: TierLinkGbps = DEFAULT_TIER_GBPS,
+    relays: Relays = 0,
+    relay_link_gbps: RelayLinkGbps = DEFAULT_RELAY_GBPS,
+    relay_memory_gb: RelayMemoryGb = DEFAULT_RELAY_GB,
     batch_size: BatchSize = 8,
     seq_len: SeqLen = 256,
     dtype: DTypeName = DType.FP32.value,
@@ -510,7 +524,7 @@ def simulate(
         raise ConfigError(
             f"--heartbeat-timeout must be above {FaultPolicy().heartbeat:g} s and at most 3600, got {heartbeat_timeout}"
         )
-    ps = coordinator_ps(coordinator, ps_link_gbps, ps_gflops)
+    ps = with_relays(coordinator_ps(coordinator, ps_link_gbps, ps_gflops), relays, relay_link_gbps, relay_memory_gb)
     with stderr_console().status("simulating ...") as status:
         try:
             report = build_report(

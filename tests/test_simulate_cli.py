@@ -33,7 +33,8 @@ def test_json_holds_cleave_dtfm_and_cloud_step_times_and_the_breakdown() -> None
     assert "step_s" in report["dtfm"]
     c = report["cleave"]
     assert c["remote_gemms"] > 25 and c["units"] > 0  # a 2 GFLOP/s PS ships most GEMMs
-    assert set(c["busy_s"]) == {"compute", "downlink", "uplink", "ps_egress", "ps_ingress", "ps_cpu"}
+    assert set(c["busy_s"]) == {"compute", "downlink", "uplink", "ps_egress", "ps_ingress", "relay_egress", "ps_cpu"}
+    assert c["busy_s"]["relay_egress"] == 0 and c["bytes"]["relay_out"] == 0  # no relays
     assert c["bound"] in {*c["busy_s"], "latency"}
     assert c["bytes"]["ps_egress"] >= c["bytes"]["device_down_max"] > 0
     assert c["recovery_s"] is None or c["recovery_s"] > 0
@@ -102,3 +103,15 @@ def test_bad_options_are_one_line_errors(args: list[str], message: str) -> None:
     result = RUNNER.invoke(app, ["simulate", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_relays_carry_the_devices_bytes_and_bad_relay_options_are_usage_errors() -> None:
+    args = [*FAST, "--devices", "16", "--no-churn", "--planner", "uniform", "--micro-batches", "1"]
+    alone, relayed = simulate(*args), simulate(*args, "--relays", "2", "--relay-link-gbps", "40")
+    a, r = alone["cleave"], relayed["cleave"]
+    assert relayed["ps"]["relays"] == 2 and relayed["ps"]["relay_link_gbps"] == 40
+    assert r["bytes"]["relay_out"] > 0 and r["busy_s"]["relay_egress"] > 0
+    assert r["bytes"]["ps_egress"] < a["bytes"]["ps_egress"]
+    for bad in (["--relays", "-1"], ["--relay-link-gbps", "0"], ["--relay-memory-gb", "nan"]):
+        result = RUNNER.invoke(app, ["simulate", *FAST, *bad])
+        assert result.exit_code == 2 and bad[0] in result.output, result.output

@@ -404,3 +404,42 @@ def test_a_tier_simulates_its_slowest_coordinator_with_the_collectives_on_its_tr
         SimConfig(model, fleet, LAN_PS, batch=8, tier=Tier.from_gbps(8, 10))
     with pytest.raises(SimulationError, match="each rank's slice of the batch"):
         SimConfig(model, fleet, LAN_PS, batch=8, micro_batches=8, tier=tier)
+
+
+def test_relays_send_each_block_from_the_ps_once_per_relay_and_serve_every_device() -> None:
+    """Behind relays the PS sends a block at most once per relay (what it lacks), the relays
+    carry every byte the devices download, and a PS whose egress binds gets a shorter step.
+    Without relays every byte a device downloads leaves the PS."""
+    narrow = dataclasses.replace(SLOW, egress=SLOW.egress / 40)  # 250 Mbit/s: the PS's link binds
+    alone = run(ps=narrow, planner=Planner.UNIFORM)
+    plain = alone.result.steps[0]
+    one = run(ps=dataclasses.replace(narrow, relays=1), planner=Planner.UNIFORM)
+    relayed = one.result.steps[0]
+    assert plain.relay_bytes == 0 and plain.egress_bytes == pytest.approx(sum(alone.result.device_bytes_down))
+    assert relayed.relay_bytes == pytest.approx(sum(one.result.device_bytes_down))  # every device byte via the relay
+    # Each distinct block once: the step's GEMM operands, at most (the relay's cache holds them all).
+    operands = sum(
+        4 * (c.m * c.k + c.k * c.n)
+        for op in step_program(one.cfg.model, 8, 256, "fp32", SLOW)
+        if not isinstance(op, PsWork)
+        for c in op
+    )
+    assert relayed.egress_bytes <= operands
+    assert relayed.egress_bytes < 0.5 * plain.egress_bytes
+    assert relayed.seconds < plain.seconds
+    # A relay that caches almost nothing fetches a block again for each device that needs it.
+    tiny_cache = run(ps=dataclasses.replace(narrow, relays=1, relay_memory=1.0), planner=Planner.UNIFORM)
+    assert tiny_cache.result.steps[0].egress_bytes > relayed.egress_bytes
+
+
+def test_the_cost_model_prices_a_relayed_block_once_from_the_ps_and_once_per_device_from_the_relay() -> None:
+    ps = PSProfile(egress=1e9, relays=0)
+    assert ps.send_seconds(8e9, 1e9) == pytest.approx(8.0)
+    relayed = dataclasses.replace(ps, relays=2, relay_egress=4e9)
+    # The PS sends each distinct block once per relay (2 GB); the relays carry all 8 GB at 8 GB/s.
+    assert relayed.send_seconds(8e9, 1e9) == pytest.approx(max(2.0, 1.0))
+    # Never more from the PS than without relays; slow relays bind on their own egress.
+    assert dataclasses.replace(ps, relays=16).send_seconds(1e9, 1e9) == pytest.approx(1.0)
+    assert dataclasses.replace(ps, relays=1, relay_egress=1e8).send_seconds(8e9, 1e9) == pytest.approx(80.0)
+    with pytest.raises(CostModelError):
+        PSProfile(relays=-1)

@@ -88,6 +88,17 @@ class Profile:
         if not self.session > 0:
             raise CostModelError(f"session must be positive, got {self.session!r}")
 
+    def send_seconds(self, sent: float, distinct: float) -> float:
+        """Seconds to get ``sent`` bytes of operand blocks to the devices, of which ``distinct``
+        are different blocks. Without relays all of it leaves the PS. Behind relays a block
+        leaves the PS once per relay at most (``min(sent, relays x distinct)``), and the relays'
+        egress carries it once per device that needs it, spread over the relays; the slower of
+        the two binds (each is a FIFO link, and both run at once across a GEMM's blocks)."""
+        if self.relays <= 0:
+            return sent / self.egress
+        from_ps = min(sent, self.relays * distinct)
+        return max(from_ps / self.egress, sent / (self.relays * self.relay_egress))
+
     @property
     def optimizer_bw(self) -> float:
         """Bytes/s at which AdamW streams its parameters, moments and gradients."""
@@ -141,9 +152,19 @@ class PSProfile:
     # Column blocks of one A block a batched check is priced to meet (``check_width``): the
     # coordinator checks results in batches (CHECK_COLUMNS); 1 prices every check alone.
     check_columns: int = CHECK_COLUMNS
+    # Relays (``cleave relay``): volunteers with good links that take each operand block from
+    # the PS once and serve it to their devices. ``relays`` of them, each sending ``relay_egress``
+    # bytes/s and caching ``relay_memory`` bytes of blocks; every device sits behind one.
+    relays: int = 0
+    relay_egress: float = 1.25e9  # 10 Gbit/s: a university server or a cloud VM
+    relay_memory: float = 16e9
 
     def __post_init__(self) -> None:
         _positive("ps egress", self.egress)
+        _positive("relay egress", self.relay_egress)
+        _positive("relay memory", self.relay_memory)
+        if isinstance(self.relays, bool) or not isinstance(self.relays, int) or self.relays < 0:
+            raise CostModelError(f"relays must be a non-negative integer, got {self.relays!r}")
         _positive("ps ingress", self.ingress)
         _positive("ps verify_flops", self.verify_flops)
         _positive("ps unit_overhead", self.unit_overhead, zero=True)
@@ -153,6 +174,17 @@ class PSProfile:
             raise CostModelError(f"ps check_columns must be a positive integer, got {self.check_columns!r}")
         for dtype, rate in self.gflops.items():
             _positive(f"ps gflops[{dtype}]", rate, zero=True)
+
+    def send_seconds(self, sent: float, distinct: float) -> float:
+        """Seconds to get ``sent`` bytes of operand blocks to the devices, of which ``distinct``
+        are different blocks. Without relays all of it leaves the PS. Behind relays a block
+        leaves the PS once per relay at most (``min(sent, relays x distinct)``), and the relays'
+        egress carries it once per device that needs it, spread over the relays; the slower of
+        the two binds (each is a FIFO link, and both run at once across a GEMM's blocks)."""
+        if self.relays <= 0:
+            return sent / self.egress
+        from_ps = min(sent, self.relays * distinct)
+        return max(from_ps / self.egress, sent / (self.relays * self.relay_egress))
 
     @property
     def optimizer_bw(self) -> float:

@@ -398,7 +398,9 @@ class _Fill:
     ps: float = 0.0
 
 
-def _fill(cand: _Candidate, classes: Sequence[tuple[DeviceClass, _Costs]], t: float, ps: PSProfile) -> _Fill:
+def _fill(
+    cand: _Candidate, classes: Sequence[tuple[DeviceClass, _Costs]], t: float, ps: PSProfile, gemm: Gemm
+) -> _Fill:
     """Cover one group's pieces with the most capable devices first (each group: bands and slabs,
     or cells, gets ``count // groups`` devices of every class); then the PS must keep up in ``t``."""
     caps = sorted(((_capacity(costs, t), cls.name, cls, costs) for cls, costs in classes), key=lambda e: (-e[0], e[1]))
@@ -426,8 +428,14 @@ def _fill(cand: _Candidate, classes: Sequence[tuple[DeviceClass, _Costs]], t: fl
     fill.down, fill.up, fill.units, fill.verify = fill.down * g, fill.up * g, fill.units * g, fill.verify * g
     cols = cand.grid[1]
     fill.ps = ps_seconds(fill.units, fill.verify, max(0.0, fill.up - cand.out_bytes), cand.out_bytes, ps, cols)
-    fill.ok = fill.down / ps.egress <= t and fill.up / ps.ingress <= t and fill.ps <= t
+    fill.ok = _send(ps, gemm, fill.down) <= t and fill.up / ps.ingress <= t and fill.ps <= t
     return fill
+
+
+def _send(ps: PSProfile, gemm: Gemm, sent: float) -> float:
+    """Seconds for ``sent`` bytes of this GEMM's blocks to reach the devices (through relays, if
+    any: each distinct block leaves the PS once per relay; ``PSProfile.send_seconds``)."""
+    return ps.send_seconds(sent, float(gemm.itemsize * gemm.k * (gemm.m + gemm.n)))
 
 
 def _split_floor(gemm: Gemm, rows: int, cols: int, pieces: int, held_pieces: int) -> float:
@@ -454,7 +462,7 @@ def _price(
     if not classes:
         return None
     if math.isfinite(cutoff):
-        if not _fill(cand, classes, cutoff, ps).ok:
+        if not _fill(cand, classes, cutoff, ps, gemm).ok:
             return None
         hi = cutoff
     else:
@@ -466,23 +474,23 @@ def _price(
             ),
         )
         for _ in range(MAX_DOUBLINGS):
-            if _fill(cand, classes, hi, ps).ok:
+            if _fill(cand, classes, hi, ps, gemm).ok:
                 break
             hi *= 2
         else:
             return None
     lo = hi / 2
-    while lo > 1e-12 and _fill(cand, classes, lo, ps).ok:
+    while lo > 1e-12 and _fill(cand, classes, lo, ps, gemm).ok:
         hi, lo = lo, lo / 2
     for _ in range(BISECTION_STEPS):
         if hi - lo <= 1e-9 * hi:
             break
         mid = (lo + hi) / 2
-        if _fill(cand, classes, mid, ps).ok:
+        if _fill(cand, classes, mid, ps, gemm).ok:
             hi = mid
         else:
             lo = mid
-    fill = _fill(cand, classes, hi, ps)
+    fill = _fill(cand, classes, hi, ps, gemm)
     g = cand.groups
     shares = []
     compute = down_s = up_s = 0.0
@@ -508,7 +516,7 @@ def _price(
         compute = max(compute, costs.compute(busiest))
         down_s = max(down_s, costs.down(busiest) / cls.profile.down)
         up_s = max(up_s, costs.up(busiest) / cls.profile.up)
-    seconds = max([sh.seconds for sh in shares] + [fill.down / ps.egress, fill.up / ps.ingress, fill.ps])
+    seconds = max([sh.seconds for sh in shares] + [_send(ps, gemm, fill.down), fill.up / ps.ingress, fill.ps])
     rows, cols, parts = cand.grid
     if cand.kind is Kind.SPLIT_K:
         # Every input piece goes down once per cell, less what the devices that can take part hold.
@@ -532,7 +540,7 @@ def _price(
         floor,
         fill.ps,
         compute,
-        max(down_s, fill.down / ps.egress),
+        max(down_s, _send(ps, gemm, fill.down)),
         max(up_s, fill.up / ps.ingress),
         _largest(gemm, cand.grid),
         cand.kind is Kind.SPLIT_K and cand.local_sum,
@@ -718,14 +726,14 @@ def _lower_bound(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps:
     if cand.kind is Kind.SPLIT_K and cand.local_sum:
         cells = cand.groups
         check = ps_seconds(cells, cand.verify(cand.pieces) * cells, 0.0, out, ps, cand.grid[1])
-        return max(compute, check, egress / ps.egress)
+        return max(compute, check, _send(ps, gemm, egress))
     units = cand.groups * cand.pieces
     partials = units * cand.unit.up
     return max(
         compute,
         ps_seconds(units, units * cand.unit.verify_flops(), max(0.0, partials - out), out, ps, cand.grid[1]),
         partials / ps.ingress,
-        egress / ps.egress,
+        _send(ps, gemm, egress),
     )
 
 
@@ -810,7 +818,7 @@ def baseline(
     out_bytes = float(s * gemm.m * gemm.n)
     gr, gc, gk = tp.shape
     ps_s = ps_seconds(len(tiles), verify, max(0.0, ingress - out_bytes), out_bytes, ps, gc)
-    seconds = max(worst, egress / ps.egress, ingress / ps.ingress, ps_s)
+    seconds = max(worst, _send(ps, gemm, egress), ingress / ps.ingress, ps_s)
     if gk == 1:  # each device's outputs need at least the AM-GM bound, as an output plan's shares
         floor = sum(output_egress_floor(a, gemm.k, s) for a in area.values())
     else:  # split-k's floor; a device here takes tiles of any cell, so the whole output is one cell
@@ -826,7 +834,7 @@ def baseline(
         floor,
         ps_s,
         compute,
-        max(down_s, egress / ps.egress),
+        max(down_s, _send(ps, gemm, egress)),
         max(up_s, ingress / ps.ingress),
         largest,
     )
@@ -849,7 +857,7 @@ def _uniform_lower_bound(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile
     out = float(s * m * n)
     verify = 2.0 * VERIFY_ROUNDS * (m * k * cols + k * n * rows + m * n * parts)
     ps_s = ps_seconds(rows * cols * parts, verify, out * (parts - 1), out, ps, cols)
-    return max(ps_s, out * parts / ps.ingress, s * (m * k + k * n) / ps.egress)
+    return max(ps_s, out * parts / ps.ingress, _send(ps, gemm, s * (m * k + k * n)))
 
 
 def plan_gemm(

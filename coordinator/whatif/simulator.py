@@ -34,7 +34,7 @@ import dataclasses
 import heapq
 import math
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -413,8 +413,9 @@ class StepStats:
     local_gemms: int = 0
     remote_gemms: int = 0
     predicted: float = 0.0  # the planner's prediction for the step's GEMMs plus PS work
-    egress_bytes: float = 0.0
+    egress_bytes: float = 0.0  # blocks that left the PS (to devices, or to relays)
     ingress_bytes: float = 0.0
+    relay_bytes: float = 0.0  # blocks relays served to their devices
     ps_cpu: dict[str, float] = field(
         default_factory=lambda: {
             "verify": 0.0,
@@ -517,6 +518,28 @@ class _Device:
     bytes_up: float = 0.0
 
 
+@dataclass
+class _Relay:
+    """A relay (``PSProfile.relays``): its egress (a FIFO link) and the blocks it caches, least
+    recently used first, within ``relay_memory`` bytes."""
+
+    egress_free: float = 0.0
+    blocks: OrderedDict = field(default_factory=OrderedDict)  # key -> bytes
+    held: float = 0.0
+
+    def take(self, key: tuple, size: int, cap: float) -> bool:
+        """Whether the relay holds ``key`` already; it does afterwards (evicting the oldest)."""
+        if key in self.blocks:
+            self.blocks.move_to_end(key)
+            return True
+        self.blocks[key] = size
+        self.held += size
+        while self.held > cap and len(self.blocks) > 1:
+            _, old = self.blocks.popitem(last=False)
+            self.held -= old
+        return False
+
+
 @dataclass(eq=False)
 class _Unit:
     gemm: _Gemm
@@ -572,6 +595,7 @@ class Simulation:
         self._holders: dict[tuple, set[int]] = {}  # tensor namespace -> devices holding its blocks
         self._leased: dict[tuple[int, int], int] = {}  # (unit, device) -> lease epoch of the device
         self.egress_free = self.ingress_free = self.cpu_free = self.verify_free = 0.0
+        self.relays = [_Relay() for _ in range(cfg.ps.relays)]  # device d behind relay d mod count
         self._shapes: set[tuple[int, int, int]] = set()  # the step's GEMMs (m, n, k)
         self._work = 0.0  # the step's GEMM FLOP
         self._checks: list[tuple[int, int, int, float]] = []  # results waiting for the verifier
@@ -792,29 +816,42 @@ class Simulation:
 
     def _lease(self, d: _Device, uid: int, copy: str | None) -> None:
         """Send the unit: its blocks the device lacks go through the PS's egress and the
-        device's downlink (FIFO each); it is computed when it has arrived and the device is free."""
+        device's downlink (FIFO each); it is computed when it has arrived and the device is free.
+        Behind a relay, only the blocks the relay lacks leave the PS (to the relay), and the
+        relay's egress then carries all of them to the device (store and forward per unit)."""
         unit = self.units[uid]
         stats = self._stats
         stats.units += 1
         if copy is not None:
             stats.copies += 1
         nbytes = 0
+        lacked = []
         for key, name, size in unit.blocks:
             if key not in d.blocks:
                 d.blocks.add(key)
                 self.sched.holds_block(d.id, name)
                 self._holders.setdefault(key[0], set()).add(d.id)
                 nbytes += size
+                lacked.append((key, size))
         now = self.now
         p = d.profile
-        egress_done = max(now, self.egress_free) + nbytes / self.cfg.ps.egress
+        ps = self.cfg.ps
+        from_ps = nbytes
+        relay = self.relays[d.id % len(self.relays)] if self.relays and nbytes else None
+        if relay is not None:
+            from_ps = sum(size for key, size in lacked if not relay.take(key, size, ps.relay_memory))
+        egress_done = max(now, self.egress_free) + from_ps / ps.egress
         self.egress_free = egress_done
+        if relay is not None:  # the relay sends once it has the blocks it lacked
+            egress_done = max(egress_done if from_ps else now, relay.egress_free) + nbytes / ps.relay_egress
+            relay.egress_free = egress_done
+            stats.relay_bytes += nbytes
         start = max(now, d.down_free)
         end = max(start + nbytes / p.down, egress_done)
         d.down_s += nbytes / p.down
         d.down_free = end
         d.bytes_down += nbytes
-        stats.egress_bytes += nbytes
+        stats.egress_bytes += from_ps
         self._leased[(uid, d.id)] = d.epoch
         if not d.alive and d.id in self._recovering:  # leased to a departed device nobody noticed yet
             self._recovering[d.id][1].add(uid)
