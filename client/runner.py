@@ -521,6 +521,9 @@ class Worker:
         join token, after the usual back-off."""
         log.warning("%s; back to %s", why, self.cfg.url)
         self.url, self._ticket, self._welcomed_here = self.cfg.url, "", False
+        # Not a circle of ranks: a rank it could not reach. It starts over at home, which stops
+        # sending newcomers to a rank that never admits them (balance.UNREDEEMED).
+        self._redirects = 0
         self._tls = client_tls(self.cfg.url, self.cfg.cafile)
         return f"{why}; back to {self.cfg.url}"
 

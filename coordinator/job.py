@@ -47,7 +47,7 @@ from coordinator.training.flops import GemmShare, gemm_share
 from coordinator.training.hardware import DEVICES, coordinator_device, describe
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from coordinator.wire.addresses import is_loopback, url_host
-from coordinator.wire.errors import ConfigError
+from coordinator.wire.errors import CheckpointError, ConfigError
 from coordinator.wire.messages import MAX_TOKEN, MAX_URL, WireDtype
 from db.sqlite import GROUP_SECONDS, SQLiteStore
 from db.store import CheckpointRow
@@ -209,6 +209,14 @@ class _Metrics:
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         for line in kept:
             self.file.write(line + "\n")
+
+    def rewind(self, step: int) -> None:
+        """Keep only the lines up to ``step`` (the job resumes from an older checkpoint)."""
+        if self.file is None:
+            return
+        path = self.file.name
+        self.file.close()
+        self.__init__(path, keep_until=step)  # type: ignore[misc]
 
     def write(self, row: dict) -> None:
         if self.file is not None:
@@ -503,6 +511,11 @@ async def serve_job(
 
                 async def built() -> Trainer:  # a rank's trainer needs its place in the tier
                     tier = None if joined is None else await joined
+                    resumed = plan.resume.step if plan.resume else 0
+                    if resumed != start_step:  # the ranks agreed on an older checkpoint than this rank's
+                        Books.resume(store, books.job_id, resumed, clock())
+                        core.resume_from(resumed)
+                        metrics.rewind(resumed)
                     if tier is not None:  # the whole tier in status, the dashboard and /metrics
                         summaries.append(
                             asyncio.ensure_future(_summarise(tier, core, server, public, cfg.tier.redirect))
@@ -580,13 +593,14 @@ async def _summarise(tier: Tier, core: Core, server: Server, url: str, redirect:
     balancer = Balancer(tier.rank, tier.key, url=url)
     core.join_tier(balancer, redirect=redirect)  # newcomers go where the tier needs them; tickets admit
     while True:
-        balancer.update(Pool(r, s.url, s.gflops, s.seq) for r, s in tier.summaries().items())
+        balancer.update(Pool(r, s.url, s.gflops, s.seq, s.admitted) for r, s in tier.summaries().items())
         devices, gflops = core.pool()
         now = time.monotonic()
         rate = (server.checked - checked) / max(now - since, 1e-9)  # results verified a second
         checked, since, seq = server.checked, now, seq + 1
         p = core.progress
-        summary = RankSummary(seq, p.step, p.state.value, devices, round(min(rate, 1e9), 1), round(gflops, 2), url)
+        rate = round(min(rate, 1e9), 1)
+        summary = RankSummary(seq, p.step, p.state.value, devices, rate, round(gflops, 2), url, balancer.admitted)
         latest[:] = [summary]
         await asyncio.sleep(HEARTBEAT)
 
@@ -605,12 +619,29 @@ async def _join(options: TierOptions, train: TrainConfig, plan: _Plan, reporter:
         timeout=options.timeout,
     )
     mine = plan.resume.step if plan.resume else 0
-    steps = [int(s) for s in await asyncio.to_thread(tier.parallel.gather, mine)]
-    if len(set(steps)) > 1:
-        tier.close()
-        held = ", ".join(f"rank {r}: step {s}" for r, s in enumerate(steps))
-        raise TierRefused(f"the ranks would resume from different steps ({held}): restore the same checkpoint on each")
-    reporter.note(f"tier: rank {tier.rank} of {tier.world}, every rank proven; from step {mine}")
+    # Every step this rank could resume from: its checkpoint, the older ones whose files are kept,
+    # and the start. The ranks resume from the newest they all hold (ranks checkpoint at the same
+    # steps; one killed while writing lacks the newest).
+    held = [mine] + [row.step for row in plan.books.checkpoints() if row.step < mine and Path(row.path).exists()]
+    held = sorted(set(held[: checkpoint.KEEP] + [0]), reverse=True)
+    rows = await asyncio.to_thread(tier.parallel.gather_rows, held, checkpoint.KEEP + 1)
+    common = [s for s in held if all(s in row for row in rows)]
+    step = int(common[0]) if common else 0
+    if any(row[:1] != [step] for row in rows):
+        steps = "; ".join(f"rank {r}: {', '.join(str(int(s)) for s in row)}" for r, row in enumerate(rows))
+        reporter.note(f"tier: the ranks hold different checkpoints ({steps}); every rank resumes from step {step}")
+    if step != mine:
+        try:
+            state = None
+            if step:
+                (row,) = [r for r in plan.books.checkpoints() if r.step == step][:1]
+                state = await asyncio.to_thread(checkpoint.load, row)
+        except (ValueError, CheckpointError) as exc:
+            tier.close()
+            why = f"this rank cannot load its checkpoint of step {step}, which every rank holds: {exc}"
+            raise TierRefused(why) from None
+        plan.resume = Resume(step, state, ())
+    reporter.note(f"tier: rank {tier.rank} of {tier.world}, every rank proven; from step {step}")
     return tier
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from client.session import Ending, Redirected, Session
-from coordinator.engine.balance import TICKET_TTL, Balancer, Pool, Redirecting
+from coordinator.engine.balance import REDEEM_GRACE, SHUN, TICKET_TTL, UNREDEEMED, Balancer, Pool, Redirecting
 from coordinator.engine.core import Core
 from coordinator.engine.outbound import Send
 from coordinator.wire import auth
@@ -59,6 +59,31 @@ def test_a_newcomer_goes_to_the_weakest_pool_when_it_is_clearly_weaker_than_ours
     assert b.place(100.0, 10.0, NOW) is None
     assert b.place(200.0, 10.0, NOW).rank == 2  # our pool grew: 92 is clearly weaker again
     assert b.redirected == 4
+
+
+def test_a_rank_whose_tickets_are_never_redeemed_gets_no_newcomers_for_a_while() -> None:
+    """Rank 1 is weakest but unreachable from outside (its URL names a host only the operator's
+    network resolves): after UNREDEEMED tickets over REDEEM_GRACE seconds with none admitted
+    there, newcomers stay here (or go to the next weakest) until SHUN has passed; a rank that
+    admits its newcomers is never shunned."""
+    b = _balancer()
+    b.update([Pool(1, "ws://r1:1", 0.0, 1, admitted=5), Pool(2, "ws://r2:1", 40.0, 1, admitted=0)])
+    for i in range(UNREDEEMED):  # the same newcomer coming back, say: each time sent to rank 1
+        b.update([Pool(1, "ws://r1:1", 0.0, 1 + i, admitted=5), Pool(2, "ws://r2:1", 40.0, 1, admitted=0)])
+        assert b.place(100.0, 1.0, NOW + i).rank == 1
+    assert b.place(100.0, 1.0, NOW + REDEEM_GRACE - 1).rank == 1  # not yet: tickets take a while
+    b.update([Pool(1, "ws://r1:1", 0.0, 9, admitted=5), Pool(2, "ws://r2:1", 40.0, 1, admitted=0)])
+    assert b.place(100.0, 1.0, NOW + REDEEM_GRACE).rank == 2  # rank 1 shunned: the next weakest
+    assert b.shunned(NOW + REDEEM_GRACE) == [1]
+    b.update([Pool(1, "ws://r1:1", 0.0, 10, admitted=5), Pool(2, "ws://r2:1", 95.0, 2, admitted=0)])
+    assert b.place(100.0, 1.0, NOW + REDEEM_GRACE + 1) is None  # nowhere else is weaker: stay here
+    assert b.place(100.0, 1.0, NOW + REDEEM_GRACE + SHUN).rank == 1  # tried again after a while
+    # A rank that admits what it is sent is never shunned, however many it is sent.
+    ok = _balancer()
+    for i in range(3 * UNREDEEMED):
+        ok.update([Pool(1, "ws://r1:1", 0.0, 1 + i, admitted=i)])
+        assert ok.place(100.0, 1.0, NOW + i * REDEEM_GRACE).rank == 1
+    assert ok.shunned(NOW + 100 * REDEEM_GRACE) == []
 
 
 def _admit(balancer: Balancer, ticket: str, now: float) -> None:

@@ -311,6 +311,10 @@ def test_a_lost_rank_is_named_alike_by_every_rank_and_only_on_a_ranks_sealed_wor
     client.set(LOST, b"x" * 32 + b"lost|2|a stranger says so")
     client.add("step/1", 2)  # ranks 1 and 2 are there already
     rank0.arrive(1)  # not believed: the barrier passes
+    news = b"lost|2|a summary's seal on it"  # sealed as a summary is, not as a loss: not believed either
+    client.set(LOST, auth.tier_status_mac(KEY, 2, news) + news)
+    client.add("step/1b", 3)
+    rank0.arrive("1b")  # type: ignore[arg-type]
     with pytest.raises(RankLost, match="rank 2 of the tier was lost [(]no heartbeat for 30 s[)]"):
         rank1._announce(2, "no heartbeat for 30 s")
     with pytest.raises(RankLost, match="rank 2 of the tier was lost [(]no heartbeat for 30 s[)]"):
@@ -368,9 +372,10 @@ def _ranks(tmp: Path, world: int, port: int, *args: str, steps: int, batch: int)
 @pytest.mark.drill
 def test_ranks_with_uneven_pools_train_exactly_and_a_killed_rank_stops_them_until_a_restart(tmp_path: Path) -> None:
     """Three coordinator ranks with their own clients (2, 1 and 1). Rank 2 is SIGKILLed mid-run:
-    the others stop within the tier timeout, exit 1 and name it. All three restarted on their
-    databases resume from the step they all hold and finish: every rank logged the same global
-    loss each step, plain torch's for the whole batch (1e-5), and tiles reached every client."""
+    the others stop within the tier timeout, exit 1 and name it. Rank 0's newest checkpoint is
+    then lost; all three restarted on their databases resume from the newest step they all hold
+    and finish: every rank logged the same global loss each step, plain torch's for the whole
+    batch (1e-5), and tiles reached every client."""
     pools, steps, batch = (2, 1, 1), 8, 6
     # --no-redirect: each client stays at the rank it is given (the pools are this test's).
     args = ("--min-devices", "1", "--checkpoint-every", "2", "--tier-timeout", str(TIER_WAIT), "--no-redirect")
@@ -400,10 +405,15 @@ def test_ranks_with_uneven_pools_train_exactly_and_a_killed_rank_stops_them_unti
     assert all(f"tier: rank {r} of 3, every rank proven" in coord.output for r, coord in enumerate(ranks))
     for c in clients:
         c.kill()
+    # Rank 0 loses its newest checkpoint (as if killed while writing it): the ranks resume from
+    # the newest step they all hold, not refuse.
+    newest = max((tmp_path / "rank0").glob("*-checkpoints/*.pt"), key=lambda p: p.name)
+    newest.unlink()
     again = _ranks(tmp_path, 3, _port(), *args, steps=steps, batch=batch)
     clients = [join(coord.url, f"r{r}-c{i}") for r, coord in enumerate(again) for i in range(pools[r])]
     assert [c.wait() for c in again] == [0, 0, 0], [c.output for c in again]
     assert all("resuming job 1" in c.output for c in again)
+    assert all("tier: the ranks hold different checkpoints" in c.output for c in again), again[1].output[-1500:]
     want = [r.loss for r in Trainer(TrainConfig(steps=steps, batch_size=batch)).run()]
     logged = [[row[0] for row in c.query("SELECT loss FROM steps WHERE job_id = 1 ORDER BY step")] for c in again]
     assert logged[0] == logged[1] == logged[2]  # one global loss, bit for bit
@@ -439,3 +449,46 @@ def test_volunteers_given_one_ranks_url_fill_the_weaker_pool_and_compute_there(t
     assert ranks[0].query("SELECT name FROM identities") == [("first",)]  # nothing of it at rank 0
     assert ranks[0].query("SELECT name FROM devices") == [("first",)]
     assert first.proc.poll() is None and second.proc.poll() is None
+
+
+def _leaves_after_the_barrier(rank: int, world: int, port: int, out: Any) -> None:
+    """Rank 1 reaches step 1's barrier at once and dies there, before the sums; rank 0 trains
+    its slice and arrives later, so the barrier passes and rank 0 meets the loss in gloo."""
+    import os
+
+    torch.set_num_threads(1)
+    try:
+        tier = join_tier(f"tcp://127.0.0.1:{port}", rank, world, SECRET, job_digest(OPTIONS), timeout=3.0)
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, str(exc)))
+        return
+    if rank == 1:
+        tier.arrive(1)
+        os._exit(0)  # as a SIGKILL would: no goodbye to the group
+    trainer = Trainer(TrainConfig(**OPTIONS), parallel=tier.parallel)
+    time.sleep(1.0)
+    started = time.monotonic()
+    try:
+        trainer.train_step()
+        out.put((rank, "no error", ""))
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, f"{exc} after {time.monotonic() - started:.1f} s"))
+
+
+def test_a_rank_lost_after_the_barrier_is_named_from_the_failed_collective() -> None:
+    """The fastest rank dies while it waits at the barrier: the others pass the barrier and meet
+    the loss in gloo's sums, not in the barrier. They still name it (RankLost), within the tier
+    timeout and a few heartbeats, not a bare gloo error."""
+    port, out = _port(), CTX.Queue()
+    procs = [CTX.Process(target=_leaves_after_the_barrier, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got[0] == 0 and got[1] == "RankLost", got
+    assert "rank 1 of the tier was lost" in got[2] and "after a collective failed" in got[2], got

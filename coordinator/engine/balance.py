@@ -34,6 +34,13 @@ SLACK = 0.1  # another pool must be this much weaker than ours (a share of ours)
 TICKET_TTL = 300  # seconds a ticket is good for (the ranks' clocks may disagree by a little)
 MAX_TICKETS = 100_000  # tickets remembered as used, at most (each until it expires): ~10 MB
 MIN_COUNTED = 1.0  # GFLOP/s a newcomer sent elsewhere counts for at least (a claim of 0 still fills a pool)
+# A rank newcomers cannot reach (a host name that only resolves inside the operator's network, a
+# firewall): this many tickets sent it over REDEEM_GRACE seconds with none admitted there, and no
+# newcomer is sent it for SHUN seconds. They come back here and enrol (clients return to the URL
+# their owner gave when a redirect fails), rather than being sent round until they give up.
+UNREDEEMED = 3
+REDEEM_GRACE = 60.0
+SHUN = 600.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class Pool:
     url: str
     gflops: float  # its devices' GEMM rate as its cost model counts them
     seq: int  # the summary's number: what this rank sent it since is counted until a newer one
+    admitted: int = 0  # newcomers it admitted on tickets, so far (any rank's)
 
 
 class Redirecting(CleaveError):  # noqa: N818 -- a decision, not an error: the server sends it and closes
@@ -76,6 +84,9 @@ class Balancer:
         self.pools: dict[int, Pool] = {}
         self._sent: dict[int, tuple[int, float]] = {}  # rank -> (its summary's seq, GFLOP/s sent it since)
         self._used: OrderedDict[bytes, float] = OrderedDict()  # ticket nonce -> when it expires
+        # rank -> (its admitted count when this rank first sent it one unredeemed, when, how many since)
+        self._waiting: dict[int, tuple[int, float, int]] = {}
+        self._shunned: dict[int, float] = {}  # rank -> until when no newcomer is sent it
         self.redirected = 0  # newcomers sent elsewhere
         self.admitted = 0  # newcomers admitted on a ticket
 
@@ -85,6 +96,10 @@ class Balancer:
         wss:// (the client would refuse to drop TLS), nor one on a loopback address unless this
         rank is on one too (a newcomer from elsewhere would be sent to itself)."""
         self.pools = {p.rank: p for p in pools if p.rank != self.rank and self._reachable(p.url)}
+        for rank, (admitted, _, _) in list(self._waiting.items()):
+            pool = self.pools.get(rank)
+            if pool is not None and pool.admitted > admitted:  # newcomers reach it
+                del self._waiting[rank]
         for rank, (seq, _) in list(self._sent.items()):
             pool = self.pools.get(rank)
             if pool is None or pool.seq != seq:  # a newer summary counts what was sent: start again
@@ -102,15 +117,26 @@ class Balancer:
         ``None`` to stay, else the redirect to send it (a fresh ticket). O(ranks)."""
         if not math.isfinite(device) or device < 0:
             return None
-        weakest = min(self.pools.values(), key=lambda p: (self._with_sent(p), p.rank), default=None)
+        for rank, (_, since, count) in list(self._waiting.items()):
+            if count >= UNREDEEMED and now - since >= REDEEM_GRACE:
+                self._shunned[rank] = now + SHUN
+                del self._waiting[rank]
+        open_ = [p for p in self.pools.values() if self._shunned.get(p.rank, -math.inf) <= now]
+        weakest = min(open_, key=lambda p: (self._with_sent(p), p.rank), default=None)
         if weakest is None or self._with_sent(weakest) >= mine * (1 - self.slack):
             return None
         seq, sent = self._sent.get(weakest.rank, (weakest.seq, 0.0))
         self._sent[weakest.rank] = (seq, sent + max(device, MIN_COUNTED))
+        admitted, since, count = self._waiting.get(weakest.rank, (weakest.admitted, now, 0))
+        self._waiting[weakest.rank] = (admitted, since, count + 1)
         self.redirected += 1
         ticket = auth.redirect_ticket(self.secret, weakest.rank, int(now) + self.ttl, self.random_bytes(16))
         why = f"rank {weakest.rank}'s pool ({self._with_sent(weakest) - device:.0f} GFLOP/s) needs devices more"
         return Redirect(weakest.url, weakest.rank, ticket.hex(), why)
+
+    def shunned(self, now: float) -> list[int]:
+        """Ranks no newcomer is sent to now: their tickets were not redeemed (``UNREDEEMED``)."""
+        return sorted(r for r, until in self._shunned.items() if until > now)
 
     def _with_sent(self, pool: Pool) -> float:
         seq, sent = self._sent.get(pool.rank, (pool.seq, 0.0))

@@ -105,6 +105,7 @@ class RankSummary:
     tiles_per_s: float
     gflops: float  # its connected devices' measured GEMM rates, summed: its pool's strength
     url: str
+    admitted: int = 0  # newcomers admitted on redirect tickets so far (who reaches it)
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -117,7 +118,7 @@ class RankSummary:
         raw = json.loads(data)
         if not isinstance(raw, dict) or set(raw) != {f.name for f in dataclasses.fields(cls)}:
             raise ValueError("not a summary")
-        ints = {"seq": 2**53, "step": 10**9, "devices": 10**7}
+        ints = {"seq": 2**53, "step": 10**9, "devices": 10**7, "admitted": 2**53}
         floats = {"tiles_per_s": 1e9, "gflops": 1e12}
         for key, top in ints.items():
             v = raw[key]
@@ -165,7 +166,7 @@ class Tier:
     @property
     def parallel(self) -> DataParallel:
         """What the trainer needs: its place, and this tier's barrier before each step's sums."""
-        return DataParallel(self.rank, self.world, before_sum=self.arrive)
+        return DataParallel(self.rank, self.world, before_sum=self.arrive, on_failure=self.lost_in_collective)
 
     def start_heartbeat(self, beats: dist.Store, views: dist.Store | None = None) -> None:
         """Beat from a thread of its own on ``beats``, and exchange summaries from another on
@@ -177,8 +178,8 @@ class Tier:
             while not self._stop.wait(HEARTBEAT):
                 try:
                     beats.add(f"alive/{self.rank}", 1)
-                except Exception:  # the store (rank 0) is gone: the barrier will say so
-                    return
+                except Exception:  # a slow store, or rank 0 gone (the barrier says so): beat on
+                    continue
 
         # Every rank reads every rank's summary: O(world^2) store reads a round over the tier, so
         # a big tier exchanges less often (every 2 s up to 64 ranks, every 32 s at 1,024).
@@ -217,10 +218,21 @@ class Tier:
             raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
         last = self._beat_counts()
         moved = [self.clock()] * self.world
+        # Arrivals are one read; every rank's heartbeat is ``world`` reads, of counters that move
+        # once a second: read them once a heartbeat (less often in a big tier), not every poll.
+        looked = self.clock()
+        every = HEARTBEAT * max(1, self.world // 64)
         while arrived < self.world:
             time.sleep(POLL)
-            self._heard_of_a_loss()
             now = self.clock()
+            if now - looked < every:
+                try:
+                    arrived = int(self.store.add(key, 0))
+                except Exception as exc:
+                    raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
+                continue
+            looked = now
+            self._heard_of_a_loss()
             counts = self._beat_counts()
             for r, (old, new) in enumerate(zip(last, counts, strict=True)):
                 if new != old:
@@ -233,13 +245,36 @@ class Tier:
             except Exception as exc:
                 raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
 
+    def lost_in_collective(self, error: BaseException) -> None:
+        """A collective failed (gloo: a peer's connection closed, or its own timeout). A rank that
+        dies after it reached the barrier (the fastest, say) leaves the others in the sums, not
+        at the barrier: find it as the barrier would, from a sealed notice of another rank or a
+        rank silent for ``timeout`` seconds, and raise ``RankLost`` naming it (within ``timeout``
+        plus a few heartbeats). Returns, leaving the caller to re-raise, when every rank still
+        beats: then the failure is not a lost rank's."""
+        log.warning("tier: a collective failed (%s); looking for the rank that went", error)
+        last = self._beat_counts()
+        start = self.clock()
+        moved = [start] * self.world
+        while self.clock() - start < self.timeout + 3 * HEARTBEAT:
+            time.sleep(HEARTBEAT / 2)
+            self._heard_of_a_loss()
+            now = self.clock()
+            counts = self._beat_counts()
+            for r, (old, new) in enumerate(zip(last, counts, strict=True)):
+                if new != old:
+                    moved[r] = now
+                elif r != self.rank and now - moved[r] > self.timeout:
+                    self._announce(r, f"no heartbeat for {self.timeout:g} s after a collective failed")
+            last = counts
+
     def _announce(self, rank: int, why: str) -> None:
         """Rank ``rank`` is lost: tell the others through the store (so each names the same rank,
         whoever noticed first, even once rank 0 leaves and takes the store), then stop."""
         self._lost_announced = True
         try:
             news = f"lost|{rank}|{why}".encode()  # sealed: a stranger at the port cannot stop the tier so
-            self.store.set(LOST, auth.tier_status_mac(self.key, rank, news) + news)
+            self.store.set(LOST, auth.tier_lost_mac(self.key, rank, news) + news)
             if self.rank != 0:  # it knows: rank 0 need not wait for it to read the news
                 self.store.add(LOST_ACKS, 1)
         except Exception:  # the store is gone too: the others will say so
@@ -256,7 +291,7 @@ class Tier:
             return
         mac, news = data[:32], data[32:]
         _, rank, why = news.decode(errors="replace").split("|", 2) if news.count(b"|") >= 2 else ("", "", "")
-        if not (rank.isdigit() and 0 <= int(rank) < self.world and auth.tier_status_ok(self.key, int(rank), news, mac)):
+        if not (rank.isdigit() and 0 <= int(rank) < self.world and auth.tier_lost_ok(self.key, int(rank), news, mac)):
             return  # not a rank's word: not believed
         try:
             self.store.add(LOST_ACKS, 1)

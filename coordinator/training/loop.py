@@ -308,6 +308,15 @@ class Trainer:
                     self.finish_backward()
                 loss_sum += float(loss.item())
         tokens = x.numel()
+        try:
+            return self._finish_step(started, loss_sum, tokens, lr)
+        except RuntimeError as exc:  # gloo's errors: a rank may have gone during the sums
+            if self.parallel is not None and self.parallel.on_failure is not None:
+                self.parallel.on_failure(exc)
+            raise
+
+    def _finish_step(self, started: float, loss_sum: float, tokens: int, lr: float) -> StepResult:
+        """The step's gradients summed over the tier (if any), clipped and applied."""
         sharded = isinstance(self.optimizer, ShardedAdamW)
         extra: dict[str, Any] = {}
         if self.parallel is not None and sharded:

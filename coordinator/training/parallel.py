@@ -50,11 +50,14 @@ all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 class DataParallel:
     """This process's place in the tier: rank ``rank`` of ``world``, the default process group.
     ``before_sum(step)``: called before a step's sums (the tier's barrier, which notices a rank
-    that is gone rather than hanging in a collective)."""
+    that is gone rather than hanging in a collective). ``on_failure(error)``: called when a
+    step's collectives raised, to name a rank that went during them (it raises; if it returns,
+    the error stands)."""
 
     rank: int
     world: int
     before_sum: Callable[[int], None] | None = None
+    on_failure: Callable[[BaseException], None] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
@@ -87,6 +90,18 @@ class DataParallel:
         out = torch.empty(self.world, dtype=torch.float64)
         all_gather(out, mine)
         return [float(v) for v in out]
+
+    def gather_rows(self, values: Sequence[float], width: int) -> list[list[float]]:
+        """Every rank's ``values`` (at most ``width`` float64s, padded with NaN), in rank order."""
+        if len(values) > width:
+            raise ValueError(f"{len(values)} values do not fit a row of {width}")
+        mine = torch.full((width,), float("nan"), dtype=torch.float64)
+        mine[: len(values)] = torch.tensor(list(values), dtype=torch.float64)
+        if self.world == 1:
+            return [list(values)]
+        out = torch.empty(self.world * width, dtype=torch.float64)
+        all_gather(out, mine)
+        return [[v for v in row.tolist() if v == v] for row in out.view(self.world, width)]
 
     def all_sum(self, values: Sequence[float]) -> list[float]:
         """``values`` summed over ranks in float64, rank order: the same floats on every rank."""

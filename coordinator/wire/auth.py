@@ -96,6 +96,7 @@ def rank_proof_ok(secret: bytes, rank: int, world: int, job: bytes, nonces: byte
 
 _TIER_SESSION = b"cleave-tier-session-v1|"
 _TIER_STATUS = "cleave-tier-status-v1|{rank}|"
+_TIER_LOST = "cleave-tier-lost-v1|{rank}|"
 
 
 def tier_session_key(secret: bytes, job: bytes, nonces: bytes) -> bytes:
@@ -110,6 +111,17 @@ def tier_status_mac(key: bytes, rank: int, payload: bytes) -> bytes:
     (``tier_session_key``) over its rank and the payload, so a stranger can neither forge a rank's
     figures nor pass one rank's as another's, nor replay one from another run."""
     return hmac.new(key, _TIER_STATUS.format(rank=rank).encode() + payload, hashlib.sha256).digest()
+
+
+def tier_lost_mac(key: bytes, rank: int, news: bytes) -> bytes:
+    """A rank's seal on its word that rank ``rank`` was lost (its own label: never mistaken for
+    a summary)."""
+    return hmac.new(key, _TIER_LOST.format(rank=rank).encode() + news, hashlib.sha256).digest()
+
+
+def tier_lost_ok(key: bytes, rank: int, news: bytes, mac: bytes) -> bool:
+    """Whether ``mac`` is a rank's seal on ``news`` of ``rank``'s loss."""
+    return len(mac) == hashlib.sha256().digest_size and hmac.compare_digest(tier_lost_mac(key, rank, news), mac)
 
 
 def tier_status_ok(key: bytes, rank: int, payload: bytes, mac: bytes) -> bool:
