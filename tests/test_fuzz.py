@@ -49,6 +49,8 @@ from coordinator.wire.messages import (
     MAX_DIM,
     PROTOCOL_VERSION,
     Block,
+    BlockRequest,
+    Blocks,
     Cancel,
     Challenge,
     Credential,
@@ -60,6 +62,7 @@ from coordinator.wire.messages import (
     Leave,
     Pause,
     Redirect,
+    RelayReport,
     Release,
     Result,
     ResultBatch,
@@ -67,6 +70,7 @@ from coordinator.wire.messages import (
     SpeedTest,
     StatusReply,
     StatusRequest,
+    UseRelay,
     Welcome,
     Work,
     WorkBatch,
@@ -102,6 +106,10 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ResultBatch,
     StatusReply,
     Redirect,
+    UseRelay,
+    BlockRequest,
+    Blocks,
+    RelayReport,
     Finished,
     Error,
 )
@@ -166,9 +174,13 @@ def valid_value(meta: Any) -> st.SearchStrategy[Any]:
         return st.lists(ids, max_size=24).map(tuple) | full
     if kind == "enum":
         return st.sampled_from(list(meta["enum"]))
+    if kind == "digests":
+        return DIGESTS
     raise AssertionError(f"a field kind this fuzzer does not know: {kind}")
 
 
+DIGEST = st.text(HEX, min_size=64, max_size=64)
+DIGESTS = st.lists(DIGEST, max_size=8, unique=True).map(tuple)
 SURROGATES = st.sampled_from(["\ud800", "x\udfffy", "\udc80\ud800"])
 JSON_SCALARS = (
     st.none()
@@ -233,6 +245,16 @@ def messages(cls: type) -> st.SearchStrategy[Any]:
     elif cls is ResultBatch:
         results = st.lists(messages(Result), min_size=1, max_size=8, unique_by=lambda r: r.tile_id)
         return st.builds(ResultBatch, results=results.map(tuple))
+    elif cls is Blocks:  # blocks under unique digests, and one tag per block or none
+
+        @st.composite
+        def blocks(draw: st.DrawFn) -> Blocks:
+            keys = draw(st.lists(DIGEST, max_size=8, unique=True))
+            carried = tuple(Block(k, draw(tensors(ndim=st.just(2)))) for k in keys)
+            tags = draw(st.just(()) | st.lists(DIGEST, min_size=len(keys), max_size=len(keys), unique=True).map(tuple))
+            return Blocks(carried, draw(DIGESTS), tags)
+
+        return blocks()
     return st.builds(cls, **kwargs)
 
 
@@ -306,6 +328,9 @@ def assert_field_within(meta: Any, value: Any, where: str) -> None:
         assert all(type(v) is int and meta["lo"] <= v <= meta["hi"] for v in value), (where, value)
     elif kind == "enum":
         assert isinstance(value, meta["enum"]), (where, value)
+    elif kind == "digests":
+        assert type(value) is tuple and len(value) <= 64 and len(set(value)) == len(value), where
+        assert all(type(v) is str and len(v) == 64 and set(v) <= set(HEX) for v in value), (where, value)
     else:
         raise AssertionError(f"{where}: unknown field kind {kind}")
 

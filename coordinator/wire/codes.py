@@ -62,6 +62,14 @@ class ReleaseWhy(Name):
     COMPUTE_FAILED = "compute_failed"  # never give this device the tile again
 
 
+class RelayFault(Name):
+    """How a relay failed a device (``relay_report``)."""
+
+    WRONG = "wrong"  # bytes that do not hash to the digest asked for
+    STALLED = "stalled"  # no answer within the deadline
+    UNREACHABLE = "unreachable"  # no connection, or it refused the device's ticket
+
+
 class JobPhase(Name):
     """Where the job is: ``status.job.state`` in a ``StatusReply`` (``cleave status`` ends on FINISHED)."""
 

@@ -31,10 +31,13 @@ from pathlib import Path
 import torch
 
 from coordinator.wire import auth
-from coordinator.wire.codes import Code, ReleaseWhy
+from coordinator.wire.codes import Code, RelayFault, ReleaseWhy
+from coordinator.wire.digest import block_digest, relay_tag, relay_ticket
 from coordinator.wire.messages import (
     MAGIC,
     Block,
+    BlockRequest,
+    Blocks,
     Cancel,
     Challenge,
     Credential,
@@ -43,9 +46,11 @@ from coordinator.wire.messages import (
     Hello,
     Message,
     Redirect,
+    RelayReport,
     Release,
     Result,
     ResultBatch,
+    UseRelay,
     Welcome,
     Work,
     WorkBatch,
@@ -182,6 +187,14 @@ WORK_BATCH = WorkBatch(
 )
 
 
+# Relays: relay 4 (whose key is K = H(S) of its secret S, here bytes 32..63) serves device 3.
+RELAY_KEY = auth.stored_key(bytes(range(32, 64)))
+RELAY_BLOCK = _f32([[1.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
+RELAY_DIGEST = block_digest(RELAY_BLOCK)
+# A tile whose B the device takes from its relay: WORK's A (cached), B named by its digest.
+WORK_FETCH = Work(tile_id=22, a="12.0.2x3", b="23.0.2x3", b_t=True, fetch=(("23.0.2x3", RELAY_DIGEST),))
+
+
 def product(work: Work, cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """A work message's ``C``, as a device must compute it: every block pair's product summed in
     float32 and rounded once to the blocks' dtype."""
@@ -232,6 +245,16 @@ def examples() -> dict[str, Message]:
         ),
         "hello-ticket": Hello(  # type: ignore[arg-type]
             ticket=auth.redirect_ticket(b"the tier's secret", 1, 1767225900, bytes(range(16))).hex(), **_COMMON
+        ),
+        "hello-relay": Hello(name="uni-relay-1", token="s3cret", relay="wss://relay1.example.edu:8766"),
+        "use-relay": UseRelay(relay=4, url="wss://relay1.example.edu:8766", ticket=relay_ticket(RELAY_KEY, 4, 3)),
+        "work-fetch": WORK_FETCH,
+        "block-request": BlockRequest(digests=(RELAY_DIGEST,), device=3, ticket=relay_ticket(RELAY_KEY, 4, 3)),
+        "blocks": Blocks(
+            blocks=(Block(RELAY_DIGEST, RELAY_BLOCK),), tags=(relay_tag(RELAY_KEY, RELAY_DIGEST, RELAY_BLOCK),)
+        ),
+        "relay-report": RelayReport(
+            relay=4, fault=RelayFault.WRONG, digest=RELAY_DIGEST, tag=relay_tag(RELAY_KEY, RELAY_DIGEST, RELAY_BLOCK)
         ),
     }
 
@@ -296,6 +319,8 @@ def _tensors_of(msg: Message) -> list[tuple[str, torch.Tensor]]:
         return [(f'work {w.tile_id}, block "{blk.key}"', blk.data) for w in msg.works for blk in w.blocks]
     if isinstance(msg, ResultBatch):
         return [(f"result {r.tile_id}, C", r.c) for r in msg.results]
+    if isinstance(msg, Blocks):
+        return [(f"block {blk.key[:12]}...", blk.data) for blk in msg.blocks]
     return []
 
 

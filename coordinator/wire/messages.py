@@ -39,12 +39,13 @@ if TYPE_CHECKING:
 # without tensors (``cleave status``, the operator's commands) starts in a fraction of a second
 # instead of paying torch's import (1.5 s or more).
 
-from coordinator.wire.codes import Code, Name, ReleaseWhy
+from coordinator.wire.codes import Code, Name, RelayFault, ReleaseWhy
 from coordinator.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 6  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
+PROTOCOL_VERSION = 7  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
 # 5: work_batch, result_batch and hello.batch (many tiles under one header); 6: redirect and
-# hello.ticket (a tier's rank sends a newcomer to the rank that needs devices most)
+# hello.ticket (a tier's rank sends a newcomer to the rank that needs devices most); 7: relays
+# (hello.relay, work.fetch, use_relay, block_request, blocks, relay_report)
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
@@ -72,6 +73,8 @@ MAX_BYTES = 1 << 50  # the largest memory or block budget a hello may state
 MAX_URL = 256  # characters of a coordinator's URL in a redirect
 TICKET_HEX = 120  # a redirect's ticket: 60 bytes, hex (coordinator/wire/auth.py)
 MAX_RANK = 1023  # a tier has at most 1,024 ranks
+DIGEST_HEX = 64  # a block's digest: BLAKE2b-256 of its dtype, shape and bytes (wire/digest.py), hex
+MAX_FETCH = MAX_BATCH_TENSORS  # digests in one block_request or blocks frame, and fetches in one work
 
 # Wire names of the tensor dtypes a tile may use, in the order of ``tensor_dtypes``.
 DTYPE_NAMES = ("f32", "f16", "bf16", "u8")
@@ -150,6 +153,10 @@ def _ids(default: Any = MISSING) -> Any:
     return field(default=default, metadata={"kind": "ids", "max_items": MAX_IDS, "lo": 0, "hi": MAX_ID})
 
 
+def _digests(default: Any = ()) -> Any:
+    return field(default=default, metadata={"kind": "digests"})
+
+
 def _enum(enum: type[Enum], default: Any = MISSING) -> Any:
     return field(default=default, metadata={"kind": "enum", "enum": enum})
 
@@ -207,6 +214,9 @@ class Hello:
     batch: int = _int(1, lo=1, hi=MAX_BATCH)
     # Enrolment on a redirect: the ticket another rank of the tier gave it, instead of the token.
     ticket: str = _text("", max_len=TICKET_HEX, text="hex")
+    # Not empty: this peer is a relay (``cleave relay``), reached by devices at this URL; it takes
+    # no tiles, only blocks to serve.
+    relay: str = _text("", max_len=MAX_URL, text="name")
 
 
 @dataclass(frozen=True)
@@ -353,6 +363,9 @@ class Work:
     # each of those blocks is used transposed (like ``a_t``, ``b_t``; blocks travel as laid out).
     more: tuple[str, ...] = ()
     more_t: tuple[bool, ...] = ()
+    # Blocks to take from the device's relay (``use_relay``) rather than from this frame: each a
+    # ``(key, digest)``. The device checks the bytes against the digest before using them.
+    fetch: tuple[tuple[str, str], ...] = ()
 
     def operands(self, cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(A, B)`` from a device's block cache, or None when a block is missing. With more
@@ -417,6 +430,55 @@ class Redirect:
 
 
 @dataclass(frozen=True)
+class UseRelay:
+    """Coordinator -> device: take the blocks that ``work.fetch`` names from the relay at
+    ``url`` (relay ``relay``), presenting ``ticket`` (``relay`` 0: no relay any more). Results
+    still come here."""
+
+    TYPE: ClassVar[str] = "use_relay"
+    relay: int = _int()
+    url: str = _text("", max_len=MAX_URL, text="name")
+    ticket: str = _text("", max_len=SECRET_HEX, text="hex")
+
+
+@dataclass(frozen=True)
+class BlockRequest:
+    """Device -> relay, and relay -> coordinator: send me these blocks, by digest. A device
+    names itself and shows the ticket its coordinator gave it for this relay."""
+
+    TYPE: ClassVar[str] = "block_request"
+    digests: tuple[str, ...] = _digests()
+    device: int = _int(0)
+    ticket: str = _text("", max_len=SECRET_HEX, text="hex")
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Relay -> device, and coordinator -> relay: the blocks asked for, each under its digest
+    (``Block.key``), and the digests it does not have. A relay seals each block it serves
+    (``tags``, one per block: BLAKE2b keyed with the relay's own key over the digest and the
+    bytes), so that a device can show the coordinator what the relay gave it."""
+
+    TYPE: ClassVar[str] = "blocks"
+    blocks: tuple[Block, ...] = ()
+    missing: tuple[str, ...] = _digests()
+    tags: tuple[str, ...] = _digests()
+
+
+@dataclass(frozen=True)
+class RelayReport:
+    """Device -> coordinator: its relay failed it (``fault``) on the block ``digest``; ``tag`` is
+    the relay's seal on what it served (for a wrong block). The device takes its blocks from the
+    coordinator from then on."""
+
+    TYPE: ClassVar[str] = "relay_report"
+    relay: int = _int()
+    fault: RelayFault = _enum(RelayFault)
+    digest: str = _text("", max_len=DIGEST_HEX, text="hex")
+    tag: str = _text("", max_len=DIGEST_HEX, text="hex")
+
+
+@dataclass(frozen=True)
 class Finished:
     """Coordinator -> device: the job is over; a client started with --once exits."""
 
@@ -453,6 +515,10 @@ Message = (
     | ResultBatch
     | StatusReply
     | Redirect
+    | UseRelay
+    | BlockRequest
+    | Blocks
+    | RelayReport
     | Finished
     | Error
 )
@@ -473,12 +539,16 @@ _PLAIN: dict[str, type] = {
         Welcome,
         StatusReply,
         Redirect,
+        UseRelay,
+        BlockRequest,
+        RelayReport,
         Finished,
         Error,
     )
 }
 # What each side may send; the rest of the table is the other side's.
-DEVICE_MESSAGES = (Hello, Result, ResultBatch, Release, Heartbeat, Pause, Resume, Leave)
+DEVICE_MESSAGES = (Hello, Result, ResultBatch, Release, Heartbeat, Pause, Resume, Leave, RelayReport)
+RELAY_MESSAGES = (BlockRequest, Heartbeat, Leave)  # what a relay may send its coordinator
 OBSERVER_MESSAGES = (StatusRequest, SpeedTest)
 
 
@@ -536,6 +606,9 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
     elif isinstance(msg, SpeedTest):
         header = {"reply_bytes": msg.reply_bytes, "token": msg.token}
         tensors = [msg.data.reshape(-1)]
+    elif isinstance(msg, Blocks):
+        header = {"blocks": [b.key for b in msg.blocks], "missing": list(msg.missing), "tags": list(msg.tags)}
+        tensors = [b.data for b in msg.blocks]
     elif type(msg) in _PLAIN.values():
         header = {f.name: _wire_value(getattr(msg, f.name)) for f in fields(msg)}
     else:
@@ -561,6 +634,8 @@ def _work_header(msg: Work) -> dict[str, Any]:
     if msg.more:  # absent when empty: one-pair work frames are unchanged
         header["more"] = list(msg.more)
         header["more_t"] = list(msg.more_t)
+    if msg.fetch:  # absent when empty, likewise
+        header["fetch"] = [list(f) for f in msg.fetch]
     return header
 
 
@@ -621,6 +696,15 @@ def _check(kind_of: str, name: str, meta: Any, value: Any) -> Any:
             if type(v) is not int or not meta["lo"] <= v <= meta["hi"]:
                 raise ProtocolError(f"{where} must hold integers between {meta['lo']} and {meta['hi']}")
         return tuple(value)
+    if kind == "digests":
+        if type(value) is not list or len(value) > MAX_FETCH:
+            raise ProtocolError(f"{where} must be a list of at most {MAX_FETCH} digests")
+        for v in value:
+            if type(v) is not str or len(v) != DIGEST_HEX or v.strip("0123456789abcdef"):
+                raise ProtocolError(f"{where} must hold digests of {DIGEST_HEX} lowercase hex digits")
+        if len(set(value)) != len(value):
+            raise ProtocolError(f"{where} names a digest twice")
+        return tuple(value)
     if kind == "enum":
         try:
             return meta["enum"](value)
@@ -650,7 +734,7 @@ def _fields_of(cls: type, header: dict[str, Any], skip: tuple[str, ...] = ()) ->
 
 def _tensors(header: dict[str, Any], buf: bytes | bytearray, offset: int) -> list[torch.Tensor]:
     descs = header.get("tensors", [])
-    most = MAX_BATCH_TENSORS if header["type"] in (WorkBatch.TYPE, ResultBatch.TYPE) else MAX_TENSORS
+    most = MAX_BATCH_TENSORS if header["type"] in (WorkBatch.TYPE, ResultBatch.TYPE, Blocks.TYPE) else MAX_TENSORS
     if not isinstance(descs, list) or len(descs) > most:
         raise ProtocolError(f"'tensors' must be a list of at most {most} descriptors", Code.BAD_TENSOR)
     out: list[torch.Tensor] = []
@@ -737,6 +821,8 @@ def decode(frame: bytes | bytearray | memoryview | str) -> Message:
         return Result(c=tensors[0], **_fields_of(Result, header, skip=("c",)))
     if kind == WorkBatch.TYPE:
         return _decode_work_batch(header, tensors)
+    if kind == Blocks.TYPE:
+        return _decode_blocks(header, tensors)
     if kind == ResultBatch.TYPE:
         return _decode_result_batch(header, tensors)
     if kind == "speedtest":
@@ -773,13 +859,47 @@ def _decode_work(header: dict[str, Any], tensors: list[torch.Tensor]) -> Work:
     if not isinstance(more_t, list) or len(more_t) != len(more) or not all(isinstance(f, bool) for f in more_t):
         raise ProtocolError("work: 'more_t' must be one boolean per key of 'more'")
     more = tuple(_check("work", "more", key_meta, key) for key in more)
-    plain = _fields_of(Work, header, skip=("a_t", "b_t", "blocks", "forget", "more", "more_t"))
+    fetch = header.get("fetch", [])
+    if not isinstance(fetch, list) or len(fetch) > 2 * (MAX_PAIRS + 1):
+        raise ProtocolError(f"work: 'fetch' must be a list of up to {2 * (MAX_PAIRS + 1)} [key, digest] pairs")
+    pairs_f = []
+    for entry in fetch:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise ProtocolError("work: each of 'fetch' must be a [key, digest] pair")
+        pairs_f.append((_check("work", "fetch", key_meta, entry[0]), _check("work", "fetch", _DIGEST_META, entry[1])))
+    if len({k for k, _ in pairs_f} | {b.key for b in parsed}) != len(pairs_f) + len(parsed):
+        raise ProtocolError("work: a block is named twice between 'blocks' and 'fetch'")
+    plain = _fields_of(Work, header, skip=("a_t", "b_t", "blocks", "forget", "more", "more_t", "fetch"))
     pairs = [(plain.get("a"), plain.get("b")), *zip(more[0::2], more[1::2])]
     if len(set(pairs)) != len(pairs):  # (at most 8 pairs: a repeated block costs at most that)
         raise ProtocolError("work: a block pair appears twice")
     return Work(
-        a_t=flags[0], b_t=flags[1], blocks=tuple(parsed), forget=forget, more=more, more_t=tuple(more_t), **plain
+        a_t=flags[0],
+        b_t=flags[1],
+        blocks=tuple(parsed),
+        forget=forget,
+        more=more,
+        more_t=tuple(more_t),
+        fetch=tuple(pairs_f),
+        **plain,
     )
+
+
+_DIGEST_META = {"kind": "str", "max_len": DIGEST_HEX, "text": "hex", "required": True}
+
+
+def _decode_blocks(header: dict[str, Any], tensors: list[torch.Tensor]) -> Blocks:
+    keys = header.get("blocks", [])
+    if not isinstance(keys, list) or len(keys) != len(tensors):
+        raise ProtocolError("blocks: one digest per tensor expected")
+    digests = _check(Blocks.TYPE, "blocks", {"kind": "digests"}, keys)
+    for t in tensors:
+        if t.dim() != 2:
+            raise ProtocolError("blocks: blocks must be 2-D", Code.BAD_TENSOR)
+    plain = _fields_of(Blocks, header, skip=("blocks",))
+    if plain.get("tags") and len(plain["tags"]) != len(tensors):
+        raise ProtocolError("blocks: one tag per block, or none")
+    return Blocks(blocks=tuple(Block(d, t) for d, t in zip(digests, tensors, strict=True)), **plain)
 
 
 def _entries(header: dict[str, Any], name: str) -> list[dict[str, Any]]:
