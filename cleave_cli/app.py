@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("cleave_cli.plan", "plan"),
     "simulate": ("cleave_cli.simulate", "simulate"),
     "emulate": ("cleave_cli.emulate", "emulate"),
+    "relay": ("cleave_cli.relay", "relay"),
 }
 COORDINATOR = "coordinator"
 ADMIN = ("devices", "token")  # ``cleave coordinator`` groups that need no torch (cleave_cli/admin.py)

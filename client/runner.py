@@ -29,7 +29,7 @@ import random
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -44,12 +44,14 @@ from client.credentials import Credential as StoredCredential
 from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
+from client.relaylink import RelayFailed, RelayLink
 from client.session import (
     Credited,
     Ended,
     Ending,
     Enrolled,
     ErrorReceived,
+    Event,
     HangUp,
     Redirected,
     Session,
@@ -57,8 +59,8 @@ from client.session import (
     Welcomed,
 )
 from client.state import WorkerState
-from coordinator.wire.codes import CloseCode
-from coordinator.wire.errors import Banned, ClientError, Refused
+from coordinator.wire.codes import CloseCode, RelayFault
+from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
 from coordinator.wire.messages import (
     DEFAULT_SLOTS,
     MAX_BYTES,
@@ -67,9 +69,15 @@ from coordinator.wire.messages import (
     MAX_NAME,
     MAX_PLATFORM,
     MAX_TOKEN,
+    Block,
     Hello,
     Leave,
+    RelayReport,
     Result,
+    UseRelay,
+    Work,
+    WorkBatch,
+    decode,
     encode,
 )
 from coordinator.wire.verify import freivalds
@@ -170,6 +178,7 @@ class WorkerStats:
     compute_seconds: float = 0.0
     bytes_down: int = 0
     bytes_up: int = 0
+    relay_mb: float = 0.0  # blocks taken from a relay, checked
     credit_gflop: float = 0.0  # verified work of this client process, as the coordinator counts it
     credit_total_gflop: float = 0.0  # ... and of this device's identity, over every job
     identity: int | None = None
@@ -239,6 +248,7 @@ class Worker:
         self.url = cfg.url
         self._ticket = ""
         self._redirects = 0  # redirects followed since the last welcome
+        self._relay: RelayLink | None = None  # where work.fetch's blocks come from (use_relay)
         self._welcomed_here = False  # a coordinator at ``url`` has welcomed this device
 
     def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -457,7 +467,7 @@ class Worker:
         try:
             async for frame in ws:
                 self.stats.bytes_down += len(frame)
-                for event in session.receive_frame(frame, self._clock()):
+                for event in await self._receive(ws, session, frame):
                     if isinstance(event, TileQueued):
                         work.set()
                     elif isinstance(event, Credited):
@@ -491,9 +501,66 @@ class Worker:
             for task in (*tasks, pulse):
                 task.cancel()
             await asyncio.gather(*tasks, pulse, return_exceptions=True)
+            if self._relay is not None:  # a new session hears use_relay again
+                await self._relay.close()
+                self._relay = None
         if self._stopping:
             return Ending.STOPPED
         return session.closed(ws.close_code, ws.close_reason or "")
+
+    async def _receive(self, ws: ClientConnection, session: Session, frame: bytes) -> list[Event]:
+        """A frame from the coordinator: relays handled here (``use_relay``, and the blocks a
+        work names by digest, taken from the relay and checked before the session sees them)."""
+        try:
+            msg = decode(frame)
+        except ProtocolError:
+            return session.receive_frame(frame, self._clock())  # it says what was wrong
+        if isinstance(msg, UseRelay):
+            if self._relay is not None:
+                await self._relay.close()
+            self._relay = None
+            if msg.relay:
+                try:
+                    check_url(msg.url, insecure=self.cfg.insecure)
+                    tls = client_tls(msg.url, self.cfg.cafile)
+                except URLRefused as exc:  # not a relay it would reach: its blocks come from the coordinator
+                    await self._report(ws, RelayReport(msg.relay, RelayFault.UNREACHABLE), str(exc))
+                    return []
+                self._relay = RelayLink(msg.relay, msg.url, msg.ticket, self.stats.device_id or 0, tls)
+            return []
+        works = msg.works if isinstance(msg, WorkBatch) else (msg,) if isinstance(msg, Work) else ()
+        if any(w.fetch for w in works):
+            msg = await self._fetched(ws, msg, works)
+        return session.receive(msg, self._clock(), len(frame))
+
+    async def _fetched(self, ws: ClientConnection, msg: Work | WorkBatch, works: tuple[Work, ...]) -> Work | WorkBatch:
+        """``msg`` with the blocks its works fetch from the relay carried in it, each checked
+        against its digest; unchanged (the session gives those tiles back) when the relay failed."""
+        relay = self._relay
+        wanted = list(dict.fromkeys(d for w in works for _, d in w.fetch))
+        if relay is None:
+            return msg
+        try:
+            got = await relay.fetch(wanted)
+        except RelayFailed as exc:
+            self._relay = None
+            await self._report(ws, RelayReport(relay.relay, exc.fault, exc.digest, exc.tag), str(exc))
+            return msg
+        self.stats.relay_mb += sum(t.numel() * t.element_size() for t in got.values()) / 1e6
+
+        def filled(w: Work) -> Work:
+            extra = tuple(Block(key, got[digest]) for key, digest in w.fetch)
+            return replace(w, blocks=w.blocks + extra, fetch=())
+
+        return WorkBatch(tuple(filled(w) for w in works)) if isinstance(msg, WorkBatch) else filled(works[0])
+
+    async def _report(self, ws: ClientConnection, report: RelayReport, why: str) -> None:
+        log.warning("%s; taking blocks from the coordinator", why)
+        self.stats.last_error = why
+        try:
+            await ws.send(encode(report))
+        except ConnectionClosed:
+            pass
 
     def _follow(self, event: Redirected) -> str:
         """A rank of the tier sent this newcomer to another rank: connect there next, with the

@@ -61,6 +61,16 @@ class BlockRef:
     _wire: torch.Tensor | None = field(default=None, repr=False)
     _row_norms: torch.Tensor | None = field(default=None, repr=False)
     _norm: float | None = field(default=None, repr=False)
+    _digest: str | None = field(default=None, repr=False)
+
+    def digest(self) -> str:
+        """Its content address as it travels (``wire/digest.py``), taken once (a relay's devices
+        fetch it by this)."""
+        if self._digest is None:
+            from coordinator.wire.digest import block_digest
+
+            self._digest = block_digest(self.wire())
+        return self._digest
 
     def wire(self) -> torch.Tensor:
         """The contiguous tensor that travels (a copy only for strided slices, made once)."""

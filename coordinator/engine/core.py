@@ -60,6 +60,7 @@ from coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Pla
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.engine.profiles import PRIOR_MEMORY, DeviceProfile
 from coordinator.engine.progress import Prediction, Progress
+from coordinator.engine.relays import Relays, RelayState
 from coordinator.engine.scheduler import (
     Assign,
     Decision,
@@ -83,6 +84,7 @@ from coordinator.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy
 from coordinator.wire.errors import AuthError
 from coordinator.wire.messages import (
     Block,
+    BlockRequest,
     Cancel,
     Credential,
     Credit,
@@ -93,9 +95,11 @@ from coordinator.wire.messages import (
     Leave,
     Message,
     Pause,
+    RelayReport,
     Release,
     Result,
     Resume,
+    UseRelay,
     Welcome,
     Work,
 )
@@ -206,6 +210,10 @@ class Core:
         self.finished = False
         # A rank of a tier: where newcomers go (engine/balance.py; set with ``join_tier``).
         self.balancer: Balancer | None = None
+        # Relays and the devices behind them (engine/relays.py); each relay's message allowance.
+        self.relays = Relays()
+        self._relay_buckets: dict[int, Any] = {}
+        self._relay_by_identity: dict[int, int] = {}
         self.verify_seconds = 0.0
         # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
         self.verify_worst_honest: dict[str, float] = {}
@@ -238,7 +246,10 @@ class Core:
         """Admit a device that answered ``nonce`` with ``hello``. Raises AuthError (the server
         closes with its code): wrong token or credential, banned, revoked, cooling off, in use.
         On a rank of a tier, a newcomer with the join token may instead be sent to a rank whose
-        pool is weaker: ``Redirecting`` (engine/balance.py), before it enrols here."""
+        pool is weaker: ``Redirecting`` (engine/balance.py), before it enrols here. A peer whose
+        hello names a relay URL enrols as a relay (``_connect_relay``): it takes no tiles."""
+        if hello.relay:
+            return self._connect_relay(hello, nonce, now)
         if self.balancer is not None and not hello.identity and not hello.ticket and not self.finished:
             self.gate.check_join(hello.token)
             rate = DeviceProfile(hello.gflops, PRIOR_MEMORY).profile(self.dtype).flops_per_s(self.dtype) / 1e9
@@ -319,13 +330,89 @@ class Core:
         if self.finished:
             out.append(self._send(device_id, Finished(), now))
             return device_id, out
+        use = self.relays.place(device_id)  # a relay with room serves its blocks
+        if use is not None:
+            out.append(self._send(device_id, use, now))
         return device_id, out + self._dispatch(now)
+
+    def _connect_relay(self, hello: Hello, nonce: str, now: float) -> tuple[int, list[Outbound]]:
+        """Admit a relay (``cleave relay``): its identity as a device's, a row of its own (its
+        ``device`` is "relay"), no tiles; the devices without one go behind it."""
+        if not hello.relay.startswith(("ws://", "wss://")):
+            raise AuthError(
+                CloseCode.PROTOCOL, "hello.relay must be the ws:// or wss:// URL devices reach the relay at"
+            )
+        admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
+        if admission.identity in self._by_identity or admission.identity in self._relay_by_identity:
+            raise AuthError(CloseCode.IN_USE, "this identity is already connected")
+        key = self.store.identity_key(admission.identity)
+        if key is None:  # pragma: no cover - admitted identities have a key
+            raise AuthError(CloseCode.AUTH, "unknown identity")
+        info = DeviceInfo(admission.name, hello.platform, max(1, hello.cores), hello.memory_bytes, "relay", 0.0)
+        relay_id = self.store.add_device(self.job_id, info, self.wall(now), admission.identity)
+        self.relays.add(RelayState(relay_id, admission.identity, admission.name, hello.relay, key))
+        self._relay_buckets[relay_id] = self.limits.messages.bucket()
+        self._relay_by_identity[admission.identity] = relay_id
+        out: list[Outbound] = [Limit(relay_id, self.limits.idle_frame)]
+        if admission.secret is not None:
+            out.append(Send(relay_id, Credential(admission.identity, admission.secret.hex())))
+        out.append(Send(relay_id, Welcome(relay_id, admission.identity, self.job_name, 1, self.faults.heartbeat)))
+        for device_id in sorted(self.devices):
+            use = self.relays.place(device_id)
+            if use is not None:
+                out.append(self._send(device_id, use, now))
+        return relay_id, out
+
+    def _relay_message(self, relay_id: int, msg: Message, now: float) -> list[Outbound]:
+        """A relay asks for blocks (or beats, or leaves); anything else is refused."""
+        if not self._relay_buckets[relay_id].take(now):
+            return self._drop_relay(relay_id, CloseCode.RATE_LIMITED, "too many messages", now)
+        if isinstance(msg, BlockRequest):
+            return [Send(relay_id, self.relays.serve(relay_id, msg.digests))]
+        if isinstance(msg, Heartbeat):
+            return []
+        if isinstance(msg, Leave):
+            return self.disconnect(relay_id, now, Departure.LEFT)
+        return [Send(relay_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a relay may send"))]
+
+    def _drop_relay(self, relay_id: int, code: CloseCode, reason: str, now: float) -> list[Outbound]:
+        """Close a relay; its devices take their blocks from the coordinator from now on."""
+        out = self._forget_relay(relay_id, reason, now)
+        return [*out, Close(relay_id, code, reason)]
+
+    def _forget_relay(self, relay_id: int, reason: str, now: float) -> list[Outbound]:
+        relay = self.relays.relays.get(relay_id)
+        if relay is None:
+            return []
+        devices = self.relays.remove(relay_id)
+        self._relay_buckets.pop(relay_id, None)
+        self._relay_by_identity.pop(relay.identity, None)
+        self.store.release_device(relay_id, Outcome.RELEASED, self.wall(now), reason)
+        return [self._send(d, UseRelay(0), now) for d in devices if d in self.devices]
+
+    def _on_relay_report(self, dev: DeviceState, msg: RelayReport, now: float) -> list[Outbound]:
+        """A device says its relay failed it: it takes its blocks from here from now on; a relay
+        proven to have served other bytes is banned (engine/relays.py)."""
+        verdict = self.relays.report(dev.id, msg.relay, msg.fault, msg.digest, msg.tag)
+        if verdict is None:
+            return []
+        log.warning("device %d reported relay %d: %s", dev.id, msg.relay, verdict.why)
+        out: list[Outbound] = [self._send(dev.id, UseRelay(0), now)]
+        if verdict.banned:
+            relay = self.relays.relays[msg.relay]
+            self.gate.ban(relay.identity, f"relay: {verdict.why}", self.wall(now))
+            out += self._drop_relay(msg.relay, CloseCode.BANNED, f"banned: {verdict.why}", now)
+        elif verdict.dropped:
+            out += self._drop_relay(msg.relay, CloseCode.GOING_AWAY, f"dropped: {verdict.why}", now)
+        return out
 
     def disconnect(
         self, device_id: int, now: float, reason: str = Departure.CLOSED, state: DeviceStatus | None = None
     ) -> list[Outbound]:
         """A device is gone: its outstanding tiles go straight back to the queue and to others.
         ``reason`` is recorded; it is a ``Departure`` or free text (a closed connection)."""
+        if device_id in self.relays.relays:
+            return self._forget_relay(device_id, reason, now)
         if device_id not in self.devices:
             return []
         self._remove(device_id, now, reason, state)
@@ -338,6 +425,7 @@ class Core:
         if dev is None:
             return
         self._by_identity.pop(dev.identity, None)
+        self.relays.leave(device_id)
         departure = Departure.of(reason)
         graceful = departure is not Departure.CLOSED  # leaving, or the coordinator stopping
         held = list(dev.inflight)
@@ -377,6 +465,8 @@ class Core:
     def receive(self, device_id: int, msg: Message, now: float) -> list[Outbound] | Check:
         """``handle``, except that a result to verify comes back as a ``Check``: the caller runs
         it (on another thread if it likes: see ``Check``) and passes its verdict to ``settle``."""
+        if device_id in self.relays.relays:
+            return self._relay_message(device_id, msg, now)
         dev = self.devices.get(device_id)
         if dev is None:
             return []
@@ -409,6 +499,8 @@ class Core:
             return self._dispatch(now)
         if isinstance(msg, Leave):
             return self.disconnect(device_id, now, Departure.LEFT)
+        if isinstance(msg, RelayReport):
+            return self._on_relay_report(dev, msg, now) + self._dispatch(now)
         return [
             self._send(
                 device_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a device may send"), now
@@ -809,6 +901,7 @@ class Core:
         self.peak_in_flight = self.peak_waited = 0
         for namespace in self.sources.sweep():
             self._forget(namespace)
+        self.relays.new_step()
 
     # ------------------------------------------------------------------ GEMMs
 
@@ -1071,21 +1164,27 @@ class Core:
         # Forget first: a namespace dropped and a block of a new one may share this message.
         forget = tuple(sorted(dev.forget))
         dev.forget.clear()
-        blocks = []
+        blocks, fetch = [], []
         sent = 0
         for ref in {r.key: r for pair in pairs for r in pair}.values():
             if ref.key not in dev.blocks:
-                blocks.append(Block(ref.key, ref.wire()))
+                digest = self.relays.name(dev.id, ref)  # behind a relay: it fetches the block there
+                if digest is None:
+                    blocks.append(Block(ref.key, ref.wire()))
+                    sent += ref.nbytes
+                else:
+                    fetch.append((ref.key, digest))
                 dev.hold(ref)
                 self.sched.holds_block(dev.id, ref.key)
-                sent += ref.nbytes
         dev.bytes_down += sent
         self._sent[(tile_id, dev.id)] = [sent, None]
         if dev.full:
             self.sched.update(dev.id, full=True)
         more = tuple(key for pa, pb in pairs[1:] for key in (pa.key, pb.key))
         more_t = tuple(flag for pa, pb in pairs[1:] for flag in (pa.transposed, pb.transposed))
-        return Work(tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget, more, more_t)
+        return Work(
+            tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget, more, more_t, tuple(fetch)
+        )
 
     # ------------------------------------------------------------------ job
 

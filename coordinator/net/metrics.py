@@ -97,6 +97,11 @@ class _Books:
         moved.add_metric(["up"], traffic.get("bytes_up", 0))
         yield moved
         yield CounterMetricFamily(
+            "cleave_relay_bytes",
+            "Block bytes the coordinator's devices were told to fetch from relays (served there, not here).",
+            value=traffic.get("bytes_relay_out", 0),
+        )
+        yield CounterMetricFamily(
             "cleave_verify_seconds",
             "Seconds spent verifying results (Freivalds' check).",
             value=s.get("verify", {}).get("seconds", 0.0),

@@ -61,6 +61,8 @@ from coordinator.wire.messages import (
     DEVICE_MESSAGES,
     MAX_BATCH_TENSORS,
     MAX_SPEEDTEST_BYTES,
+    RELAY_MESSAGES,
+    Blocks,
     Hello,
     Leave,
     ResultBatch,
@@ -242,6 +244,11 @@ class Server:
             await _refuse(ws, CloseCode.REDIRECTED, f"redirected to rank {exc.message.rank}")
             return
         self._authenticated(ws)
+        allowed = RELAY_MESSAGES if msg.relay else DEVICE_MESSAGES  # a relay asks for blocks, nothing else
+
+        def here() -> bool:  # not dropped by the Core (banned, rate-limited, ...)
+            return device_id in self.core.devices or device_id in self.core.relays.relays
+
         conn = _Conn(ws)
         conn.writer = asyncio.create_task(self._write(conn, device_id))
         self.conns[device_id] = conn
@@ -255,7 +262,7 @@ class Server:
                 self.traffic.frames_up += 1
                 try:
                     msg = decode(frame)
-                    if not isinstance(msg, DEVICE_MESSAGES) or isinstance(msg, Hello):
+                    if not isinstance(msg, allowed) or isinstance(msg, Hello):
                         raise ProtocolError(f"{msg.TYPE} is not a message a device may send", Code.UNEXPECTED)
                 except ProtocolError as exc:
                     reason = f"{exc.code.value}: {exc}"
@@ -271,7 +278,7 @@ class Server:
                             self._verify(got, conn)
                         else:
                             self.deliver(got)
-                        if device_id not in self.core.devices:  # dropped: the rest is not read
+                        if not here():  # dropped: the rest is not read
                             break
                 except Exception:  # a bug must not pass silently, nor take the server down
                     log.exception("handling %s from device %d failed", msg.TYPE, device_id)
@@ -281,7 +288,7 @@ class Server:
                 if isinstance(msg, Leave):
                     reason = Departure.LEFT
                     break
-                if device_id not in self.core.devices:  # the Core dropped it (banned, rate-limited...)
+                if not here():  # the Core dropped it (banned, rate-limited...)
                     break
         except ConnectionClosed:
             if ws.close_code == CloseCode.TOO_BIG:  # a frame over its limit: do not read (and discard) the rest of it
@@ -361,7 +368,14 @@ class Server:
     def _books(self) -> dict[str, Any]:
         """What ``/metrics`` reports: the engine's books and this server's traffic."""
         t = self.traffic
-        return {**report.books(self.core), "traffic": {"bytes_down": t.bytes_down, "bytes_up": t.bytes_up}}
+        return {
+            **report.books(self.core),
+            "traffic": {
+                "bytes_down": t.bytes_down,
+                "bytes_up": t.bytes_up,
+                "bytes_relay_out": self.core.relays.bytes_named,
+            },
+        }
 
     def record_step(self, step: int, loss: float, seconds: float) -> None:
         """A step finished (on the loop): the metrics' histogram and the dashboard's curve."""
@@ -407,7 +421,26 @@ class Server:
     def status(self) -> dict[str, Any]:
         snapshot = report.status(self.core, self.clock())
         t = self.traffic
-        snapshot["traffic"] = {"mb_down": round(t.bytes_down / 1e6, 2), "mb_up": round(t.bytes_up / 1e6, 2)}
+        relays = self.core.relays
+        snapshot["traffic"] = {
+            "mb_down": round(t.bytes_down / 1e6, 2),
+            "mb_up": round(t.bytes_up / 1e6, 2),
+            # Everything that left the coordinator (to devices and to relays), and what relays
+            # were asked to serve in its stead (the bytes its devices were told to fetch there).
+            "mb_ps_out": round(t.bytes_down / 1e6, 2),
+            "mb_relay_out": round(relays.bytes_named / 1e6, 2),
+        }
+        snapshot["relays"] = [
+            {
+                "id": r.id,
+                "name": r.name,
+                "url": r.url,
+                "devices": len(r.devices),
+                "mb_from_coordinator": round(r.bytes_out / 1e6, 2),
+                "mb_named": round(r.bytes_named / 1e6, 2),
+            }
+            for r in relays.relays.values()
+        ]
         snapshot["connections"] = {
             "open": self.tcp_open,
             "unauthenticated": self.pending,
@@ -609,7 +642,10 @@ class Server:
                 msg = item.message
                 works = (msg,) if isinstance(msg, Work) else msg.works if isinstance(msg, WorkBatch) else ()
                 tiles = tuple(w.tile_id for w in works)
-                parts = encode_parts(msg) if any(w.blocks for w in works) else None
+                # Blocks to a relay travel as work's blocks do (its bulk, not its control messages).
+                bulk = bool(works) or isinstance(msg, Blocks)
+                carries = any(w.blocks for w in works) or (isinstance(msg, Blocks) and bool(msg.blocks))
+                parts = encode_parts(msg) if carries else None
                 if parts is not None and sum(len(p) for p in parts) > CHUNK:
                     # Large: views of the blocks in fragments. Small ones are joined: one frame
                     # costs less than two, and the copy is cheap.
@@ -617,7 +653,7 @@ class Server:
                     frame = _Frame(parts, sum(len(p) for p in parts), False, tiles)
                 else:
                     data = encode(msg) if parts is None else b"".join(parts)
-                    frame = _Frame(data, len(data), not works, tiles)
+                    frame = _Frame(data, len(data), not bulk, tiles)
                 t = self.traffic
                 t.bytes_down += frame.size
                 if tiles:

@@ -1,0 +1,295 @@
+"""``cleave relay``: a volunteer with a good link that serves operand blocks to devices.
+
+It enrols at the coordinator like a device (the join token once, then its credential) with
+``hello.relay`` set to the URL devices reach it at, and listens there. A device the coordinator
+put behind it asks for blocks by digest (``block_request`` with its ticket); the relay answers
+from its cache, and asks the coordinator once for what it lacks (requests for the same digest
+wait on one upstream request). Every block it serves carries its seal (``relay_tag``), so a
+device can show the coordinator what it was given. Results never pass through a relay.
+
+Memory: the cache holds at most ``memory_bytes`` of blocks (least recently used go first), plus
+the blocks of the replies being written; at most ``MAX_DEVICES`` device connections, each with
+one request at a time of at most ``MAX_FETCH`` digests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from client.connection import client_tls
+from client.credentials import Credential, CredentialStore
+from coordinator.engine.limits import TokenBucket
+from coordinator.wire import auth
+from coordinator.wire.codes import CloseCode
+from coordinator.wire.digest import block_digest, relay_tag, ticket_ok
+from coordinator.wire.errors import CleaveError, ProtocolError
+from coordinator.wire.messages import (
+    MAX_FETCH,
+    Block,
+    BlockRequest,
+    Blocks,
+    Challenge,
+    Error,
+    Finished,
+    Heartbeat,
+    Hello,
+    Welcome,
+    decode,
+    encode,
+)
+from coordinator.wire.messages import Credential as CredentialMessage
+
+log = logging.getLogger(__name__)
+
+MAX_DEVICES = 1024  # device connections at once
+UPSTREAM_TIMEOUT = 10.0  # seconds to wait for the coordinator's blocks
+DEVICE_FRAME = 64 << 10  # a device's block_request: 64 digests and a ticket fit many times over
+UPSTREAM_FRAME = 256 << 20  # the coordinator's blocks frame (as a device's client allows)
+REQUESTS_PER_S = 50.0  # a device's requests a second (bursts of 100)
+
+
+class RelayError(CleaveError):
+    """The relay cannot go on (refused by the coordinator, its listening address taken...)."""
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    url: str  # the coordinator
+    listen: tuple[str, int]  # where devices connect
+    public_url: str  # what the coordinator tells devices (defaults to ws://listen)
+    token: str = ""
+    name: str = "relay"
+    memory_bytes: int = 4 << 30
+    credentials: Path | None = None
+    cafile: str | None = None
+    certfile: str | None = None  # serve wss:// to devices
+    keyfile: str | None = None
+
+
+class BlockCache:
+    """Blocks by digest, least recently used evicted past ``capacity`` bytes, each with its seal."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self._blocks: OrderedDict[str, tuple[torch.Tensor, str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, digest: str) -> tuple[torch.Tensor, str] | None:
+        hit = self._blocks.get(digest)
+        if hit is not None:
+            self._blocks.move_to_end(digest)
+        return hit
+
+    def put(self, digest: str, block: torch.Tensor, tag: str) -> None:
+        if digest in self._blocks:
+            return
+        self._blocks[digest] = (block, tag)
+        self.held += block.numel() * block.element_size()
+        while self.held > self.capacity and len(self._blocks) > 1:
+            _, (old, _) = self._blocks.popitem(last=False)
+            self.held -= old.numel() * old.element_size()
+
+
+class Relay:
+    """One relay process: its upstream session with the coordinator and its device server.
+    ``tamper``: a test double's hook on what it serves (an honest relay has none)."""
+
+    def __init__(self, cfg: RelayConfig, *, tamper: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.cfg = cfg
+        self.cache = BlockCache(cfg.memory_bytes)
+        self.tamper = tamper
+        self.relay_id = 0
+        self.key = b""
+        self._upstream = None
+        self._waiting: dict[str, asyncio.Future[torch.Tensor | None]] = {}
+        self._devices = 0
+        self.served_bytes = 0  # to devices
+        self.fetched_bytes = 0  # from the coordinator
+        self.ready = asyncio.Event()
+        self._credentials = CredentialStore(cfg.credentials)
+
+    async def run(self) -> str:
+        """Serve until the coordinator finishes the job or closes; returns why it ended."""
+        tls = client_tls(self.cfg.url, self.cfg.cafile)
+        async with connect(
+            self.cfg.url, max_size=UPSTREAM_FRAME, compression=None, ssl=tls, proxy=None, open_timeout=10
+        ) as up:
+            self._upstream = up
+            await self._enrol(up)
+            server_tls = None
+            if self.cfg.certfile and self.cfg.keyfile:
+                server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+                server_tls.load_cert_chain(self.cfg.certfile, self.cfg.keyfile)
+            host, port = self.cfg.listen
+            async with serve(
+                self._serve_device, host, port, max_size=DEVICE_FRAME, compression=None, ssl=server_tls
+            ) as server:
+                self.port = next(iter(server.sockets)).getsockname()[1]
+                self.ready.set()
+                beat = asyncio.create_task(self._beat(up))
+                try:
+                    return await self._read_upstream(up)
+                finally:
+                    beat.cancel()
+                    for fut in self._waiting.values():
+                        if not fut.done():
+                            fut.set_result(None)
+
+    async def _enrol(self, up: object) -> None:
+        challenge = decode(await up.recv())  # type: ignore[attr-defined]
+        if not isinstance(challenge, Challenge):
+            raise RelayError("the coordinator did not open with a challenge")
+        stored = self._credentials.get(challenge.coordinator, self.cfg.name, self.cfg.url)
+        hello = Hello(name=self.cfg.name, relay=self.cfg.public_url, device="relay")
+        if stored is not None:
+            proof = auth.proof(stored.secret, stored.identity, bytes.fromhex(challenge.nonce))
+            hello = Hello(
+                name=self.cfg.name,
+                identity=stored.identity,
+                proof=proof.hex(),
+                relay=self.cfg.public_url,
+                device="relay",
+            )
+        elif not self.cfg.token:
+            raise RelayError("no credential for this coordinator: pass --token (the join token) to enrol")
+        else:
+            hello = Hello(name=self.cfg.name, token=self.cfg.token, relay=self.cfg.public_url, device="relay")
+        await up.send(encode(hello))  # type: ignore[attr-defined]
+        secret = stored.secret if stored is not None else None
+        while True:
+            try:
+                msg = decode(await up.recv())  # type: ignore[attr-defined]
+            except ConnectionClosed as exc:
+                raise RelayError(
+                    f"the coordinator refused this relay: {exc.rcvd.reason if exc.rcvd else exc}"
+                ) from None
+            if isinstance(msg, CredentialMessage):
+                secret = bytes.fromhex(msg.secret)
+                self._credentials.put(
+                    challenge.coordinator, self.cfg.name, Credential(msg.identity, secret, self.cfg.url)
+                )
+            elif isinstance(msg, Welcome):
+                if secret is None:
+                    raise RelayError("welcomed without a credential")
+                self.relay_id = msg.device_id
+                self.key = auth.stored_key(secret)
+                log.info("relay %d of %s, serving devices at %s", self.relay_id, self.cfg.url, self.cfg.public_url)
+                return
+
+    async def _beat(self, up: object) -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            await up.send(encode(Heartbeat()))  # type: ignore[attr-defined]
+
+    async def _read_upstream(self, up: object) -> str:
+        try:
+            async for frame in up:  # type: ignore[attr-defined]
+                try:
+                    msg = decode(frame)
+                except ProtocolError as exc:
+                    log.error("the coordinator sent a bad frame: %s", exc)
+                    continue
+                if isinstance(msg, Blocks):
+                    for blk in msg.blocks:
+                        self.fetched_bytes += blk.data.numel() * blk.data.element_size()
+                        fut = self._waiting.pop(blk.key, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(blk.data)
+                    for digest in msg.missing:
+                        fut = self._waiting.pop(digest, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(None)
+                elif isinstance(msg, Finished):
+                    return "the job is complete"
+                elif isinstance(msg, Error):
+                    log.warning("coordinator: %s (%s)", msg.message, msg.code)
+        except ConnectionClosed:
+            pass
+        return f"the coordinator closed ({getattr(up, 'close_code', None)})"
+
+    async def _fetch(self, digests: list[str]) -> dict[str, torch.Tensor | None]:
+        """The coordinator's blocks for ``digests`` (None: it did not send one); one upstream
+        request per digest however many devices want it at once."""
+        loop = asyncio.get_running_loop()
+        new = [d for d in digests if d not in self._waiting]
+        for d in new:
+            self._waiting[d] = loop.create_future()
+        futures = {d: self._waiting[d] for d in digests}
+        for i in range(0, len(new), MAX_FETCH):
+            await self._upstream.send(encode(BlockRequest(tuple(new[i : i + MAX_FETCH]))))  # type: ignore[union-attr]
+        got: dict[str, torch.Tensor | None] = {}
+        for d, fut in futures.items():
+            try:
+                got[d] = await asyncio.wait_for(asyncio.shield(fut), UPSTREAM_TIMEOUT)
+            except (TimeoutError, asyncio.TimeoutError):
+                self._waiting.pop(d, None)
+                got[d] = None
+        return got
+
+    async def _serve_device(self, ws: ServerConnection) -> None:
+        if self._devices >= MAX_DEVICES:
+            await ws.close(CloseCode.BUSY, "relay is at its connection limit")
+            return
+        self._devices += 1
+        bucket = TokenBucket(REQUESTS_PER_S, 2 * REQUESTS_PER_S)
+        loop = asyncio.get_running_loop()
+        try:
+            async for frame in ws:
+                try:
+                    msg = decode(frame)
+                except ProtocolError as exc:
+                    await ws.close(CloseCode.PROTOCOL, str(exc)[:120])
+                    return
+                if not isinstance(msg, BlockRequest):
+                    await ws.close(CloseCode.PROTOCOL, "a relay answers block_request only")
+                    return
+                if not ticket_ok(self.key, self.relay_id, msg.device, msg.ticket):
+                    await ws.close(CloseCode.AUTH, "ticket refused")
+                    return
+                if not bucket.take(loop.time()):
+                    await ws.close(CloseCode.RATE_LIMITED, "too many requests")
+                    return
+                await ws.send(encode(await self._answer(msg.digests)))
+        except ConnectionClosed:
+            pass
+        finally:
+            self._devices -= 1
+
+    async def _answer(self, digests: tuple[str, ...]) -> Blocks:
+        lacking = [d for d in digests if self.cache.get(d) is None]
+        if lacking:
+            for digest, block in (await self._fetch(lacking)).items():
+                if block is None:
+                    continue
+                if block_digest(block) != digest:  # the coordinator is trusted, but a bug is not served
+                    log.error("the coordinator's block does not match its digest %s", digest[:16])
+                    continue
+                self.cache.put(digest, block, relay_tag(self.key, digest, block))
+        blocks, tags, missing = [], [], []
+        for digest in digests:
+            hit = self.cache.get(digest)
+            if hit is None:
+                missing.append(digest)
+                continue
+            block, tag = hit
+            if self.tamper is not None:  # a hostile double's doing
+                block = self.tamper(digest, block)
+                tag = relay_tag(self.key, digest, block)
+            blocks.append(Block(digest, block))
+            tags.append(tag)
+            self.served_bytes += block.numel() * block.element_size()
+        return Blocks(tuple(blocks), tuple(missing), tuple(tags))

@@ -1,0 +1,106 @@
+"""A device's link to the relay its coordinator put it behind (``use_relay``): blocks by digest.
+
+The device believes the relay about nothing but bytes with the right digest. A block that does
+not hash to what the work named, a relay that does not answer within ``TIMEOUT`` seconds, one it
+cannot reach or that refuses its ticket, or one that says it lacks a block: ``RelayFailed``,
+which the runner reports to the coordinator (``relay_report``) before giving the tiles back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass
+
+import torch
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import InvalidHandshake, WebSocketException
+
+from coordinator.wire.codes import RelayFault
+from coordinator.wire.digest import block_digest
+from coordinator.wire.errors import CleaveError, ProtocolError
+from coordinator.wire.messages import MAX_FETCH, BlockRequest, Blocks, decode, encode
+
+TIMEOUT = 10.0  # seconds for a relay's answer (and for connecting to it)
+MAX_FRAME = 256 << 20  # as from the coordinator
+
+
+class RelayFailed(CleaveError):
+    """The relay failed this device: ``fault`` on block ``digest`` (``tag``: its seal on what it
+    sent, for wrong bytes)."""
+
+    def __init__(self, fault: RelayFault, digest: str, why: str, tag: str = "") -> None:
+        super().__init__(why)
+        self.fault, self.digest, self.tag = fault, digest, tag
+
+
+@dataclass
+class RelayLink:
+    relay: int
+    url: str
+    ticket: str
+    device: int
+    tls: ssl.SSLContext | None = None
+    bytes_in: int = 0
+    _ws: ClientConnection | None = None
+
+    async def fetch(self, digests: list[str]) -> dict[str, torch.Tensor]:
+        """Every block of ``digests``, checked; raises ``RelayFailed``."""
+        got: dict[str, torch.Tensor] = {}
+        for i in range(0, len(digests), MAX_FETCH):
+            part = digests[i : i + MAX_FETCH]
+            got.update(await self._fetch(part))
+        return got
+
+    async def _fetch(self, digests: list[str]) -> dict[str, torch.Tensor]:
+        first = digests[0] if digests else ""
+        try:
+            if self._ws is None:
+                self._ws = await connect(
+                    self.url, max_size=MAX_FRAME, compression=None, ssl=self.tls, proxy=None, open_timeout=TIMEOUT
+                )
+            await self._ws.send(encode(BlockRequest(tuple(digests), self.device, self.ticket)))
+            frame = await asyncio.wait_for(self._ws.recv(), TIMEOUT)
+        except (TimeoutError, asyncio.TimeoutError):
+            await self.close()
+            raise RelayFailed(
+                RelayFault.STALLED, first, f"relay {self.relay} did not answer in {TIMEOUT:g} s"
+            ) from None
+        except (OSError, InvalidHandshake, WebSocketException) as exc:
+            await self.close()
+            raise RelayFailed(RelayFault.UNREACHABLE, first, f"relay {self.relay} unreachable: {exc}") from None
+        self.bytes_in += len(frame)
+        try:
+            msg = decode(frame)
+        except ProtocolError as exc:
+            await self.close()
+            raise RelayFailed(RelayFault.WRONG, first, f"relay {self.relay} sent a bad frame: {exc}") from None
+        if not isinstance(msg, Blocks):
+            await self.close()
+            raise RelayFailed(RelayFault.WRONG, first, f"relay {self.relay} answered with {msg.TYPE}")
+        if msg.missing:
+            raise RelayFailed(RelayFault.UNREACHABLE, msg.missing[0], f"relay {self.relay} lacks a block")
+        tags = dict(zip([b.key for b in msg.blocks], msg.tags, strict=False))
+        out: dict[str, torch.Tensor] = {}
+        for blk in msg.blocks:
+            if blk.key not in digests:
+                continue  # not asked for: ignored
+            if block_digest(blk.data) != blk.key:
+                await self.close()
+                raise RelayFailed(
+                    RelayFault.WRONG, blk.key, f"relay {self.relay} sent bytes that are not block {blk.key[:16]}",
+                    tags.get(blk.key, ""),
+                )  # fmt: skip
+            out[blk.key] = blk.data  # read only, as the coordinator's blocks are
+        lacking = [d for d in digests if d not in out]
+        if lacking:
+            raise RelayFailed(RelayFault.UNREACHABLE, lacking[0], f"relay {self.relay} left out a block")
+        return out
+
+    async def close(self) -> None:
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            try:
+                await asyncio.wait_for(ws.close(), 2.0)
+            except Exception:  # noqa: BLE001 - closing a failed relay: nothing to save
+                pass

@@ -1,0 +1,151 @@
+"""Relays: which devices take their blocks from which relay, what a relay may be served, and what
+a device's report of a relay proves (protocol 7, docs/protocol.md "Relays").
+
+A relay (``cleave relay``) enrols like a device and is never given tiles. The coordinator puts
+devices behind relays, names the blocks they lack by digest in their work (``Work.fetch``), and
+serves a relay the blocks its devices ask it for: only blocks a GEMM of this step still reads
+(the ``index``), each at most ``SERVES`` times to one relay, so a relay cannot make the
+coordinator send the same bytes again and again. A device believes a relay about nothing but
+bytes with the right digest; when one fails it, the device says so (``RelayReport``) and takes
+its blocks from the coordinator from then on. A report of wrong bytes carries the relay's own
+seal on what it served: a seal that is not the true block's proves the relay lied, and it is
+banned; a report that proves nothing moves only that device, and a relay that ``STRIKES``
+different devices report is dropped (not banned: it may only be slow).
+
+Pure: no clock of its own, no I/O; the Core holds one ``Relays`` and sends what it decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.engine.blocks import BlockRef
+from coordinator.wire.codes import RelayFault
+from coordinator.wire.digest import relay_tag, relay_ticket
+from coordinator.wire.messages import MAX_FETCH, Block, Blocks, UseRelay
+
+SERVES = 2  # times one relay may be sent one block (it may evict it once and ask again)
+STRIKES = 3  # different devices whose unproven reports drop a relay
+MAX_DEVICES_PER_RELAY = 1024  # devices one relay serves at most
+
+
+@dataclass
+class RelayState:
+    """One connected relay."""
+
+    id: int  # its device row (welcome.device_id): what tickets and reports name
+    identity: int
+    name: str
+    url: str  # where devices reach it (hello.relay)
+    key: bytes  # its stored key K = H(S): seals tickets and checks its tags
+    devices: set[int] = field(default_factory=set)
+    served: dict[str, int] = field(default_factory=dict)  # digest -> times sent to it
+    strikes: set[int] = field(default_factory=set)  # devices that reported it, unproven
+    bytes_out: int = 0  # block bytes the coordinator sent it
+    bytes_named: int = 0  # block bytes its devices were told to fetch from it
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a device's report of its relay decides."""
+
+    banned: bool  # the relay proved to have served other bytes under a digest
+    dropped: bool  # the relay lost its devices (banned, or reported by STRIKES devices)
+    why: str
+
+
+class Relays:
+    """The coordinator's relays, the devices behind each, and the blocks it may serve them."""
+
+    def __init__(self) -> None:
+        self.relays: dict[int, RelayState] = {}
+        self.behind: dict[int, int] = {}  # device -> its relay
+        self.index: dict[str, BlockRef] = {}  # digest -> a block of this step, as named in work
+        self.bytes_named = 0  # over the job: block bytes devices were told to take from relays
+        self.bytes_served = 0  # over the job: block bytes sent to relays
+
+    def __len__(self) -> int:
+        return len(self.relays)
+
+    def add(self, relay: RelayState) -> None:
+        """A relay connected: devices may be put behind it."""
+        self.relays[relay.id] = relay
+
+    def remove(self, relay_id: int) -> list[int]:
+        """Forget a relay; returns the devices that were behind it."""
+        relay = self.relays.pop(relay_id, None)
+        if relay is None:
+            return []
+        for device in relay.devices:
+            self.behind.pop(device, None)
+        return sorted(relay.devices)
+
+    def place(self, device: int) -> UseRelay | None:
+        """Put a device behind the relay serving fewest (ties: the lowest id); None: no relay
+        has room. The device takes its blocks from there from its next work on."""
+        if device in self.behind or not self.relays:
+            return None
+        relay = min(self.relays.values(), key=lambda r: (len(r.devices), r.id))
+        if len(relay.devices) >= MAX_DEVICES_PER_RELAY:
+            return None
+        relay.devices.add(device)
+        self.behind[device] = relay.id
+        return UseRelay(relay.id, relay.url, relay_ticket(relay.key, relay.id, device))
+
+    def leave(self, device: int) -> None:
+        """A device is gone, or will take its blocks from the coordinator."""
+        relay_id = self.behind.pop(device, None)
+        if relay_id is not None and relay_id in self.relays:
+            self.relays[relay_id].devices.discard(device)
+
+    def name(self, device: int, ref: BlockRef) -> str | None:
+        """The digest under which ``device`` fetches ``ref`` from its relay, or None: it has
+        none, and the block travels in the work itself. Digests are taken once per block."""
+        relay_id = self.behind.get(device)
+        if relay_id is None:
+            return None
+        digest = ref.digest()
+        self.index[digest] = ref
+        relay = self.relays[relay_id]
+        relay.bytes_named += ref.nbytes
+        self.bytes_named += ref.nbytes
+        return digest
+
+    def serve(self, relay_id: int, digests: tuple[str, ...]) -> Blocks:
+        """A relay's request: the live blocks it has not been sent ``SERVES`` times."""
+        relay = self.relays[relay_id]
+        blocks, missing = [], []
+        for digest in digests[:MAX_FETCH]:
+            ref = self.index.get(digest)
+            if ref is None or relay.served.get(digest, 0) >= SERVES:
+                missing.append(digest)
+                continue
+            relay.served[digest] = relay.served.get(digest, 0) + 1
+            blocks.append(Block(digest, ref.wire()))
+            relay.bytes_out += ref.nbytes
+            self.bytes_served += ref.nbytes
+        return Blocks(tuple(blocks), tuple(missing))
+
+    def new_step(self) -> None:
+        """The last step's blocks will not be read again: nothing of them is served."""
+        self.index.clear()
+        for relay in self.relays.values():
+            relay.served.clear()
+
+    def report(self, device: int, relay_id: int, fault: RelayFault, digest: str, tag: str) -> Verdict | None:
+        """A device's report of its relay (None: not its relay, ignored). The device leaves the
+        relay in any case. A wrong-bytes report with the relay's seal is checked against the
+        true block: proof bans the relay."""
+        relay = self.relays.get(relay_id)
+        if relay is None or self.behind.get(device) != relay_id:
+            return None
+        self.leave(device)
+        ref = self.index.get(digest)
+        if fault is RelayFault.WRONG and ref is not None and tag:
+            if tag != relay_tag(relay.key, digest, ref.wire()):
+                return Verdict(True, True, f"it served other bytes as block {digest[:16]} (its own seal shows it)")
+            # Its seal is on the true bytes: what the device got is not what the relay sealed.
+        relay.strikes.add(device)
+        if len(relay.strikes) >= STRIKES:
+            return Verdict(False, True, f"{len(relay.strikes)} devices reported it ({fault.value})")
+        return Verdict(False, False, f"device {device} reported it ({fault.value})")

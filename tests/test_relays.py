@@ -1,0 +1,62 @@
+"""Relays (issue 22): a real coordinator, a real relay and real clients on loopback."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from procs import TOKEN, Coordinator, Proc, cleave_cmd, join, wait_until
+
+from coordinator.training.loop import TrainConfig, Trainer
+
+STEPS = 3
+MODEL = ("--model", "small", "--micro-batches", "1")  # the tiny model's grid shares too few blocks to say much
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def relay(url: str, tmp: Path, *args: str, name: str = "relay-1") -> Proc:
+    port = _port()
+    return Proc(
+        cleave_cmd(
+            "relay", url, "--token", TOKEN, "--listen", f"127.0.0.1:{port}", "--name", name,
+            "--credentials", str(tmp / f"{name}.json"), *args,
+        ),
+        name,
+    )  # fmt: skip
+
+
+def _run(tmp: Path, with_relay: bool) -> tuple[Coordinator, list[float]]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    coord = Coordinator(tmp, "--min-devices", "4", "--checkpoint-every", "0", *MODEL, steps=STEPS)
+    relays = [relay(coord.url, tmp)] if with_relay else []
+    if relays:
+        wait_until(lambda: coord.query("SELECT COUNT(*) FROM devices WHERE device = 'relay'") == [(1,)], what="relay")
+    clients = [join(coord.url, f"laptop-{i}") for i in range(4)]
+    assert coord.wait() == 0, coord.output
+    assert [c.wait() for c in clients] == [0] * 4, [c.output for c in clients]
+    for r in relays:
+        r.kill()
+    return coord, coord.losses()
+
+
+@pytest.mark.drill
+def test_a_relay_takes_most_of_the_coordinators_egress_and_training_stays_exact(tmp_path: Path) -> None:
+    """One coordinator, four clients, the small model on the uniform grid: with a relay the
+    coordinator sends at most 0.6x the bytes it sends without one; losses are plain torch's in
+    both, and tiles reached every client."""
+    want = [r.loss for r in Trainer(TrainConfig(model="small", steps=STEPS)).run()]
+    alone, plain = _run(tmp_path / "alone", with_relay=False)
+    relayed, losses = _run(tmp_path / "relayed", with_relay=True)
+    assert plain == pytest.approx(want, rel=1e-5) and losses == pytest.approx(want, rel=1e-5)
+    out_alone = alone.rows()[-1]["mb_ps_out"]
+    out_relayed, relay_out = relayed.rows()[-1]["mb_ps_out"], relayed.rows()[-1]["mb_relay_out"]
+    assert relay_out > 0 and out_relayed <= 0.6 * out_alone, (out_relayed, out_alone, relay_out)
+    done = dict(relayed.query("SELECT name, tiles_done FROM devices WHERE device != 'relay'"))
+    assert len(done) == 4 and all(n > 0 for n in done.values()), done
+    assert relayed.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
