@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
 import pytest
-from procs import TOKEN, Coordinator, Proc, cleave_cmd, join, wait_until
+from procs import ROOT, TOKEN, Coordinator, Proc, cleave_cmd, join, wait_until
 
 from coordinator.training.loop import TrainConfig, Trainer
 
@@ -60,3 +61,41 @@ def test_a_relay_takes_most_of_the_coordinators_egress_and_training_stays_exact(
     done = dict(relayed.query("SELECT name, tiles_done FROM devices WHERE device != 'relay'"))
     assert len(done) == 4 and all(n > 0 for n in done.values()), done
     assert relayed.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
+
+
+def hostile(mode: str, url: str, tmp: Path) -> Proc:
+    return Proc(
+        [sys.executable, str(ROOT / "tests" / "relay_doubles.py"), mode, url, TOKEN, str(_port()),
+         str(tmp / f"hostile-{mode}.json")],
+        f"hostile-{mode}",
+    )  # fmt: skip
+
+
+@pytest.mark.drill
+@pytest.mark.parametrize("mode", ["wrong", "stale", "stall"])
+def test_a_hostile_relay_is_caught_and_its_devices_take_their_blocks_from_the_coordinator(
+    tmp_path: Path, mode: str
+) -> None:
+    """A relay that serves wrong bytes (sealed: its own word on them), stale bytes of another
+    block, or nothing at all. Every device checks each block's digest and gives the relay up;
+    the coordinator bans one its seal proves lied (wrong, stale); a stall proves nothing, and only
+    costs the relay its devices. The job finishes with plain torch's losses, every tile verified."""
+    coord = Coordinator(tmp_path, "--min-devices", "2", "--checkpoint-every", "0", steps=STEPS)
+    bad = hostile(mode, coord.url, tmp_path)
+    wait_until(lambda: coord.query("SELECT COUNT(*) FROM devices WHERE device = 'relay'") == [(1,)], what="relay")
+    clients = [join(coord.url, f"laptop-{i}") for i in range(2)]
+    assert coord.wait() == 0, coord.output
+    assert [c.wait() for c in clients] == [0, 0], [c.output for c in clients]
+    bad.kill()
+    want = [r.loss for r in Trainer(TrainConfig(steps=STEPS)).run()]
+    assert coord.losses() == pytest.approx(want, rel=1e-5)
+    assert coord.query("SELECT COUNT(*) FROM tiles WHERE state != 'verified'") == [(0,)]
+    assert all("taking blocks from the coordinator" in c.output for c in clients), [c.output for c in clients]
+    relay_identity = coord.query("SELECT identity_id FROM devices WHERE device = 'relay'")[0][0]
+    (state,) = coord.query("SELECT state FROM identities WHERE id = ?", relay_identity)[0]
+    if mode in ("wrong", "stale"):
+        assert state == "banned", state  # proven by its own seal
+    else:
+        assert state != "banned", state  # a stall proves nothing: its devices left it
+    done = dict(coord.query("SELECT name, tiles_done FROM devices WHERE device != 'relay'"))
+    assert len(done) == 2 and all(n > 0 for n in done.values()), done
