@@ -510,3 +510,84 @@ def test_a_tile_failed_everywhere_twice_waits_for_a_new_device_that_can_take_it(
     fleet.now += 120.0
     fleet.route(core.handle(devices[0], Heartbeat(fleet.now), fleet.now))
     assert not any(isinstance(o, Abort) for o in core.tick(fleet.now))
+
+
+# --------------------------------------------------------------------------- relays (engine/relays.py)
+
+
+def _relay(core: Core, fleet: Fleet, name: str = "relay-1") -> tuple[int, bytes]:
+    from coordinator.wire import auth
+
+    nonce = core.gate.challenge().nonce
+    relay_id, out = core.connect(Hello(token="tok", name=name, relay="ws://10.0.0.9:8766"), nonce, fleet.now)
+    fleet.inbox[relay_id], fleet.blocks[relay_id] = [], {}
+    fleet.route(out)
+    secret = next(m for m in fleet.inbox[relay_id] if isinstance(m, Credential)).secret
+    return relay_id, auth.stored_key(bytes.fromhex(secret))
+
+
+def test_devices_behind_a_relay_fetch_by_digest_and_the_relay_is_served_only_live_blocks_twice(core: Core) -> None:
+    from coordinator.wire.digest import block_digest, relay_ticket, ticket_ok
+    from coordinator.wire.messages import BlockRequest, Blocks, UseRelay
+
+    fleet = Fleet(core)
+    relay_id, key = _relay(core, fleet)
+    d1, d2 = fleet.join("a"), fleet.join("b")
+    uses = {d: [m for m in fleet.inbox[d] if isinstance(m, UseRelay)] for d in (d1, d2)}
+    assert all(len(u) == 1 and u[0].relay == relay_id for u in uses.values()), uses
+    assert ticket_ok(key, relay_id, d1, uses[d1][0].ticket) and uses[d1][0].ticket == relay_ticket(key, relay_id, d1)
+    a, b = torch.randn(150, 70), torch.randn(70, 130)
+    submit(core, fleet, a, b)
+    works = [item.message for item in fleet.pending]
+    assert works and all(not w.blocks and w.fetch for w in works)  # every block named, none carried
+    digests = sorted({d for w in works for _, d in w.fetch})
+    served = core.handle(relay_id, BlockRequest(tuple(digests)), fleet.now)
+    (reply,) = [item.message for item in served]
+    assert isinstance(reply, Blocks) and not reply.missing
+    assert all(block_digest(blk.data) == blk.key for blk in reply.blocks)  # the true bytes under each digest
+    again = core.handle(relay_id, BlockRequest(tuple(digests)), fleet.now).pop().message
+    third = core.handle(relay_id, BlockRequest(tuple(digests)), fleet.now).pop().message
+    assert len(again.blocks) == len(digests) and third.missing == tuple(digests)  # each at most twice
+    unknown = core.handle(relay_id, BlockRequest(("ab" * 32,)), fleet.now).pop().message
+    assert unknown.missing == ("ab" * 32,) and not unknown.blocks  # only blocks a GEMM reads now
+    assert core.relays.bytes_named > 0 and core.relays.relays[relay_id].bytes_out > 0
+
+
+def test_a_relay_is_banned_only_on_its_own_seals_proof_and_limited_like_any_peer(core: Core) -> None:
+    from coordinator.wire.codes import RelayFault
+    from coordinator.wire.digest import relay_tag
+    from coordinator.wire.messages import BlockRequest, RelayReport, UseRelay
+
+    fleet = Fleet(core)
+    relay_id, key = _relay(core, fleet)
+    devices = [fleet.join(f"d{i}") for i in range(4)]
+    submit(core, fleet, torch.randn(150, 70), torch.randn(70, 130))
+    work = fleet.pending[0].message
+    reporter = fleet.pending[0].device
+    key_name, digest = work.fetch[0]
+    true = core.relays.index[digest].wire()
+    # A device claiming wrong bytes while the relay's seal is on the true ones proves nothing: it
+    # leaves the relay, the relay stays.
+    honest_tag = relay_tag(key, digest, true)
+    out = core.handle(reporter, RelayReport(relay_id, RelayFault.WRONG, digest, honest_tag), fleet.now)
+    assert any(isinstance(i, Send) and i.message == UseRelay(0) for i in out) and relay_id in core.relays.relays
+    assert reporter not in core.relays.behind
+    # A report of a relay that is not the device's own is ignored.
+    assert core.handle(reporter, RelayReport(relay_id, RelayFault.STALLED, digest), fleet.now) == []
+    # The relay's seal on other bytes under that digest: proof. Banned, its devices released.
+    other = devices[1] if devices[1] != reporter else devices[2]
+    lie = true.clone()
+    lie.view(-1)[0] += 1
+    out = core.handle(other, RelayReport(relay_id, RelayFault.WRONG, digest, relay_tag(key, digest, lie)), fleet.now)
+    assert any(isinstance(i, Close) and i.device == relay_id and i.code == CloseCode.BANNED for i in out), out
+    assert relay_id not in core.relays.relays and not core.relays.behind
+    # A relay that floods the coordinator with requests is cut like any peer.
+    flooder, _ = _relay(core, fleet, "relay-2")
+    closes = []
+    for _ in range(10_000):
+        got = core.handle(flooder, BlockRequest(("cd" * 32,)), fleet.now)
+        closes = [i for i in got if isinstance(i, Close)]
+        if closes:
+            break
+    assert closes and closes[0].code == CloseCode.RATE_LIMITED and flooder not in core.relays.relays
+    assert key_name  # (the work named its block by key and digest)
