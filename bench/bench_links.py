@@ -62,6 +62,9 @@ def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ps = lab.add("ps", Link(down=args.ps_mbps * 1e6, up=args.ps_mbps * 1e6))
         for i in range(args.clients):
             lab.add(f"d{i}", Link(down=args.down_mbps * 1e6, up=args.up_mbps * 1e6))
+        relay = (
+            lab.add("relay", Link(down=args.relay_mbps * 1e6, up=args.relay_mbps * 1e6)) if args.relay_mbps else None
+        )
         metrics = tmp / "metrics.jsonl"
         coordinator = subprocess.Popen(
             lab.command(
@@ -85,6 +88,27 @@ def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             stderr=subprocess.STDOUT,
         )
         time.sleep(2.0)  # it listens before the clients dial
+        relays = []
+        if relay is not None:  # enrolled before the clients: every client goes behind it
+            relays.append(
+                subprocess.Popen(
+                    lab.command(
+                        "relay",
+                        _cleave(
+                            "relay",
+                            f"ws://{ps.address}:{PORT}",
+                            *("--token", token, "--listen", f"{relay.address}:8766"),
+                            *("--public-url", f"ws://{relay.address}:8766", "--name", "relay"),
+                            *("--credentials", str(tmp / "relay.json")),
+                        ),
+                    ),
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=(tmp / "relay.log").open("w"),
+                )
+            )
+            time.sleep(3.0)
         clients = [
             subprocess.Popen(
                 lab.command(
@@ -92,7 +116,7 @@ def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     _cleave(
                         "join",
                         f"ws://{ps.address}:{PORT}",
-                        *("--token", token, "--insecure", "--always", "--once", "--quiet"),
+                        *("--token", token, "--insecure", "--always", "--once", "--quiet"),  # ws:// in the lab
                         *("--threads", "1", "--device", "cpu", "--name", f"d{i}"),
                         *("--credentials", str(tmp / f"d{i}.json")),
                     ),
@@ -121,12 +145,12 @@ def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             for c in clients:
                 c.wait(60)
         finally:
-            for p in (coordinator, *clients):
+            for p in (coordinator, *clients, *relays):
                 if p.poll() is None:
                     p.kill()
         with sqlite3.connect(tmp / "ps.db") as conn:
-            rates = [r[0] for r in conn.execute("SELECT gflops FROM devices")]
-            tiles = [r[0] for r in conn.execute("SELECT tiles_done FROM devices")]
+            rates = [r[0] for r in conn.execute("SELECT gflops FROM devices WHERE device != 'relay'")]
+            tiles = [r[0] for r in conn.execute("SELECT tiles_done FROM devices WHERE device != 'relay'")]
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     return {"rows": rows, "sent": sent, "client_gflops": rates, "tiles": tiles}
 
@@ -146,6 +170,7 @@ def predict(args: argparse.Namespace, gflops: float, tmp: Path) -> dict[str, Any
             *("--seq-len", str(args.seq_len), "--ps-link-gbps", str(args.ps_mbps / 1000)),
             *("--ps-gflops", str(args.ps_gflops), "--planner", "uniform", "--no-churn", "--steps", "3"),
             *("--micro-batches", "1", "--json"),
+            *(("--relays", "1", "--relay-link-gbps", str(args.relay_mbps / 1000)) if args.relay_mbps else ()),
         ),
         cwd=ROOT,
         capture_output=True,
@@ -169,6 +194,7 @@ def figures(args: argparse.Namespace, job: dict[str, Any], sim: dict[str, Any]) 
         "seq_len": args.seq_len,
         "clients": args.clients,
         "ps_link_mbps": args.ps_mbps,
+        "relay_link_mbps": args.relay_mbps or None,
         "device_down_mbps": args.down_mbps,
         "device_up_mbps": args.up_mbps,
         "measured_step_s": measured,
@@ -183,7 +209,12 @@ def figures(args: argparse.Namespace, job: dict[str, Any], sim: dict[str, Any]) 
         "mb_up_per_step": (rows[-1]["mb_up"] - job["rows"][args.warmup - 1]["mb_up"]) / len(rows)
         if args.warmup
         else rows[-1]["mb_up"] / len(rows),
+        "mb_relay_out_per_step": (rows[-1].get("mb_relay_out", 0) - job["rows"][args.warmup - 1].get("mb_relay_out", 0))
+        / len(rows)
+        if args.warmup
+        else rows[-1].get("mb_relay_out", 0) / len(rows),
         "simulated_mb_down_per_step": sim["cleave"]["bytes"]["ps_egress"] / 1e6,
+        "simulated_mb_relay_out_per_step": sim["cleave"]["bytes"].get("relay_out", 0) / 1e6,
         "simulated_mb_up_per_step": sim["cleave"]["bytes"]["ps_ingress"] / 1e6,
         "simulated_busy_s": sim["cleave"]["busy_s"],
         "simulated_bound": sim["cleave"]["bound"],
@@ -204,6 +235,7 @@ def main() -> int:
     p.add_argument("--ps-mbps", type=float, default=20.0, help="the coordinator's link, Mbit/s each way")
     p.add_argument("--down-mbps", type=float, default=10.0, help="each client's downlink, Mbit/s")
     p.add_argument("--up-mbps", type=float, default=5.0, help="each client's uplink, Mbit/s")
+    p.add_argument("--relay-mbps", type=float, default=0.0, help="a relay on this link, Mbit/s each way (0: none)")
     p.add_argument(
         "--ps-gflops",
         type=float,

@@ -33,7 +33,7 @@ from coordinator.engine.limits import TokenBucket
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode
 from coordinator.wire.digest import block_digest, relay_tag, ticket_ok
-from coordinator.wire.errors import CleaveError, ProtocolError
+from coordinator.wire.errors import ConfigError, ProtocolError
 from coordinator.wire.messages import (
     MAX_FETCH,
     Block,
@@ -59,8 +59,8 @@ UPSTREAM_FRAME = 256 << 20  # the coordinator's blocks frame (as a device's clie
 REQUESTS_PER_S = 50.0  # a device's requests a second (bursts of 100)
 
 
-class RelayError(CleaveError):
-    """The relay cannot go on (refused by the coordinator, its listening address taken...)."""
+class RelayError(ConfigError):
+    """The coordinator refused this relay, or it cannot enrol (exit 2)."""
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ def test_every_command_has_help_and_a_docs_section() -> None:
         "cleave plan",
         "cleave simulate",
         "cleave emulate",
+        "cleave relay",
         "cleave coordinator devices list",
         "cleave coordinator devices revoke",
         "cleave coordinator devices unban",
