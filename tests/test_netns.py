@@ -65,3 +65,28 @@ def test_links_are_shaped_each_way_and_the_lab_leaves_nothing_behind() -> None:
     with pytest.raises(LabError, match="unique, alphanumeric"), Lab() as other:
         other.add("bad name", Link(0, 0))
     assert leftovers(other.prefix) == []
+
+
+@pytest.mark.drill
+def test_bench_links_runs_a_relay_on_shaped_links_against_the_simulator() -> None:
+    """bench/bench_links.py, short: a real coordinator, a relay and two clients in namespaces on
+    shaped links. It prints its one JSON line with the measured and predicted steps and the
+    coordinator's link use; the relay served blocks, every client computed tiles, and no
+    namespace is left behind. (The figures' goals are the bench's, measured on an idle machine:
+    bench/README.md. Here they only have to be sane.)"""
+    import json
+
+    from conftest import ROOT
+
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_links.py"), "--steps", "3", "--warmup", "1",
+         "--ps-mbps", "20", "--down-mbps", "40", "--up-mbps", "20", "--relay-mbps", "100", "--json"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    fig = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("measured_step_s", "predicted_step_s", "ps_egress_utilisation", "ps_link_mbps"):
+        assert isinstance(fig[key], float) and fig[key] > 0, (key, fig)
+    assert 0.3 < fig["predicted_over_measured"] < 3, fig
+    assert fig["mb_relay_out_per_step"] > 0 and all(n > 0 for n in fig["tiles_per_client"]), fig
+    assert [n for n in leftovers() if n.endswith("-relay")] == []  # (another test's lab may be up meanwhile)
