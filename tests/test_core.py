@@ -551,6 +551,9 @@ def test_devices_behind_a_relay_fetch_by_digest_and_the_relay_is_served_only_liv
     unknown = core.handle(relay_id, BlockRequest(("ab" * 32,)), fleet.now).pop().message
     assert unknown.missing == ("ab" * 32,) and not unknown.blocks  # only blocks a GEMM reads now
     assert core.relays.bytes_named > 0 and core.relays.relays[relay_id].bytes_out > 0
+    assert core.planner.ps.relays == 1  # the cost model prices blocks through it
+    core.disconnect(relay_id, fleet.now)
+    assert core.planner.ps.relays == 0 and not core.relays.behind
 
 
 def test_a_relay_is_banned_only_on_its_own_seals_proof_and_limited_like_any_peer(core: Core) -> None:

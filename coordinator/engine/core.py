@@ -351,6 +351,7 @@ class Core:
         info = DeviceInfo(admission.name, hello.platform, max(1, hello.cores), hello.memory_bytes, "relay", 0.0)
         relay_id = self.store.add_device(self.job_id, info, self.wall(now), admission.identity)
         self.relays.add(RelayState(relay_id, admission.identity, admission.name, hello.relay, key))
+        self.planner.use_relays(len(self.relays))  # the cost model prices blocks through it
         self._relay_buckets[relay_id] = self.limits.messages.bucket()
         self._relay_by_identity[admission.identity] = relay_id
         out: list[Outbound] = [Limit(relay_id, self.limits.idle_frame)]
@@ -385,6 +386,7 @@ class Core:
         if relay is None:
             return []
         devices = self.relays.remove(relay_id)
+        self.planner.use_relays(len(self.relays))
         self._relay_buckets.pop(relay_id, None)
         self._relay_by_identity.pop(relay.identity, None)
         self.store.release_device(relay_id, Outcome.RELEASED, self.wall(now), reason)

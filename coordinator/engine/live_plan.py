@@ -212,6 +212,14 @@ class LivePlanner:
         self._fleet: tuple | None = None  # (version, dtype), classes, members, devices
         self._limit = cache
 
+    def use_relays(self, relays: int) -> None:
+        """The coordinator has this many relays now: blocks are priced through them
+        (``PSProfile.send_seconds``), at the profile's relay link; plans made before go."""
+        if relays != self.ps.relays:
+            self.ps = dataclasses.replace(self.ps, relays=relays)
+            self._lane_ps = shared(self.ps, self.lanes)
+            self._cache.clear()
+
     def with_lanes(self, lanes: int) -> LivePlanner:
         """This planner for ``lanes`` GEMMs side by side (the micro-batches the trainer runs at once)."""
         if lanes == self.lanes:
