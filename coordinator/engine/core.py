@@ -330,7 +330,7 @@ class Core:
         if self.finished:
             out.append(self._send(device_id, Finished(), now))
             return device_id, out
-        use = self.relays.place(device_id)  # a relay with room serves its blocks
+        use = self.relays.place(device_id, links.down)  # a relay with room serves its blocks
         if use is not None:
             out.append(self._send(device_id, use, now))
         return device_id, out + self._dispatch(now)
@@ -359,7 +359,8 @@ class Core:
             out.append(Send(relay_id, Credential(admission.identity, admission.secret.hex())))
         out.append(Send(relay_id, Welcome(relay_id, admission.identity, self.job_name, 1, self.faults.heartbeat)))
         for device_id in sorted(self.devices):
-            use = self.relays.place(device_id)
+            profile = self._profiled.get(device_id) or self.profiles[device_id].profile(self.dtype)
+            use = self.relays.place(device_id, profile.down)
             if use is not None:
                 out.append(self._send(device_id, use, now))
         return relay_id, out

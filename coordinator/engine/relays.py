@@ -39,6 +39,7 @@ class RelayState:
     url: str  # where devices reach it (hello.relay)
     key: bytes  # its stored key K = H(S): seals tickets and checks its tags
     devices: set[int] = field(default_factory=set)
+    load: float = 0.0  # its devices' downlinks, summed (bytes/s): what its egress may have to feed
     served: dict[str, int] = field(default_factory=dict)  # digest -> times sent to it
     strikes: set[int] = field(default_factory=set)  # devices that reported it, unproven
     bytes_out: int = 0  # block bytes the coordinator sent it
@@ -60,6 +61,7 @@ class Relays:
     def __init__(self) -> None:
         self.relays: dict[int, RelayState] = {}
         self.behind: dict[int, int] = {}  # device -> its relay
+        self._down: dict[int, float] = {}  # device -> the downlink it was placed with
         self.index: dict[str, BlockRef] = {}  # digest -> a block of this step, as named in work
         self.bytes_named = 0  # over the job: block bytes devices were told to take from relays
         self.bytes_served = 0  # over the job: block bytes sent to relays
@@ -78,25 +80,33 @@ class Relays:
             return []
         for device in relay.devices:
             self.behind.pop(device, None)
+            self._down.pop(device, None)
         return sorted(relay.devices)
 
-    def place(self, device: int) -> UseRelay | None:
-        """Put a device behind the relay serving fewest (ties: the lowest id); None: no relay
-        has room. The device takes its blocks from there from its next work on."""
+    def place(self, device: int, down: float = 1.0) -> UseRelay | None:
+        """Put a device whose downlink is ``down`` bytes/s behind the relay whose devices'
+        downlinks add up to least (what its egress would have to feed were they all busy;
+        ties: fewest devices, then the lowest id); None: no relay has room. The device takes its
+        blocks from there from its next work on."""
         if device in self.behind or not self.relays:
             return None
-        relay = min(self.relays.values(), key=lambda r: (len(r.devices), r.id))
-        if len(relay.devices) >= MAX_DEVICES_PER_RELAY:
+        open_ = [r for r in self.relays.values() if len(r.devices) < MAX_DEVICES_PER_RELAY]
+        if not open_:
             return None
+        relay = min(open_, key=lambda r: (r.load, len(r.devices), r.id))
         relay.devices.add(device)
+        relay.load += down
+        self._down[device] = down
         self.behind[device] = relay.id
         return UseRelay(relay.id, relay.url, relay_ticket(relay.key, relay.id, device))
 
     def leave(self, device: int) -> None:
         """A device is gone, or will take its blocks from the coordinator."""
         relay_id = self.behind.pop(device, None)
+        down = self._down.pop(device, 0.0)
         if relay_id is not None and relay_id in self.relays:
             self.relays[relay_id].devices.discard(device)
+            self.relays[relay_id].load -= down
 
     def name(self, device: int, ref: BlockRef) -> str | None:
         """The digest under which ``device`` fetches ``ref`` from its relay, or None: it has
