@@ -29,7 +29,6 @@ from websockets.exceptions import ConnectionClosed
 
 from client.connection import client_tls
 from client.credentials import Credential, CredentialStore
-from coordinator.engine.limits import TokenBucket
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode
 from coordinator.wire.digest import block_digest, relay_tag, ticket_ok
@@ -57,6 +56,22 @@ UPSTREAM_TIMEOUT = 10.0  # seconds to wait for the coordinator's blocks
 DEVICE_FRAME = 64 << 10  # a device's block_request: 64 digests and a ticket fit many times over
 UPSTREAM_FRAME = 256 << 20  # the coordinator's blocks frame (as a device's client allows)
 REQUESTS_PER_S = 50.0  # a device's requests a second (bursts of 100)
+
+
+class _Allowance:
+    """``rate`` requests a second, ``burst`` at once (a device's allowance at this relay)."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst, self.level, self.at = rate, burst, burst, None
+
+    def take(self, now: float) -> bool:
+        if self.at is not None:
+            self.level = min(self.burst, self.level + (now - self.at) * self.rate)
+        self.at = now
+        if self.level < 1:
+            return False
+        self.level -= 1
+        return True
 
 
 class RelayError(ConfigError):
@@ -245,7 +260,7 @@ class Relay:
             await ws.close(CloseCode.BUSY, "relay is at its connection limit")
             return
         self._devices += 1
-        bucket = TokenBucket(REQUESTS_PER_S, 2 * REQUESTS_PER_S)
+        bucket = _Allowance(REQUESTS_PER_S, 2 * REQUESTS_PER_S)
         loop = asyncio.get_running_loop()
         try:
             async for frame in ws:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from client.runner import MAX_REDIRECTS, Refused, Worker, WorkerConfig
+from client.runner import MAX_REDIRECTS, Worker, WorkerConfig
 from client.session import Redirected
+from coordinator.wire.errors import Refused
 
 TICKET = "ab" * 60
 
