@@ -4,7 +4,8 @@
 
 MODE: ``wrong`` serves every block with one element changed (sealed, as a lying relay would:
 its seal is its word on what it sent); ``stale`` serves the first block it ever served under
-every digest (bytes of another block); ``stall`` never answers a device.
+every digest (bytes of another block); ``stall`` never answers a device; ``flood`` sends the
+coordinator block requests as fast as it can.
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ def main() -> None:
             raise AssertionError("unreachable")
 
         relay._answer = never  # type: ignore[method-assign]
+    if mode == "flood":
+        from coordinator.wire.messages import BlockRequest, encode
+
+        async def flood(up: object) -> None:
+            while True:
+                await up.send(encode(BlockRequest(("ab" * 32,))))  # type: ignore[attr-defined]
+                await asyncio.sleep(0)
+
+        relay._beat = flood  # type: ignore[method-assign]
     print(asyncio.run(relay.run()), flush=True)
 
 

@@ -18,7 +18,16 @@ from hypothesis import strategies as st
 from procs import OPERATOR, Coordinator, join, wait_until
 
 from coordinator.planning.tier import partition
-from coordinator.tier.group import MAX_STATUS_BYTES, RankLost, RankSummary, Tier, TierRefused, job_digest, join_tier
+from coordinator.tier.group import (
+    HEARTBEAT,
+    MAX_STATUS_BYTES,
+    RankLost,
+    RankSummary,
+    Tier,
+    TierRefused,
+    job_digest,
+    join_tier,
+)
 from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.training.parallel import DataParallel, ShardedAdamW
 from coordinator.wire import auth
@@ -439,6 +448,9 @@ def test_volunteers_given_one_ranks_url_fill_the_weaker_pool_and_compute_there(t
         )
     except AssertionError:
         raise AssertionError(f"rank 0's view: {seen[-3:]}") from None
+    time.sleep(
+        1.5 * HEARTBEAT
+    )  # the balancer takes the view once a heartbeat (a newcomer sooner is placed on the last)
     second = join(ranks[0].url, "second")
 
     def computed_at_rank_1() -> bool:

@@ -293,10 +293,11 @@ class Tier:
         _, rank, why = news.decode(errors="replace").split("|", 2) if news.count(b"|") >= 2 else ("", "", "")
         if not (rank.isdigit() and 0 <= int(rank) < self.world and auth.tier_lost_ok(self.key, int(rank), news, mac)):
             return  # not a rank's word: not believed
-        try:
-            self.store.add(LOST_ACKS, 1)
-        except Exception:
-            pass
+        if not self._lost_announced:  # its own notice is no other rank's acknowledgement
+            try:
+                self.store.add(LOST_ACKS, 1)
+            except Exception:
+                pass
         raise RankLost(int(rank), why[:200] or "announced by another rank")
 
     # ------------------------------------------------------------------ the tier's view

@@ -24,7 +24,7 @@ from coordinator.training import models
 from coordinator.training.data import ByteBatches, load_corpus
 from coordinator.training.linear import MatmulEngine, offload_linears
 from coordinator.training.parallel import DataParallel, ShardedAdamW
-from coordinator.wire.errors import ConfigError
+from coordinator.wire.errors import CleaveError, ConfigError
 
 # How a step computes: fp32; bf16 (weights, activations and optimizer state in bfloat16); fp16
 # (float32 weights, forward under float16 autocast, a dynamic loss scaler); autocast (float32
@@ -311,7 +311,8 @@ class Trainer:
         try:
             return self._finish_step(started, loss_sum, tokens, lr)
         except RuntimeError as exc:  # gloo's errors: a rank may have gone during the sums
-            if self.parallel is not None and self.parallel.on_failure is not None:
+            # (The tier's own word, a RankLost from its barrier, names the rank already.)
+            if self.parallel is not None and self.parallel.on_failure is not None and not isinstance(exc, CleaveError):
                 self.parallel.on_failure(exc)
             raise
 
