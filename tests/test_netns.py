@@ -79,7 +79,7 @@ def test_bench_links_runs_a_relay_on_shaped_links_against_the_simulator() -> Non
     from conftest import ROOT
 
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_links.py"), "--steps", "3", "--warmup", "1",
+        [sys.executable, str(ROOT / "bench" / "bench_links.py"), "--steps", "2", "--warmup", "1",
          "--ps-mbps", "20", "--down-mbps", "40", "--up-mbps", "20", "--relay-mbps", "100", "--json"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
