@@ -407,6 +407,7 @@ async def serve_job(
                 # What left the coordinator (to devices and relays), and what relays served for it.
                 "mb_ps_out": round(t.bytes_down / 1e6, 3),
                 "mb_relay_out": round(core.relays.bytes_named / 1e6, 3),
+                "mb_to_relays": round(core.relays.bytes_served / 1e6, 3),  # of mb_ps_out
                 "predicted_s": None if predicted is None else round(predicted, 4),
                 # The cost model's step had the coordinator kept every GEMM (the plan never loses to it).
                 "home_s": None if home is None or not math.isfinite(home) else round(home, 4),
