@@ -88,17 +88,6 @@ class Profile:
         if not self.session > 0:
             raise CostModelError(f"session must be positive, got {self.session!r}")
 
-    def send_seconds(self, sent: float, distinct: float) -> float:
-        """Seconds to get ``sent`` bytes of operand blocks to the devices, of which ``distinct``
-        are different blocks. Without relays all of it leaves the PS. Behind relays a block
-        leaves the PS once per relay at most (``min(sent, relays x distinct)``), and the relays'
-        egress carries it once per device that needs it, spread over the relays; the slower of
-        the two binds (each is a FIFO link, and both run at once across a GEMM's blocks)."""
-        if self.relays <= 0:
-            return sent / self.egress
-        from_ps = min(sent, self.relays * distinct)
-        return max(from_ps / self.egress, sent / (self.relays * self.relay_egress))
-
     @property
     def optimizer_bw(self) -> float:
         """Bytes/s at which AdamW streams its parameters, moments and gradients."""
