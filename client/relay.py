@@ -4,7 +4,8 @@ It enrols at the coordinator like a device (the join token once, then its creden
 ``hello.relay`` set to the URL devices reach it at, and listens there. A device the coordinator
 put behind it asks for blocks by digest (``block_request`` with its ticket); the relay answers
 from its cache, and asks the coordinator once for what it lacks (requests for the same digest
-wait on one upstream request). Every block it serves carries its seal (``relay_tag``), so a
+wait on one upstream request). Every block it serves carries its seal (``relay_tag``, on the digest
+asked for and the digest of the bytes sent), so a
 device can show the coordinator what it was given. Results never pass through a relay.
 
 Memory: the cache holds at most ``memory_bytes`` of blocks (least recently used go first), plus
@@ -293,7 +294,7 @@ class Relay:
                 if block_digest(block) != digest:  # the coordinator is trusted, but a bug is not served
                     log.error("the coordinator's block does not match its digest %s", digest[:16])
                     continue
-                self.cache.put(digest, block, relay_tag(self.key, digest, block))
+                self.cache.put(digest, block, relay_tag(self.key, digest, digest))  # checked above
         blocks, tags, missing = [], [], []
         for digest in digests:
             hit = self.cache.get(digest)
@@ -303,7 +304,7 @@ class Relay:
             block, tag = hit
             if self.tamper is not None:  # a hostile double's doing
                 block = self.tamper(digest, block)
-                tag = relay_tag(self.key, digest, block)
+                tag = relay_tag(self.key, digest, block_digest(block))  # an honest seal on what it sends
             blocks.append(Block(digest, block))
             tags.append(tag)
             self.served_bytes += block.numel() * block.element_size()

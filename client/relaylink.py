@@ -29,9 +29,9 @@ class RelayFailed(CleaveError):
     """The relay failed this device: ``fault`` on block ``digest`` (``tag``: its seal on what it
     sent, for wrong bytes)."""
 
-    def __init__(self, fault: RelayFault, digest: str, why: str, tag: str = "") -> None:
+    def __init__(self, fault: RelayFault, digest: str, why: str, tag: str = "", got: str = "") -> None:
         super().__init__(why)
-        self.fault, self.digest, self.tag = fault, digest, tag
+        self.fault, self.digest, self.tag, self.got = fault, digest, tag, got
 
 
 @dataclass
@@ -85,11 +85,12 @@ class RelayLink:
         for blk in msg.blocks:
             if blk.key not in digests:
                 continue  # not asked for: ignored
-            if block_digest(blk.data) != blk.key:
+            got = block_digest(blk.data)
+            if got != blk.key:
                 await self.close()
                 raise RelayFailed(
                     RelayFault.WRONG, blk.key, f"relay {self.relay} sent bytes that are not block {blk.key[:16]}",
-                    tags.get(blk.key, ""),
+                    tags.get(blk.key, ""), got,
                 )  # fmt: skip
             out[blk.key] = blk.data  # read only, as the coordinator's blocks are
         lacking = [d for d in digests if d not in out]

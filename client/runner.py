@@ -522,6 +522,8 @@ class Worker:
             if msg.relay:
                 try:
                     check_url(msg.url, insecure=self.cfg.insecure)
+                    if self.url.startswith("wss://") and not msg.url.startswith("wss://"):
+                        raise URLRefused(f"refusing relay {msg.url}: the coordinator is wss://, it would drop TLS")
                     tls = client_tls(msg.url, self.cfg.cafile)
                 except URLRefused as exc:  # not a relay it would reach: its blocks come from the coordinator
                     await self._report(ws, RelayReport(msg.relay, RelayFault.UNREACHABLE), str(exc))
@@ -544,7 +546,7 @@ class Worker:
             got = await relay.fetch(wanted)
         except RelayFailed as exc:
             self._relay = None
-            await self._report(ws, RelayReport(relay.relay, exc.fault, exc.digest, exc.tag), str(exc))
+            await self._report(ws, RelayReport(relay.relay, exc.fault, exc.digest, exc.tag, exc.got), str(exc))
             return msg
         self.stats.relay_mb += sum(t.numel() * t.element_size() for t in got.values()) / 1e6
 

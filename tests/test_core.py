@@ -563,25 +563,24 @@ def test_a_relay_is_banned_only_on_its_own_seals_proof_and_limited_like_any_peer
 
     fleet = Fleet(core)
     relay_id, key = _relay(core, fleet)
-    devices = [fleet.join(f"d{i}") for i in range(4)]
+    devices = [fleet.join(f"d{i}") for i in range(5)]
     submit(core, fleet, torch.randn(150, 70), torch.randn(70, 130))
-    work = fleet.pending[0].message
-    reporter = fleet.pending[0].device
-    key_name, digest = work.fetch[0]
-    true = core.relays.index[digest].wire()
-    # A device claiming wrong bytes while the relay's seal is on the true ones proves nothing: it
-    # leaves the relay, the relay stays.
-    honest_tag = relay_tag(key, digest, true)
-    out = core.handle(reporter, RelayReport(relay_id, RelayFault.WRONG, digest, honest_tag), fleet.now)
+    digest = fleet.pending[0].message.fetch[0][1]
+    other_bytes = "ef" * 32  # the digest of what a liar sent instead
+    # A device cannot forge the relay's seal: a made-up tag on a mismatch proves nothing. It
+    # leaves the relay (and is never put behind it again); the relay stays, with a strike.
+    liar = devices[0]
+    out = core.handle(liar, RelayReport(relay_id, RelayFault.WRONG, digest, "ab" * 32, other_bytes), fleet.now)
     assert any(isinstance(i, Send) and i.message == UseRelay(0) for i in out) and relay_id in core.relays.relays
-    assert reporter not in core.relays.behind
+    assert liar not in core.relays.behind and core.relays.place(liar) is None  # not behind it again
     # A report of a relay that is not the device's own is ignored.
-    assert core.handle(reporter, RelayReport(relay_id, RelayFault.STALLED, digest), fleet.now) == []
-    # The relay's seal on other bytes under that digest: proof. Banned, its devices released.
-    other = devices[1] if devices[1] != reporter else devices[2]
-    lie = true.clone()
-    lie.view(-1)[0] += 1
-    out = core.handle(other, RelayReport(relay_id, RelayFault.WRONG, digest, relay_tag(key, digest, lie)), fleet.now)
+    assert core.handle(liar, RelayReport(relay_id, RelayFault.STALLED, digest), fleet.now) == []
+    # A relay that lacked a block is not struck: an honest one may have been evicted.
+    out = core.handle(devices[1], RelayReport(relay_id, RelayFault.UNREACHABLE, digest), fleet.now)
+    assert relay_id in core.relays.relays and core.relays.relays[relay_id].strikes == {liar}
+    # The relay's own seal on serving other bytes under that digest: proof. Banned, devices released.
+    sealed = relay_tag(key, digest, other_bytes)
+    out = core.handle(devices[2], RelayReport(relay_id, RelayFault.WRONG, digest, sealed, other_bytes), fleet.now)
     assert any(isinstance(i, Close) and i.device == relay_id and i.code == CloseCode.BANNED for i in out), out
     assert relay_id not in core.relays.relays and not core.relays.behind
     # A relay that floods the coordinator with requests is cut like any peer.
@@ -593,7 +592,6 @@ def test_a_relay_is_banned_only_on_its_own_seals_proof_and_limited_like_any_peer
         if closes:
             break
     assert closes and closes[0].code == CloseCode.RATE_LIMITED and flooder not in core.relays.relays
-    assert key_name  # (the work named its block by key and digest)
 
 
 def test_devices_go_behind_the_relay_whose_devices_downlinks_add_up_to_least() -> None:

@@ -396,7 +396,7 @@ class Core:
     def _on_relay_report(self, dev: DeviceState, msg: RelayReport, now: float) -> list[Outbound]:
         """A device says its relay failed it: it takes its blocks from here from now on; a relay
         proven to have served other bytes is banned (engine/relays.py)."""
-        verdict = self.relays.report(dev.id, msg.relay, msg.fault, msg.digest, msg.tag)
+        verdict = self.relays.report(dev.id, msg.relay, msg.fault, msg.digest, msg.tag, msg.got)
         if verdict is None:
             return []
         log.warning("device %d reported relay %d: %s", dev.id, msg.relay, verdict.why)

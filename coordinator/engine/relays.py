@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from coordinator.engine.blocks import BlockRef
 from coordinator.wire.codes import RelayFault
-from coordinator.wire.digest import relay_tag, relay_ticket
+from coordinator.wire.digest import relay_ticket, tag_ok
 from coordinator.wire.messages import MAX_FETCH, Block, Blocks, UseRelay
 
 SERVES = 2  # times one relay may be sent one block (it may evict it once and ask again)
@@ -62,6 +62,7 @@ class Relays:
         self.relays: dict[int, RelayState] = {}
         self.behind: dict[int, int] = {}  # device -> its relay
         self._down: dict[int, float] = {}  # device -> the downlink it was placed with
+        self.avoid: dict[int, set[int]] = {}  # device -> relays it reported (never behind them again)
         self.index: dict[str, BlockRef] = {}  # digest -> a block of this step, as named in work
         self.bytes_named = 0  # over the job: block bytes devices were told to take from relays
         self.bytes_served = 0  # over the job: block bytes sent to relays
@@ -90,7 +91,8 @@ class Relays:
         blocks from there from its next work on."""
         if device in self.behind or not self.relays:
             return None
-        open_ = [r for r in self.relays.values() if len(r.devices) < MAX_DEVICES_PER_RELAY]
+        avoid = self.avoid.get(device, set())
+        open_ = [r for r in self.relays.values() if len(r.devices) < MAX_DEVICES_PER_RELAY and r.id not in avoid]
         if not open_:
             return None
         relay = min(open_, key=lambda r: (r.load, len(r.devices), r.id))
@@ -142,19 +144,24 @@ class Relays:
         for relay in self.relays.values():
             relay.served.clear()
 
-    def report(self, device: int, relay_id: int, fault: RelayFault, digest: str, tag: str) -> Verdict | None:
+    def report(
+        self, device: int, relay_id: int, fault: RelayFault, digest: str, tag: str, got: str = ""
+    ) -> Verdict | None:
         """A device's report of its relay (None: not its relay, ignored). The device leaves the
-        relay in any case. A wrong-bytes report with the relay's seal is checked against the
-        true block: proof bans the relay."""
+        relay in any case, and is not put behind it again. A wrong-bytes report proves a lie
+        only with the relay's own seal on serving bytes of digest ``got`` as ``digest``: then the
+        relay is banned. Without proof (a device may say anything, and a relay may seal what it
+        did not send) a stall or wrong bytes counts a strike; a relay that lacked a block
+        (``UNREACHABLE``) does not (an honest one may have been evicted or sent its limit)."""
         relay = self.relays.get(relay_id)
         if relay is None or self.behind.get(device) != relay_id:
             return None
         self.leave(device)
-        ref = self.index.get(digest)
-        if fault is RelayFault.WRONG and ref is not None and tag:
-            if tag != relay_tag(relay.key, digest, ref.wire()):
-                return Verdict(True, True, f"it served other bytes as block {digest[:16]} (its own seal shows it)")
-            # Its seal is on the true bytes: what the device got is not what the relay sealed.
+        self.avoid.setdefault(device, set()).add(relay_id)
+        if fault is RelayFault.WRONG and got and got != digest and tag and tag_ok(relay.key, digest, got, tag):
+            return Verdict(True, True, f"its own seal says it served other bytes as block {digest[:16]}")
+        if fault is RelayFault.UNREACHABLE:
+            return Verdict(False, False, f"device {device} could not take its blocks there")
         relay.strikes.add(device)
         if len(relay.strikes) >= STRIKES:
             return Verdict(False, True, f"{len(relay.strikes)} devices reported it ({fault.value})")

@@ -2,8 +2,9 @@
 
 A block's digest is BLAKE2b-256 over its wire dtype's name, its shape and its bytes as they travel
 (little-endian, row-major), so two blocks with the same bytes but another shape or dtype differ.
-A relay seals what it serves with its own key (``tag``): the coordinator, which knows that key,
-can tell whether a relay really served the bytes a device reports, and a device cannot make one.
+A relay seals what it serves with its own key (``tag``: the digest asked for and the digest of
+the bytes it sent): the coordinator, which knows that key, can tell a relay's word from a
+device's, and a device cannot make one.
 
 Pure functions over tensors and bytes; the client, the relay and the coordinator import them.
 """
@@ -42,13 +43,18 @@ def block_digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def relay_tag(key: bytes, digest: str, t: torch.Tensor) -> str:
-    """A relay's seal on serving ``t`` as the block ``digest`` (keyed BLAKE2b-256, hex)."""
+def relay_tag(key: bytes, digest: str, sent: str) -> str:
+    """A relay's seal on serving, as block ``digest``, bytes whose own digest is ``sent`` (keyed
+    BLAKE2b-256, hex). A device that got other bytes than it asked for reports both digests and
+    this seal: only the relay's key makes it, so a valid seal on a mismatch proves the relay lied."""
     h = hashlib.blake2b(digest_size=32, key=key[:64])
-    h.update(_TAG + digest.encode() + b"|")
-    h.update(_head(t))
-    h.update(_raw(t))
+    h.update(_TAG + digest.encode() + b"|" + sent.encode())
     return h.hexdigest()
+
+
+def tag_ok(key: bytes, digest: str, sent: str, tag: str) -> bool:
+    """Whether ``tag`` is the relay's seal on serving bytes of digest ``sent`` as ``digest``."""
+    return hmac.compare_digest(relay_tag(key, digest, sent), tag)
 
 
 def relay_ticket(key: bytes, relay: int, device: int) -> str:

@@ -191,6 +191,7 @@ WORK_BATCH = WorkBatch(
 RELAY_KEY = auth.stored_key(bytes(range(32, 64)))
 RELAY_BLOCK = _f32([[1.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
 RELAY_DIGEST = block_digest(RELAY_BLOCK)
+WRONG_DIGEST = block_digest(_f32([[1.0, 1.0, 0.0], [0.0, 2.0, 1.5]]))  # what a lying relay sent instead
 # A tile whose B the device takes from its relay: WORK's A (cached), B named by its digest.
 WORK_FETCH = Work(tile_id=22, a="12.0.2x3", b="23.0.2x3", b_t=True, fetch=(("23.0.2x3", RELAY_DIGEST),))
 
@@ -251,10 +252,14 @@ def examples() -> dict[str, Message]:
         "work-fetch": WORK_FETCH,
         "block-request": BlockRequest(digests=(RELAY_DIGEST,), device=3, ticket=relay_ticket(RELAY_KEY, 4, 3)),
         "blocks": Blocks(
-            blocks=(Block(RELAY_DIGEST, RELAY_BLOCK),), tags=(relay_tag(RELAY_KEY, RELAY_DIGEST, RELAY_BLOCK),)
+            blocks=(Block(RELAY_DIGEST, RELAY_BLOCK),), tags=(relay_tag(RELAY_KEY, RELAY_DIGEST, RELAY_DIGEST),)
         ),
         "relay-report": RelayReport(
-            relay=4, fault=RelayFault.WRONG, digest=RELAY_DIGEST, tag=relay_tag(RELAY_KEY, RELAY_DIGEST, RELAY_BLOCK)
+            relay=4,
+            fault=RelayFault.WRONG,
+            digest=RELAY_DIGEST,
+            got=WRONG_DIGEST,
+            tag=relay_tag(RELAY_KEY, RELAY_DIGEST, WRONG_DIGEST),
         ),
     }
 

@@ -467,15 +467,16 @@ class Blocks:
 
 @dataclass(frozen=True)
 class RelayReport:
-    """Device -> coordinator: its relay failed it (``fault``) on the block ``digest``; ``tag`` is
-    the relay's seal on what it served (for a wrong block). The device takes its blocks from the
-    coordinator from then on."""
+    """Device -> coordinator: its relay failed it (``fault``) on the block ``digest``. For a
+    wrong block, ``got`` is the digest of the bytes it received and ``tag`` the relay's seal on
+    them. The device takes its blocks from the coordinator from then on."""
 
     TYPE: ClassVar[str] = "relay_report"
     relay: int = _int()
     fault: RelayFault = _enum(RelayFault)
     digest: str = _text("", max_len=DIGEST_HEX, text="hex")
     tag: str = _text("", max_len=DIGEST_HEX, text="hex")
+    got: str = _text("", max_len=DIGEST_HEX, text="hex")
 
 
 @dataclass(frozen=True)
