@@ -113,9 +113,11 @@ def test_a_client_killed_mid_step_costs_only_its_tiles(tmp_path: Path, local_los
     # before the kill lands: the victim's lease then ends cancelled, not lost.
     raced = coord.query("SELECT tile_id FROM leases WHERE device_id = ? AND outcome = 'cancelled'", victim_id)
     assert lost or raced, "the victim held tiles when it died"
-    for (tile,) in lost + raced:  # each was then computed by the survivor and verified
+    for (tile,) in lost + raced:  # each was computed by the survivor and verified
         history = coord.query("SELECT outcome FROM leases WHERE tile_id = ? ORDER BY id", tile)
-        assert history[-1] == ("verified",)
+        # (Not necessarily last: on a loaded machine the victim may have held a speculative copy
+        # of a tile the survivor then returned first, and died holding it.)
+        assert ("verified",) in history, history
 
 
 def test_ctrl_c_leaves_gracefully(tmp_path: Path, local_losses: list[float]) -> None:
