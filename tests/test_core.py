@@ -595,11 +595,12 @@ def test_a_relay_is_banned_only_on_its_own_seals_proof_and_limited_like_any_peer
 
 
 def test_devices_go_behind_the_relay_whose_devices_downlinks_add_up_to_least() -> None:
+    from coordinator.engine.limits import TokenBucket
     from coordinator.engine.relays import Relays, RelayState
 
     relays = Relays()
-    relays.add(RelayState(1, 11, "r1", "ws://10.0.0.1:8766", b"k" * 32))
-    relays.add(RelayState(2, 12, "r2", "ws://10.0.0.2:8766", b"k" * 32))
+    relays.add(RelayState(1, 11, "r1", "ws://10.0.0.1:8766", b"k" * 32, TokenBucket(1, 1)))
+    relays.add(RelayState(2, 12, "r2", "ws://10.0.0.2:8766", b"k" * 32, TokenBucket(1, 1)))
     placed = [relays.place(d, down).relay for d, down in ((10, 100e6), (11, 10e6), (12, 10e6), (13, 10e6))]
     assert placed == [1, 2, 2, 2]  # one fast device weighs as much as several slow ones
     relays.leave(10)

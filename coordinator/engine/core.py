@@ -210,9 +210,8 @@ class Core:
         self.finished = False
         # A rank of a tier: where newcomers go (engine/balance.py; set with ``join_tier``).
         self.balancer: Balancer | None = None
-        # Relays and the devices behind them (engine/relays.py); each relay's message allowance.
+        # Relays and the devices behind them (engine/relays.py).
         self.relays = Relays()
-        self._relay_buckets: dict[int, Any] = {}
         self._relay_by_identity: dict[int, int] = {}
         self.verify_seconds = 0.0
         # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
@@ -350,9 +349,9 @@ class Core:
             raise AuthError(CloseCode.AUTH, "unknown identity")
         info = DeviceInfo(admission.name, hello.platform, max(1, hello.cores), hello.memory_bytes, "relay", 0.0)
         relay_id = self.store.add_device(self.job_id, info, self.wall(now), admission.identity)
-        self.relays.add(RelayState(relay_id, admission.identity, admission.name, hello.relay, key))
+        bucket = self.limits.messages.bucket()
+        self.relays.add(RelayState(relay_id, admission.identity, admission.name, hello.relay, key, bucket))
         self.planner.use_relays(len(self.relays))  # the cost model prices blocks through it
-        self._relay_buckets[relay_id] = self.limits.messages.bucket()
         self._relay_by_identity[admission.identity] = relay_id
         out: list[Outbound] = [Limit(relay_id, self.limits.idle_frame)]
         if admission.secret is not None:
@@ -367,7 +366,7 @@ class Core:
 
     def _relay_message(self, relay_id: int, msg: Message, now: float) -> list[Outbound]:
         """A relay asks for blocks (or beats, or leaves); anything else is refused."""
-        if not self._relay_buckets[relay_id].take(now):
+        if not self.relays.relays[relay_id].messages.take(now):
             return self._drop_relay(relay_id, CloseCode.RATE_LIMITED, "too many messages", now)
         if isinstance(msg, BlockRequest):
             return [Send(relay_id, self.relays.serve(relay_id, msg.digests))]
@@ -388,7 +387,6 @@ class Core:
             return []
         devices = self.relays.remove(relay_id)
         self.planner.use_relays(len(self.relays))
-        self._relay_buckets.pop(relay_id, None)
         self._relay_by_identity.pop(relay.identity, None)
         self.store.release_device(relay_id, Outcome.RELEASED, self.wall(now), reason)
         return [self._send(d, UseRelay(0), now) for d in devices if d in self.devices]

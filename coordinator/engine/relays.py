@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.engine.blocks import BlockRef
+from coordinator.engine.limits import TokenBucket
 from coordinator.wire.codes import RelayFault
 from coordinator.wire.digest import relay_ticket, tag_ok
 from coordinator.wire.messages import MAX_FETCH, Block, Blocks, UseRelay
@@ -38,6 +39,7 @@ class RelayState:
     name: str
     url: str  # where devices reach it (hello.relay)
     key: bytes  # its stored key K = H(S): seals tickets and checks its tags
+    messages: TokenBucket  # its message allowance, as any peer's (the Core's limits)
     devices: set[int] = field(default_factory=set)
     load: float = 0.0  # its devices' downlinks, summed (bytes/s): what its egress may have to feed
     served: dict[str, int] = field(default_factory=dict)  # digest -> times sent to it
