@@ -9,8 +9,11 @@ asked for and the digest of the bytes sent), so a
 device can show the coordinator what it was given. Results never pass through a relay.
 
 Memory: the cache holds at most ``memory_bytes`` of blocks (least recently used go first), plus
-the blocks of the replies being written; at most ``MAX_DEVICES`` device connections, each with
-one request at a time of at most ``MAX_FETCH`` digests.
+the blocks of the replies being written (a reply holds its own blocks, so eviction under other
+devices' requests cannot empty it); at most ``MAX_DEVICES`` device connections, at most
+``CONNECTIONS_PER_DEVICE`` of them for one ticketed device, each with one request at a time of at
+most ``MAX_FETCH`` digests; a device's allowance (``REQUESTS_PER_S``) is its own, however many
+connections it opens.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ MAX_DEVICES = 1024  # device connections at once
 UPSTREAM_TIMEOUT = 10.0  # seconds to wait for the coordinator's blocks
 DEVICE_FRAME = 64 << 10  # a device's block_request: 64 digests and a ticket fit many times over
 UPSTREAM_FRAME = 256 << 20  # the coordinator's blocks frame (as a device's client allows)
-REQUESTS_PER_S = 50.0  # a device's requests a second (bursts of 100)
+REQUESTS_PER_S = 50.0  # a device's requests a second (bursts of 100), over all its connections
+CONNECTIONS_PER_DEVICE = 2  # a device reconnecting while its old connection closes
 
 
 class _Allowance:
@@ -133,6 +137,8 @@ class Relay:
         self._upstream = None
         self._waiting: dict[str, asyncio.Future[torch.Tensor | None]] = {}
         self._devices = 0
+        self._allowances: dict[int, _Allowance] = {}  # ticketed device -> its allowance (kept across reconnects)
+        self._conns: dict[int, int] = {}  # ticketed device -> its open connections
         self.served_bytes = 0  # to devices
         self.fetched_bytes = 0  # from the coordinator
         self.ready = asyncio.Event()
@@ -261,8 +267,8 @@ class Relay:
             await ws.close(CloseCode.BUSY, "relay is at its connection limit")
             return
         self._devices += 1
-        bucket = _Allowance(REQUESTS_PER_S, 2 * REQUESTS_PER_S)
         loop = asyncio.get_running_loop()
+        device: int | None = None  # the ticketed device this connection serves (fixed by its first request)
         try:
             async for frame in ws:
                 try:
@@ -273,10 +279,20 @@ class Relay:
                 if not isinstance(msg, BlockRequest):
                     await ws.close(CloseCode.PROTOCOL, "a relay answers block_request only")
                     return
+                if device is not None and msg.device != device:
+                    await ws.close(CloseCode.PROTOCOL, "one connection serves one device")
+                    return
                 if not ticket_ok(self.key, self.relay_id, msg.device, msg.ticket):
                     await ws.close(CloseCode.AUTH, "ticket refused")
                     return
-                if not bucket.take(loop.time()):
+                if device is None:
+                    if self._conns.get(msg.device, 0) >= CONNECTIONS_PER_DEVICE:
+                        await ws.close(CloseCode.BUSY, "this device has its connections here already")
+                        return
+                    device = msg.device
+                    self._conns[device] = self._conns.get(device, 0) + 1
+                allowance = self._allowances.setdefault(device, _Allowance(REQUESTS_PER_S, 2 * REQUESTS_PER_S))
+                if not allowance.take(loop.time()):
                     await ws.close(CloseCode.RATE_LIMITED, "too many requests")
                     return
                 await ws.send(encode(await self._answer(msg.digests)))
@@ -284,9 +300,16 @@ class Relay:
             pass
         finally:
             self._devices -= 1
+            if device is not None:
+                self._conns[device] -= 1
+                if not self._conns[device]:
+                    del self._conns[device]
 
     async def _answer(self, digests: tuple[str, ...]) -> Blocks:
-        lacking = [d for d in digests if self.cache.get(d) is None]
+        # The reply's blocks are held here, not looked up again: while this request waited on the
+        # coordinator, other devices' blocks may have evicted them from the cache.
+        held = {d: hit for d in digests if (hit := self.cache.get(d)) is not None}
+        lacking = [d for d in digests if d not in held]
         if lacking:
             for digest, block in (await self._fetch(lacking)).items():
                 if block is None:
@@ -294,10 +317,11 @@ class Relay:
                 if block_digest(block) != digest:  # the coordinator is trusted, but a bug is not served
                     log.error("the coordinator's block does not match its digest %s", digest[:16])
                     continue
-                self.cache.put(digest, block, relay_tag(self.key, digest, digest))  # checked above
+                held[digest] = (block, relay_tag(self.key, digest, digest))  # checked above
+                self.cache.put(digest, *held[digest])
         blocks, tags, missing = [], [], []
         for digest in digests:
-            hit = self.cache.get(digest)
+            hit = held.get(digest)
             if hit is None:
                 missing.append(digest)
                 continue

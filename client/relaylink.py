@@ -21,7 +21,7 @@ from coordinator.wire.digest import block_digest
 from coordinator.wire.errors import CleaveError, ProtocolError
 from coordinator.wire.messages import MAX_FETCH, BlockRequest, Blocks, decode, encode
 
-TIMEOUT = 10.0  # seconds for a relay's answer (and for connecting to it)
+TIMEOUT = 10.0  # seconds per MAX_FETCH blocks of one work frame, in one deadline (connecting included)
 MAX_FRAME = 256 << 20  # as from the coordinator
 
 
@@ -45,26 +45,37 @@ class RelayLink:
     _ws: ClientConnection | None = None
 
     async def fetch(self, digests: list[str]) -> dict[str, torch.Tensor]:
-        """Every block of ``digests``, checked; raises ``RelayFailed``."""
+        """Every block of ``digests``, checked, within one deadline for them all: ``TIMEOUT``
+        seconds for each ``MAX_FETCH`` of them, so a relay that answers early chunks fast leaves
+        later ones more time, and one that dribbles its chunks out is cut at the same point;
+        raises ``RelayFailed``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + TIMEOUT * max(1, -(-len(digests) // MAX_FETCH))
         got: dict[str, torch.Tensor] = {}
         for i in range(0, len(digests), MAX_FETCH):
             part = digests[i : i + MAX_FETCH]
-            got.update(await self._fetch(part))
+            got.update(await self._fetch(part, max(0.0, deadline - loop.time())))
         return got
 
-    async def _fetch(self, digests: list[str]) -> dict[str, torch.Tensor]:
+    async def _fetch(self, digests: list[str], left: float) -> dict[str, torch.Tensor]:
         first = digests[0] if digests else ""
-        try:
+
+        async def exchange() -> bytes:
             if self._ws is None:
                 self._ws = await connect(
-                    self.url, max_size=MAX_FRAME, compression=None, ssl=self.tls, proxy=None, open_timeout=TIMEOUT
+                    self.url, max_size=MAX_FRAME, compression=None, ssl=self.tls, proxy=None, open_timeout=None
                 )
             await self._ws.send(encode(BlockRequest(tuple(digests), self.device, self.ticket)))
-            frame = await asyncio.wait_for(self._ws.recv(), TIMEOUT)
+            return await self._ws.recv()
+
+        try:
+            frame = await asyncio.wait_for(exchange(), left)
         except (TimeoutError, asyncio.TimeoutError):
             await self.close()
             raise RelayFailed(
-                RelayFault.STALLED, first, f"relay {self.relay} did not answer in {TIMEOUT:g} s"
+                RelayFault.STALLED,
+                first,
+                f"relay {self.relay} did not answer in time ({TIMEOUT:g} s per {MAX_FETCH} blocks)",
             ) from None
         except (OSError, InvalidHandshake, WebSocketException) as exc:
             await self.close()

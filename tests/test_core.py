@@ -607,3 +607,56 @@ def test_devices_go_behind_the_relay_whose_devices_downlinks_add_up_to_least() -
     assert relays.place(14, 10e6).relay == 1 and relays.relays[1].load == 10e6
     assert relays.place(14, 10e6) is None  # placed once
     assert relays.remove(2) == [11, 12, 13] and set(relays.behind) == {14}
+
+
+def test_tiles_a_device_gives_back_after_its_relay_failed_it_are_no_stall_and_leave_the_relayed_count(
+    core: Core,
+) -> None:
+    """A device waited on a relay that stalled until late in its leases: it reports the relay and
+    gives the tiles back for their blocks. Holding them that long was the relay's doing, not a
+    stall of the device's (no unanswered lease is counted), and the blocks it never had leave
+    the count of bytes relays served."""
+    from coordinator.wire.codes import RelayFault
+    from coordinator.wire.messages import RelayReport
+
+    fleet = Fleet(core)
+    relay_id, _ = _relay(core, fleet)
+    dev = fleet.join("a")
+    submit(core, fleet, torch.randn(150, 70), torch.randn(70, 130))
+    works = [item.message for item in fleet.pending if item.device == dev]
+    assert works and all(w.fetch for w in works)
+    named = core.relays.bytes_named
+    assert named > 0 and core.relays.relays[relay_id].bytes_named == named
+    tiles = tuple(w.tile_id for w in works)
+    holds = [core.sched.hold(t, dev) for t in tiles]
+    fleet.now = min(h.leased_at + 0.75 * (h.soft - h.leased_at) for h in holds)  # a stall, were it the device's
+    fleet.route(core.handle(dev, RelayReport(relay_id, RelayFault.STALLED, works[0].fetch[0][1]), fleet.now))
+    fleet.route(core.handle(dev, Release(tiles, ReleaseWhy.MISSING_BLOCK), fleet.now))
+    assert core.devices[dev].standing.unanswered == 0 and dev in core.devices
+    assert core.relays.bytes_named == 0 and core.relays.relays[relay_id].bytes_named == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "ok"),
+    [
+        ("ws://10.0.0.9:8766", True),
+        ("wss://relay.example.org", True),
+        ("wss://relay.example.org:443/blocks", True),
+        ("http://10.0.0.9:8766", False),
+        ("ws://", False),
+        ("ws://user:pw@10.0.0.9:8766", False),
+        ("ws://10.0.0.9:8766/?next=evil", False),
+        ("ws://10.0.0.9:8766#x", False),
+        ("ws://10.0.0.9:99999", False),
+        ("ws://10.0.0.9:8766/\nHost: x", False),
+        ("ws://" + "a" * 600 + ".org", False),
+    ],
+)
+def test_a_relay_may_name_only_a_plain_ws_url_for_devices(core: Core, url: str, ok: bool) -> None:
+    from coordinator.engine.relays import relay_url_ok
+
+    assert relay_url_ok(url) is ok
+    if not ok:
+        nonce = core.gate.challenge().nonce
+        with pytest.raises(AuthError, match="hello.relay must be"):
+            core.connect(Hello(token="tok", name="r", relay=url), nonce, 100.0)

@@ -137,3 +137,146 @@ def test_hostile_relays_are_caught_and_their_devices_take_their_blocks_from_the_
             assert states[f"hostile-{mode}"] != "banned", states  # a stall or a flood proves no lie
     done = dict(coord.query("SELECT name, tiles_done FROM devices WHERE device != 'relay'"))
     assert len(done) == 4 and all(n > 0 for n in done.values()), done
+
+
+# --------------------------------------------------------------------------- the relay and the link, in process
+
+
+def _relay_here(capacity: int = 1 << 20) -> object:
+    from client.relay import Relay, RelayConfig
+
+    r = Relay(RelayConfig(url="ws://127.0.0.1:1", listen=("127.0.0.1", 0), public_url="ws://127.0.0.1:1"))
+    r.relay_id, r.key = 7, b"k" * 32
+    r.cache.capacity = capacity
+    return r
+
+
+def _blocks(n: int) -> dict[str, object]:
+    import torch
+
+    from coordinator.wire.digest import block_digest
+
+    out = {}
+    for i in range(n):
+        t = torch.full((16, 16), float(i))
+        out[block_digest(t)] = t
+    return out
+
+
+def test_a_relays_reply_keeps_the_blocks_it_fetched_though_the_cache_evicts_them() -> None:
+    """The cache holds one block, the reply needs two the coordinator sends at once: the reply
+    is whole (it holds its own blocks), and the cache stays within its cap."""
+    import asyncio
+
+    blocks = _blocks(2)
+    r = _relay_here(capacity=16 * 16 * 4)
+
+    async def upstream(digests: list[str]) -> dict:
+        return {d: blocks[d] for d in digests}
+
+    r._fetch = upstream  # type: ignore[method-assign]
+    reply = asyncio.run(r._answer(tuple(blocks)))
+    assert not reply.missing and [b.key for b in reply.blocks] == list(blocks)
+    assert r.cache.held <= r.cache.capacity and len(r.cache) == 1
+
+
+def test_a_device_has_one_allowance_at_a_relay_however_many_connections_it_opens(monkeypatch) -> None:
+    """Two connections at once for one ticketed device, not three; its allowance is shared by
+    them (a device cannot multiply it by reconnecting), and a ticket serves only its device."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+    from websockets.asyncio.server import serve
+    from websockets.exceptions import ConnectionClosed
+
+    import client.relay as relay_mod
+    from coordinator.wire.codes import CloseCode
+    from coordinator.wire.digest import relay_tag, relay_ticket
+    from coordinator.wire.messages import BlockRequest, Blocks, decode, encode
+
+    monkeypatch.setattr(relay_mod, "REQUESTS_PER_S", 2.0)  # a burst of 4
+    blocks = _blocks(1)
+    (digest,) = blocks
+    r = _relay_here()
+    r.cache.put(digest, blocks[digest], relay_tag(r.key, digest, digest))
+    ticket = relay_ticket(r.key, 7, 3)
+
+    async def closed_with(ws: object) -> int | None:
+        try:
+            await asyncio.wait_for(ws.recv(), 5)  # type: ignore[attr-defined]
+        except ConnectionClosed as exc:
+            return exc.rcvd.code if exc.rcvd else None
+        return None
+
+    async def drill() -> None:
+        async with serve(r._serve_device, "127.0.0.1", 0, compression=None) as server:
+            url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
+            a, b, c = [await connect(url, compression=None, proxy=None) for _ in range(3)]
+            for ws in (a, b):
+                await ws.send(encode(BlockRequest((digest,), 3, ticket)))
+                assert isinstance(decode(await ws.recv()), Blocks)
+            await c.send(encode(BlockRequest((digest,), 3, ticket)))
+            assert await closed_with(c) == CloseCode.BUSY
+            # Two requests used, two left in the burst, across both connections.
+            for ws in (a, b):
+                await ws.send(encode(BlockRequest((digest,), 3, ticket)))
+                assert isinstance(decode(await ws.recv()), Blocks)
+            await a.send(encode(BlockRequest((digest,), 3, ticket)))
+            assert await closed_with(a) == CloseCode.RATE_LIMITED
+            # Another device's ticket on b's connection: refused.
+            await b.send(encode(BlockRequest((digest,), 4, relay_ticket(r.key, 7, 4))))
+            assert await closed_with(b) == CloseCode.PROTOCOL
+            d = await connect(url, compression=None, proxy=None)
+            await d.send(encode(BlockRequest((digest,), 4, ticket)))  # device 3's ticket for device 4
+            assert await closed_with(d) == CloseCode.AUTH
+        assert r._devices == 0 and not r._conns
+
+    asyncio.run(drill())
+
+
+def test_a_devices_relay_link_has_one_deadline_for_a_work_frames_blocks(monkeypatch) -> None:
+    """Chunks share one deadline: a relay that answers the first chunk at once may take longer
+    than ``TIMEOUT`` on the second; one that goes silent is reported as stalled when it runs out."""
+    import asyncio
+    import time
+
+    from websockets.asyncio.server import serve
+
+    import client.relaylink as link_mod
+    from client.relaylink import RelayFailed, RelayLink
+    from coordinator.wire.codes import RelayFault
+    from coordinator.wire.messages import Block, BlockRequest, Blocks, decode, encode
+
+    monkeypatch.setattr(link_mod, "TIMEOUT", 0.4)
+    monkeypatch.setattr(link_mod, "MAX_FETCH", 1)
+    blocks = _blocks(3)
+    delays = {d: s for d, s in zip(blocks, (0.0, 0.6, None), strict=True)}
+
+    async def relay(ws: object) -> None:
+        async for frame in ws:  # type: ignore[attr-defined]
+            msg = decode(frame)
+            assert isinstance(msg, BlockRequest)
+            delay = delays[msg.digests[0]]
+            if delay is None:  # silent until the device hangs up
+                await ws.wait_closed()  # type: ignore[attr-defined]
+                return
+            await asyncio.sleep(delay)
+            await ws.send(encode(Blocks(tuple(Block(d, blocks[d]) for d in msg.digests))))  # type: ignore[attr-defined]
+
+    async def drill() -> None:
+        async with serve(relay, "127.0.0.1", 0, compression=None) as server:
+            url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
+            keys = list(blocks)
+            got = await RelayLink(1, url, "ab" * 32, 2).fetch(keys[:2])  # 0.6 s on the second: within 0.8
+            assert set(got) == set(keys[:2])
+            link = RelayLink(1, url, "ab" * 32, 2)
+            start = time.monotonic()
+            try:
+                await link.fetch([keys[0], keys[2]])
+            except RelayFailed as exc:
+                assert exc.fault is RelayFault.STALLED and exc.digest == keys[2]
+            else:
+                raise AssertionError("a silent relay was not reported")
+            assert time.monotonic() - start < 2.0
+
+    asyncio.run(drill())

@@ -60,7 +60,7 @@ from coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Pla
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.engine.profiles import PRIOR_MEMORY, DeviceProfile
 from coordinator.engine.progress import Prediction, Progress
-from coordinator.engine.relays import Relays, RelayState
+from coordinator.engine.relays import Relays, RelayState, relay_url_ok
 from coordinator.engine.scheduler import (
     Assign,
     Decision,
@@ -337,9 +337,10 @@ class Core:
     def _connect_relay(self, hello: Hello, nonce: str, now: float) -> tuple[int, list[Outbound]]:
         """Admit a relay (``cleave relay``): its identity as a device's, a row of its own (its
         ``device`` is "relay"), no tiles; the devices without one go behind it."""
-        if not hello.relay.startswith(("ws://", "wss://")):
+        if not relay_url_ok(hello.relay):
             raise AuthError(
-                CloseCode.PROTOCOL, "hello.relay must be the ws:// or wss:// URL devices reach the relay at"
+                CloseCode.PROTOCOL,
+                "hello.relay must be the ws:// or wss:// URL devices reach the relay at (a host, a port, no more)",
             )
         admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
         if admission.identity in self._by_identity or admission.identity in self._relay_by_identity:
@@ -386,6 +387,9 @@ class Core:
         if relay is None:
             return []
         devices = self.relays.remove(relay_id)
+        for d in devices:  # their fetches from it fail now: what they give back is not their stall
+            if d in self.devices:
+                self.devices[d].excused = set(self.devices[d].inflight)
         self.planner.use_relays(len(self.relays))
         self._relay_by_identity.pop(relay.identity, None)
         self.store.release_device(relay_id, Outcome.RELEASED, self.wall(now), reason)
@@ -398,6 +402,7 @@ class Core:
         if verdict is None:
             return []
         log.warning("device %d reported relay %d: %s", dev.id, msg.relay, verdict.why)
+        dev.excused = set(dev.inflight)  # it waited on the relay for these: giving them back is no stall
         out: list[Outbound] = [self._send(dev.id, UseRelay(0), now)]
         if verdict.banned:
             relay = self.relays.relays[msg.relay]
@@ -814,6 +819,7 @@ class Core:
                 if ref.key in dev.blocks
             }
             resend = sum(held.values())
+            self.relays.unserved(dev.id, held)  # named for its relay but never had: not relayed
             if resend and not dev.resends.take(now, resend):
                 return self._drop(dev, CloseCode.RATE_LIMITED, "too many blocks to send again", now) + self._dispatch(
                     now
@@ -836,7 +842,9 @@ class Core:
         bar: bool = False,
     ) -> list[Outbound]:
         given = 0
-        stalled = self._held_long(dev, [t for t in set(tile_ids) if t in dev.inflight], now)
+        # Tiles its relay failed it on were held waiting on the relay, not stalled by the device.
+        stalled = self._held_long(dev, [t for t in set(tile_ids) if t in dev.inflight and t not in dev.excused], now)
+        dev.excused.difference_update(tile_ids)
         for tile_id in tile_ids:
             if tile_id not in dev.inflight:
                 continue  # already finished or re-issued: nothing to give back

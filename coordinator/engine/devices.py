@@ -51,6 +51,7 @@ class DeviceState:
     big_until: float = 0.0  # until then it may still send a result for a tile it lost
     result_at: float = -math.inf  # when its last verified result arrived
     batch: int = 1  # the most tiles it takes in one work frame and answers in one (hello.batch, within its slots)
+    excused: set[int] = field(default_factory=set)  # tiles in flight when its relay failed it: not its stall
 
     @property
     def inflight(self) -> dict[int, float]:

@@ -18,16 +18,37 @@ Pure: no clock of its own, no I/O; the Core holds one ``Relays`` and sends what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from coordinator.engine.blocks import BlockRef
 from coordinator.engine.limits import TokenBucket
 from coordinator.wire.codes import RelayFault
 from coordinator.wire.digest import relay_ticket, tag_ok
-from coordinator.wire.messages import MAX_FETCH, Block, Blocks, UseRelay
+from coordinator.wire.messages import MAX_FETCH, MAX_URL, Block, Blocks, UseRelay
 
 SERVES = 2  # times one relay may be sent one block (it may evict it once and ask again)
 STRIKES = 3  # different devices whose unproven reports drop a relay
 MAX_DEVICES_PER_RELAY = 1024  # devices one relay serves at most
+
+
+def relay_url_ok(url: str) -> bool:
+    """Whether ``url`` is one a relay may give devices: ws:// or wss://, a host, at most a port
+    and a bare path; no credentials, query or fragment (devices connect to exactly what it says)."""
+    if len(url) > MAX_URL or any(c.isspace() or ord(c) < 32 for c in url):
+        return False
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises for a port that is not one
+    except ValueError:
+        return False
+    return (
+        parts.scheme in ("ws", "wss")
+        and bool(parts.hostname)
+        and parts.username is None
+        and parts.password is None
+        and not parts.query
+        and not parts.fragment
+    )
 
 
 @dataclass
@@ -66,7 +87,8 @@ class Relays:
         self._down: dict[int, float] = {}  # device -> the downlink it was placed with
         self.avoid: dict[int, set[int]] = {}  # device -> relays it reported (never behind them again)
         self.index: dict[str, BlockRef] = {}  # digest -> a block of this step, as named in work
-        self.bytes_named = 0  # over the job: block bytes devices were told to take from relays
+        self.bytes_named = 0  # over the job: block bytes devices were told to take from relays (less unserved)
+        self._named: dict[int, dict[str, int]] = {}  # device -> {block key: its relay}, this step
         self.bytes_served = 0  # over the job: block bytes sent to relays
 
     def __len__(self) -> int:
@@ -123,7 +145,22 @@ class Relays:
         relay = self.relays[relay_id]
         relay.bytes_named += ref.nbytes
         self.bytes_named += ref.nbytes
+        self._named.setdefault(device, {})[ref.key] = relay_id
         return digest
+
+    def unserved(self, device: int, lost: dict[str, int]) -> None:
+        """``device`` says it lacks these blocks (key -> bytes): those it was told to take from a
+        relay this step were not served, and leave the relays' count."""
+        named = self._named.get(device)
+        if not named:
+            return
+        for key, nbytes in lost.items():
+            relay_id = named.pop(key, None)
+            if relay_id is None:
+                continue
+            self.bytes_named -= nbytes
+            if relay_id in self.relays:
+                self.relays[relay_id].bytes_named -= nbytes
 
     def serve(self, relay_id: int, digests: tuple[str, ...]) -> Blocks:
         """A relay's request: the live blocks it has not been sent ``SERVES`` times."""
@@ -143,6 +180,7 @@ class Relays:
     def new_step(self) -> None:
         """The last step's blocks will not be read again: nothing of them is served."""
         self.index.clear()
+        self._named.clear()
         for relay in self.relays.values():
             relay.served.clear()
 
