@@ -59,19 +59,26 @@ from client.session import (
     Welcomed,
 )
 from client.state import WorkerState
+from coordinator.meters import EnergyMeter
 from coordinator.wire.codes import CloseCode, RelayFault
 from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
 from coordinator.wire.messages import (
     DEFAULT_SLOTS,
+    ENERGY_EVERY,
     MAX_BYTES,
     MAX_CORES,
     MAX_GFLOPS,
+    MAX_GRID,
+    MAX_JOULES,
     MAX_NAME,
     MAX_PLATFORM,
+    MAX_SPAN,
     MAX_TOKEN,
     Block,
+    Energy,
     Hello,
     Leave,
+    Message,
     RelayReport,
     Result,
     UseRelay,
@@ -143,6 +150,7 @@ class WorkerConfig:
     insecure: bool = False  # allow plain ws:// to a host other than this machine
     credentials: Path | None = None  # the credentials file (default: the user's config folder)
     new_identity: bool = False  # enrol again with the token, replacing a stored credential
+    grid_gco2_kwh: float = 0.0  # the owner's grid carbon intensity (0: the coordinator's)
 
     def __post_init__(self) -> None:
         try:
@@ -159,6 +167,8 @@ class WorkerConfig:
             raise Refused(f"--slots must be between 1 and 8, got {self.slots}")
         if not (0.05 <= self.poll_seconds <= 60):
             raise Refused("the probe poll interval must be between 0.05 and 60 s")
+        if not (0 <= self.grid_gco2_kwh <= MAX_GRID):
+            raise Refused(f"--grid-gco2-kwh must be between 0 and {MAX_GRID:g}, got {self.grid_gco2_kwh:g}")
 
 
 @dataclass
@@ -179,6 +189,8 @@ class WorkerStats:
     bytes_down: int = 0
     bytes_up: int = 0
     relay_mb: float = 0.0  # blocks taken from a relay, checked
+    energy_j: float = 0.0  # the machine's energy while it served, as reported (coordinator/meters.py)
+    energy_source: str = ""  # where that figure comes from: rapl, battery or estimate (+nvml)
     credit_gflop: float = 0.0  # verified work of this client process, as the coordinator counts it
     credit_total_gflop: float = 0.0  # ... and of this device's identity, over every job
     identity: int | None = None
@@ -216,6 +228,7 @@ class Worker:
         pacer: Pacer | None = None,
         clock: Clock = time.monotonic,
         wall: Clock = time.time,
+        meter: EnergyMeter | None = None,
     ) -> None:
         self.cfg = cfg
         self._clock, self._wall = clock, wall
@@ -250,6 +263,15 @@ class Worker:
         self._redirects = 0  # redirects followed since the last welcome
         self._relay: RelayLink | None = None  # where work.fetch's blocks come from (use_relay)
         self._welcomed_here = False  # a coordinator at ``url`` has welcomed this device
+        # The machine's energy while it serves. Emulated devices share one process: each counts
+        # its own compute seconds on one core, not the process's CPU time.
+        self._meter = meter or EnergyMeter(
+            gpu=self.device.type == "cuda",
+            clock=clock,
+            **({} if pacer is None else {"cpu_seconds": lambda: self.stats.compute_seconds}),
+        )
+        self._energy_at = clock()  # when the span now metered began
+        self._metering = False  # welcomed on the open connection: its energy is reported there
 
     def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
         if self._custom_compute is not None:
@@ -284,6 +306,8 @@ class Worker:
 
     async def _leave(self, ws: ClientConnection) -> None:
         try:
+            if self._allowed and self._metering:
+                await ws.send(encode(self._energy()))
             await ws.send(encode(Leave("user stopped the client")))
             await ws.close(CloseCode.FINISHED, "leaving")  # 1000, a normal closure
         except ConnectionClosed:
@@ -476,6 +500,9 @@ class Worker:
                     elif isinstance(event, Enrolled):
                         self._store_credential(event)
                     elif isinstance(event, Welcomed):
+                        self._meter.restart()  # its first report covers the time since its welcome
+                        self._energy_at = self._clock()
+                        self._metering = True
                         self._ticket, self._redirects = "", 0  # spent: it has a credential here now
                         self._welcomed_here = True
                         self.stats.device_id, self.stats.job = event.device_id, event.job
@@ -498,6 +525,7 @@ class Worker:
         except ConnectionClosed:
             pass
         finally:
+            self._metering = False
             for task in (*tasks, pulse):
                 task.cancel()
             await asyncio.gather(*tasks, pulse, return_exceptions=True)
@@ -617,10 +645,14 @@ class Worker:
             if decision.run != self._allowed:
                 self._allowed = decision.run
                 if decision.run:
+                    self._meter.restart()  # the paused time was its owner's
+                    self._energy_at = self._clock()
                     session.resume()
                     await self._flush(ws, session)
                     self._set(WorkerState.WAITING, reason="")
                 else:
+                    if self._metering:  # what it used up to now, then pause
+                        await self._send(ws, encode(self._energy()))
                     session.pause(decision.reason)
                     await self._flush(ws, session)
                     self._set(WorkerState.PAUSED, reason=decision.reason)
@@ -662,14 +694,30 @@ class Worker:
         outbox: asyncio.Queue[tuple[float, bytes]] | None,
     ) -> None:
         """Send the results held (emptying ``pending``), as few frames as the session allows."""
-        messages = session.frames_of(pending)
+        messages: list[Message] = [*session.frames_of(pending)]
         pending.clear()
+        if self._metering and self._clock() - self._energy_at >= ENERGY_EVERY:  # batched with results, never per tile
+            messages.append(self._energy())
         for msg in messages:
             frame = encode(msg)
             if outbox is None or self._pacer is None:
                 await self._send(ws, frame)
             else:
                 outbox.put_nowait((self._pacer.deliver_at(len(frame)), frame))
+
+    def _energy(self) -> Energy:
+        """The machine's energy since the last report (or the welcome, or a resume)."""
+        span = self._meter.span()
+        self._energy_at = self._clock()
+        self.stats.energy_j += span.total
+        self.stats.energy_source = span.source.value + ("+nvml" if span.gpu_joules else "")
+        return Energy(
+            joules=min(span.joules, MAX_JOULES),
+            seconds=min(span.seconds, MAX_SPAN),
+            source=span.source,
+            gpu_joules=min(span.gpu_joules, MAX_JOULES),
+            grid_gco2_kwh=self.cfg.grid_gco2_kwh,
+        )
 
     async def _compute_loop(
         self,

@@ -151,7 +151,9 @@ class MemoryStore:
         row = self._identities[identity_id][0]
         row.state, row.reason, row.last_seen = state, reason, now
 
-    def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
+    def leaderboard(self, limit: int = 10, by: str = "gflop") -> list[LeaderRow]:
+        if by not in ("gflop", "gflop_per_j"):
+            raise StoreError(f"a leaderboard ranks by gflop or gflop_per_j, not {by!r}")
         totals: dict[int, list[float]] = {}
         for d in self._devices.values():
             if (
@@ -159,11 +161,14 @@ class MemoryStore:
                 and d.identity_id in self._identities
                 and self._identities[d.identity_id][0].state == IdentityState.ACTIVE
             ):
-                t = totals.setdefault(d.identity_id, [0.0, 0])
+                t = totals.setdefault(d.identity_id, [0.0, 0, 0.0])
                 t[0] += d.gflop_verified
                 t[1] += d.tiles_done
-        best = sorted(((i, t) for i, t in totals.items() if t[0] > 0), key=lambda kv: (-kv[1][0], kv[0]))[:limit]
-        return [LeaderRow(i, self._identities[i][0].name, g, int(n)) for i, (g, n) in best]
+                t[2] += d.joules
+        ranked = [(i, t) for i, t in totals.items() if t[0] > 0 and (by == "gflop" or t[2] > 0)]
+        score = (lambda t: t[0]) if by == "gflop" else (lambda t: t[0] / t[2])
+        best = sorted(ranked, key=lambda kv: (-score(kv[1]), kv[0]))[:limit]
+        return [LeaderRow(i, self._identities[i][0].name, g, int(n), j) for i, (g, n, j) in best]
 
     def identity_total(self, identity_id: int) -> tuple[float, int]:
         row = self.identity(identity_id)
@@ -230,6 +235,8 @@ class MemoryStore:
         lost: int = 0,
         revoked: int = 0,
         gflop: float = 0.0,
+        joules: float = 0.0,
+        energy_flagged: int = 0,
         now: float,
     ) -> None:
         d = self._device(device_id)
@@ -238,6 +245,8 @@ class MemoryStore:
         d.tiles_lost += lost
         d.tiles_revoked += revoked
         d.gflop_verified += gflop
+        d.joules += joules
+        d.energy_flagged += energy_flagged
         d.last_seen = now
 
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:

@@ -139,6 +139,14 @@ def m002_identities(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX idx_devices_job_state ON devices (job_id, state)")
 
 
+@migration
+def m003_energy(db: sqlite_utils.Database) -> None:
+    """Each device row's energy as booked (joules, capped reports at their cap) and how many of
+    its reports were capped: the leaderboard ranks by verified GFLOP per joule."""
+    db.execute("ALTER TABLE devices ADD COLUMN joules REAL NOT NULL DEFAULT 0.0")
+    db.execute("ALTER TABLE devices ADD COLUMN energy_flagged INTEGER NOT NULL DEFAULT 0")
+
+
 def migrate(db: sqlite_utils.Database) -> list[str]:
     """Apply pending migrations; returns the names applied."""
     if "_migrations" not in db.table_names():

@@ -123,6 +123,8 @@ class DeviceRow:
     tiles_lost: int = 0
     tiles_revoked: int = 0
     identity_id: int | None = None
+    joules: float = 0.0  # its energy reports as booked (engine/energy.py): capped ones at their cap
+    energy_flagged: int = 0  # its reports that were capped
 
     @property
     def reliability(self) -> float:
@@ -162,6 +164,12 @@ class LeaderRow:
     name: str
     gflop: float
     tiles: int
+    joules: float = 0.0  # booked over every job
+
+    @property
+    def gflop_per_j(self) -> float | None:
+        """Verified GFLOP per booked joule (None: no energy booked)."""
+        return self.gflop / self.joules if self.joules > 0 else None
 
 
 @dataclass(frozen=True)
@@ -266,9 +274,10 @@ class Store(Protocol):
 
     def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]: ...
     def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None: ...
-    def leaderboard(self, limit: int = 10) -> list[LeaderRow]:
-        """Verified GFLOP and tiles per active identity over every job, best first (a banned or
-        revoked one is not ranked: the leaderboard is public)."""
+    def leaderboard(self, limit: int = 10, by: str = "gflop") -> list[LeaderRow]:
+        """Verified GFLOP, tiles and booked joules per active identity over every job, best first
+        (a banned or revoked one is not ranked: the leaderboard is public). ``by``: ``gflop``, or
+        ``gflop_per_j`` (only identities with energy booked)."""
         ...
 
     def identity_total(self, identity_id: int) -> tuple[float, int]:
@@ -298,6 +307,8 @@ class Store(Protocol):
         lost: int = 0,
         revoked: int = 0,
         gflop: float = 0.0,
+        joules: float = 0.0,
+        energy_flagged: int = 0,
         now: float,
     ) -> None: ...
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:

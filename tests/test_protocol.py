@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.wire.addresses import is_loopback, url_host
-from coordinator.wire.codes import Code, ReleaseWhy
+from coordinator.wire.codes import Code, EnergySource, ReleaseWhy
 from coordinator.wire.errors import ProtocolError
 from coordinator.wire.messages import (
     MAGIC,
@@ -19,6 +19,7 @@ from coordinator.wire.messages import (
     Challenge,
     Credential,
     Credit,
+    Energy,
     Error,
     Finished,
     Heartbeat,
@@ -173,7 +174,7 @@ def test_non_contiguous_tensors_are_sent_by_value() -> None:
 GOLDEN = {
     "challenge": (
         Challenge(nonce="ab" * 32, coordinator="c0ffee"),
-        b'CLV\x07\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"'
+        b'CLV\x08\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"'
         + b"ab" * 32
         + b'","tensors":[],"type":"challenge"}',
     ),
@@ -189,7 +190,7 @@ GOLDEN = {
             slots=2,
             client_version="0.2.0",
         ),
-        b'CLV\x07\xf3\x00\x00\x00{"batch":1,"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
+        b'CLV\x08\xf3\x00\x00\x00{"batch":1,"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
         b'"identity":0,"memory_bytes":4,"name":"n","paused":"","platform":"p","proof":"","relay":"","slots":2,'
         b'"tensors":[],"ticket":"","token":"t","type":"hello"}',
     ),
@@ -203,7 +204,7 @@ GOLDEN = {
             forget=(3,),
         ),
         bytes.fromhex(
-            "434c56079a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
+            "434c56089a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
             "625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274656e736f"
             "7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964223a372c2274"
             "797065223a22776f726b227d0000803f00000040"
@@ -212,7 +213,7 @@ GOLDEN = {
     "result": (
         Result(tile_id=7, c=torch.tensor([[0.5]]), seconds=0.25, waited=0.125),
         bytes.fromhex(
-            "434c5607650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
+            "434c5608650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
             "227368617065223a5b312c315d7d5d2c2274696c655f6964223a372c2274797065223a22726573756c74222c227761697465"
             "64223a302e3132357d0000003f"
         ),
@@ -233,7 +234,7 @@ GOLDEN = {
             )
         ),
         bytes.fromhex(
-            "434c56072c0100007b2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d2c"
+            "434c56082c0100007b2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d2c"
             "7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274797065223a22776f726b5f626174636822"
             "2c22776f726b73223a5b7b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e32783122"
             "2c22625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274696c"
@@ -245,7 +246,7 @@ GOLDEN = {
     "result_batch": (
         ResultBatch((Result(7, torch.tensor([[0.5]]), 0.25, 0.125), Result(8, torch.tensor([[11.0]]), 0.25, 0.0))),
         bytes.fromhex(
-            "434c5607c10000007b22726573756c7473223a5b7b227365636f6e6473223a302e32352c2274696c655f6964223a372c2277"
+            "434c5608c10000007b22726573756c7473223a5b7b227365636f6e6473223a302e32352c2274696c655f6964223a372c2277"
             "6169746564223a302e3132357d2c7b227365636f6e6473223a302e32352c2274696c655f6964223a382c2277616974656422"
             "3a302e307d5d2c2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c315d7d2c7b22"
             "6474797065223a22663332222c227368617065223a5b312c315d7d5d2c2274797065223a22726573756c745f626174636822"
@@ -255,9 +256,15 @@ GOLDEN = {
     # A rank of a tier sends a newcomer on: where to, and the ticket to enrol there with.
     "redirect": (
         Redirect(url="wss://rank1.example.org:8765", rank=1, ticket="ab" * 60, reason="rank 1 needs devices more"),
-        b'CLV\x07\xf7\x00\x00\x00{"rank":1,"reason":"rank 1 needs devices more","tensors":[],"ticket":"'
+        b'CLV\x08\xf7\x00\x00\x00{"rank":1,"reason":"rank 1 needs devices more","tensors":[],"ticket":"'
         + b"ab" * 60
         + b'","type":"redirect","url":"wss://rank1.example.org:8765"}',
+    ),
+    # A device's energy since its last report, batched with its results (protocol 8).
+    "energy": (
+        Energy(joules=1520.5, seconds=30.0, source=EnergySource.RAPL, gpu_joules=12.25, grid_gco2_kwh=250.0),
+        b'CLV\x08v\x00\x00\x00{"gpu_joules":12.25,"grid_gco2_kwh":250.0,"joules":1520.5,"seconds":30.0,'
+        b'"source":"rapl","tensors":[],"type":"energy"}',
     ),
 }
 

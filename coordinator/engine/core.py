@@ -53,6 +53,7 @@ from coordinator.engine.blocks import BlockRef, Sources, block_ref
 from coordinator.engine.books import Books
 from coordinator.engine.conduct import Conduct, Pace
 from coordinator.engine.devices import DeviceState
+from coordinator.engine.energy import GRID_GCO2_KWH, EnergyBooks
 from coordinator.engine.gemms import Check, GemmState, Product, check_finite
 from coordinator.engine.identity import Admission, Gate
 from coordinator.engine.limits import Limits, TrustPolicy
@@ -88,6 +89,7 @@ from coordinator.wire.messages import (
     Cancel,
     Credential,
     Credit,
+    Energy,
     Error,
     Finished,
     Heartbeat,
@@ -158,6 +160,7 @@ class Core:
         planner: Planner | LivePlanner = Planner.UNIFORM,
         ps: PSProfile | None = None,
         books: Books | None = None,
+        grid_gco2_kwh: float = GRID_GCO2_KWH,
     ) -> None:
         self.store = store
         self.job_id = job_id
@@ -173,6 +176,7 @@ class Core:
             self.gate.set_tokens(join=join_token, operator=operator_token)
         self.job_name = job_name or f"job {job_id}"
         self.devices: dict[int, DeviceState] = {}
+        self.energy = EnergyBooks(grid_gco2_kwh)  # devices' reports within their band, and our own meter
         self._by_identity: dict[int, int] = {}  # identity -> device id, while connected
         self.gemms: dict[int, GemmState] = {}
         self.sources = Sources()
@@ -312,6 +316,7 @@ class Core:
             batch=min(hello.batch, asked),
         )
         self.devices[device_id] = dev
+        self.energy.joined(device_id, hello.device, dev.gflop_verified, now)
         self._by_identity[admission.identity] = device_id
         self.profiles[device_id] = measured
         self._fleet_changed()
@@ -432,6 +437,7 @@ class Core:
             return
         self._by_identity.pop(dev.identity, None)
         self.relays.leave(device_id)
+        self.energy.left(device_id)
         departure = Departure.of(reason)
         graceful = departure is not Departure.CLOSED  # leaving, or the coordinator stopping
         held = list(dev.inflight)
@@ -499,6 +505,7 @@ class Core:
             if isinstance(msg, Pause):
                 return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
+            self.energy.joined(dev.id, dev.device, dev.gflop_verified, now)  # paused time is its owner's
             self.sched.update(dev.id, paused=False)
             self._fleet_changed()
             self.store.set_device_state(dev.id, DeviceStatus.ONLINE, self.wall(now))
@@ -507,11 +514,27 @@ class Core:
             return self.disconnect(device_id, now, Departure.LEFT)
         if isinstance(msg, RelayReport):
             return self._on_relay_report(dev, msg, now) + self._dispatch(now)
+        if isinstance(msg, Energy):
+            return self._on_energy(dev, msg, now)
         return [
             self._send(
                 device_id, Error(Code.UNEXPECTED, f"{type(msg).__name__} is not a message a device may send"), now
             )
         ]
+
+    def _on_energy(self, dev: DeviceState, msg: Energy, now: float) -> list[Outbound]:
+        """A device's energy since its last report: booked within its kind's band (engine/energy.py);
+        a claim outside it is capped and flagged, never credited as measured."""
+        try:
+            claim = self.energy.claim(dev.id, msg, dev.gflop_verified, now)
+        except ValueError as exc:
+            return [self._send(dev.id, Error(Code.UNEXPECTED, str(exc)), now)]
+        if claim.flagged:
+            log.warning("device %d (%s): energy claim capped: %s", dev.id, dev.name, claim.flagged)
+        self.store.credit_device(
+            dev.id, joules=sum(claim.booked.values()), energy_flagged=int(bool(claim.flagged)), now=self.wall(now)
+        )
+        return []
 
     def on_wire(self, device_id: int, tile_id: int, now: float) -> None:
         """The server started writing ``tile_id``'s work frame to the device's socket."""

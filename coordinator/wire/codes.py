@@ -70,6 +70,16 @@ class RelayFault(Name):
     UNREACHABLE = "unreachable"  # no connection, or it refused the device's ticket
 
 
+class EnergySource(Name):
+    """Where an energy figure comes from (``energy.source``, the books' source mix)."""
+
+    RAPL = "rapl"  # Linux powercap counters: the CPU package's energy, as the hardware counts it
+    NVML = "nvml"  # NVIDIA's driver: the GPU board's energy (nvmlDeviceGetTotalEnergyConsumption)
+    BATTERY = "battery"  # the battery's discharge, running on battery
+    ESTIMATE = "estimate"  # a stated power model: CPU seconds x watts per busy core
+    CAPPED = "capped"  # a claim above its device's ceiling: what is booked in its place, never as measured
+
+
 class JobPhase(Name):
     """Where the job is: ``status.job.state`` in a ``StatusReply`` (``cleave status`` ends on FINISHED)."""
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from coordinator.wire import auth
-from coordinator.wire.codes import Code, RelayFault, ReleaseWhy
+from coordinator.wire.codes import Code, EnergySource, RelayFault, ReleaseWhy
 from coordinator.wire.digest import block_digest, relay_tag, relay_ticket
 from coordinator.wire.messages import (
     MAGIC,
@@ -41,6 +41,7 @@ from coordinator.wire.messages import (
     Cancel,
     Challenge,
     Credential,
+    Energy,
     Error,
     Heartbeat,
     Hello,
@@ -261,6 +262,7 @@ def examples() -> dict[str, Message]:
             got=WRONG_DIGEST,
             tag=relay_tag(RELAY_KEY, RELAY_DIGEST, WRONG_DIGEST),
         ),
+        "energy": Energy(joules=1520.5, seconds=30.0, source=EnergySource.RAPL, gpu_joules=0.0, grid_gco2_kwh=250.0),
     }
 
 

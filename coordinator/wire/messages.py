@@ -39,13 +39,13 @@ if TYPE_CHECKING:
 # without tensors (``cleave status``, the operator's commands) starts in a fraction of a second
 # instead of paying torch's import (1.5 s or more).
 
-from coordinator.wire.codes import Code, Name, RelayFault, ReleaseWhy
+from coordinator.wire.codes import Code, EnergySource, Name, RelayFault, ReleaseWhy
 from coordinator.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 7  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
+PROTOCOL_VERSION = 8  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
 # 5: work_batch, result_batch and hello.batch (many tiles under one header); 6: redirect and
 # hello.ticket (a tier's rank sends a newcomer to the rank that needs devices most); 7: relays
-# (hello.relay, work.fetch, use_relay, block_request, blocks, relay_report)
+# (hello.relay, work.fetch, use_relay, block_request, blocks, relay_report); 8: energy
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
@@ -73,6 +73,10 @@ MAX_BYTES = 1 << 50  # the largest memory or block budget a hello may state
 MAX_URL = 256  # characters of a coordinator's URL in a redirect
 TICKET_HEX = 120  # a redirect's ticket: 60 bytes, hex (coordinator/wire/auth.py)
 MAX_RANK = 1023  # a tier has at most 1,024 ranks
+MAX_JOULES = 1e9  # of one energy report (a 1 kW machine for 11 days)
+MAX_SPAN = 1e6  # seconds one energy report may cover
+MAX_GRID = 2000.0  # gCO2/kWh a volunteer may state (coal plants emit about 1,000)
+ENERGY_EVERY = 30.0  # seconds between a device's energy reports, at the most often
 DIGEST_HEX = 64  # a block's digest: BLAKE2b-256 of its dtype, shape and bytes (wire/digest.py), hex
 MAX_FETCH = MAX_BATCH_TENSORS  # digests in one block_request or blocks frame, and fetches in one work
 
@@ -480,6 +484,23 @@ class RelayReport:
 
 
 @dataclass(frozen=True)
+class Energy:
+    """Device -> coordinator, with its results (at most one every ``ENERGY_EVERY`` seconds, never
+    per tile): the energy its machine used over the last ``seconds`` it was serving, since its
+    previous report. ``joules`` come from ``source`` (the CPU side: RAPL counters, the battery's
+    discharge, or the stated estimate); ``gpu_joules`` from NVML, 0 without a CUDA GPU. A
+    volunteer may state their grid's carbon intensity (``grid_gco2_kwh``, 0: the coordinator's).
+    The coordinator believes none of it past its device kind's ceiling (docs/operations.md)."""
+
+    TYPE: ClassVar[str] = "energy"
+    joules: float = _float(lo=0.0, hi=MAX_JOULES)
+    seconds: float = _float(lo=0.0, hi=MAX_SPAN)
+    source: EnergySource = _enum(EnergySource)
+    gpu_joules: float = _float(0.0, lo=0.0, hi=MAX_JOULES)
+    grid_gco2_kwh: float = _float(0.0, lo=0.0, hi=MAX_GRID)
+
+
+@dataclass(frozen=True)
 class Finished:
     """Coordinator -> device: the job is over; a client started with --once exits."""
 
@@ -520,6 +541,7 @@ Message = (
     | BlockRequest
     | Blocks
     | RelayReport
+    | Energy
     | Finished
     | Error
 )
@@ -543,12 +565,13 @@ _PLAIN: dict[str, type] = {
         UseRelay,
         BlockRequest,
         RelayReport,
+        Energy,
         Finished,
         Error,
     )
 }
 # What each side may send; the rest of the table is the other side's.
-DEVICE_MESSAGES = (Hello, Result, ResultBatch, Release, Heartbeat, Pause, Resume, Leave, RelayReport)
+DEVICE_MESSAGES = (Hello, Result, ResultBatch, Release, Heartbeat, Pause, Resume, Leave, RelayReport, Energy)
 RELAY_MESSAGES = (BlockRequest, Heartbeat, Leave)  # what a relay may send its coordinator
 OBSERVER_MESSAGES = (StatusRequest, SpeedTest)
 

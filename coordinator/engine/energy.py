@@ -1,0 +1,230 @@
+"""The job's energy books: what devices say they used, what of it is believed, and what the
+coordinator used itself; per step, per verified GFLOP, and in grams of CO2 (issue 23).
+
+A device's report (``energy``) is its word. It is believed within a band set by its kind
+(``hello.device``): no more than the time since its previous report, by this clock, times
+``CEILING_W``, and no less than the GFLOP it had verified meanwhile over ``BEST_GFLOP_PER_J``
+(the best any machine of its kind does; a device may not look more efficient than that on the
+leaderboard). A claim outside the band is booked at the band's edge, under the source
+``capped``, and flagged: never as measured. The sources of the constants are in
+docs/operations.md "Energy and carbon".
+
+Pure: ``now`` in, no I/O. The Core holds one; the job feeds it the coordinator's own meter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from coordinator.wire.codes import EnergySource
+from coordinator.wire.messages import Energy
+
+# The most a machine of each kind draws at the wall, whole: a device's report may not exceed
+# this times its time. cpu: AMD Ryzen Threadripper 7980X's 350 W TDP (the largest desktop
+# part; Intel's i9-14900K is 253 W); mps: Apple Mac Studio (M2 Ultra), 370 W maximum continuous
+# power (Apple's specifications); cuda: NVIDIA H100 SXM5's 700 W board power plus the cpu
+# ceiling for its host.
+CEILING_W: dict[str, float] = {"cpu": 350.0, "mps": 370.0, "cuda": 1050.0}
+# The most verified GFLOP a machine of each kind does per joule (fp32, the wire's exact dtype).
+# cpu: 96 cores of AMD EPYC 9654 at 2.4 GHz x 32 fp32 FLOP/cycle (AVX-512, 2 FMA) = 7.4 TFLOP/s
+# over 360 W, about 20; we allow 50. mps: Apple M2 Ultra's GPU, 27.2 TFLOP/s fp32 (Apple) at
+# ~100 W, about 270; we allow 400. cuda: H100 SXM5's 67 TFLOP/s fp32 (989 in bf16) at 700 W,
+# 96 (1,400); we allow 1,500 (half-precision wires).
+BEST_GFLOP_PER_J: dict[str, float] = {"cpu": 50.0, "mps": 400.0, "cuda": 1500.0}
+SLACK_S = 5.0  # seconds a report may cover beyond what this clock saw (its own clock, the wire)
+DEVICE_SOURCES = (EnergySource.RAPL, EnergySource.BATTERY, EnergySource.ESTIMATE)
+# The world's average grid, 2023: 480 gCO2/kWh (Ember, Global Electricity Review 2024).
+GRID_GCO2_KWH = 480.0
+J_PER_KWH = 3.6e6
+
+
+def kind_of(device: str) -> str:
+    """The ceiling's kind for a hello's ``device`` (``cuda:0`` is cuda; unknown: cpu)."""
+    head = device.split(":")[0].lower()
+    return head if head in CEILING_W else "cpu"
+
+
+def grams(joules: float, gco2_kwh: float) -> float:
+    """Grams of CO2 for ``joules`` on a grid emitting ``gco2_kwh`` per kWh."""
+    return joules / J_PER_KWH * gco2_kwh
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What one report decided."""
+
+    booked: dict[EnergySource, float]  # joules per source as booked
+    flagged: str  # why it was capped ("" if believed)
+    grams: float
+
+
+@dataclass
+class DeviceEnergy:
+    """One device's energy in this job (while it is connected)."""
+
+    kind: str
+    since: float  # when its current span began (its welcome, its last report, its resume)
+    gflop_at: float  # its verified GFLOP then
+    joules: float = 0.0  # booked
+    grams: float = 0.0
+    flagged: int = 0
+    source: str = ""  # of its last report (``nvml+rapl`` for a GPU device)
+
+
+@dataclass
+class Ledger:
+    """Joules by source, and grams."""
+
+    joules: dict[EnergySource, float] = field(default_factory=dict)
+    grams: float = 0.0
+
+    def add(self, booked: dict[EnergySource, float], grams: float) -> None:
+        """Book these joules (by source) and grams."""
+        for source, j in booked.items():
+            self.joules[source] = self.joules.get(source, 0.0) + j
+        self.grams += grams
+
+    @property
+    def total(self) -> float:
+        """Joules, every source."""
+        return sum(self.joules.values())
+
+    def mix(self) -> dict[str, float]:
+        """Joules by source name (JSON)."""
+        return {s.value: round(j, 3) for s, j in sorted(self.joules.items(), key=lambda kv: kv[0].value)}
+
+
+@dataclass(frozen=True)
+class StepEnergy:
+    """One step's energy: what devices reported during it and what the coordinator used."""
+
+    devices_j: float
+    coordinator_j: float
+    grams: float
+    gflop: float  # verified during the step
+    sources: dict[str, float]  # devices' and coordinator's joules by source
+    flagged: int  # device reports capped during it
+
+    @property
+    def joules(self) -> float:
+        """Devices' and coordinator's."""
+        return self.devices_j + self.coordinator_j
+
+    @property
+    def j_per_gflop(self) -> float | None:
+        """Joules per verified GFLOP (None: nothing verified)."""
+        return self.joules / self.gflop if self.gflop > 0 else None
+
+    def as_row(self) -> dict[str, object]:
+        """The step's metrics row fields (``--metrics``, the books)."""
+        per = self.j_per_gflop
+        return {
+            "j_devices": round(self.devices_j, 3),
+            "j_coordinator": round(self.coordinator_j, 3),
+            "j_per_gflop": None if per is None else round(per, 4),
+            "gco2": round(self.grams, 4),
+            "energy_sources": self.sources,
+            "energy_flagged": self.flagged,
+        }
+
+
+class EnergyBooks:
+    """The job's energy, by device and by step, and the coordinator's own."""
+
+    def __init__(self, grid_gco2_kwh: float = GRID_GCO2_KWH) -> None:
+        if not (math.isfinite(grid_gco2_kwh) and 0 <= grid_gco2_kwh <= 2000):
+            raise ValueError(f"--grid-gco2-kwh must be between 0 and 2000, got {grid_gco2_kwh}")
+        self.grid = grid_gco2_kwh
+        self.devices: dict[int, DeviceEnergy] = {}
+        self.job_devices = Ledger()  # every device's booked joules, over the job
+        self.job_coordinator = Ledger()
+        self.flagged = 0  # over the job
+        self._step_devices = Ledger()
+        self._step_coordinator = Ledger()
+        self._step_flagged = 0
+        self._gflop_at = 0.0  # the job's verified GFLOP when the step began
+
+    def joined(self, device: int, kind: str, gflop: float, now: float) -> None:
+        """A device is welcomed (or resumes): its span starts now."""
+        self.devices[device] = DeviceEnergy(kind_of(kind), now, gflop)
+
+    def left(self, device: int) -> DeviceEnergy | None:
+        """A device is gone: its span ends unreported."""
+        return self.devices.pop(device, None)
+
+    def claim(self, device: int, msg: Energy, gflop: float, now: float) -> Claim:
+        """A device's report, at ``now``, when its verified GFLOP are ``gflop`` in all: booked
+        within its band. Raises ValueError for a source a device may not claim."""
+        if msg.source not in DEVICE_SOURCES:
+            raise ValueError(f"energy.source must be one of {', '.join(s.value for s in DEVICE_SOURCES)}")
+        dev = self.devices[device]
+        seen = max(0.0, now - dev.since)
+        span = min(msg.seconds, seen + SLACK_S)
+        most = (seen + SLACK_S) * CEILING_W[dev.kind]
+        least = max(0.0, gflop - dev.gflop_at) / BEST_GFLOP_PER_J[dev.kind]
+        claimed = msg.joules + msg.gpu_joules
+        flagged = ""
+        if claimed > most:
+            flagged = f"{claimed:.0f} J in {span:.0f} s is over its kind's {CEILING_W[dev.kind]:g} W"
+            booked = {EnergySource.CAPPED: most}
+        elif claimed < least:
+            flagged = f"{claimed:.0f} J for {gflop - dev.gflop_at:.0f} GFLOP is beyond its kind's efficiency"
+            booked = {EnergySource.CAPPED: least}
+        else:
+            booked = {s: j for s, j in ((msg.source, msg.joules), (EnergySource.NVML, msg.gpu_joules)) if j > 0}
+        grid = msg.grid_gco2_kwh or self.grid
+        g = grams(sum(booked.values()), grid)
+        dev.since, dev.gflop_at = now, gflop
+        dev.joules += sum(booked.values())
+        dev.grams += g
+        dev.source = "+".join(s.value for s in booked) or msg.source.value
+        if flagged:
+            dev.flagged += 1
+            self.flagged += 1
+            self._step_flagged += 1
+        self.job_devices.add(booked, g)
+        self._step_devices.add(booked, g)
+        return Claim(booked, flagged, g)
+
+    def own(self, joules: float, source: EnergySource, gpu_joules: float = 0.0) -> None:
+        """The coordinator's own meter, over the span since its last read."""
+        booked = {s: j for s, j in ((source, joules), (EnergySource.NVML, gpu_joules)) if j > 0}
+        g = grams(joules + gpu_joules, self.grid)
+        self.job_coordinator.add(booked, g)
+        self._step_coordinator.add(booked, g)
+
+    def close_step(self, gflop: float) -> StepEnergy:
+        """The step is over (the job's verified GFLOP are ``gflop`` in all): its energy."""
+        sources = Ledger()
+        sources.add(self._step_devices.joules, 0.0)
+        sources.add(self._step_coordinator.joules, 0.0)
+        out = StepEnergy(
+            self._step_devices.total,
+            self._step_coordinator.total,
+            self._step_devices.grams + self._step_coordinator.grams,
+            max(0.0, gflop - self._gflop_at),
+            sources.mix(),
+            self._step_flagged,
+        )
+        self._step_devices, self._step_coordinator, self._step_flagged = Ledger(), Ledger(), 0
+        self._gflop_at = gflop
+        return out
+
+    def summary(self, gflop: float) -> dict[str, object]:
+        """The job's energy so far (``status.energy``)."""
+        total = self.job_devices.total + self.job_coordinator.total
+        return {
+            "joules": round(total, 3),
+            "devices_j": round(self.job_devices.total, 3),
+            "coordinator_j": round(self.job_coordinator.total, 3),
+            "kwh": round(total / J_PER_KWH, 6),
+            "gco2": round(self.job_devices.grams + self.job_coordinator.grams, 3),
+            "grid_gco2_kwh": self.grid,
+            "gflop_verified": round(gflop, 3),
+            "j_per_gflop": round(total / gflop, 4) if gflop > 0 else None,
+            "gflop_per_j": round(gflop / total, 4) if total > 0 else None,
+            "devices_sources": self.job_devices.mix(),
+            "coordinator_sources": self.job_coordinator.mix(),
+            "flagged": self.flagged,
+        }
