@@ -8,7 +8,8 @@ ships its GEMMs, re-run with each lever.
 
 Run: ``.venv/bin/python bench/bench_comparison.py`` (``--counts``, ``--links``, ``--ratios`` for a smaller grid;
 ``--json``
-for the raw reports). Simulated time does not depend on this machine's load; wall time does.
+for the raw reports; ``--energy`` for the energy table: each report's joules, kWh and grams of CO2e a
+step for Cleave and both baselines). Simulated time does not depend on this machine's load; wall time does.
 """
 
 from __future__ import annotations
@@ -174,6 +175,82 @@ def tier_grid(args: argparse.Namespace) -> list[dict]:
     return reports
 
 
+# The energy table (issue 23): the comparison's rows, each system's joules, kWh and grams of CO2e a
+# step (coordinator/whatif/energy.py; docs/simulation.md "Energy").
+ENERGY_COLUMNS = [
+    "model",
+    "fleet",
+    "devices",
+    "PS Gbit/s",
+    "system",
+    "step s",
+    "kJ/step",
+    "devices busy kJ",
+    "devices waiting kJ",
+    "datacentre kJ",
+    "J/GFLOP",
+    "kWh/step",
+    "gCO2e/step",
+    "kWh/1,000 steps",
+    "network kJ (apart)",
+]
+
+
+def _num(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _kj(value: float) -> str:
+    return _num(value / 1e3)
+
+
+def energy_rows(model: str, fleet: str, devices: int, gbps: float, r: dict) -> list[list[str]]:
+    """Cleave, the DTFM-style pipeline and the cloud for one report: three table rows."""
+    out = []
+    for system, part in (("Cleave", r["cleave"]), ("DTFM-style", r["dtfm"]), ("8 x A100", r["cloud"])):
+        e = part.get("energy")
+        head = [model, fleet, f"{devices:,}", f"{gbps:g}", system]
+        if e is None:
+            out.append(head + ["does not fit"] + ["-"] * 9)
+            continue
+        out.append(
+            head
+            + [
+                fmt(part["step_s"]),
+                _kj(e["energy_j"]),
+                _kj(e["devices_busy_j"]),
+                _kj(e["devices_waiting_j"]),
+                _kj(e["datacentre_j"]),
+                _num(e["energy_j_per_gflop"]),
+                _num(e["kwh"]),
+                _num(e["co2_g"]),
+                _num(e["kwh"] * 1000),
+                _kj(e["network_j"]),
+            ]
+        )
+    return out
+
+
+def energy_grid(args: argparse.Namespace) -> list[dict]:
+    """The energy table: the comparison's setting (batch 8 x 256 fp32, server PS, home links at
+    the given ratio), models x fleets x counts x links, streamed row by row."""
+    print(row(ENERGY_COLUMNS))
+    print(row(["---"] * len(ENERGY_COLUMNS)), flush=True)
+    reports = []
+    for model, fleet, devices, gbps, ratio in itertools.product(
+        args.energy_models.split(","),
+        args.energy_fleets.split(","),
+        [int(c) for c in args.counts.split(",")],
+        [float(g) for g in args.links.split(",")],
+        [float(x) for x in args.ratios.split(",")],
+    ):
+        r = run(model, fleet, devices, gbps, ratio, batch=args.batch_size, seq=args.seq_len)
+        reports.append({"model": model, "fleet": fleet, "devices": devices, "gbps": gbps, "ratio": ratio, **r})
+        for cells in energy_rows(model, fleet, devices, gbps, r):
+            print(row(cells), flush=True)
+    return reports
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", default="16,256,1024,10000", help="device counts")
@@ -197,7 +274,15 @@ def main() -> int:
     parser.add_argument("--tier-link-gbps", type=float, default=100.0, help="--tier: the ranks' links")
     parser.add_argument("--relay-gbps", type=float, default=10.0, help="--tier: each relay's link (Gbit/s)")
     parser.add_argument("--relay-gb", type=float, default=16.0, help="--tier: each relay's block cache (GB)")
+    parser.add_argument("--energy", action="store_true", help="the energy table instead (issue 23)")
+    parser.add_argument("--energy-models", default="llama2-7b,opt-13b", help="--energy: models")
+    parser.add_argument("--energy-fleets", default="mixed,laptops", help="--energy: fleet presets")
     args = parser.parse_args()
+    if args.energy:
+        reports = energy_grid(args)
+        if args.json:
+            Path("comparison-energy.json").write_text(json.dumps(reports))
+        return 0
     if args.tier:
         reports = tier_grid(args)
         if args.json:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
+from rich.table import Table
 
 from cleave_cli import render
 from cleave_cli.errors import friendly, stderr_console
@@ -53,6 +54,16 @@ from coordinator.engine.scheduler import FaultPolicy
 from coordinator.planning.costmodel import CostModelError, DeviceClass, PSProfile
 from coordinator.planning.tier import DEFAULT_TIER_GBPS, SOLO, Tier
 from coordinator.whatif.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
+from coordinator.whatif.energy import (
+    COORDINATOR_POWER,
+    GRID_GCO2_KWH,
+    NETWORK_J_PER_BYTE,
+    PUE_DEFAULT,
+    check_pue,
+    cleave_energy,
+    cloud_energy,
+    dtfm_energy,
+)
 from coordinator.whatif.presets import model_shape, resolve_fleet
 from coordinator.whatif.simulator import SimConfig, SimResult, Simulation
 from coordinator.wire.errors import CleaveError, ConfigError
@@ -63,6 +74,8 @@ FAIL_AT = 0.5  # the injected crash comes this far into the (churn-free) step
 # When no resource is busy this share of the step, round trips and hand-offs set the pace: the
 # step is "latency" bound (GEMMs run one after another, each waits for its slowest unit).
 LATENCY_BOUND = 0.25
+MAX_PUE = 3.0  # far above any surveyed facility's (Uptime's average is 1.58)
+MAX_GRID_GCO2_KWH = 2000.0  # above the dirtiest grid's (coal alone is about 1,000)
 
 
 def _finite(value: float | None) -> float | None:
@@ -148,11 +161,16 @@ def simulate_one(
     micro_batches: int = 1,
     batched: bool = False,
     tier: Tier = SOLO,
+    coordinator: str = "server",
+    pue: float = PUE_DEFAULT,
+    grid_gco2_kwh: float = GRID_GCO2_KWH,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Simulate one fleet size and price the baselines: the report for one device count. On a
     tier, the simulation is its slowest rank (the batch's slice, its share of the fleet); the
-    baselines train the whole batch on the whole fleet."""
+    baselines train the whole batch on the whole fleet. Each of the three carries the step's
+    energy (coordinator/whatif/energy.py): ``coordinator`` names the coordinator's power, ``pue``
+    the datacentre's, ``grid_gco2_kwh`` the grid's carbon."""
     model = model_shape(model_name)
     devices = sum(c.count for c in classes)
     faults = FaultPolicy(heartbeat_timeout=heartbeat_timeout)
@@ -262,7 +280,39 @@ def simulate_one(
         fastest_down = max(c.profile.down for c in classes if c.count)
         state = bytes_per_param(baseline_dtype or dtype) * model.params / dtfm.stages
         dtfm_json["recovery_s"] = heartbeat_timeout + state / fastest_down + dtfm.step_s / 2
+    # Energy: the simulated rank's devices stand for the whole fleet's (``scale`` such shares).
+    flops = step_flops(model, batch, seq)
+    per_rank = report["devices_per_rank"]
+    scale = devices / per_rank if per_rank else 1.0
+    measured = stormy.measured
+    busy: dict[str, float] = {}
+    present: dict[str, float] = {}
+    for s in measured:
+        for name, v in s.class_busy_s.items():
+            busy[name] = busy.get(name, 0.0) + v / len(measured)
+        for name, v in s.class_present_s.items():
+            present[name] = present.get(name, 0.0) + v / len(measured)
+    moved = sum(s.egress_bytes + s.ingress_bytes + s.relay_bytes for s in measured) / len(measured)
+    cleave_e = cleave_energy(
+        classes,
+        busy,
+        present,
+        step_s,
+        coordinator_w=COORDINATOR_POWER[coordinator],
+        coordinators=tier.ranks,
+        relays=ps.relays,
+        pue=pue,
+        flops=flops,
+        network_bytes=moved * tier.ranks,
+        scale=scale,
+        grid_gco2_kwh=grid_gco2_kwh,
+    )
+    report["energy"] = cleave_e.as_json()
+    dtfm_e = dtfm_energy(dtfm, classes, baseline_dtype or dtype, flops=flops, grid_gco2_kwh=grid_gco2_kwh)
+    dtfm_json["energy"] = None if dtfm_e is None else dtfm_e.as_json()
+    cloud_e = cloud_energy(cloud, pue=pue, grid_gco2_kwh=grid_gco2_kwh)
     cloud_json = {
+        "energy": cloud_e.as_json(),
         "step_s": cloud.step_s,
         "gpus": cloud.gpus,
         "gpu": cloud.gpu,
@@ -293,6 +343,11 @@ def simulate_one(
             "vs_dtfm": _ratio(dtfm_json["step_s"], step_s),
             "vs_cloud": _ratio(cloud.step_s, step_s),
             "recovery_vs_dtfm": _ratio(dtfm_json["recovery_s"], report["recovery_s"]),
+        },
+        # The baseline's energy a step over Cleave's: above 1, Cleave uses less.
+        "energy_ratio": {
+            "vs_dtfm": None if dtfm_e is None else _ratio(dtfm_e.energy_j, cleave_e.energy_j),
+            "vs_cloud": _ratio(cloud_e.energy_j, cleave_e.energy_j),
         },
     }
 
@@ -328,6 +383,8 @@ def build_report(
     batched: bool = False,
     tier: Tier = SOLO,
     coordinator: str = "server",
+    pue: float = PUE_DEFAULT,
+    grid_gco2_kwh: float = GRID_GCO2_KWH,
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     shape = model_shape(model)
@@ -359,6 +416,9 @@ def build_report(
                 micro_batches=micro_batches,
                 batched=batched,
                 tier=tier,
+                coordinator=coordinator,
+                pue=pue,
+                grid_gco2_kwh=grid_gco2_kwh,
                 progress=progress,
             )
         )
@@ -393,15 +453,31 @@ def build_report(
             "relay_link_gbps": ps.relay_egress * 8 / 1e9,
             "relay_memory_gb": ps.relay_memory / 1e9,
         },
+        # What the energy figures assume (coordinator/whatif/energy.py; docs/simulation.md "Energy").
+        "energy_assumptions": {
+            "grid_gco2_kwh": grid_gco2_kwh,
+            "pue": pue,
+            "coordinator_w": COORDINATOR_POWER[coordinator],
+            "network_j_per_gb": NETWORK_J_PER_BYTE * 1e9,
+        },
     }
     if len(runs) == 1:
         return {**head, **runs[0]}
     return {
         **head,
         "sweep": runs,
-        "cleave": {"step_s": [r["cleave"]["step_s"] for r in runs]},
-        "dtfm": {"step_s": [r["dtfm"]["step_s"] for r in runs]},
-        "cloud": {"step_s": [r["cloud"]["step_s"] for r in runs]},
+        "cleave": {
+            "step_s": [r["cleave"]["step_s"] for r in runs],
+            "energy_j": [r["cleave"]["energy"]["energy_j"] for r in runs],
+        },
+        "dtfm": {
+            "step_s": [r["dtfm"]["step_s"] for r in runs],
+            "energy_j": [r["dtfm"]["energy"] and r["dtfm"]["energy"]["energy_j"] for r in runs],
+        },
+        "cloud": {
+            "step_s": [r["cloud"]["step_s"] for r in runs],
+            "energy_j": [r["cloud"]["energy"]["energy_j"] for r in runs],
+        },
     }
 
 
@@ -445,6 +521,47 @@ def plot(report: dict[str, Any], path: str) -> None:
         raise CleaveError(f"cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
+
+
+def _joules(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, size in (("MJ", 1e6), ("kJ", 1e3)):
+        if value >= size:
+            return f"{value / size:,.3g} {unit}"
+    return f"{value:.3g} J"
+
+
+def energy_table(report: dict[str, Any]) -> Table:
+    """The energy of a step for Cleave and both baselines, one row each (per device count in a
+    sweep). Built, never printed (the command prints it after the time report)."""
+    a = report["energy_assumptions"]
+    table = Table(
+        title=f"energy per step (grid {a['grid_gco2_kwh']:g} gCO2e/kWh, datacentre PUE {a['pue']:g}; "
+        'network apart: docs/simulation.md "Energy")',
+        title_justify="left",
+    )
+    for name in ("devices", "system", "J/step", "busy", "waiting", "datacentre", "J/GFLOP", "gCO2e", "network"):
+        table.add_column(name, justify="right")
+    for run in report.get("sweep") or [report]:
+        for system, part in (("Cleave", run["cleave"]), ("DTFM-style", run["dtfm"]), ("cloud", run["cloud"])):
+            e = part.get("energy")
+            if e is None:
+                table.add_row(f"{run['devices']:,}", system, "does not fit", *["-"] * 6)
+                continue
+            per = e["energy_j_per_gflop"]
+            table.add_row(
+                f"{run['devices']:,}",
+                system,
+                _joules(e["energy_j"]),
+                _joules(e["devices_busy_j"]),
+                _joules(e["devices_waiting_j"]),
+                _joules(e["datacentre_j"]),
+                "-" if per is None else f"{per:.3g}",
+                f"{e['co2_g']:,.3g}",
+                _joules(e["network_j"]),
+            )
+    return table
 
 
 @friendly
@@ -502,6 +619,22 @@ def simulate(
     plot_path: Annotated[
         str | None, typer.Option("--plot", help="Draw seconds per batch against devices to this PNG.")
     ] = None,
+    pue: Annotated[
+        float,
+        typer.Option(
+            "--pue",
+            help="Power usage effectiveness of the datacentres (the coordinator's and the cloud's); "
+            f"default {PUE_DEFAULT:g}, a hyperscaler's (1.58: the industry average).",
+        ),
+    ] = PUE_DEFAULT,
+    grid_gco2_kwh: Annotated[
+        float,
+        typer.Option(
+            "--grid-gco2-kwh",
+            help=f"Grams of CO2e per kWh of the grid; default {GRID_GCO2_KWH:g}, the world's average "
+            "(Ember, Global Electricity Review 2023).",
+        ),
+    ] = GRID_GCO2_KWH,
     as_json: AsJson = False,
 ) -> None:
     """Simulate training steps of a model on a fleet with the live scheduler on a virtual clock,
@@ -524,6 +657,11 @@ def simulate(
         raise ConfigError(
             f"--heartbeat-timeout must be above {FaultPolicy().heartbeat:g} s and at most 3600, got {heartbeat_timeout}"
         )
+    if not (math.isfinite(pue) and 1 <= pue <= MAX_PUE):
+        raise ConfigError(f"--pue must be between 1 and {MAX_PUE:g}, got {pue}")
+    if not (math.isfinite(grid_gco2_kwh) and 0 <= grid_gco2_kwh <= MAX_GRID_GCO2_KWH):
+        raise ConfigError(f"--grid-gco2-kwh must be between 0 and {MAX_GRID_GCO2_KWH:g}, got {grid_gco2_kwh}")
+    check_pue(pue)
     ps = with_relays(coordinator_ps(coordinator, ps_link_gbps, ps_gflops), relays, relay_link_gbps, relay_memory_gb)
     with stderr_console().status("simulating ...") as status:
         try:
@@ -547,6 +685,8 @@ def simulate(
                 batched=batched,
                 tier=tier,
                 coordinator=coordinator,
+                pue=pue,
+                grid_gco2_kwh=grid_gco2_kwh,
                 progress=status.update,
             )
         except CostModelError as exc:
@@ -556,4 +696,4 @@ def simulate(
     if as_json:
         Console(highlight=False).out(json.dumps(report, sort_keys=True, allow_nan=False))
         return
-    Console(highlight=False).print(render.simulate_report(report))
+    Console(highlight=False).print(Group(render.simulate_report(report), energy_table(report)))

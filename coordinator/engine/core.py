@@ -261,7 +261,9 @@ class Core:
                 self.gate.take_enrolment(now)  # a ticket is an enrolment elsewhere: the same rate
                 raise Redirecting(redirect)
         admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
-        if admission.identity in self._by_identity:
+        # A relay's identity too: one (job, identity) is one devices row, and a device sharing the
+        # relay's would have its leases ended when the relay goes.
+        if admission.identity in self._by_identity or admission.identity in self._relay_by_identity:
             raise AuthError(CloseCode.IN_USE, "this identity is already connected")
         self.gate.check_cooloff(admission.identity, now)
         standing = self.gate.standing(admission.identity)
@@ -334,7 +336,7 @@ class Core:
         if self.finished:
             out.append(self._send(device_id, Finished(), now))
             return device_id, out
-        use = self.relays.place(device_id, links.down)  # a relay with room serves its blocks
+        use = self.relays.place(device_id, links.down, now)  # a relay with room serves its blocks
         if use is not None:
             out.append(self._send(device_id, use, now))
         return device_id, out + self._dispatch(now)
@@ -365,7 +367,7 @@ class Core:
         out.append(Send(relay_id, Welcome(relay_id, admission.identity, self.job_name, 1, self.faults.heartbeat)))
         for device_id in sorted(self.devices):
             profile = self._profiled.get(device_id) or self.profiles[device_id].profile(self.dtype)
-            use = self.relays.place(device_id, profile.down)
+            use = self.relays.place(device_id, profile.down, now)
             if use is not None:
                 out.append(self._send(device_id, use, now))
         return relay_id, out
@@ -403,7 +405,7 @@ class Core:
     def _on_relay_report(self, dev: DeviceState, msg: RelayReport, now: float) -> list[Outbound]:
         """A device says its relay failed it: it takes its blocks from here from now on; a relay
         proven to have served other bytes is banned (engine/relays.py)."""
-        verdict = self.relays.report(dev.id, msg.relay, msg.fault, msg.digest, msg.tag, msg.got)
+        verdict = self.relays.report(dev.id, msg.relay, msg.fault, msg.digest, msg.tag, msg.got, now)
         if verdict is None:
             return []
         log.warning("device %d reported relay %d: %s", dev.id, msg.relay, verdict.why)
@@ -841,8 +843,8 @@ class Core:
                 for ref in pair
                 if ref.key in dev.blocks
             }
-            resend = sum(held.values())
-            self.relays.unserved(dev.id, held)  # named for its relay but never had: not relayed
+            # Named for its relay but never had: not relayed, and not charged (the relay failed it).
+            resend = sum(held.values()) - self.relays.unserved(dev.id, held)
             if resend and not dev.resends.take(now, resend):
                 return self._drop(dev, CloseCode.RATE_LIMITED, "too many blocks to send again", now) + self._dispatch(
                     now

@@ -194,6 +194,19 @@ def _parts(model: ModelShape, seq: int) -> _Parts:
 
 
 @dataclass(frozen=True)
+class DtfmSeat:
+    """One kind of device in the chosen pipeline (a stage role), for pricing its energy: how many
+    devices take it, what each computes and sends in the step, and which classes may take it
+    without slowing the step (they fit it, and their pace and all-reduce are within the step's)."""
+
+    role: str  # "only" | "first" | "middle" | "last" | "layers" | "head" | "embed"
+    devices: int
+    flops: float  # per device per step: its micro-batches, forward and backward
+    bytes_sent: float  # per device per step: activations (and their gradients) and its all-reduce share
+    classes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DtfmResult:
     """One step of DT-FM on a fleet: ``step_s = compute_s + pipeline_comm_s + bubble_s +
     allreduce_s``, or ``step_s`` None and ``why`` when the model cannot be placed."""
@@ -213,6 +226,7 @@ class DtfmResult:
     rounds: int = 1  # pipeline flushes per step (gradient accumulation), > 1 only to fit memory
     head_stage: bool = False  # the lm head has a stage of its own (the last)
     embed_stage: bool = False  # the token embedding has a stage of its own (the first)
+    seats: tuple[DtfmSeat, ...] = ()  # the roles and who may take them (coordinator/whatif/energy.py)
 
 
 @dataclass(frozen=True)
@@ -474,6 +488,23 @@ def dtfm_step(
                 step, slot, allreduce, c, r = found
                 compute = roles[r].flops / rates[c]
                 bubble = rounds * (stages - 1) * slot
+                if best is not None and (step, stages * replicas) >= (best.step_s, best.devices_used):  # type: ignore[operator]
+                    continue
+                seats = tuple(
+                    DtfmSeat(
+                        role.name,
+                        role.count,
+                        micro_batches * role.flops,
+                        micro_batches * role.sends * activation
+                        + (spread * role.params * itemsize if replicas > 1 else 0.0),
+                        tuple(
+                            cls.name
+                            for k, cls in enumerate(classes)
+                            if fits[k][j] and pace[k][j] <= slot and reduce[k][j] <= allreduce
+                        ),
+                    )
+                    for j, role in enumerate(roles)
+                )
                 result = DtfmResult(
                     step_s=step,
                     why=None,
@@ -492,9 +523,9 @@ def dtfm_step(
                         micro_batches * compute, micro_batches * (slot - compute), allreduce, bubble, slot > compute
                     ),
                     rounds=rounds,
+                    seats=seats,
                 )
-                if best is None or (step, result.devices_used) < (best.step_s, best.devices_used):  # type: ignore[operator]
-                    best = result
+                best = result
     if best is not None:
         return best
     return _why_not(model, parts, classes, batch, seq, dtype, micro_batch, total)

@@ -456,6 +456,11 @@ class StepStats:
     # within its ceiling (costmodel.utilisation_bound): below the ceiling when there is too little
     # work to keep the slow devices busy.
     utilisation_bound: float = 0.0
+    # Per class, summed over its devices present in the step: seconds busy computing (its units'
+    # FLOP at its rate plus the per-unit overhead) and seconds present (joined and not yet left).
+    # What coordinator/whatif/energy.py prices: busy at a busy power, the rest waiting.
+    class_busy_s: dict[str, float] = field(default_factory=dict)
+    class_present_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def gemms_in_flight(self) -> float:
@@ -506,6 +511,7 @@ class _Device:
     joined: float
     epoch: int = 0
     alive: bool = True
+    left: float = math.inf  # when it stopped (a clean leave, or a crash: before it is noticed)
     down_free: float = 0.0
     cpu_free: float = 0.0
     up_free: float = 0.0
@@ -666,6 +672,7 @@ class Simulation:
             if holders is not None:
                 holders.discard(d.id)
         d.alive = False
+        d.left = min(d.left, self.now)
         d.epoch += 1
         self.gone.append(d)
 
@@ -974,6 +981,7 @@ class Simulation:
         self._stats.leaves += 1
         if crash:
             d.alive = False  # it stops answering; the coordinator notices after the heartbeat timeout
+            d.left = self.now
             # Lost: what it holds whose result has not reached the PS, and whatever it is leased
             # until it is noticed (``_lease``).
             held = {uid for (uid, dev), _ in self._leased.items() if dev == device and (uid, dev) not in self._arrived}
@@ -1058,7 +1066,7 @@ class Simulation:
                 self._run_chains([tail])
             self._in_flight(0)
             self._stats.seconds = self.now - began
-            self._device_figures(before, list(self.devices.values()) + self.gone[gone_before:])
+            self._device_figures(before, list(self.devices.values()) + self.gone[gone_before:], began)
             steps.append(self._stats)
         everyone = list(self.devices.values()) + self.gone
         return SimResult(
@@ -1077,15 +1085,21 @@ class Simulation:
             self.choice,
         )
 
-    def _device_figures(self, before: dict[int, tuple], present: list[_Device]) -> None:
+    def _device_figures(self, before: dict[int, tuple], present: list[_Device], began: float) -> None:
         """What each device did in the step just ended (O(devices), once per step)."""
         st = self._stats
         rows = []
+        busy: Counter = Counter()
+        there: Counter = Counter()
         for d in present:
             c0, d0, u0, bd0, bu0, f0 = before.get(d.id, (0.0,) * 6)
             rows.append(
                 (d.compute_s - c0, d.down_s - d0, d.up_s - u0, d.bytes_down - bd0, d.bytes_up - bu0, d.flop_s - f0)
             )
+            busy[d.cls] += d.compute_s - c0
+            there[d.cls] += max(0.0, min(self.now, d.left) - max(began, d.joined))
+        st.class_busy_s = dict(sorted(busy.items()))
+        st.class_present_s = dict(sorted(there.items()))
         worked = [r for r in rows if r[0] > 0]
         st.devices_used = len(worked)
         if rows and st.seconds > 0:  # every device present, idle ones too: the fleet's view
