@@ -137,6 +137,7 @@ def start(
         ),
     ] = None,
     wire_dtype: opt.WireDtypeOpt = WireDtype.FP32,
+    grid_gco2_kwh: opt.GridOpt = None,
     world_size: Annotated[
         int | None,
         typer.Option(
@@ -231,6 +232,7 @@ def start(
         ps_link_gbps=ps_link_gbps,
         ps_gflops=ps_gflops,
         wire_dtype=wire_dtype,
+        **({} if grid_gco2_kwh is None else {"grid_gco2_kwh": grid_gco2_kwh}),
     )
     reporter = ConsoleReporter(console, live=is_terminal(), quiet=quiet)
     try:

@@ -151,6 +151,14 @@ def join(
             "--new-identity", help="Enrol again with --token as a new device, replacing the stored credential."
         ),
     ] = False,
+    grid_gco2_kwh: opt.GridOpt = None,
+    powercap: Annotated[
+        Path | None,
+        typer.Option("--powercap", hidden=True, help="Testing: read RAPL counters from this folder (a fake powercap)."),
+    ] = None,
+    energy_every: Annotated[
+        float | None, typer.Option("--energy-every", hidden=True, help="Testing: seconds between energy reports.")
+    ] = None,
     probe_file: Annotated[
         Path | None, typer.Option("--probe-file", hidden=True, help="Testing: read probe values from this JSON file.")
     ] = None,
@@ -203,6 +211,9 @@ def join(
         insecure=insecure,
         credentials=credentials,
         new_identity=new_identity,
+        grid_gco2_kwh=grid_gco2_kwh or 0.0,
+        powercap=powercap,
+        **({} if energy_every is None else {"energy_every": energy_every}),
     )
     probe = FileProbe(probe_file, SystemProbe()) if probe_file is not None else SystemProbe()
     with _Display(console, url, live=is_terminal(), quiet=quiet) as display:
@@ -213,7 +224,8 @@ def join(
         who = f"device #{s.identity}" if s.identity else repr(cfg.name)
         console.print(
             f"left: {s.tiles:,} tiles computed, {s.credit_gflop:,.2f} GFLOP verified to your credit "
-            f"({s.credit_total_gflop:,.2f} in total for {who}), {s.rejected} rejected",
+            f"({s.credit_total_gflop:,.2f} in total for {who}), {s.rejected} rejected"
+            + (f"; {render.joules(s.energy_j)} used while serving ({s.energy_source})" if s.energy_source else ""),
             highlight=False,
         )
     raise typer.Exit(code)

@@ -133,3 +133,15 @@ Insecure = Annotated[
         help="Allow unencrypted ws:// to a host other than this machine (tokens and blocks travel in clear).",
     ),
 ]
+
+GridOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--grid-gco2-kwh",
+        min=0,
+        max=2000,
+        help="The carbon intensity of the grid this machine draws from, in grams of CO2 per kWh, to turn energy "
+        "into CO2. Default: the coordinator's (the world's average, 436 g/kWh in 2022 by Ember's Global Electricity "
+        "Review 2023, unless its operator states another); docs/operations.md, Energy and carbon.",
+    ),
+]

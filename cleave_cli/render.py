@@ -27,6 +27,39 @@ def _mb(value: float) -> str:
     return f"{value:,.1f} MB"
 
 
+def joules(value: float) -> str:
+    """Energy in the unit that reads best: J, kJ, MJ, then kWh."""
+    if value >= 3.6e6:
+        return f"{value / 3.6e6:,.2f} kWh"
+    if value >= 1e6:
+        return f"{value / 1e6:,.2f} MJ"
+    if value >= 1e3:
+        return f"{value / 1e3:,.1f} kJ"
+    return f"{value:,.0f} J"
+
+
+def _mix(sources: dict[str, float] | None) -> str:
+    total = sum((sources or {}).values())
+    if not total:
+        return "none yet"
+    return ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in sorted((sources or {}).items()))
+
+
+def energy_line(energy: dict[str, Any] | None) -> str:
+    """The job's energy (``status["energy"]``) in one line."""
+    if not energy or not energy.get("joules"):
+        return "no energy reported yet"
+    line = (
+        f"{joules(energy['joules'])} ({joules(energy.get('devices_j', 0))} devices: "
+        f"{_mix(energy.get('devices_sources'))}; {joules(energy.get('coordinator_j', 0))} coordinator: "
+        f"{_mix(energy.get('coordinator_sources'))}), {_num(energy.get('j_per_gflop'), '{:.3f}')} J per verified "
+        f"GFLOP, {energy.get('gco2', 0):,.1f} g CO2 at {energy.get('grid_gco2_kwh', 0):g} g/kWh"
+    )
+    if energy.get("flagged"):
+        line += f"; {energy['flagged']:,} device claims capped"
+    return line
+
+
 def step_line(
     step: int,
     steps: int,
@@ -163,6 +196,8 @@ def dashboard(status: dict[str, Any]) -> Group:
     traffic = status.get("traffic")
     if traffic:
         summary.add_row("traffic", f"{_mb(traffic.get('mb_down', 0))} down, {_mb(traffic.get('mb_up', 0))} up")
+    if "energy" in status:
+        summary.add_row("energy", energy_line(status["energy"]))
     devices = Table(title="devices", expand=True)
     for col, justify in [
         ("name", "left"),
@@ -220,9 +255,18 @@ def dashboard(status: dict[str, Any]) -> Group:
         board.add_column("device")
         board.add_column("verified GFLOP", justify="right")
         board.add_column("tiles", justify="right")
+        board.add_column("energy", justify="right")
+        board.add_column("GFLOP/J", justify="right")
         for rank, row in enumerate(status["leaderboard"], start=1):
             who = Text(str(row.get("label") or row.get("name", "")))
-            board.add_row(str(rank), who, f"{row.get('gflop', 0):,.2f}", f"{row.get('tiles', 0):,}")
+            board.add_row(
+                str(rank),
+                who,
+                f"{row.get('gflop', 0):,.2f}",
+                f"{row.get('tiles', 0):,}",
+                joules(row["joules"]) if row.get("joules") else "-",
+                _num(row.get("gflop_per_j"), "{:,.2f}"),
+            )
         parts.append(board)
     return Group(*parts)
 
@@ -321,6 +365,14 @@ def client_panel(stats: Any, url: str) -> Panel:
         f"{stats.credit_total_gflop:,.2f} in total for this device",
     )
     grid.add_row("traffic", f"{stats.bytes_down / 1e6:,.1f} MB down, {stats.bytes_up / 1e6:,.1f} MB up")
+    energy = getattr(stats, "energy_j", 0.0)
+    grid.add_row(
+        "energy",
+        f"{joules(energy)} while serving ({stats.energy_source})"
+        + (f", {stats.credit_gflop / energy:,.2f} verified GFLOP per joule" if energy and stats.credit_gflop else "")
+        if stats.energy_source
+        else "measured from the first report (every 30 s, with results)",
+    )
     grid.add_row("uptime", _duration(stats.uptime))
     if stats.last_error and stats.state in (WorkerState.RECONNECTING, WorkerState.CONNECTING):
         grid.add_row("last error", Text(stats.last_error, style="yellow"))

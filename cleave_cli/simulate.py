@@ -67,6 +67,7 @@ from coordinator.whatif.energy import (
 from coordinator.whatif.presets import model_shape, resolve_fleet
 from coordinator.whatif.simulator import SimConfig, SimResult, Simulation
 from coordinator.wire.errors import CleaveError, ConfigError
+from coordinator.wire.messages import MAX_GRID
 
 MAX_DEVICES = 100_000  # every device is simulated one by one (its links, its leases)
 MAX_SWEEP = 16
@@ -75,7 +76,6 @@ FAIL_AT = 0.5  # the injected crash comes this far into the (churn-free) step
 # step is "latency" bound (GEMMs run one after another, each waits for its slowest unit).
 LATENCY_BOUND = 0.25
 MAX_PUE = 3.0  # far above any surveyed facility's (Uptime's average is 1.58)
-MAX_GRID_GCO2_KWH = 2000.0  # above the dirtiest grid's (coal alone is about 1,000)
 
 
 def _finite(value: float | None) -> float | None:
@@ -659,8 +659,8 @@ def simulate(
         )
     if not (math.isfinite(pue) and 1 <= pue <= MAX_PUE):
         raise ConfigError(f"--pue must be between 1 and {MAX_PUE:g}, got {pue}")
-    if not (math.isfinite(grid_gco2_kwh) and 0 <= grid_gco2_kwh <= MAX_GRID_GCO2_KWH):
-        raise ConfigError(f"--grid-gco2-kwh must be between 0 and {MAX_GRID_GCO2_KWH:g}, got {grid_gco2_kwh}")
+    if not (math.isfinite(grid_gco2_kwh) and 0 <= grid_gco2_kwh <= MAX_GRID):
+        raise ConfigError(f"--grid-gco2-kwh must be between 0 and {MAX_GRID:g}, got {grid_gco2_kwh}")
     check_pue(pue)
     ps = with_relays(coordinator_ps(coordinator, ps_link_gbps, ps_gflops), relays, relay_link_gbps, relay_memory_gb)
     with stderr_console().status("simulating ...") as status:

@@ -151,6 +151,8 @@ class WorkerConfig:
     credentials: Path | None = None  # the credentials file (default: the user's config folder)
     new_identity: bool = False  # enrol again with the token, replacing a stored credential
     grid_gco2_kwh: float = 0.0  # the owner's grid carbon intensity (0: the coordinator's)
+    energy_every: float = ENERGY_EVERY  # seconds between energy reports, at the most often
+    powercap: Path | None = None  # where the RAPL counters are (None: coordinator/meters.py's POWERCAP)
 
     def __post_init__(self) -> None:
         try:
@@ -167,6 +169,8 @@ class WorkerConfig:
             raise Refused(f"--slots must be between 1 and 8, got {self.slots}")
         if not (0.05 <= self.poll_seconds <= 60):
             raise Refused("the probe poll interval must be between 0.05 and 60 s")
+        if not (0.5 <= self.energy_every <= 3600):
+            raise Refused(f"the energy report interval must be between 0.5 and 3600 s, got {self.energy_every:g}")
         if not (0 <= self.grid_gco2_kwh <= MAX_GRID):
             raise Refused(f"--grid-gco2-kwh must be between 0 and {MAX_GRID:g}, got {self.grid_gco2_kwh:g}")
 
@@ -268,6 +272,7 @@ class Worker:
         self._meter = meter or EnergyMeter(
             gpu=self.device.type == "cuda",
             clock=clock,
+            **({} if cfg.powercap is None else {"powercap": cfg.powercap}),
             **({} if pacer is None else {"cpu_seconds": lambda: self.stats.compute_seconds}),
         )
         self._energy_at = clock()  # when the span now metered began
@@ -696,7 +701,8 @@ class Worker:
         """Send the results held (emptying ``pending``), as few frames as the session allows."""
         messages: list[Message] = [*session.frames_of(pending)]
         pending.clear()
-        if self._metering and self._clock() - self._energy_at >= ENERGY_EVERY:  # batched with results, never per tile
+        # Energy goes with results, batched (at most one report every energy_every s), never per tile.
+        if self._metering and self._clock() - self._energy_at >= self.cfg.energy_every:
             messages.append(self._energy())
         for msg in messages:
             frame = encode(msg)

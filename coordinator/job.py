@@ -30,11 +30,13 @@ from torch import nn
 from coordinator.engine.balance import Balancer, Pool
 from coordinator.engine.books import Books
 from coordinator.engine.core import Core, Departure
+from coordinator.engine.energy import GRID_GCO2_KWH
 from coordinator.engine.identity import STRONG_TOKEN, new_token
 from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.profiles import measure_ps
 from coordinator.engine.scheduler import FaultPolicy
+from coordinator.meters import EnergyMeter
 from coordinator.net.remote import RemoteEngine
 from coordinator.net.server import Server, listen
 from coordinator.planning.costmodel import MAX_PS_GFLOPS
@@ -48,7 +50,7 @@ from coordinator.training.hardware import DEVICES, coordinator_device, describe
 from coordinator.training.loop import StepResult, TrainConfig, Trainer
 from coordinator.wire.addresses import is_loopback, url_host
 from coordinator.wire.errors import CheckpointError, ConfigError
-from coordinator.wire.messages import MAX_TOKEN, MAX_URL, WireDtype
+from coordinator.wire.messages import MAX_GRID, MAX_TOKEN, MAX_URL, WireDtype
 from db.sqlite import GROUP_SECONDS, SQLiteStore
 from db.store import CheckpointRow
 
@@ -91,6 +93,7 @@ class CoordinatorConfig:
     # proxy, a NAT, a name on its certificate): printed in the join command, and what a tier's
     # other ranks send newcomers to.
     public_url: str | None = None
+    grid_gco2_kwh: float = GRID_GCO2_KWH  # the grid this coordinator and its volunteers draw from (--grid-gco2-kwh)
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -119,6 +122,8 @@ class CoordinatorConfig:
             raise ConfigError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
         if (self.model_factory is not None) != models.is_custom(self.train.model):
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
+        if not (math.isfinite(self.grid_gco2_kwh) and 0 <= self.grid_gco2_kwh <= MAX_GRID):
+            raise ConfigError(f"--grid-gco2-kwh must be between 0 and {MAX_GRID:g}, got {self.grid_gco2_kwh:g}")
         if self.device.lower() not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
@@ -378,7 +383,10 @@ async def serve_job(
             job_name=f"{models.public_name(train_cfg.model)}, {train_cfg.steps} steps",
             planner=cfg.planner,
             ps=ps,
+            grid_gco2_kwh=cfg.grid_gco2_kwh,
         )
+        meter = EnergyMeter(gpu=device.type == "cuda")  # this process's own energy, read at each step's end
+        reporter.note(f"energy: {meter.describe()}; grid {cfg.grid_gco2_kwh:g} gCO2/kWh")
         tokens = _tokens(cfg, core, reporter)
         start_step = plan.resume.step if plan.resume else 0
         core.resume_from(start_step)
@@ -415,6 +423,11 @@ async def serve_job(
                 "gemms_in_flight_max": core.peak_in_flight,
                 "waited_gemms_max": core.peak_waited,
             }
+            # Energy: what devices reported during the step (booked within their band) and what
+            # this process used over it, per verified GFLOP and in grams of CO2 (engine/energy.py).
+            span = meter.span()
+            core.energy.own(span.joules, span.source, span.gpu_joules)
+            extra.update(core.energy.close_step(core.gflop_verified).as_row())
             result = StepResult(result.step, result.loss, result.tokens, result.seconds, result.lr, extra)
             results.append(result)
             assert metrics is not None
@@ -456,6 +469,7 @@ async def serve_job(
             return trainer
 
         def train(trainer: Trainer) -> None:  # in the trainer thread
+            meter.restart()  # the first step's span starts with training, not with the wait for devices
             try:
                 _train(trainer)
             finally:

@@ -177,6 +177,7 @@ class Core:
         self.job_name = job_name or f"job {job_id}"
         self.devices: dict[int, DeviceState] = {}
         self.energy = EnergyBooks(grid_gco2_kwh)  # devices' reports within their band, and our own meter
+        self.gflop_verified = 0.0  # every device's, in this process
         self._by_identity: dict[int, int] = {}  # identity -> device id, while connected
         self.gemms: dict[int, GemmState] = {}
         self.sources = Sources()
@@ -773,6 +774,7 @@ class Core:
         else:
             self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self.wall(now))
         dev.gflop_verified += gflop
+        self.gflop_verified += gflop
         dev.tiles_done += 1
         dev.compute_seconds += msg.seconds
         # From its work frame going on the wire (not from the lease: a frame queued behind the

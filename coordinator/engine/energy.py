@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from coordinator.wire.codes import EnergySource
-from coordinator.wire.messages import Energy
+from coordinator.wire.messages import MAX_GRID, Energy
 
 # The most a machine of each kind draws at the wall, whole: a device's report may not exceed
 # this times its time. cpu: AMD Ryzen Threadripper 7980X's 350 W TDP (the largest desktop
@@ -34,8 +34,11 @@ CEILING_W: dict[str, float] = {"cpu": 350.0, "mps": 370.0, "cuda": 1050.0}
 BEST_GFLOP_PER_J: dict[str, float] = {"cpu": 50.0, "mps": 400.0, "cuda": 1500.0}
 SLACK_S = 5.0  # seconds a report may cover beyond what this clock saw (its own clock, the wire)
 DEVICE_SOURCES = (EnergySource.RAPL, EnergySource.BATTERY, EnergySource.ESTIMATE)
-# The world's average grid, 2023: 480 gCO2/kWh (Ember, Global Electricity Review 2024).
-GRID_GCO2_KWH = 480.0
+# World-average carbon intensity of electricity generation, gCO2e/kWh: 436 in 2022 (Ember, *Global
+# Electricity Review 2023*). A location-based figure: what the average kWh on the world's grids
+# emitted; an operator (cleave coordinator start) or a volunteer (cleave join) states their own
+# grid with --grid-gco2-kwh. The simulator uses the same (coordinator/whatif/energy.py).
+GRID_GCO2_KWH = 436.0
 J_PER_KWH = 3.6e6
 
 
@@ -133,8 +136,8 @@ class EnergyBooks:
     """The job's energy, by device and by step, and the coordinator's own."""
 
     def __init__(self, grid_gco2_kwh: float = GRID_GCO2_KWH) -> None:
-        if not (math.isfinite(grid_gco2_kwh) and 0 <= grid_gco2_kwh <= 2000):
-            raise ValueError(f"--grid-gco2-kwh must be between 0 and 2000, got {grid_gco2_kwh}")
+        if not (math.isfinite(grid_gco2_kwh) and 0 <= grid_gco2_kwh <= MAX_GRID):
+            raise ValueError(f"--grid-gco2-kwh must be between 0 and {MAX_GRID:g}, got {grid_gco2_kwh}")
         self.grid = grid_gco2_kwh
         self.devices: dict[int, DeviceEnergy] = {}
         self.job_devices = Ledger()  # every device's booked joules, over the job

@@ -10,7 +10,7 @@ from typing import Any
 
 from coordinator.engine.core import Core
 from coordinator.wire.codes import DeviceView
-from db.store import CONNECTED, DeviceStatus
+from db.store import CONNECTED, DeviceStatus, LeaderRow
 
 # The tile counts ``status`` reports (``Store.tile_counts`` has these and more).
 STATUS_TILES = ("queued", "leased", "verified", "rejected", "requeued", "expired", "speculative", "cancelled", "lost",
@@ -21,6 +21,19 @@ def label(name: str, identity: int | None) -> str:
     """How a device is named to people, the same in every view (terminal, web page, metrics):
     its name and its enrolled identity's number (names are free text; numbers are unique)."""
     return f"{name} #{identity}" if identity is not None else name
+
+
+def _leader(r: LeaderRow) -> dict[str, Any]:
+    per = r.gflop_per_j
+    return {
+        "identity": r.identity_id,
+        "name": r.name,
+        "label": label(r.name, r.identity_id),
+        "gflop": round(r.gflop, 3),
+        "tiles": r.tiles,
+        "joules": round(r.joules, 3),
+        "gflop_per_j": None if per is None else round(per, 4),
+    }
 
 
 def status(core: Core, now: float) -> dict[str, Any]:
@@ -43,6 +56,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
         else:
             state = DeviceView.WORKING if live.inflight else DeviceView.IDLE
         profile = core.profiles.get(row.id)
+        metered = core.energy.devices.get(row.id) if live else None
         listed.append(
             {
                 "id": row.id,
@@ -69,6 +83,12 @@ def status(core: Core, now: float) -> dict[str, Any]:
                 "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
                 "compute_s": round(live.compute_seconds, 4) if live else None,
                 "profile": profile.as_json(core.dtype) if profile is not None else None,
+                # Its energy reports as booked in this job (capped ones at their cap), and where
+                # its last one came from (rapl, battery, estimate, +nvml; capped).
+                "joules": round(row.joules, 3),
+                "energy_flagged": row.energy_flagged,
+                "energy_source": metered.source if metered is not None else None,
+                "gflop_per_j": round(row.gflop_verified / row.joules, 4) if row.joules > 0 else None,
             }
         )
     p = core.progress
@@ -94,16 +114,10 @@ def status(core: Core, now: float) -> dict[str, Any]:
         "lost_reasons": store.lost_reasons(job_id) if counts["lost"] else {},
         "queue_depth": counts["queued"],
         "gemms_in_flight": len(core.gemms),
-        "leaderboard": [
-            {
-                "identity": r.identity_id,
-                "name": r.name,
-                "label": label(r.name, r.identity_id),
-                "gflop": round(r.gflop, 3),
-                "tiles": r.tiles,
-            }
-            for r in store.leaderboard(10)
-        ],
+        "leaderboard": [_leader(r) for r in store.leaderboard(10)],
+        # The same, ranked by verified GFLOP per booked joule (identities that reported energy).
+        "leaderboard_efficiency": [_leader(r) for r in store.leaderboard(10, by="gflop_per_j")],
+        "energy": core.energy.summary(core.gflop_verified),
         "plan": {
             "planner": core.planner.planner.value,
             **core.prediction.as_json(),
@@ -143,4 +157,5 @@ def books(core: Core) -> dict[str, Any]:
         "verify": {"seconds": core.verify_seconds},
         "gemms_in_flight": len(core.gemms),
         "device_counts": {"connected": len(core.devices), **core.store.device_states(core.job_id)},
+        "energy": core.energy.summary(core.gflop_verified),
     }

@@ -113,10 +113,10 @@ class Dashboard:
             },
             "tiles": {k: s.get("tiles", {}).get(k, 0) for k in ("queued", "leased", "verified", "rejected", "lost")},
             "connected": s.get("device_counts", {}).get("connected", 0),
-            "leaderboard": [
-                {"name": r.get("label") or r["name"], "gflop": r["gflop"], "tiles": r["tiles"]}
-                for r in s.get("leaderboard", [])
-            ],
+            "leaderboard": [_leader(r) for r in s.get("leaderboard", [])],
+            "leaderboard_efficiency": [_leader(r) for r in s.get("leaderboard_efficiency", [])],
+            # The job's energy, booked (aggregates only: no device's figure without the token).
+            "energy": {k: v for k, v in (s.get("energy") or {}).items()},
             "losses": self.curve.points,
         }
         tier = s.get("tier")
@@ -144,10 +144,23 @@ class Dashboard:
                     "tiles_revoked": d.get("tiles_revoked", 0),
                     "reliability": d["reliability"],
                     "gflop_verified": d.get("gflop_verified", 0.0),
+                    "joules": d.get("joules", 0.0),
+                    "energy_source": d.get("energy_source"),
+                    "energy_flagged": d.get("energy_flagged", 0),
                 }
                 for d in s.get("devices", [])
             ]
         return out
+
+
+def _leader(r: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": r.get("label") or r["name"],
+        "gflop": r["gflop"],
+        "tiles": r["tiles"],
+        "joules": r.get("joules", 0.0),
+        "gflop_per_j": r.get("gflop_per_j"),
+    }
 
 
 CHALLENGE = 'Bearer realm="cleave operator"'  # WWW-Authenticate of a 401

@@ -101,6 +101,25 @@ class _Books:
             "Block bytes the coordinator's devices were told to fetch from relays (served there, not here).",
             value=traffic.get("bytes_relay_out", 0),
         )
+        energy = s.get("energy", {})
+        joules = CounterMetricFamily(
+            "cleave_energy_joules",
+            "Energy booked: devices' reports within their kind's band (source capped: claims cut to it) "
+            "and the coordinator's own meter, by part and source.",
+            labels=["part", "source"],
+        )
+        for part, key in (("devices", "devices_sources"), ("coordinator", "coordinator_sources")):
+            for source, j in sorted(energy.get(key, {}).items()):
+                joules.add_metric([part, source], j)
+        yield joules
+        yield CounterMetricFamily(
+            "cleave_co2_grams",
+            "Grams of CO2 of the energy booked, at each grid's stated intensity.",
+            value=energy.get("gco2", 0.0),
+        )
+        yield CounterMetricFamily(
+            "cleave_energy_flagged", "Device energy reports capped as implausible.", value=energy.get("flagged", 0)
+        )
         yield CounterMetricFamily(
             "cleave_verify_seconds",
             "Seconds spent verifying results (Freivalds' check).",
@@ -153,8 +172,14 @@ class _Devices:
         seen = GaugeMetricFamily(
             "cleave_device_last_seen_timestamp_seconds", "When a device was last heard (Unix time).", labels=["device"]
         )
+        energy = CounterMetricFamily(
+            "cleave_device_energy_joules",
+            "A device's energy reports as booked (capped ones at their cap).",
+            labels=["device"],
+        )
         for d in devices:
             label = [str(d.get("label") or d.get("name"))]
+            energy.add_metric(label, d.get("joules") or 0.0)
             for outcome, key in DEVICE_OUTCOMES:
                 tiles.add_metric([*label, outcome], d.get(key) or 0)
             rate.add_metric(label, d.get("gflops") or 0.0)
@@ -162,7 +187,7 @@ class _Devices:
             up.add_metric(label, 1 if d.get("slots") else 0)
             if d.get("last_seen") is not None:
                 seen.add_metric(label, d["last_seen"])
-        yield from (tiles, rate, work, up, seen)
+        yield from (tiles, rate, work, up, seen, energy)
 
 
 class _Ranked:

@@ -17,16 +17,14 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from coordinator.engine.energy import GRID_GCO2_KWH, J_PER_KWH
 from coordinator.planning.costmodel import CostModelError, DeviceClass
 from coordinator.whatif.baselines import CloudResult, DtfmResult
 
 # --------------------------------------------------------------------------- carbon and facilities
 
-J_PER_KWH = 3.6e6
-# World-average carbon intensity of electricity generation, gCO2e/kWh: 436 in 2022 (Ember, *Global
-# Electricity Review 2023*). A location-based figure: what the average kWh on the world's grids
-# emitted; a volunteer or an operator states their own grid with --grid-gco2-kwh.
-GRID_GCO2_KWH = 436.0
+# The grid's carbon intensity (436 gCO2e/kWh, the world's in 2022, Ember) and joules per kWh:
+# the running coordinator's books and the simulator use the same figures.
 # Power usage effectiveness of a datacentre (facility power / IT power). Google's published fleet
 # figure for its own datacentres, trailing twelve months, about 1.10 (Google, "Data centers:
 # efficiency" page, 2021-2023; approx.): the cloud's best case, so the comparison errs in the

@@ -19,6 +19,24 @@ function fmt(x, digits) {
   return Number(x).toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: digits });
 }
 
+// Energy in the unit that reads best: J, kJ, MJ; kWh past 3.6 MJ.
+function joules(j) {
+  if (j >= 3.6e6) return `${fmt(j / 3.6e6, 2)} kWh`;
+  if (j >= 1e6) return `${fmt(j / 1e6, 2)} MJ`;
+  if (j >= 1e3) return `${fmt(j / 1e3, 1)} kJ`;
+  return `${fmt(j, 0)} J`;
+}
+
+// Joules by source as shares: "rapl 62%, estimate 38%".
+function sources(mix) {
+  const entries = Object.entries(mix || {});
+  const total = entries.reduce((sum, [, j]) => sum + j, 0);
+  if (!total) return "none yet";
+  return entries.map(([source, j]) => `${source} ${fmt((100 * j) / total, 0)}%`).join(", ");
+}
+
+let rankBy = "gflop";
+
 function row(cells) {
   const tr = document.createElement("tr");
   for (const cell of cells) {
@@ -192,8 +210,15 @@ function draw(s) {
   $("share").textContent = job.gemm_share ? `${fmt(100 * job.gemm_share, 1)}%` : "-";
   $("device-count").textContent = fmt(s.connected, 0);
   curve(s.losses || []);
-  const board = s.leaderboard || [];
-  fill($("leaderboard"), board.map((r, i) => [String(i + 1), r.name, fmt(r.gflop, 1), fmt(r.tiles, 0)]));
+  const e = s.energy || {};
+  $("energy").textContent = e.joules ? joules(e.joules) : "-";
+  $("energy-detail").textContent = e.joules ? `${fmt(e.j_per_gflop, 3)} J per verified GFLOP, ` +
+    `${fmt(e.gco2, 1)} g CO2 at ${fmt(e.grid_gco2_kwh, 0)} g/kWh; devices ${sources(e.devices_sources)}, ` +
+    `coordinator ${sources(e.coordinator_sources)}` + (e.flagged ? `; ${fmt(e.flagged, 0)} claims capped` : "") :
+    "no energy reported yet";
+  const board = (rankBy === "efficiency" ? s.leaderboard_efficiency : s.leaderboard) || [];
+  fill($("leaderboard"), board.map((r, i) => [String(i + 1), r.name, fmt(r.gflop, 1), fmt(r.tiles, 0),
+    r.joules ? joules(r.joules) : "-", fmt(r.gflop_per_j, 2)]));
   $("leaderboard").hidden = board.length === 0;
   $("leaderboard-empty").hidden = board.length > 0;
   const devices = s.devices;
@@ -203,7 +228,8 @@ function draw(s) {
     fill($("devices"), devices.map((d) => [d.name, d.reason && !["working", "idle"].includes(d.state) ?
       `${d.state} (${d.reason})` : d.state, d.device, fmt(d.gflops, 1), fmt(d.down_mbps, 1),
       fmt(d.up_mbps, 1), fmt(d.tiles_done, 0), fmt(d.tiles_rejected, 0), fmt(d.tiles_lost, 0), reliability(d),
-      fmt(d.gflop_verified, 2)]));
+      fmt(d.gflop_verified, 2), d.joules ? joules(d.joules) : "-",
+      (d.energy_source || "-") + (d.energy_flagged ? ` (${d.energy_flagged} capped)` : "")]));
   }
   $("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
 }
@@ -225,6 +251,15 @@ async function poll() {
     $("job-state").textContent = "coordinator unreachable";
   }
   timer = setTimeout(poll, POLL_MS);
+}
+
+for (const [id, by] of [["rank-gflop", "gflop"], ["rank-efficiency", "efficiency"]]) {
+  $(id).addEventListener("click", () => {
+    rankBy = by;
+    $("rank-gflop").setAttribute("aria-pressed", String(by === "gflop"));
+    $("rank-efficiency").setAttribute("aria-pressed", String(by === "efficiency"));
+    poll();
+  });
 }
 
 $("token-button").addEventListener("click", () => {

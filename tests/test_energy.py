@@ -1,0 +1,248 @@
+"""Energy and carbon (issue 23): the meters against fake counters, the books' band, the Core's
+handling of reports, and a real coordinator with real clients whose RAPL counters are fakes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.engine.energy import CEILING_W, GRID_GCO2_KWH, EnergyBooks, grams, kind_of
+from coordinator.meters import WATTS_PER_CORE, EnergyMeter, Rapl
+from coordinator.wire.codes import EnergySource
+from coordinator.wire.messages import Energy
+
+# --------------------------------------------------------------------------- fake sysfs
+
+
+def _zone(root: Path, name: str, label: str, uj: int, top: int = 262_143_328_850) -> Path:
+    zone = root / name
+    zone.mkdir(parents=True)
+    (zone / "name").write_text(label + "\n")
+    (zone / "max_energy_range_uj").write_text(f"{top}\n")
+    (zone / "energy_uj").write_text(f"{uj}\n")
+    return zone / "energy_uj"
+
+
+def _battery(root: Path, energy_uwh: int, status: str) -> Path:
+    cell = root / "BAT0"
+    cell.mkdir(parents=True, exist_ok=True)
+    (cell / "status").write_text(status + "\n")
+    (cell / "energy_now").write_text(f"{energy_uwh}\n")
+    return cell
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t, self.cpu = 100.0, 5.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_rapl_sums_the_package_counters_and_adds_back_a_wrap(tmp_path: Path) -> None:
+    """Two packages (their subzones and the platform zone are not added again); a counter that
+    wraps between reads is added back from its range."""
+    root = tmp_path / "powercap"
+    pkg0 = _zone(root, "intel-rapl:0", "package-0", 1_000_000, top=10_000_000)
+    pkg1 = _zone(root, "intel-rapl:1", "package-1", 5_000_000)
+    _zone(root, "intel-rapl:0:0", "core", 123)  # a subzone: inside package 0
+    _zone(root, "intel-rapl:2", "psys", 999)  # the platform: it holds the packages
+    rapl = Rapl(root)
+    assert len(rapl.zones) == 2 and rapl.read() == 0.0
+    pkg0.write_text("9000000\n")  # +8 J
+    pkg1.write_text("7000000\n")  # +2 J
+    assert rapl.read() == pytest.approx(10.0)
+    pkg0.write_text("500000\n")  # wrapped at 10 J: +1.5 J
+    assert rapl.read() == pytest.approx(11.5)
+
+
+def test_without_readable_counters_the_meter_says_why_and_estimates(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "powercap"
+    _zone(root, "intel-rapl:0", "package-0", 1)
+
+    def denied(self: Path, *args: object, **kwargs: object) -> str:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    rapl = Rapl(root)
+    monkeypatch.undo()
+    assert not rapl and "readable only by root" in rapl.why_not
+    clock = Clock()
+    meter = EnergyMeter(
+        powercap=tmp_path / "none", power_supply=tmp_path / "none", cpu_seconds=lambda: clock.cpu, clock=clock
+    )
+    assert "estimate" in meter.describe() and "no RAPL counters" in meter.describe()
+    clock.t, clock.cpu = 130.0, 17.0  # 12 CPU seconds over 30 s
+    span = meter.span()
+    assert span.source is EnergySource.ESTIMATE and span.seconds == 30.0
+    assert span.joules == pytest.approx(12 * WATTS_PER_CORE) and span.gpu_joules == 0.0
+
+
+def test_the_meter_takes_rapl_first_then_a_discharging_battery_and_adds_the_gpu(tmp_path: Path) -> None:
+    clock = Clock()
+    counter = _zone(tmp_path / "powercap", "intel-rapl:0", "package-0", 0)
+    gpu = [1000.0]
+    meter = EnergyMeter(
+        powercap=tmp_path / "powercap", power_supply=tmp_path / "ps", cpu_seconds=lambda: clock.cpu,
+        clock=clock, nvml=lambda: gpu[0],
+    )  # fmt: skip
+    counter.write_text("42000000\n")
+    gpu[0] += 300.0
+    clock.t += 10
+    span = meter.span()
+    assert (span.source, span.joules, span.gpu_joules, span.total) == (EnergySource.RAPL, 42.0, 300.0, 342.0)
+    assert "RAPL" in meter.describe() and "NVML" in meter.describe()
+    # No RAPL: the battery, while it discharges for the whole span.
+    cell = _battery(tmp_path / "ps", 50_000_000, "Discharging")
+    meter = EnergyMeter(
+        powercap=tmp_path / "no", power_supply=tmp_path / "ps", cpu_seconds=lambda: clock.cpu, clock=clock
+    )
+    (cell / "energy_now").write_text("49990000\n")  # 10,000 µWh = 36 J
+    span = meter.span()
+    assert span.source is EnergySource.BATTERY and span.joules == pytest.approx(36.0)
+    (cell / "status").write_text("Charging\n")  # plugged in: the battery says nothing of the machine
+    clock.cpu += 2.0
+    span = meter.span()
+    assert span.source is EnergySource.ESTIMATE and span.joules == pytest.approx(2 * WATTS_PER_CORE)
+
+
+# --------------------------------------------------------------------------- the books
+
+
+def test_the_books_believe_a_claim_within_its_band_and_cap_and_flag_one_outside() -> None:
+    books = EnergyBooks(grid_gco2_kwh=400.0)
+    books.joined(1, "cpu", 0.0, now=0.0)
+    books.joined(2, "cuda:0", 0.0, now=0.0)
+    # 30 s at 100 W, 90 GFLOP verified: believed, as RAPL, at the volunteer's own grid.
+    claim = books.claim(1, Energy(3000.0, 30.0, EnergySource.RAPL, grid_gco2_kwh=100.0), 90.0, now=30.0)
+    assert claim.booked == {EnergySource.RAPL: 3000.0} and not claim.flagged
+    assert claim.grams == pytest.approx(grams(3000.0, 100.0))
+    # A GPU device: the board's NVML figure is booked under its own source.
+    claim = books.claim(2, Energy(600.0, 30.0, EnergySource.ESTIMATE, gpu_joules=9000.0), 0.0, now=30.0)
+    assert claim.booked == {EnergySource.ESTIMATE: 600.0, EnergySource.NVML: 9000.0}
+    # Over its kind's ceiling: 10 s seen (+5 s slack) at 350 W is the most; capped, flagged.
+    claim = books.claim(1, Energy(1e6, 10.0, EnergySource.RAPL), 90.0, now=40.0)
+    assert claim.flagged and claim.booked == {EnergySource.CAPPED: pytest.approx(15 * CEILING_W["cpu"])}
+    # Too efficient to be true: 5,000 GFLOP for 1 J on a CPU (at most 50 GFLOP/J).
+    claim = books.claim(1, Energy(1.0, 10.0, EnergySource.ESTIMATE), 5090.0, now=50.0)
+    assert claim.flagged and claim.booked == {EnergySource.CAPPED: pytest.approx(100.0)}
+    # A device may not claim the coordinator's sources.
+    with pytest.raises(ValueError, match="rapl, battery, estimate"):
+        books.claim(1, Energy(1.0, 1.0, EnergySource.CAPPED), 5090.0, now=51.0)
+    assert books.flagged == 2 and books.devices[1].flagged == 2
+    books.own(500.0, EnergySource.ESTIMATE)
+    step = books.close_step(gflop=5090.0)
+    assert step.flagged == 2 and step.coordinator_j == 500.0
+    assert step.devices_j == pytest.approx(3000 + 9600 + 15 * 350 + 100)
+    assert step.j_per_gflop == pytest.approx(step.joules / 5090.0)
+    assert step.sources["capped"] == pytest.approx(15 * 350 + 100) and step.sources["estimate"] == 1100.0
+    row = step.as_row()
+    assert row["energy_flagged"] == 2 and row["j_coordinator"] == 500.0
+    # The next step starts empty; the job's summary keeps it all.
+    assert books.close_step(gflop=5090.0).joules == 0.0
+    summary = books.summary(5090.0)
+    assert summary["joules"] == pytest.approx(step.joules) and summary["flagged"] == 2
+    assert summary["coordinator_sources"] == {"estimate": 500.0}
+    assert kind_of("mps") == "mps" and kind_of("npu") == "cpu" and GRID_GCO2_KWH == 436.0
+    with pytest.raises(ValueError, match="grid"):
+        EnergyBooks(grid_gco2_kwh=-1.0)
+
+
+# --------------------------------------------------------------------------- the Core
+
+
+def test_the_core_books_devices_reports_and_ranks_them_by_gflop_per_joule() -> None:
+    from test_core import Fleet, core, submit
+
+    from coordinator.engine import report
+    from coordinator.wire.messages import Error
+
+    core = core.__wrapped__()  # the fixture's Core
+    fleet = Fleet(core)
+    frugal, hungry = fleet.join("frugal"), fleet.join("hungry")
+    a, b = torch.randn(64, 48), torch.randn(48, 40)
+    box = submit(core, fleet, a, b)
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    assert all(core.devices[d].gflop_verified > 0 for d in (frugal, hungry)), "tiles reached both devices"
+    fleet.now += 30.0
+    assert core.handle(frugal, Energy(300.0, 30.0, EnergySource.RAPL), fleet.now) == []
+    core.handle(hungry, Energy(1e7, 30.0, EnergySource.ESTIMATE), fleet.now)  # 333 kW: capped
+    (err,) = [o.message for o in core.handle(frugal, Energy(1.0, 1.0, EnergySource.NVML), fleet.now)]
+    assert isinstance(err, Error) and "energy.source" in err.message
+    rows = {r.name: r for r in core.store.devices(core.job_id)}
+    assert rows["frugal"].joules == 300.0 and rows["frugal"].energy_flagged == 0
+    seen = fleet.now - 100.0  # since it joined (the fleet's clock starts at 100 s)
+    assert rows["hungry"].joules == pytest.approx((seen + 5) * CEILING_W["cpu"]) and rows["hungry"].energy_flagged == 1
+    status = report.status(core, fleet.now)
+    assert status["energy"]["flagged"] == 1 and status["energy"]["devices_sources"]["rapl"] == 300.0
+    best = [r["name"] for r in status["leaderboard_efficiency"]]
+    assert best == ["frugal", "hungry"] and status["leaderboard_efficiency"][0]["joules"] == 300.0
+    listed = {d["name"]: d for d in status["devices"]}
+    assert listed["frugal"]["energy_source"] == "rapl" and listed["hungry"]["energy_source"] == "capped"
+
+
+# --------------------------------------------------------------------------- real processes
+
+
+class FakeRapl:
+    """A powercap folder whose package counter a thread advances at ``watts``."""
+
+    def __init__(self, root: Path, watts: float) -> None:
+        self.counter = _zone(root, "intel-rapl:0", "package-0", 0)
+        self.watts, self.start = watts, time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            uj = int((time.monotonic() - self.start) * self.watts * 1e6) % 262_143_328_850
+            tmp = self.counter.with_suffix(".tmp")
+            tmp.write_text(f"{uj}\n")
+            tmp.replace(self.counter)
+
+
+@pytest.mark.drill
+def test_clients_report_their_machines_energy_and_an_implausible_one_is_capped(tmp_path: Path) -> None:
+    """A real coordinator and two real clients, each reading a fake RAPL counter: one at 25 W,
+    one at 5 kW (a CPU machine cannot draw that). Both compute tiles; the honest one's energy is
+    booked as RAPL, the other's is capped at its kind's ceiling and flagged; every step's metrics
+    row carries the energy split into devices and coordinator, per verified GFLOP and in CO2;
+    status and /metrics say the same."""
+    from procs import Coordinator, join
+    from test_relays import _look
+
+    honest, liar = FakeRapl(tmp_path / "honest", 25.0), FakeRapl(tmp_path / "liar", 5000.0)
+    try:
+        coord = Coordinator(
+            tmp_path, "--min-devices", "2", "--checkpoint-every", "0", "--grid-gco2-kwh", "300", steps=4
+        )
+        clients = [
+            join(coord.url, name, "--powercap", str(tmp_path / name), "--energy-every", "0.5")
+            for name in ("honest", "liar")
+        ]
+        coord.wait_for_step(3)  # mid-run: status --json and /metrics carry the books
+        status, scraped = _look(coord)
+        assert coord.wait() == 0, coord.output
+        assert [c.wait() for c in clients] == [0, 0], [c.output for c in clients]
+    finally:
+        honest.stop.set()
+        liar.stop.set()
+    rows = {name: (j, flagged, g) for name, j, flagged, g in coord.query(
+        "SELECT name, joules, energy_flagged, gflop_verified FROM devices")}  # fmt: skip
+    assert rows["honest"][0] > 0 and rows["honest"][1] == 0 and rows["honest"][2] > 0, rows
+    assert rows["liar"][1] >= 1 and rows["liar"][2] > 0, rows
+    steps = coord.rows()
+    assert all(r["j_coordinator"] > 0 for r in steps), steps  # this machine: the estimate
+    assert sum(r["j_devices"] for r in steps) > 0 and any(r["energy_flagged"] for r in steps)
+    assert any("rapl" in r["energy_sources"] for r in steps) and any("capped" in r["energy_sources"] for r in steps)
+    assert all(r["gco2"] > 0 for r in steps)
+    energy = status["energy"]
+    assert energy["grid_gco2_kwh"] == 300.0 and energy["flagged"] >= 1 and energy["coordinator_sources"]
+    joules = [line for line in scraped.splitlines() if line.startswith("cleave_energy_joules_total")]
+    assert any('source="rapl"' in line for line in joules) and any('source="capped"' in line for line in joules)
