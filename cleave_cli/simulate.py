@@ -49,6 +49,7 @@ from cleave_cli.plan import (
     tier_of,
     with_relays,
 )
+from coordinator.engine.energy import GRID_GCO2_KWH
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
 from coordinator.planning.costmodel import CostModelError, DeviceClass, PSProfile
@@ -56,7 +57,6 @@ from coordinator.planning.tier import DEFAULT_TIER_GBPS, SOLO, Tier
 from coordinator.whatif.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
 from coordinator.whatif.energy import (
     COORDINATOR_POWER,
-    GRID_GCO2_KWH,
     NETWORK_J_PER_BYTE,
     PUE_DEFAULT,
     check_pue,

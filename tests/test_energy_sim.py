@@ -12,13 +12,12 @@ import pytest
 from typer.testing import CliRunner
 
 from cleave_cli.app import app
+from coordinator.engine.energy import GRID_GCO2_KWH, J_PER_KWH
 from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
 from coordinator.whatif import energy
 from coordinator.whatif.baselines import cloud_step, dtfm_step, step_flops
 from coordinator.whatif.energy import (
     DEVICE_POWER,
-    GRID_GCO2_KWH,
-    J_PER_KWH,
     NETWORK_J_PER_BYTE,
     PUE_DEFAULT,
     cleave_energy,
