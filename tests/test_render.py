@@ -181,3 +181,35 @@ def test_dashboard_shows_the_plan_and_measured_links() -> None:
     )
     assert "7 local, 20 output)" in out
     assert "980/120" in out and "(prior)" not in out
+
+
+def test_energy_shows_in_the_dashboard_the_leaderboard_and_the_volunteers_panel() -> None:
+    status = {
+        **STATUS,
+        "energy": {
+            "joules": 7_200_000.0,
+            "devices_j": 6_840_000.0,
+            "coordinator_j": 360_000.0,
+            "devices_sources": {"rapl": 5_000_000.0, "capped": 1_840_000.0},
+            "coordinator_sources": {"estimate": 360_000.0},
+            "j_per_gflop": 12.5,
+            "gco2": 872.0,
+            "grid_gco2_kwh": 436.0,
+            "flagged": 3,
+        },
+        "leaderboard": [{"label": "laptop #1", "gflop": 3.5, "tiles": 120, "joules": 1500.0, "gflop_per_j": 0.0023}],
+    }
+    text = _text(render.dashboard(status), width=200)
+    assert "energy" in text and "2.00 kWh" in text and "capped 27%, rapl 73%" in text and "estimate 100%" in text
+    assert (
+        "12.500 J per verified GFLOP" in text
+        and "872.0 g CO2 at 436 g/kWh" in text
+        and "3 device claims capped" in text
+    )
+    assert "1.5 kJ" in text and "GFLOP/J" in text
+    assert render.energy_line({}) == "no energy reported yet"
+    stats = WorkerStats(state="computing", device="cpu", credit_gflop=30.0, energy_j=600.0, energy_source="rapl")
+    panel = _text(render.client_panel(stats, "ws://coordinator:8765"))
+    assert "600 J while serving (rapl), 0.05 verified GFLOP per joule" in panel
+    waiting = _text(render.client_panel(WorkerStats(state="computing", device="cpu"), "ws://c:8765"))
+    assert "measured from the first report" in waiting
