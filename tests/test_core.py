@@ -660,3 +660,99 @@ def test_a_relay_may_name_only_a_plain_ws_url_for_devices(core: Core, url: str, 
         nonce = core.gate.challenge().nonce
         with pytest.raises(AuthError, match="hello.relay must be"):
             core.connect(Hello(token="tok", name="r", relay=url), nonce, 100.0)
+
+
+def test_a_relays_credential_cannot_also_connect_a_device_and_the_job_goes_on(core: Core) -> None:
+    """One identity is one devices row: a device hello with a connected relay's credential is
+    refused (4008), so the relay leaving later ends no device's leases."""
+    from coordinator.wire import auth
+
+    fleet = Fleet(core)
+    relay_id, _ = _relay(core, fleet)
+    cred = next(m for m in fleet.inbox[relay_id] if isinstance(m, Credential))
+    nonce = core.gate.challenge().nonce
+    proof = auth.proof(bytes.fromhex(cred.secret), cred.identity, bytes.fromhex(nonce)).hex()
+    with pytest.raises(AuthError, match="already connected") as refused:
+        core.connect(Hello(name="twin", identity=cred.identity, proof=proof), nonce, fleet.now)
+    assert refused.value.code == CloseCode.IN_USE
+    dev = fleet.join("honest")
+    a, b = torch.randn(150, 70), torch.randn(70, 130)
+    box = submit(core, fleet, a, b)
+    fleet.route(core.disconnect(relay_id, fleet.now))  # its device takes blocks from here again
+    failed = tuple(p.message.tile_id for p in fleet.pending if p.message.fetch)  # fetches from the gone relay
+    fleet.pending = [p for p in fleet.pending if not p.message.fetch]
+    fleet.route(core.handle(dev, Release(failed, ReleaseWhy.MISSING_BLOCK), fleet.now))  # sent again, carried
+    fleet.drain()
+    fleet.route(core.tick(fleet.now + 1.0))  # no store error: the relay's row was its own
+    assert dev in core.devices and torch.allclose(box["result"], a @ b, atol=1e-4)
+
+
+def test_a_relay_is_served_only_blocks_named_for_its_own_devices_within_a_reply_cap(
+    core: Core, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relay asking for a live block named only for another relay's devices is told it is
+    missing; a reply carries at most ``MAX_REPLY_BYTES`` of blocks (always one) and leaves the
+    rest out of both its blocks and its missing: the relay asks again."""
+    import coordinator.engine.relays as relays_mod
+    from coordinator.wire.messages import BlockRequest
+
+    fleet = Fleet(core)
+    r1, _ = _relay(core, fleet, "relay-1")
+    r2, _ = _relay(core, fleet, "relay-2")
+    d1, d2 = fleet.join("a"), fleet.join("b")
+    assert core.relays.behind == {d1: r1, d2: r2}
+    submit(core, fleet, torch.randn(150, 70), torch.randn(70, 130))
+    named = {d: {g for p in fleet.pending if p.device == d for _, g in p.message.fetch} for d in (d1, d2)}
+    only_r1 = sorted(named[d1] - named[d2])
+    assert only_r1, named
+    reply = core.handle(r2, BlockRequest(tuple(only_r1)), fleet.now).pop().message
+    assert reply.missing == tuple(only_r1) and not reply.blocks
+    mine = sorted(named[d1])
+    monkeypatch.setattr(relays_mod, "MAX_REPLY_BYTES", 1)  # every reply: one block
+    reply = core.handle(r1, BlockRequest(tuple(mine)), fleet.now).pop().message
+    assert [b.key for b in reply.blocks] == mine[:1] and not reply.missing
+    reply = core.handle(r1, BlockRequest(tuple(mine[1:])), fleet.now).pop().message
+    assert [b.key for b in reply.blocks] == mine[1:2] and not reply.missing
+
+
+def test_blocks_a_relay_failed_to_serve_are_not_charged_to_the_devices_resend_budget(core: Core) -> None:
+    """A device whose relay stalled gives its tiles back for their blocks: those were named for
+    the relay and never had, so sending them now is not charged to its own resend budget (one
+    big stall would cut an honest device, 4029)."""
+    from coordinator.engine.limits import TokenBucket
+    from coordinator.wire.codes import RelayFault
+    from coordinator.wire.messages import RelayReport
+
+    fleet = Fleet(core)
+    relay_id, _ = _relay(core, fleet)
+    dev = fleet.join("a")
+    submit(core, fleet, torch.randn(150, 70), torch.randn(70, 130))
+    works = [item.message for item in fleet.pending if item.device == dev]
+    assert works and all(w.fetch and not w.blocks for w in works)
+    core.devices[dev].resends = TokenBucket(0.0, 1.0)  # a byte: any charge cuts it
+    fleet.route(core.handle(dev, RelayReport(relay_id, RelayFault.STALLED, works[0].fetch[0][1]), fleet.now))
+    tiles = tuple(w.tile_id for w in works)
+    fleet.route(core.handle(dev, Release(tiles, ReleaseWhy.MISSING_BLOCK), fleet.now))
+    assert dev in core.devices and dev not in fleet.closed
+    # A second release of the same blocks is the device's own: charged, and it is cut.
+    fleet.pending.clear()
+    again = tuple(t for t in tiles if t in core.devices[dev].inflight)
+    assert again
+    fleet.route(core.handle(dev, Release(again, ReleaseWhy.MISSING_BLOCK), fleet.now))
+    assert fleet.closed.get(dev) == CloseCode.RATE_LIMITED
+
+
+def test_a_device_avoids_a_relay_it_could_not_reach_for_a_while_and_one_that_stalled_for_good() -> None:
+    from coordinator.engine.limits import TokenBucket
+    from coordinator.engine.relays import AVOID_S, Relays, RelayState
+    from coordinator.wire.codes import RelayFault
+
+    relays = Relays()
+    relays.add(RelayState(1, 11, "r1", "ws://10.0.0.1:8766", b"k" * 32, TokenBucket(1, 1)))
+    for device in (10, 11):
+        assert relays.place(device, now=100.0).relay == 1
+    assert relays.report(10, 1, RelayFault.UNREACHABLE, "ab" * 32, "", now=100.0).dropped is False
+    assert relays.report(11, 1, RelayFault.STALLED, "ab" * 32, "", now=100.0).dropped is False
+    assert relays.place(10, now=100.0 + AVOID_S - 1) is None and relays.place(11, now=100.0 + AVOID_S - 1) is None
+    assert relays.place(10, now=100.0 + AVOID_S).relay == 1  # its time is up: it may try again
+    assert relays.place(11, now=1e12) is None  # a stall: never again

@@ -9,8 +9,10 @@ coordinator send the same bytes again and again. A device believes a relay about
 bytes with the right digest; when one fails it, the device says so (``RelayReport``) and takes
 its blocks from the coordinator from then on. A report of wrong bytes carries the relay's own
 seal on what it served: a seal that is not the true block's proves the relay lied, and it is
-banned; a report that proves nothing moves only that device, and a relay that ``STRIKES``
-different devices report is dropped (not banned: it may only be slow).
+banned; a report of wrong bytes or a stall that proves nothing moves that device and counts a
+strike, and a relay that ``STRIKES`` different devices report is dropped (not banned: it may only
+be slow). A relay that only lacked a block (``UNREACHABLE``) is avoided by that device for
+``AVOID_S`` seconds and struck by no one.
 
 Pure: no clock of its own, no I/O; the Core holds one ``Relays`` and sends what it decides.
 """
@@ -29,6 +31,8 @@ from coordinator.wire.messages import MAX_FETCH, MAX_URL, Block, Blocks, UseRela
 SERVES = 2  # times one relay may be sent one block (it may evict it once and ask again)
 STRIKES = 3  # different devices whose unproven reports drop a relay
 MAX_DEVICES_PER_RELAY = 1024  # devices one relay serves at most
+MAX_REPLY_BYTES = 64 << 20  # block bytes in one reply to a relay (always at least one block)
+AVOID_S = 600.0  # seconds a device keeps off a relay it could not take its blocks from
 
 
 def relay_url_ok(url: str) -> bool:
@@ -64,6 +68,7 @@ class RelayState:
     devices: set[int] = field(default_factory=set)
     load: float = 0.0  # its devices' downlinks, summed (bytes/s): what its egress may have to feed
     served: dict[str, int] = field(default_factory=dict)  # digest -> times sent to it
+    named: set[str] = field(default_factory=set)  # digests named this step for its own devices
     strikes: set[int] = field(default_factory=set)  # devices that reported it, unproven
     bytes_out: int = 0  # block bytes the coordinator sent it
     bytes_named: int = 0  # block bytes its devices were told to fetch from it
@@ -85,7 +90,8 @@ class Relays:
         self.relays: dict[int, RelayState] = {}
         self.behind: dict[int, int] = {}  # device -> its relay
         self._down: dict[int, float] = {}  # device -> the downlink it was placed with
-        self.avoid: dict[int, set[int]] = {}  # device -> relays it reported (never behind them again)
+        # device -> {relay it reported: until when it is not put behind it again (inf: never)}
+        self.avoid: dict[int, dict[int, float]] = {}
         self.index: dict[str, BlockRef] = {}  # digest -> a block of this step, as named in work
         self.bytes_named = 0  # over the job: block bytes devices were told to take from relays (less unserved)
         self._named: dict[int, dict[str, int]] = {}  # device -> {block key: its relay}, this step
@@ -108,14 +114,16 @@ class Relays:
             self._down.pop(device, None)
         return sorted(relay.devices)
 
-    def place(self, device: int, down: float = 1.0) -> UseRelay | None:
+    def place(self, device: int, down: float = 1.0, now: float = 0.0) -> UseRelay | None:
         """Put a device whose downlink is ``down`` bytes/s behind the relay whose devices'
         downlinks add up to least (what its egress would have to feed were they all busy;
-        ties: fewest devices, then the lowest id); None: no relay has room. The device takes its
-        blocks from there from its next work on."""
+        ties: fewest devices, then the lowest id), none it avoids at ``now``; None: no relay has
+        room. The device takes its blocks from there from its next work on."""
         if device in self.behind or not self.relays:
             return None
-        avoid = self.avoid.get(device, set())
+        avoid = self.avoid.get(device, {})
+        for relay_id in [r for r, until in avoid.items() if until <= now]:
+            del avoid[relay_id]  # an UNREACHABLE report's time is up: it may try that relay again
         open_ = [r for r in self.relays.values() if len(r.devices) < MAX_DEVICES_PER_RELAY and r.id not in avoid]
         if not open_:
             return None
@@ -143,34 +151,45 @@ class Relays:
         digest = ref.digest()
         self.index[digest] = ref
         relay = self.relays[relay_id]
+        relay.named.add(digest)  # what this relay, and no other, may be served this step
         relay.bytes_named += ref.nbytes
         self.bytes_named += ref.nbytes
         self._named.setdefault(device, {})[ref.key] = relay_id
         return digest
 
-    def unserved(self, device: int, lost: dict[str, int]) -> None:
+    def unserved(self, device: int, lost: dict[str, int]) -> int:
         """``device`` says it lacks these blocks (key -> bytes): those it was told to take from a
-        relay this step were not served, and leave the relays' count."""
+        relay this step were not served, and leave the relays' count. Returns their bytes (the
+        relay failed it on those: sending them again is not the device's doing)."""
         named = self._named.get(device)
         if not named:
-            return
+            return 0
+        unnamed = 0
         for key, nbytes in lost.items():
             relay_id = named.pop(key, None)
             if relay_id is None:
                 continue
+            unnamed += nbytes
             self.bytes_named -= nbytes
             if relay_id in self.relays:
                 self.relays[relay_id].bytes_named -= nbytes
+        return unnamed
 
     def serve(self, relay_id: int, digests: tuple[str, ...]) -> Blocks:
-        """A relay's request: the live blocks it has not been sent ``SERVES`` times."""
+        """A relay's request: the live blocks named this step for its own devices that it has
+        not been sent ``SERVES`` times, up to ``MAX_REPLY_BYTES`` of them (always one); those past
+        the cap are left out of both ``blocks`` and ``missing`` (the relay asks again)."""
         relay = self.relays[relay_id]
         blocks, missing = [], []
+        size = 0
         for digest in digests[:MAX_FETCH]:
             ref = self.index.get(digest)
-            if ref is None or relay.served.get(digest, 0) >= SERVES:
+            if ref is None or digest not in relay.named or relay.served.get(digest, 0) >= SERVES:
                 missing.append(digest)
                 continue
+            if blocks and size + ref.nbytes > MAX_REPLY_BYTES:
+                continue  # past this reply's cap: neither sent nor missing
+            size += ref.nbytes
             relay.served[digest] = relay.served.get(digest, 0) + 1
             blocks.append(Block(digest, ref.wire()))
             relay.bytes_out += ref.nbytes
@@ -183,12 +202,14 @@ class Relays:
         self._named.clear()
         for relay in self.relays.values():
             relay.served.clear()
+            relay.named.clear()
 
     def report(
-        self, device: int, relay_id: int, fault: RelayFault, digest: str, tag: str, got: str = ""
+        self, device: int, relay_id: int, fault: RelayFault, digest: str, tag: str, got: str = "", now: float = 0.0
     ) -> Verdict | None:
-        """A device's report of its relay (None: not its relay, ignored). The device leaves the
-        relay in any case, and is not put behind it again. A wrong-bytes report proves a lie
+        """A device's report of its relay at ``now`` (None: not its relay, ignored). The device
+        leaves the relay in any case, and is not put behind it again (after ``UNREACHABLE``: not
+        for ``AVOID_S`` seconds; after a stall or wrong bytes: never). A wrong-bytes report proves a lie
         only with the relay's own seal on serving bytes of digest ``got`` as ``digest``: then the
         relay is banned. Without proof (a device may say anything, and a relay may seal what it
         did not send) a stall or wrong bytes counts a strike; a relay that lacked a block
@@ -197,7 +218,9 @@ class Relays:
         if relay is None or self.behind.get(device) != relay_id:
             return None
         self.leave(device)
-        self.avoid.setdefault(device, set()).add(relay_id)
+        until = now + AVOID_S if fault is RelayFault.UNREACHABLE else float("inf")
+        avoid = self.avoid.setdefault(device, {})
+        avoid[relay_id] = max(until, avoid.get(relay_id, until))
         if fault is RelayFault.WRONG and got and got != digest and tag and tag_ok(relay.key, digest, got, tag):
             return Verdict(True, True, f"its own seal says it served other bytes as block {digest[:16]}")
         if fault is RelayFault.UNREACHABLE:
