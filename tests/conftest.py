@@ -106,11 +106,26 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
             fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
+# Tests of many seconds that are not drills (in-process fuzzing, a tier's ranks, a large plan):
+# started early beside the drills, not left for the end of the run.
+HEAVY = ("tests/test_fuzz.py::", "tests/test_tier.py::", "tests/test_plan_cli.py::test_a_tier_plans")
+
+
+def _weight(item: pytest.Item) -> int:
+    if item.get_closest_marker("drill") is not None:
+        return 2
+    return 1 if item.nodeid.startswith(HEAVY) else 0
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Drills first: the suite runs on two workers (pyproject's addopts), and the longest tests
-    started first leave the quick ones to fill the gaps at the end. A stable sort, the same in
-    every worker, so xdist sees one order."""
-    items.sort(key=lambda item: item.get_closest_marker("drill") is None)
+    """Drills first, then the other long tests: the suite runs on two workers (pyproject's
+    addopts), and the longest tests started first leave the quick ones to fill the gaps at the end.
+    xdist's worksteal hands each worker one half of this list and lets an idle worker take the
+    tail of the other's queue: the heavy tests alternate between the halves, so both workers start
+    on long runs and both queues end in quick ones. Stable sorts, the same in every worker, so
+    xdist sees one order."""
+    items.sort(key=lambda item: -_weight(item))
+    items[:] = items[::2] + items[1::2]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TIMEOUT
-from procs import OPERATOR, Coordinator, Proc, cleave_cmd, double, env, join, metrics, run_all, wait_until
+from conftest import TIMEOUT
+from procs import OPERATOR, Coordinator, Proc, cleave_cmd, double, join, metrics, run_all, wait_until
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 
@@ -23,12 +22,8 @@ REL = 1e-4
 def local_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The baseline: `cleave train --local` with the same options."""
     path = tmp_path_factory.mktemp("local") / "local.jsonl"
-    run = subprocess.run(
+    (run,) = run_all(
         cleave_cmd("train", "--local", "--steps", str(STEPS), "--metrics", str(path), "--quiet"),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
         timeout=2 * TIMEOUT,
     )
     assert run.returncode == 0, run.stderr

@@ -8,13 +8,12 @@ import json
 import math
 import os
 import re
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TIMEOUT
-from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, env, metrics
+from conftest import TIMEOUT
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, metrics, run_all
 
 from cleave_cli.status import fetch_status
 from coordinator.planning.costmodel import Profile
@@ -130,12 +129,8 @@ rtt_ms = 10
 
 def _local_losses(tmp: Path) -> list[float]:
     path = tmp / "local.jsonl"
-    run = subprocess.run(
+    (run,) = run_all(
         cleave_cmd("train", "--local", "--steps", str(STEPS), "--metrics", str(path), "--quiet"),
-        capture_output=True,
-        text=True,
-        env=env(),
-        cwd=ROOT,
         timeout=2 * TIMEOUT,
     )
     assert run.returncode == 0, run.stderr

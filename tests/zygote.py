@@ -31,6 +31,7 @@ import sys
 def _preload() -> None:
     import numpy  # noqa: F401
     import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch's AdamW imports it when built: 1.5-3 s of CPU a coordinator)
 
     import cleave_cli.app  # noqa: F401
     import client.runner  # noqa: F401
