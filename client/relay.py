@@ -3,14 +3,22 @@
 It enrols at the coordinator like a device (the join token once, then its credential) with
 ``hello.relay`` set to the URL devices reach it at, and listens there. A device the coordinator
 put behind it asks for blocks by digest (``block_request`` with its ticket); the relay answers
-from its cache, and asks the coordinator once for what it lacks (requests for the same digest
-wait on one upstream request). Every block it serves carries its seal (``relay_tag``, on the digest
+from its cache, and asks the coordinator for what it lacks: one sender batches the digests its
+devices wait on (``MAX_FETCH`` a request, at most ``OUTSTANDING`` requests unanswered, at most
+``UPSTREAM_PER_S`` a second: well within the coordinator's allowance, whatever its devices ask),
+each digest asked once however many devices want it, one the coordinator left out of a reply
+(past its byte cap) asked again, and one it said it lacks answered as missing at once for
+``MISSING_S`` seconds. It gives up on the coordinator after ``UPSTREAM_TIMEOUT`` seconds, well
+within a device's deadline, and says the block is missing (a device reports that, striking no one).
+Every block it serves carries its seal (``relay_tag``, on the digest
 asked for and the digest of the bytes sent), so a
 device can show the coordinator what it was given. Results never pass through a relay.
 
-Memory: the cache holds at most ``memory_bytes`` of blocks (least recently used go first), plus
-the blocks of the replies being written (a reply holds its own blocks, so eviction under other
-devices' requests cannot empty it); at most ``MAX_DEVICES`` device connections, at most
+Memory: the cache holds at most ``memory_bytes`` of blocks (least recently used go first, each a
+copy: not a view keeping its whole upstream frame alive), plus the blocks of the replies being
+written (a reply holds its own blocks, so eviction under other devices' requests cannot empty it);
+at most ``MAX_UNTICKETED`` connections that have not yet sent a ticketed request (closed after
+``FIRST_REQUEST_S`` seconds without one), at most ``MAX_DEVICES`` ticketed ones, at most
 ``CONNECTIONS_PER_DEVICE`` of them for one ticketed device, each with one request at a time of at
 most ``MAX_FETCH`` digests; a device's allowance (``REQUESTS_PER_S``) is its own, however many
 connections it opens.
@@ -21,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +63,14 @@ from coordinator.wire.messages import Credential as CredentialMessage
 
 log = logging.getLogger(__name__)
 
-MAX_DEVICES = 1024  # device connections at once
-UPSTREAM_TIMEOUT = 10.0  # seconds to wait for the coordinator's blocks
+MAX_DEVICES = 1024  # ticketed device connections at once
+MAX_UNTICKETED = 256  # connections yet to send a ticketed request
+FIRST_REQUEST_S = 10.0  # seconds a new connection has to send one
+UPSTREAM_TIMEOUT = 6.0  # seconds to wait for the coordinator's blocks (a device waits 10 s per 64)
+UPSTREAM_PER_S = 20.0  # block requests a second to the coordinator (its allowance: 200, bursts of 400)
+OUTSTANDING = 2  # block requests to the coordinator unanswered at once
+MISSING_S = 5.0  # seconds a digest the coordinator said it lacks is answered as missing at once
+MAX_MISSING = 1 << 14  # such digests remembered at most
 DEVICE_FRAME = 64 << 10  # a device's block_request: 64 digests and a ticket fit many times over
 UPSTREAM_FRAME = 256 << 20  # the coordinator's blocks frame (as a device's client allows)
 REQUESTS_PER_S = 50.0  # a device's requests a second (bursts of 100), over all its connections
@@ -135,8 +149,13 @@ class Relay:
         self.relay_id = 0
         self.key = b""
         self._upstream = None
-        self._waiting: dict[str, asyncio.Future[torch.Tensor | None]] = {}
+        self._waiting: dict[str, asyncio.Future[torch.Tensor | None]] = {}  # digest -> its devices' wait
+        self._queue: OrderedDict[str, None] = OrderedDict()  # digests waited on, not yet asked for
+        self._asked: deque[tuple[str, ...]] = deque()  # requests sent, oldest first: replies come in order
+        self._wake = asyncio.Event()  # digests were queued, or a request was answered
+        self._missing: dict[str, float] = {}  # digest the coordinator lacks -> until when we say so
         self._devices = 0
+        self._unticketed = 0
         self._allowances: dict[int, _Allowance] = {}  # ticketed device -> its allowance (kept across reconnects)
         self._conns: dict[int, int] = {}  # ticketed device -> its open connections
         self.served_bytes = 0  # to devices
@@ -163,10 +182,12 @@ class Relay:
                 self.port = next(iter(server.sockets)).getsockname()[1]
                 self.ready.set()
                 beat = asyncio.create_task(self._beat(up))
+                sender = asyncio.create_task(self._send_upstream(up))
                 try:
                     return await self._read_upstream(up)
                 finally:
                     beat.cancel()
+                    sender.cancel()
                     for fut in self._waiting.values():
                         if not fut.done():
                             fut.set_result(None)
@@ -226,15 +247,7 @@ class Relay:
                     log.error("the coordinator sent a bad frame: %s", exc)
                     continue
                 if isinstance(msg, Blocks):
-                    for blk in msg.blocks:
-                        self.fetched_bytes += blk.data.numel() * blk.data.element_size()
-                        fut = self._waiting.pop(blk.key, None)
-                        if fut is not None and not fut.done():
-                            fut.set_result(blk.data)
-                    for digest in msg.missing:
-                        fut = self._waiting.pop(digest, None)
-                        if fut is not None and not fut.done():
-                            fut.set_result(None)
+                    self._answered(msg)
                 elif isinstance(msg, Finished):
                     return "the job is complete"
                 elif isinstance(msg, Error):
@@ -243,34 +256,102 @@ class Relay:
             pass
         return f"the coordinator closed ({getattr(up, 'close_code', None)})"
 
-    async def _fetch(self, digests: list[str]) -> dict[str, torch.Tensor | None]:
-        """The coordinator's blocks for ``digests`` (None: it did not send one); one upstream
-        request per digest however many devices want it at once."""
+    def _answered(self, msg: Blocks) -> None:
+        """The coordinator's reply to the oldest request unanswered: its blocks and what it lacks
+        go to the devices waiting on them; digests it neither sent nor said it lacks (it leaves
+        blocks out past its byte cap) are asked again."""
+        asked = self._asked.popleft() if self._asked else ()
+        now = asyncio.get_running_loop().time()
+        for blk in msg.blocks:
+            self.fetched_bytes += blk.data.numel() * blk.data.element_size()
+            fut = self._waiting.pop(blk.key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(blk.data)
+        if msg.missing and len(self._missing) + len(msg.missing) > MAX_MISSING:
+            self._missing = {d: t for d, t in self._missing.items() if t > now}
+        for digest in msg.missing:
+            if len(self._missing) < MAX_MISSING:
+                self._missing[digest] = now + MISSING_S
+            fut = self._waiting.pop(digest, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        answered = {b.key for b in msg.blocks} | set(msg.missing)
+        for digest in reversed(asked):  # left out: first in line again, in their order
+            if digest not in answered and digest in self._waiting and digest not in self._queue:
+                self._queue[digest] = None
+                self._queue.move_to_end(digest, last=False)
+        self._wake.set()
+
+    async def _send_upstream(self, up: object) -> None:
+        """The one sender of block requests: what devices wait on, batched, paced, and at most
+        ``OUTSTANDING`` requests unanswered (the coordinator answers each request, in order)."""
         loop = asyncio.get_running_loop()
-        new = [d for d in digests if d not in self._waiting]
-        for d in new:
-            self._waiting[d] = loop.create_future()
-        futures = {d: self._waiting[d] for d in digests}
-        for i in range(0, len(new), MAX_FETCH):
-            await self._upstream.send(encode(BlockRequest(tuple(new[i : i + MAX_FETCH]))))  # type: ignore[union-attr]
+        last = float("-inf")
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._queue and len(self._asked) < OUTSTANDING:
+                    pause = last + 1.0 / UPSTREAM_PER_S - loop.time()
+                    if pause > 0:
+                        await asyncio.sleep(pause)
+                    batch: list[str] = []
+                    while self._queue and len(batch) < MAX_FETCH:
+                        digest, _ = self._queue.popitem(last=False)
+                        if digest in self._waiting:  # a device still waits on it
+                            batch.append(digest)
+                    if not batch:
+                        continue
+                    self._asked.append(tuple(batch))
+                    last = loop.time()
+                    await up.send(encode(BlockRequest(tuple(batch))))  # type: ignore[attr-defined]
+        except ConnectionClosed:
+            return
+
+    async def _fetch(self, digests: list[str]) -> dict[str, torch.Tensor | None]:
+        """The coordinator's blocks for ``digests`` (None: it did not send one in
+        ``UPSTREAM_TIMEOUT`` seconds, or lacks it); one upstream wait per digest however many
+        devices want it at once."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         got: dict[str, torch.Tensor | None] = {}
+        futures: dict[str, asyncio.Future[torch.Tensor | None]] = {}
+        for d in digests:
+            if self._missing.get(d, 0.0) > now:  # it said it lacks this a moment ago
+                got[d] = None
+                continue
+            if d not in self._waiting:
+                self._waiting[d] = loop.create_future()
+                self._queue[d] = None
+                self._wake.set()
+            futures[d] = self._waiting[d]
+        deadline = now + UPSTREAM_TIMEOUT
         for d, fut in futures.items():
             try:
-                got[d] = await asyncio.wait_for(asyncio.shield(fut), UPSTREAM_TIMEOUT)
+                got[d] = await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
             except (TimeoutError, asyncio.TimeoutError):
-                self._waiting.pop(d, None)
+                if self._waiting.get(d) is fut:
+                    del self._waiting[d]
+                    self._queue.pop(d, None)
                 got[d] = None
         return got
 
     async def _serve_device(self, ws: ServerConnection) -> None:
-        if self._devices >= MAX_DEVICES:
+        # A connection counts among the unticketed until its first ticketed request, which it
+        # must send within FIRST_REQUEST_S: idle sockets cannot take the devices' places.
+        if self._unticketed >= MAX_UNTICKETED:
             await ws.close(CloseCode.BUSY, "relay is at its connection limit")
             return
-        self._devices += 1
+        self._unticketed += 1
         loop = asyncio.get_running_loop()
         device: int | None = None  # the ticketed device this connection serves (fixed by its first request)
         try:
-            async for frame in ws:
+            try:
+                frame = await asyncio.wait_for(ws.recv(), FIRST_REQUEST_S)
+            except (TimeoutError, asyncio.TimeoutError):
+                await ws.close(CloseCode.PROTOCOL, "no block_request in time")
+                return
+            while True:
                 try:
                     msg = decode(frame)
                 except ProtocolError as exc:
@@ -286,21 +367,29 @@ class Relay:
                     await ws.close(CloseCode.AUTH, "ticket refused")
                     return
                 if device is None:
+                    if self._devices >= MAX_DEVICES:
+                        await ws.close(CloseCode.BUSY, "relay is at its connection limit")
+                        return
                     if self._conns.get(msg.device, 0) >= CONNECTIONS_PER_DEVICE:
                         await ws.close(CloseCode.BUSY, "this device has its connections here already")
                         return
                     device = msg.device
                     self._conns[device] = self._conns.get(device, 0) + 1
+                    self._unticketed -= 1
+                    self._devices += 1
                 allowance = self._allowances.setdefault(device, _Allowance(REQUESTS_PER_S, 2 * REQUESTS_PER_S))
                 if not allowance.take(loop.time()):
                     await ws.close(CloseCode.RATE_LIMITED, "too many requests")
                     return
                 await ws.send(encode(await self._answer(msg.digests)))
+                frame = await ws.recv()
         except ConnectionClosed:
             pass
         finally:
-            self._devices -= 1
-            if device is not None:
+            if device is None:
+                self._unticketed -= 1
+            else:
+                self._devices -= 1
                 self._conns[device] -= 1
                 if not self._conns[device]:
                     del self._conns[device]
@@ -317,6 +406,7 @@ class Relay:
                 if block_digest(block) != digest:  # the coordinator is trusted, but a bug is not served
                     log.error("the coordinator's block does not match its digest %s", digest[:16])
                     continue
+                block = block.clone()  # its own bytes: a view would keep the whole upstream frame alive
                 held[digest] = (block, relay_tag(self.key, digest, digest))  # checked above
                 self.cache.put(digest, *held[digest])
         blocks, tags, missing = [], [], []

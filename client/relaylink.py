@@ -62,8 +62,14 @@ class RelayLink:
 
         async def exchange() -> bytes:
             if self._ws is None:
-                self._ws = await connect(
-                    self.url, max_size=MAX_FRAME, compression=None, ssl=self.tls, proxy=None, open_timeout=None
+                self._ws = await connect(  # max_queue=1: a relay cannot make it buffer frames it did not ask for
+                    self.url,
+                    max_size=MAX_FRAME,
+                    max_queue=1,
+                    compression=None,
+                    ssl=self.tls,
+                    proxy=None,
+                    open_timeout=None,
                 )
             await self._ws.send(encode(BlockRequest(tuple(digests), self.device, self.ticket)))
             return await self._ws.recv()

@@ -60,6 +60,7 @@ from client.session import (
 )
 from client.state import WorkerState
 from coordinator.meters import EnergyMeter
+from coordinator.wire.addresses import relay_host_refused
 from coordinator.wire.codes import CloseCode, RelayFault
 from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
 from coordinator.wire.messages import (
@@ -557,6 +558,8 @@ class Worker:
                     check_url(msg.url, insecure=self.cfg.insecure)
                     if self.url.startswith("wss://") and not msg.url.startswith("wss://"):
                         raise URLRefused(f"refusing relay {msg.url}: the coordinator is wss://, it would drop TLS")
+                    if why := relay_host_refused(msg.url, self.url):  # its own machine or LAN
+                        raise URLRefused(why)
                     tls = client_tls(msg.url, self.cfg.cafile)
                 except URLRefused as exc:  # not a relay it would reach: its blocks come from the coordinator
                     await self._report(ws, RelayReport(msg.relay, RelayFault.UNREACHABLE), str(exc))
@@ -579,6 +582,7 @@ class Worker:
             got = await relay.fetch(wanted)
         except RelayFailed as exc:
             self._relay = None
+            await relay.close()  # a relay that lacked or left out a block keeps no connection either
             await self._report(ws, RelayReport(relay.relay, exc.fault, exc.digest, exc.tag, exc.got), str(exc))
             return msg
         self.stats.relay_mb += sum(t.numel() * t.element_size() for t in got.values()) / 1e6

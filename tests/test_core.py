@@ -664,7 +664,7 @@ def test_a_relay_may_name_only_a_plain_ws_url_for_devices(core: Core, url: str, 
 
 def test_a_relays_credential_cannot_also_connect_a_device_and_the_job_goes_on(core: Core) -> None:
     """One identity is one devices row: a device hello with a connected relay's credential is
-    refused (4008), so the relay leaving later ends no device's leases."""
+    refused (4009), so the relay leaving later ends no device's leases."""
     from coordinator.wire import auth
 
     fleet = Fleet(core)

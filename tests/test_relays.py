@@ -280,3 +280,163 @@ def test_a_devices_relay_link_has_one_deadline_for_a_work_frames_blocks(monkeypa
             assert time.monotonic() - start < 2.0
 
     asyncio.run(drill())
+
+
+def test_a_relay_batches_paces_and_bounds_its_requests_to_the_coordinator(monkeypatch) -> None:
+    """Many devices' digests at once: one sender asks for them in requests of at most 64, at most
+    two unanswered, no faster than its pace, each digest once. A digest the coordinator left out
+    of a reply (its byte cap) is asked again first; one it said it lacks is answered as missing at
+    once for a while, without asking; and the relay gives up on the coordinator in time."""
+    import asyncio
+
+    import client.relay as relay_mod
+    from coordinator.wire.messages import MAX_FETCH, Block, Blocks, decode
+
+    monkeypatch.setattr(relay_mod, "UPSTREAM_TIMEOUT", 1.0)
+    blocks = _blocks(150)
+    keys = list(blocks)
+    r = _relay_here()
+
+    class Up:
+        def __init__(self) -> None:
+            self.sent: list[tuple[float, tuple[str, ...]]] = []
+
+        async def send(self, frame: bytes) -> None:
+            self.sent.append((asyncio.get_running_loop().time(), decode(frame).digests))
+
+    async def drill() -> None:
+        up = Up()
+        sender = asyncio.create_task(r._send_upstream(up))
+        # Three devices' requests, overlapping.
+        fetches = [asyncio.create_task(r._fetch(keys[i : i + 64])) for i in (0, 32, 86)]
+        await asyncio.sleep(0.3)
+        assert len(up.sent) == relay_mod.OUTSTANDING  # the rest waits on a reply
+        first, second = up.sent[0][1], up.sent[1][1]
+        assert len(first) == MAX_FETCH and not set(first) & set(second)
+        assert up.sent[1][0] - up.sent[0][0] >= 0.9 / relay_mod.UPSTREAM_PER_S
+        # The reply to the first: one block, one missing, the rest left out (past its cap).
+        r._answered(Blocks((Block(first[0], blocks[first[0]]),), (first[1],)))
+        await asyncio.sleep(0.2)
+        assert len(up.sent) == 3 and up.sent[2][1][: len(first) - 2] == first[2:]  # asked again, first
+        for _, asked in up.sent[1:]:
+            r._answered(Blocks(tuple(Block(d, blocks[d]) for d in asked)))
+        await asyncio.sleep(0.2)
+        for _, asked in up.sent[3:]:
+            r._answered(Blocks(tuple(Block(d, blocks[d]) for d in asked)))
+        got = [await f for f in fetches]
+        assert got[0][first[1]] is None and all(got[0][d] is not None for d in keys[:64] if d != first[1])
+        assert all(v is not None for g in got[1:] for v in g.values())
+        asked = [d for _, batch in up.sent for d in batch]
+        assert sorted(set(asked)) == sorted(keys) and len(asked) == len(keys) + len(first) - 2
+        n = len(up.sent)
+        assert (await r._fetch([first[1]])) == {first[1]: None} and len(up.sent) == n  # it lacks it: not asked
+        # A coordinator that does not answer: missing after UPSTREAM_TIMEOUT, well within a device's.
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        silent = (await r._fetch([keys[0], "ab" * 32]))["ab" * 32]
+        assert silent is None and loop.time() - start < 1.5 and not r._waiting
+        sender.cancel()
+
+    asyncio.run(drill())
+
+
+def test_a_relay_caches_a_copy_of_a_block_not_a_view_of_its_upstream_frame() -> None:
+    import asyncio
+
+    import torch
+
+    from coordinator.wire.digest import block_digest
+
+    frame = torch.randn(1024, 16)  # what a decoded upstream frame's blocks would be views of
+    view = frame[:16]
+    digest = block_digest(view)
+    r = _relay_here()
+
+    async def upstream(digests: list[str]) -> dict:
+        return {digest: view}
+
+    r._fetch = upstream  # type: ignore[method-assign]
+    reply = asyncio.run(r._answer((digest,)))
+    assert [b.key for b in reply.blocks] == [digest]
+    cached, _ = r.cache.get(digest)
+    assert torch.equal(cached, view) and cached.untyped_storage().nbytes() == 16 * 16 * 4
+
+
+def test_idle_connections_at_a_relay_are_closed_and_never_take_a_devices_place(monkeypatch) -> None:
+    """Connections that have sent no ticketed request have a cap of their own and a few seconds
+    to send one; a ticketed device's connection is counted apart from them."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+    from websockets.asyncio.server import serve
+    from websockets.exceptions import ConnectionClosed
+
+    import client.relay as relay_mod
+    from coordinator.wire.codes import CloseCode
+    from coordinator.wire.digest import relay_tag, relay_ticket
+    from coordinator.wire.messages import BlockRequest, Blocks, decode, encode
+
+    monkeypatch.setattr(relay_mod, "FIRST_REQUEST_S", 0.5)
+    monkeypatch.setattr(relay_mod, "MAX_UNTICKETED", 2)
+    monkeypatch.setattr(relay_mod, "MAX_DEVICES", 1)
+    blocks = _blocks(1)
+    (digest,) = blocks
+    r = _relay_here()
+    r.cache.put(digest, blocks[digest], relay_tag(r.key, digest, digest))
+
+    async def closed_with(ws: object) -> int | None:
+        try:
+            await asyncio.wait_for(ws.recv(), 5)  # type: ignore[attr-defined]
+        except ConnectionClosed as exc:
+            return exc.rcvd.code if exc.rcvd else None
+        return None
+
+    async def drill() -> None:
+        async with serve(r._serve_device, "127.0.0.1", 0, compression=None) as server:
+            url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
+            device = await connect(url, compression=None, proxy=None)
+            await device.send(encode(BlockRequest((digest,), 3, relay_ticket(r.key, 7, 3))))
+            assert isinstance(decode(await device.recv()), Blocks)
+            idle = [await connect(url, compression=None, proxy=None) for _ in range(3)]
+            assert await closed_with(idle[2]) == CloseCode.BUSY  # past the unticketed cap
+            assert r._devices == 1 and r._unticketed == 2
+            assert [await closed_with(ws) for ws in idle[:2]] == [CloseCode.PROTOCOL] * 2  # no request in time
+            await device.send(encode(BlockRequest((digest,), 3, relay_ticket(r.key, 7, 3))))
+            assert isinstance(decode(await device.recv()), Blocks)  # served throughout
+            other = await connect(url, compression=None, proxy=None)
+            await other.send(encode(BlockRequest((digest,), 4, relay_ticket(r.key, 7, 4))))
+            assert await closed_with(other) == CloseCode.BUSY  # past MAX_DEVICES ticketed
+            await device.close()
+        assert r._devices == 0 and r._unticketed == 0 and not r._conns
+
+    asyncio.run(drill())
+
+
+@pytest.mark.parametrize(
+    ("relay_url", "coordinator_url", "refused"),
+    [
+        ("wss://relay.example.org:8766", "wss://coord.example.org", False),  # names pass
+        ("wss://203.0.113.7:8766", "wss://coord.example.org", False),
+        ("ws://127.0.0.1:8766", "wss://coord.example.org", True),  # its own machine
+        ("ws://localhost:8766", "wss://198.51.100.1", True),
+        ("ws://[::1]:8766", "wss://coord.example.org", True),
+        ("ws://0.0.0.0:8766", "wss://coord.example.org", True),
+        ("ws://[::ffff:127.0.0.1]:8766", "wss://coord.example.org", True),
+        ("ws://127.0.0.1:8766", "ws://127.0.0.1:8765", False),  # a lab on one machine
+        ("ws://192.168.1.1", "wss://coord.example.org", True),  # its LAN's router
+        ("ws://10.0.0.9:8766", "wss://198.51.100.1", True),
+        ("ws://172.20.0.1:8766", "wss://coord.example.org", True),
+        ("ws://169.254.169.254", "wss://coord.example.org", True),  # a cloud's metadata service
+        ("ws://[fd00::1]:8766", "wss://coord.example.org", True),
+        ("ws://[fe80::1]:8766", "wss://coord.example.org", True),
+        ("ws://10.0.0.9:8766", "ws://10.0.0.1:8765", False),  # a lab on its own network
+        ("ws://10.0.0.9:8766", "ws://127.0.0.1:8765", False),
+        ("ws://127.0.0.1:8766", "ws://10.0.0.1:8765", True),
+    ],
+)
+def test_a_device_refuses_a_relay_on_its_own_machine_or_lan_unless_its_coordinator_is_there(
+    relay_url: str, coordinator_url: str, refused: bool
+) -> None:
+    from coordinator.wire.addresses import relay_host_refused
+
+    assert bool(relay_host_refused(relay_url, coordinator_url)) is refused
