@@ -235,7 +235,7 @@ def messages(cls: type) -> st.SearchStrategy[Any]:
             a_t=st.booleans(),
             b_t=st.booleans(),
             forget=valid_value(IDS_META),
-            blocks=st.lists(block, max_size=16).map(tuple),
+            blocks=st.lists(block, max_size=16, unique_by=lambda b: b.key).map(tuple),  # a key named twice is refused
         )
     elif cls is StatusReply:
         kwargs["status"] = STATUS
