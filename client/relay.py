@@ -68,7 +68,7 @@ MAX_UNTICKETED = 256  # connections yet to send a ticketed request
 FIRST_REQUEST_S = 10.0  # seconds a new connection has to send one
 UPSTREAM_TIMEOUT = 6.0  # seconds to wait for the coordinator's blocks (a device waits 10 s per 64)
 UPSTREAM_PER_S = 20.0  # block requests a second to the coordinator (its allowance: 200, bursts of 400)
-OUTSTANDING = 2  # block requests to the coordinator unanswered at once
+OUTSTANDING = 1  # block requests to the coordinator unanswered at once: its replies (24 MiB) stay within its queue
 MISSING_S = 5.0  # seconds a digest the coordinator said it lacks is answered as missing at once
 MAX_MISSING = 1 << 14  # such digests remembered at most
 DEVICE_FRAME = 64 << 10  # a device's block_request: 64 digests and a ticket fit many times over
@@ -151,7 +151,8 @@ class Relay:
         self._upstream = None
         self._waiting: dict[str, asyncio.Future[torch.Tensor | None]] = {}  # digest -> its devices' wait
         self._queue: OrderedDict[str, None] = OrderedDict()  # digests waited on, not yet asked for
-        self._asked: deque[tuple[str, ...]] = deque()  # requests sent, oldest first: replies come in order
+        # Requests sent (when, digests), oldest first: replies come in order.
+        self._asked: deque[tuple[float, tuple[str, ...]]] = deque()
         self._wake = asyncio.Event()  # digests were queued, or a request was answered
         self._missing: dict[str, float] = {}  # digest the coordinator lacks -> until when we say so
         self._devices = 0
@@ -260,13 +261,16 @@ class Relay:
         """The coordinator's reply to the oldest request unanswered: its blocks and what it lacks
         go to the devices waiting on them; digests it neither sent nor said it lacks (it leaves
         blocks out past its byte cap) are asked again."""
-        asked = self._asked.popleft() if self._asked else ()
+        asked = self._asked.popleft()[1] if self._asked else ()
         now = asyncio.get_running_loop().time()
         for blk in msg.blocks:
             self.fetched_bytes += blk.data.numel() * blk.data.element_size()
             fut = self._waiting.pop(blk.key, None)
             if fut is not None and not fut.done():
                 fut.set_result(blk.data)
+            elif self.cache.get(blk.key) is None and block_digest(blk.data) == blk.key:
+                # Late (its devices gave up on it): kept, as the coordinator counted it served.
+                self.cache.put(blk.key, blk.data.clone(), relay_tag(self.key, blk.key, blk.key))
         if msg.missing and len(self._missing) + len(msg.missing) > MAX_MISSING:
             self._missing = {d: t for d, t in self._missing.items() if t > now}
         for digest in msg.missing:
@@ -302,7 +306,7 @@ class Relay:
                             batch.append(digest)
                     if not batch:
                         continue
-                    self._asked.append(tuple(batch))
+                    self._asked.append((loop.time(), tuple(batch)))
                     last = loop.time()
                     await up.send(encode(BlockRequest(tuple(batch))))  # type: ignore[attr-defined]
         except ConnectionClosed:
@@ -334,6 +338,10 @@ class Relay:
                     del self._waiting[d]
                     self._queue.pop(d, None)
                 got[d] = None
+        if self._asked and loop.time() - self._asked[0][0] > 2 * UPSTREAM_TIMEOUT and self._upstream is not None:
+            # A request the coordinator never answered: replies would pair with the wrong requests.
+            log.error("the coordinator left a block request unanswered for %.0f s; leaving", 2 * UPSTREAM_TIMEOUT)
+            asyncio.ensure_future(self._upstream.close(CloseCode.PROTOCOL, "a block request went unanswered"))  # type: ignore[attr-defined]
         return got
 
     async def _serve_device(self, ws: ServerConnection) -> None:

@@ -270,12 +270,17 @@ class Worker:
         self._welcomed_here = False  # a coordinator at ``url`` has welcomed this device
         # The machine's energy while it serves. Emulated devices share one process: each counts
         # its own compute seconds on one core, not the process's CPU time.
+        gpu = self.device.type if self.device.type in ("cuda", "mps") else ""
         self._meter = meter or EnergyMeter(
-            gpu=self.device.type == "cuda",
+            gpu=gpu,
+            gpu_index=self.device.index or 0,
+            gpu_seconds=(lambda: self.stats.compute_seconds) if gpu else None,  # for the estimate, without NVML
             clock=clock,
+            estimate_only=pacer is not None,
             **({} if cfg.powercap is None else {"powercap": cfg.powercap}),
             **({} if pacer is None else {"cpu_seconds": lambda: self.stats.compute_seconds}),
         )
+        self._meter.keep_reading()  # RAPL counters wrap: read between reports too
         self._energy_at = clock()  # when the span now metered began
         self._metering = False  # welcomed on the open connection: its energy is reported there
 

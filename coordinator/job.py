@@ -385,7 +385,8 @@ async def serve_job(
             ps=ps,
             grid_gco2_kwh=cfg.grid_gco2_kwh,
         )
-        meter = EnergyMeter(gpu=device.type == "cuda")  # this process's own energy, read at each step's end
+        meter = EnergyMeter(gpu="cuda" if device.type == "cuda" else "", gpu_index=device.index or 0)
+        meter.keep_reading()  # this process's own energy, read at each step's end (and between: wraps)
         reporter.note(f"energy: {meter.describe()}; grid {cfg.grid_gco2_kwh:g} gCO2/kWh")
         tokens = _tokens(cfg, core, reporter)
         start_step = plan.resume.step if plan.resume else 0

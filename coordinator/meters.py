@@ -12,7 +12,9 @@ The best source the machine has, and every figure says which it came from:
 - ``battery``: the battery's discharge, when the machine runs on its battery for the whole span
   (``/sys/class/power_supply/BAT*``: ``energy_now`` in µWh, or ``charge_now`` µAh x
   ``voltage_now`` µV).
-- ``estimate``: where nothing can be read, the process's CPU seconds x ``WATTS_PER_CORE``.
+- ``estimate``: where nothing can be read, the process's CPU seconds x ``WATTS_PER_CORE``, plus,
+  for a GPU NVML cannot read (Apple's, or CUDA without the extra), its seconds in GEMMs x
+  ``GPU_WATTS``.
 
 Paths, the CPU clock and NVML are injected, so a test feeds fake counters.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +40,11 @@ POWER_SUPPLY = Path(os.environ.get("CLEAVE_POWER_SUPPLY", "/sys/class/power_supp
 # laptop's Core i7-1165G7 28 W over 4 cores is 7 W; AMD EPYC 9654 360 W (TDP) over 96 cores is
 # 3.75 W (vendors' specification pages). Our own assumption, stated wherever it is used.
 WATTS_PER_CORE = 10.0
+# The estimate's power of a GPU busy with GEMMs, where NVML cannot read it. mps: Apple's M-series
+# GPUs draw tens of watts under load (Apple publishes whole-machine figures only: a Mac mini M2
+# at most 50 W); 20 W is our assumption. cuda: a mid-range desktop board, RTX 3060 170 W, RTX
+# 4070 200 W (NVIDIA's specification pages).
+GPU_WATTS: dict[str, float] = {"mps": 20.0, "cuda": 200.0}
 _UWH = 3.6e-3  # joules in a microwatt-hour
 
 
@@ -120,27 +128,32 @@ class Battery:
         return stored, discharging
 
 
-def _nvml() -> Callable[[], float] | None:
-    """The CUDA GPUs' energy in joules since boot, through nvidia-ml-py; None without one."""
+def _nvml(index: int) -> Callable[[], float] | None:
+    """CUDA GPU ``index``'s energy in joules since its driver loaded, through nvidia-ml-py (the
+    GPU this process computes on, not the machine's others); None without one. NVML numbers
+    GPUs as CUDA does unless CUDA_VISIBLE_DEVICES reorders them."""
     try:
         import pynvml  # type: ignore[import-not-found]
     except ImportError:
         return None
     try:
         pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        for h in handles:
-            pynvml.nvmlDeviceGetTotalEnergyConsumption(h)  # raises before Volta
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # raises before Volta
     except Exception as exc:  # noqa: BLE001 - any NVML failure: no GPU figure, said once
         log.info("NVML energy unavailable: %s", exc)
         return None
-    if not handles:
-        return None
-    return lambda: sum(pynvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in handles) / 1000.0
+    return lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0
 
 
 class EnergyMeter:
-    """This machine's energy, span by span (``span()``: since the last call, or ``restart()``)."""
+    """This machine's energy, span by span (``span()``: since the last call, or ``restart()``).
+
+    ``gpu``: the kind of GPU this process computes on (``cuda``, ``mps``; "" for none) and
+    ``gpu_index`` which; ``gpu_seconds`` its seconds in GEMMs, for the estimate where NVML cannot
+    read it. ``estimate_only``: no counter (emulated devices sharing one process and machine).
+    RAPL counters wrap (a package's within tens of minutes at full load): ``poll()`` between
+    spans keeps them, and ``keep_reading()`` does so from a thread."""
 
     def __init__(
         self,
@@ -149,13 +162,25 @@ class EnergyMeter:
         power_supply: Path = POWER_SUPPLY,
         cpu_seconds: Callable[[], float] = time.process_time,
         clock: Callable[[], float] = time.monotonic,
-        gpu: bool = False,
+        gpu: str = "",
+        gpu_index: int = 0,
+        gpu_seconds: Callable[[], float] | None = None,
         nvml: Callable[[], float] | None = None,
+        estimate_only: bool = False,
     ) -> None:
-        self.rapl = Rapl(powercap)
-        self.battery = Battery(power_supply)
+        nowhere = Path("/nonexistent/cleave")
+        self.rapl = Rapl(nowhere if estimate_only else powercap)
+        if estimate_only:
+            self.rapl.why_not = "an emulated device: its own compute seconds only"
+        self.battery = Battery(nowhere if estimate_only else power_supply)
         self.cpu_seconds, self.clock = cpu_seconds, clock
-        self.nvml = nvml if nvml is not None else (_nvml() if gpu else None)
+        self.nvml = nvml if nvml is not None else (_nvml(gpu_index) if gpu == "cuda" and not estimate_only else None)
+        # A GPU NVML does not read is estimated from its GEMM seconds.
+        self.gpu_watts = GPU_WATTS.get(gpu, 0.0) if self.nvml is None and gpu_seconds is not None else 0.0
+        self.gpu_seconds = gpu_seconds or (lambda: 0.0)
+        self.gpu = gpu
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
         self.restart()
 
     def describe(self) -> str:
@@ -166,16 +191,43 @@ class EnergyMeter:
             cpu = f"estimate, {WATTS_PER_CORE:g} W per busy core ({self.rapl.why_not})"
             if self.battery:
                 cpu += "; the battery's discharge while on battery"
-        return cpu + (" + NVML for the GPU" if self.nvml else "")
+        if self.nvml:
+            cpu += " + NVML for the GPU"
+        elif self.gpu_watts:
+            cpu += f" + the GPU estimated at {self.gpu_watts:g} W while in GEMMs"
+        elif self.gpu:
+            cpu += f" (the {self.gpu} GPU is not counted: no NVML here)"
+        return cpu
 
-    def _sample(self) -> tuple[float, float, float, tuple[float, bool] | None, float]:
-        return (
-            self.clock(),
-            self.cpu_seconds(),
-            self.rapl.read() if self.rapl else 0.0,
-            self.battery.read() if self.battery else None,
-            self.nvml() if self.nvml else 0.0,
-        )
+    def _sample(self) -> tuple[float, float, float, tuple[float, bool] | None, float, float]:
+        with self._lock:
+            return (
+                self.clock(),
+                self.cpu_seconds(),
+                self.rapl.read() if self.rapl else 0.0,
+                self.battery.read() if self.battery else None,
+                self.nvml() if self.nvml else 0.0,
+                self.gpu_seconds(),
+            )
+
+    def poll(self) -> None:
+        """Read the RAPL counters between spans, so that no wrap is lost."""
+        if self.rapl:
+            with self._lock:
+                self.rapl.read()
+
+    def keep_reading(self, every: float = 60.0) -> None:
+        """Poll from a daemon thread every ``every`` seconds (a package counter at 200 W wraps
+        after about 22 minutes)."""
+        if self._reader is None and self.rapl:
+
+            def run() -> None:
+                while True:
+                    time.sleep(every)
+                    self.poll()
+
+            self._reader = threading.Thread(target=run, name="cleave-energy", daemon=True)
+            self._reader.start()
 
     def restart(self) -> None:
         """Start a new span now (the time before, paused, is not Cleave's)."""
@@ -192,4 +244,5 @@ class EnergyMeter:
         old, new = then[3], now[3]
         if old is not None and new is not None and old[1] and new[1]:  # on battery throughout
             return Span(max(0.0, old[0] - new[0]), EnergySource.BATTERY, gpu, seconds)
-        return Span(max(0.0, now[1] - then[1]) * WATTS_PER_CORE, EnergySource.ESTIMATE, gpu, seconds)
+        estimate = max(0.0, now[1] - then[1]) * WATTS_PER_CORE + max(0.0, now[5] - then[5]) * self.gpu_watts
+        return Span(estimate, EnergySource.ESTIMATE, gpu, seconds)

@@ -650,6 +650,8 @@ def test_tiles_a_device_gives_back_after_its_relay_failed_it_are_no_stall_and_le
         ("ws://10.0.0.9:99999", False),
         ("ws://10.0.0.9:8766/\nHost: x", False),
         ("ws://" + "a" * 600 + ".org", False),
+        ("ws://2130706433:8766", False),  # no standard address: devices would not take it anyway
+        ("ws://127.1:8766", False),
     ],
 )
 def test_a_relay_may_name_only_a_plain_ws_url_for_devices(core: Core, url: str, ok: bool) -> None:
@@ -756,3 +758,52 @@ def test_a_device_avoids_a_relay_it_could_not_reach_for_a_while_and_one_that_sta
     assert relays.place(10, now=100.0 + AVOID_S - 1) is None and relays.place(11, now=100.0 + AVOID_S - 1) is None
     assert relays.place(10, now=100.0 + AVOID_S).relay == 1  # its time is up: it may try again
     assert relays.place(11, now=1e12) is None  # a stall: never again
+
+
+def test_a_relay_reconnects_within_the_same_budget_as_a_device(core: Core) -> None:
+    """Each connection of a relay moves devices behind it and each drop excuses what they held:
+    it may not bounce at will."""
+    from coordinator.wire import auth
+    from coordinator.wire.messages import Hello
+
+    fleet = Fleet(core)
+    relay_id, key = _relay(core, fleet)
+    identity = core.relays.relays[relay_id].identity
+    secret = next(m for m in fleet.inbox[relay_id] if isinstance(m, Credential)).secret
+    refused = None
+    for _ in range(1000):
+        core.disconnect(relay_id, fleet.now)
+        challenge = core.gate.challenge()
+        proof = auth.proof(bytes.fromhex(secret), identity, bytes.fromhex(challenge.nonce)).hex()
+        try:
+            relay_id, out = core.connect(
+                Hello(name="relay-1", identity=identity, proof=proof, relay="ws://10.0.0.9:8766"),
+                challenge.nonce,
+                fleet.now,
+            )
+        except AuthError as exc:
+            refused = exc
+            break
+    assert refused is not None and refused.code == CloseCode.RATE_LIMITED, refused
+
+
+def test_a_device_that_could_not_reach_its_relay_goes_back_behind_it_once_its_time_is_up(core: Core) -> None:
+    from coordinator.engine.relays import AVOID_S
+    from coordinator.wire.codes import RelayFault
+    from coordinator.wire.messages import RelayReport, UseRelay
+
+    fleet = Fleet(core)
+    relay_id, _ = _relay(core, fleet)
+    dev = fleet.join("a")
+    fleet.route(core.handle(dev, RelayReport(relay_id, RelayFault.UNREACHABLE, "ab" * 32), fleet.now))
+    assert dev not in core.relays.behind
+    fleet.inbox[dev].clear()
+    for dt in (1.0, 3.0, 6.0, AVOID_S / 2, AVOID_S / 2 + 3, AVOID_S / 2 + 6):  # swept, but still avoided
+        fleet.route(core.handle(dev, Heartbeat(0.0), fleet.now + dt))
+        fleet.route(core.tick(fleet.now + dt))
+    assert dev not in core.relays.behind and not [m for m in fleet.inbox[dev] if isinstance(m, UseRelay)]
+    for dt in (AVOID_S + 1, AVOID_S + 3, AVOID_S + 6):  # each device is swept every few seconds
+        fleet.route(core.handle(dev, Heartbeat(0.0), fleet.now + dt))
+        fleet.route(core.tick(fleet.now + dt))
+    assert core.relays.behind.get(dev) == relay_id
+    assert [m.relay for m in fleet.inbox[dev] if isinstance(m, UseRelay)] == [relay_id]

@@ -84,6 +84,7 @@ from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy
 from coordinator.wire.errors import AuthError
 from coordinator.wire.messages import (
+    MAX_SLOTS,
     Block,
     BlockRequest,
     Cancel,
@@ -319,7 +320,7 @@ class Core:
             batch=min(hello.batch, asked),
         )
         self.devices[device_id] = dev
-        self.energy.joined(device_id, hello.device, dev.gflop_verified, now)
+        self.energy.joined(device_id, hello.device, dev.gflop_verified, now, paused=bool(hello.paused))
         self._by_identity[admission.identity] = device_id
         self.profiles[device_id] = measured
         self._fleet_changed()
@@ -353,6 +354,18 @@ class Core:
         admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
         if admission.identity in self._by_identity or admission.identity in self._relay_by_identity:
             raise AuthError(CloseCode.IN_USE, "this identity is already connected")
+        # A relay reconnects within the same budget and cool-off as a device: each connection
+        # moves devices behind it, and each drop excuses what they held.
+        self.gate.check_cooloff(admission.identity, now)
+        standing = self.gate.standing(admission.identity)
+        if standing.budgets is None:
+            standing.budgets = (
+                self.limits.releases.bucket(),
+                self.limits.resends.bucket(),
+                self.trust.reconnects.bucket(),
+            )
+        if not standing.budgets[2].take(now):
+            raise AuthError(CloseCode.RATE_LIMITED, "reconnecting too often; try again in a while")
         key = self.store.identity_key(admission.identity)
         if key is None:  # pragma: no cover - admitted identities have a key
             raise AuthError(CloseCode.AUTH, "unknown identity")
@@ -397,7 +410,7 @@ class Core:
         devices = self.relays.remove(relay_id)
         for d in devices:  # their fetches from it fail now: what they give back is not their stall
             if d in self.devices:
-                self.devices[d].excused = set(self.devices[d].inflight)
+                self.devices[d].excused = self.devices[d].relayed & set(self.devices[d].inflight)
         self.planner.use_relays(len(self.relays))
         self._relay_by_identity.pop(relay.identity, None)
         self.store.release_device(relay_id, Outcome.RELEASED, self.wall(now), reason)
@@ -410,7 +423,7 @@ class Core:
         if verdict is None:
             return []
         log.warning("device %d reported relay %d: %s", dev.id, msg.relay, verdict.why)
-        dev.excused = set(dev.inflight)  # it waited on the relay for these: giving them back is no stall
+        dev.excused = dev.relayed & set(dev.inflight)  # it waited on the relay for these: giving them back is no stall
         out: list[Outbound] = [self._send(dev.id, UseRelay(0), now)]
         if verdict.banned:
             relay = self.relays.relays[msg.relay]
@@ -508,7 +521,7 @@ class Core:
             if isinstance(msg, Pause):
                 return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
-            self.energy.joined(dev.id, dev.device, dev.gflop_verified, now)  # paused time is its owner's
+            self.energy.resumed(dev.id, now)  # its paused time was its owner's
             self.sched.update(dev.id, paused=False)
             self._fleet_changed()
             self.store.set_device_state(dev.id, DeviceStatus.ONLINE, self.wall(now))
@@ -532,10 +545,17 @@ class Core:
             claim = self.energy.claim(dev.id, msg, dev.gflop_verified, now)
         except ValueError as exc:
             return [self._send(dev.id, Error(Code.UNEXPECTED, str(exc)), now)]
-        if claim.flagged:
-            log.warning("device %d (%s): energy claim capped: %s", dev.id, dev.name, claim.flagged)
+        metered = self.energy.devices[dev.id]
+        if claim.flagged and metered.flagged in (1, 10, 100, 1000):  # said, not repeated per report
+            log.warning(
+                "device %d (%s): energy claim capped (%d so far): %s", dev.id, dev.name, metered.flagged, claim.flagged
+            )
         self.store.credit_device(
-            dev.id, joules=sum(claim.booked.values()), energy_flagged=int(bool(claim.flagged)), now=self.wall(now)
+            dev.id,
+            joules=sum(claim.booked.values()),
+            energy_flagged=int(bool(claim.flagged)),
+            gflop_metered=claim.gflop,
+            now=self.wall(now),
         )
         return []
 
@@ -573,6 +593,11 @@ class Core:
                 out.append(self._credit(dev, now))  # verified work only, never claims
             if now - dev.last_sent >= self.faults.heartbeat:
                 out.append(self._send(dev.id, Heartbeat(self.wall(now)), now))
+            if self.relays.relays and dev.id not in self.relays.behind:  # one it avoided for a while, or none had room
+                profile = self._profiled.get(dev.id) or self.profiles[dev.id].profile(self.dtype)
+                use = self.relays.place(dev.id, profile.down, now)
+                if use is not None:
+                    out.append(self._send(dev.id, use, now))
             if dev.frame_limit > self.limits.idle_frame and not dev.inflight and now >= dev.big_until:
                 dev.frame_limit = self.limits.idle_frame
                 out.append(Limit(dev.id, dev.frame_limit))
@@ -826,6 +851,7 @@ class Core:
     def _on_pause(self, dev: DeviceState, reason: str, now: float) -> list[Outbound]:
         """The owner needs the machine: its tiles go to others at once; it stays connected."""
         dev.paused = reason
+        self.energy.paused(dev.id, now)
         self.sched.update(dev.id, paused=True)
         self._fleet_changed()
         self.store.set_device_state(dev.id, DeviceStatus.PAUSED, self.wall(now), reason)
@@ -1214,6 +1240,10 @@ class Core:
                 self.sched.holds_block(dev.id, ref.key)
         dev.bytes_down += sent
         self._sent[(tile_id, dev.id)] = [sent, None]
+        if fetch:  # it waits on its relay for this tile: what a relay failure may excuse
+            if len(dev.relayed) >= 2 * MAX_SLOTS:
+                dev.relayed &= set(dev.inflight)
+            dev.relayed.add(tile_id)
         if dev.full:
             self.sched.update(dev.id, full=True)
         more = tuple(key for pa, pb in pairs[1:] for key in (pa.key, pb.key))

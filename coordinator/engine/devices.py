@@ -52,6 +52,7 @@ class DeviceState:
     result_at: float = -math.inf  # when its last verified result arrived
     batch: int = 1  # the most tiles it takes in one work frame and answers in one (hello.batch, within its slots)
     excused: set[int] = field(default_factory=set)  # tiles in flight when its relay failed it: not its stall
+    relayed: set[int] = field(default_factory=set)  # tiles whose work named blocks to take from its relay
 
     @property
     def inflight(self) -> dict[int, float]:

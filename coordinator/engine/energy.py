@@ -2,11 +2,14 @@
 coordinator used itself; per step, per verified GFLOP, and in grams of CO2 (issue 23).
 
 A device's report (``energy``) is its word. It is believed within a band set by its kind
-(``hello.device``): no more than the time since its previous report, by this clock, times
-``CEILING_W``, and no less than the GFLOP it had verified meanwhile over ``BEST_GFLOP_PER_J``
-(the best any machine of its kind does; a device may not look more efficient than that on the
-leaderboard). A claim outside the band is booked at the band's edge, under the source
-``capped``, and flagged: never as measured. The sources of the constants are in
+(``hello.device``), kept over its whole connection so that no way of cutting it into reports
+widens it: what is booked for a device may not exceed the unpaused time this clock has seen it
+connected (plus ``SLACK_S`` once) times ``CEILING_W``, nor fall below the GFLOP it had verified
+by its last report over ``BEST_GFLOP_PER_J`` (the best any machine of its kind does: a device
+may not look more efficient than that on the leaderboard). A claim outside the band is booked
+at the band's edge, under the source ``capped``, and flagged: never as measured. Time paused is
+its owner's: not counted. The leaderboard divides the GFLOP its reports covered
+(``gflop_metered``), not all it did, by what was booked. The sources of the constants are in
 docs/operations.md "Energy and carbon".
 
 Pure: ``now`` in, no I/O. The Core holds one; the job feeds it the coordinator's own meter.
@@ -32,7 +35,7 @@ CEILING_W: dict[str, float] = {"cpu": 350.0, "mps": 370.0, "cuda": 1050.0}
 # ~100 W, about 270; we allow 400. cuda: H100 SXM5's 67 TFLOP/s fp32 (989 in bf16) at 700 W,
 # 96 (1,400); we allow 1,500 (half-precision wires).
 BEST_GFLOP_PER_J: dict[str, float] = {"cpu": 50.0, "mps": 400.0, "cuda": 1500.0}
-SLACK_S = 5.0  # seconds a report may cover beyond what this clock saw (its own clock, the wire)
+SLACK_S = 5.0  # seconds, once per connection, its reports may cover beyond what this clock saw
 DEVICE_SOURCES = (EnergySource.RAPL, EnergySource.BATTERY, EnergySource.ESTIMATE)
 # World-average carbon intensity of electricity generation, gCO2e/kWh: 436 in 2022 (Ember, *Global
 # Electricity Review 2023*). A location-based figure: what the average kWh on the world's grids
@@ -60,6 +63,7 @@ class Claim:
     booked: dict[EnergySource, float]  # joules per source as booked
     flagged: str  # why it was capped ("" if believed)
     grams: float
+    gflop: float  # verified GFLOP the report covers (since the device's previous one)
 
 
 @dataclass
@@ -68,11 +72,14 @@ class DeviceEnergy:
 
     kind: str
     since: float  # when its current span began (its welcome, its last report, its resume)
-    gflop_at: float  # its verified GFLOP then
+    gflop_at: float  # its verified GFLOP at its last report (or welcome)
+    gflop_start: float  # ... at its welcome
+    seen: float = 0.0  # unpaused seconds this clock saw it connected, up to ``since``
+    paused_at: float | None = None  # while its owner has it paused
     joules: float = 0.0  # booked
     grams: float = 0.0
     flagged: int = 0
-    source: str = ""  # of its last report (``nvml+rapl`` for a GPU device)
+    source: str = ""  # of its last report (``rapl+nvml`` for a GPU device)
 
 
 @dataclass
@@ -148,9 +155,22 @@ class EnergyBooks:
         self._step_flagged = 0
         self._gflop_at = 0.0  # the job's verified GFLOP when the step began
 
-    def joined(self, device: int, kind: str, gflop: float, now: float) -> None:
-        """A device is welcomed (or resumes): its span starts now."""
-        self.devices[device] = DeviceEnergy(kind_of(kind), now, gflop)
+    def joined(self, device: int, kind: str, gflop: float, now: float, *, paused: bool = False) -> None:
+        """A device is welcomed (``paused``: by a hello that says so): its span starts now."""
+        self.devices[device] = DeviceEnergy(kind_of(kind), now, gflop, gflop, paused_at=now if paused else None)
+
+    def paused(self, device: int, now: float) -> None:
+        """Its owner paused it: the time from now on is not Cleave's."""
+        dev = self.devices.get(device)
+        if dev is not None and dev.paused_at is None:
+            dev.paused_at = now
+
+    def resumed(self, device: int, now: float) -> None:
+        """It resumes: its span goes on from now (what it verified meanwhile still counts)."""
+        dev = self.devices.get(device)
+        if dev is not None and dev.paused_at is not None:
+            dev.seen += max(0.0, dev.paused_at - dev.since)
+            dev.since, dev.paused_at = now, None
 
     def left(self, device: int) -> DeviceEnergy | None:
         """A device is gone: its span ends unreported."""
@@ -161,24 +181,28 @@ class EnergyBooks:
         within its band. Raises ValueError for a source a device may not claim."""
         if msg.source not in DEVICE_SOURCES:
             raise ValueError(f"energy.source must be one of {', '.join(s.value for s in DEVICE_SOURCES)}")
-        dev = self.devices[device]
-        seen = max(0.0, now - dev.since)
-        span = min(msg.seconds, seen + SLACK_S)
-        most = (seen + SLACK_S) * CEILING_W[dev.kind]
-        least = max(0.0, gflop - dev.gflop_at) / BEST_GFLOP_PER_J[dev.kind]
+        dev = self.devices.get(device)
+        if dev is None:
+            raise ValueError(f"device {device} is not metered here")
+        until = now if dev.paused_at is None else dev.paused_at  # a paused device's time stopped there
+        dev.seen += max(0.0, until - dev.since)
+        dev.since = until
+        most = (dev.seen + SLACK_S) * CEILING_W[dev.kind] - dev.joules  # over its connection: no report widens it
+        covered = max(0.0, gflop - dev.gflop_at)
+        least = (gflop - dev.gflop_start) / BEST_GFLOP_PER_J[dev.kind] - dev.joules
         claimed = msg.joules + msg.gpu_joules
         flagged = ""
         if claimed > most:
-            flagged = f"{claimed:.0f} J in {span:.0f} s is over its kind's {CEILING_W[dev.kind]:g} W"
-            booked = {EnergySource.CAPPED: most}
+            flagged = f"{claimed:.0f} J is over its kind's {CEILING_W[dev.kind]:g} W for the {dev.seen:.0f} s seen"
+            booked = {EnergySource.CAPPED: max(0.0, most)}
         elif claimed < least:
-            flagged = f"{claimed:.0f} J for {gflop - dev.gflop_at:.0f} GFLOP is beyond its kind's efficiency"
+            flagged = f"{claimed:.0f} J for {covered:.0f} GFLOP is beyond its kind's efficiency"
             booked = {EnergySource.CAPPED: least}
         else:
             booked = {s: j for s, j in ((msg.source, msg.joules), (EnergySource.NVML, msg.gpu_joules)) if j > 0}
         grid = msg.grid_gco2_kwh or self.grid
         g = grams(sum(booked.values()), grid)
-        dev.since, dev.gflop_at = now, gflop
+        dev.gflop_at = gflop
         dev.joules += sum(booked.values())
         dev.grams += g
         dev.source = "+".join(s.value for s in booked) or msg.source.value
@@ -188,7 +212,7 @@ class EnergyBooks:
             self._step_flagged += 1
         self.job_devices.add(booked, g)
         self._step_devices.add(booked, g)
-        return Claim(booked, flagged, g)
+        return Claim(booked, flagged, g, covered)
 
     def own(self, joules: float, source: EnergySource, gpu_joules: float = 0.0) -> None:
         """The coordinator's own meter, over the span since its last read."""

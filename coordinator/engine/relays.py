@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from coordinator.engine.blocks import BlockRef
 from coordinator.engine.limits import TokenBucket
+from coordinator.wire.addresses import odd_ipv4
 from coordinator.wire.codes import RelayFault
 from coordinator.wire.digest import relay_ticket, tag_ok
 from coordinator.wire.messages import MAX_FETCH, MAX_URL, Block, Blocks, UseRelay
@@ -31,13 +32,17 @@ from coordinator.wire.messages import MAX_FETCH, MAX_URL, Block, Blocks, UseRela
 SERVES = 2  # times one relay may be sent one block (it may evict it once and ask again)
 STRIKES = 3  # different devices whose unproven reports drop a relay
 MAX_DEVICES_PER_RELAY = 1024  # devices one relay serves at most
-MAX_REPLY_BYTES = 64 << 20  # block bytes in one reply to a relay (always at least one block)
+# Block bytes in one reply to a relay (always at least one block): a relay has one request
+# unanswered at a time (client/relay.py OUTSTANDING), so one reply, however large its one
+# block, stays within the coordinator's 64 MiB queue for one peer (Limits.outbound_queue).
+MAX_REPLY_BYTES = 24 << 20
 AVOID_S = 600.0  # seconds a device keeps off a relay it could not take its blocks from
 
 
 def relay_url_ok(url: str) -> bool:
-    """Whether ``url`` is one a relay may give devices: ws:// or wss://, a host, at most a port
-    and a bare path; no credentials, query or fragment (devices connect to exactly what it says)."""
+    """Whether ``url`` is one a relay may give devices: ws:// or wss://, a host (a name or a
+    standard address: not ``127.1`` or ``2130706433``), at most a port and a bare path; no
+    credentials, query or fragment (devices connect to exactly what it says)."""
     if len(url) > MAX_URL or any(c.isspace() or ord(c) < 32 for c in url):
         return False
     try:
@@ -48,6 +53,7 @@ def relay_url_ok(url: str) -> bool:
     return (
         parts.scheme in ("ws", "wss")
         and bool(parts.hostname)
+        and not odd_ipv4(parts.hostname or "")
         and parts.username is None
         and parts.password is None
         and not parts.query

@@ -32,6 +32,7 @@ def _leader(r: LeaderRow) -> dict[str, Any]:
         "gflop": round(r.gflop, 3),
         "tiles": r.tiles,
         "joules": round(r.joules, 3),
+        "gflop_metered": round(r.gflop_metered, 3),  # of gflop, what energy reports covered
         "gflop_per_j": None if per is None else round(per, 4),
     }
 
@@ -88,7 +89,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
                 "joules": round(row.joules, 3),
                 "energy_flagged": row.energy_flagged,
                 "energy_source": metered.source if metered is not None else None,
-                "gflop_per_j": round(row.gflop_verified / row.joules, 4) if row.joules > 0 else None,
+                "gflop_per_j": round(row.gflop_metered / row.joules, 4) if row.joules > 0 else None,
             }
         )
     p = core.progress

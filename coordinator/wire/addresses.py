@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from urllib.parse import urlsplit
 
 
@@ -26,11 +27,26 @@ def url_host(url: str) -> str:
         return ""
 
 
-# Networks a device's own LAN may hold (RFC 1918, IPv4 and IPv6 link-local, unique local).
+# Networks a device's own LAN or its provider's may hold (RFC 1918, carrier-grade NAT, IPv4 and
+# IPv6 link-local, unique local).
 _PRIVATE = tuple(
     ipaddress.ip_network(n)
-    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16", "fc00::/7", "fe80::/10")
-)
+    for n in (
+        "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16", "fc00::/7", "fe80::/10"
+    )
+)  # fmt: skip
+
+
+def odd_ipv4(host: str) -> bool:
+    """True for a host that is no standard address yet that the resolver reads as an IPv4 one
+    (``127.1``, ``2130706433``, ``0x7f000001``, ``0177.0.0.1``, ``0``): a way round address rules."""
+    if _ip(host) is not None:
+        return False
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return False
+    return True
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -57,6 +73,8 @@ def relay_host_refused(relay_url: str, coordinator_url: str) -> str:
     names its own URL: a public coordinator must not make its devices knock on their own machine or
     LAN. Host names pass (DNS may still point anywhere; docs/security.md "Relays")."""
     host, home = url_host(relay_url), url_host(coordinator_url)
+    if odd_ipv4(host):
+        return f"refusing relay {relay_url}: {host!r} is not a standard address"
     ip = _ip(host)
     own = is_loopback(host) or (ip is not None and (ip.is_loopback or ip.is_unspecified))
     if own and not is_loopback(home):
