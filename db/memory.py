@@ -161,14 +161,15 @@ class MemoryStore:
                 and d.identity_id in self._identities
                 and self._identities[d.identity_id][0].state == IdentityState.ACTIVE
             ):
-                t = totals.setdefault(d.identity_id, [0.0, 0, 0.0])
+                t = totals.setdefault(d.identity_id, [0.0, 0, 0.0, 0.0])
                 t[0] += d.gflop_verified
                 t[1] += d.tiles_done
                 t[2] += d.joules
+                t[3] += d.gflop_metered
         ranked = [(i, t) for i, t in totals.items() if t[0] > 0 and (by == "gflop" or t[2] > 0)]
-        score = (lambda t: t[0]) if by == "gflop" else (lambda t: t[0] / t[2])
+        score = (lambda t: t[0]) if by == "gflop" else (lambda t: t[3] / t[2])
         best = sorted(ranked, key=lambda kv: (-score(kv[1]), kv[0]))[:limit]
-        return [LeaderRow(i, self._identities[i][0].name, g, int(n), j) for i, (g, n, j) in best]
+        return [LeaderRow(i, self._identities[i][0].name, g, int(n), j, m) for i, (g, n, j, m) in best]
 
     def identity_total(self, identity_id: int) -> tuple[float, int]:
         row = self.identity(identity_id)
@@ -237,6 +238,7 @@ class MemoryStore:
         gflop: float = 0.0,
         joules: float = 0.0,
         energy_flagged: int = 0,
+        gflop_metered: float = 0.0,
         now: float,
     ) -> None:
         d = self._device(device_id)
@@ -247,6 +249,7 @@ class MemoryStore:
         d.gflop_verified += gflop
         d.joules += joules
         d.energy_flagged += energy_flagged
+        d.gflop_metered += gflop_metered
         d.last_seen = now
 
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:

@@ -147,6 +147,13 @@ def m003_energy(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE devices ADD COLUMN energy_flagged INTEGER NOT NULL DEFAULT 0")
 
 
+@migration
+def m004_energy_metered(db: sqlite_utils.Database) -> None:
+    """Of each device row's verified GFLOP, those its energy reports covered: the leaderboard's
+    GFLOP per joule divides these, so work no report covered cannot flatter a device."""
+    db.execute("ALTER TABLE devices ADD COLUMN gflop_metered REAL NOT NULL DEFAULT 0.0")
+
+
 def migrate(db: sqlite_utils.Database) -> list[str]:
     """Apply pending migrations; returns the names applied."""
     if "_migrations" not in db.table_names():

@@ -62,7 +62,8 @@ from db.store import (
 GROUP_SECONDS = 0.05  # a running coordinator's group-commit window (see the module doc)
 _DEVICE_COLS = (
     "id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen, tiles_done,"
-    " tiles_rejected, gflop_verified, reason, tiles_lost, tiles_revoked, identity_id, joules, energy_flagged"
+    " tiles_rejected, gflop_verified, reason, tiles_lost, tiles_revoked, identity_id, joules, energy_flagged,"
+    " gflop_metered"
 )
 # An identity's totals are summed over its device rows in every job.
 _IDENTITY_SELECT = (
@@ -349,14 +350,15 @@ class SQLiteStore:
             raise StoreError(f"no identity {identity_id}")
 
     def leaderboard(self, limit: int = 10, by: str = "gflop") -> list[LeaderRow]:
-        order = {"gflop": "g DESC", "gflop_per_j": "g / j DESC"}.get(by)
+        order = {"gflop": "g DESC", "gflop_per_j": "m / j DESC"}.get(by)
         if order is None:
             raise StoreError(f"a leaderboard ranks by gflop or gflop_per_j, not {by!r}")
         having = "g > 0" + (" AND j > 0" if by == "gflop_per_j" else "")
         return [
-            LeaderRow(int(r[0]), r[1], float(r[2]), int(r[3]), float(r[4]))
+            LeaderRow(int(r[0]), r[1], float(r[2]), int(r[3]), float(r[4]), float(r[5]))
             for r in self.conn.execute(
-                "SELECT i.id, i.name, SUM(d.gflop_verified) AS g, SUM(d.tiles_done), SUM(d.joules) AS j FROM devices d"
+                "SELECT i.id, i.name, SUM(d.gflop_verified) AS g, SUM(d.tiles_done), SUM(d.joules) AS j,"
+                " SUM(d.gflop_metered) AS m FROM devices d"
                 f" JOIN identities i ON i.id = d.identity_id WHERE i.state = ? GROUP BY i.id HAVING {having}"
                 f" ORDER BY {order}, i.id LIMIT ?",
                 (IdentityState.ACTIVE, limit),
@@ -434,13 +436,15 @@ class SQLiteStore:
         gflop: float = 0.0,
         joules: float = 0.0,
         energy_flagged: int = 0,
+        gflop_metered: float = 0.0,
         now: float,
     ) -> None:
         cur = self._write(
             "UPDATE devices SET tiles_done = tiles_done + ?, tiles_rejected = tiles_rejected + ?,"
             " tiles_lost = tiles_lost + ?, tiles_revoked = tiles_revoked + ?, gflop_verified = gflop_verified + ?,"
-            " joules = joules + ?, energy_flagged = energy_flagged + ?, last_seen = ? WHERE id = ?",
-            (verified, rejected, lost, revoked, gflop, joules, energy_flagged, now, device_id),
+            " joules = joules + ?, energy_flagged = energy_flagged + ?, gflop_metered = gflop_metered + ?,"
+            " last_seen = ? WHERE id = ?",
+            (verified, rejected, lost, revoked, gflop, joules, energy_flagged, gflop_metered, now, device_id),
             grouped=True,
         )
         if cur.rowcount != 1:

@@ -125,6 +125,7 @@ class DeviceRow:
     identity_id: int | None = None
     joules: float = 0.0  # its energy reports as booked (engine/energy.py): capped ones at their cap
     energy_flagged: int = 0  # its reports that were capped
+    gflop_metered: float = 0.0  # of its verified GFLOP, those its energy reports covered
 
     @property
     def reliability(self) -> float:
@@ -165,11 +166,13 @@ class LeaderRow:
     gflop: float
     tiles: int
     joules: float = 0.0  # booked over every job
+    gflop_metered: float = 0.0  # of ``gflop``, those energy reports covered
 
     @property
     def gflop_per_j(self) -> float | None:
-        """Verified GFLOP per booked joule (None: no energy booked)."""
-        return self.gflop / self.joules if self.joules > 0 else None
+        """Verified GFLOP its energy reports covered, per booked joule (None: no energy booked).
+        Work no report covered is left out: it cannot make a device look efficient."""
+        return self.gflop_metered / self.joules if self.joules > 0 else None
 
 
 @dataclass(frozen=True)
@@ -277,7 +280,7 @@ class Store(Protocol):
     def leaderboard(self, limit: int = 10, by: str = "gflop") -> list[LeaderRow]:
         """Verified GFLOP, tiles and booked joules per active identity over every job, best first
         (a banned or revoked one is not ranked: the leaderboard is public). ``by``: ``gflop``, or
-        ``gflop_per_j`` (only identities with energy booked)."""
+        ``gflop_per_j`` (metered GFLOP per booked joule; only identities with energy booked)."""
         ...
 
     def identity_total(self, identity_id: int) -> tuple[float, int]:
@@ -309,6 +312,7 @@ class Store(Protocol):
         gflop: float = 0.0,
         joules: float = 0.0,
         energy_flagged: int = 0,
+        gflop_metered: float = 0.0,
         now: float,
     ) -> None: ...
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
