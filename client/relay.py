@@ -67,8 +67,10 @@ MAX_DEVICES = 1024  # ticketed device connections at once
 MAX_UNTICKETED = 256  # connections yet to send a ticketed request
 FIRST_REQUEST_S = 10.0  # seconds a new connection has to send one
 UPSTREAM_TIMEOUT = 6.0  # seconds to wait for the coordinator's blocks (a device waits 10 s per 64)
-UPSTREAM_PER_S = 20.0  # block requests a second to the coordinator (its allowance: 200, bursts of 400)
-OUTSTANDING = 1  # block requests to the coordinator unanswered at once: its replies (24 MiB) stay within its queue
+UPSTREAM_PER_S = 100.0  # block requests a second to the coordinator (its allowance: 200, bursts of 400)
+# Block requests to the coordinator unanswered at once: two keep its link busy between replies,
+# and two replies (16 MiB each) stay within the 64 MiB it queues for one peer.
+OUTSTANDING = 2
 MISSING_S = 5.0  # seconds a digest the coordinator said it lacks is answered as missing at once
 MAX_MISSING = 1 << 14  # such digests remembered at most
 DEVICE_FRAME = 64 << 10  # a device's block_request: 64 digests and a ticket fit many times over

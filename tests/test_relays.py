@@ -283,11 +283,11 @@ def test_a_devices_relay_link_has_one_deadline_for_a_work_frames_blocks(monkeypa
 
 
 def test_a_relay_batches_paces_and_bounds_its_requests_to_the_coordinator(monkeypatch) -> None:
-    """Many devices' digests at once: one sender asks for them in requests of at most 64, one
-    unanswered at a time (a reply is at most 24 MiB: two would overrun the coordinator's queue for
-    it), no faster than its pace, each digest once. A digest the coordinator left out of a reply
-    (its byte cap) is asked again first; one it said it lacks is answered as missing at once for a
-    while, without asking; and the relay gives up on the coordinator in time."""
+    """Many devices' digests at once: one sender asks for them in requests of at most 64, at most
+    two unanswered (two 16 MiB replies fit the coordinator's queue for it), no faster than its
+    pace, each digest once. A digest the coordinator left out of a reply (its byte cap) is asked
+    again first; one it said it lacks is answered as missing at once for a while, without asking;
+    and the relay gives up on the coordinator in time."""
     import asyncio
 
     import client.relay as relay_mod
@@ -311,15 +311,15 @@ def test_a_relay_batches_paces_and_bounds_its_requests_to_the_coordinator(monkey
         # Three devices' requests, overlapping.
         fetches = [asyncio.create_task(r._fetch(keys[i : i + 64])) for i in (0, 32, 86)]
         await asyncio.sleep(0.3)
-        assert len(up.sent) == relay_mod.OUTSTANDING == 1  # the rest waits on its reply
-        first = up.sent[0][1]
-        assert len(first) == MAX_FETCH
-        # The reply to it: one block, one missing, the rest left out (past its cap).
+        assert len(up.sent) == relay_mod.OUTSTANDING == 2  # the rest waits on a reply
+        first, second = up.sent[0][1], up.sent[1][1]
+        assert len(first) == MAX_FETCH and not set(first) & set(second)
+        assert up.sent[1][0] - up.sent[0][0] >= 0.9 / relay_mod.UPSTREAM_PER_S
+        # The reply to the first: one block, one missing, the rest left out (past its cap).
         r._answered(Blocks((Block(first[0], blocks[first[0]]),), (first[1],)))
         await asyncio.sleep(0.2)
-        assert len(up.sent) == 2 and up.sent[1][1][: len(first) - 2] == first[2:]  # asked again, first
-        assert up.sent[1][0] - up.sent[0][0] >= 0.9 / relay_mod.UPSTREAM_PER_S
-        for _ in range(20):  # every later request answered in full, one at a time
+        assert len(up.sent) == 3 and up.sent[2][1][: len(first) - 2] == first[2:]  # asked again, first
+        for _ in range(20):  # every later request answered in full, oldest first
             if r._asked:
                 r._answered(Blocks(tuple(Block(d, blocks[d]) for d in r._asked[0][1])))
             await asyncio.sleep(0.06)

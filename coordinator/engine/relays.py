@@ -32,10 +32,11 @@ from coordinator.wire.messages import MAX_FETCH, MAX_URL, Block, Blocks, UseRela
 SERVES = 2  # times one relay may be sent one block (it may evict it once and ask again)
 STRIKES = 3  # different devices whose unproven reports drop a relay
 MAX_DEVICES_PER_RELAY = 1024  # devices one relay serves at most
-# Block bytes in one reply to a relay (always at least one block): a relay has one request
-# unanswered at a time (client/relay.py OUTSTANDING), so one reply, however large its one
-# block, stays within the coordinator's 64 MiB queue for one peer (Limits.outbound_queue).
-MAX_REPLY_BYTES = 24 << 20
+# Block bytes in one reply to a relay (always at least one block; a block is at most 16 MiB, as
+# engine/profiles.py's MAX_UNIT_MEMORY plans two units in 32 MiB): an honest relay has two
+# requests unanswered (client/relay.py OUTSTANDING), whose replies stay within the coordinator's
+# 64 MiB queue for one peer (Limits.outbound_queue).
+MAX_REPLY_BYTES = 16 << 20
 AVOID_S = 600.0  # seconds a device keeps off a relay it could not take its blocks from
 
 
