@@ -140,7 +140,7 @@ def job_summary(status: dict[str, Any] | None) -> str:
     return f"the job finished and the coordinator left; last seen at {steps}, loss {loss}; {work}"
 
 
-def dashboard(status: dict[str, Any]) -> Group:
+def dashboard(status: dict[str, Any], rank_by: str = "gflop") -> Group:
     """``cleave status``: the job, its tiles and its devices."""
     job = status.get("job", {})
     tiles = status.get("tiles", {})
@@ -249,15 +249,18 @@ def dashboard(status: dict[str, Any]) -> Group:
     if status.get("tier"):
         parts.append(tier_table(status["tier"]))
     parts.append(devices)
-    if status.get("leaderboard"):
-        board = Table(title="leaderboard: verified work by device", expand=True)
+    efficient = rank_by == "efficiency"
+    leaders = status.get("leaderboard_efficiency" if efficient else "leaderboard") or []
+    if leaders:
+        title = "verified GFLOP per joule" if efficient else "verified work"
+        board = Table(title=f"leaderboard: {title} by device", expand=True)
         board.add_column("#", justify="right")
         board.add_column("device")
         board.add_column("verified GFLOP", justify="right")
         board.add_column("tiles", justify="right")
         board.add_column("energy", justify="right")
         board.add_column("GFLOP/J", justify="right")
-        for rank, row in enumerate(status["leaderboard"], start=1):
+        for rank, row in enumerate(leaders, start=1):
             who = Text(str(row.get("label") or row.get("name", "")))
             board.add_row(
                 str(rank),

@@ -61,7 +61,9 @@ def _where(snapshot: dict[str, Any] | None) -> str:
     return f"step {job.get('step') or 0:,}/{job.get('steps') or 0:,}" if job else "before the first answer"
 
 
-def _watch(console: Console, url: str, token: str, ca: str | None, insecure: bool, interval: float) -> None:
+def _watch(
+    console: Console, url: str, token: str, ca: str | None, insecure: bool, interval: float, rank_by: str = "gflop"
+) -> None:
     """The live dashboard until the job finishes (the summary, exit 0) or the connection ends
     otherwise (one line saying where the job was, exit 1)."""
     last: dict[str, Any] | None = None
@@ -72,7 +74,7 @@ def _watch(console: Console, url: str, token: str, ca: str | None, insecure: boo
                 if snapshot is None:  # closed with 1000: the job finished since the last refresh
                     break
                 last = snapshot
-                live.update(render.dashboard(snapshot))
+                live.update(render.dashboard(snapshot, rank_by=rank_by))
                 if snapshot.get("job", {}).get("state") == JobPhase.FINISHED:
                     break
                 time.sleep(interval)
@@ -123,8 +125,17 @@ def status(
         bool, typer.Option("--watch/--once", help="Keep the dashboard live (default on a terminal).")
     ] = True,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 1.0,
+    rank_by: Annotated[
+        str,
+        typer.Option(
+            "--rank-by",
+            help="Rank the leaderboard by verified work ('gflop') or by verified GFLOP per joule ('efficiency').",
+        ),
+    ] = "gflop",
 ) -> None:
     """Show the job's step and loss, throughput, devices and the tile queue."""
+    if rank_by not in ("gflop", "efficiency"):
+        raise ConfigError(f"--rank-by must be gflop or efficiency, got {rank_by!r}")
     if not 0.5 <= interval <= MAX_INTERVAL:
         raise ConfigError(f"--interval must be between 0.5 and {MAX_INTERVAL:g} s, got {interval}")
     console = Console(highlight=False)
@@ -134,8 +145,8 @@ def status(
         return
     if not (watch and is_terminal()):
         snapshot = fetch_status(url, token, cafile=ca, insecure=insecure)
-        console.print(render.dashboard(snapshot))
+        console.print(render.dashboard(snapshot, rank_by=rank_by))
         if snapshot.get("job", {}).get("state") == JobPhase.FINISHED:
             console.print(render.job_summary(snapshot), highlight=False)
         return
-    _watch(console, url, token, ca, insecure, interval)
+    _watch(console, url, token, ca, insecure, interval, rank_by)

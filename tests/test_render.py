@@ -213,3 +213,15 @@ def test_energy_shows_in_the_dashboard_the_leaderboard_and_the_volunteers_panel(
     assert "600 J while serving (rapl), 0.05 verified GFLOP per joule" in panel
     waiting = _text(render.client_panel(WorkerStats(state="computing", device="cpu"), "ws://c:8765"))
     assert "measured from the first report" in waiting
+
+
+def test_the_terminal_leaderboard_ranks_by_gflop_per_joule_when_asked() -> None:
+    rows = [
+        {"label": "busy #1", "gflop": 90.0, "tiles": 9, "joules": 900.0, "gflop_per_j": 0.1},
+        {"label": "frugal #2", "gflop": 10.0, "tiles": 1, "joules": 10.0, "gflop_per_j": 1.0},
+    ]
+    status = {**STATUS, "leaderboard": rows, "leaderboard_efficiency": rows[::-1]}
+    by_work = _text(render.dashboard(status), width=160)
+    by_joule = _text(render.dashboard(status, rank_by="efficiency"), width=160)
+    assert "verified work by device" in by_work and by_work.index("busy #1") < by_work.index("frugal #2")
+    assert "verified GFLOP per joule" in by_joule and by_joule.index("frugal #2") < by_joule.index("busy #1")
