@@ -142,6 +142,19 @@ def test_hostile_relays_are_caught_and_their_devices_take_their_blocks_from_the_
 # --------------------------------------------------------------------------- the relay and the link, in process
 
 
+async def closed_with(ws: object) -> int | None:
+    """The close code a peer's connection ends with within 5 s (None: it sent a frame instead)."""
+    import asyncio
+
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        await asyncio.wait_for(ws.recv(), 5)  # type: ignore[attr-defined]
+    except ConnectionClosed as exc:
+        return exc.rcvd.code if exc.rcvd else None
+    return None
+
+
 def _relay_here(capacity: int = 1 << 20) -> object:
     from client.relay import Relay, RelayConfig
 
@@ -187,7 +200,6 @@ def test_a_device_has_one_allowance_at_a_relay_however_many_connections_it_opens
 
     from websockets.asyncio.client import connect
     from websockets.asyncio.server import serve
-    from websockets.exceptions import ConnectionClosed
 
     import client.relay as relay_mod
     from coordinator.wire.codes import CloseCode
@@ -200,13 +212,6 @@ def test_a_device_has_one_allowance_at_a_relay_however_many_connections_it_opens
     r = _relay_here()
     r.cache.put(digest, blocks[digest], relay_tag(r.key, digest, digest))
     ticket = relay_ticket(r.key, 7, 3)
-
-    async def closed_with(ws: object) -> int | None:
-        try:
-            await asyncio.wait_for(ws.recv(), 5)  # type: ignore[attr-defined]
-        except ConnectionClosed as exc:
-            return exc.rcvd.code if exc.rcvd else None
-        return None
 
     async def drill() -> None:
         async with serve(r._serve_device, "127.0.0.1", 0, compression=None) as server:
@@ -388,7 +393,6 @@ def test_idle_connections_at_a_relay_are_closed_and_never_take_a_devices_place(m
 
     from websockets.asyncio.client import connect
     from websockets.asyncio.server import serve
-    from websockets.exceptions import ConnectionClosed
 
     import client.relay as relay_mod
     from coordinator.wire.codes import CloseCode
@@ -402,13 +406,6 @@ def test_idle_connections_at_a_relay_are_closed_and_never_take_a_devices_place(m
     (digest,) = blocks
     r = _relay_here()
     r.cache.put(digest, blocks[digest], relay_tag(r.key, digest, digest))
-
-    async def closed_with(ws: object) -> int | None:
-        try:
-            await asyncio.wait_for(ws.recv(), 5)  # type: ignore[attr-defined]
-        except ConnectionClosed as exc:
-            return exc.rcvd.code if exc.rcvd else None
-        return None
 
     async def drill() -> None:
         async with serve(r._serve_device, "127.0.0.1", 0, compression=None) as server:

@@ -51,7 +51,7 @@ import torch
 from coordinator.engine.balance import Balancer, Redirecting
 from coordinator.engine.blocks import BlockRef, Sources, block_ref
 from coordinator.engine.books import Books
-from coordinator.engine.conduct import Conduct, Pace
+from coordinator.engine.conduct import Conduct, Pace, Standing
 from coordinator.engine.devices import DeviceState
 from coordinator.engine.energy import GRID_GCO2_KWH, EnergyBooks
 from coordinator.engine.gemms import Check, GemmState, Product, check_finite
@@ -263,20 +263,9 @@ class Core:
                 self.gate.take_enrolment(now)  # a ticket is an enrolment elsewhere: the same rate
                 raise Redirecting(redirect)
         admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
-        # A relay's identity too: one (job, identity) is one devices row, and a device sharing the
-        # relay's would have its leases ended when the relay goes.
-        if admission.identity in self._by_identity or admission.identity in self._relay_by_identity:
-            raise AuthError(CloseCode.IN_USE, "this identity is already connected")
-        self.gate.check_cooloff(admission.identity, now)
-        standing = self.gate.standing(admission.identity)
-        if standing.budgets is None:  # kept with the identity: reconnecting does not refill them
-            standing.budgets = (
-                self.limits.releases.bucket(),
-                self.limits.resends.bucket(),
-                self.trust.reconnects.bucket(),
-            )
-        if not standing.budgets[2].take(now):
-            raise AuthError(CloseCode.RATE_LIMITED, "reconnecting too often; try again in a while")
+        # Not a connected relay's identity either: one (job, identity) is one devices row, and a
+        # device sharing the relay's would have its leases ended when the relay goes.
+        standing = self._reconnecting(admission.identity, now)
         info = DeviceInfo(
             name=admission.name,
             platform=hello.platform,
@@ -343,6 +332,23 @@ class Core:
             out.append(self._send(device_id, use, now))
         return device_id, out + self._dispatch(now)
 
+    def _reconnecting(self, identity: int, now: float) -> Standing:
+        """An admitted identity connects (a device or a relay): one connection per identity,
+        after its cool-off, within its reconnect budget; returns its standing."""
+        if identity in self._by_identity or identity in self._relay_by_identity:
+            raise AuthError(CloseCode.IN_USE, "this identity is already connected")
+        self.gate.check_cooloff(identity, now)
+        standing = self.gate.standing(identity)
+        if standing.budgets is None:  # kept with the identity: reconnecting does not refill them
+            standing.budgets = (
+                self.limits.releases.bucket(),
+                self.limits.resends.bucket(),
+                self.trust.reconnects.bucket(),
+            )
+        if not standing.budgets[2].take(now):
+            raise AuthError(CloseCode.RATE_LIMITED, "reconnecting too often; try again in a while")
+        return standing
+
     def _connect_relay(self, hello: Hello, nonce: str, now: float) -> tuple[int, list[Outbound]]:
         """Admit a relay (``cleave relay``): its identity as a device's, a row of its own (its
         ``device`` is "relay"), no tiles; the devices without one go behind it."""
@@ -352,20 +358,9 @@ class Core:
                 "hello.relay must be the ws:// or wss:// URL devices reach the relay at (a host, a port, no more)",
             )
         admission: Admission = self.gate.admit(hello, nonce, now, self.wall(now))
-        if admission.identity in self._by_identity or admission.identity in self._relay_by_identity:
-            raise AuthError(CloseCode.IN_USE, "this identity is already connected")
         # A relay reconnects within the same budget and cool-off as a device: each connection
         # moves devices behind it, and each drop excuses what they held.
-        self.gate.check_cooloff(admission.identity, now)
-        standing = self.gate.standing(admission.identity)
-        if standing.budgets is None:
-            standing.budgets = (
-                self.limits.releases.bucket(),
-                self.limits.resends.bucket(),
-                self.trust.reconnects.bucket(),
-            )
-        if not standing.budgets[2].take(now):
-            raise AuthError(CloseCode.RATE_LIMITED, "reconnecting too often; try again in a while")
+        self._reconnecting(admission.identity, now)
         key = self.store.identity_key(admission.identity)
         if key is None:  # pragma: no cover - admitted identities have a key
             raise AuthError(CloseCode.AUTH, "unknown identity")
