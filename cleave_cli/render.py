@@ -410,6 +410,8 @@ def client_line(stats: Any, url: str) -> Text:
         text.append(f" ({stats.rejected} rejected)", style="red")
     text.append(f"  {stats.gflops:6.1f} GFLOP/s")
     text.append(f"  {stats.bytes_down / 1e6:,.1f} MB in / {stats.bytes_up / 1e6:,.1f} MB out")
+    if getattr(stats, "energy_source", ""):
+        text.append(f"  {joules(stats.energy_j)} ({stats.energy_source})")
     text.append(f"  {stats.device}  {url}", style="dim")
     if stats.last_error and stats.state in (WorkerState.RECONNECTING, WorkerState.CONNECTING):
         text.append(f"  {stats.last_error}", style="yellow")

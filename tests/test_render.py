@@ -213,6 +213,7 @@ def test_energy_shows_in_the_dashboard_the_leaderboard_and_the_volunteers_panel(
     assert "600 J while serving (rapl), 0.05 verified GFLOP per joule" in panel
     waiting = _text(render.client_panel(WorkerStats(state="computing", device="cpu"), "ws://c:8765"))
     assert "measured from the first report" in waiting
+    assert "600 J (rapl)" in _text(render.client_line(stats, "ws://coordinator:8765"), width=200)
 
 
 def test_the_terminal_leaderboard_ranks_by_gflop_per_joule_when_asked() -> None:
