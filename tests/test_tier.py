@@ -408,7 +408,10 @@ def test_ranks_with_uneven_pools_train_exactly_and_a_killed_rank_stops_them_unti
     wait_until(stalled, timeout=TIER_WAIT, what="rank 1's view of the tier")
     rows = seen[-1]
     assert [r["health"] for r in rows[:2]] == ["alive", "self"] and rows[2]["health"] in ("silent", "lost")
-    assert all(r["url"] == ranks[r["rank"]].url and 0 <= r["step"] <= steps for r in rows), rows
+    # Rank 2's row has figures if its summary (published every other heartbeat) reached rank 1
+    # before it was killed; the live ranks' rows always do.
+    assert all("url" in r for r in rows[:2]), rows
+    assert all(r["url"] == ranks[r["rank"]].url and 0 <= r["step"] <= steps for r in rows if "url" in r), rows
     assert all(r["gflops"] > 0 for r in rows[:2]), rows  # (rank 2's last summary may predate its client)
     assert [ranks[r].wait() for r in (0, 1)] == [1, 1], [c.output for c in ranks]
     assert time.monotonic() - started < 30  # the tier timeout and the barrier's look
