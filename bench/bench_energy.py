@@ -22,28 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TOKEN, OPERATOR = "bench-energy-join-token", "bench-energy-operator"
-
-
-def _cleave(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleave_cli", *args]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.loopback import run_job  # noqa: E402 - after the path is set
 
 
 def local(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,57 +58,9 @@ def local(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def served(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    port, metrics = _port(), tmp / "metrics.jsonl"
-    coordinator = subprocess.Popen(
-        _cleave(
-            "coordinator", "start", "--host", "127.0.0.1", "--port", str(port), "--db", str(tmp / "ps.db"),
-            "--token", TOKEN, "--operator-token", OPERATOR, "--metrics", str(metrics),
-            "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--seq-len", str(args.seq_len), "--min-devices", str(args.clients), "--micro-batches", "1",
-            "--checkpoint-every", "0", "--planner", "uniform", "--linger", "0",
-        ),
-        cwd=ROOT, stdout=(tmp / "coordinator.out").open("w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"ws://127.0.0.1:{port}"
-    time.sleep(3.0)
-    clients = [
-        subprocess.Popen(
-            _cleave(
-                "join",
-                url,
-                "--token",
-                TOKEN,
-                "--once",
-                "--always",
-                "--quiet",
-                "--threads",
-                "1",
-                "--device",
-                "cpu",
-                "--name",
-                f"c{i}",
-                "--credentials",
-                str(tmp / f"c{i}.json"),
-                "--energy-every",
-                str(args.energy_every),
-            ),
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        for i in range(args.clients)
-    ]
-    try:
-        if coordinator.wait(1800):
-            raise SystemExit("the coordinator failed:\n" + (tmp / "coordinator.out").read_text()[-2000:])
-        for c in clients:
-            c.wait(60)
-    finally:
-        for p in (coordinator, *clients):
-            if p.poll() is None:
-                p.kill()
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    said = (tmp / "coordinator.out").read_text()
+    """The job on a coordinator and its clients; its metrics rows and what its meter read."""
+    rows = run_job(args, tmp, coordinator_args=(), client_args=("--energy-every", str(args.energy_every)))
+    said = (tmp / "coordinator.log").read_text()
     meter = next((line.split("energy: ", 1)[1].strip() for line in said.splitlines() if "energy: " in line), "?")
     return {"rows": rows, "meter": meter}
 

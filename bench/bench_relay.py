@@ -17,98 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TOKEN, OPERATOR = "bench-relay-join-token", "bench-relay-operator"
-
-
-def _cleave(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleave_cli", *args]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(args: argparse.Namespace, tmp: Path, relay: bool) -> dict[str, Any]:
-    port, metrics = _port(), tmp / "metrics.jsonl"
-    coordinator = subprocess.Popen(
-        _cleave(
-            "coordinator", "start", "--host", "127.0.0.1", "--port", str(port), "--db", str(tmp / "ps.db"),
-            "--token", TOKEN, "--operator-token", OPERATOR, "--metrics", str(metrics),
-            "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-            "--seq-len", str(args.seq_len), "--min-devices", str(args.clients), "--micro-batches", "1",
-            "--checkpoint-every", "0", "--planner", "uniform", "--linger", "0", "--quiet",
-        ),
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=(tmp / "coordinator.log").open("w"),
-    )  # fmt: skip
-    url = f"ws://127.0.0.1:{port}"
-    time.sleep(3.0)
-    others = []
-    if relay:
-        others.append(
-            subprocess.Popen(
-                _cleave(
-                    "relay",
-                    url,
-                    "--token",
-                    TOKEN,
-                    "--listen",
-                    f"127.0.0.1:{_port()}",
-                    "--credentials",
-                    str(tmp / "relay.json"),
-                ),
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=(tmp / "relay.log").open("w"),
-            )  # fmt: skip
-        )
-        time.sleep(3.0)
-    others += [
-        subprocess.Popen(
-            _cleave(
-                "join",
-                url,
-                "--token",
-                TOKEN,
-                "--once",
-                "--always",
-                "--quiet",
-                "--threads",
-                "1",
-                "--device",
-                "cpu",
-                "--name",
-                f"c{i}",
-                "--credentials",
-                str(tmp / f"c{i}.json"),
-            ),
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        for i in range(args.clients)
-    ]
-    try:
-        if coordinator.wait(1800):
-            raise SystemExit("the coordinator failed:\n" + (tmp / "coordinator.log").read_text()[-2000:])
-    finally:
-        for p in (coordinator, *others):
-            if p.poll() is None:
-                p.kill()
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
-    return {"rows": rows, "losses": [r["loss"] for r in rows]}
+from bench.loopback import run_job  # noqa: E402 - after the path is set
 
 
 def main() -> int:
@@ -129,12 +45,10 @@ def main() -> int:
         ).run()
     ]
     with tempfile.TemporaryDirectory(prefix="cleave-bench-relay-") as a, tempfile.TemporaryDirectory() as b:
-        alone, relayed = run(args, Path(a), relay=False), run(args, Path(b), relay=True)
-    last_a, last_r = alone["rows"][-1], relayed["rows"][-1]
+        alone, relayed = run_job(args, Path(a)), run_job(args, Path(b), relay=True)
+    last_a, last_r = alone[-1], relayed[-1]
     exact = all(
-        abs(x - w) <= 1e-5 * abs(w)
-        for losses in (alone["losses"], relayed["losses"])
-        for x, w in zip(losses, want, strict=True)
+        abs(r["loss"] - w) <= 1e-5 * abs(w) for rows in (alone, relayed) for r, w in zip(rows, want, strict=True)
     )
     out = {
         "model": args.model,

@@ -280,7 +280,6 @@ class Worker:
             **({} if cfg.powercap is None else {"powercap": cfg.powercap}),
             **({} if pacer is None else {"cpu_seconds": lambda: self.stats.compute_seconds}),
         )
-        self._meter.keep_reading()  # RAPL counters wrap: read between reports too
         self._energy_at = clock()  # when the span now metered began
         self._metering = False  # welcomed on the open connection: its energy is reported there
 
@@ -347,6 +346,7 @@ class Worker:
         """Work until the job finishes (with ``once``) or ``request_stop``; returns an exit code."""
         self._stop_event = asyncio.Event()
         loop = asyncio.get_running_loop()
+        self._meter.keep_reading()  # RAPL counters wrap: read between reports too
         self._check_device()
         if self.stats.benchmark_gflops == 0.0 and self.cfg.benchmark_seconds > 0:
             self._set(WorkerState.BENCHMARKING)
