@@ -370,6 +370,20 @@ class MemoryStore:
         self._queued[tile_id] = None
         return LeaseEnd(True)
 
+    def reject_verified(self, tile_id: int, device_id: int, now: float, reason: str) -> None:
+        t = self._tiles.get(tile_id)
+        won = [
+            lease
+            for lease in (self._leases[tile_id] if t else ())
+            if lease.device_id == device_id and lease.outcome == Outcome.VERIFIED
+        ]
+        if t is None or t.state != TileState.VERIFIED or not won:
+            raise StoreError(f"tile {tile_id} has no verified result of device {device_id}")
+        won[-1].outcome, won[-1].reason = Outcome.REJECTED, reason
+        t.state, t.requeue_reason = TileState.QUEUED, Outcome.REJECTED
+        t.barred.add(device_id)
+        self._queued[tile_id] = None
+
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
         return [
             tid for tid in self.leased_to(device_id) if self.end_lease(tid, device_id, outcome, now, reason).requeued

@@ -603,6 +603,25 @@ class SQLiteStore:
                 self._count(gemm_id, TileState.QUEUED)
             return LeaseEnd(state == TileState.QUEUED)
 
+    def reject_verified(self, tile_id: int, device_id: int, now: float, reason: str) -> None:
+        with self._grouped() as c:
+            cur = c.execute(
+                "UPDATE leases SET outcome = 'rejected', reason = :reason WHERE id = (SELECT max(id) FROM leases "
+                "WHERE tile_id = :tile AND device_id = :device AND outcome = 'verified')",
+                {"reason": reason, "tile": tile_id, "device": device_id},
+            )
+            row = c.execute(
+                "UPDATE tiles SET state = 'queued', requeue_reason = 'rejected', done_at = NULL, queued_at = :now, "
+                "barred = json_insert(barred, '$[#]', :device) WHERE id = :tile AND state = 'verified' "
+                "RETURNING gemm_id",
+                {"now": now, "tile": tile_id, "device": device_id},
+            ).fetchone()
+            if cur.rowcount != 1 or row is None:
+                raise StoreError(f"tile {tile_id} has no verified result of device {device_id}")
+            self._count(row[0], TileState.VERIFIED, -1)
+            self._count(row[0], TileState.QUEUED)
+            self._count(row[0], Outcome.REJECTED)
+
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
         with self.atomic():
             return [

@@ -106,6 +106,16 @@ class Fleet:
 
 @pytest.fixture
 def core() -> Core:
+    return make_core()
+
+
+@pytest.fixture
+def core_alone() -> Core:
+    """Every result checked alone, as it arrives (``band_checks=False``)."""
+    return make_core(band_checks=False)
+
+
+def make_core(*, band_checks: bool = True) -> Core:
     store = MemoryStore()
     job = store.create_job("test", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
@@ -118,6 +128,7 @@ def core() -> Core:
         rng=np.random.default_rng(0),
         policy=policy,
         trust=TrustPolicy(probation_tiles=0, first_slots=8),
+        band_checks=band_checks,
     )
 
 
@@ -215,7 +226,8 @@ def test_devices_never_hold_more_tiles_than_their_slots(core: Core) -> None:
     assert report.status(core, fleet.now)["tiles"]["queued"] > 0
 
 
-def test_corrupted_results_are_rejected_and_recomputed_elsewhere(core: Core) -> None:
+def test_corrupted_results_are_rejected_and_recomputed_elsewhere(core_alone: Core) -> None:
+    core = core_alone
     fleet = Fleet(core)
     bad = fleet.join("bad", compute=corrupt)
     good = fleet.join("good")
@@ -235,7 +247,8 @@ def test_corrupted_results_are_rejected_and_recomputed_elsewhere(core: Core) -> 
     assert [(lease.device_id, lease.outcome) for lease in history] == [(bad, "rejected"), (good, "verified")]
 
 
-def test_a_device_that_keeps_failing_verification_is_banned(core: Core) -> None:
+def test_a_device_that_keeps_failing_verification_is_banned(core_alone: Core) -> None:
+    core = core_alone
     fleet = Fleet(core)
     bad = fleet.join("bad", compute=corrupt, slots=4)
     fleet.join("good")

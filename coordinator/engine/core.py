@@ -41,7 +41,7 @@ import functools
 import logging
 import math
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -54,7 +54,7 @@ from coordinator.engine.books import Books
 from coordinator.engine.conduct import Conduct, Pace, Standing
 from coordinator.engine.devices import DeviceState
 from coordinator.engine.energy import GRID_GCO2_KWH, EnergyBooks
-from coordinator.engine.gemms import Check, GemmState, Product, check_finite
+from coordinator.engine.gemms import BandCheck, Check, GemmState, Product, check_finite
 from coordinator.engine.identity import Admission, Gate
 from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner, fleet_key
@@ -106,7 +106,7 @@ from coordinator.wire.messages import (
     Welcome,
     Work,
 )
-from coordinator.wire.verify import Verdict
+from coordinator.wire.verify import Verdict, structure
 from db.store import CheckpointRow, DeviceInfo, DeviceStatus, IdentityState, NewTile, Outcome, Store
 
 log = logging.getLogger(__name__)
@@ -162,8 +162,12 @@ class Core:
         ps: PSProfile | None = None,
         books: Books | None = None,
         grid_gco2_kwh: float = GRID_GCO2_KWH,
+        band_checks: bool = True,
     ) -> None:
         self.store = store
+        # Results of a GEMM cut into row bands are checked a band at a time (``BandCheck``):
+        # one pass over A and B per GEMM, not per tile. False: every result alone, as it comes.
+        self.band_checks = band_checks
         self.job_id = job_id
         self.books = books or Books(store, job_id)  # the job's own records (the tile path's are written here)
         self.rng = rng
@@ -220,6 +224,8 @@ class Core:
         self.relays = Relays()
         self._relay_by_identity: dict[int, int] = {}
         self.verify_seconds = 0.0
+        self._bands_due: list[BandCheck] = []  # bands with every result in, for the verifier
+        self.band_failures = 0  # bands whose check failed: their results were checked one by one
         # Largest residual/tolerance accepted, per GEMM kind: how close honest work comes to a reject.
         self.verify_worst_honest: dict[str, float] = {}
 
@@ -478,12 +484,31 @@ class Core:
     # ------------------------------------------------------------------ messages
 
     def handle(self, device_id: int, msg: Message, now: float) -> list[Outbound]:
-        """Act on one message from a device; a result is verified here, on this thread."""
+        """Act on one message from a device; a result, or a band of them, is verified here, on
+        this thread."""
         got = self.receive(device_id, msg, now)
-        if not isinstance(got, Check):
-            return got
-        verdict, seconds = got.run(self.rng)
-        return self.settle(got, verdict, seconds, now)
+        if isinstance(got, Check):
+            verdict, seconds = got.run(self.rng)
+            got = self.settle(got, verdict, seconds, now)
+        return got + self.check_bands(now)
+
+    def check_bands(self, now: float) -> list[Outbound]:
+        """Check the bands whose results are all in, here, on this thread (``handle``; the
+        server runs them on its verifier instead: ``take_band_checks``, ``settle_band``)."""
+        out: list[Outbound] = []
+        settled = False
+        while self._bands_due:
+            for band in self.take_band_checks():
+                passed, verdicts, seconds = band.run(self.rng)
+                out.extend(self.settle_band(band, passed, verdicts, seconds, now))
+                settled = True
+        return out + self._dispatch(now) if settled else out
+
+    def take_band_checks(self) -> list[BandCheck]:
+        """The bands due for their check (each handed out once): the caller runs them (on
+        another thread if it likes) and passes each outcome to ``settle_band``."""
+        due, self._bands_due = self._bands_due, []
+        return due
 
     def receive(self, device_id: int, msg: Message, now: float) -> list[Outbound] | Check:
         """``handle``, except that a result to verify comes back as a ``Check``: the caller runs
@@ -706,21 +731,29 @@ class Core:
         tile = gemm.tiles[msg.tile_id]
         if tile.pieces == 1:
             ra, rb = gemm.blocks_of(tile)
-            return Check(dev, msg, gemm, tile, ra.logical, rb.logical, ((ra, rb),), dev.last_seen)
-        # The pieces' range, as views; norms from the pieces' cached ones.
-        return Check(
-            dev,
-            msg,
-            gemm,
-            tile,
-            a_block(gemm.a, tile),
-            b_block(gemm.b, tile),
-            tuple(gemm.pairs_of(tile)),
-            dev.last_seen,
-        )
+            check = Check(dev, msg, gemm, tile, ra.logical, rb.logical, ((ra, rb),), dev.last_seen)
+        else:  # the pieces' range, as views; norms from the pieces' cached ones
+            check = Check(
+                dev,
+                msg,
+                gemm,
+                tile,
+                a_block(gemm.a, tile),
+                b_block(gemm.b, tile),
+                tuple(gemm.pairs_of(tile)),
+                dev.last_seen,
+            )
+        band = gemm.band_of.get(msg.tile_id)
+        if band is None or band.alone or dev.standing.on_probation(self.trust):  # newcomers: alone
+            return check
+        # Checked with its band: its shape now, the rest once every result of the band is in.
+        wrong = structure(check.product())
+        if wrong is not None and not wrong.ok:
+            return self.settle(check, wrong, 0.0, check.arrived)
+        return self.settle(check, None, 0.0, check.arrived)
 
     def settle(
-        self, check: Check, verdict: Verdict, seconds: float, now: float, *, dispatch: bool = True
+        self, check: Check, verdict: Verdict | None, seconds: float, now: float, *, dispatch: bool = True
     ) -> list[Outbound]:
         """Act on a result's verdict. The device may have left, or lost the tile to a copy or a
         deadline, while it was checked: a good result then comes too late and is dropped (as a
@@ -758,13 +791,16 @@ class Core:
         finally:
             self._credits = None
 
-    def _settle(self, check: Check, verdict: Verdict, seconds: float, now: float) -> list[Outbound] | None:
+    def _settle(self, check: Check, verdict: Verdict | None, seconds: float, now: float) -> list[Outbound] | None:
+        """``verdict`` None: the result is taken for its band's check (``settle_band``): its
+        lease ends and its device's slot is free, but it is neither credited nor used until its
+        band passes."""
         dev, msg, gemm, tile = check.dev, check.msg, check.gemm, check.tile
         dev.checking.discard(msg.tile_id)
         self.verify_seconds += seconds
         current = self.devices.get(dev.id) is dev and msg.tile_id in dev.inflight
         if not current:
-            if verdict.ok or self.gemms.get(gemm.id) is not gemm:
+            if verdict is None or verdict.ok or self.gemms.get(gemm.id) is not gemm:
                 return None
             return self._forged(dev, now) or None
         leased_at = dev.inflight[msg.tile_id]
@@ -773,7 +809,7 @@ class Core:
         dev.bytes_up += nbytes
         out: list[Outbound] = []
         sent, on_wire = self._sent.pop((msg.tile_id, dev.id), (0, None))
-        if not verdict.ok:
+        if verdict is not None and not verdict.ok:
             self._failed(dev.id, now)
             self.sched.release(msg.tile_id, dev.id, bar=True)
             self.store.end_lease(msg.tile_id, dev.id, Outcome.REJECTED, self.wall(now), verdict.reason)
@@ -783,18 +819,10 @@ class Core:
                 )
             )
             return out + self._forged(dev, now)
-        kind = gemm.kind.value
-        self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
         losers = self.sched.done(msg.tile_id, dev.id)
+        # Booked verified now even when taken for its band: a band that fails later turns it
+        # into a rejection (``_reject_taken``), and its lease is over either way.
         self.store.end_lease(msg.tile_id, dev.id, Outcome.VERIFIED, self.wall(now))
-        gflop = tile.flops / 1e9
-        if self._credits is not None:  # in a batch: one credit per device as it ends
-            n, total, _ = self._credits.get(dev.id, (0, 0.0, 0.0))
-            self._credits[dev.id] = (n + 1, total + gflop, self.wall(now))
-        else:
-            self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self.wall(now))
-        dev.gflop_verified += gflop
-        self.gflop_verified += gflop
         dev.tiles_done += 1
         dev.compute_seconds += msg.seconds
         # From its work frame going on the wire (not from the lease: a frame queued behind the
@@ -817,9 +845,16 @@ class Core:
                 raced.append((other, msg.tile_id in other.checking))  # answered: its result is being checked
         # Its standing, pace and slots, and the losers': the rules the simulator runs too.
         stallers = self.conduct.settled(dev, arrived, leased_at, tile.flops, raced)
-        gemm.parts[tile.index] = msg.c
-        if gemm.done:
-            self._complete(gemm, now)
+        band = gemm.band_of.get(msg.tile_id)
+        if verdict is not None:
+            self._verified(check, verdict, now)
+            if gemm.done:
+                self._complete(gemm, now)
+        elif band is not None:
+            band.answered[msg.tile_id] = check
+        if band is not None and band.complete:  # its last result is in (taken, or checked alone)
+            band.checking = True
+            self._bands_due.append(BandCheck(gemm, band, band.due()))
         for other in stallers:  # only once this tile is settled everywhere
             if other.id in self.devices:
                 out.extend(
@@ -831,6 +866,70 @@ class Core:
                 )
         return out
 
+    def _verified(self, check: Check, verdict: Verdict, now: float) -> None:
+        """A result passed its check (alone or with its band): credit it and keep it."""
+        dev, gemm, tile = check.dev, check.gemm, check.tile
+        kind = gemm.kind.value
+        self.verify_worst_honest[kind] = max(self.verify_worst_honest.get(kind, 0.0), verdict.worst_ratio)
+        gflop = tile.flops / 1e9
+        if self._credits is not None:  # in a batch: one credit per device as it ends
+            n, total, _ = self._credits.get(dev.id, (0, 0.0, 0.0))
+            self._credits[dev.id] = (n + 1, total + gflop, self.wall(now))
+        else:
+            self.store.credit_device(dev.id, verified=1, gflop=gflop, now=self.wall(now))
+        dev.gflop_verified += gflop
+        self.gflop_verified += gflop
+        gemm.parts[tile.index] = check.msg.c
+        band = gemm.band_of.get(check.msg.tile_id)
+        if band is not None:
+            band.verified[check.msg.tile_id] = check
+
+    def settle_band(
+        self, check: BandCheck, passed: bool, verdicts: Sequence[Verdict], seconds: float, now: float
+    ) -> list[Outbound]:
+        """Act on a band's check (``BandCheck.run``): each result that passed is credited and
+        kept; each that failed is rejected (its tile queued again, never to that device) and
+        counted against its identity, as a result that failed alone is. A failed band checks
+        its later results one by one. The caller dispatches (``dispatch``) after."""
+        gemm, band = check.gemm, check.band
+        band.checking = False
+        self.verify_seconds += seconds
+        if self.gemms.get(gemm.id) is not gemm:  # finished or abandoned meanwhile
+            return []
+        if len(verdicts) != len(check.checks):  # a bug: never pair a verdict with the wrong result
+            raise RuntimeError(f"{len(verdicts)} verdicts for a band of {len(check.checks)} results")
+        if not passed:
+            band.alone = True
+            self.band_failures += 1
+            log.warning("a band of %d results of GEMM %d failed: each was checked alone", len(verdicts), gemm.id)
+        out: list[Outbound] = []
+        for one, verdict in zip(check.checks, verdicts):
+            tile_id = one.msg.tile_id
+            if band.answered.get(tile_id) is not one:  # taken back meanwhile (its device was banned)
+                continue
+            del band.answered[tile_id]
+            if verdict.ok:
+                self._verified(one, verdict, now)
+            else:
+                out.extend(self._reject_taken(one, f"failed verification: {verdict.reason}", now, forged=True))
+        if gemm.done:
+            self._complete(gemm, now)
+        return out
+
+    def _reject_taken(self, check: Check, reason: str, now: float, *, forged: bool) -> list[Outbound]:
+        """A result taken for its band is not used after all: the tile is queued again, never to
+        that device. ``forged``: it failed its check, which counts against its identity."""
+        dev, tile_id = check.dev, check.msg.tile_id
+        self.store.reject_verified(tile_id, dev.id, self.wall(now), reason)
+        self.sched.reopen(tile_id, dev.id)
+        if not forged:
+            return []
+        out: list[Outbound] = []
+        if self.devices.get(dev.id) is dev:
+            self._failed(dev.id, now)
+            out.append(self._send(dev.id, Error(Code.REJECTED, f"tile {tile_id} {reason}"), now))
+        return out + self._forged(dev, now)
+
     def _forged(self, dev: DeviceState, now: float) -> list[Outbound]:
         """Count a rejected result against its identity; when that bans it, drop the identity's
         live session (this one, or a newer one if it reconnected meanwhile)."""
@@ -840,6 +939,14 @@ class Core:
             return []
         reason = "results failed verification"
         self.gate.ban(dev.identity, reason, self.wall(now))
+        # Its results still waiting for their bands are not used: their tiles go to others now.
+        for gemm in self.gemms.values():
+            for band in (gemm.bands or {}).values():
+                if band.checking:  # judged with its band: a pass there proves it
+                    continue
+                for taken in [c for c in band.answered.values() if c.dev.identity == dev.identity]:
+                    del band.answered[taken.msg.tile_id]
+                    self._reject_taken(taken, "its device was banned", now, forged=False)
         live = self.devices.get(self._by_identity.get(dev.identity, -1))
         return [] if live is None else self._drop(live, CloseCode.BANNED, reason, now, DeviceStatus.BANNED)
 
@@ -1042,6 +1149,8 @@ class Core:
             out_dtype=out_dtype,
             deferred=deferred,
         )
+        if self.band_checks:
+            gemm.form_bands(self.rng)
         if not self.gemms and pred.busy_since is None:
             pred.busy_since = now
         self.gemms[gemm_id] = gemm

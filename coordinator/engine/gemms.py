@@ -18,13 +18,44 @@ from coordinator.engine.blocks import BlockRef, Source
 from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan
 from coordinator.wire.errors import Diverged
 from coordinator.wire.messages import Result
+from coordinator.wire.verify import ROUNDS, Band, Verdict, freivalds_band, freivalds_batch, random_vectors
 from coordinator.wire.verify import Product as VerifyProduct
-from coordinator.wire.verify import Verdict, freivalds_batch
 
 if TYPE_CHECKING:
     from coordinator.engine.devices import DeviceState
 
 Product = Callable[[], torch.Tensor]  # a GEMM's result, computed when called (``submit(lazy=True)``)
+
+
+@dataclass(eq=False)
+class BandState:
+    """Rows ``r0:r1`` of a GEMM whose results are checked together (``BandCheck``): a result is
+    taken when it arrives (its device's slot freed, its lease booked), and the band is checked
+    once all of its tiles are in. A band that fails its check has every result checked alone,
+    and from then on checks each of its results alone (``alone``) as they come."""
+
+    r0: int
+    r1: int
+    tiles: frozenset[int]  # tile ids
+    answered: dict[int, Check] = field(default_factory=dict)  # taken, waiting for the band's check
+    verified: dict[int, Check] = field(default_factory=dict)  # checked alone already (a device on probation)
+    checking: bool = False  # its check is out on the verifier
+    alone: bool = False  # it failed once: its results are checked one by one
+
+    @property
+    def complete(self) -> bool:
+        """Every tile of the band is in, some wait for the band's check, and it is not out yet."""
+        return (
+            not self.checking
+            and not self.alone
+            and bool(self.answered)
+            and len(self.answered) + len(self.verified) == len(self.tiles)
+        )
+
+    def due(self) -> tuple[Check, ...]:
+        """What the band's check reads: every result of it, those checked alone already too
+        (the band's sum needs them; only the others are judged by it)."""
+        return (*self.answered.values(), *self.verified.values())
 
 
 @dataclass
@@ -46,6 +77,58 @@ class GemmState:
     lazy: bool = False  # on_done gets a Product: the caller assembles, off the event loop
     out_dtype: torch.dtype | None = None  # of the assembled product (float32 for half-precision wire tiles)
     deferred: bool = False  # nobody waits on it before the step's end (a weight gradient)
+    # Checked by row bands (``form_bands``): the bands by first row, each tile's band, and the
+    # GEMM's secret vectors R (never sent anywhere) with B R and ||B||_F, computed at first need.
+    bands: dict[int, BandState] | None = None
+    band_of: dict[int, BandState] = field(default_factory=dict)
+    r: torch.Tensor | None = None
+    _br: tuple[torch.Tensor, float] | None = None
+
+    def form_bands(self, rng: np.random.Generator) -> bool:
+        """Group the tiles into row bands to check together, if they make bands: tiles of one
+        row range that cover every column over the whole reduction, row ranges that do not
+        overlap. False (checked one by one) otherwise."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for tid, t in self.tiles.items():
+            groups.setdefault((t.r0, t.r1), []).append(tid)
+        spans = sorted(groups)
+        if any(x[1] > y[0] for x, y in zip(spans, spans[1:])):
+            return False
+        k, n = self.b.shape
+        for tids in groups.values():
+            tiles = [self.tiles[t] for t in tids]
+            if sum((t.c1 - t.c0) * (t.k1 - t.k0) for t in tiles) != n * k:
+                return False
+        self.r = random_vectors(n, ROUNDS, rng)
+        self.bands = {r0: BandState(r0, r1, frozenset(tids)) for (r0, r1), tids in groups.items()}
+        self.band_of = {tid: self.bands[r0] for (r0, _), tids in groups.items() for tid in tids}
+        return True
+
+    def band(self, band: BandState, checks: Sequence[Check]) -> Band:
+        """What ``freivalds_band`` reads for ``band``'s results: B R and ||B||_F are the GEMM's,
+        computed once (on whichever thread checks its first band); the band's A rows and their
+        norms from the blocks' cached ones."""
+        if self.r is None:
+            raise RuntimeError("the GEMM was not formed into bands")
+        full = self.a.dtype in (torch.float32, torch.float64)
+        if self._br is None:
+            b = self.b if full else self.b.float()
+            norm = math.sqrt(sum(rb.norm() ** 2 for rb in self.b_blocks.values())) if full else None
+            self._br = (b @ self.r.to(b.dtype), norm if norm is not None else float(torch.linalg.vector_norm(b)))
+        br, b_norm = self._br
+        row_norms = None
+        if full:  # the band's A blocks, one per reduction piece: ||A_i||^2 is the sum of theirs
+            blocks = {ra.key: ra for c in checks for ra, _ in c.pairs}
+            row_norms = torch.stack([ra.row_norms() for ra in blocks.values()]).square().sum(0).sqrt()
+        return Band(
+            self.a[band.r0 : band.r1],
+            self.r.to(br.dtype),
+            br,
+            b_norm,
+            [c.product() for c in checks],
+            [(c.tile.c0, c.tile.c1) for c in checks],
+            row_norms,
+        )
 
     def blocks_of(self, tile: Tile) -> tuple[BlockRef, BlockRef]:
         """The blocks of the tile's first reduction piece."""
@@ -119,6 +202,27 @@ class Check:
         between threads)."""
         ((verdict, seconds),) = run_checks([self], rng)
         return verdict, seconds
+
+
+@dataclass(frozen=True, eq=False)
+class BandCheck:
+    """A band's results, checked as one (``freivalds_band``); like ``Check``, it reads only the
+    GEMM's operands, its vectors and the results, so it may run on another thread."""
+
+    gemm: GemmState
+    band: BandState
+    checks: tuple[Check, ...]
+
+    def run(self, rng: np.random.Generator) -> tuple[bool, list[Verdict], float]:
+        """Whether the band passed as one, each result's verdict, and the seconds it took."""
+        started = time.perf_counter()
+        passed, verdicts = freivalds_band(self.gemm.band(self.band, self.checks), rng)
+        return passed, verdicts, time.perf_counter() - started
+
+
+def run_bands(bands: Sequence[BandCheck], rng: np.random.Generator) -> list[tuple[bool, list[Verdict], float]]:
+    """``BandCheck.run`` for each band, in order (one job for the verifier)."""
+    return [band.run(rng) for band in bands]
 
 
 def run_checks(checks: Sequence[Check], rng: np.random.Generator) -> list[tuple[Verdict, float]]:

@@ -194,6 +194,7 @@ class Scheduler:
         self.scan = scan  # looks at unusable units or devices per dispatch phase, at most
         self.seats: dict[int, Seat] = {}
         self.units: dict[int, _Unit] = {}  # units of live GEMMs that are not done
+        self._done: dict[int, UnitSpec] = {}  # units of live GEMMs done: ``reopen`` may queue one again
         self._gemm_units: dict[int, list[int]] = {}
         self._shared: deque[int] = deque()  # queued units with no home (lazily pruned)
         self._queued = 0
@@ -397,6 +398,7 @@ class Scheduler:
     def drop_gemm(self, gemm: int) -> None:
         """The GEMM is done (or abandoned): forget its units."""
         for uid in self._gemm_units.pop(gemm, ()):
+            self._done.pop(uid, None)
             u = self.units.pop(uid, None)
             if u is None:
                 continue
@@ -506,6 +508,7 @@ class Scheduler:
         u = self.units.pop(unit, None)
         if u is None:
             return []
+        self._done[unit] = u.spec
         losers = [d for d in u.holders if d != device]
         for d in u.holders:
             seat = self.seats.get(d)
@@ -517,6 +520,21 @@ class Scheduler:
         self._thin.pop(unit, None)
         self._barred_units.discard(unit)
         return losers
+
+    def reopen(self, unit: int, device: int) -> bool:
+        """``device``'s result for ``unit``, taken as ``done``, failed a later check (its row
+        band's): queue the unit again ahead of everything, never to that device. False if its
+        GEMM was dropped meanwhile, or the unit is not done."""
+        spec = self._done.pop(unit, None)
+        if spec is None:
+            return False
+        u = _Unit(spec)
+        u.barred.add(device)
+        self.units[unit] = u
+        self._barred_units.add(unit)
+        self._enqueue(u, None, front=True)
+        self._moved()
+        return True
 
     def stuck(self) -> list[int]:
         """Queued units that no device here may take: every connected one failed them (O(units

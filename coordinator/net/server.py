@@ -45,7 +45,7 @@ from coordinator.engine import report
 from coordinator.engine.balance import Redirecting
 from coordinator.engine.core import TICK, Core, Departure
 from coordinator.engine.devices import DeviceState
-from coordinator.engine.gemms import Check, Product, run_checks
+from coordinator.engine.gemms import BandCheck, Check, Product, run_bands, run_checks
 from coordinator.engine.limits import Limits
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.net.dashboard import CHALLENGE, Dashboard, is_bearer
@@ -171,8 +171,12 @@ class Server:
         # results per connection wait (its next message waits for their verdicts), and a batch
         # takes at most ``CHECK_BATCH`` of them.
         self._waiting: list[tuple[Check, asyncio.Future[tuple[Verdict, float]]]] = []
+        # Bands whose results are all in (``Core.take_band_checks``): the verifier takes them
+        # before single results, since a GEMM waits on them. Bounded by the live GEMMs' bands.
+        self._bands_waiting: list[BandCheck] = []
         self._batch: asyncio.Future[list[tuple[Verdict, float]]] | None = None
         self.check_batches = 0  # batches verified (results per batch: checked / batches)
+        self.band_batches = 0  # jobs of band checks verified
         self.checked = 0
         self._stopped = False
 
@@ -278,6 +282,7 @@ class Server:
                             self._verify(got, conn)
                         else:
                             self.deliver(got)
+                            self._pump_bands()
                         if not here():  # dropped: the rest is not read
                             break
                 except Exception:  # a bug must not pass silently, nor take the server down
@@ -530,13 +535,29 @@ class Server:
         self._waiting.append((check, future))
         self._next_batch()
 
+    def _pump_bands(self) -> None:
+        """Bands whose last result just came in go to the verifier."""
+        bands = self.core.take_band_checks()
+        if bands:
+            self._bands_waiting.extend(bands)
+            self._next_batch()
+
     def _next_batch(self) -> None:
-        """Hand the verifier every result waiting for it (up to ``CHECK_BATCH``) if it is idle."""
-        if self._batch is not None or not self._waiting or self._stopped:
+        """Hand the verifier the bands due, or else every result waiting for it (up to
+        ``CHECK_BATCH``), if it is idle."""
+        if self._batch is not None or self._stopped:
             return
-        take = self._waiting[:CHECK_BATCH]
         if self._verifier is None:
             self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
+        if self._bands_waiting:
+            bands, self._bands_waiting = self._bands_waiting, []
+            job = asyncio.get_running_loop().run_in_executor(self._verifier, run_bands, bands, self._verify_rng)
+            self._batch = job
+            job.add_done_callback(lambda f: self._bands_done(bands, f))
+            return
+        if not self._waiting:
+            return
+        take = self._waiting[:CHECK_BATCH]
         checks = [check for check, _ in take]
         batch = asyncio.get_running_loop().run_in_executor(self._verifier, run_checks, checks, self._verify_rng)
         del self._waiting[: len(take)]  # handed over only once the verifier has them
@@ -578,6 +599,40 @@ class Server:
                 self.abort("internal error in the coordinator's verification (see the log)")
         finally:
             self.deliver(out)
+            self._pump_bands()  # a result checked alone may have completed its band
+            self._next_batch()
+
+    def _bands_done(self, bands: list[BandCheck], job: asyncio.Future) -> None:
+        """Settle each band's check as one piece of bookkeeping, dispatch once, send what they
+        decided; the next job starts."""
+        self._batch = None
+        out: list[Outbound] = []
+        try:
+            if job.cancelled():
+                return
+            error = job.exception()
+            outcomes = job.result() if error is None else []
+            if error is None and len(outcomes) != len(bands):
+                error = RuntimeError(f"{len(outcomes)} outcomes for {len(bands)} bands")
+            if error is not None:  # a bug in verification must stop the job, never pass a result unchecked
+                log.error("checking %d bands failed", len(bands), exc_info=error)
+                self.abort("internal error in the coordinator's verification (see the log)")
+                return
+            self.band_batches += 1
+            try:
+                with self.core.batch():
+                    now = self.clock()
+                    for band, (passed, verdicts, seconds) in zip(bands, outcomes, strict=True):
+                        self.checked += len(verdicts)
+                        out.extend(self.core.settle_band(band, passed, verdicts, seconds, now))
+                    if not self._stopped:
+                        out.extend(self.core.dispatch(now))
+            except Exception:  # the bookkeeping failed: never go on as if it had not
+                log.exception("settling %d bands failed", len(bands))
+                self.abort("internal error in the coordinator's verification (see the log)")
+        finally:
+            self.deliver(out)
+            self._pump_bands()
             self._next_batch()
 
     def _settle_all(
@@ -620,6 +675,7 @@ class Server:
         """Drop the checks still pending (the job is over; their results are not needed)."""
         self._stopped = True
         self._waiting.clear()
+        self._bands_waiting.clear()
         if self._batch is not None:
             self._batch.cancel()
         for future in list(self._checks):

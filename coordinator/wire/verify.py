@@ -284,8 +284,9 @@ class _Shared:
         return self._bs[key]
 
 
-def _structure(p: Product) -> Verdict | None:
-    """Shapes, dtypes and empty products: a verdict, or None when the product needs the check."""
+def structure(p: Product) -> Verdict | None:
+    """Shapes, dtypes and empty products: a verdict, or None when the product needs the check.
+    O(1) but for an empty reduction's result (all zero?)."""
     m, k = p.a.shape
     k2, n = p.b.shape
     if k != k2:
@@ -335,7 +336,7 @@ def _screen(p: Product, shared: _Shared, i: int) -> Verdict | _Pending:
     large to be honest. A verdict, or the product ready for the residual. ``shared``: the
     batch's cache of operands in the working dtype and their norms, one per block (``i``: the
     product's place in the batch)."""
-    structural = _structure(p)
+    structural = structure(p)
     if structural is not None:
         return structural
     c = p.c
@@ -450,7 +451,7 @@ def freivalds_batch(
     stacks: dict[tuple, list[int]] = {}
     alone: list[int] = []
     for i, p in enumerate(products):
-        structural = _structure(p)
+        structural = structure(p)
         if structural is not None:
             verdicts[i] = structural
             continue
@@ -501,6 +502,95 @@ def freivalds_batch(
     if len(done) != len(products):  # every product is screened out or judged: a bug otherwise
         raise RuntimeError(f"freivalds_batch judged {len(done)} of {len(products)} products")
     return done
+
+
+@dataclass(frozen=True, eq=False)
+class Band:
+    """Results that together make rows of one product ``A @ B``, checked as one: each of
+    ``products`` is a tile of those rows (all of them; its columns ``cols[i]``), and the tiles
+    with the same columns (split-K partials) add up over the whole reduction, so that
+    ``sum_i C_i R[cols_i] = A_rows (B R)`` for an honest set. ``r`` (``n x rounds``, the GEMM's
+    own secret vectors, ``random_vectors``) and ``br = B @ r`` are shared by every band of the
+    GEMM: B is read once for them all, each band's A rows once, and each result once.
+
+    ``a`` is the band's rows of A over the whole reduction, ``b_norm`` ``||B||_F`` and
+    ``a_row_norms`` ``||A_i||`` (computed here when None); ``br`` and ``r`` in float32 for half
+    operands. Each product keeps its own ``a``, ``b`` and cached norms: its screen (shape, dtype,
+    NaN, rows too large to be honest) is its own, and so is its check when the band fails."""
+
+    a: torch.Tensor
+    r: torch.Tensor
+    br: torch.Tensor
+    b_norm: float
+    products: Sequence[Product]
+    cols: Sequence[tuple[int, int]]
+    a_row_norms: torch.Tensor | None = None
+
+
+def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS) -> tuple[bool, list[Verdict]]:
+    """Check a band of results at once; when that fails, check each result alone.
+
+    The band's residual per row is ``e_i . R`` where ``e_i`` is the row's error over all its
+    columns (split-K partials summed: what assembly will produce). R's columns for different
+    tiles are independent draws, so a result whose row error reaches ``GAMMA tol_i`` (the band
+    row's tolerance, ``tolerance`` of the whole product's row) passes with probability at most
+    ``acceptance_bound()`` whatever the other results hold, exactly as one product checked alone
+    (docs/security.md, "Checks by band"). Errors in split-K partials of the same columns that
+    cancel in their sum do not change the assembled product and pass.
+
+    The cost: a pass over each result (its norms and ``C_i R``) and one over the band's A rows
+    (``A (B R)``, ``rounds`` columns), against a pass over A per result checked alone.
+
+    A result that fails its screen (shape, dtype, NaN, a row too large to be honest), or a band
+    whose residual exceeds its tolerance, sends every result of the band to ``freivalds_batch``
+    with fresh vectors from ``rng``: only the bad ones are rejected. Returns whether the band
+    check ran and passed, and one verdict per product, in order.
+    """
+    products = list(band.products)
+    if len(band.cols) != len(products):
+        raise ValueError(f"{len(band.cols)} column ranges for {len(products)} products")
+    if not products:
+        return True, []
+    if band.a.shape[0] == 0:  # no rows: every product is empty (``structure`` says how)
+        return False, freivalds_batch(products, rng, rounds=rounds)
+    n = band.r.shape[0]
+    first = products[0]
+    result, work = first.a.dtype, _work_dtype(first.a.dtype)
+    acc = torch.zeros(band.a.shape[0], band.r.shape[1], dtype=work)
+    c_sq = np.zeros(band.a.shape[0])
+    clean = True
+    for p, (c0, c1) in zip(products, band.cols, strict=True):
+        structural = structure(p)
+        if structural is not None:
+            if not structural.ok:
+                clean = False
+                break
+            continue  # an empty product: nothing to add
+        if p.a.dtype != result or p.compute_dtype != first.compute_dtype or p.rounded_to != first.rounded_to:
+            raise ValueError("a band's products must share dtypes")
+        if p.c.shape[0] != acc.shape[0] or not 0 <= c0 <= c1 <= n or c1 - c0 != p.c.shape[1]:
+            raise ValueError(f"a product of shape {tuple(p.c.shape)} does not fit the band at columns {c0}:{c1}")
+        c = p.c if p.c.dtype == work else p.c.to(work)
+        a_norms = p.a_row_norms if p.a_row_norms is not None and p.a.dtype == work else _row_norms(p.a.to(work))
+        b_norm = (
+            p.b_norm if p.b_norm is not None and p.a.dtype == work else float(torch.linalg.vector_norm(p.b.to(work)))
+        )
+        c_norms = _row_norms(c).numpy()
+        if _too_large(c, c_norms, a_norms.numpy() * b_norm) is not None:
+            clean = False
+            break
+        acc.addmm_(c, band.r[c0:c1])
+        c_sq += c_norms.astype(np.float64) ** 2
+    if clean:
+        a = band.a if band.a.dtype == work else band.a.to(work)
+        a_norms = band.a_row_norms if band.a_row_norms is not None and band.a.dtype == work else _row_norms(a)
+        ab = a_norms.numpy() * band.b_norm
+        tol = _tolerance(ab, np.sqrt(c_sq), n, first.compute_dtype, work, result, first.rounded_to)
+        residual = torch.mm(a, band.br).sub_(acc).abs_().amax(dim=1).numpy()
+        verdict = _verdict(acc, residual / (tol * R_RMS))
+        if verdict.ok:
+            return True, [verdict] * len(products)
+    return False, freivalds_batch(products, rng, rounds=rounds)
 
 
 _OWN = object()  # the key of an unkeyed product's blocks, paired with its index: shared with nothing
