@@ -10,6 +10,7 @@ import torch
 
 from coordinator.engine import report
 from coordinator.engine.core import Core
+from coordinator.engine.gemms import BandCheck
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.planning.tiles import GemmKind, TilingPolicy
@@ -115,7 +116,7 @@ def core_alone() -> Core:
     return make_core(band_checks=False)
 
 
-def make_core(*, band_checks: bool = True) -> Core:
+def make_core(*, band_checks: bool = True, ban_rejects: int | None = None) -> Core:
     store = MemoryStore()
     job = store.create_job("test", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
@@ -127,7 +128,9 @@ def make_core(*, band_checks: bool = True) -> Core:
         operator_token="op",
         rng=np.random.default_rng(0),
         policy=policy,
-        trust=TrustPolicy(probation_tiles=0, first_slots=8),
+        trust=TrustPolicy(
+            probation_tiles=0, first_slots=8, **({} if ban_rejects is None else {"ban_rejects": ban_rejects})
+        ),
         band_checks=band_checks,
     )
 
@@ -820,3 +823,66 @@ def test_a_device_that_could_not_reach_its_relay_goes_back_behind_it_once_its_ti
         fleet.route(core.tick(fleet.now + dt))
     assert core.relays.behind.get(dev) == relay_id
     assert [m.relay for m in fleet.inbox[dev] if isinstance(m, UseRelay)] == [relay_id]
+
+
+def test_a_forged_tile_inside_a_checked_band_is_rejected_alone_and_its_device_banned() -> None:
+    core = make_core(ban_rejects=1)  # a trusted device is banned at its first rejected result here
+    fleet = Fleet(core)
+    forged: list[int] = []
+
+    def forge_first(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        c = a @ b
+        if not forged:
+            forged.append(1)
+            c[0, 0] += 1.0
+        return c
+
+    bad = fleet.join("bad", compute=forge_first)
+    good = fleet.join("good")
+    a, b = torch.randn(256, 64), torch.randn(64, 256)
+    box = submit(core, fleet, a, b)
+    assert fleet.step(only=bad)
+    # Taken for its band: booked on arrival, judged once the band's other results are in.
+    assert not [m for m in fleet.inbox[bad] if isinstance(m, Error)]
+    assert core.store.tile_counts(core.job_id)["verified"] == 1
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
+    assert fleet.closed.get(bad) == CloseCode.BANNED and core.band_failures == 1
+    errors = [m for m in fleet.inbox[bad] if isinstance(m, Error)]
+    assert [e.code for e in errors] == ["rejected"]
+    histories = {t: core.store.leases(t) for t in range(1, 17)}
+    failed = [t for t, h in histories.items() if any(lease.reason.startswith("failed verification") for lease in h)]
+    assert len(failed) == 1  # only the forged tile, however many of its band's results were checked with it
+    assert [(lease.device_id, lease.outcome) for lease in histories[failed[0]]] == [
+        (bad, "rejected"),
+        (good, "verified"),
+    ]
+    for tile, history in histories.items():  # each ends verified once; the banned device's waiting ones went to good
+        assert [lease.outcome for lease in history].count("verified") == 1, tile
+        assert all(lease.device_id == bad for lease in history if lease.reason == "its device was banned"), tile
+    rows = {d["name"]: d for d in report.status(core, fleet.now)["devices"]}
+    assert rows["bad"]["tiles_rejected"] == 1 and rows["bad"]["state"] == "banned"
+
+
+def test_bands_check_every_result_once_and_the_job_stays_exact(core: Core) -> None:
+    fleet = Fleet(core)
+    for name in ("a", "b", "c"):
+        fleet.join(name)
+    checked: list[int] = []
+    run = BandCheck.run
+
+    def counted(self: BandCheck, rng: np.random.Generator) -> tuple:
+        checked.extend(c.msg.tile_id for c in self.checks)
+        return run(self, rng)
+
+    BandCheck.run = counted  # type: ignore[method-assign]
+    try:
+        for kind in (GemmKind.FORWARD, GemmKind.GRAD_WEIGHT):
+            a, b = torch.randn(192, 320), torch.randn(320, 160)
+            box = submit(core, fleet, a, b, kind)
+            fleet.drain()
+            torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-4)
+    finally:
+        BandCheck.run = run  # type: ignore[method-assign]
+    assert checked and len(checked) == len(set(checked)) == core.store.tile_counts(core.job_id)["verified"]
+    assert core.band_failures == 0

@@ -655,3 +655,22 @@ def test_why_leases_were_lost_is_counted_as_they_end(store: Store) -> None:
     assert store.lost_reasons(job) == {"connection closed": 2, "no heartbeat for 30.0 s": 1}  # kept since
     assert store.lost_reasons(job, limit=1) == {"connection closed": 2}
     assert store.lost_reasons(store.create_job("other", {}, 1, 14.0)) == {}
+
+
+def test_a_verified_result_rejected_later_requeues_its_tile_and_bars_its_device(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    d, other = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
+    _, ids = _gemm(store, job, n=1)
+    store.claim_tile(d, [], now=11.0)
+    store.end_lease(ids[0], d, "verified", now=12.0)
+    with pytest.raises(StoreError):  # it has no verified result of the other device
+        store.reject_verified(ids[0], other, 13.0, "its band failed")
+    store.reject_verified(ids[0], d, 13.0, "its band failed")
+    assert store.tile_state(ids[0]) == "queued"
+    assert [(lease.outcome, lease.reason) for lease in store.leases(ids[0])] == [("rejected", "its band failed")]
+    counts = store.tile_counts(job)
+    assert (counts["verified"], counts["queued"], counts["rejected"]) == (0, 1, 1)
+    assert store.claim_tile(d, [], now=14.0) is None  # barred from it
+    assert store.claim_tile(other, [], now=14.0).id == ids[0]
+    with pytest.raises(StoreError):  # once
+        store.reject_verified(ids[0], d, 15.0, "again")

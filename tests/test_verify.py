@@ -28,12 +28,15 @@ from coordinator.wire.verify import (
     ROUNDS,
     STACK_BELOW,
     TARGET_BOUND,
+    Band,
     Product,
     acceptance_bound,
     detection_threshold,
     freivalds,
+    freivalds_band,
     freivalds_batch,
     rademacher,
+    random_vectors,
     round_bound,
     tolerance,
 )
@@ -441,3 +444,104 @@ def test_small_tiles_are_checked_stacked_and_large_ones_alone_with_the_same_verd
             verdicts = freivalds_batch(batch, rng, stack_below=stack_below)
             assert [v.ok for v in verdicts] == [i != victim for i in range(len(batch))], (victim, stack_below)
             assert max(v.worst_ratio for i, v in enumerate(verdicts) if i != victim) < 0.25
+
+
+# --------------------------------------------------------------------------- checks by band
+
+
+def _band(
+    a: torch.Tensor, b: torch.Tensor, cols: int, pieces: int, rng: np.random.Generator
+) -> tuple[Band, list[Product]]:
+    """Rows ``a`` of ``a @ b`` cut into ``cols`` column tiles of ``pieces`` split-K partials each,
+    every tile computed honestly, as the engine hands them to ``freivalds_band``."""
+    k, n = b.shape
+    col_cuts = [n * j // cols for j in range(cols + 1)]
+    k_cuts = [k * p // pieces for p in range(pieces + 1)]
+    products, spans = [], []
+    for j in range(cols):
+        for p in range(pieces):
+            ta, tb = a[:, k_cuts[p] : k_cuts[p + 1]], b[k_cuts[p] : k_cuts[p + 1], col_cuts[j] : col_cuts[j + 1]]
+            products.append(Product(ta, tb, ta @ tb))
+            spans.append((col_cuts[j], col_cuts[j + 1]))
+    r = random_vectors(n, ROUNDS, rng)
+    band = Band(a, r, b @ r, float(torch.linalg.vector_norm(b)), products, spans)
+    return band, products
+
+
+def _with(band: Band, i: int, c: torch.Tensor) -> Band:
+    products = list(band.products)
+    products[i] = dataclasses.replace(products[i], c=c)
+    return dataclasses.replace(band, products=products)
+
+
+@pytest.mark.parametrize("cols,pieces", [(1, 1), (5, 1), (3, 4), (1, 6)])
+@pytest.mark.parametrize("operands", ["zero-mean", "correlated"])
+def test_an_honest_band_passes_as_one_with_the_single_checks_margin(cols: int, pieces: int, operands: str) -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        a, b, _ = _operands(operands, rng)
+        band, _ = _band(a, b, cols, pieces, rng)
+        passed, verdicts = freivalds_band(band, rng)
+        assert passed and all(v.ok for v in verdicts)
+        assert verdicts[0].worst_ratio < 0.25  # the single check's honest residuals reach 0.23 (docs/security.md)
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+@pytest.mark.parametrize("cols,pieces", [(5, 1), (3, 2)])
+def test_a_forged_tile_inside_a_band_fails_the_band_and_is_rejected_alone(name: str, cols: int, pieces: int) -> None:
+    rng = np.random.default_rng(11)
+    a, b, _ = _operands("zero-mean", rng)
+    band, products = _band(a, b, cols, pieces, rng)
+    # The band row's tolerance is the whole product's row's: a forgery past the band's detection
+    # threshold (1.5x) is caught, however small it is against the tile's own.
+    whole = tolerance(a, b, a @ b)
+    for victim in (0, len(products) - 1):
+        p = products[victim]
+        scale = float((whole / tolerance(p.a, p.b, p.c)).max())
+        forged = _with(band, victim, FORGERIES[name](p.a, p.b, p.c, rng, 1.5 * scale))
+        for _ in range(10):  # fresh vectors for the fallback every time (the band's own R is fixed)
+            passed, verdicts = freivalds_band(forged, rng)
+            assert not passed, (name, victim)
+            assert [v.ok for v in verdicts] == [i != victim for i in range(len(products))], (name, victim)
+
+
+def test_a_band_catches_a_row_error_past_its_threshold_whatever_the_vectors() -> None:
+    rng = np.random.default_rng(3)
+    a, b, _ = _operands("correlated", rng)
+    threshold = detection_threshold(a, b, a @ b)  # of the whole product's rows
+    caught = 0
+    for _ in range(200):
+        band, products = _band(a, b, 4, 1, rng)  # new R every time: the bound is over the vectors
+        row = int(rng.integers(a.shape[0]))
+        c = products[2].c.clone()
+        direction = torch.from_numpy(rng.standard_normal(c.shape[1])).float()
+        c[row] += 1.01 * float(threshold[row]) * direction / direction.norm()
+        caught += not freivalds_band(_with(band, 2, c), rng)[0]
+    assert caught == 200
+
+
+def test_split_k_partials_whose_errors_cancel_pass_as_their_sum_is_exact() -> None:
+    rng = np.random.default_rng(5)
+    a, b, _ = _operands("zero-mean", rng)
+    band, products = _band(a, b, 1, 2, rng)
+    error = 100 * torch.randn_like(products[0].c)
+    passed, _ = freivalds_band(_with(_with(band, 0, products[0].c + error), 1, products[1].c - error), rng)
+    assert passed  # what assembly adds up is exact: the model sees no error (docs/security.md)
+
+
+@pytest.mark.parametrize("bad", ["nan", "shape", "dtype", "too large"])
+def test_a_result_that_fails_its_screen_is_rejected_alone_and_the_rest_checked_alone(bad: str) -> None:
+    rng = np.random.default_rng(9)
+    a, b, _ = _operands("zero-mean", rng)
+    band, products = _band(a, b, 3, 1, rng)
+    c = products[1].c.clone()
+    if bad == "nan":
+        c[3, 3] = float("nan")
+    elif bad == "shape":
+        c = c[:, 1:]
+    elif bad == "dtype":
+        c = c.double()
+    else:
+        c[0] *= 1e6
+    passed, verdicts = freivalds_band(_with(band, 1, c), rng)
+    assert not passed and [v.ok for v in verdicts] == [True, False, True]
