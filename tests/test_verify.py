@@ -524,7 +524,7 @@ def test_split_k_partials_whose_errors_cancel_pass_as_their_sum_is_exact() -> No
     rng = np.random.default_rng(5)
     a, b, _ = _operands("zero-mean", rng)
     band, products = _band(a, b, 1, 2, rng)
-    error = 100 * torch.randn_like(products[0].c)
+    error = products[0].c.roll(1, dims=1)  # as large as the partial itself, within the honest norm cap
     passed, _ = freivalds_band(_with(_with(band, 0, products[0].c + error), 1, products[1].c - error), rng)
     assert passed  # what assembly adds up is exact: the model sees no error (docs/security.md)
 
