@@ -71,8 +71,11 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     assert time.monotonic() - unplugged < 1.0
     row = _device(coord.url, "laptop")
     assert row["reason"] == "on battery" and row["inflight"] == 0  # its tiles went back at once
-    done_while_paused = row["tiles_done"]
     step_at_pause = coord.steps_done()
+    # Results it returned before the pause are credited once their row bands are checked, at the
+    # latest when the step they belong to ends: count from the next step on.
+    wait_until(lambda: coord.steps_done() >= step_at_pause + 1, 2 * TIMEOUT, "the step of the pause to end")
+    done_while_paused = _device(coord.url, "laptop")["tiles_done"]
     wait_until(lambda: coord.steps_done() >= step_at_pause + 3, 2 * TIMEOUT, "the desktop to carry on alone")
     assert _device(coord.url, "laptop")["tiles_done"] == done_while_paused  # paused means no work
 

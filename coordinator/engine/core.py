@@ -106,6 +106,7 @@ from coordinator.wire.messages import (
     Welcome,
     Work,
 )
+from coordinator.wire.verify import Product as VerifyProduct
 from coordinator.wire.verify import Verdict, structure
 from db.store import CheckpointRow, DeviceInfo, DeviceStatus, IdentityState, NewTile, Outcome, Store
 
@@ -747,7 +748,7 @@ class Core:
         if band is None or band.alone or dev.standing.on_probation(self.trust):  # newcomers: alone
             return check
         # Checked with its band: its shape now, the rest once every result of the band is in.
-        wrong = structure(check.product())
+        wrong = structure(VerifyProduct(check.a, check.b, msg.c))
         if wrong is not None and not wrong.ok:
             return self.settle(check, wrong, 0.0, check.arrived)
         return self.settle(check, None, 0.0, check.arrived)
