@@ -102,6 +102,7 @@ def test_wire_layout_recognises_transposed_and_strided_slices() -> None:
     assert wire_layout(w[10:20]) == "plain"
     assert wire_layout(w.t()[0:64, 0:32]) == "t"  # a block of W^T, as in the forward pass
     assert wire_layout(w[:, 0:10]) == "copy"
+    assert wire_layout(w[:, 0:10].t()) == "copy_t"  # dW's A block, dY[k0:k1, r0:r1]^T
 
 
 def test_invalid_policy_and_shapes_are_refused() -> None:

@@ -75,7 +75,7 @@ class BlockRef:
     def wire(self) -> torch.Tensor:
         """The contiguous tensor that travels (a copy only for strided slices, made once)."""
         if self._wire is None:
-            self._wire = self.logical.t() if self.transposed else self.logical.contiguous()
+            self._wire = (self.logical.t() if self.transposed else self.logical).contiguous()
         return self._wire
 
     @property
@@ -139,8 +139,8 @@ class Sources:
 def block_ref(src: Source, gemm_id: int, operand: str, logical: torch.Tensor) -> BlockRef:
     """Name ``logical`` (a slice of ``src``'s memory) and decide how it travels."""
     layout = wire_layout(logical)
-    if layout is Layout.COPY:
-        return BlockRef(f"{src.id}.g{gemm_id}.{operand}", src.id, False, logical)
+    if layout in (Layout.COPY, Layout.COPY_T):  # copied when it first travels (``wire``)
+        return BlockRef(f"{src.id}.g{gemm_id}.{operand}", src.id, layout is Layout.COPY_T, logical)
     wire = logical.t() if layout is Layout.T else logical
     rows, cols = wire.shape
     key = f"{src.id}.{wire.storage_offset()}.{rows}x{cols}"
