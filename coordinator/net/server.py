@@ -50,6 +50,7 @@ from coordinator.engine.limits import Limits
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.net.dashboard import CHALLENGE, Dashboard, is_bearer
 from coordinator.net.dashboard import handles as dashboard_handles
+from coordinator.net.framing import unjoined_frames
 from coordinator.net.listener import ConnectionCounter, bind
 from coordinator.net.metrics import PATH as METRICS_PATH
 from coordinator.net.metrics import Metrics
@@ -206,6 +207,7 @@ class Server:
 
     async def handler(self, ws: ServerConnection) -> None:
         lim = self.limits
+        unjoined_frames(ws.protocol)  # work frames' blocks go to the socket without a copy
         if self.counter.over_cap():
             self.refused += 1
             await _refuse(ws, CloseCode.BUSY, "coordinator is at its connection limit; try again later")
