@@ -53,6 +53,10 @@ every device off probation) it measures over ``--seconds``:
   contiguous float32 of the tile's shape, one torch thread, 7 samples in this process before
   each run, the median of all a shape's samples);
 * the tax (CPU per tile / GEMM seconds), its ceiling 1 / tax, and the MB down and up per tile;
+* the physical floor, measured in the same run (``socket_floor``): what this process's CPU pays to
+  move a MB over loopback TCP with nothing but the kernel in the way, and so what the tile's
+  bytes alone cost (``tax floor``); the tax over that floor says how much framing, checks and
+  books add to the bytes;
 * how busy each process was (cores): on two cores the clients' process shares the machine.
 
 ``--check both`` (the default) runs tile checks, then band checks, on each shape and prints them
@@ -73,6 +77,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -550,6 +555,62 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+FLOOR_MB = 256  # bytes each way for the socket floor (about a second of this machine's CPU)
+
+_PEER = """
+import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+want, buf, got = int(sys.argv[2]), bytearray(1 << 20), 0
+while got < want:
+    n = s.recv_into(buf)
+    if not n:
+        break
+    got += n
+s.sendall(b"x")
+block = memoryview(bytearray(1 << 20))
+for _ in range(want >> 20):
+    s.sendall(block)
+s.recv(1)
+"""
+
+
+def socket_floor(mb: int = FLOOR_MB) -> dict[str, float]:
+    """What moving bytes costs this process with nothing but the kernel in the way: its CPU per
+    MB (1e6 bytes) to ``sendall`` 10 MiB buffers to, and to ``recv_into`` 1 MiB from, a peer
+    process over loopback TCP. The coordinator can pay no less for its frames' bytes here;
+    ``tax floor`` is what a tile's bytes alone cost at these rates."""
+    nbytes = mb << 20
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(srv.getsockname()[1]), str(nbytes)])
+    try:
+        conn, _ = srv.accept()
+        block = memoryview(bytearray(10 << 20))
+        c0 = time.process_time()
+        for _ in range(nbytes // len(block)):
+            conn.sendall(block)
+        left = nbytes % len(block)
+        if left:
+            conn.sendall(block[:left])
+        conn.recv(1)
+        send = time.process_time() - c0
+        buf, got = bytearray(1 << 20), 0
+        c0 = time.process_time()
+        while got < nbytes:
+            n = conn.recv_into(buf)
+            if not n:
+                raise RuntimeError("the floor's peer closed early")
+            got += n
+        recv = time.process_time() - c0
+        conn.sendall(b"x")
+        conn.close()
+    finally:
+        srv.close()
+        peer.wait(timeout=30)
+    return {"send_ms_per_mb": 1e3 * send / (nbytes / 1e6), "recv_ms_per_mb": 1e3 * recv / (nbytes / 1e6)}
+
+
 def run_shape(args: argparse.Namespace, shape: Shape, tmp: Path) -> dict[str, Any]:
     """Every check mode on ``shape``, ``--repeat`` times, alternating; one row per mode (medians).
     The tile's GEMM is timed before every run (this machine's speed drifts with its load) and
@@ -589,10 +650,17 @@ def run_shape(args: argparse.Namespace, shape: Shape, tmp: Path) -> dict[str, An
                 _say(args, f"  coordinator warning: {line}")
             runs[mode].append(r)
     gemm_ms = 1e3 * statistics.median(samples)
+    floor = args.floor
     for r in (r for rs in runs.values() for r in rs if "error" not in r):
         r["gemm_ms"] = gemm_ms
         r["tax"] = r["cpu_ms_per_tile"] / gemm_ms
         r["ceiling"] = 1.0 / r["tax"]
+        # The bytes alone, at the socket floor: what no framing, check or bookkeeping can undercut.
+        r["floor_ms_per_tile"] = (
+            r["mb_down_per_tile"] * floor["send_ms_per_mb"] + r["mb_up_per_tile"] * floor["recv_ms_per_mb"]
+        )
+        r["tax_floor"] = r["floor_ms_per_tile"] / gemm_ms
+        r["over_floor"] = r["cpu_ms_per_tile"] / r["floor_ms_per_tile"]
     _say(
         args,
         f"  tile GEMM on one core: {gemm_ms:.1f} ms (median of {len(samples)}, {min(samples) * 1e3:.1f}-"
@@ -648,6 +716,9 @@ def render(result: dict[str, Any], console: Console) -> None:
         ("tile GEMM on one core", "gemm_ms", ms),
         (f"tax: CPU per tile / GEMM (goal <= {GOAL_TAX:.0%})", "tax", lambda x: f"{x:.1%}"),
         ("ceiling: 1 / tax", "ceiling", lambda x: f"{x:.2f}x"),
+        ("the tile's bytes at the socket floor", "floor_ms_per_tile", ms),
+        ("tax floor: those bytes / GEMM", "tax_floor", lambda x: f"{x:.1%}"),
+        ("CPU per tile / the floor's", "over_floor", lambda x: f"{x:.2f}x"),
         ("MB down per tile", "mb_down_per_tile", lambda x: f"{x:.2f}"),
         ("MB up per tile", "mb_up_per_tile", lambda x: f"{x:.2f}"),
         ("cores busy: coordinator", "coordinator_cores", lambda x: f"{x:.2f}"),
@@ -679,7 +750,10 @@ def render(result: dict[str, Any], console: Console) -> None:
         "tile's GEMM on one core here; ceiling: the most any fleet can speed up GEMMs shipped in such "
         f"tiles. Goal: tax <= {GOAL_TAX:.0%} (a ceiling of {1 / GOAL_TAX:.0f}x). The clients replay their "
         "products (each computed once), so they cost little but their bytes; both processes share this "
-        f"machine's cores. The coordinator ran {result['coordinator_threads']} torch threads; "
+        f"machine's cores. Socket floor (raw TCP on loopback, this process's CPU): "
+        f"{result['socket_floor']['send_ms_per_mb']:.3f} ms a MB sent, "
+        f"{result['socket_floor']['recv_ms_per_mb']:.3f} ms a MB received. "
+        f"The coordinator ran {result['coordinator_threads']} torch threads; "
         f"{result['wall_s']:.0f} s in all.",
         style="dim",
     )
@@ -757,6 +831,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).propagate = False
     signal.signal(signal.SIGTERM, _interrupt)
     started = time.perf_counter()
+    args.floor = socket_floor()
+    _say(
+        args,
+        f"socket floor on loopback: {args.floor['send_ms_per_mb']:.3f} ms of CPU a MB sent, "
+        f"{args.floor['recv_ms_per_mb']:.3f} received",
+    )
     with tempfile.TemporaryDirectory(prefix="cleave-bench-tax-") as tmp:
         rows = [run_shape(args, shape, Path(tmp)) for shape in shapes.values()]
     result = {
@@ -767,6 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "coordinator_threads": torch.get_num_threads(),
         "goal_tax": GOAL_TAX,
+        "socket_floor": args.floor,
         "shapes": rows,
         "wall_s": time.perf_counter() - started,
     }
