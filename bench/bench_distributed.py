@@ -259,6 +259,7 @@ def run_distributed(
     client_threads: int,
     ui: ProgressUI,
     wire_dtype: WireDtype = WireDtype.FP32,
+    band_checks: bool = True,
 ) -> DistributedRun:
     torch.set_num_threads(threads)
     reporter = BenchReporter(ui, train.steps)
@@ -272,6 +273,7 @@ def run_distributed(
             min_devices=clients,
             planner=Planner.UNIFORM,  # its micro-benchmark re-plans the fixed grid
             wire_dtype=wire_dtype,
+            band_checks=band_checks,
         )
         outcome = asyncio.run(
             serve_with_local_clients(
@@ -821,6 +823,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="steps of the demo job timed last (cleave demo's default: 100; 0 skips it)",
     )
     p.add_argument(
+        "--checks",
+        choices=["band", "tile"],
+        default="band",
+        help="how the coordinator checks results: a row band at a time (default) or each alone",
+    )
+    p.add_argument(
         "--wire-dtype",
         choices=[w.value for w in WireDtype],
         default=WireDtype.FP32.value,
@@ -868,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
             args.client_threads,
             ui,
             WireDtype(args.wire_dtype),
+            band_checks=args.checks == "band",
         )
         offset = _gemm_step_offset(dist.gemms, args.steps)
         last_step = [(kind, m, n, k, tiles) for s, kind, m, n, k, tiles in dist.gemms if s + offset == args.steps]

@@ -83,6 +83,7 @@ class CoordinatorConfig:
     ps_link_gbps: float = 10.0  # the coordinator's link, each way (--ps-link-gbps)
     ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
     wire_dtype: WireDtype = WireDtype.FP32  # what float32 operands and results travel as (--wire-dtype)
+    band_checks: bool = True  # results checked a row band at a time (False: each alone; docs/security.md)
     device: str = "auto"  # where the trainer's tensors live (--device auto|cpu|cuda; hardware.py)
     tier: TierOptions | None = None  # one rank of a job across several coordinators (tier/group.py)
     model_factory: Callable[[], nn.Module] | None = None  # builds a custom:LABEL model (docs/api.md)
@@ -384,6 +385,7 @@ async def serve_job(
             planner=cfg.planner,
             ps=ps,
             grid_gco2_kwh=cfg.grid_gco2_kwh,
+            band_checks=cfg.band_checks,
         )
         meter = EnergyMeter(gpu="cuda" if device.type == "cuda" else "", gpu_index=device.index or 0)
         meter.keep_reading()  # this process's own energy, read at each step's end (and between: wraps)
