@@ -886,3 +886,21 @@ def test_bands_check_every_result_once_and_the_job_stays_exact(core: Core) -> No
         BandCheck.run = run  # type: ignore[method-assign]
     assert checked and len(checked) == len(set(checked)) == core.store.tile_counts(core.job_id)["verified"]
     assert core.band_failures == 0
+
+
+def test_a_trusted_forger_gets_at_most_a_slot_full_of_results_past_the_check_before_its_ban(core: Core) -> None:
+    fleet = Fleet(core)
+    bad = fleet.join("bad", compute=corrupt, slots=4)
+    fleet.join("good", slots=4)
+    a, b = torch.randn(512, 64), torch.randn(64, 512)  # 64 tiles in 8 bands
+    box = submit(core, fleet, a, b)
+    answered = 0
+    while bad in core.devices and fleet.step(only=bad):
+        answered += 1
+    # Taken for their bands while it held fewer than a slot-full unchecked; every later result is
+    # checked alone, and two rejected ones ban a trusted device.
+    assert fleet.closed.get(bad) == CloseCode.BANNED
+    assert bad not in core.devices and answered <= 4 + core.trust.ban_rejects
+    fleet.pending = [p for p in fleet.pending if p.device != bad]
+    fleet.drain()
+    torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)

@@ -64,7 +64,8 @@ def test_split_k_partials_of_half_tiles_are_summed_in_float32_and_rounded_once(d
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forged_half_tiles_of_a_half_precision_job_are_rejected(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("bands", [False, True])  # each result alone; a row band at a time
+def test_forged_half_tiles_of_a_half_precision_job_are_rejected(dtype: torch.dtype, bands: bool) -> None:
     """A bf16 job's tiles are checked against one rounding of a float32 sum, not against bf16
     products: a result of zeros, negated or random fails; the honest one passes."""
 
@@ -89,7 +90,7 @@ def test_forged_half_tiles_of_a_half_precision_job_are_rejected(dtype: torch.dty
             rng=np.random.default_rng(),
             policy=TilingPolicy(max_edge=64, min_edge=16, min_k=1024, min_tile_flops=1),
             trust=TrustPolicy(probation_tiles=0, first_slots=8),
-            band_checks=False,  # each result checked alone, as it arrives: that path is what this tests
+            band_checks=bands,
         )
         fleet = Fleet(core)
         liar = fleet.join("liar", compute=forgery(kind), slots=1)
@@ -98,7 +99,8 @@ def test_forged_half_tiles_of_a_half_precision_job_are_rejected(dtype: torch.dty
         _, out = core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda c: box.setdefault("c", c))  # noqa: B023
         fleet.route(out)
         assert fleet.step(only=liar)
-        assert report.status(core, fleet.now)["tiles"]["rejected"] == 1, kind
+        if not bands:  # judged at once; by band, once the honest device has completed its band
+            assert report.status(core, fleet.now)["tiles"]["rejected"] == 1, kind
         fleet.join("honest", slots=1)
         fleet.drain()
         torch.testing.assert_close(box["c"].float(), (a.float() @ b.float()), rtol=2e-2, atol=2e-1)

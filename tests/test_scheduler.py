@@ -127,6 +127,24 @@ def test_a_released_unit_is_first_in_line_and_a_barred_device_never_gets_it_agai
     assert assigned(s) == [(2, 0)]  # the released unit before the newer one
 
 
+def test_a_done_unit_reopened_after_a_failed_check_keeps_its_bars_and_bars_its_device() -> None:
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=0.1)
+    s.join(2, slots=1, seconds_per_gflop=0.1)
+    s.add_gemm(1, units(1, 1))
+    assert assigned(s) == [(1, 0)]
+    assert s.release(0, 1, bar=True)  # device 1 failed it
+    assert assigned(s) == [(2, 0)]
+    assert s.done(0, 2) == []
+    assert s.reopen(0, 2)  # device 2's result failed its band's check
+    assert s.queued == 1 and assigned(s) == [] and s.stuck() == [0]  # barred for both: nobody may take it
+    s.join(3, slots=1, seconds_per_gflop=0.1)
+    assert assigned(s) == [(3, 0)]
+    assert not s.reopen(0, 3)  # not done: nothing to reopen
+    s.drop_gemm(1)
+    assert not s.reopen(0, 3)
+
+
 def test_a_gemm_queued_in_front_goes_before_units_queued_earlier_in_its_own_order() -> None:
     s = Scheduler(FAULTS)
     s.join(1, slots=1, seconds_per_gflop=0.1, paused=True)

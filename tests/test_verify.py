@@ -453,19 +453,21 @@ def _band(
     a: torch.Tensor, b: torch.Tensor, cols: int, pieces: int, rng: np.random.Generator
 ) -> tuple[Band, list[Product]]:
     """Rows ``a`` of ``a @ b`` cut into ``cols`` column tiles of ``pieces`` split-K partials each,
-    every tile computed honestly, as the engine hands them to ``freivalds_band``."""
+    every tile computed honestly, with its own vectors, as the engine hands them to ``freivalds_band``."""
     k, n = b.shape
     col_cuts = [n * j // cols for j in range(cols + 1)]
     k_cuts = [k * p // pieces for p in range(pieces + 1)]
-    products, spans = [], []
+    products, vectors = [], []
+    expected = {(k_cuts[p], k_cuts[p + 1]): torch.zeros(k_cuts[p + 1] - k_cuts[p], ROUNDS) for p in range(pieces)}
     for j in range(cols):
         for p in range(pieces):
-            ta, tb = a[:, k_cuts[p] : k_cuts[p + 1]], b[k_cuts[p] : k_cuts[p + 1], col_cuts[j] : col_cuts[j + 1]]
+            (k0, k1), (c0, c1) = (k_cuts[p], k_cuts[p + 1]), (col_cuts[j], col_cuts[j + 1])
+            ta, tb = a[:, k0:k1], b[k0:k1, c0:c1]
+            r = random_vectors(c1 - c0, ROUNDS, rng)
             products.append(Product(ta, tb, ta @ tb))
-            spans.append((col_cuts[j], col_cuts[j + 1]))
-    r = random_vectors(n, ROUNDS, rng)
-    band = Band(a, r, b @ r, float(torch.linalg.vector_norm(b)), products, spans)
-    return band, products
+            vectors.append(r)
+            expected[(k0, k1)] += tb @ r
+    return Band(a, vectors, [(k0, k1, br) for (k0, k1), br in sorted(expected.items())], products), products
 
 
 def _with(band: Band, i: int, c: torch.Tensor) -> Band:
@@ -492,9 +494,9 @@ def test_a_forged_tile_inside_a_band_fails_the_band_and_is_rejected_alone(name: 
     rng = np.random.default_rng(11)
     a, b, _ = _operands("zero-mean", rng)
     band, products = _band(a, b, cols, pieces, rng)
-    # The band row's tolerance is the whole product's row's: a forgery past the band's detection
+    # The band row's tolerance is its tiles' in quadrature: a forgery past the band's detection
     # threshold (1.5x) is caught, however small it is against the tile's own.
-    whole = tolerance(a, b, a @ b)
+    whole = torch.stack([tolerance(p.a, p.b, p.c) for p in products]).square().sum(0).sqrt()
     for victim in (0, len(products) - 1):
         p = products[victim]
         scale = float((whole / tolerance(p.a, p.b, p.c)).max())
@@ -508,10 +510,10 @@ def test_a_forged_tile_inside_a_band_fails_the_band_and_is_rejected_alone(name: 
 def test_a_band_catches_a_row_error_past_its_threshold_whatever_the_vectors() -> None:
     rng = np.random.default_rng(3)
     a, b, _ = _operands("correlated", rng)
-    threshold = detection_threshold(a, b, a @ b)  # of the whole product's rows
     caught = 0
     for _ in range(200):
         band, products = _band(a, b, 4, 1, rng)  # new R every time: the bound is over the vectors
+        threshold = GAMMA * torch.stack([tolerance(p.a, p.b, p.c) for p in products]).square().sum(0).sqrt()
         row = int(rng.integers(a.shape[0]))
         c = products[2].c.clone()
         direction = torch.from_numpy(rng.standard_normal(c.shape[1])).float()
@@ -520,13 +522,27 @@ def test_a_band_catches_a_row_error_past_its_threshold_whatever_the_vectors() ->
     assert caught == 200
 
 
-def test_split_k_partials_whose_errors_cancel_pass_as_their_sum_is_exact() -> None:
+def test_split_k_partials_whose_errors_cancel_are_caught_and_each_rejected() -> None:
+    # Each tile has vectors of its own: +E in one partial and -E in another of the same columns
+    # do not cancel in the residual (nor loosen its tolerance for a forgery beside them).
     rng = np.random.default_rng(5)
     a, b, _ = _operands("zero-mean", rng)
     band, products = _band(a, b, 1, 2, rng)
     error = products[0].c.roll(1, dims=1)  # as large as the partial itself, within the honest norm cap
-    passed, _ = freivalds_band(_with(_with(band, 0, products[0].c + error), 1, products[1].c - error), rng)
-    assert passed  # what assembly adds up is exact: the model sees no error (docs/security.md)
+    for _ in range(20):
+        band, products = _band(a, b, 1, 2, rng)
+        passed, verdicts = freivalds_band(_with(_with(band, 0, products[0].c + error), 1, products[1].c - error), rng)
+        assert not passed and [v.ok for v in verdicts] == [False, False]
+
+
+@pytest.mark.parametrize("cols,pieces", [(4, 1), (1, 4), (4, 4)])
+def test_a_bands_tolerance_is_its_tiles_added_in_quadrature(cols: int, pieces: int) -> None:
+    rng = np.random.default_rng(2)
+    a, b, _ = _operands("correlated", rng)
+    band, products = _band(a, b, cols, pieces, rng)
+    tiles = torch.stack([tolerance(p.a, p.b, p.c) for p in products])
+    ratio = (tiles.square().sum(0).sqrt() / tiles.max(0).values).median()
+    assert float(ratio) == pytest.approx(math.sqrt(cols * pieces), rel=0.25)  # docs/security.md: sqrt(T)
 
 
 @pytest.mark.parametrize("bad", ["nan", "shape", "dtype", "too large"])

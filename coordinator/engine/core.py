@@ -745,7 +745,9 @@ class Core:
                 dev.last_seen,
             )
         band = gemm.band_of.get(msg.tile_id)
-        if band is None or band.alone or dev.standing.on_probation(self.trust):  # newcomers: alone
+        # Alone: a newcomer's results, and a device's beyond a slot-full of results still waiting
+        # for their bands (a forger is caught by its next result, not after bands it holds up).
+        if band is None or band.alone or dev.standing.on_probation(self.trust) or dev.unchecked >= max(1, dev.slots):
             return check
         # Checked with its band: its shape now, the rest once every result of the band is in.
         wrong = structure(VerifyProduct(check.a, check.b, msg.c))
@@ -853,6 +855,7 @@ class Core:
                 self._complete(gemm, now)
         elif band is not None:
             band.answered[msg.tile_id] = check
+            dev.unchecked += 1
         if band is not None and band.complete:  # its last result is in (taken, or checked alone)
             band.checking = True
             self._bands_due.append(BandCheck(gemm, band, band.due()))
@@ -909,6 +912,7 @@ class Core:
             if band.answered.get(tile_id) is not one:  # taken back meanwhile (its device was banned)
                 continue
             del band.answered[tile_id]
+            one.dev.unchecked -= 1
             if verdict.ok:
                 self._verified(one, verdict, now)
             else:
@@ -947,6 +951,7 @@ class Core:
                     continue
                 for taken in [c for c in band.answered.values() if c.dev.identity == dev.identity]:
                     del band.answered[taken.msg.tile_id]
+                    taken.dev.unchecked -= 1
                     self._reject_taken(taken, "its device was banned", now, forged=False)
         live = self.devices.get(self._by_identity.get(dev.identity, -1))
         return [] if live is None else self._drop(live, CloseCode.BANNED, reason, now, DeviceStatus.BANNED)

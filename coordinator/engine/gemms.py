@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 Product = Callable[[], torch.Tensor]  # a GEMM's result, computed when called (``submit(lazy=True)``)
 
 
+def _cell(t: Tile) -> tuple[int, int, int, int]:
+    """A tile's position in the GEMM's reduction and columns (its vectors' key)."""
+    return (t.k0, t.k1, t.c0, t.c1)
+
+
 @dataclass(eq=False)
 class BandState:
     """Rows ``r0:r1`` of a GEMM whose results are checked together (``BandCheck``): a result is
@@ -78,11 +83,12 @@ class GemmState:
     out_dtype: torch.dtype | None = None  # of the assembled product (float32 for half-precision wire tiles)
     deferred: bool = False  # nobody waits on it before the step's end (a weight gradient)
     # Checked by row bands (``form_bands``): the bands by first row, each tile's band, and the
-    # GEMM's secret vectors R (never sent anywhere) with B R and ||B||_F, computed at first need.
+    # GEMM's secret vectors, one set per tile position (columns and reduction range; never sent
+    # anywhere), with ``B R`` per reduction range, computed at first need.
     bands: dict[int, BandState] | None = None
     band_of: dict[int, BandState] = field(default_factory=dict)
-    r: torch.Tensor | None = None
-    _br: tuple[torch.Tensor, float] | None = None
+    vectors: dict[tuple[int, int, int, int], torch.Tensor] = field(default_factory=dict)
+    _expected: list[tuple[int, int, torch.Tensor]] | None = None
 
     def form_bands(self, rng: np.random.Generator) -> bool:
         """Group the tiles into row bands to check together, if they make bands: tiles of one
@@ -99,35 +105,29 @@ class GemmState:
             tiles = [self.tiles[t] for t in tids]
             if sum((t.c1 - t.c0) * (t.k1 - t.k0) for t in tiles) != n * k:
                 return False
-        self.r = random_vectors(n, ROUNDS, rng)
+        cells = sorted({_cell(t) for t in self.tiles.values()})
+        self.vectors = {cell: random_vectors(cell[3] - cell[2], ROUNDS, rng) for cell in cells}
         self.bands = {r0: BandState(r0, r1, frozenset(tids)) for (r0, r1), tids in groups.items()}
         self.band_of = {tid: self.bands[r0] for (r0, _), tids in groups.items() for tid in tids}
         return True
 
     def band(self, band: BandState, checks: Sequence[Check]) -> Band:
-        """What ``freivalds_band`` reads for ``band``'s results: B R and ||B||_F are the GEMM's,
-        computed once (on whichever thread checks its first band); the band's A rows and their
-        norms from the blocks' cached ones."""
-        if self.r is None:
+        """What ``freivalds_band`` reads for ``band``'s results. ``B R`` per reduction range is
+        the GEMM's, computed once (on whichever thread checks its first band): one pass over B."""
+        if not self.vectors:
             raise RuntimeError("the GEMM was not formed into bands")
-        full = self.a.dtype in (torch.float32, torch.float64)
-        if self._br is None:
-            b = self.b if full else self.b.float()
-            norm = math.sqrt(sum(rb.norm() ** 2 for rb in self.b_blocks.values())) if full else None
-            self._br = (b @ self.r.to(b.dtype), norm if norm is not None else float(torch.linalg.vector_norm(b)))
-        br, b_norm = self._br
-        row_norms = None
-        if full:  # the band's A blocks, one per reduction piece: ||A_i||^2 is the sum of theirs
-            blocks = {ra.key: ra for c in checks for ra, _ in c.pairs}
-            row_norms = torch.stack([ra.row_norms() for ra in blocks.values()]).square().sum(0).sqrt()
+        if self._expected is None:
+            b = self.b if self.b.dtype in (torch.float32, torch.float64) else self.b.float()
+            ranges: dict[tuple[int, int], torch.Tensor] = {}
+            for (k0, k1, c0, c1), r in self.vectors.items():
+                part = b[k0:k1, c0:c1] @ r.to(b.dtype)
+                ranges[(k0, k1)] = part if (k0, k1) not in ranges else ranges[(k0, k1)].add_(part)
+            self._expected = [(k0, k1, br) for (k0, k1), br in sorted(ranges.items())]
         return Band(
             self.a[band.r0 : band.r1],
-            self.r.to(br.dtype),
-            br,
-            b_norm,
+            [self.vectors[_cell(c.tile)] for c in checks],
+            self._expected,
             [c.product() for c in checks],
-            [(c.tile.c0, c.tile.c1) for c in checks],
-            row_norms,
         )
 
     def blocks_of(self, tile: Tile) -> tuple[BlockRef, BlockRef]:

@@ -194,7 +194,8 @@ class Scheduler:
         self.scan = scan  # looks at unusable units or devices per dispatch phase, at most
         self.seats: dict[int, Seat] = {}
         self.units: dict[int, _Unit] = {}  # units of live GEMMs that are not done
-        self._done: dict[int, UnitSpec] = {}  # units of live GEMMs done: ``reopen`` may queue one again
+        # Units of live GEMMs done, with the devices barred from them: ``reopen`` may queue one again.
+        self._done: dict[int, tuple[UnitSpec, set[int]]] = {}
         self._gemm_units: dict[int, list[int]] = {}
         self._shared: deque[int] = deque()  # queued units with no home (lazily pruned)
         self._queued = 0
@@ -508,7 +509,7 @@ class Scheduler:
         u = self.units.pop(unit, None)
         if u is None:
             return []
-        self._done[unit] = u.spec
+        self._done[unit] = (u.spec, u.barred)
         losers = [d for d in u.holders if d != device]
         for d in u.holders:
             seat = self.seats.get(d)
@@ -525,11 +526,10 @@ class Scheduler:
         """``device``'s result for ``unit``, taken as ``done``, failed a later check (its row
         band's): queue the unit again ahead of everything, never to that device. False if its
         GEMM was dropped meanwhile, or the unit is not done."""
-        spec = self._done.pop(unit, None)
-        if spec is None:
+        done = self._done.pop(unit, None)
+        if done is None:
             return False
-        u = _Unit(spec)
-        u.barred.add(device)
+        u = _Unit(done[0], barred=done[1] | {device})  # as barred as before, and from this device
         self.units[unit] = u
         self._barred_units.add(unit)
         self._enqueue(u, None, front=True)

@@ -5,7 +5,11 @@ a ``BytesIO``: two copies of the payload) before the transport copies it into th
 coordinator that sends 10-15 MB of operand blocks per tile, those copies were a third of the
 event loop's CPU for sending (bench/bench_tax.py). ``unjoined_frames`` makes a server
 connection queue a large frame's header and its payload apart: the transport hands the payload's
-view straight to the socket (and copies only what the kernel did not take at once).
+view straight to the socket. What the kernel does not take at once, asyncio 3.11 copies into its
+buffer; 3.12 and later keep the view itself until it is written. A work frame's blocks are views
+of the GEMM's operands or copies made for the wire, and a queued frame held those views before
+this too: operands stay unchanged while their GEMM is live, and a frame for a GEMM that finished
+meanwhile names a namespace the device is told to forget.
 
 The frames on the wire are the very bytes websockets would write (an unmasked server frame
 without extensions); websockets' own state machine still decides every frame, only its
@@ -39,6 +43,7 @@ def unjoined_frames(protocol: Any) -> bool:
         if self.extensions or len(data) < SMALL or frame.rsv1 or frame.rsv2 or frame.rsv3:
             library(self, frame)
             return
+        frame.check()  # as the library's serialisation does (a control frame this large raises)
         n = len(data)
         first = (0x80 if frame.fin else 0) | int(frame.opcode)
         if n < 65536:

@@ -175,6 +175,7 @@ class Server:
         # Bands whose results are all in (``Core.take_band_checks``): the verifier takes them
         # before single results, since a GEMM waits on them. Bounded by the live GEMMs' bands.
         self._bands_waiting: list[BandCheck] = []
+        self._bands_last = False  # the verifier's last job was bands
         self._batch: asyncio.Future[list[tuple[Verdict, float]]] | None = None
         self.check_batches = 0  # batches verified (results per batch: checked / batches)
         self.band_batches = 0  # jobs of band checks verified
@@ -551,7 +552,10 @@ class Server:
             return
         if self._verifier is None:
             self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
-        if self._bands_waiting:
+        # Bands first (a GEMM waits on them), but never twice in a row while results wait: a
+        # newcomer's connection reads its next message only once its last result is judged.
+        if self._bands_waiting and not (self._bands_last and self._waiting):
+            self._bands_last = True
             bands, self._bands_waiting = self._bands_waiting, []
             job = asyncio.get_running_loop().run_in_executor(self._verifier, run_bands, bands, self._verify_rng)
             self._batch = job
@@ -559,6 +563,7 @@ class Server:
             return
         if not self._waiting:
             return
+        self._bands_last = False
         take = self._waiting[:CHECK_BATCH]
         checks = [check for check, _ in take]
         batch = asyncio.get_running_loop().run_in_executor(self._verifier, run_checks, checks, self._verify_rng)

@@ -506,40 +506,38 @@ def freivalds_batch(
 
 @dataclass(frozen=True, eq=False)
 class Band:
-    """Results that together make rows of one product ``A @ B``, checked as one: each of
-    ``products`` is a tile of those rows (all of them; its columns ``cols[i]``), and the tiles
-    with the same columns (split-K partials) add up over the whole reduction, so that
-    ``sum_i C_i R[cols_i] = A_rows (B R)`` for an honest set. ``r`` (``n x rounds``, the GEMM's
-    own secret vectors, ``random_vectors``) and ``br = B @ r`` are shared by every band of the
-    GEMM: B is read once for them all, each band's A rows once, and each result once.
+    """Results that together make rows of one product ``A @ B``, checked as one.
 
-    ``a`` is the band's rows of A over the whole reduction, ``b_norm`` ``||B||_F`` and
-    ``a_row_norms`` ``||A_i||`` (computed here when None); ``br`` and ``r`` in float32 for half
-    operands. Each product keeps its own ``a``, ``b`` and cached norms: its screen (shape, dtype,
-    NaN, rows too large to be honest) is its own, and so is its check when the band fails."""
+    Each of ``products`` is a tile of those rows (all of them), reading ``A[rows, k0:k1]`` and
+    ``B[k0:k1, cols]``, and has its own secret vectors ``vectors[i]`` (``cols x rounds``, drawn
+    per tile position of the GEMM: ``random_vectors``), so that for an honest set
+    ``sum_i C_i R_i = sum_K A[rows, K] BR_K`` where ``expected`` holds, for each reduction range
+    ``K = (k0, k1)`` of the tiles, ``BR_K = sum of B[K, cols_i] R_i`` over the tile positions of
+    that range. ``BR_K`` are the GEMM's (B is read once for every band), ``a`` is the band's rows
+    of A over the whole reduction (read once per band), and each result is read once.
+
+    Vectors are never shared by two tiles of a band: errors of two results cannot cancel in its
+    residual (split-K partials of the same columns included). Each product keeps its own ``a``,
+    ``b`` and cached norms: its screen (shape, dtype, NaN, rows too large to be honest) and its
+    tolerance are its own, and so is its check when the band fails."""
 
     a: torch.Tensor
-    r: torch.Tensor
-    br: torch.Tensor
-    b_norm: float
+    vectors: Sequence[torch.Tensor]
+    expected: Sequence[tuple[int, int, torch.Tensor]]
     products: Sequence[Product]
-    cols: Sequence[tuple[int, int]]
-    a_row_norms: torch.Tensor | None = None
 
 
 def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS) -> tuple[bool, list[Verdict]]:
     """Check a band of results at once; when that fails, check each result alone.
 
-    The band's residual per row is ``e_i . R`` where ``e_i`` is the row's error over all its
-    columns (split-K partials summed: what assembly will produce). R's columns for different
-    tiles are independent draws, so a result whose row error reaches ``GAMMA tol_i`` (the band
-    row's tolerance, ``tolerance`` of the whole product's row) passes with probability at most
-    ``acceptance_bound()`` whatever the other results hold, exactly as one product checked alone
-    (docs/security.md, "Checks by band"). Errors in split-K partials of the same columns that
-    cancel in their sum do not change the assembled product and pass.
-
-    The cost: a pass over each result (its norms and ``C_i R``) and one over the band's A rows
-    (``A (B R)``, ``rounds`` columns), against a pass over A per result checked alone.
+    Row i's residual for one round is ``sum_t e_ti . r_t`` over the band's results, each
+    result's row error ``e_ti`` against vectors ``r_t`` drawn for its tile alone and never seen
+    by a device. Conditioned on every other term, Ball's bound holds for each one, so a result
+    with a row error of ``GAMMA`` times the band row's tolerance passes with probability at
+    most ``acceptance_bound()``, whatever the other results hold. The band row's tolerance is
+    the results' own tolerances (``tolerance``, each of its tile) added in quadrature, as honest
+    roundings add: ``sqrt(T)`` times one tile's for ``T`` like tiles (docs/security.md, "Checks
+    by band").
 
     A result that fails its screen (shape, dtype, NaN, a row too large to be honest), or a band
     whose residual exceeds its tolerance, sends every result of the band to ``freivalds_batch``
@@ -547,19 +545,19 @@ def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS
     check ran and passed, and one verdict per product, in order.
     """
     products = list(band.products)
-    if len(band.cols) != len(products):
-        raise ValueError(f"{len(band.cols)} column ranges for {len(products)} products")
+    if len(band.vectors) != len(products):
+        raise ValueError(f"{len(band.vectors)} vector sets for {len(products)} products")
     if not products:
         return True, []
-    if band.a.shape[0] == 0:  # no rows: every product is empty (``structure`` says how)
+    m = band.a.shape[0]
+    if m == 0:  # no rows: every product is empty (``structure`` says how)
         return False, freivalds_batch(products, rng, rounds=rounds)
-    n = band.r.shape[0]
     first = products[0]
     result, work = first.a.dtype, _work_dtype(first.a.dtype)
-    acc = torch.zeros(band.a.shape[0], band.r.shape[1], dtype=work)
-    c_sq = np.zeros(band.a.shape[0])
+    acc = torch.zeros(m, band.expected[0][2].shape[1] if band.expected else rounds, dtype=work)
+    tol_sq = np.zeros(m)
     clean = True
-    for p, (c0, c1) in zip(products, band.cols, strict=True):
+    for p, r in zip(products, band.vectors, strict=True):
         structural = structure(p)
         if structural is not None:
             if not structural.ok:
@@ -568,26 +566,34 @@ def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS
             continue  # an empty product: nothing to add
         if p.a.dtype != result or p.compute_dtype != first.compute_dtype or p.rounded_to != first.rounded_to:
             raise ValueError("a band's products must share dtypes")
-        if p.c.shape[0] != acc.shape[0] or not 0 <= c0 <= c1 <= n or c1 - c0 != p.c.shape[1]:
-            raise ValueError(f"a product of shape {tuple(p.c.shape)} does not fit the band at columns {c0}:{c1}")
+        if p.c.shape[0] != m or r.shape[0] != p.c.shape[1]:
+            raise ValueError(f"a product of shape {tuple(p.c.shape)} does not fit the band's vectors {tuple(r.shape)}")
         c = p.c if p.c.dtype == work else p.c.to(work)
-        a_norms = p.a_row_norms if p.a_row_norms is not None and p.a.dtype == work else _row_norms(p.a.to(work))
-        b_norm = (
-            p.b_norm if p.b_norm is not None and p.a.dtype == work else float(torch.linalg.vector_norm(p.b.to(work)))
-        )
+        own = p.a.dtype == work  # half operands: norms of our own, in float32
+        a_norms = p.a_row_norms if own and p.a_row_norms is not None else _row_norms(p.a.to(work))
+        b_norm = p.b_norm if own and p.b_norm is not None else float(torch.linalg.vector_norm(p.b.to(work)))
+        ab = a_norms.numpy() * b_norm
         c_norms = _row_norms(c).numpy()
-        if _too_large(c, c_norms, a_norms.numpy() * b_norm) is not None:
+        if _too_large(c, c_norms, ab) is not None:
             clean = False
             break
-        acc.addmm_(c, band.r[c0:c1])
-        c_sq += c_norms.astype(np.float64) ** 2
+        acc.addmm_(c, r.to(work))
+        tol = _tolerance(ab, c_norms, c.shape[1], p.compute_dtype, work, result, p.rounded_to)
+        tol_sq += tol.astype(np.float64) ** 2
     if clean:
         a = band.a if band.a.dtype == work else band.a.to(work)
-        a_norms = band.a_row_norms if band.a_row_norms is not None and band.a.dtype == work else _row_norms(a)
-        ab = a_norms.numpy() * band.b_norm
-        tol = _tolerance(ab, np.sqrt(c_sq), n, first.compute_dtype, work, result, first.rounded_to)
-        residual = torch.mm(a, band.br).sub_(acc).abs_().amax(dim=1).numpy()
-        verdict = _verdict(acc, residual / (tol * R_RMS))
+        spans = [(k0, k1) for k0, k1, _ in band.expected]
+        if (
+            spans
+            and spans[0][0] == 0
+            and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+            and spans[-1][1] == a.shape[1]
+        ):
+            expected = a @ torch.cat([br for _, _, br in band.expected])  # the ranges tile the reduction: one pass
+        else:
+            expected = sum(a[:, k0:k1] @ br for k0, k1, br in band.expected)
+        residual = torch.as_tensor(expected).sub(acc).abs_().amax(dim=1).numpy()
+        verdict = _verdict(acc, residual / (np.sqrt(tol_sq) * R_RMS))
         if verdict.ok:
             return True, [verdict] * len(products)
     return False, freivalds_batch(products, rng, rounds=rounds)
