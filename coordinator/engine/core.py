@@ -112,6 +112,13 @@ from db.store import CheckpointRow, DeviceInfo, DeviceStatus, IdentityState, New
 
 log = logging.getLogger(__name__)
 
+# Results a device may have taken for their bands, unchecked, per slot it holds: beyond that its
+# results are checked alone as they come. What a trusted forger can make the coordinator
+# recompute before its ban (docs/security.md, "Checks by band"); a device reaches it only when
+# bands are long against the fleet (bench_tax: 6 devices of 2 slots answer 5-6 tiles of a
+# 32-tile band each).
+UNCHECKED_PER_SLOT = 8
+
 TICK = 0.05  # seconds between the driver's calls to tick (the server's; the simulator's too)
 CREDIT_INTERVAL = 1.0  # seconds between Credit messages to a device whose verified total grew
 STANDING_CHECK = 1.0  # seconds between looks for an operator's revocations and token rotations
@@ -745,9 +752,11 @@ class Core:
                 dev.last_seen,
             )
         band = gemm.band_of.get(msg.tile_id)
-        # Alone: a newcomer's results, and a device's beyond a slot-full of results still waiting
-        # for their bands (a forger is caught by its next result, not after bands it holds up).
-        if band is None or band.alone or dev.standing.on_probation(self.trust) or dev.unchecked >= max(1, dev.slots):
+        # Alone: a newcomer's results, and a device's beyond UNCHECKED_PER_SLOT results a slot
+        # still waiting for their bands (a forger is caught by its next result then, not after
+        # bands it holds up; an honest device rarely holds that many of one step's bands).
+        unchecked_cap = UNCHECKED_PER_SLOT * max(1, dev.slots)
+        if band is None or band.alone or dev.standing.on_probation(self.trust) or dev.unchecked >= unchecked_cap:
             return check
         # Checked with its band: its shape now, the rest once every result of the band is in.
         wrong = structure(VerifyProduct(check.a, check.b, msg.c))
