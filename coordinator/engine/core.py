@@ -863,8 +863,7 @@ class Core:
             if gemm.done:
                 self._complete(gemm, now)
         elif band is not None:
-            band.answered[msg.tile_id] = check
-            dev.unchecked += 1
+            band.take(check)
         if band is not None and band.complete:  # its last result is in (taken, or checked alone)
             band.checking = True
             self._bands_due.append(BandCheck(gemm, band, band.due()))
@@ -920,8 +919,7 @@ class Core:
             tile_id = one.msg.tile_id
             if band.answered.get(tile_id) is not one:  # taken back meanwhile (its device was banned)
                 continue
-            del band.answered[tile_id]
-            one.dev.unchecked -= 1
+            band.drop(tile_id)
             if verdict.ok:
                 self._verified(one, verdict, now)
             else:
@@ -958,10 +956,8 @@ class Core:
             for band in (gemm.bands or {}).values():
                 if band.checking:  # judged with its band: a pass there proves it
                     continue
-                for taken in [c for c in band.answered.values() if c.dev.identity == dev.identity]:
-                    del band.answered[taken.msg.tile_id]
-                    taken.dev.unchecked -= 1
-                    self._reject_taken(taken, "its device was banned", now, forged=False)
+                for tile_id in [t for t, c in band.answered.items() if c.dev.identity == dev.identity]:
+                    self._reject_taken(band.drop(tile_id), "its device was banned", now, forged=False)
         live = self.devices.get(self._by_identity.get(dev.identity, -1))
         return [] if live is None else self._drop(live, CloseCode.BANNED, reason, now, DeviceStatus.BANNED)
 

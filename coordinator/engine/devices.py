@@ -33,7 +33,7 @@ class DeviceState:
     frame_limit: int  # the largest frame it may send now
     cancelled: dict[int, None] = field(default_factory=dict)  # recent cancelled tiles (ordered set)
     checking: set[int] = field(default_factory=set)  # tiles whose result is being verified
-    unchecked: int = 0  # its results taken for their bands and not yet judged (``Core._check_of``)
+    unchecked: int = 0  # its results taken for their bands and not yet judged (``BandState.take``)
     blocks: set[str] = field(default_factory=set)  # keys of the blocks the device holds
     namespaces: dict[int, dict[str, int]] = field(default_factory=dict)  # source id -> {key: bytes} held
     forget: set[int] = field(default_factory=set)  # namespaces to drop, sent with the next Work

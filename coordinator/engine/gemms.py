@@ -57,6 +57,17 @@ class BandState:
             and len(self.answered) + len(self.verified) == len(self.tiles)
         )
 
+    def take(self, check: Check) -> None:
+        """A result taken for the band's check (its device counts it as unchecked)."""
+        self.answered[check.msg.tile_id] = check
+        check.dev.unchecked += 1
+
+    def drop(self, tile_id: int) -> Check:
+        """A taken result leaves the band: judged, or taken back."""
+        check = self.answered.pop(tile_id)
+        check.dev.unchecked -= 1
+        return check
+
     def due(self) -> tuple[Check, ...]:
         """What the band's check reads: every result of it, those checked alone already too
         (the band's sum needs them; only the others are judged by it)."""

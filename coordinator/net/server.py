@@ -548,7 +548,7 @@ class Server:
     def _next_batch(self) -> None:
         """Hand the verifier the bands due, or else every result waiting for it (up to
         ``CHECK_BATCH``), if it is idle."""
-        if self._batch is not None or self._stopped:
+        if self._batch is not None or self._stopped or not (self._bands_waiting or self._waiting):
             return
         if self._verifier is None:
             self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-verify")
@@ -560,8 +560,6 @@ class Server:
             job = asyncio.get_running_loop().run_in_executor(self._verifier, run_bands, bands, self._verify_rng)
             self._batch = job
             job.add_done_callback(lambda f: self._bands_done(bands, f))
-            return
-        if not self._waiting:
             return
         self._bands_last = False
         take = self._waiting[:CHECK_BATCH]

@@ -433,9 +433,7 @@ def freivalds_batch(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    # Keys: an unkeyed product's block is its own; products under one key must read one block.
-    a_keys = [p.a_key if p.a_key is not None else (_OWN, i) for i, p in enumerate(products)]
-    b_keys = [p.b_key if p.b_key is not None else (_OWN, i) for i, p in enumerate(products)]
+    a_keys, b_keys = _keys(products)
     for which, keys in (("A", a_keys), ("B", b_keys)):
         first: dict[Hashable, torch.Tensor] = {}
         for p, key in zip(products, keys, strict=True):
@@ -553,33 +551,26 @@ def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS
     if m == 0:  # no rows: every product is empty (``structure`` says how)
         return False, freivalds_batch(products, rng, rounds=rounds)
     first = products[0]
-    result, work = first.a.dtype, _work_dtype(first.a.dtype)
-    acc = torch.zeros(m, band.expected[0][2].shape[1] if band.expected else rounds, dtype=work)
+    work = _work_dtype(first.a.dtype)
+    acc = torch.zeros(m, band.vectors[0].shape[1], dtype=work)
     tol_sq = np.zeros(m)
+    # Each result's screen and tolerance as a check of it alone has them (``_screen``), half
+    # operands converted and their norms taken once per block key.
+    shared = _Shared(*_keys(products))
     clean = True
-    for p, r in zip(products, band.vectors, strict=True):
-        structural = structure(p)
-        if structural is not None:
-            if not structural.ok:
+    for i, (p, r) in enumerate(zip(products, band.vectors, strict=True)):
+        if p.a.dtype != first.a.dtype or p.compute_dtype != first.compute_dtype or p.rounded_to != first.rounded_to:
+            raise ValueError("a band's products must share dtypes")
+        screened = _screen(p, shared, i)
+        if isinstance(screened, Verdict):
+            if not screened.ok:
                 clean = False
                 break
             continue  # an empty product: nothing to add
-        if p.a.dtype != result or p.compute_dtype != first.compute_dtype or p.rounded_to != first.rounded_to:
-            raise ValueError("a band's products must share dtypes")
         if p.c.shape[0] != m or r.shape[0] != p.c.shape[1]:
             raise ValueError(f"a product of shape {tuple(p.c.shape)} does not fit the band's vectors {tuple(r.shape)}")
-        c = p.c if p.c.dtype == work else p.c.to(work)
-        own = p.a.dtype == work  # half operands: norms of our own, in float32
-        a_norms = p.a_row_norms if own and p.a_row_norms is not None else _row_norms(p.a.to(work))
-        b_norm = p.b_norm if own and p.b_norm is not None else float(torch.linalg.vector_norm(p.b.to(work)))
-        ab = a_norms.numpy() * b_norm
-        c_norms = _row_norms(c).numpy()
-        if _too_large(c, c_norms, ab) is not None:
-            clean = False
-            break
-        acc.addmm_(c, r.to(work))
-        tol = _tolerance(ab, c_norms, c.shape[1], p.compute_dtype, work, result, p.rounded_to)
-        tol_sq += tol.astype(np.float64) ** 2
+        acc.addmm_(screened.c, r.to(work))
+        tol_sq += screened.tol.astype(np.float64) ** 2
     if clean:
         a = band.a if band.a.dtype == work else band.a.to(work)
         spans = [(k0, k1) for k0, k1, _ in band.expected]
@@ -600,6 +591,15 @@ def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS
 
 
 _OWN = object()  # the key of an unkeyed product's blocks, paired with its index: shared with nothing
+
+
+def _keys(products: Sequence[Product]) -> tuple[list[Hashable], list[Hashable]]:
+    """Each product's A and B block keys: an unkeyed product's block is its own; products under
+    one key must read one block (``freivalds_batch`` checks that)."""
+    return (
+        [p.a_key if p.a_key is not None else (_OWN, i) for i, p in enumerate(products)],
+        [p.b_key if p.b_key is not None else (_OWN, i) for i, p in enumerate(products)],
+    )
 
 
 def _same_view(x: torch.Tensor, y: torch.Tensor) -> bool:
