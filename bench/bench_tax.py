@@ -71,6 +71,7 @@ import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import gc
 import json
@@ -85,7 +86,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ from client.idle import Reading
 from client.policy import PolicyConfig
 from client.runner import Worker, WorkerConfig
 from coordinator.engine.core import Core
+from coordinator.engine.gemms import check_finite
 from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import LivePlan, LivePlanner, Planner
 from coordinator.net.server import Server, listen
@@ -352,6 +354,7 @@ async def measure(
 ) -> dict[str, Any]:
     """One coordinator (``band_checks`` per ``mode``) and one clients' process, on ``shape``."""
     loop = asyncio.get_running_loop()
+    trainer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cleave-trainer")  # as a job's
     tmp.mkdir()
     db = tmp / "tax.db"
     store = SQLiteStore(str(db), group_seconds=GROUP_SECONDS, defer=loop.call_soon)  # as a job opens it
@@ -367,9 +370,9 @@ async def measure(
         limits=Limits(),
         epoch=time.time() - time.monotonic(),
         planner=FixedGrid(shape.grid),
-        band_checks=(mode == "band"),
+        band_checks=mode.startswith("band"),
     )
-    server = Server(core, time.monotonic)
+    server = Server(core, time.monotonic, send_threads=_senders(mode))
     warnings = _Warnings()
     for name in LOGGERS:
         logging.getLogger(name).addHandler(warnings)
@@ -382,15 +385,24 @@ async def measure(
             return
         a, b = sets[i]
 
-        def done(_: object) -> None:
+        def trainer_side(product: Callable[[], torch.Tensor]) -> None:
+            # What a job's trainer thread does with a shipped GEMM (RemoteEngine.run): assemble
+            # its product, and check the next GEMM's operands for NaN before submitting it.
+            product()
+            check_finite(a, b, shape.kind)
+            if not stop:
+                loop.call_soon_threadsafe(pump, i)
+
+        def done(product: Callable[[], torch.Tensor]) -> None:
             rounds[i] += 1
             if not stop:
-                loop.call_soon(pump, i)
+                trainer.submit(trainer_side, product)
 
         # Blocks of finished GEMMs go (forward's X is otherwise kept for its dW until a step
         # starts): the same operands come as new sources, and their blocks travel again.
         core.begin_step(core.progress.current)
-        gemm_id, out = core.submit(a, b, shape.kind, server.clock(), done)
+        # As Server.submit does for a job: assembled and checked for NaN on the trainer's thread.
+        gemm_id, out = core.submit(a, b, shape.kind, server.clock(), done, finite_checked=True, lazy=True)
         if not tile_shapes:
             for t in core.gemms[gemm_id].tiles.values():
                 tile_shapes[(t.r1 - t.r0, t.c1 - t.c0, t.k1 - t.k0)] += 1
@@ -466,12 +478,14 @@ async def measure(
                 t = server.traffic
                 counts0 = core.store.tile_counts(core.job_id)
                 t0, cpu0 = time.perf_counter(), time.process_time()
-                ver0, loop0 = _thread_cpu("cleave-verify"), _thread_cpu("MainThread")
+                ver0, loop0, send0 = _thread_cpu("cleave-verify"), _thread_cpu("MainThread"), _thread_cpu("cleave-send")
+                train0 = _thread_cpu("cleave-trainer")
                 ccpu0 = _process_cpu(client.pid)
                 down0, up0, rounds0, checked0 = t.bytes_down, t.bytes_up, sum(rounds), server.checked
                 await asyncio.sleep(args.seconds)
                 t1, cpu1 = time.perf_counter(), time.process_time()
-                ver1, loop1 = _thread_cpu("cleave-verify"), _thread_cpu("MainThread")
+                ver1, loop1, send1 = _thread_cpu("cleave-verify"), _thread_cpu("MainThread"), _thread_cpu("cleave-send")
+                train1 = _thread_cpu("cleave-trainer")
                 ccpu1 = _process_cpu(client.pid)
                 counts1 = core.store.tile_counts(core.job_id)
                 down1, up1, rounds1 = t.bytes_down, t.bytes_up, sum(rounds)
@@ -501,6 +515,7 @@ async def measure(
         log.close()
         for name in LOGGERS:
             logging.getLogger(name).removeHandler(warnings)
+        trainer.shutdown(wait=True, cancel_futures=True)
         store.close()  # after the server: its handlers record each device leaving
     clients = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     tiles = counts1["verified"] - counts0["verified"]
@@ -514,7 +529,7 @@ async def measure(
     if band_failures:
         raise AssertionError(f"{band_failures} band checks failed on honest replayed products")
     wall, cpu = t1 - t0, cpu1 - cpu0
-    verify, loop_cpu = ver1 - ver0, loop1 - loop0
+    verify, loop_cpu, send, train = ver1 - ver0, loop1 - loop0, send1 - send0, train1 - train0
     return {
         "shape": shape.name,
         "check": mode,
@@ -526,7 +541,12 @@ async def measure(
         "verify_ms_per_tile": 1e3 * verify / tiles,
         "verifier_share": verify / cpu if cpu else 0.0,
         "loop_ms_per_tile": 1e3 * loop_cpu / tiles,
-        "other_ms_per_tile": 1e3 * (cpu - verify - loop_cpu) / tiles,
+        "send_ms_per_tile": 1e3 * send / tiles,
+        "trainer_ms_per_tile": 1e3 * train / tiles,
+        "other_ms_per_tile": 1e3 * (cpu - verify - loop_cpu - send - train) / tiles,
+        # What the loop alone allows (a core of its own): GEMMs shipped in such tiles, a job's
+        # loop doing what this one does (its trainer thread assembles and checks for NaN).
+        "loop_ceiling_tiles_per_s": tiles / loop_cpu if loop_cpu else None,
         "mb_down_per_tile": (down1 - down0) / tiles / 1e6,
         "mb_up_per_tile": (up1 - up0) / tiles / 1e6,
         "coordinator_cores": cpu / wall,
@@ -689,8 +709,14 @@ def run_shape(args: argparse.Namespace, shape: Shape, tmp: Path) -> dict[str, An
     return out
 
 
+def _senders(mode: str) -> int:
+    """Send threads of a run's mode: ``band`` none (the loop sends), ``band+2s`` two."""
+    _, _, n = mode.partition("+")
+    return int(n.rstrip("s")) if n else 0
+
+
 def render(result: dict[str, Any], console: Console) -> None:
-    modes = [m for m in MODES if any(m in s["runs"] for s in result["shapes"])]
+    modes = list(dict.fromkeys(m for s in result["shapes"] for m in s["runs"]))
     both = len(modes) == 2
     table = Table(
         title=f"The coordinator's tax on Llama-2-7B tiles: float32, {result['devices']} replaying devices of "
@@ -700,9 +726,9 @@ def render(result: dict[str, Any], console: Console) -> None:
     )
     table.add_column("figure")
     for mode in modes:
-        table.add_column(f"{mode} checks", justify="right")
+        table.add_column(f"{mode}", justify="right")
     if both:
-        table.add_column("band / tile", justify="right")
+        table.add_column(f"{modes[1]} / {modes[0]}", justify="right")
 
     def ms(x: float) -> str:
         return f"{x:.2f} ms"
@@ -712,7 +738,10 @@ def render(result: dict[str, Any], console: Console) -> None:
         ("coordinator CPU per tile (every thread)", "cpu_ms_per_tile", ms),
         ("  verifier thread", "verify_ms_per_tile", ms),
         ("  event loop", "loop_ms_per_tile", ms),
+        ("  send threads", "send_ms_per_tile", ms),
+        ("  trainer thread (assembly, NaN check)", "trainer_ms_per_tile", ms),
         ("  other threads (torch's pool...)", "other_ms_per_tile", ms),
+        ("the loop's ceiling: tiles / loop CPU second", "loop_ceiling_tiles_per_s", lambda x: f"{x:,.1f}"),
         ("tile GEMM on one core", "gemm_ms", ms),
         (f"tax: CPU per tile / GEMM (goal <= {GOAL_TAX:.0%})", "tax", lambda x: f"{x:.1%}"),
         ("ceiling: 1 / tax", "ceiling", lambda x: f"{x:.2f}x"),
@@ -784,6 +813,14 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         help="how results are checked: each alone, a row band at a time, or both in turn (default)",
     )
+    p.add_argument(
+        "--send-threads",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="N",
+        help="threads that write devices' sockets (0: the event loop; several: each in turn, default 0)",
+    )
     p.add_argument("--devices", type=int, default=6, help="replaying devices, in one process (default: 6)")
     p.add_argument("--slots", type=int, default=2, help="tiles each device asks to hold (default: 2)")
     p.add_argument("--gemms", type=int, default=2, help="GEMMs in flight, each on its own operands (default: 2)")
@@ -824,7 +861,8 @@ def main(argv: list[str] | None = None) -> int:
             shapes[name] = dataclasses.replace(shape, grid=grid)
     if args.devices < 1 or not 1 <= args.slots <= 8 or args.gemms < 1 or args.seconds <= 0 or args.repeat < 1:
         p.error("need --devices >= 1, --slots 1 to 8, --gemms >= 1, --repeat >= 1 and --seconds > 0")
-    args.modes = MODES if args.check == "both" else (args.check,)
+    checks = MODES if args.check == "both" else (args.check,)
+    args.modes = tuple(f"{check}+{n}s" if n else check for n in args.send_threads for check in checks)
     args.gflops = {}
     for name in LOGGERS:  # the coordinator's warnings are collected per run and shown with its figures
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -16,7 +16,7 @@ from cleave_cli.progress import ConsoleReporter
 from coordinator.engine.limits import Limits
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
-from coordinator.job import LINGER, CoordinatorConfig, TierOptions, run_job
+from coordinator.job import DEFAULT_SEND_THREADS, LINGER, CoordinatorConfig, TierOptions, run_job
 from coordinator.planning.tiles import TilingPolicy
 from coordinator.tier.group import TIER_TIMEOUT
 from coordinator.training.loop import TrainConfig
@@ -127,6 +127,13 @@ def start(
         float,
         typer.Option("--ps-link-gbps", help="This coordinator's network link in Gbit/s each way, for the cost model."),
     ] = 10.0,
+    send_threads: Annotated[
+        int,
+        typer.Option(
+            "--send-threads",
+            help="Threads that write devices' sockets beside the event loop (0: the loop writes them itself).",
+        ),
+    ] = DEFAULT_SEND_THREADS,
     ps_gflops: Annotated[
         float | None,
         typer.Option(
@@ -231,6 +238,7 @@ def start(
         planner=planner,
         ps_link_gbps=ps_link_gbps,
         ps_gflops=ps_gflops,
+        send_threads=send_threads,
         wire_dtype=wire_dtype,
         **({} if grid_gco2_kwh is None else {"grid_gco2_kwh": grid_gco2_kwh}),
     )

@@ -57,6 +57,10 @@ from db.store import CheckpointRow
 log = logging.getLogger(__name__)
 
 
+# One thread beside the loop writes work frames' bytes to the sockets: the loop's CPU a tile fell
+# 40-70% on Llama-2-7B tiles (bench/bench_tax.py --send-threads 0 1); more pay on many cores.
+DEFAULT_SEND_THREADS = 1
+MAX_SEND_THREADS = 64
 LINGER = 300.0  # seconds ``cleave coordinator start`` keeps a finished job visible by default
 MAX_LINGER = 7 * 86_400
 
@@ -84,6 +88,9 @@ class CoordinatorConfig:
     ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
     wire_dtype: WireDtype = WireDtype.FP32  # what float32 operands and results travel as (--wire-dtype)
     band_checks: bool = True  # results checked a row band at a time (False: each alone; docs/security.md)
+    # Threads that write devices' sockets beside the event loop (net/framing.py; --send-threads);
+    # 0: the loop writes them itself.
+    send_threads: int = DEFAULT_SEND_THREADS
     device: str = "auto"  # where the trainer's tensors live (--device auto|cpu|cuda; hardware.py)
     tier: TierOptions | None = None  # one rank of a job across several coordinators (tier/group.py)
     model_factory: Callable[[], nn.Module] | None = None  # builds a custom:LABEL model (docs/api.md)
@@ -125,6 +132,8 @@ class CoordinatorConfig:
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
         if not (math.isfinite(self.grid_gco2_kwh) and 0 <= self.grid_gco2_kwh <= MAX_GRID):
             raise ConfigError(f"--grid-gco2-kwh must be between 0 and {MAX_GRID:g}, got {self.grid_gco2_kwh:g}")
+        if not (0 <= self.send_threads <= MAX_SEND_THREADS):
+            raise ConfigError(f"--send-threads must be between 0 and {MAX_SEND_THREADS}, got {self.send_threads}")
         if self.device.lower() not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
@@ -393,7 +402,7 @@ async def serve_job(
         tokens = _tokens(cfg, core, reporter)
         start_step = plan.resume.step if plan.resume else 0
         core.resume_from(start_step)
-        server = Server(core, time.monotonic, cfg.limits)
+        server = Server(core, time.monotonic, cfg.limits, send_threads=cfg.send_threads)
         if cfg.tier is not None and cfg.tier.rank is not None:  # labelled from the first scrape on
             server.metrics.rank = cfg.tier.rank
         if plan.resume:  # the dashboard's curve starts with the steps before the checkpoint

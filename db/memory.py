@@ -334,6 +334,9 @@ class MemoryStore:
         issued = Issued.FIRST if t.requeue_reason is None else Issued.requeued(t.requeue_reason)
         return self._lease(t, device_id, issued, now)
 
+    def lease_tiles(self, leases: Sequence[tuple[int, int]], now: float) -> list[ClaimedTile | None]:
+        return [self.lease_tile(tile_id, device_id, now) for tile_id, device_id in leases]
+
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         if issued not in (Issued.SPECULATIVE, Issued.DEADLINE):
             raise StoreError(f"a copy is issued as {Issued.SPECULATIVE!r} or {Issued.DEADLINE!r}, not {issued!r}")
@@ -355,8 +358,8 @@ class MemoryStore:
             raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
         lease = mine[0]
         lease.ended_at, lease.outcome, lease.reason = now, outcome, reason
-        if outcome == Outcome.VERIFIED:
-            t.state = TileState.VERIFIED
+        if outcome in (Outcome.VERIFIED, Outcome.TAKEN):
+            t.state = TileState.VERIFIED if outcome == Outcome.VERIFIED else TileState.TAKEN
             cancelled = []
             for other in self._open(tile_id):
                 other.ended_at, other.outcome, other.reason = now, Outcome.CANCELLED, "another copy was verified first"
@@ -370,17 +373,30 @@ class MemoryStore:
         self._queued[tile_id] = None
         return LeaseEnd(True)
 
-    def reject_verified(self, tile_id: int, device_id: int, now: float, reason: str) -> None:
+    def _taken(self, tile_id: int, device_id: int) -> tuple[_Tile, LeaseRow]:
         t = self._tiles.get(tile_id)
         won = [
             lease
             for lease in (self._leases[tile_id] if t else ())
-            if lease.device_id == device_id and lease.outcome == Outcome.VERIFIED
+            if lease.device_id == device_id and lease.outcome == Outcome.TAKEN
         ]
-        if t is None or t.state != TileState.VERIFIED or not won:
-            raise StoreError(f"tile {tile_id} has no verified result of device {device_id}")
-        won[-1].outcome, won[-1].reason = Outcome.REJECTED, reason
-        t.state, t.requeue_reason = TileState.QUEUED, Outcome.REJECTED
+        if t is None or t.state != TileState.TAKEN or not won:
+            raise StoreError(f"tile {tile_id} has no result of device {device_id} waiting for its band")
+        return t, won[-1]
+
+    def verify_taken(self, results: Sequence[tuple[int, int]], now: float) -> None:
+        found = [self._taken(tile_id, device_id) for tile_id, device_id in results]  # all or nothing
+        for t, lease in found:
+            t.state, lease.outcome = TileState.VERIFIED, Outcome.VERIFIED
+
+    def reject_taken(
+        self, tile_id: int, device_id: int, now: float, reason: str, outcome: str = Outcome.REJECTED
+    ) -> None:
+        if outcome not in (Outcome.REJECTED, Outcome.REVOKED):
+            raise StoreError(f"a result waiting for its band cannot be ended as {outcome!r}")
+        t, lease = self._taken(tile_id, device_id)
+        lease.outcome, lease.reason = outcome, reason
+        t.state, t.requeue_reason = TileState.QUEUED, outcome
         t.barred.add(device_id)
         self._queued[tile_id] = None
 
@@ -450,10 +466,11 @@ class MemoryStore:
         for t in self._tiles.values():
             if job_id is not None and self._gemms[t.gemm_id]["job_id"] != job_id:
                 continue
-            if t.state not in (TileState.QUEUED, TileState.LEASED):
+            if t.state not in (TileState.QUEUED, TileState.LEASED, TileState.TAKEN):
                 continue
-            for lease in self._open(t.id):
-                lease.ended_at, lease.outcome, lease.reason = now, Outcome.LOST, RESTARTED
+            for lease in self._leases[t.id]:  # a result waiting for its band died with its coordinator
+                if lease.ended_at is None or lease.outcome == Outcome.TAKEN:
+                    lease.ended_at, lease.outcome, lease.reason = now, Outcome.LOST, RESTARTED
             self._queued.pop(t.id, None)
             t.state = TileState.ABANDONED
             count += 1

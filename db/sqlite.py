@@ -93,6 +93,17 @@ WHERE id = :tile AND state = 'queued'
 RETURNING id, gemm_id, idx, a_key, b_key, attempts, requeue_reason
 """
 
+# ``_LEASE`` for a batch of (tile, device) pairs, each tile once.
+_LEASE_MANY = """
+UPDATE tiles SET state = 'leased', open_leases = 1, attempts = attempts + 1
+WHERE tiles.id IN (SELECT json_extract(value, '$[0]') FROM json_each(:pairs)) AND tiles.state = 'queued'
+  AND NOT EXISTS (
+    SELECT 1 FROM json_each(tiles.barred) AS b, json_each(:pairs) AS p
+    WHERE json_extract(p.value, '$[0]') = tiles.id AND b.value = json_extract(p.value, '$[1]')
+  )
+RETURNING id, gemm_id, idx, a_key, b_key, attempts, requeue_reason
+"""
+
 # One more copy of an outstanding tile, for a device that holds none and never failed it.
 _CLAIM_COPY = """
 UPDATE tiles SET open_leases = open_leases + 1, attempts = attempts + 1
@@ -552,6 +563,33 @@ class SQLiteStore:
             self._count(row[1], TileState.LEASED)
             return self._lease(c, row, device_id, issued, now)
 
+    def lease_tiles(self, leases: Sequence[tuple[int, int]], now: float) -> list[ClaimedTile | None]:
+        """One UPDATE for the batch's tiles and one INSERT for its lease rows (a tile appears once
+        in a dispatch's first leases: the scheduler leases a queued tile once)."""
+        if len(leases) < 2 or len({tile_id for tile_id, _ in leases}) < len(leases):  # a tile twice: in order
+            return [self.lease_tile(tile_id, device_id, now) for tile_id, device_id in leases]
+        with self._grouped() as c:
+            rows = {
+                row[0]: row
+                for row in c.execute(_LEASE_MANY, {"pairs": json.dumps([list(pair) for pair in leases])}).fetchall()
+            }
+            out: list[ClaimedTile | None] = []
+            inserts = []
+            for tile_id, device_id in leases:
+                row = rows.pop(tile_id, None)
+                if row is None:
+                    out.append(None)
+                    continue
+                issued = Issued.FIRST if row[6] is None else Issued.requeued(row[6])
+                self._count(row[1], TileState.QUEUED, -1)
+                self._count(row[1], TileState.LEASED)
+                if issued.startswith("requeued"):
+                    self._count(row[1], "requeued")
+                inserts.append((tile_id, device_id, now, issued))
+                out.append(ClaimedTile(row[0], row[1], row[2], row[3], row[4], row[5], issued))
+            c.executemany("INSERT INTO leases (tile_id, device_id, leased_at, issued) VALUES (?, ?, ?, ?)", inserts)
+        return out
+
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         if issued not in (Issued.SPECULATIVE, Issued.DEADLINE):
             raise StoreError(f"a copy is issued as {Issued.SPECULATIVE!r} or {Issued.DEADLINE!r}, not {issued!r}")
@@ -572,10 +610,11 @@ class SQLiteStore:
             )
             if cur.rowcount != 1:
                 raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
-            if outcome == Outcome.VERIFIED:
+            if outcome in (Outcome.VERIFIED, Outcome.TAKEN):
+                state = TileState.VERIFIED if outcome == Outcome.VERIFIED else TileState.TAKEN
                 (gemm_id,) = c.execute(
-                    "UPDATE tiles SET state = 'verified', open_leases = 0, done_at = ? WHERE id = ? RETURNING gemm_id",
-                    (now, tile_id),
+                    "UPDATE tiles SET state = ?, open_leases = 0, done_at = ? WHERE id = ? RETURNING gemm_id",
+                    (state.value, now, tile_id),
                 ).fetchone()
                 cancelled = c.execute(
                     "UPDATE leases SET ended_at = ?, outcome = 'cancelled', reason = 'another copy was verified first' "
@@ -583,7 +622,7 @@ class SQLiteStore:
                     (now, tile_id),
                 ).fetchall()
                 self._count(gemm_id, TileState.LEASED, -1)
-                self._count(gemm_id, TileState.VERIFIED)
+                self._count(gemm_id, state)
                 self._count(gemm_id, Outcome.CANCELLED, len(cancelled))
                 return LeaseEnd(False, tuple(r[0] for r in cancelled))
             barred = "json_insert(barred, '$[#]', :device)" if outcome == Outcome.REJECTED or bar else "barred"
@@ -603,24 +642,51 @@ class SQLiteStore:
                 self._count(gemm_id, TileState.QUEUED)
             return LeaseEnd(state == TileState.QUEUED)
 
-    def reject_verified(self, tile_id: int, device_id: int, now: float, reason: str) -> None:
+    def verify_taken(self, results: Sequence[tuple[int, int]], now: float) -> None:
+        if not results:
+            return
+        pairs = json.dumps([list(r) for r in results])
+        with self._grouped() as c:
+            leases = c.execute(
+                "UPDATE leases SET outcome = 'verified' WHERE tile_id IN (SELECT json_extract(value, '$[0]') "
+                "FROM json_each(:pairs)) AND outcome = 'taken' AND EXISTS (SELECT 1 FROM json_each(:pairs) AS p "
+                "WHERE json_extract(p.value, '$[0]') = leases.tile_id "
+                "AND json_extract(p.value, '$[1]') = leases.device_id)",
+                {"pairs": pairs},
+            ).rowcount
+            gemms = c.execute(
+                "UPDATE tiles SET state = 'verified' WHERE id IN (SELECT json_extract(value, '$[0]') "
+                "FROM json_each(:pairs)) AND state = 'taken' RETURNING gemm_id",
+                {"pairs": pairs},
+            ).fetchall()
+            if leases != len(results) or len(gemms) != len(results):  # a bug: its write is undone, or the job stops
+                raise StoreError(f"{len(results) - min(leases, len(gemms))} of {len(results)} results were not taken")
+            for (gemm_id,) in gemms:
+                self._count(gemm_id, TileState.TAKEN, -1)
+                self._count(gemm_id, TileState.VERIFIED)
+
+    def reject_taken(
+        self, tile_id: int, device_id: int, now: float, reason: str, outcome: str = Outcome.REJECTED
+    ) -> None:
+        if outcome not in (Outcome.REJECTED, Outcome.REVOKED):
+            raise StoreError(f"a result waiting for its band cannot be ended as {outcome!r}")
         with self._grouped() as c:
             cur = c.execute(
-                "UPDATE leases SET outcome = 'rejected', reason = :reason WHERE id = (SELECT max(id) FROM leases "
-                "WHERE tile_id = :tile AND device_id = :device AND outcome = 'verified')",
-                {"reason": reason, "tile": tile_id, "device": device_id},
+                "UPDATE leases SET outcome = :outcome, reason = :reason WHERE id = (SELECT max(id) FROM leases "
+                "WHERE tile_id = :tile AND device_id = :device AND outcome = 'taken')",
+                {"outcome": outcome, "reason": reason, "tile": tile_id, "device": device_id},
             )
             row = c.execute(
-                "UPDATE tiles SET state = 'queued', requeue_reason = 'rejected', done_at = NULL, queued_at = :now, "
-                "barred = json_insert(barred, '$[#]', :device) WHERE id = :tile AND state = 'verified' "
+                "UPDATE tiles SET state = 'queued', requeue_reason = :outcome, done_at = NULL, queued_at = :now, "
+                "barred = json_insert(barred, '$[#]', :device) WHERE id = :tile AND state = 'taken' "
                 "RETURNING gemm_id",
-                {"now": now, "tile": tile_id, "device": device_id},
+                {"outcome": outcome, "now": now, "tile": tile_id, "device": device_id},
             ).fetchone()
             if cur.rowcount != 1 or row is None:
-                raise StoreError(f"tile {tile_id} has no verified result of device {device_id}")
-            self._count(row[0], TileState.VERIFIED, -1)
+                raise StoreError(f"tile {tile_id} has no result of device {device_id} waiting for its band")
+            self._count(row[0], TileState.TAKEN, -1)
             self._count(row[0], TileState.QUEUED)
-            self._count(row[0], Outcome.REJECTED)
+            self._count(row[0], outcome)
 
     def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
         with self.atomic():
@@ -729,13 +795,15 @@ class SQLiteStore:
     def abandon_unfinished(self, job_id: int | None, now: float) -> int:
         jobs = "(SELECT id FROM gemms WHERE job_id = :job OR :job IS NULL)"
         with self.atomic() as c:
+            # A result waiting for its band's check died with its coordinator: lost too.
             c.execute(
                 "UPDATE leases SET ended_at = :now, outcome = :lost, reason = :why "
-                f"WHERE ended_at IS NULL AND tile_id IN (SELECT id FROM tiles WHERE gemm_id IN {jobs})",
+                "WHERE (ended_at IS NULL OR outcome = 'taken') "
+                f"AND tile_id IN (SELECT id FROM tiles WHERE gemm_id IN {jobs})",
                 {"now": now, "job": job_id, "lost": Outcome.LOST.value, "why": RESTARTED},
             )
             cur = c.execute(
-                "UPDATE tiles SET state = 'abandoned', open_leases = 0 WHERE state IN ('queued', 'leased') "
+                "UPDATE tiles SET state = 'abandoned', open_leases = 0 WHERE state IN ('queued', 'leased', 'taken') "
                 f"AND gemm_id IN {jobs}",
                 {"job": job_id},
             )

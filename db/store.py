@@ -28,6 +28,7 @@ class TileState(Name):
 
     QUEUED = "queued"
     LEASED = "leased"
+    TAKEN = "taken"  # its result is in and waits for its row band's check (checks by band)
     VERIFIED = "verified"
     ABANDONED = "abandoned"  # its coordinator died with the tile's operands; a resumed job recomputes it
 
@@ -36,6 +37,7 @@ class Outcome(Name):
     """How a lease ended."""
 
     VERIFIED = "verified"
+    TAKEN = "taken"  # its result is in, waiting for its band's check: verified or rejected then
     REJECTED = "rejected"  # its result failed verification
     RELEASED = "released"  # the device gave it back (release, pause or leave)
     LOST = "lost"  # the device's connection closed, it went silent or was dropped
@@ -353,6 +355,11 @@ class Store(Protocol):
         or the device is barred from it."""
         ...
 
+    def lease_tiles(self, leases: Sequence[tuple[int, int]], now: float) -> list[ClaimedTile | None]:
+        """``lease_tile`` for each (tile, device) in order, written together (one statement per
+        batch where the store can): the scheduler's leases of one dispatch."""
+        return [self.lease_tile(tile_id, device_id, now) for tile_id, device_id in leases]
+
     def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         """Lease one more copy of an outstanding tile (speculation, or its deadline passed), unless
         the device already holds one or failed it. ``issued`` says why."""
@@ -362,7 +369,8 @@ class Store(Protocol):
         self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
     ) -> LeaseEnd:
         """Close the device's open lease on the tile. ``verified`` finishes the tile and cancels
-        its other copies; otherwise the tile is queued again once no copy is out. ``rejected``
+        its other copies; ``taken`` does the same but leaves the tile ``taken`` until its band's
+        check (``verify_taken``, ``reject_taken``); otherwise the tile is queued again once no copy is out. ``rejected``
         (or ``bar``) also bars that device from the tile."""
         ...
 
@@ -370,9 +378,17 @@ class Store(Protocol):
         """End every open lease of a device (it left or was lost); returns the tiles re-queued."""
         ...
 
-    def reject_verified(self, tile_id: int, device_id: int, now: float, reason: str) -> None:
-        """A result booked ``verified`` when it arrived failed the check of its row band later:
-        its lease becomes ``rejected``, the tile is queued again and that device barred from it."""
+    def verify_taken(self, results: Sequence[tuple[int, int]], now: float) -> None:
+        """The (tile, device) results ``taken`` for their band passed its check: their leases and
+        tiles become ``verified``, all in one write."""
+        ...
+
+    def reject_taken(
+        self, tile_id: int, device_id: int, now: float, reason: str, outcome: str = Outcome.REJECTED
+    ) -> None:
+        """A result ``taken`` for its band is not used: its lease ends ``rejected`` (it failed the
+        check) or ``revoked`` (its device was banned first), the tile is queued again and that
+        device barred from it."""
         ...
 
     def leased_to(self, device_id: int) -> list[int]: ...

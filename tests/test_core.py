@@ -844,7 +844,8 @@ def test_a_forged_tile_inside_a_checked_band_is_rejected_alone_and_its_device_ba
     assert fleet.step(only=bad)
     # Taken for its band: booked on arrival, judged once the band's other results are in.
     assert not [m for m in fleet.inbox[bad] if isinstance(m, Error)]
-    assert core.store.tile_counts(core.job_id)["verified"] == 1
+    counts = core.store.tile_counts(core.job_id)
+    assert (counts["taken"], counts["verified"]) == (1, 0)  # neither verified nor used before its band's check
     fleet.drain()
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
     assert fleet.closed.get(bad) == CloseCode.BANNED and core.band_failures == 1
@@ -859,7 +860,12 @@ def test_a_forged_tile_inside_a_checked_band_is_rejected_alone_and_its_device_ba
     ]
     for tile, history in histories.items():  # each ends verified once; the banned device's waiting ones went to good
         assert [lease.outcome for lease in history].count("verified") == 1, tile
-        assert all(lease.device_id == bad for lease in history if lease.reason == "its device was banned"), tile
+        assert all(
+            lease.device_id == bad and lease.outcome == "revoked"
+            for lease in history
+            if lease.reason == "its device was banned"
+        ), tile
+        assert "taken" not in [lease.outcome for lease in history], tile
     rows = {d["name"]: d for d in report.status(core, fleet.now)["devices"]}
     assert rows["bad"]["tiles_rejected"] == 1 and rows["bad"]["state"] == "banned"
 

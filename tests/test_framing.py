@@ -1,11 +1,20 @@
-"""Large server frames queued as header and payload: the same bytes as websockets' own, no copy."""
+"""Large server frames queued as header and payload: the same bytes as websockets' own, no copy;
+and written to the socket by threads beside the loop, in order, with back-pressure."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
 import pytest
+import torch
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
 from websockets.protocol import OPEN, Protocol, Side
 
-from coordinator.net.framing import SMALL, unjoined_frames
+from coordinator.net.framing import SMALL, OffLoopTransport, SendThreads, unjoined_frames
 
 
 def _sent(protocol: Protocol, *frames: tuple[bytes | memoryview, bool, bool]) -> bytes:
@@ -45,3 +54,111 @@ def test_clients_and_small_frames_keep_the_librarys_path() -> None:
     ours.send_binary(b"x" * (SMALL - 1))
     (joined,) = ours.data_to_send()  # one write: header and payload together
     assert len(joined) == SMALL - 1 + 4
+
+
+# ------------------------------------------------------------------ sending off the loop
+
+
+async def _serve(threads: SendThreads, handler: Any) -> Any:
+    async def wrapped(ws: ServerConnection) -> None:
+        unjoined_frames(ws.protocol)
+        ws.transport = threads.wrap(ws.transport)
+        assert isinstance(ws.transport, OffLoopTransport)
+        await handler(ws)
+
+    return await serve(wrapped, "127.0.0.1", 0, compression=None, max_size=None)
+
+
+def test_a_send_thread_writes_every_frame_in_order_and_closes_cleanly() -> None:
+    """Large frames (views, fragmented or whole), small ones and websockets' own pings and close
+    frame share one connection: the peer reads each message whole and in order."""
+    tensor = torch.arange(3 << 18, dtype=torch.float32)  # 3 MiB
+    whole = memoryview(tensor.numpy()).cast("B")
+    messages: list[Any] = [b"first", whole, [whole[: 1 << 20], whole[1 << 20 :]], b"x" * 10, whole[:5000], b"last"]
+
+    async def run() -> tuple[list[bytes], int | None, int]:
+        threads = SendThreads(2, timeout=10.0)
+
+        async def handler(ws: ServerConnection) -> None:
+            for message in messages:
+                await ws.send(message)
+                await ws.ping()
+            await ws.close()
+
+        server = await _serve(threads, handler)
+        try:
+            url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            async with connect(url, compression=None, max_size=None) as ws:
+                got = [await asyncio.wait_for(ws.recv(), 10.0) for _ in messages]
+                with pytest.raises(ConnectionClosed):
+                    await asyncio.wait_for(ws.recv(), 10.0)
+                return got, ws.close_code, threads.bytes_sent
+        finally:
+            server.close()
+            await server.wait_closed()
+            threads.close()
+
+    got, code, sent = asyncio.run(run())
+    want = [b"first", bytes(whole), bytes(whole), b"x" * 10, bytes(whole[:5000]), b"last"]
+    assert got == want and code == 1000
+    assert sent > 2 * len(whole)  # the large frames went through the threads
+
+
+def test_a_peer_that_stops_reading_holds_back_the_sender_and_abort_frees_its_thread() -> None:
+    """Back-pressure reaches websockets (its send waits once the queue passes its high water);
+    aborting the connection fails the thread's blocked write at once, and the one thread then
+    serves another connection."""
+    big = bytes(32 << 20)
+
+    async def run() -> tuple[bool, bytes, float]:
+        threads = SendThreads(1, timeout=30.0)
+        stuck: list[bool] = []
+
+        async def handler(ws: ServerConnection) -> None:
+            if ws.request.path == "/slow":
+                try:
+                    await asyncio.wait_for(ws.send(big), 0.5)
+                    stuck.append(False)
+                except (TimeoutError, asyncio.TimeoutError):
+                    stuck.append(True)
+                    ws.transport.abort()
+                return
+            await ws.send(b"served")
+            await ws.close()
+
+        server = await _serve(threads, handler)
+        try:
+            port = server.sockets[0].getsockname()[1]
+            slow = await connect(f"ws://127.0.0.1:{port}/slow", compression=None, max_size=None)
+            slow.transport.pause_reading()  # reads nothing more: the kernel's buffers fill
+            while not stuck:
+                await asyncio.sleep(0.05)
+            started = time.monotonic()
+            async with connect(f"ws://127.0.0.1:{port}/fast", compression=None) as fast:
+                reply = await asyncio.wait_for(fast.recv(), 5.0)
+            took = time.monotonic() - started
+            slow.transport.abort()
+            return stuck[0], reply, took
+        finally:
+            server.close()
+            await server.wait_closed()
+            threads.close()
+
+    stuck, reply, took = asyncio.run(run())
+    assert stuck and reply == b"served" and took < 5.0
+
+
+def test_only_plain_tcp_transports_are_written_from_threads() -> None:
+    threads = SendThreads(1, timeout=1.0)
+    try:
+
+        class Pipe:  # what a TLS or unknown transport looks like to wrap(): left alone
+            def get_extra_info(self, name: str) -> Any:
+                return None
+
+        pipe = Pipe()
+        assert threads.wrap(pipe) is pipe
+        with pytest.raises(ValueError):
+            SendThreads(0, timeout=1.0)
+    finally:
+        threads.close()

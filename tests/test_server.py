@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator
 
 import numpy as np
+import pytest
 import torch
 from conftest import ROOT, TIMEOUT
 from websockets.asyncio.client import ClientConnection, connect
@@ -38,8 +39,11 @@ from coordinator.wire.messages import (
 )
 from db.memory import MemoryStore
 
+# Devices' bytes written by the event loop, and by a send thread beside it (net/framing.py).
+SENDERS = pytest.mark.parametrize("send_threads", [0, 1], ids=["loop-sends", "send-thread"])
 
-def _server(**limits: object) -> Server:
+
+def _server(send_threads: int = 0, **limits: object) -> Server:
     store = MemoryStore()
     job = store.create_job("t", {}, 1, 0.0)
     core = Core(
@@ -53,7 +57,10 @@ def _server(**limits: object) -> Server:
         trust=TrustPolicy(probation_tiles=0, first_slots=2),
         band_checks=False,  # each result checked alone, as it arrives: that path is what this tests
     )
-    return Server(core)
+    server = Server(core, send_threads=send_threads)
+    if server.senders is not None:  # these tests' frames are small: every write through the thread
+        server.senders.direct = 0
+    return server
 
 
 async def _closed(ws: ClientConnection) -> tuple[int | None, str | None]:
@@ -106,9 +113,10 @@ def test_a_peer_that_never_says_hello_is_dropped_with_a_reason() -> None:
     assert code == 4000 and reason == "no hello within 0.2 s"
 
 
-def test_gemm_over_real_websockets_equals_dense_product() -> None:
+@SENDERS
+def test_gemm_over_real_websockets_equals_dense_product(send_threads: int) -> None:
     async def run() -> tuple[torch.Tensor, torch.Tensor]:
-        server = _server()
+        server = _server(send_threads)
         async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
             async with connect(url, compression=None, max_size=None) as ws:
@@ -127,10 +135,14 @@ def test_gemm_over_real_websockets_equals_dense_product() -> None:
                     operands = work.operands(blocks)
                     assert operands is not None
                     await ws.send(encode(Result(work.tile_id, operands[0] @ operands[1])))
-                return await asyncio.wait_for(done, TIMEOUT), a @ b
+                got = await asyncio.wait_for(done, TIMEOUT)
+                sent.append(server.senders.bytes_sent if server.senders else 0)
+                return got, a @ b
 
+    sent: list[int] = []
     got, want = asyncio.run(run())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (sent[0] > 0) == bool(send_threads)  # the blocks went out through the send thread
 
 
 def test_a_frame_larger_than_the_peer_may_send_closes_only_that_peer() -> None:
@@ -194,14 +206,19 @@ def test_importing_the_client_loads_no_server_or_database_code() -> None:
     assert run.returncode == 0, run.stderr
 
 
-def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound() -> None:
+@SENDERS
+def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound(send_threads: int) -> None:
     """Releases that make the coordinator send blocks again, to a peer that reads nothing."""
     from coordinator.engine.limits import Rate
     from coordinator.wire.messages import Release
 
     async def run() -> tuple[int, int, str | None]:
         server = _server(
-            outbound_queue=1 << 20, resends=Rate(1e12, 1e12), releases=Rate(1e6, 1e6), messages=Rate(1e6, 1e6)
+            send_threads,
+            outbound_queue=1 << 20,
+            resends=Rate(1e12, 1e12),
+            releases=Rate(1e6, 1e6),
+            messages=Rate(1e6, 1e6),
         )
         async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
@@ -295,12 +312,13 @@ def test_connections_count_from_the_tcp_accept_even_before_a_tls_handshake() -> 
     assert refused >= 60 - 26
 
 
-def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
+@SENDERS
+def test_what_was_queued_for_a_device_that_went_away_is_uncounted(send_threads: int) -> None:
     """However a connection ends, nothing stays counted against the outbound budget."""
     from coordinator.wire.messages import Leave
 
     async def run() -> list[int]:
-        server = _server()
+        server = _server(send_threads)
         left = []
         async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
@@ -435,7 +453,10 @@ def test_results_waiting_for_the_verifier_are_checked_as_one_batch_and_a_forged_
     assert forger not in server.core.devices  # banned and dropped
 
 
-def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch_is_rejected_alone() -> None:
+@SENDERS
+def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch_is_rejected_alone(
+    send_threads: int,
+) -> None:
     """Devices that say hello.batch 4 take their work in work_batch frames and answer in
     result_batch frames. One forges the last result of each batch it sends: that result is
     rejected on its own (an error names that tile), its honest neighbours in the frame are
@@ -468,7 +489,7 @@ def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch
         return tiles
 
     async def run() -> tuple[torch.Tensor, torch.Tensor, Server, list[dict[str, list[int]]], dict[str, int]]:
-        server = _server()
+        server = _server(send_threads)
         async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
             stop = asyncio.Event()

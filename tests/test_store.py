@@ -11,7 +11,7 @@ from coordinator.wire.errors import StoreError
 from db.memory import MemoryStore
 from db.migrations import migrate
 from db.sqlite import SQLiteStore
-from db.store import CheckpointRow, DeviceInfo, Issued, NewTile, Outcome, Store
+from db.store import RESTARTED, CheckpointRow, DeviceInfo, Issued, NewTile, Outcome, Store
 
 
 @pytest.fixture(params=["memory", "sqlite", "sqlite-grouped"])
@@ -657,20 +657,83 @@ def test_why_leases_were_lost_is_counted_as_they_end(store: Store) -> None:
     assert store.lost_reasons(store.create_job("other", {}, 1, 14.0)) == {}
 
 
-def test_a_verified_result_rejected_later_requeues_its_tile_and_bars_its_device(store: Store) -> None:
+def test_a_result_taken_for_its_band_is_verified_or_rejected_with_it(store: Store) -> None:
+    """Checks by band: a result is booked ``taken`` when it arrives, then ``verified`` when its
+    band passes (one write for the band), or ``rejected`` (failed) or ``revoked`` (its device was
+    banned first): the tile is queued again, never to that device."""
     job = store.create_job("j", {}, 1, 0.0)
     d, other = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
-    _, ids = _gemm(store, job, n=1)
-    store.claim_tile(d, [], now=11.0)
-    store.end_lease(ids[0], d, "verified", now=12.0)
-    with pytest.raises(StoreError):  # it has no verified result of the other device
-        store.reject_verified(ids[0], other, 13.0, "its band failed")
-    store.reject_verified(ids[0], d, 13.0, "its band failed")
-    assert store.tile_state(ids[0]) == "queued"
-    assert [(lease.outcome, lease.reason) for lease in store.leases(ids[0])] == [("rejected", "its band failed")]
+    _, ids = _gemm(store, job, n=4)
+    for _ in ids:
+        store.claim_tile(d, [], now=11.0)
+    for tid in ids:
+        store.end_lease(tid, d, Outcome.TAKEN, now=12.0)
     counts = store.tile_counts(job)
-    assert (counts["verified"], counts["queued"], counts["rejected"]) == (0, 1, 1)
-    assert store.claim_tile(d, [], now=14.0) is None  # barred from it
-    assert store.claim_tile(other, [], now=14.0).id == ids[0]
+    assert (counts["taken"], counts["leased"], counts["verified"]) == (4, 0, 0)
+    with pytest.raises(StoreError):  # it has no result of the other device
+        store.reject_taken(ids[0], other, 13.0, "failed verification")
+    with pytest.raises(StoreError):  # a band is verified whole or not at all
+        store.verify_taken([(ids[0], d), (ids[1], other)], 13.0)
+    assert store.tile_state(ids[0]) == "taken"
+    with pytest.raises(StoreError):  # only rejected or revoked
+        store.reject_taken(ids[0], d, 13.0, "no", Outcome.LOST)
+    store.verify_taken([(ids[0], d), (ids[1], d)], 13.0)
+    store.reject_taken(ids[2], d, 13.0, "failed verification: residual")
+    store.reject_taken(ids[3], d, 13.0, "its device was banned", Outcome.REVOKED)
+    assert [store.tile_state(t) for t in ids] == ["verified", "verified", "queued", "queued"]
+    assert [(lease.outcome, lease.reason) for lease in store.leases(ids[2])] == [
+        ("rejected", "failed verification: residual")
+    ]
+    assert [lease.outcome for lease in store.leases(ids[3])] == ["revoked"]
+    counts = store.tile_counts(job)
+    assert (counts["taken"], counts["verified"], counts["queued"], counts["rejected"], counts["revoked"]) == (
+        0,
+        2,
+        2,
+        1,
+        1,
+    )
+    assert store.claim_tile(d, [], now=14.0) is None  # barred from both
+    assert {store.claim_tile(other, [], now=14.0).id for _ in range(2)} == {ids[2], ids[3]}
     with pytest.raises(StoreError):  # once
-        store.reject_verified(ids[0], d, 15.0, "again")
+        store.reject_taken(ids[2], d, 15.0, "again")
+    if isinstance(store, SQLiteStore):  # the running counters agree with the rows
+        assert store.recount(job) == store.tile_counts(job)
+
+
+def test_a_dispatch_leases_its_tiles_together(store: Store) -> None:
+    """``lease_tiles``: each (tile, device) as ``lease_tile`` would, in one write: a tile not
+    queued, or barred to that device, is refused (None) and the rest still leased."""
+    job = store.create_job("j", {}, 1, 0.0)
+    d, e = store.add_device(job, DeviceInfo("a"), 0.0), store.add_device(job, DeviceInfo("b"), 0.0)
+    _, ids = _gemm(store, job, n=5)
+    store.lease_tile(ids[0], d, 10.0)
+    store.end_lease(ids[0], d, Outcome.REJECTED, 10.5)  # queued again, d barred from it
+    store.lease_tile(ids[1], e, 10.0)
+    got = store.lease_tiles([(ids[0], d), (ids[1], d), (ids[2], d), (ids[3], e)], 11.0)
+    assert got[0] is None and got[1] is None  # barred; leased already
+    assert [(g.id, g.issued) for g in got[2:]] == [(ids[2], "first"), (ids[3], "first")]
+    got = store.lease_tiles([(ids[0], e), (ids[4], d), (ids[4], e)], 11.0)  # a tile twice: the first wins
+    assert [(g.id, g.issued) for g in got[:2]] == [(ids[0], "requeued after rejected"), (ids[4], "first")]
+    assert got[2] is None
+    assert [store.tile_state(t) for t in ids] == ["leased"] * 5
+    assert store.leased_to(d) == sorted([ids[2], ids[4]]) and store.leased_to(e) == sorted([ids[0], ids[1], ids[3]])
+    counts = store.tile_counts(job)
+    assert (counts["leased"], counts["queued"], counts["requeued"]) == (5, 0, 1)
+    assert store.lease_tiles([], 12.0) == []
+    if isinstance(store, SQLiteStore):
+        assert store.recount(job) == store.tile_counts(job)
+
+
+def test_a_restart_loses_the_results_waiting_for_their_bands(store: Store) -> None:
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _, ids = _gemm(store, job, n=2)
+    store.lease_tiles([(ids[0], d), (ids[1], d)], 11.0)
+    store.end_lease(ids[0], d, Outcome.TAKEN, 12.0)
+    assert store.abandon_unfinished(job, 20.0) == 2
+    assert [store.tile_state(t) for t in ids] == ["abandoned", "abandoned"]
+    assert [(lease.outcome, lease.reason) for t in ids for lease in store.leases(t)] == [
+        ("lost", RESTARTED),
+        ("lost", RESTARTED),
+    ]

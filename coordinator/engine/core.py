@@ -518,9 +518,36 @@ class Core:
         due, self._bands_due = self._bands_due, []
         return due
 
-    def receive(self, device_id: int, msg: Message, now: float) -> list[Outbound] | Check:
+    def receive_all(self, device_id: int, msgs: Sequence[Message], now: float) -> tuple[list[Outbound], list[Check]]:
+        """``receive`` for one frame's messages (a result batch's results) as one piece of
+        bookkeeping: their store rows in one write group (``batch``), the slots the results
+        taken for their bands free granted by one dispatch after the last. Returns what to send
+        and the results to check alone (``settle`` each verdict). Stops at a message that
+        dropped the device."""
+        if len(msgs) == 1 and not isinstance(msgs[0], Result):  # a heartbeat writes nothing: no write group
+            got = self.receive(device_id, msgs[0], now)
+            return ([], [got]) if isinstance(got, Check) else (got, [])
+        out: list[Outbound] = []
+        checks: list[Check] = []
+        taken = False
+        with self.batch():
+            for msg in msgs:
+                got = self.receive(device_id, msg, now, dispatch=False)
+                if isinstance(got, Check):
+                    checks.append(got)
+                else:
+                    out.extend(got)
+                    taken = taken or isinstance(msg, Result)
+                if device_id not in self.devices and device_id not in self.relays.relays:
+                    break
+            if taken:
+                out.extend(self._dispatch(now))
+        return out, checks
+
+    def receive(self, device_id: int, msg: Message, now: float, *, dispatch: bool = True) -> list[Outbound] | Check:
         """``handle``, except that a result to verify comes back as a ``Check``: the caller runs
-        it (on another thread if it likes: see ``Check``) and passes its verdict to ``settle``."""
+        it (on another thread if it likes: see ``Check``) and passes its verdict to ``settle``.
+        ``dispatch=False``: a result taken for its band does not dispatch (``receive_all``)."""
         if device_id in self.relays.relays:
             return self._relay_message(device_id, msg, now)
         dev = self.devices.get(device_id)
@@ -534,7 +561,7 @@ class Core:
         if not paid and not dev.messages.take(now):
             return self._drop(dev, CloseCode.RATE_LIMITED, "too many messages", now) + self._dispatch(now)
         if isinstance(msg, Result):
-            return self._check_of(dev, msg)
+            return self._check_of(dev, msg, dispatch)
         if isinstance(msg, Heartbeat):
             return []
         if isinstance(msg, Release):
@@ -715,7 +742,7 @@ class Core:
         """A lease of ``dev`` ended without its result: it may still send one for a while."""
         dev.big_until = now + self.limits.result_grace
 
-    def _check_of(self, dev: DeviceState, msg: Result) -> list[Outbound] | Check:
+    def _check_of(self, dev: DeviceState, msg: Result, dispatch: bool = True) -> list[Outbound] | Check:
         if msg.tile_id not in dev.inflight:
             if dev.cancelled.pop(msg.tile_id, False) is None:  # a copy that lost the race: ignored
                 return []
@@ -761,8 +788,8 @@ class Core:
         # Checked with its band: its shape now, the rest once every result of the band is in.
         wrong = structure(VerifyProduct(check.a, check.b, msg.c))
         if wrong is not None and not wrong.ok:
-            return self.settle(check, wrong, 0.0, check.arrived)
-        return self.settle(check, None, 0.0, check.arrived)
+            return self.settle(check, wrong, 0.0, check.arrived, dispatch=dispatch)
+        return self.settle(check, None, 0.0, check.arrived, dispatch=dispatch)
 
     def settle(
         self, check: Check, verdict: Verdict | None, seconds: float, now: float, *, dispatch: bool = True
@@ -832,9 +859,11 @@ class Core:
             )
             return out + self._forged(dev, now)
         losers = self.sched.done(msg.tile_id, dev.id)
-        # Booked verified now even when taken for its band: a band that fails later turns it
-        # into a rejection (``_reject_taken``), and its lease is over either way.
-        self.store.end_lease(msg.tile_id, dev.id, Outcome.VERIFIED, self.wall(now))
+        # Its lease is over either way; taken for its band, it is booked ``taken`` until the
+        # band's check turns it verified (``settle_band``) or rejected (``_reject_taken``).
+        self.store.end_lease(
+            msg.tile_id, dev.id, Outcome.VERIFIED if verdict is not None else Outcome.TAKEN, self.wall(now)
+        )
         dev.tiles_done += 1
         dev.compute_seconds += msg.seconds
         # From its work frame going on the wire (not from the lease: a frame queued behind the
@@ -915,11 +944,18 @@ class Core:
             self.band_failures += 1
             log.warning("a band of %d results of GEMM %d failed: each was checked alone", len(verdicts), gemm.id)
         out: list[Outbound] = []
-        for one, verdict in zip(check.checks, verdicts):
-            tile_id = one.msg.tile_id
-            if band.answered.get(tile_id) is not one:  # taken back meanwhile (its device was banned)
-                continue
-            band.drop(tile_id)
+        judged = [
+            (one, verdict)
+            for one, verdict in zip(check.checks, verdicts)
+            if band.answered.get(one.msg.tile_id) is one  # else taken back meanwhile (its device was banned)
+        ]
+        for one, _ in judged:  # judged here: a ban below does not revoke them (a pass proves its result)
+            band.drop(one.msg.tile_id)
+        # The band's passes in one write, then each result's own books.
+        self.store.verify_taken(
+            [(one.msg.tile_id, one.dev.id) for one, verdict in judged if verdict.ok], self.wall(now)
+        )
+        for one, verdict in judged:
             if verdict.ok:
                 self._verified(one, verdict, now)
             else:
@@ -932,7 +968,8 @@ class Core:
         """A result taken for its band is not used after all: the tile is queued again, never to
         that device. ``forged``: it failed its check, which counts against its identity."""
         dev, tile_id = check.dev, check.msg.tile_id
-        self.store.reject_verified(tile_id, dev.id, self.wall(now), reason)
+        outcome = Outcome.REJECTED if forged else Outcome.REVOKED
+        self.store.reject_taken(tile_id, dev.id, self.wall(now), reason, outcome)
         self.sched.reopen(tile_id, dev.id)
         if not forged:
             return []
@@ -1275,17 +1312,48 @@ class Core:
         """Carry out decisions one at a time: each may change what the next one sees (a lease
         fills a device's block budget, a take-back cuts a device)."""
         out: list[Outbound] = []
+        leasing: list[tuple[int, int]] = []  # first leases since the last write: written together
         for decision in decisions:
             dev = self.devices.get(decision.device)
             if dev is None:  # cut earlier in this batch: the scheduler has let its tiles go already
                 self._sent.pop((decision.unit, decision.device), None)
                 continue
-            if isinstance(decision, Assign):
-                out.extend(self._lease(dev, decision.unit, decision.copy, now))
+            if isinstance(decision, Assign) and decision.copy is None:
+                leasing.append((decision.unit, dev.id))
+                out.extend(self._lease(dev, decision.unit, now))
             elif isinstance(decision, Overdue):
                 self.conduct.late(dev)
-            else:
-                out.extend(self._take_back(dev, decision, now))
+            else:  # the store sees the leases before it, in order
+                out.extend(self._write_leases(leasing, now))
+                if isinstance(decision, Assign):
+                    out.extend(self._copy(dev, decision.unit, decision.copy or "", now))
+                else:
+                    out.extend(self._take_back(dev, decision, now))
+        out.extend(self._write_leases(leasing, now))
+        return out
+
+    def _write_leases(self, leasing: list[tuple[int, int]], now: float) -> list[Outbound]:
+        """Write the scheduler's first leases in one go (``store.lease_tiles``). A lease the store
+        refuses (a bug, never a peer's doing: the scheduler and the store disagree) is logged,
+        its tile given to someone else, and its work cancelled (the device keeps the blocks)."""
+        if not leasing:
+            return []
+        claimed = self.store.lease_tiles(leasing, self.wall(now))
+        out: list[Outbound] = []
+        for (tile_id, device_id), got in zip(leasing, claimed, strict=True):
+            if got is None:
+                log.error(
+                    "store refused the scheduler's lease of tile %d to device %d; tile re-queued", tile_id, device_id
+                )
+                self._sent.pop((tile_id, device_id), None)
+                self.sched.release(tile_id, device_id)
+                dev = self.devices.get(device_id)
+                if dev is not None:
+                    dev.cancel(tile_id)
+                    out.append(
+                        self._send(device_id, Cancel((tile_id,), "the coordinator could not record its lease"), now)
+                    )
+        leasing.clear()
         return out
 
     def _take_back(self, dev: DeviceState, decision: Reclaim, now: float) -> list[Outbound]:
@@ -1309,20 +1377,18 @@ class Core:
         wait = self.conduct.cut(dev, now)
         return self._drop(dev, CloseCode.STALLING, f"{why}; come back in {wait:.0f} s", now)
 
-    def _lease(self, dev: DeviceState, tile_id: int, copy: str | None, now: float) -> list[Outbound]:
-        """Record the scheduler's lease in the store and send the work."""
-        at = self.wall(now)
-        claimed = (
-            self.store.lease_tile(tile_id, dev.id, at)
-            if copy is None
-            else self.store.claim_copy(tile_id, dev.id, copy, at)
-        )
-        if claimed is None:
+    def _copy(self, dev: DeviceState, tile_id: int, copy: str, now: float) -> list[Outbound]:
+        """Record the scheduler's copy of an outstanding tile in the store and send the work."""
+        if self.store.claim_copy(tile_id, dev.id, copy, self.wall(now)) is None:
             # The scheduler and the store disagree (a bug, never a peer's doing): say so, and let
             # the scheduler give the tile to someone else rather than stop training.
-            log.error("store refused the scheduler's lease of tile %d to device %d; tile re-queued", tile_id, dev.id)
+            log.error("store refused the scheduler's copy of tile %d to device %d", tile_id, dev.id)
             self.sched.release(tile_id, dev.id)
             return []
+        return self._lease(dev, tile_id, now)
+
+    def _lease(self, dev: DeviceState, tile_id: int, now: float) -> list[Outbound]:
+        """Send the work of a lease (its store row is the caller's: ``_write_leases``, ``_copy``)."""
         gemm = self.gemms[self._tile_gemm[tile_id]]
         tile = gemm.tiles[tile_id]
         out: list[Outbound] = []

@@ -13,8 +13,8 @@ from coordinator.wire.codes import DeviceView
 from db.store import CONNECTED, DeviceStatus, LeaderRow
 
 # The tile counts ``status`` reports (``Store.tile_counts`` has these and more).
-STATUS_TILES = ("queued", "leased", "verified", "rejected", "requeued", "expired", "speculative", "cancelled", "lost",
-                "revoked")  # fmt: skip
+STATUS_TILES = ("queued", "leased", "taken", "verified", "rejected", "requeued", "expired", "speculative", "cancelled",
+                "lost", "revoked")  # fmt: skip
 
 
 def label(name: str, identity: int | None) -> str:

@@ -20,6 +20,10 @@ library's own path.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import os
+import socket
 import struct
 import types
 from typing import Any
@@ -55,3 +59,221 @@ def unjoined_frames(protocol: Any) -> bool:
 
     protocol.send_frame = types.MethodType(send_frame, protocol)
     return True
+
+
+# --------------------------------------------------------------------- sending off the loop
+
+IOV = 64  # buffers per sendmsg call (well under every platform's IOV_MAX)
+# A write this small with nothing queued ahead goes straight to the socket on the loop: a hop to
+# a thread and back costs more than the kernel's copy of it (control messages, small tiles' work).
+DIRECT = 64 << 10
+HIGH_WATER = 4 << 20  # bytes a connection may have queued for its sender before websockets waits
+LOW_WATER = 1 << 20
+
+
+class SendThreads:
+    """A pool of threads that write connections' bytes to their sockets (``OffLoopTransport``).
+
+    The kernel's copy of a sent byte is most of what the event loop paid to send: on loopback
+    the sender pays the receiver's TCP too (bench/bench_tax.py, ``socket_floor``). ``send`` and
+    ``sendmsg`` release the GIL, so that copy runs on these threads beside the loop, which only
+    queues views. Each connection has at most one write in flight, so its bytes stay in order.
+    """
+
+    def __init__(self, workers: int, timeout: float) -> None:
+        if workers < 1:
+            raise ValueError(f"send threads: at least 1, not {workers}")
+        self.workers = workers
+        self.timeout = timeout  # a write that long without progress fails its connection
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cleave-send")
+        self.bytes_sent = 0  # by the threads (the loop's direct small writes not counted)
+        self.direct = DIRECT  # larger writes, or any behind a queue, go to the threads
+
+    def wrap(self, transport: Any) -> Any:
+        """``transport``, or an ``OffLoopTransport`` around it where its socket may be written
+        from a thread: plain TCP on a selector loop (not TLS, not uvloop, not a pipe)."""
+        if type(transport).__name__ != "_SelectorSocketTransport" or transport.get_extra_info("sslcontext"):
+            return transport
+        sock = transport.get_extra_info("socket")
+        if sock is None or transport.is_closing():
+            return transport
+        return OffLoopTransport(transport, self, sock.fileno())
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _sendall(sock: socket.socket, chunks: list[Any]) -> int:
+    """Write every chunk (bytes or views) to ``sock``, a few dozen per system call. On a thread."""
+    views = [memoryview(c).cast("B") for c in chunks if len(c)]
+    total = 0
+    while views:
+        n = sock.sendmsg(views[:IOV])
+        total += n
+        while n and views:
+            size = len(views[0])
+            if n >= size:
+                n -= size
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return total
+
+
+class OffLoopTransport:
+    """The transport a websockets connection writes to, its bytes sent by ``SendThreads``.
+
+    websockets calls ``write`` (frames), ``write_eof``/``close``/``abort`` and reads
+    ``is_closing``; it learns of back-pressure through its protocol's ``pause_writing`` and
+    ``resume_writing``, which this calls as its queue passes ``HIGH_WATER`` and falls below
+    ``LOW_WATER``. Reading stays with the loop's own transport (``__getattr__``). Queued
+    chunks are the caller's objects (views of operands), never copied here; what the kernel
+    takes at once from a write of at most ``DIRECT`` bytes with nothing queued goes straight out
+    on the loop.
+    Bounded: a connection holds at most ``HIGH_WATER`` plus one write of websockets here.
+    """
+
+    def __init__(self, inner: Any, threads: SendThreads, fd: int) -> None:
+        self._inner = inner
+        self._threads = threads
+        # Two handles on the connection's socket: the threads' waits for room (up to their
+        # timeout); the loop's never waits (a small write it cannot finish is queued).
+        self._sock = socket.socket(fileno=os.dup(fd))
+        self._sock.settimeout(threads.timeout)
+        self._direct = socket.socket(fileno=os.dup(fd))
+        self._direct.setblocking(False)
+        self._pending: list[Any] = []
+        self._queued = 0  # bytes pending or being written
+        self._job: asyncio.Future[int] | None = None
+        self._then: str | None = None  # "eof" or "close", once the queue is written
+        self._aborted = False
+        self._paused = False
+        self.failed: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    # -- what websockets calls
+    def write(self, data: Any) -> None:
+        if self._aborted or self._then is not None or not len(data):
+            return
+        if not self._pending and self._job is None and len(data) <= self._threads.direct:
+            try:  # a small frame with nothing ahead of it: straight out, as asyncio would
+                n = self._direct.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as exc:
+                self._fail(exc)
+                return
+            if n == len(data):
+                return
+            data = memoryview(data)[n:]
+        self._pending.append(data)
+        self._queued += len(data)
+        if self._queued > HIGH_WATER and not self._paused:
+            self._paused = True
+            protocol = self._inner.get_protocol()
+            if not getattr(protocol, "paused", False):
+                protocol.pause_writing()
+        self._kick()
+
+    def writelines(self, chunks: Any) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def get_write_buffer_size(self) -> int:
+        return self._queued + self._inner.get_write_buffer_size()
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self._finish("eof")
+
+    def close(self) -> None:
+        self._finish("close")
+
+    def is_closing(self) -> bool:
+        return self._aborted or self._then == "close" or self._inner.is_closing()
+
+    def abort(self) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        self._pending.clear()
+        try:  # a thread blocked writing to this peer fails now, not at its timeout
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._inner.abort()
+        self._release()
+
+    # -- the queue
+    def _finish(self, then: str) -> None:
+        if self._aborted:
+            return
+        if self._then != "close":
+            self._then = then
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._job is not None or self._aborted:
+            return
+        if self._pending:
+            if self._inner.get_write_buffer_size():  # bytes written before this took over: theirs first
+                asyncio.get_running_loop().call_later(0.001, self._kick)
+                return
+            chunks, self._pending = self._pending, []
+            try:
+                self._job = asyncio.get_running_loop().run_in_executor(self._threads.pool, _sendall, self._sock, chunks)
+            except RuntimeError as exc:  # the pool is shut down: the coordinator is stopping
+                self._fail(exc)
+                return
+            self._job.add_done_callback(self._written)
+            return
+        if self._then is not None:  # everything is out: the half-close or close itself
+            then, self._then = self._then, "done"
+            if then == "eof":
+                self._inner.write_eof()
+            elif then == "close":
+                self._inner.close()
+            self._release()
+
+    def _written(self, job: asyncio.Future[int]) -> None:
+        self._job = None
+        if self._aborted:
+            self._release()
+            return
+        if job.cancelled():
+            self._fail(ConnectionError("the coordinator is stopping"))
+            return
+        exc = job.exception()
+        if exc is not None:
+            self._fail(exc)
+            return
+        sent = job.result()
+        self._threads.bytes_sent += sent
+        self._queued -= sent
+        if self._paused and self._queued <= LOW_WATER:
+            self._paused = False
+            protocol = self._inner.get_protocol()
+            if getattr(protocol, "paused", False):
+                protocol.resume_writing()
+        self._kick()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A write failed (the peer went, or stopped reading for ``SendThreads.timeout``): the
+        connection is over, as a failed write on the loop's transport would end it."""
+        self.failed = exc
+        self.abort()
+
+    def release(self) -> None:
+        """The connection is over: its handles on the socket go (a write in flight closes its
+        own when it returns)."""
+        self._release()
+
+    def _release(self) -> None:
+        self._direct.close()
+        if self._job is None:  # a write still in flight closes it when it returns
+            self._sock.close()

@@ -50,7 +50,7 @@ from coordinator.engine.limits import Limits
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.net.dashboard import CHALLENGE, Dashboard, is_bearer
 from coordinator.net.dashboard import handles as dashboard_handles
-from coordinator.net.framing import unjoined_frames
+from coordinator.net.framing import OffLoopTransport, SendThreads, unjoined_frames
 from coordinator.net.listener import ConnectionCounter, bind
 from coordinator.net.metrics import PATH as METRICS_PATH
 from coordinator.net.metrics import Metrics
@@ -141,7 +141,14 @@ async def _refuse(ws: ServerConnection, code: int, reason: str) -> None:
 
 
 class Server:
-    def __init__(self, core: Core, clock: Callable[[], float] = time.monotonic, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        core: Core,
+        clock: Callable[[], float] = time.monotonic,
+        limits: Limits | None = None,
+        *,
+        send_threads: int = 0,
+    ) -> None:
         self.core = core
         self.clock = clock
         self.limits = limits or core.limits
@@ -181,6 +188,9 @@ class Server:
         self.band_batches = 0  # jobs of band checks verified
         self.checked = 0
         self._stopped = False
+        # Devices' bytes written to their sockets by threads beside the loop (net/framing.py);
+        # 0: by the loop itself.
+        self.senders = SendThreads(send_threads, self.limits.write_timeout + 5.0) if send_threads else None
 
     # ------------------------------------------------------------------ connection counting
 
@@ -251,6 +261,8 @@ class Server:
             await _refuse(ws, CloseCode.REDIRECTED, f"redirected to rank {exc.message.rank}")
             return
         self._authenticated(ws)
+        if self.senders is not None:
+            ws.transport = self.senders.wrap(ws.transport)
         allowed = RELAY_MESSAGES if msg.relay else DEVICE_MESSAGES  # a relay asks for blocks, nothing else
 
         def here() -> bool:  # not dropped by the Core (banned, rate-limited, ...)
@@ -278,16 +290,14 @@ class Server:
                 if conn.checks:  # its last results' verdicts come first
                     await conn.checked.wait()
                 try:
-                    # A result batch acts as its results would, one frame after another.
-                    for one in msg.results if isinstance(msg, ResultBatch) else (msg,):
-                        got = self.core.receive(device_id, one, self.clock())
-                        if isinstance(got, Check):
-                            self._verify(got, conn)
-                        else:
-                            self.deliver(got)
-                            self._pump_bands()
-                        if not here():  # dropped: the rest is not read
-                            break
+                    # A result batch's results as one piece of bookkeeping (Core.receive_all).
+                    got, checks = self.core.receive_all(
+                        device_id, msg.results if isinstance(msg, ResultBatch) else (msg,), self.clock()
+                    )
+                    self.deliver(got)
+                    for check in checks:
+                        self._verify(check, conn)
+                    self._pump_bands()
                 except Exception:  # a bug must not pass silently, nor take the server down
                     log.exception("handling %s from device %d failed", msg.TYPE, device_id)
                     reason = f"internal error on {msg.TYPE}"
@@ -319,6 +329,8 @@ class Server:
             self._devices_changed.set()
             log.info("device %d left: %s", device_id, reason)
             await self._finish_writer(conn)
+            if isinstance(ws.transport, OffLoopTransport):
+                ws.transport.release()
 
     async def _observe(self, ws: ServerConnection, first: StatusRequest | SpeedTest) -> None:
         """A ``cleave status`` or ``cleave benchmark --url`` peer: one reply per request.
@@ -788,6 +800,8 @@ class Server:
         for conn in conns:
             if conn.writer is not None and not conn.writer.done():
                 self._abort(conn)
+        if self.senders is not None:
+            self.senders.close()
 
     async def close_observers(self, reason: str = "job finished") -> None:
         """Close every observer with 1000: the job is over and the coordinator is leaving (an
