@@ -77,7 +77,7 @@ def test_a_send_thread_writes_every_frame_in_order_and_closes_cleanly() -> None:
     messages: list[Any] = [b"first", whole, [whole[: 1 << 20], whole[1 << 20 :]], b"x" * 10, whole[:5000], b"last"]
 
     async def run() -> tuple[list[bytes], int | None, int]:
-        threads = SendThreads(2, timeout=10.0)
+        threads = SendThreads(2)
 
         async def handler(ws: ServerConnection) -> None:
             for message in messages:
@@ -111,7 +111,7 @@ def test_a_peer_that_stops_reading_holds_back_the_sender_and_abort_frees_its_thr
     big = bytes(32 << 20)
 
     async def run() -> tuple[bool, bytes, float]:
-        threads = SendThreads(1, timeout=30.0)
+        threads = SendThreads(1)
         stuck: list[bool] = []
 
         async def handler(ws: ServerConnection) -> None:
@@ -149,7 +149,7 @@ def test_a_peer_that_stops_reading_holds_back_the_sender_and_abort_frees_its_thr
 
 
 def test_only_plain_tcp_transports_are_written_from_threads() -> None:
-    threads = SendThreads(1, timeout=1.0)
+    threads = SendThreads(1)
     try:
 
         class Pipe:  # what a TLS or unknown transport looks like to wrap(): left alone
@@ -159,6 +159,6 @@ def test_only_plain_tcp_transports_are_written_from_threads() -> None:
         pipe = Pipe()
         assert threads.wrap(pipe) is pipe
         with pytest.raises(ValueError):
-            SendThreads(0, timeout=1.0)
+            SendThreads(0)
     finally:
         threads.close()

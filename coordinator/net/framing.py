@@ -80,11 +80,10 @@ class SendThreads:
     queues views. Each connection has at most one write in flight, so its bytes stay in order.
     """
 
-    def __init__(self, workers: int, timeout: float) -> None:
+    def __init__(self, workers: int) -> None:
         if workers < 1:
             raise ValueError(f"send threads: at least 1, not {workers}")
         self.workers = workers
-        self.timeout = timeout  # a write that long without progress fails its connection
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="cleave-send")
         self.bytes_sent = 0  # by the threads (the loop's direct small writes not counted)
         self.direct = DIRECT  # larger writes, or any behind a queue, go to the threads
@@ -103,12 +102,17 @@ class SendThreads:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _sendall(sock: socket.socket, chunks: list[Any]) -> int:
-    """Write every chunk (bytes or views) to ``sock``, a few dozen per system call. On a thread."""
+def _send_some(sock: socket.socket, chunks: list[Any]) -> tuple[int, list[Any]]:
+    """Write what the kernel takes now of ``chunks`` (bytes or views) to the non-blocking
+    ``sock``, a few dozen per system call; returns the bytes written and what is left. On a
+    thread: it never waits for room (a peer that reads slowly holds no thread), the loop does."""
     views = [memoryview(c).cast("B") for c in chunks if len(c)]
     total = 0
     while views:
-        n = sock.sendmsg(views[:IOV])
+        try:
+            n = sock.sendmsg(views[:IOV])
+        except (BlockingIOError, InterruptedError):
+            break
         total += n
         while n and views:
             size = len(views[0])
@@ -118,7 +122,7 @@ def _sendall(sock: socket.socket, chunks: list[Any]) -> int:
             else:
                 views[0] = views[0][n:]
                 n = 0
-    return total
+    return total, views
 
 
 class OffLoopTransport:
@@ -128,26 +132,29 @@ class OffLoopTransport:
     ``is_closing``; it learns of back-pressure through its protocol's ``pause_writing`` and
     ``resume_writing``, which this calls as its queue passes ``HIGH_WATER`` and falls below
     ``LOW_WATER``. Reading stays with the loop's own transport (``__getattr__``). Queued
-    chunks are the caller's objects (views of operands), never copied here; what the kernel
-    takes at once from a write of at most ``DIRECT`` bytes with nothing queued goes straight out
-    on the loop.
+    chunks are the caller's objects (views of operands), never copied here. A thread writes
+    what the kernel takes at once and returns; when the socket is full the loop waits for room
+    (``add_writer`` on this transport's own handle) and hands the rest to a thread again, so a
+    slow reader holds no thread and the others' writes go on. What the kernel takes at once of
+    a write of at most ``DIRECT`` bytes with nothing queued goes straight out on the loop.
     Bounded: a connection holds at most ``HIGH_WATER`` plus one write of websockets here.
     """
 
     def __init__(self, inner: Any, threads: SendThreads, fd: int) -> None:
         self._inner = inner
         self._threads = threads
-        # Two handles on the connection's socket: the threads' waits for room (up to their
-        # timeout); the loop's never waits (a small write it cannot finish is queued).
+        # Its own handle on the connection's socket (non-blocking, as the loop's): the threads
+        # write through it and the loop waits on it for room, beside the transport's reader.
         self._sock = socket.socket(fileno=os.dup(fd))
-        self._sock.settimeout(threads.timeout)
-        self._direct = socket.socket(fileno=os.dup(fd))
-        self._direct.setblocking(False)
+        self._sock.setblocking(False)
+        self._loop = asyncio.get_running_loop()
         self._pending: list[Any] = []
         self._queued = 0  # bytes pending or being written
-        self._job: asyncio.Future[int] | None = None
+        self._job: asyncio.Future[tuple[int, list[Any]]] | None = None
+        self._waiting = False  # for room in the socket (add_writer)
         self._then: str | None = None  # "eof" or "close", once the queue is written
         self._aborted = False
+        self._closed = False
         self._paused = False
         self.failed: BaseException | None = None
 
@@ -158,9 +165,9 @@ class OffLoopTransport:
     def write(self, data: Any) -> None:
         if self._aborted or self._then is not None or not len(data):
             return
-        if not self._pending and self._job is None and len(data) <= self._threads.direct:
+        if not self._pending and self._job is None and not self._waiting and len(data) <= self._threads.direct:
             try:  # a small frame with nothing ahead of it: straight out, as asyncio would
-                n = self._direct.send(data)
+                n = self._sock.send(data)
             except (BlockingIOError, InterruptedError):
                 n = 0
             except OSError as exc:
@@ -202,10 +209,6 @@ class OffLoopTransport:
             return
         self._aborted = True
         self._pending.clear()
-        try:  # a thread blocked writing to this peer fails now, not at its timeout
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._inner.abort()
         self._release()
 
@@ -218,15 +221,15 @@ class OffLoopTransport:
         self._kick()
 
     def _kick(self) -> None:
-        if self._job is not None or self._aborted:
+        if self._job is not None or self._waiting or self._aborted:
             return
         if self._pending:
             if self._inner.get_write_buffer_size():  # bytes written before this took over: theirs first
-                asyncio.get_running_loop().call_later(0.001, self._kick)
+                self._loop.call_later(0.001, self._kick)
                 return
             chunks, self._pending = self._pending, []
             try:
-                self._job = asyncio.get_running_loop().run_in_executor(self._threads.pool, _sendall, self._sock, chunks)
+                self._job = self._loop.run_in_executor(self._threads.pool, _send_some, self._sock, chunks)
             except RuntimeError as exc:  # the pool is shut down: the coordinator is stopping
                 self._fail(exc)
                 return
@@ -240,7 +243,7 @@ class OffLoopTransport:
                 self._inner.close()
             self._release()
 
-    def _written(self, job: asyncio.Future[int]) -> None:
+    def _written(self, job: asyncio.Future[tuple[int, list[Any]]]) -> None:
         self._job = None
         if self._aborted:
             self._release()
@@ -252,7 +255,7 @@ class OffLoopTransport:
         if exc is not None:
             self._fail(exc)
             return
-        sent = job.result()
+        sent, rest = job.result()
         self._threads.bytes_sent += sent
         self._queued -= sent
         if self._paused and self._queued <= LOW_WATER:
@@ -260,20 +263,33 @@ class OffLoopTransport:
             protocol = self._inner.get_protocol()
             if getattr(protocol, "paused", False):
                 protocol.resume_writing()
+        if rest:  # the socket is full: the rest goes first once it has room
+            self._pending[:0] = rest
+            self._waiting = True
+            self._loop.add_writer(self._sock.fileno(), self._room)
+            return
+        self._kick()
+
+    def _room(self) -> None:
+        self._loop.remove_writer(self._sock.fileno())
+        self._waiting = False
         self._kick()
 
     def _fail(self, exc: BaseException) -> None:
-        """A write failed (the peer went, or stopped reading for ``SendThreads.timeout``): the
-        connection is over, as a failed write on the loop's transport would end it."""
+        """A write failed (the peer went): the connection is over, as a failed write on the
+        loop's transport would end it."""
         self.failed = exc
         self.abort()
 
     def release(self) -> None:
-        """The connection is over: its handles on the socket go (a write in flight closes its
-        own when it returns)."""
+        """The connection is over: its handle on the socket goes (after a write in flight)."""
         self._release()
 
     def _release(self) -> None:
-        self._direct.close()
-        if self._job is None:  # a write still in flight closes it when it returns
-            self._sock.close()
+        if self._closed or self._job is not None:  # a write in flight releases it when it returns
+            return
+        self._closed = True
+        if self._waiting:
+            self._waiting = False
+            self._loop.remove_writer(self._sock.fileno())
+        self._sock.close()

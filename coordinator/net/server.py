@@ -55,6 +55,7 @@ from coordinator.net.listener import ConnectionCounter, bind
 from coordinator.net.metrics import PATH as METRICS_PATH
 from coordinator.net.metrics import Metrics
 from coordinator.planning.costmodel import CHECK_BATCH
+from coordinator.planning.tiles import GemmKind
 from coordinator.training.linear import GemmRequest
 from coordinator.wire.codes import CloseCode, Code
 from coordinator.wire.errors import AuthError, JobAborted, ProtocolError
@@ -190,7 +191,7 @@ class Server:
         self._stopped = False
         # Devices' bytes written to their sockets by threads beside the loop (net/framing.py);
         # 0: by the loop itself.
-        self.senders = SendThreads(send_threads, self.limits.write_timeout + 5.0) if send_threads else None
+        self.senders = SendThreads(send_threads) if send_threads else None
 
     # ------------------------------------------------------------------ connection counting
 
@@ -833,11 +834,10 @@ class Server:
             future.add_done_callback(self._pending.discard)
             try:
                 # Checked for NaN by RemoteEngine.run and assembled by it, on the trainer thread.
-                _, out = self.core.submit(
+                self.start(
                     request.a,
                     request.b,
                     request.kind,
-                    self.clock(),
                     lambda result, f=future: None if f.done() else f.set_result(result),
                     finite_checked=True,
                     lazy=True,
@@ -849,7 +849,15 @@ class Server:
                 if not future.done():
                     future.set_exception(exc)
                 continue
-            self.deliver(out)
+
+    def start(
+        self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, on_done: Callable[[Any], None], **options: Any
+    ) -> int:
+        """Runs on the loop: ``Core.submit`` and send what it decides. Returns the GEMM's id
+        (-1: kept on the coordinator)."""
+        gemm_id, out = self.core.submit(a, b, kind, self.clock(), on_done, **options)
+        self.deliver(out)
+        return gemm_id
 
     def abort(self, reason: str) -> None:
         self._aborted = reason
