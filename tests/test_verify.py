@@ -476,6 +476,20 @@ def _with(band: Band, i: int, c: torch.Tensor) -> Band:
     return dataclasses.replace(band, products=products)
 
 
+def test_a_band_of_empty_products_passes_unless_one_is_not_empty() -> None:
+    """Found by the fuzzer: a GEMM with no output columns (n = 0) has bands of empty products,
+    whose tolerance is 0: each passes on its screen, with no residual divided by it."""
+    rng = np.random.default_rng(5)
+    a = torch.randn(3, 4)
+    band, products = _band(a, torch.randn(4, 0), 1, 2, rng)
+    with np.errstate(all="raise"):
+        passed, verdicts = freivalds_band(band, rng)
+    assert passed and [v.ok for v in verdicts] == [True, True]
+    bad = products[0].c.new_ones(3, 1)  # a result that claims a column the GEMM does not have
+    passed, verdicts = freivalds_band(_with(band, 0, bad), rng)
+    assert not passed and [v.ok for v in verdicts] == [False, True]
+
+
 @pytest.mark.parametrize("cols,pieces", [(1, 1), (5, 1), (3, 4), (1, 6)])
 @pytest.mark.parametrize("operands", ["zero-mean", "correlated"])
 def test_an_honest_band_passes_as_one_with_the_single_checks_margin(cols: int, pieces: int, operands: str) -> None:

@@ -558,6 +558,7 @@ def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS
     # operands converted and their norms taken once per block key.
     shared = _Shared(*_keys(products))
     clean = True
+    empty: list[Verdict] = []  # the screens of empty products (nothing to add)
     for i, (p, r) in enumerate(zip(products, band.vectors, strict=True)):
         if p.a.dtype != first.a.dtype or p.compute_dtype != first.compute_dtype or p.rounded_to != first.rounded_to:
             raise ValueError("a band's products must share dtypes")
@@ -566,11 +567,14 @@ def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS
             if not screened.ok:
                 clean = False
                 break
+            empty.append(screened)
             continue  # an empty product: nothing to add
         if p.c.shape[0] != m or r.shape[0] != p.c.shape[1]:
             raise ValueError(f"a product of shape {tuple(p.c.shape)} does not fit the band's vectors {tuple(r.shape)}")
         acc.addmm_(screened.c, r.to(work))
         tol_sq += screened.tol.astype(np.float64) ** 2
+    if clean and len(empty) == len(products):  # every product empty, each passed its screen
+        return True, empty
     if clean:
         a = band.a if band.a.dtype == work else band.a.to(work)
         spans = [(k0, k1) for k0, k1, _ in band.expected]
