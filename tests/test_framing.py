@@ -4,6 +4,8 @@ and written to the socket by threads beside the loop, in order, with back-pressu
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from typing import Any
 
@@ -162,3 +164,52 @@ def test_only_plain_tcp_transports_are_written_from_threads() -> None:
             SendThreads(0)
     finally:
         threads.close()
+
+
+def test_every_handle_a_send_thread_took_is_closed_however_its_connection_ends() -> None:
+    """Connections that close cleanly, that the peer drops mid-frame, and that the server aborts
+    leave no descriptor behind (each OffLoopTransport holds its own handle on the socket)."""
+    big = bytes(8 << 20)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def run() -> tuple[int, int]:
+        threads = SendThreads(1)
+
+        async def handler(ws: ServerConnection) -> None:
+            try:
+                await ws.send(big)
+                if ws.request.path == "/abort":
+                    ws.transport.abort()
+                    return
+                await ws.close()
+            except ConnectionClosed:
+                pass
+            finally:
+                ws.transport.release()
+
+        before = fds()
+        server = await _serve(threads, handler)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            for path in ("/clean", "/drop", "/abort", "/clean"):
+                ws = await connect(f"ws://127.0.0.1:{port}{path}", compression=None, max_size=None)
+                if path == "/drop":
+                    ws.transport.abort()  # gone mid-frame
+                else:
+                    with contextlib.suppress(ConnectionClosed):
+                        await asyncio.wait_for(ws.recv(), 10.0)
+                    await ws.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+            threads.close()
+        for _ in range(50):  # the server's side of each connection closes as its handler ends
+            await asyncio.sleep(0.05)
+            if fds() <= before:
+                break
+        return before, fds()
+
+    before, after = asyncio.run(run())
+    assert after <= before

@@ -245,7 +245,7 @@ class OffLoopTransport:
 
     def _written(self, job: asyncio.Future[tuple[int, list[Any]]]) -> None:
         self._job = None
-        if self._aborted:
+        if self._aborted or self._then == "done":  # aborted, or over (its handle waited for this write)
             self._release()
             return
         if job.cancelled():
@@ -282,7 +282,10 @@ class OffLoopTransport:
         self.abort()
 
     def release(self) -> None:
-        """The connection is over: its handle on the socket goes (after a write in flight)."""
+        """The connection is over: nothing more is written, and its handle on the socket goes
+        (after a write in flight)."""
+        self._then = "done"
+        self._pending.clear()
         self._release()
 
     def _release(self) -> None:
