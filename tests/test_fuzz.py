@@ -1074,6 +1074,18 @@ class CoreUnderFire(RuleBasedStateMachine):
             o.message.code for o in out if isinstance(o, Send) and o.device == dev.id and isinstance(o.message, Error)
         ]
 
+    def rejected(self, dev: FakeDevice, out: list[Outbound]) -> set[int]:
+        """The tiles ``out`` tells ``dev`` were rejected (with checks by band, a result's frame
+        may carry the verdict on an earlier one of its band)."""
+        return {
+            int(o.message.message.split()[1])
+            for o in out
+            if isinstance(o, Send)
+            and o.device == dev.id
+            and isinstance(o.message, Error)
+            and o.message.code == Code.REJECTED
+        }
+
     def leases_of(self, tile_id: int, device_id: int) -> list[Any]:
         return [lease for lease in self.store.leases(tile_id) if lease.device_id == device_id]
 
@@ -1269,7 +1281,9 @@ class CoreUnderFire(RuleBasedStateMachine):
         out = self.deliver(dev, Result(tile_id, operands[0] @ operands[1], seconds))
         if self.cut_off(dev, out) and Code.REJECTED not in self.errors(dev, out):
             return  # rate-limited before the result was looked at
-        assert Code.REJECTED not in self.errors(dev, out), "an honest result was rejected"
+        assert tile_id not in self.rejected(dev, out), "an honest result was rejected"
+        if not self.BAND:
+            assert Code.REJECTED not in self.errors(dev, out), "an honest result was rejected"
         # Taken for its band: verified once the band's check passes (here, if this completed it).
         assert self.last_lease(tile_id, dev.id).outcome in (("verified", "taken") if self.BAND else ("verified",))
 
@@ -1290,10 +1304,10 @@ class CoreUnderFire(RuleBasedStateMachine):
         out = self.deliver(dev, Result(tile_id, forge(how, operands[0] @ operands[1], self.forger), seconds))
         if self.cut_off(dev, out) and Code.REJECTED not in self.errors(dev, out):
             return  # rate-limited before the result was looked at
-        if self.BAND and not self.errors(dev, out):  # taken for its band: judged when the band is in
+        if self.BAND and tile_id not in self.rejected(dev, out):  # taken: judged when its band is in
             assert self.last_lease(tile_id, dev.id).outcome == "taken", f"a {how} forgery was used unchecked"
             return
-        assert Code.REJECTED in self.errors(dev, out)
+        assert Code.REJECTED in self.errors(dev, out) and (not self.BAND or tile_id in self.rejected(dev, out))
         assert self.last_lease(tile_id, dev.id).outcome == "rejected", f"a {how} forgery was accepted"
 
     @precondition(lambda self: self.devs)
