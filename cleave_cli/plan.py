@@ -211,6 +211,7 @@ def build_report(
     coordinator: str = "server",
     ps_gflops: float | None = None,
     tier: Tier = SOLO,
+    ps_workers: int = 1,
 ) -> dict[str, Any]:
     """Plan one step and price the round-robin baseline; the JSON object of ``--json``. On a
     tier, the step is its slowest rank's: its slice of the batch on its share of the fleet, the
@@ -222,7 +223,7 @@ def build_report(
     total = sum(cls.count for cls in whole)
     if total > MAX_DEVICES:
         raise ConfigError(f"the fleet has {total:,} devices; cleave plan prices at most {MAX_DEVICES:,}")
-    ps = coordinator_ps(coordinator, link_gbps, ps_gflops)
+    ps = with_workers(coordinator_ps(coordinator, link_gbps, ps_gflops), ps_workers)
     fleet = rank_fleet(whole, tier)
     global_batch, batch = batch, tier.slice(batch)
     attention, optimizer = ps_other_seconds(model, batch, seq, dtype, ps, tier)
@@ -238,7 +239,7 @@ def build_report(
     if all(b is not None for b in bases):
         base_gemm = sum(b.seconds * count for b, (_, count) in zip(bases, step.plans) if b is not None)
         base_step = _finite(base_gemm + step.ps_other_seconds)  # inf: a tile fits no device's memory
-    by_bound = {bound: 0.0 for bound in ("compute", "down", "up", "ps")}
+    by_bound = {bound: 0.0 for bound in ("compute", "down", "up", "ps", "loop")}
     for plan, count in step.plans:
         by_bound[plan.bound] += plan.seconds * count
     # StepPlan.utilisation counts the GEMMs the PS keeps (local) as if the fleet did them.
@@ -280,6 +281,7 @@ def build_report(
             "memory_bw": ps.memory_bw,
             "unit_overhead": ps.unit_overhead,
             "check_columns": ps.check_columns,
+            "workers": ps.workers,
         },
         "batch_size": global_batch,
         "seq_len": seq,
@@ -377,6 +379,22 @@ PsGflops = Annotated[
     float | None,
     typer.Option("--ps-gflops", help="The parameter server's own GEMM rate (GFLOP/s). Default: the --coordinator's."),
 ]
+MAX_PS_WORKERS = 1024
+PsWorkers = Annotated[
+    int,
+    typer.Option(
+        "--ps-workers",
+        help="What-if: event loops and verifiers sharing the coordinator's work (PSProfile.workers; "
+        "the coordinator runs 1 of each, with send threads beside its loop).",
+    ),
+]
+
+
+def with_workers(ps: PSProfile, workers: int) -> PSProfile:
+    """``ps`` with ``--ps-workers`` loops and verifiers sharing the work."""
+    if isinstance(workers, bool) or not 1 <= workers <= MAX_PS_WORKERS:
+        raise ConfigError(f"--ps-workers must be between 1 and {MAX_PS_WORKERS:,}, got {workers}")
+    return dataclasses.replace(ps, workers=workers)
 
 
 def check_options(
@@ -402,6 +420,7 @@ def plan(
     devices: Devices = None,
     ps_link_gbps: PsLinkGbps = DEFAULT_LINK_GBPS,
     ps_gflops: PsGflops = None,
+    ps_workers: PsWorkers = 1,
     coordinator: CoordinatorPreset = "server",
     coordinators: Coordinators = 1,
     tier_link_gbps: TierLinkGbps = DEFAULT_TIER_GBPS,
@@ -428,6 +447,7 @@ def plan(
             coordinator=coordinator,
             ps_gflops=ps_gflops,
             tier=tier,
+            ps_workers=ps_workers,
         )
     if as_json:
         Console(highlight=False).out(json.dumps(report, sort_keys=True, allow_nan=False))

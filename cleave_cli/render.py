@@ -596,7 +596,14 @@ def plan_report(report: dict[str, Any]) -> Group:
         "GEMM time by limit",
         ", ".join(
             f"{name} {_seconds(bound[key])}"
-            for key, name in (("compute", "compute"), ("down", "downlink"), ("up", "uplink"), ("ps", "PS work"))
+            for key, name in (
+                ("compute", "compute"),
+                ("down", "downlink"),
+                ("up", "uplink"),
+                ("ps", "PS work"),
+                ("loop", "PS event loop"),
+            )
+            if key in bound
         ),
     )
     summary.add_row(
@@ -739,9 +746,12 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
         ("ps_ingress", "PS ingress"),
         ("relay_egress", "relay egress (each)"),
         ("ps_cpu", "PS CPU"),
+        ("ps_loop", "PS event loop"),
     ):
         if key == "relay_egress" and not c["busy_s"].get(key):
             continue  # no relays
+        if key not in c["busy_s"]:
+            continue  # a report from before the loop was charged
         busy.add_row(label, _seconds(c["busy_s"][key]), _share(c["utilisation"][key]))
     busy.add_row(
         "stalls from churn", _seconds(c["stall_s"]), _share(c["stall_s"] / c["step_s"] if c["step_s"] else None)
@@ -750,6 +760,10 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
     b = c["bytes"]
     lines = Text()
     lines.append(f"PS CPU: {cpu or 'idle'}\n")
+    shares = c.get("coordinator_share") or {}
+    if shares:
+        each = ", ".join(f"{k} {_share(v)}" for k, v in shares.items())
+        lines.append(f"coordinator busy (share of the step): {each}; binds: {c['coordinator_busiest']}\n")
     lines.append(
         f"bytes: PS sent {_bytes(b['ps_egress'])}, received {_bytes(b['ps_ingress'])}"
         + (f"; relays served {_bytes(b['relay_out'])}" if b.get("relay_out") else "")

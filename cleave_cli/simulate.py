@@ -39,6 +39,7 @@ from cleave_cli.plan import (
     ModelPreset,
     PsGflops,
     PsLinkGbps,
+    PsWorkers,
     RelayLinkGbps,
     RelayMemoryGb,
     Relays,
@@ -48,6 +49,7 @@ from cleave_cli.plan import (
     coordinator_ps,
     tier_of,
     with_relays,
+    with_workers,
 )
 from coordinator.engine.energy import GRID_GCO2_KWH
 from coordinator.engine.live_plan import Planner
@@ -121,8 +123,12 @@ def _breakdown(result: SimResult, step_s: float, ps: PSProfile) -> dict[str, Any
         "ps_ingress": ingress / ps.ingress,
         "relay_egress": relayed / (ps.relays * ps.relay_egress) if ps.relays else 0.0,  # the relays' mean
         # Its two threads: the verifier's checks, the trainer's attention, assembly and AdamW.
-        "ps_cpu": max(cpu.get("verify", 0.0), sum(v for k, v in cpu.items() if k != "verify")),
+        "ps_cpu": max(cpu.get("verify", 0.0) / ps.workers, sum(v for k, v in cpu.items() if k != "verify")),
+        "ps_loop": mean("loop_s") / ps.workers,  # its event loop: framing work, reading results
     }
+    # The coordinator's own resources, each's busy share of the step, and the busiest: what binds
+    # it (the simulator's ``StepStats.ps_busy``, averaged over the measured steps).
+    coordinator = {k: sum(s.ps_busy.get(k, 0.0) for s in steps) * per for k in steps[0].ps_busy}
     bound = max(busy, key=lambda k: busy[k])
     if step_s > 0 and busy[bound] < LATENCY_BOUND * step_s:
         bound = "latency"
@@ -131,6 +137,9 @@ def _breakdown(result: SimResult, step_s: float, ps: PSProfile) -> dict[str, Any
         "ps_cpu_s": cpu,
         "bound": bound,
         "utilisation": {k: _ratio(v, step_s) for k, v in busy.items()},
+        "coordinator_busy_s": coordinator,
+        "coordinator_share": {k: _ratio(v, step_s) for k, v in coordinator.items()},
+        "coordinator_busiest": max(coordinator, key=lambda k: coordinator[k]) if coordinator else None,
         "devices_used": round(mean("devices_used")),
         "bytes": {
             "ps_egress": egress,
@@ -449,6 +458,7 @@ def build_report(
             "memory_bw": ps.memory_bw,
             "unit_overhead": ps.unit_overhead,
             "check_columns": ps.check_columns,
+            "workers": ps.workers,
             "relays": ps.relays,
             "relay_link_gbps": ps.relay_egress * 8 / 1e9,
             "relay_memory_gb": ps.relay_memory / 1e9,
@@ -575,6 +585,7 @@ def simulate(
     ] = None,
     ps_link_gbps: PsLinkGbps = DEFAULT_LINK_GBPS,
     ps_gflops: PsGflops = None,
+    ps_workers: PsWorkers = 1,
     coordinator: CoordinatorPreset = "server",
     coordinators: Coordinators = 1,
     tier_link_gbps: TierLinkGbps = DEFAULT_TIER_GBPS,
@@ -663,6 +674,7 @@ def simulate(
         raise ConfigError(f"--grid-gco2-kwh must be between 0 and {MAX_GRID:g}, got {grid_gco2_kwh}")
     check_pue(pue)
     ps = with_relays(coordinator_ps(coordinator, ps_link_gbps, ps_gflops), relays, relay_link_gbps, relay_memory_gb)
+    ps = with_workers(ps, ps_workers)
     with stderr_console().status("simulating ...") as status:
         try:
             report = build_report(

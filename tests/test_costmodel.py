@@ -10,13 +10,17 @@ from hypothesis import strategies as st
 
 from coordinator.planning.costmodel import (
     IN_FLIGHT,
+    LOOP_COSTS,
     CostModelError,
+    LoopCosts,
     Profile,
     PSProfile,
     Stage,
     Unit,
+    batch_check_seconds,
     in_flight_memory,
     local_seconds,
+    loop_seconds,
     output_egress_floor,
     output_tiles_egress_floor,
     pipeline,
@@ -207,3 +211,50 @@ def test_checks_are_priced_as_batches_meet_column_blocks() -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(CostModelError, match="check_columns"):
             PSProfile(check_columns=bad)  # type: ignore[arg-type]
+
+
+def test_the_event_loop_is_charged_per_message_tile_and_byte_by_hand() -> None:
+    loop = LoopCosts(per_message=1e-3, per_tile=2e-3, per_byte_down=1e-9, per_byte_up=2e-9)
+    assert loop.seconds(2, 1, 1e6, 1e6) == pytest.approx(2e-3 + 2e-3 + 1e-3 + 2e-3)
+    ps = PSProfile(loop=loop, workers=2)
+    # 10 work messages of one tile, each answered by one result; two workers share it.
+    assert loop_seconds(10, 10, 1e8, 1e7, ps) == pytest.approx((20e-3 + 20e-3 + 0.1 + 0.02) / 2)
+    assert loop.scaled(3).seconds(2, 1, 1e6, 1e6) == pytest.approx(3 * loop.seconds(2, 1, 1e6, 1e6))
+    with pytest.raises(CostModelError):
+        LoopCosts(per_message=-1.0)
+    with pytest.raises(CostModelError):
+        PSProfile(workers=0)
+
+
+def test_the_loop_s_constants_are_what_calibrate_loop_fits_from_the_stored_bench_tax_run() -> None:
+    # One place: costmodel.LOOP_COSTS, reproduced by the script from the run it cites.
+    import json
+    import pathlib
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    try:
+        import calibrate_loop
+    finally:
+        sys.path.remove(str(bench))
+    # The coordinator as it runs by default: band checks, one send thread.
+    result = json.loads((bench / "results" / "bench_tax-2026-11-28-send-threads.json").read_text())
+    fitted = calibrate_loop.fit(calibrate_loop.samples(result, "band+1s"), result["socket_floor"])
+    assert fitted.per_byte_down == pytest.approx(LOOP_COSTS.per_byte_down, rel=0.01)
+    assert fitted.per_byte_up == pytest.approx(LOOP_COSTS.per_byte_up, rel=0.01)
+    assert (fitted.per_message, fitted.per_tile) == (LOOP_COSTS.per_message, LOOP_COSTS.per_tile)
+    assert PSProfile().loop is LOOP_COSTS
+
+
+def test_a_band_check_reads_b_once_per_gemm() -> None:
+    ps = PSProfile()
+    # Two bands of one GEMM, 4 tiles each (one reduction range): B's blocks are the GEMM's.
+    band = [(("g", r, "a"), ("g", c, "b"), 512, 256, 4096) for r in (0,) for c in range(4)]
+    other = [(("g", 1, "a"), ("g", c, "b"), 512, 256, 4096) for c in range(4)]
+    first = batch_check_seconds(band, ps)
+    second = batch_check_seconds(other, ps, known_b={b for _, b, *_ in band})
+    assert second < first
+    # Checked alone, each result pays its own A block and B block.
+    alone = sum(batch_check_seconds([p], ps) for p in band + other)
+    assert first + second < alone

@@ -177,6 +177,7 @@ def test_a_round_robin_that_cannot_run_is_null_not_infinity(tmp_path: Path) -> N
         (("--tier-link-gbps", "-1", "--coordinators", "2"), "--tier-link-gbps must be above 0"),
         (("--coordinator", "tpu"), "unknown coordinator 'tpu'; use one of server, h100"),
         (("--ps-gflops", "0"), "--ps-gflops must be above 0"),
+        (("--ps-workers", "0"), "--ps-workers must be between 1 and"),
         (("--coordinators", "8", "--devices", "7"), "8 coordinators leave the slowest of them no devices"),
     ],
 )

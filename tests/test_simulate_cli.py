@@ -33,7 +33,11 @@ def test_json_holds_cleave_dtfm_and_cloud_step_times_and_the_breakdown() -> None
     assert "step_s" in report["dtfm"]
     c = report["cleave"]
     assert c["remote_gemms"] > 25 and c["units"] > 0  # a 2 GFLOP/s PS ships most GEMMs
-    assert set(c["busy_s"]) == {"compute", "downlink", "uplink", "ps_egress", "ps_ingress", "relay_egress", "ps_cpu"}
+    busy = {"compute", "downlink", "uplink", "ps_egress", "ps_ingress", "relay_egress", "ps_cpu", "ps_loop"}
+    assert set(c["busy_s"]) == busy
+    # The coordinator's own resources, each's share of the step, and which binds it.
+    assert set(c["coordinator_share"]) == {"loop", "verifier", "trainer", "egress", "ingress"}
+    assert c["coordinator_busiest"] == max(c["coordinator_busy_s"], key=c["coordinator_busy_s"].get)
     assert c["busy_s"]["relay_egress"] == 0 and c["bytes"]["relay_out"] == 0  # no relays
     assert c["bound"] in {*c["busy_s"], "latency"}
     assert c["bytes"]["ps_egress"] >= c["bytes"]["device_down_max"] > 0
@@ -97,6 +101,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
         (["--seq-len", "100000"], "exceeds"),
         (["--micro-batches", "3"], "--micro-batches must divide"),
         (["--micro-batches", "some"], "--micro-batches must be a whole number or auto"),
+        (["--ps-workers", "0"], "--ps-workers must be between 1 and"),
     ],
 )
 def test_bad_options_are_one_line_errors(args: list[str], message: str) -> None:
@@ -115,3 +120,11 @@ def test_relays_carry_the_devices_bytes_and_bad_relay_options_are_usage_errors()
     for bad in (["--relays", "-1"], ["--relay-link-gbps", "0"], ["--relay-memory-gb", "nan"]):
         result = RUNNER.invoke(app, ["simulate", *FAST, *bad])
         assert result.exit_code == 2 and bad[0] in result.output, result.output
+
+
+def test_ps_workers_share_the_loop_and_the_verifier() -> None:
+    one = simulate(*FAST, "--devices", "8", "--no-churn")
+    four = simulate(*FAST, "--devices", "8", "--no-churn", "--ps-workers", "4")
+    assert one["ps"]["workers"] == 1 and four["ps"]["workers"] == 4
+    busy = [r["cleave"]["coordinator_busy_s"]["loop"] for r in (one, four)]
+    assert busy[0] > 0 and busy[1] < 0.5 * busy[0]  # each of 4 loops carries about a quarter

@@ -18,8 +18,16 @@ from cleave_cli.simulate import _breakdown
 from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.live_plan import LivePlanner, Planner, batches, shared
-from coordinator.engine.scheduler import Assign, Scheduler
-from coordinator.planning.costmodel import CHECK_BATCH, CostModelError, DeviceClass, Profile, PSProfile
+from coordinator.engine.scheduler import Assign, FaultPolicy, Scheduler, UnitSpec
+from coordinator.planning.costmodel import (
+    CHECK_BATCH,
+    LOOP_COSTS,
+    CostModelError,
+    DeviceClass,
+    LoopCosts,
+    Profile,
+    PSProfile,
+)
 from coordinator.planning.planner import PlannerOptions
 from coordinator.planning.tier import Tier
 from coordinator.planning.tiles import GemmKind
@@ -257,9 +265,10 @@ def test_micro_batches_in_flight_verify_every_unit_once_and_keep_the_fleet_busie
     assert 0 <= q[0.1] <= q[0.5] <= q[0.9] <= 1 and 0 < b.fleet_utilisation <= 1
     assert b.fleet_utilisation <= b.utilisation_ceiling <= 1  # no plan beats the links
     assert 0 < b.utilisation_bound <= b.utilisation_ceiling
-    # The PS's verifier took results that waited for it together, more than one a batch.
-    assert b.checked >= b.units - b.copies and b.checks < b.checked
-    assert b.checks * CHECK_BATCH >= b.checked  # no batch larger than the live verifier's
+    # The PS's verifier took results together, more than one a check: by band (the live
+    # default: veterans' results wait for their row band), or batched when checked alone.
+    assert b.checked >= b.units - b.copies and b.checks + b.bands < b.checked
+    assert b.checks * CHECK_BATCH >= b.alone  # no batch larger than the live verifier's
     # The forecast is the cost model's, made before the step: within 25% of the simulated step.
     assert b.forecast == pytest.approx(b.seconds, rel=0.25)
     assert not b.kept_home and b.home > b.seconds
@@ -443,3 +452,88 @@ def test_the_cost_model_prices_a_relayed_block_once_from_the_ps_and_once_per_dev
     assert dataclasses.replace(ps, relays=1, relay_egress=1e8).send_seconds(8e9, 1e9) == pytest.approx(80.0)
     with pytest.raises(CostModelError):
         PSProfile(relays=-1)
+
+
+# --------------------------------------------------------------------------- the coordinator's own resources
+
+
+LAN_FLEET = (DeviceClass("lan", 8, Profile({"fp32": 50.0}, 4 << 30, 125e6, 125e6, rtt=0.01)),)
+
+
+def test_a_costly_event_loop_binds_the_step_and_the_report_names_it() -> None:
+    # Bytes per FLOP huge for the loop: every byte it frames costs 1 us (1 MB/s), far below the
+    # link and the devices: the step is as long as the loop's work, and the report says so.
+    slow_loop = dataclasses.replace(LAN_PS, loop=LoopCosts(1e-3, 1e-3, 1e-6, 1e-6))
+    kw = {"model": model_shape("tiny"), "fleet": LAN_FLEET, "batch": 2, "seq": 64, "planner": Planner.UNIFORM}
+    free = run(ps=dataclasses.replace(LAN_PS, loop=LoopCosts(0.0, 0.0, 0.0, 0.0)), **kw).result.steps[-1]
+    bound = run(ps=slow_loop, **kw).result.steps[-1]
+    assert free.loop_s == 0 and free.busiest != "loop"
+    assert bound.busiest == "loop" and bound.ps_shares["loop"] > 0.9
+    expected = slow_loop.loop.seconds(2 * bound.units, bound.units, bound.egress_bytes, bound.ingress_bytes)
+    assert bound.loop_s == pytest.approx(expected, rel=0.05)  # each lease framed, each result read
+    # (The loop's queue can outlast the step by a copy's frame: copies of late units are framed too.)
+    assert bound.seconds >= 0.9 * bound.loop_s and bound.loop_s > 5 * free.seconds
+    report = _breakdown(Simulation(SimConfig(ps=slow_loop, churn=False, **kw)).run(), bound.seconds, slow_loop)
+    assert report["coordinator_busiest"] == "loop" and report["coordinator_share"]["loop"] > 0.9
+    # Two workers share the loop's work: each is busy about half as long.
+    two = run(ps=dataclasses.replace(slow_loop, workers=2), **kw).result.steps[-1]
+    assert two.ps_busy["loop"] == pytest.approx(two.loop_s / 2) and two.seconds < 0.7 * bound.seconds
+
+
+def test_a_lease_waiting_for_the_busy_loop_is_neither_late_nor_copied() -> None:
+    # The loop frames each tile's 10 us a byte (about 50 s of frames for the step): leases are
+    # decided at once, but a frame leaves only when the loop gets to it. Counting the deadline
+    # from the lease, every lease expired before its frame left, each copy queued behind the
+    # loop too, and leases were taken back twice over: the run stalled ("no unit verified in
+    # 120 simulated seconds"). Deadlines count from the frame on the wire (Scheduler.on_wire)
+    # and stop while a result waits for the loop (Scheduler.result_in), as the live loop, which
+    # decides a lease when it gets to it, counts them.
+    kw = {"model": model_shape("tiny"), "fleet": LAN_FLEET, "batch": 2, "seq": 64, "planner": Planner.UNIFORM}
+    ps = dataclasses.replace(LAN_PS, loop=LoopCosts(1e-3, 1e-3, 1e-5, 1e-5))
+    st = run(ps=ps, give_up=120.0, **kw).result.steps[-1]
+    assert st.copies == 0 and st.reclaimed == 0 and st.units == st.checked
+    assert st.busiest == "loop" and st.seconds == pytest.approx(st.loop_s, rel=0.1)
+
+
+def test_devices_sharing_one_process_take_their_turns_in_it() -> None:
+    # bench_sim_live.py: bench_tax's clients replay in one process; each unit takes host_cpu of it.
+    kw = {"model": model_shape("tiny"), "fleet": LAN_FLEET, "batch": 2, "seq": 64, "planner": Planner.UNIFORM}
+    free = run(**kw).result.steps[-1]
+    shared = run(host_cpu=0.5, **kw).result.steps[-1]
+    assert shared.seconds >= 0.5 * shared.checked > free.seconds  # one unit at a time, whatever the fleet
+    with pytest.raises(SimulationError, match="host_cpu"):
+        SimConfig(host_cpu=-1.0, ps=LAN_PS, **kw)
+
+
+def test_the_scheduler_counts_a_lease_from_its_frame_on_the_wire() -> None:
+    sched = Scheduler(FaultPolicy(lease_floor=2.0))
+    sched.join(1, slots=1, seconds_per_gflop=1.0)
+    sched.add_gemm(0, [UnitSpec(7, 0, "a", "b", flops=10**9)])
+    assert [d.unit for d in sched.assign(0.0)] == [7]
+    hold = sched.hold(7, 1)
+    window = hold.soft - hold.leased_at
+    sched.on_wire(7, 1, 30.0)  # the frame waited 30 s for the loop
+    assert hold.leased_at == 30.0 and hold.soft == pytest.approx(30.0 + window)
+    assert sched.expire(29.0 + window) == []  # the old deadline passed: not late
+    sched.result_in(7, 1, 31.0, 100.0)  # its result waits 69 s for the loop to read it
+    assert sched.expire(99.0) == []
+    assert [type(d).__name__ for d in sched.expire(100.0 + window)] == ["Overdue"]
+
+
+def test_band_checks_cost_the_verifier_less_than_checking_each_result() -> None:
+    kw = {"model": model_shape("tiny"), "fleet": LAN_FLEET, "batch": 2, "seq": 64, "planner": Planner.UNIFORM}
+    bands = run(band_checks=True, **kw).result.steps[-1]
+    alone = run(band_checks=False, **kw).result.steps[-1]
+    assert bands.bands > 0 and bands.alone == 0  # veterans: every result waits for its band
+    assert alone.bands == 0 and alone.alone == alone.checked
+    assert bands.checked == alone.checked
+    assert bands.ps_cpu["verify"] < alone.ps_cpu["verify"]
+    # Newcomers are on probation: their results are checked alone until it ends.
+    fresh = run(band_checks=True, veterans=False, **kw).result.steps[0]
+    assert fresh.alone > 0
+
+
+def test_the_loop_s_costs_come_from_one_place() -> None:
+    # The simulator, the planner (through PSProfile) and the calibration read LOOP_COSTS.
+    assert PSProfile().loop is LOOP_COSTS and LAN_PS.loop is LOOP_COSTS
+    assert shared(LAN_PS, 4).loop == LOOP_COSTS.scaled(4)

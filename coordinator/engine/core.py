@@ -949,12 +949,13 @@ class Core:
             for one, verdict in zip(check.checks, verdicts)
             if band.answered.get(one.msg.tile_id) is one  # else taken back meanwhile (its device was banned)
         ]
-        for one, _ in judged:  # judged here: a ban below does not revoke them (a pass proves its result)
-            band.drop(one.msg.tile_id)
-        # The band's passes in one write, then each result's own books.
+        # The band's passes in one write (first: should it fail, the band is left as it was),
+        # then each result's own books.
         self.store.verify_taken(
             [(one.msg.tile_id, one.dev.id) for one, verdict in judged if verdict.ok], self.wall(now)
         )
+        for one, _ in judged:  # judged here: a ban below does not revoke them (a pass proves its result)
+            band.drop(one.msg.tile_id)
         for one, verdict in judged:
             if verdict.ok:
                 self._verified(one, verdict, now)

@@ -123,7 +123,7 @@ def _key(p: Profile, dtype: str) -> tuple[float, ...]:
 
 
 def shared(ps: PSProfile, lanes: int) -> PSProfile:
-    """The PS as one of ``lanes`` lanes sees it: its CPU and its links are shared by every lane,
+    """The PS as one of ``lanes`` lanes sees it: its CPU, its event loop and its links are shared by every lane,
     so a lane plans with its share of each (a GEMM kept home runs on a share of the CPU too)."""
     if lanes == 1:
         return ps
@@ -135,6 +135,7 @@ def shared(ps: PSProfile, lanes: int) -> PSProfile:
         verify_flops=ps.verify_flops / lanes,
         unit_overhead=ps.unit_overhead * lanes,
         memory_bw=ps.memory_bw / lanes,
+        loop=ps.loop.scaled(lanes),  # its event loop's time too (costmodel.LoopCosts)
     )
 
 

@@ -474,6 +474,39 @@ class Scheduler:
         seat.inflight[uid] = now
         self._refresh(seat)
 
+    def on_wire(self, unit: int, device: int, now: float) -> None:
+        """``unit``'s work frame for ``device`` goes on the wire at ``now``: its lease counts from
+        then (deadlines, speculation, the device's pace). A lease decided while its frame waited
+        behind the coordinator's busy event loop is neither late nor copied for that wait: the
+        live loop decides a lease when it gets to it and frames it at once. O(log U)."""
+        u = self.units.get(unit)
+        hold = u.holders.get(device) if u is not None else None
+        if hold is None or hold.late or now <= hold.leased_at:
+            return
+        self._postpone(unit, device, hold, now - hold.leased_at)
+        hold.leased_at = now
+
+    def result_in(self, unit: int, device: int, now: float, read: float) -> None:
+        """``device``'s result for ``unit`` reached the coordinator at ``now`` and waits until
+        ``read`` for its event loop to read it: the lease's clock stops meanwhile (the live loop
+        reads what arrived before its tick looks at deadlines), so the wait is not the device's
+        lateness, and the unit is not copied for it (its result is in hand). O(log U)."""
+        u = self.units.get(unit)
+        hold = u.holders.get(device) if u is not None else None
+        if hold is None or read <= now:
+            return
+        self._thin.pop(unit, None)
+        self._postpone(unit, device, hold, read - now)
+
+    def _postpone(self, unit: int, device: int, hold: Hold, by: float) -> None:
+        """Move ``hold``'s deadlines ``by`` seconds later (its old heap entry goes stale)."""
+        hold.hard += by
+        if not hold.late:
+            hold.soft += by
+        self._seq += 1
+        hold.seq = self._seq
+        heapq.heappush(self._deadlines, (hold.hard if hold.late else hold.soft, hold.seq, unit, device))
+
     def _end(self, uid: int, device: int, *, bar: bool) -> bool:
         """``device``'s lease of ``uid`` ends without a result. True if the unit queued again."""
         u = self.units.get(uid)

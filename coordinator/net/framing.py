@@ -96,7 +96,10 @@ class SendThreads:
         sock = transport.get_extra_info("socket")
         if sock is None or transport.is_closing():
             return transport
-        return OffLoopTransport(transport, self, sock.fileno())
+        try:
+            return OffLoopTransport(transport, self, sock.fileno())
+        except OSError:  # no descriptor left (EMFILE): the loop writes this connection itself
+            return transport
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -145,7 +148,12 @@ class OffLoopTransport:
         self._threads = threads
         # Its own handle on the connection's socket (non-blocking, as the loop's): the threads
         # write through it and the loop waits on it for room, beside the transport's reader.
-        self._sock = socket.socket(fileno=os.dup(fd))
+        dup = os.dup(fd)
+        try:
+            self._sock = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
+            raise
         self._sock.setblocking(False)
         self._loop = asyncio.get_running_loop()
         self._pending: list[Any] = []
@@ -165,7 +173,13 @@ class OffLoopTransport:
     def write(self, data: Any) -> None:
         if self._aborted or self._then is not None or not len(data):
             return
-        if not self._pending and self._job is None and not self._waiting and len(data) <= self._threads.direct:
+        if (
+            not self._pending
+            and self._job is None
+            and not self._waiting
+            and len(data) <= self._threads.direct
+            and not self._inner.get_write_buffer_size()  # bytes written before this took over go first
+        ):
             try:  # a small frame with nothing ahead of it: straight out, as asyncio would
                 n = self._sock.send(data)
             except (BlockingIOError, InterruptedError):

@@ -262,7 +262,7 @@ class Server:
             await _refuse(ws, CloseCode.REDIRECTED, f"redirected to rank {exc.message.rank}")
             return
         self._authenticated(ws)
-        if self.senders is not None:
+        if self.senders is not None:  # the loop's own transport if this one cannot be had (no descriptor left)
             ws.transport = self.senders.wrap(ws.transport)
         allowed = RELAY_MESSAGES if msg.relay else DEVICE_MESSAGES  # a relay asks for blocks, nothing else
 
@@ -303,6 +303,9 @@ class Server:
                     log.exception("handling %s from device %d failed", msg.TYPE, device_id)
                     reason = f"internal error on {msg.TYPE}"
                     conn.queue.put_nowait((CloseCode.INTERNAL, "internal error"))
+                    # A frame's books are one write group without a savepoint per call
+                    # (Core.receive_all): never go on as if half of it had not been written.
+                    self.abort("internal error in the coordinator's bookkeeping (see the log)")
                     break
                 if isinstance(msg, Leave):
                     reason = Departure.LEFT
@@ -313,25 +316,27 @@ class Server:
             if ws.close_code == CloseCode.TOO_BIG:  # a frame over its limit: do not read (and discard) the rest of it
                 ws.transport.abort()
         finally:
-            if conn.checks:  # a forgery is still judged (and banned) while it is here
-                try:
-                    await asyncio.wait_for(conn.checked.wait(), CHECK_WAIT)
-                except (TimeoutError, asyncio.TimeoutError):
-                    pass
-            if self.conns.get(device_id) is conn:
-                del self.conns[device_id]
-            if conn.cut is not None:
-                reason = conn.cut
-            if self._aborted is not None:
-                reason = Departure.SHUTDOWN  # the coordinator is going: not the device's fault
-            elif self._closing:
-                reason = Departure.FINISHED
-            self.deliver(self.core.disconnect(device_id, self.clock(), reason))
-            self._devices_changed.set()
-            log.info("device %d left: %s", device_id, reason)
-            await self._finish_writer(conn)
-            if isinstance(ws.transport, OffLoopTransport):
-                ws.transport.release()
+            try:
+                if conn.checks:  # a forgery is still judged (and banned) while it is here
+                    try:
+                        await asyncio.wait_for(conn.checked.wait(), CHECK_WAIT)
+                    except (TimeoutError, asyncio.TimeoutError):
+                        pass
+                if self.conns.get(device_id) is conn:
+                    del self.conns[device_id]
+                if conn.cut is not None:
+                    reason = conn.cut
+                if self._aborted is not None:
+                    reason = Departure.SHUTDOWN  # the coordinator is going: not the device's fault
+                elif self._closing:
+                    reason = Departure.FINISHED
+                self.deliver(self.core.disconnect(device_id, self.clock(), reason))
+                self._devices_changed.set()
+                log.info("device %d left: %s", device_id, reason)
+                await self._finish_writer(conn)
+            finally:  # its own handle on the socket goes however the rest ended
+                if isinstance(ws.transport, OffLoopTransport):
+                    ws.transport.release()
 
     async def _observe(self, ws: ServerConnection, first: StatusRequest | SpeedTest) -> None:
         """A ``cleave status`` or ``cleave benchmark --url`` peer: one reply per request.

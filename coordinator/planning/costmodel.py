@@ -12,7 +12,7 @@ bytes per second; ``rtt`` is a round trip of a small message.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.wire.errors import ConfigError
@@ -58,6 +58,72 @@ class CostModelError(ConfigError):
 def _positive(name: str, value: float, *, zero: bool = False) -> None:
     if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
         raise CostModelError(f"{name} must be {'non-negative' if zero else 'positive'} and finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LoopCosts:
+    """What the coordinator's event loop pays, in seconds of its CPU, for the frames it moves:
+    per message (a work frame or a result frame: its task, header, decode, send call), per tile
+    (the books: lease, store rows, settle, the band's count) and per byte (framing and the
+    socket: bytes down as work frames, bytes up as results). The one home of these figures: the
+    simulator's loop resource, ``loop_seconds`` (the planner and ``cleave plan``) and
+    bench/calibrate_loop.py (which fits them again from a bench_tax run) all read them here.
+
+    Measured on the 2-core test machine (one Python event loop, loopback TCP), not scaled to a
+    server: a faster core pays less, a NIC with segmentation offload less a byte than loopback.
+
+    * ``per_message``, ``per_tile``: bench/bench_throughput.py (``.venv/bin/python
+      bench/bench_throughput.py --seconds 15 --warmup 10 --json``, 2026-11-26; bench/README.md):
+      tiny tiles (bytes negligible), the loop "about 0.6 ms a tile outside the verifier" with one
+      tile a work frame and 0.89 results a result frame (2.1 frames a tile); runs of tiles (2.0
+      tiles a work frame, 1.2 a result frame: 1.35 frames a tile) took the coordinator from
+      1.02-1.08 to 0.84-0.86 ms a tile, 0.2 ms for 0.77 frames fewer: about 0.25 ms a frame.
+      So 0.25 ms a message and the rest of the 0.6 ms, 0.1 ms, a tile.
+    * ``per_byte_down``, ``per_byte_up``: bench/bench_tax.py with the coordinator as it runs by
+      default, band checks and one send thread (``.venv/bin/python bench/bench_tax.py --check
+      both --send-threads 0 1 2 --json``, 2026-11-28, stored as
+      bench/results/bench_tax-2026-11-28-send-threads.json), fitted by ``.venv/bin/python
+      bench/calibrate_loop.py bench/results/bench_tax-2026-11-28-send-threads.json --check
+      band+1s``: the loop's CPU per tile less the 0.6 ms above, over the socket floor's cost of
+      the tile's bytes (0.353 ms a MB sent, 0.227 a MB received, measured in the same run), is
+      1.41x that floor (least squares over the 3 shapes; loops 5.7, 9.5 and 7.0 ms a tile for
+      10.6, 14.9 and 14.3 MB down; the fit is within 14% of each): 0.497 ms a MB down, 0.320 a
+      MB up. The kernel's copy of the sent bytes runs on the send thread beside the loop (3.7-6.3
+      ms a tile there), which no PS resource here charges: on a host with a core for it, it does
+      not hold the loop up. With the loop writing its sockets itself (``--send-threads 0``) the
+      same fit gave 2.65x the floor: 0.879 ms a MB down, 0.472 up
+      (bench/results/bench_tax-2026-11-28.json, ``--check band``).
+      bench_tax's trainer thread assembles and checks for NaN as a job's does, so these are a
+      job's loop.
+    """
+
+    per_message: float = 0.25e-3
+    per_tile: float = 0.10e-3
+    per_byte_down: float = 0.497e-9
+    per_byte_up: float = 0.320e-9
+
+    def __post_init__(self) -> None:
+        for name in ("per_message", "per_tile", "per_byte_down", "per_byte_up"):
+            _positive(f"loop {name}", getattr(self, name), zero=True)
+
+    def seconds(self, messages: float, tiles: float, down: float = 0.0, up: float = 0.0) -> float:
+        """Loop CPU for ``messages`` frames carrying ``tiles`` tiles, ``down`` bytes sent and
+        ``up`` bytes received."""
+        return messages * self.per_message + tiles * self.per_tile + down * self.per_byte_down + up * self.per_byte_up
+
+    def scaled(self, factor: float) -> LoopCosts:
+        """Every cost ``factor`` times (a lane's share of the loop: ``factor`` lanes share it)."""
+        return LoopCosts(
+            *(factor * getattr(self, f) for f in ("per_message", "per_tile", "per_byte_down", "per_byte_up"))
+        )
+
+
+# The loop's measured costs (``LoopCosts``' docstring says where each figure comes from).
+LOOP_COSTS = LoopCosts()
+
+
+def _loop_costs() -> LoopCosts:
+    return LOOP_COSTS
 
 
 @dataclass(frozen=True)
@@ -147,6 +213,11 @@ class PSProfile:
     relays: int = 0
     relay_egress: float = 1.25e9  # 10 Gbit/s: a university server or a cloud VM
     relay_memory: float = 16e9
+    # The coordinator's event loop: what it pays per message, tile and byte (``LoopCosts``).
+    loop: LoopCosts = field(default_factory=_loop_costs)
+    # Processes that each run an event loop and a verifier (issue 34, item 3): the loop's and
+    # the verifier's work spread over this many of each. 1: today's one loop, one verifier thread.
+    workers: int = 1
 
     def __post_init__(self) -> None:
         _positive("ps egress", self.egress)
@@ -159,6 +230,8 @@ class PSProfile:
         _positive("ps unit_overhead", self.unit_overhead, zero=True)
         _positive("ps memory_bw", self.memory_bw)
         _positive("ps own_bw", self.own_bw, zero=True)
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise CostModelError(f"ps workers must be a positive integer, got {self.workers!r}")
         if isinstance(self.check_columns, bool) or not isinstance(self.check_columns, int) or self.check_columns < 1:
             raise CostModelError(f"ps check_columns must be a positive integer, got {self.check_columns!r}")
         for dtype, rate in self.gflops.items():
@@ -264,20 +337,30 @@ class Unit:
         return 2.0 * VERIFY_ROUNDS * (self.m * self.k + self.k * self.n + self.m * self.n)
 
 
-def batch_check_seconds(products: Iterable[tuple[Hashable, Hashable, float, float, float]], ps: PSProfile) -> float:
+def batch_check_seconds(
+    products: Iterable[tuple[Hashable, Hashable, float, float, float]],
+    ps: PSProfile,
+    known_b: Container[Hashable] = (),
+) -> float:
     """PS seconds to check a batch of products ``(a_block, b_block, rows, cols, depth)`` that the
     verifier takes together (``coordinator.wire.verify.freivalds_batch``): ``B R`` once per
     distinct B block, one stacked product ``A [B_1 R_1 | ...]`` per distinct A block with
     ``VERIFY_ROUNDS`` columns for each distinct B block it meets (at ``check_rate`` of that
     width), and each product's ``C R``. A batch of one is ``Unit.verify_flops`` at
-    ``check_rate()``."""
+    ``check_rate()``.
+
+    A band check (``coordinator.wire.verify.freivalds_band``) is the same sum over one row band's
+    products: its rows of A read once (one A block per reduction range, stacked with every tile
+    position's vectors), each result once, and ``B R`` once per GEMM: pass the B blocks an
+    earlier band of the GEMM already multiplied as ``known_b``."""
     t = VERIFY_ROUNDS
     skinny = ps.check_rate()
     b_blocks: dict[Hashable, float] = {}
     a_blocks: dict[Hashable, tuple[float, set[Hashable]]] = {}
     cr = 0.0
     for a, b, rows, cols, depth in products:
-        b_blocks[b] = depth * cols
+        if b not in known_b:
+            b_blocks[b] = depth * cols
         a_blocks.setdefault(a, (rows * depth, set()))[1].add(b)
         cr += rows * cols
     seconds = 2.0 * t * (cr + sum(b_blocks.values())) / skinny
@@ -409,6 +492,14 @@ def ps_seconds(
     and adding every extra partial block (split reductions) into it."""
     check = verify_flops / ps.check_rate(ps.check_width(cols))
     return units * ps.unit_overhead + check + (out_bytes + 2 * partial_bytes) / ps.memory_bw
+
+
+def loop_seconds(units: float, tiles: float, down_bytes: float, up_bytes: float, ps: PSProfile) -> float:
+    """The coordinator's event-loop CPU for a GEMM handed out in ``units`` work messages (each
+    answered by one result message) carrying ``tiles`` tiles, ``down_bytes`` of blocks sent and
+    ``up_bytes`` of results received (``LoopCosts``), spread over its ``workers``. The loop runs
+    beside the verifier and the trainer, so a plan is feasible in ``T`` only if this fits too."""
+    return ps.loop.seconds(2.0 * units, tiles, down_bytes, up_bytes) / ps.workers
 
 
 def output_egress_floor(area: float, k: float, itemsize: int) -> float:

@@ -54,6 +54,7 @@ from coordinator.planning.costmodel import (
     Unit,
     in_flight_memory,
     local_seconds,
+    loop_seconds,
     output_egress_floor,
     pipeline,
     pipelined,
@@ -167,6 +168,9 @@ class Plan:
     unit: Unit | None = None  # the largest unit
     local_sum: bool = False  # split-k: each device adds up its pieces and sends one partial
     bands: int = 1  # output and 3d: bands of whole tile rows, each with its own sub-fleet
+    # The PS's event loop: framing the work messages and reading the results (``loop_seconds``),
+    # beside its CPU's checks and assembly: a cut that ships more bytes per FLOP pays it here.
+    loop_seconds: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -180,7 +184,7 @@ class Plan:
 
     @property
     def bound(self) -> str:
-        """What limits the plan: compute, down, up or ps."""
+        """What limits the plan: compute, down, up, ps (its checks and assembly) or loop."""
         if self.kind is Kind.LOCAL:
             return "ps"
         parts = {
@@ -188,6 +192,7 @@ class Plan:
             "down": self.down_seconds,
             "up": self.up_seconds,
             "ps": self.ps_seconds,
+            "loop": self.loop_seconds,
         }
         return max(parts, key=lambda k: parts[k])
 
@@ -396,6 +401,7 @@ class _Fill:
     units: int = 0
     verify: float = 0.0
     ps: float = 0.0
+    loop: float = 0.0
 
 
 def _fill(
@@ -428,7 +434,9 @@ def _fill(
     fill.down, fill.up, fill.units, fill.verify = fill.down * g, fill.up * g, fill.units * g, fill.verify * g
     cols = cand.grid[1]
     fill.ps = ps_seconds(fill.units, fill.verify, max(0.0, fill.up - cand.out_bytes), cand.out_bytes, ps, cols)
-    fill.ok = _send(ps, gemm, fill.down) <= t and fill.up / ps.ingress <= t and fill.ps <= t
+    fill.loop = _loop(ps, gemm, fill.units, fill.down, fill.up)
+    ok = _send(ps, gemm, fill.down) <= t and fill.up / ps.ingress <= t
+    fill.ok = ok and fill.ps <= t and fill.loop <= t
     return fill
 
 
@@ -436,6 +444,15 @@ def _send(ps: PSProfile, gemm: Gemm, sent: float) -> float:
     """Seconds for ``sent`` bytes of this GEMM's blocks to reach the devices (through relays, if
     any: each distinct block leaves the PS once per relay; ``PSProfile.send_seconds``)."""
     return ps.send_seconds(sent, float(gemm.itemsize * gemm.k * (gemm.m + gemm.n)))
+
+
+def _loop(ps: PSProfile, gemm: Gemm, units: float, sent: float, received: float) -> float:
+    """The PS's event loop for ``units`` work messages (one tile each, one result each back),
+    ``sent`` bytes of blocks to the devices (the share that leaves the PS when relays carry
+    the rest: each distinct block once per relay) and ``received`` bytes of results."""
+    if ps.relays > 0:
+        sent = min(sent, ps.relays * float(gemm.itemsize * gemm.k * (gemm.m + gemm.n)))
+    return loop_seconds(units, units, sent, received, ps)
 
 
 def _split_floor(gemm: Gemm, rows: int, cols: int, pieces: int, held_pieces: int) -> float:
@@ -516,7 +533,9 @@ def _price(
         compute = max(compute, costs.compute(busiest))
         down_s = max(down_s, costs.down(busiest) / cls.profile.down)
         up_s = max(up_s, costs.up(busiest) / cls.profile.up)
-    seconds = max([sh.seconds for sh in shares] + [_send(ps, gemm, fill.down), fill.up / ps.ingress, fill.ps])
+    seconds = max(
+        [sh.seconds for sh in shares] + [_send(ps, gemm, fill.down), fill.up / ps.ingress, fill.ps, fill.loop]
+    )
     rows, cols, parts = cand.grid
     if cand.kind is Kind.SPLIT_K:
         # Every input piece goes down once per cell, less what the devices that can take part hold.
@@ -545,6 +564,7 @@ def _price(
         _largest(gemm, cand.grid),
         cand.kind is Kind.SPLIT_K and cand.local_sum,
         cand.bands,
+        fill.loop,
     )
 
 
@@ -726,7 +746,7 @@ def _lower_bound(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps:
     if cand.kind is Kind.SPLIT_K and cand.local_sum:
         cells = cand.groups
         check = ps_seconds(cells, cand.verify(cand.pieces) * cells, 0.0, out, ps, cand.grid[1])
-        return max(compute, check, _send(ps, gemm, egress))
+        return max(compute, check, _send(ps, gemm, egress), _loop(ps, gemm, cells, egress, out))
     units = cand.groups * cand.pieces
     partials = units * cand.unit.up
     return max(
@@ -734,6 +754,7 @@ def _lower_bound(cand: _Candidate, gemm: Gemm, fleet: Sequence[DeviceClass], ps:
         ps_seconds(units, units * cand.unit.verify_flops(), max(0.0, partials - out), out, ps, cand.grid[1]),
         partials / ps.ingress,
         _send(ps, gemm, egress),
+        _loop(ps, gemm, units, egress, partials),
     )
 
 
@@ -818,7 +839,8 @@ def baseline(
     out_bytes = float(s * gemm.m * gemm.n)
     gr, gc, gk = tp.shape
     ps_s = ps_seconds(len(tiles), verify, max(0.0, ingress - out_bytes), out_bytes, ps, gc)
-    seconds = max(worst, _send(ps, gemm, egress), ingress / ps.ingress, ps_s)
+    loop = _loop(ps, gemm, len(tiles), egress, ingress)
+    seconds = max(worst, _send(ps, gemm, egress), ingress / ps.ingress, ps_s, loop)
     if gk == 1:  # each device's outputs need at least the AM-GM bound, as an output plan's shares
         floor = sum(output_egress_floor(a, gemm.k, s) for a in area.values())
     else:  # split-k's floor; a device here takes tiles of any cell, so the whole output is one cell
@@ -837,6 +859,7 @@ def baseline(
         max(down_s, _send(ps, gemm, egress)),
         max(up_s, ingress / ps.ingress),
         largest,
+        loop_seconds=loop,
     )
 
 
@@ -857,7 +880,9 @@ def _uniform_lower_bound(gemm: Gemm, fleet: Sequence[DeviceClass], ps: PSProfile
     out = float(s * m * n)
     verify = 2.0 * VERIFY_ROUNDS * (m * k * cols + k * n * rows + m * n * parts)
     ps_s = ps_seconds(rows * cols * parts, verify, out * (parts - 1), out, ps, cols)
-    return max(ps_s, out * parts / ps.ingress, _send(ps, gemm, s * (m * k + k * n)))
+    sent = s * (m * k + k * n)
+    loop = _loop(ps, gemm, rows * cols * parts, sent, out * parts)
+    return max(ps_s, out * parts / ps.ingress, _send(ps, gemm, sent), loop)
 
 
 def plan_gemm(

@@ -14,11 +14,24 @@ What is modelled (docs/simulation.md derives each rule and validates it against 
   ``max(now, egress_free) + B / egress`` and crosses the device's downlink in ``B / down``; it is
   usable when both are done, plus half a round trip. Results go back the same way through the
   device's uplink and the PS's ingress. Each device computes one unit at a time;
-* **the PS's CPU is two FIFOs, as the live coordinator's threads**: the verifier checks every
-  result waiting for it as one batch (``costmodel.batch_check_seconds`` plus ``unit_overhead``
-  per result); the trainer assembles GEMM outputs and adds partials (``memory_bw``), multiplies
-  the GEMMs its plan keeps, and runs the non-GEMM work (attention, AdamW), in the order the
-  training loop issues them. Leases are decided on the event loop, which neither blocks;
+* **the PS's CPU is three FIFOs, as the live coordinator's threads**: the *event loop* frames
+  every work message and reads every result, paying ``PSProfile.loop`` (``costmodel.LoopCosts``:
+  per message, per tile, per byte down and up, measured by bench_tax.py); a work frame leaves
+  the PS's egress only once the loop has framed it, and a result is taken (its lease ended, its
+  slot freed, the next lease decided) only once the loop has read it. The *verifier* checks by
+  band as ``Core(band_checks=True)`` does: a taken result waits for the rest of its row band,
+  and the band is checked at once (``costmodel.batch_check_seconds`` over the band's products:
+  its A rows once, each result once, ``B R`` once per GEMM, plus ``unit_overhead`` a result);
+  results of devices on probation, or of a device holding ``UNCHECKED_PER_SLOT`` unchecked
+  results a slot, are checked alone (waiting ones together, in batches of ``CHECK_BATCH``).
+  The *trainer* assembles GEMM outputs and adds partials (``memory_bw``), multiplies the GEMMs
+  its plan keeps, and runs the non-GEMM work (attention, AdamW), in the order the training loop
+  issues them. ``PSProfile.workers`` loops and verifiers share the work (each a FIFO; a job
+  goes to the one free first). Leases are decided when the scheduler is called (its decisions
+  are instantaneous); what they cost is the loop's time before the frame can leave. A lease
+  counts from its frame on the wire (``Scheduler.on_wire``) and its clock stops while its
+  result waits for the loop (``Scheduler.result_in``), as the live loop, which decides a lease
+  when it gets to it, counts it: a long queue behind the loop makes no lease late;
 * **churn**: each device stays for an exponential session with its class's mean; a leave is a
   clean close (seen at once) or a crash (seen after ``FaultPolicy.heartbeat_timeout``, as the
   live coordinator's heartbeat sweep sees it), and the device is replaced by a newcomer of the
@@ -40,7 +53,10 @@ from dataclasses import dataclass, field
 
 # The live coordinator's estimates (coordinator/engine/core.py): each defined once, there.
 from coordinator.engine.conduct import Conduct, Pace, Standing
-from coordinator.engine.core import TICK  # the live server's tick: copies and deferred devices look again
+from coordinator.engine.core import (
+    TICK,  # the live server's tick: copies and deferred devices look again
+    UNCHECKED_PER_SLOT,  # a device's results a slot awaiting bands, at most
+)
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.live_plan import LivePlanner, Planner, batches
 from coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
@@ -367,6 +383,13 @@ class SimConfig:
     # Coordinators training the batch together (``coordinator/planning/tier.py``): the run
     # simulates the tier's slowest rank, with its slice of the batch and its share of the fleet.
     tier: Tier = SOLO
+    # Results checked by row band (``Core(band_checks=True)``, the live default); False: each
+    # result checked alone (the verifier batching whatever waits), as ``band_checks=False``.
+    band_checks: bool = True
+    # Seconds of one process that every device shares, per unit (bench_tax's clients replay in
+    # one Python process: bench/bench_sim_live.py): each unit's compute also waits its turn
+    # there, FIFO. 0: every device computes on its own.
+    host_cpu: float = 0.0
 
     @property
     def rank_batch(self) -> int:
@@ -382,6 +405,8 @@ class SimConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 what = "a non-negative integer (0: auto)" if least == 0 else "a positive integer"
                 raise SimulationError(f"{name} must be {what}, got {value!r}")
+        if not (math.isfinite(self.host_cpu) and self.host_cpu >= 0):
+            raise SimulationError(f"host_cpu must be non-negative and finite, got {self.host_cpu!r}")
         if not 0 <= self.crash_share <= 1:
             raise SimulationError(f"crash_share must be between 0 and 1, got {self.crash_share!r}")
         if not sum(c.count for c in self.fleet):
@@ -461,6 +486,22 @@ class StepStats:
     # What coordinator/whatif/energy.py prices: busy at a busy power, the rest waiting.
     class_busy_s: dict[str, float] = field(default_factory=dict)
     class_present_s: dict[str, float] = field(default_factory=dict)
+    loop_s: float = 0.0  # the event loop's CPU (every worker's): frames down, results up
+    bands: int = 0  # band checks the verifier ran
+    alone: int = 0  # results checked alone (probation, a device's unchecked cap, tile checks)
+    # Seconds each PS resource was busy in the step, per worker for the loop and the verifier:
+    # "loop", "verifier", "trainer", "egress", "ingress" (``Simulation._ps_busy``).
+    ps_busy: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ps_shares(self) -> dict[str, float]:
+        """Each PS resource's busy share of the step (1: busy the whole step)."""
+        return {k: v / self.seconds if self.seconds > 0 else 0.0 for k, v in self.ps_busy.items()}
+
+    @property
+    def busiest(self) -> str:
+        """The PS resource busy longest in the step: what binds the coordinator."""
+        return max(self.ps_busy, key=lambda k: self.ps_busy[k]) if self.ps_busy else ""
 
     @property
     def gemms_in_flight(self) -> float:
@@ -555,6 +596,18 @@ class _Unit:
     # What its check reads: (A block, B block, rows, cols, depth) per product, keys scoped by GEMM
     # so that results of one GEMM checked together share B R and A's pass (batch_check_seconds).
     products: tuple[tuple[tuple, tuple, int, int, int], ...]
+    waiting: int = 0  # bands it is taken into, not yet checked (band checks)
+
+
+@dataclass(eq=False)
+class _Band:
+    """A GEMM's row band (``BandState``): checked once every product in it is taken."""
+
+    key: tuple
+    gemm: int
+    expected: int  # products not yet taken (or checked alone)
+    products: list = field(default_factory=list)  # taken ones: (A block, B block, rows, cols, depth)
+    units: list = field(default_factory=list)  # their units: (id, unit, device)
 
 
 @dataclass(eq=False)
@@ -568,7 +621,7 @@ class _Gemm:
 
 
 # Event kinds, in the order ties are broken at one instant.
-_ARRIVE, _UPLOAD, _RESULT, _CHECK, _HANDLE, _CPU_DONE, _LEAVE, _DETECT, _JOIN, _FAIL, _TICK = range(11)
+_ARRIVE, _UPLOAD, _RESULT, _CHECK, _HANDLE, _CPU_DONE, _LEAVE, _DETECT, _JOIN, _FAIL, _TICK, _TAKE, _BAND = range(13)
 
 
 class Simulation:
@@ -600,7 +653,17 @@ class Simulation:
         self.gemms: dict[int, _Gemm] = {}
         self._holders: dict[tuple, set[int]] = {}  # tensor namespace -> devices holding its blocks
         self._leased: dict[tuple[int, int], int] = {}  # (unit, device) -> lease epoch of the device
-        self.egress_free = self.ingress_free = self.cpu_free = self.verify_free = 0.0
+        self.egress_free = self.ingress_free = self.cpu_free = 0.0
+        self.host_free = 0.0  # the devices' shared process (``SimConfig.host_cpu``)
+        self._loops = [0.0] * cfg.ps.workers  # when each event loop is free
+        self._verifiers = [0.0] * cfg.ps.workers  # when each verifier is free
+        # Row bands (``Core(band_checks=True)``): (gemm, r0, r1) -> its products not yet taken,
+        # the taken ones, and their units; a GEMM's B blocks whose ``B R`` a band already made.
+        self._bands: dict[tuple, _Band] = {}
+        self._bands_due: list[_Band] = []
+        self._band_turn = False  # the verifier alternates bands and results checked alone
+        self._b_known: dict[int, set] = {}
+        self._unchecked: Counter = Counter()  # device -> its taken results awaiting their bands
         self.relays = [_Relay() for _ in range(cfg.ps.relays)]  # device d behind relay d mod count
         self._shapes: set[tuple[int, int, int]] = set()  # the step's GEMMs (m, n, k)
         self._work = 0.0  # the step's GEMM FLOP
@@ -735,6 +798,13 @@ class Simulation:
             self._next_unit += 1
             unit = _Unit(gemm, named, flops, up, tuple(products))
             self.units[uid] = unit
+            if cfg.band_checks:
+                for product in products:
+                    key = _band_key(product)
+                    band = self._bands.get(key)
+                    if band is None:
+                        band = self._bands[key] = _Band(key, gid, 0)
+                    band.expected += 1
             gemm.up_bytes += unit.up
             owner = live.owners.get(batch[0].index)
             down = sum(size for _, _, size in named)
@@ -757,6 +827,14 @@ class Simulation:
         self.cpu_free = start + seconds
         self._stats.ps_cpu[what] += seconds
         self._at(self.cpu_free, _CPU_DONE, gemm, token)
+
+    def _loop(self, seconds: float) -> tuple[float, float]:
+        """A job on the event loop free first (FIFO each): when it starts and when it is done."""
+        i = min(range(len(self._loops)), key=self._loops.__getitem__)
+        start = max(self.now, self._loops[i])
+        self._loops[i] = start + seconds
+        self._stats.loop_s += seconds
+        return start, start + seconds
 
     def _in_flight(self, change: int) -> None:
         """GEMMs submitted and not yet assembled: their time-weighted count over the step."""
@@ -808,6 +886,7 @@ class Simulation:
                 self.conduct.late(d)
             elif isinstance(decision, Reclaim):
                 self._leased.pop((decision.unit, d.id), None)
+                self._arrived.discard((decision.unit, d.id))
                 self._stats.reclaimed += 1
                 if self.conduct.taken_back(d):
                     self._cut(d)
@@ -840,20 +919,25 @@ class Simulation:
                 self._holders.setdefault(key[0], set()).add(d.id)
                 nbytes += size
                 lacked.append((key, size))
-        now = self.now
         p = d.profile
         ps = self.cfg.ps
         from_ps = nbytes
         relay = self.relays[d.id % len(self.relays)] if self.relays and nbytes else None
         if relay is not None:
             from_ps = sum(size for key, size in lacked if not relay.take(key, size, ps.relay_memory))
-        egress_done = max(now, self.egress_free) + from_ps / ps.egress
+        # The loop frames the work message (its bytes from the PS) and sends it: the egress may
+        # carry it as it is sent, but it has left only once the loop is done with it.
+        framing, framed = self._loop(ps.loop.seconds(1, len(unit.products), from_ps))
+        # The live loop decides a lease when it gets to it and frames it at once: the lease
+        # counts from when its frame goes on the wire, not from this instant (Scheduler.on_wire).
+        self.sched.on_wire(uid, d.id, framed)
+        egress_done = max(framed, max(framing, self.egress_free) + from_ps / ps.egress)
         self.egress_free = egress_done
         if relay is not None:  # the relay sends once it has the blocks it lacked
-            egress_done = max(egress_done if from_ps else now, relay.egress_free) + nbytes / ps.relay_egress
+            egress_done = max(egress_done if from_ps else framed, relay.egress_free) + nbytes / ps.relay_egress
             relay.egress_free = egress_done
             stats.relay_bytes += nbytes
-        start = max(now, d.down_free)
+        start = max(framed, d.down_free)
         end = max(start + nbytes / p.down, egress_done)
         d.down_s += nbytes / p.down
         d.down_free = end
@@ -873,6 +957,10 @@ class Simulation:
         unit = self.units[uid]
         start = max(self.now, d.cpu_free)
         seconds = unit.flops / d.rate + d.profile.overhead
+        if self.cfg.host_cpu:  # the devices' shared process: this unit's turn in it
+            start = max(start, self.host_free)
+            seconds += self.cfg.host_cpu
+            self.host_free = start + seconds
         d.cpu_free = start + seconds
         d.compute_s += seconds
         d.flop_s += unit.flops / d.rate
@@ -895,72 +983,160 @@ class Simulation:
         self._at(end + p.rtt / 2, _RESULT, uid, device, epoch)
 
     def _result(self, uid: int, device: int, epoch: int) -> None:
-        """The result reached the PS: it waits for the CPU, which verifies it."""
+        """The result reached the PS: the event loop reads it (FIFO), then takes it."""
         d = self.devices.get(device)
         unit = self.units.get(uid)
         if d is None or d.epoch != epoch or unit is None or self._leased.get((uid, device)) != epoch:
             return  # the device was dropped, or another copy won (its result is ignored unread)
         self._arrived.add((uid, device))
-        self._checks.append((uid, device, epoch, self.now))
+        _, read = self._loop(self.cfg.ps.loop.seconds(1, len(unit.products), 0.0, unit.up))
+        # Waiting for the loop is not the device's lateness: the lease's clock stops meanwhile.
+        self.sched.result_in(uid, device, self.now, read)
+        self._at(read, _TAKE, uid, device, epoch, self.now)
+
+    def _take(self, uid: int, device: int, epoch: int, arrived: float) -> None:
+        """Core.receive once the loop has read the result: a trusted device's result is taken
+        for its bands (settled now, checked with the band), any other waits for the verifier."""
+        d = self.devices.get(device)
+        unit = self.units.get(uid)
+        if d is None or d.epoch != epoch or unit is None or self._leased.get((uid, device)) != epoch:
+            return
+        alone = (
+            not self.cfg.band_checks
+            or d.standing.on_probation(self.cfg.trust)
+            or self._unchecked[device] >= UNCHECKED_PER_SLOT * max(1, d.asked)
+        )
+        if alone:
+            self._checks.append((uid, device, epoch, arrived))
+            self._verify_soon()
+            return
+        if self._settle(uid, device, epoch, arrived) is None:
+            return
+        self._unchecked[device] += 1
+        for product in unit.products:
+            band = self._bands[_band_key(product)]
+            band.expected -= 1
+            band.products.append(product)
+            if not band.units or band.units[-1][1] is not unit:
+                band.units.append((uid, unit, device))
+                unit.waiting += 1
+            if band.expected == 0:
+                self._band_due(band)
+        self._dispatch()
+
+    def _band_due(self, band: _Band) -> None:
+        """Every product of the band is in (or was checked alone): its check is due."""
+        self._bands.pop(band.key, None)
+        if band.products:
+            self._bands_due.append(band)
+            self._verify_soon()
+
+    def _verify_soon(self) -> None:
         if not self._check_due:
             self._check_due = True
-            self._at(max(self.now, self.verify_free), _CHECK)
+            self._at(max(self.now, min(self._verifiers)), _CHECK)
 
     def _check(self) -> None:
-        """The verifier takes the results waiting for it, at most ``CHECK_BATCH``, and checks
-        them as one batch (``freivalds_batch``: each result its own vectors, operand work
-        shared): while it is busy results queue up, and the busier it is, the more a batch shares."""
-        if self.verify_free > self.now:
-            self._at(self.verify_free, _CHECK)
-            return
-        waiting, self._checks = self._checks[:CHECK_BATCH], self._checks[CHECK_BATCH:]
-        self._check_due = bool(self._checks)
+        """Each free verifier takes the next job: a band whose results are all in, or the
+        results waiting to be checked alone, at most ``CHECK_BATCH``, as one batch
+        (``freivalds_batch``: while it is busy results queue up, and the more a batch shares),
+        bands and lone results in turn as ``Core``'s verifier takes them."""
+        self._check_due = False
         ps = self.cfg.ps
-        products = [p for uid, *_ in waiting if uid in self.units for p in self.units[uid].products]
-        seconds = batch_check_seconds(products, ps) + len(waiting) * ps.unit_overhead
-        self.verify_free = self.now + seconds
-        self._stats.ps_cpu["verify"] += seconds
-        self._stats.checks += 1
-        self._stats.checked += len(waiting)
-        for uid, device, epoch, arrived in waiting:
-            self._at(self.verify_free, _HANDLE, uid, device, epoch, arrived)
-        if self._check_due:  # the rest go to the next batch
-            self._at(self.verify_free, _CHECK)
+        while self._checks or self._bands_due:
+            i = min(range(len(self._verifiers)), key=self._verifiers.__getitem__)
+            if self._verifiers[i] > self.now:
+                self._verify_soon()
+                return
+            self._band_turn = not self._band_turn
+            if self._bands_due and (self._band_turn or not self._checks):
+                band = self._bands_due.pop(0)
+                known = self._b_known.setdefault(band.gemm, set())
+                seconds = batch_check_seconds(band.products, ps, known) + len(band.units) * ps.unit_overhead
+                known.update(p[1] for p in band.products)
+                self._verifiers[i] = self.now + seconds
+                self._stats.ps_cpu["verify"] += seconds
+                self._stats.bands += 1
+                self._stats.checked += len(band.units)
+                self._at(self._verifiers[i], _BAND, band)
+                continue
+            waiting, self._checks = self._checks[:CHECK_BATCH], self._checks[CHECK_BATCH:]
+            products = [p for uid, *_ in waiting if uid in self.units for p in self.units[uid].products]
+            seconds = batch_check_seconds(products, ps) + len(waiting) * ps.unit_overhead
+            self._verifiers[i] = self.now + seconds
+            self._stats.ps_cpu["verify"] += seconds
+            self._stats.checks += 1
+            self._stats.checked += len(waiting)
+            self._stats.alone += len(waiting)
+            for uid, device, epoch, arrived in waiting:
+                self._at(self._verifiers[i], _HANDLE, uid, device, epoch, arrived)
+
+    def _band_checked(self, band: _Band) -> None:
+        """A band passed (results are honest here): its units are verified once every band
+        they were taken into is."""
+        for uid, unit, device in band.units:
+            unit.waiting -= 1
+            if unit.waiting == 0:
+                self._unchecked[device] -= 1
+                self._verified(uid, unit)
+        self._dispatch()
 
     def _handle(self, uid: int, device: int, epoch: int, arrived: float) -> None:
-        """Core._on_result, once the CPU got to it: the first verified copy wins."""
+        """Core._on_result for a result checked alone, once the verifier got to it: the first
+        verified copy wins."""
+        unit = self._settle(uid, device, epoch, arrived)
+        if unit is None:
+            return
+        if self.cfg.band_checks:  # its products leave their bands (which may now be due)
+            for product in unit.products:
+                band = self._bands.get(_band_key(product))
+                if band is not None:
+                    band.expected -= 1
+                    if band.expected == 0:
+                        self._band_due(band)
+        self._verified(uid, unit)
+        self._dispatch()
+
+    def _settle(self, uid: int, device: int, epoch: int, arrived: float) -> _Unit | None:
+        """The live rules for a result that wins (checked, or taken for its band): its lease
+        ends, the other copies lose, the devices' standing and pace move, stallers are cut."""
         d = self.devices.get(device)
         if d is None or d.epoch != epoch or self._leased.pop((uid, device), None) != epoch:
-            return  # a copy that lost the race, or a lease taken back: ignored
+            return None  # a copy that lost the race, or a lease taken back: ignored
         hold = self.sched.hold(uid, device)
         if hold is None:
-            return
+            return None
         leased_at = hold.leased_at
         losers = self.sched.done(uid, device)
         raced = []
         for loser in losers:  # the other copies lost the race (their results are never checked here)
             self._leased.pop((uid, loser), None)
+            self._arrived.discard((uid, loser))
             other = self.devices.get(loser)
             if other is not None:
                 raced.append((other, False))
         unit = self.units.pop(uid)
         # Core's rules: the winner's standing, pace and slots, the losers', and who stalls.
         stallers = self.conduct.settled(d, arrived, leased_at, unit.flops, raced)
-        self._outstanding -= 1
-        self._progress_at = self.now
-        self._delivered(uid, device)
-        gemm = unit.gemm
-        gemm.remaining -= 1
-        if gemm.remaining == 0:
-            self._gemm_done(gemm)
+        self._arrived.discard((uid, device))
         for other in stallers:
             if other.id in self.devices:
                 self._cut(other)
-        self._dispatch()
+        return unit
 
-    def _delivered(self, uid: int, device: int) -> None:
+    def _verified(self, uid: int, unit: _Unit) -> None:
+        """A unit's result is verified: its GEMM is a unit nearer assembly."""
+        self._outstanding -= 1
+        self._progress_at = self.now
+        self._delivered(uid)
+        gemm = unit.gemm
+        gemm.remaining -= 1
+        if gemm.remaining == 0:
+            self._b_known.pop(gemm.id, None)
+            self._gemm_done(gemm)
+
+    def _delivered(self, uid: int) -> None:
         """A unit was verified: crashes waiting on it may be over. O(crashes being recovered)."""
-        self._arrived.discard((uid, device))
         done = []
         for crashed, (_since, held) in self._recovering.items():
             held.discard(uid)
@@ -1066,6 +1242,7 @@ class Simulation:
                 self._run_chains([tail])
             self._in_flight(0)
             self._stats.seconds = self.now - began
+            self._stats.ps_busy = self._ps_busy(self._stats)
             self._device_figures(before, list(self.devices.values()) + self.gone[gone_before:], began)
             steps.append(self._stats)
         everyone = list(self.devices.values()) + self.gone
@@ -1084,6 +1261,42 @@ class Simulation:
             self.micro_batches,
             self.choice,
         )
+
+    def run_ops(self, chains: list[list[Op]], planner: LivePlanner | None = None) -> StepStats:
+        """Run a program of one's own (``chains`` of ops side by side, as a step's micro-batches)
+        on the fleet, as one step, with ``planner`` cutting its GEMMs (the config's otherwise):
+        what bench/bench_sim_live.py drives with bench_tax's GEMMs. The fleet joins on the first
+        call; later calls go on from where the last one ended."""
+        cfg = self.cfg
+        if not self.devices and not self.gone:
+            for cls in cfg.fleet:
+                for _ in range(cls.count):
+                    self._join(cls, cfg.veterans)
+        if planner is not None:
+            self.planner = planner
+        self._stats = StepStats()
+        began = self.now
+        calls = [c for chain in chains for op in chain if not isinstance(op, PsWork) for c in op]
+        self._shapes = {(c.m, c.n, c.k) for c in calls}
+        self._work = sum(2.0 * c.m * c.n * c.k for c in calls)
+        self._run_chains(chains)
+        self._in_flight(0)
+        self._stats.seconds = self.now - began
+        self._stats.ps_busy = self._ps_busy(self._stats)
+        return self._stats
+
+    def _ps_busy(self, st: StepStats) -> dict[str, float]:
+        """Seconds each of the PS's resources was busy in the step: its event loop and its
+        verifier (per worker, as they share the work), its trainer thread (assembly, GEMMs kept
+        home, attention, AdamW, collectives), its egress and its ingress."""
+        ps = self.cfg.ps
+        return {
+            "loop": st.loop_s / ps.workers,
+            "verifier": st.ps_cpu["verify"] / ps.workers,
+            "trainer": sum(v for k, v in st.ps_cpu.items() if k != "verify"),
+            "egress": st.egress_bytes / ps.egress,
+            "ingress": st.ingress_bytes / ps.ingress,
+        }
 
     def _device_figures(self, before: dict[int, tuple], present: list[_Device], began: float) -> None:
         """What each device did in the step just ended (O(devices), once per step)."""
@@ -1247,6 +1460,12 @@ class Simulation:
         if kind == _HANDLE:
             self._handle(*args)  # dispatches itself, as Core.handle does
             return
+        if kind == _TAKE:
+            self._take(*args)  # dispatches itself
+            return
+        if kind == _BAND:
+            self._band_checked(*args)
+            return
         if kind == _CPU_DONE:
             gid, token = args
             if gid is None:
@@ -1298,6 +1517,14 @@ def _what(op: Op) -> str:
     return op.what if isinstance(op, PsWork) else "+".join(call.label for call in op)
 
 
+def _band_key(product: tuple) -> tuple:
+    """The row band of a product (its A block's key is ``(gemm, r0, r1, k0, k1)``): its GEMM
+    and rows. Grids cut rows evenly, so a row range's tiles cover every column over the whole
+    reduction (``form_bands``' test), and row ranges never overlap."""
+    gemm, r0, r1 = product[0][:3]
+    return (gemm, r0, r1)
+
+
 def _name(key: tuple) -> str:
     """The scheduler knows blocks by string keys."""
     return repr(key)
@@ -1327,6 +1554,8 @@ class SchedulerLog:
             "expire",
             "assign",
             "copies",
+            "on_wire",
+            "result_in",
         }
     )
     GENERATORS = frozenset({"assign", "copies"})
