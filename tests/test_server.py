@@ -312,13 +312,12 @@ def test_connections_count_from_the_tcp_accept_even_before_a_tls_handshake() -> 
     assert refused >= 60 - 26
 
 
-@SENDERS
-def test_what_was_queued_for_a_device_that_went_away_is_uncounted(send_threads: int) -> None:
+def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
     """However a connection ends, nothing stays counted against the outbound budget."""
     from coordinator.wire.messages import Leave
 
     async def run() -> list[int]:
-        server = _server(send_threads)
+        server = _server()
         left = []
         async with listen(server, "127.0.0.1", 0) as ws_server:
             url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
