@@ -1004,7 +1004,8 @@ class Simulation:
         alone = (
             not self.cfg.band_checks
             or d.standing.on_probation(self.cfg.trust)
-            or self._unchecked[device] >= UNCHECKED_PER_SLOT * max(1, d.asked)
+            # As Core: the slots the scheduler grants it now, not those its client asked for.
+            or self._unchecked[device] >= UNCHECKED_PER_SLOT * max(1, self.sched.seats[device].slots)
         )
         if alone:
             self._checks.append((uid, device, epoch, arrived))
