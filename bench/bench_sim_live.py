@@ -53,7 +53,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench_tax import SHAPES, FixedGrid, Shape
+from bench_tax import SHAPES, FixedGrid, Shape, send_threads_of
 from rich.console import Console
 from rich.table import Table
 
@@ -265,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.live:
-        check, _, sends = args.check.partition("+")
+        check = args.check.partition("+")[0]
         cmd = [sys.executable, str(ROOT / "bench" / "bench_tax.py"), "--shapes", args.shapes, "--check", check]
-        cmd += ["--send-threads", sends.rstrip("s") or "0"]
+        cmd += ["--send-threads", str(send_threads_of(args.check))]
         cmd += ["--seconds", str(args.seconds), "--json", "--quiet"]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
         if done.returncode:

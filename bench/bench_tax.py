@@ -372,7 +372,7 @@ async def measure(
         planner=FixedGrid(shape.grid),
         band_checks=mode.startswith("band"),
     )
-    server = Server(core, time.monotonic, send_threads=_senders(mode))
+    server = Server(core, time.monotonic, send_threads=send_threads_of(mode))
     warnings = _Warnings()
     for name in LOGGERS:
         logging.getLogger(name).addHandler(warnings)
@@ -708,7 +708,7 @@ def run_shape(args: argparse.Namespace, shape: Shape, tmp: Path) -> dict[str, An
     return out
 
 
-def _senders(mode: str) -> int:
+def send_threads_of(mode: str) -> int:
     """Send threads of a run's mode: ``band`` none (the loop sends), ``band+2s`` two."""
     _, _, n = mode.partition("+")
     return int(n.rstrip("s")) if n else 0
