@@ -39,7 +39,7 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     probe.write_text(json.dumps({"on_ac": True, "battery_percent": 90, "other_cpu_percent": 0}))
     policy = tmp_path / "client.toml"
     policy.write_text("[policy]\nidle_minutes = 0\nmax_other_cpu = 100\nresume_after = 0.5\n")
-    steps = 24  # the pause comes at about step 4 and the resume at about step 10
+    steps = 16  # the pause comes at about step 4 and the resume at about step 9
     coord = Coordinator(tmp_path, "--min-devices", "2", "--batch-size", "16", "--seq-len", "128", steps=steps)
     laptop = Proc(
         cleave_cmd(
