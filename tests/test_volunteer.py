@@ -138,7 +138,7 @@ def test_show_config_merges_file_and_flags_and_bad_files_get_one_line(tmp_path: 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_the_live_panel_renders_and_updates_in_a_real_terminal(tmp_path: Path) -> None:
-    coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=12)
+    coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=6)
     with Terminal(join_cmd(coord.url, "tty-laptop")) as terminal:
 
         def tiles() -> int:
