@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def run_job(
     coordinator = _start(
         cleave(
             "coordinator", "start", "--host", "127.0.0.1", "--port", str(port), "--db", str(tmp / "ps.db"),
-            "--token", TOKEN, "--operator-token", OPERATOR, "--metrics", str(metrics),
+            "--metrics", str(metrics),
             "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
             "--seq-len", str(args.seq_len), "--min-devices", str(args.clients), "--micro-batches", "1",
             "--checkpoint-every", "0", "--planner", "uniform", "--linger", "0", *coordinator_args,
@@ -59,8 +60,6 @@ def run_job(
                 cleave(
                     "relay",
                     url,
-                    "--token",
-                    TOKEN,
                     "--listen",
                     f"127.0.0.1:{free_port()}",
                     "--credentials",
@@ -75,8 +74,6 @@ def run_job(
             cleave(
                 "join",
                 url,
-                "--token",
-                TOKEN,
                 "--once",
                 "--always",
                 "--quiet",
@@ -107,5 +104,7 @@ def run_job(
 
 
 def _start(cmd: list[str], out: IO[str] | int) -> subprocess.Popen:
-    """``cmd`` from the repository root, its stdout and stderr to ``out``."""
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    """``cmd`` from the repository root, its stdout and stderr to ``out``; the tokens in its
+    environment, not on its command line (which every local user can read)."""
+    env = {**os.environ, "CLEAVE_TOKEN": TOKEN, "CLEAVE_OPERATOR_TOKEN": OPERATOR}
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)

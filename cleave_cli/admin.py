@@ -14,6 +14,7 @@ from rich.console import Console
 
 from cleave_cli import render
 from cleave_cli.errors import friendly, stderr_console
+from cleave_cli.options import read_secret
 from coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN, STRONG_TOKEN, new_token, store_token
 from coordinator.wire.auth import token_hash
 from coordinator.wire.errors import ConfigError
@@ -110,11 +111,28 @@ def token_rotate(
     operator: Annotated[
         bool, typer.Option("--operator", help="Rotate the operator token instead of the join token.")
     ] = False,
-    token: Annotated[str | None, typer.Option(help="The new token. Default: a generated one (printed).")] = None,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            help="The new token. Default: a generated one (printed). Prefer --token-file: other users can read "
+            "a command line.",
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="Read the new token from this file (one line; a trailing newline is dropped). CLEAVE_TOKEN and "
+            "CLEAVE_OPERATOR_TOKEN are not read: they hold the token being replaced.",
+        ),
+    ] = None,
 ) -> None:
     """Replace the join token (enrolled devices are not affected: they use their credentials) or
     the operator token. A running coordinator on --db uses the new one within a second."""
-    new = token if token is not None else new_token()
+    # No environment variable: an operator's CLEAVE_TOKEN is the old token, and rotating to it changes nothing.
+    given = read_secret(token, token_file, "--token", None)
+    new = given if given is not None else new_token()
     if not (new.strip() and new.isprintable() and len(new) <= MAX_TOKEN):
         raise ConfigError(f"--token must be 1 to {MAX_TOKEN} printable characters")
     if len(new) < STRONG_TOKEN:

@@ -28,8 +28,14 @@ def benchmark(
         str | None, typer.Option("--url", help="Also measure round trip and throughput to this coordinator.")
     ] = None,
     token: Annotated[
-        str | None, typer.Option("--token", help="The coordinator's operator token (needed with --url).")
+        str | None,
+        typer.Option(
+            "--token",
+            help="The coordinator's operator token (needed with --url). Prefer CLEAVE_OPERATOR_TOKEN or "
+            "--token-file: other users can read a command line.",
+        ),
     ] = None,
+    token_file: opt.StatusTokenFile = None,
     cafile: opt.CaFile = None,
     insecure: opt.Insecure = False,
     seconds: Annotated[float, typer.Option(help="Seconds per GEMM measurement.")] = 0.4,
@@ -41,8 +47,12 @@ def benchmark(
         raise ConfigError(f"--seconds must be between 0.05 and 60, got {seconds}")
     if threads is not None and not 1 <= threads <= 1024:
         raise ConfigError(f"--threads must be between 1 and 1024, got {threads}")
+    token = opt.read_secret(token, token_file, "--token", opt.Secret.OPERATOR_TOKEN)
     if url is not None and not token:
-        raise ConfigError("--url needs --token (the coordinator checks it before answering)")
+        raise ConfigError(
+            "--url needs the operator token (CLEAVE_OPERATOR_TOKEN, --token-file or --token): the coordinator "
+            "checks it before answering"
+        )
     if url is not None:
         try:
             check_url(url, insecure=insecure)

@@ -51,15 +51,22 @@ def start(
     ),
     token: Annotated[
         str | None,
-        typer.Option(help="Join token devices enrol with. Default: the database's, else a generated one (printed)."),
+        typer.Option(
+            "--token",
+            help="Join token devices enrol with. Default: CLEAVE_TOKEN, else the database's, else a generated one "
+            "(printed). Prefer CLEAVE_TOKEN or --token-file: other users can read a command line.",
+        ),
     ] = None,
+    token_file: opt.TokenFile = None,
     operator_token: Annotated[
         str | None,
         typer.Option(
             "--operator-token",
-            help="Token for cleave status and link tests. Default: the database's, else a generated one (printed).",
+            help="Token for cleave status and link tests. Default: CLEAVE_OPERATOR_TOKEN, else the database's, "
+            "else a generated one (printed). Prefer the variable or --operator-token-file.",
         ),
     ] = None,
+    operator_token_file: opt.OperatorTokenFile = None,
     certfile: Annotated[
         Path | None, typer.Option("--certfile", help="Serve wss:// with this certificate chain (PEM).")
     ] = None,
@@ -168,12 +175,11 @@ def start(
         str | None,
         typer.Option(
             "--tier-secret",
-            envvar="CLEAVE_TIER_SECRET",
-            show_envvar=True,
-            help="The secret every rank proves before it counts as one (the same on every rank; prefer the "
-            "environment variable, which other users cannot read from the process list).",
+            help="The secret every rank proves before it counts as one (the same on every rank). Default: "
+            "CLEAVE_TIER_SECRET. Prefer the variable or --tier-secret-file: other users can read a command line.",
         ),
     ] = None,
+    tier_secret_file: opt.TierSecretFile = None,
     tier_timeout: Annotated[
         float,
         typer.Option(
@@ -195,6 +201,9 @@ def start(
     keeps showing the finished job for --linger seconds, then exits 0."""
     console = Console(highlight=False)
     setup_logging(Console(stderr=True), verbose)
+    token = opt.read_secret(token, token_file, "--token", opt.Secret.JOIN_TOKEN)
+    operator_token = opt.read_secret(operator_token, operator_token_file, "--operator-token", opt.Secret.OPERATOR_TOKEN)
+    tier_secret = opt.read_secret(tier_secret, tier_secret_file, "--tier-secret", opt.Secret.TIER_SECRET)
     if not 16 <= tile_size <= 16384:
         raise ConfigError(f"--tile-size must be between 16 and 16384, got {tile_size}")
     if not 0.5 <= heartbeat_timeout <= 3600:

@@ -104,9 +104,6 @@ def summary_table(report: dict[str, Any]) -> Group:
 @friendly
 def emulate(
     url: Annotated[str, typer.Argument(help="Coordinator address, e.g. ws://127.0.0.1:8765")],
-    token: Annotated[
-        str, typer.Option("--token", help="The coordinator's join token: every emulated device enrols with it.")
-    ],
     devices: Annotated[
         int, typer.Option("--devices", help="Devices to emulate; the fleet's classes keep their proportions.")
     ],
@@ -118,6 +115,15 @@ def emulate(
             "each device gets its class's profile.",
         ),
     ],
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            help="The coordinator's join token: every emulated device enrols with it. Prefer CLEAVE_TOKEN or "
+            "--token-file: other users can read a command line.",
+        ),
+    ] = None,
+    token_file: opt.TokenFile = None,
     leave_rate: Annotated[
         float,
         typer.Option(
@@ -175,6 +181,9 @@ def emulate(
     """Emulate a fleet of volunteer devices in one process: each joins the coordinator as a real
     client and computes its tiles for real, paced to its class's compute rate and links. Exits
     when the coordinator finishes the job, or on Ctrl-C (every device leaves gracefully)."""
+    token = opt.read_secret(token, token_file, "--token", opt.Secret.JOIN_TOKEN)
+    if not token:
+        raise ConfigError("every emulated device enrols with the join token: set CLEAVE_TOKEN or pass --token-file")
     if not 1 <= devices <= MAX_DEVICES:
         raise ConfigError(f"--devices must be between 1 and {MAX_DEVICES:,}, got {devices}")
     if dtype not in ITEMSIZE:

@@ -85,9 +85,11 @@ def join(
         str | None,
         typer.Option(
             "--token",
-            help="The coordinator's join token: enrols this device once; later runs use the stored credential.",
+            help="The coordinator's join token: enrols this device once; later runs use the stored credential. "
+            "Prefer CLEAVE_TOKEN or --token-file: other users can read a command line.",
         ),
     ] = None,
+    token_file: opt.TokenFile = None,
     device: Annotated[
         str, typer.Option(help="Where tiles run: auto (CUDA, then MPS, then CPU), cpu, mps or cuda.")
     ] = "auto",
@@ -148,7 +150,7 @@ def join(
     new_identity: Annotated[
         bool,
         typer.Option(
-            "--new-identity", help="Enrol again with --token as a new device, replacing the stored credential."
+            "--new-identity", help="Enrol again with the join token as a new device, replacing the stored credential."
         ),
     ] = False,
     grid_gco2_kwh: opt.GridOpt = None,
@@ -194,8 +196,9 @@ def join(
         return
     if url is None:
         raise typer.BadParameter("URL is required (unless --show-config)")
+    token = opt.read_secret(token, token_file, "--token", opt.Secret.JOIN_TOKEN)
     if new_identity and not token:
-        raise typer.BadParameter("--new-identity needs --token (the join token) to enrol")
+        raise typer.BadParameter("--new-identity needs the join token (CLEAVE_TOKEN, --token-file or --token)")
     from client.runner import Worker, WorkerConfig
 
     cfg = WorkerConfig(

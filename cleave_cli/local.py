@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
+from cleave_cli.options import Secret
 from coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
 from coordinator.wire.errors import CleaveError
 
@@ -29,6 +31,8 @@ async def serve_with_local_clients(
         return job.result()
     url = ready.result()
     output = asyncio.subprocess.DEVNULL if quiet_clients else None
+    # The token by environment: other users can read a command line, not another user's environment.
+    env = {**os.environ, Secret.JOIN_TOKEN.value: str(cfg.token)}
     procs = [
         await asyncio.create_subprocess_exec(
             sys.executable,
@@ -36,8 +40,6 @@ async def serve_with_local_clients(
             "cleave_cli",
             "join",
             url,
-            "--token",
-            str(cfg.token),
             "--once",
             "--quiet",
             "--threads",
@@ -52,6 +54,7 @@ async def serve_with_local_clients(
             str(Path(cfg.db).resolve().parent / "credentials.json"),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=output,
+            env=env,
         )
         for i in range(clients)
     ]

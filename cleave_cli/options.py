@@ -1,12 +1,18 @@
-"""Options shared by the commands that train (names are a contract: scripts and tests use them)."""
+"""Options shared by several commands (names are a contract: scripts and tests use them), and how
+commands read their secrets (read_secret)."""
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Callable, Mapping
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from cleave_cli.errors import stderr_console
 from coordinator.wire.errors import ConfigError
 from coordinator.wire.messages import WireDtype
 
@@ -145,3 +151,90 @@ GridOpt = Annotated[
         "Review 2023, unless its operator states another); docs/operations.md, Energy and carbon.",
     ),
 ]
+
+
+# --------------------------------------------------------------------------- secrets
+#
+# Any local user can read a process's arguments (ps, /proc/PID/cmdline), but only its owner can
+# read its environment: every token and secret can therefore come from the environment or from a
+# file, and the command-line flag is only kept for scripts on single-user machines.
+
+
+class Secret(Enum):
+    """A secret a command takes, as the name of the environment variable that holds it."""
+
+    JOIN_TOKEN = "CLEAVE_TOKEN"
+    OPERATOR_TOKEN = "CLEAVE_OPERATOR_TOKEN"
+    TIER_SECRET = "CLEAVE_TIER_SECRET"
+
+
+MAX_SECRET_FILE = 4096  # bytes read from a secret file at most: it holds one short line
+
+
+def _file_option(flag: str, what: str) -> Any:
+    return typer.Option(
+        f"{flag}-file",
+        help=f"Read {what} from this file (one line; a trailing newline is dropped), so that it never "
+        "appears on a command line. A warning if other users may read it.",
+    )
+
+
+TokenFile = Annotated[Path | None, _file_option("--token", "the join token")]
+OperatorTokenFile = Annotated[Path | None, _file_option("--operator-token", "the operator token")]
+StatusTokenFile = Annotated[Path | None, _file_option("--token", "the operator token")]
+TierSecretFile = Annotated[Path | None, _file_option("--tier-secret", "the tier's secret")]
+
+
+def read_secret(
+    value: str | None,
+    path: Path | None,
+    flag: str,
+    secret: Secret | None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> str | None:
+    """A secret from ``flag`` (``value``), else from the file ``flag``-file names (``path``), else
+    from ``secret``'s environment variable (None: none read, an empty one counts as unset); None
+    when none holds it. Both a value and a file: a ConfigError, as is a file that cannot be read,
+    is empty or holds more than one line. ``warn`` hears of a file other users may read or change."""
+    file_flag = f"{flag}-file"
+    if value is not None and path is not None:
+        raise ConfigError(f"pass {flag} or {file_flag}, not both")
+    if value is not None:
+        return value
+    if path is not None:
+        return _secret_file(path, file_flag, warn or _warn)
+    if secret is None:
+        return None
+    return (os.environ if environ is None else environ).get(secret.value) or None
+
+
+def _secret_file(path: Path, file_flag: str, warn: Callable[[str], None]) -> str:
+    try:
+        with open(path, "rb") as f:  # not Path.read_bytes: read at most a bound (--token-file /dev/zero)
+            mode = os.fstat(f.fileno()).st_mode
+            raw = f.read(MAX_SECRET_FILE + 1)
+    except OSError as exc:
+        raise ConfigError(f"{file_flag}: cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_SECRET_FILE:
+        raise ConfigError(f"{file_flag}: {path} is over {MAX_SECRET_FILE} bytes: it must hold one line, the secret")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file_flag}: {path} is not UTF-8 text") from None
+    line = text.removesuffix("\n").removesuffix("\r")
+    if "\n" in line or "\r" in line:
+        raise ConfigError(f"{file_flag}: {path} holds several lines; it must hold one, the secret")
+    if not line.strip():
+        raise ConfigError(f"{file_flag}: {path} is empty")
+    if not line.isprintable():
+        raise ConfigError(f"{file_flag}: {path} holds unprintable characters")
+    # Like ssh with a private key, but a warning: a pipe (--token-file <(pass show x)) has no such bits.
+    if os.name == "posix" and stat.S_ISREG(mode) and mode & 0o077:
+        warn(f"warning: other users may read or change {path} (mode {stat.S_IMODE(mode):04o}); chmod 600 it")
+    return line
+
+
+def _warn(message: str) -> None:
+    stderr_console().print(message, style="yellow", markup=False)

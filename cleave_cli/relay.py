@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from cleave_cli import options as opt
 from cleave_cli.errors import friendly
 from coordinator.wire.addresses import url_host
 from coordinator.wire.errors import ConfigError
@@ -27,7 +28,15 @@ def _listen(value: str) -> tuple[str, int]:
 @friendly
 def relay(
     url: Annotated[str, typer.Argument(help="The coordinator's address, e.g. wss://coordinator.example.org:8765")],
-    token: Annotated[str, typer.Option("--token", help="The join token, to enrol once (then its credential).")] = "",
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            help="The join token, to enrol once (then its credential). Prefer CLEAVE_TOKEN or --token-file: other "
+            "users can read a command line.",
+        ),
+    ] = None,
+    token_file: opt.TokenFile = None,
     listen: Annotated[str, typer.Option("--listen", help="Where devices connect: HOST:PORT.")] = "0.0.0.0:8766",
     public_url: Annotated[
         str | None,
@@ -51,6 +60,7 @@ def relay(
 
     if not url.startswith(("ws://", "wss://")):
         raise ConfigError(f"the coordinator URL must start with ws:// or wss://, got {url!r}")
+    token = opt.read_secret(token, token_file, "--token", opt.Secret.JOIN_TOKEN)
     host, port = _listen(listen)
     if not (math.isfinite(memory_gb) and 0 < memory_gb <= MAX_MEMORY_GB):
         raise ConfigError(f"--memory-gb must be above 0 and at most {MAX_MEMORY_GB:g}, got {memory_gb}")
@@ -67,7 +77,7 @@ def relay(
         url,
         (host, port),
         public,
-        token=token,
+        token=token or "",
         name=name,
         memory_bytes=int(memory_gb * 1e9),
         credentials=credentials,

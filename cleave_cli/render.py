@@ -7,6 +7,7 @@ markup: a volunteer named ``[/bold]`` must show as that, not break the dashboard
 from __future__ import annotations
 
 import datetime as dt
+import shlex
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,18 +97,19 @@ def listening(info: Any) -> Text:
     text.append(info.url, style="bold green")
     insecure = " --insecure" if info.exposed else ""
     text.append("\njoin with: ")
-    join_token = info.join_token if info.join_token is not None else "<the join token>"
-    text.append(f"cleave join {info.join_url} --token {join_token}{insecure}", style="yellow")
+    join_token = shlex.quote(info.join_token) if info.join_token is not None else "<the join token>"
+    # The tokens by environment: other users on the volunteer's machine can read a command line.
+    text.append(f"CLEAVE_TOKEN={join_token} cleave join {info.join_url}{insecure}", style="yellow")
     text.append("\nwatch with: ")
-    operator = info.operator_token if info.operator_token is not None else "<the operator token>"
-    text.append(f"cleave status --url {info.join_url} --token {operator}{insecure}", style="yellow")
+    operator = shlex.quote(info.operator_token) if info.operator_token is not None else "<the operator token>"
+    text.append(f"CLEAVE_OPERATOR_TOKEN={operator} cleave status --url {info.join_url}{insecure}", style="yellow")
     notes = []
     if "join" in info.generated:
-        notes.append("join token generated (pass --token to choose one)")
+        notes.append("join token generated (set CLEAVE_TOKEN or --token-file to choose one)")
     elif info.join_token is None:
         notes.append("join token kept from the database")
     if "operator" in info.generated:
-        notes.append("operator token generated (pass --operator-token to choose one)")
+        notes.append("operator token generated (set CLEAVE_OPERATOR_TOKEN or --operator-token-file to choose one)")
     elif info.operator_token is None:
         notes.append("operator token kept from the database")
     if notes:

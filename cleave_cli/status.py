@@ -113,8 +113,14 @@ def _open(url: str, cafile: str | None = None, insecure: bool = False) -> Iterat
 @friendly
 def status(
     token: Annotated[
-        str, typer.Option("--token", help="The coordinator's operator token (required; not the join token).")
-    ],
+        str | None,
+        typer.Option(
+            "--token",
+            help="The coordinator's operator token (not the join token). Prefer CLEAVE_OPERATOR_TOKEN or "
+            "--token-file: other users can read a command line.",
+        ),
+    ] = None,
+    token_file: opt.StatusTokenFile = None,
     url: Annotated[str, typer.Option("--url", help="Coordinator address.")] = "ws://127.0.0.1:8765",
     cafile: opt.CaFile = None,
     insecure: opt.Insecure = False,
@@ -134,6 +140,9 @@ def status(
     ] = "gflop",
 ) -> None:
     """Show the job's step and loss, throughput, devices and the tile queue."""
+    token = opt.read_secret(token, token_file, "--token", opt.Secret.OPERATOR_TOKEN)
+    if not token:
+        raise ConfigError("the operator token is needed: set CLEAVE_OPERATOR_TOKEN or pass --token-file")
     if rank_by not in ("gflop", "efficiency"):
         raise ConfigError(f"--rank-by must be gflop or efficiency, got {rank_by!r}")
     if not 0.5 <= interval <= MAX_INTERVAL:

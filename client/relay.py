@@ -15,13 +15,16 @@ asked for and the digest of the bytes sent), so a
 device can show the coordinator what it was given. Results never pass through a relay.
 
 Memory: the cache holds at most ``memory_bytes`` of blocks (least recently used go first, each a
-copy: not a view keeping its whole upstream frame alive), plus the blocks of the replies being
-written (a reply holds its own blocks, so eviction under other devices' requests cannot empty it);
-at most ``MAX_UNTICKETED`` connections that have not yet sent a ticketed request (closed after
-``FIRST_REQUEST_S`` seconds without one), at most ``MAX_DEVICES`` ticketed ones, at most
-``CONNECTIONS_PER_DEVICE`` of them for one ticketed device, each with one request at a time of at
-most ``MAX_FETCH`` digests; a device's allowance (``REQUESTS_PER_S``) is its own, however many
-connections it opens.
+copy: not a view keeping its whole upstream frame alive), plus the replies being gathered or
+written: at most ``REPLIES`` at once over all devices, one per device (whatever connections it
+opens), each of at most ``REPLY_BYTES`` of blocks (always one; a device asks again for those
+left out) and its frame, a copy of them; a reply not written within ``SEND_S`` seconds (a device
+that does not read) loses its connection and its place. A reply holds its own blocks, so eviction
+under other devices' requests cannot empty it. At most ``MAX_UNTICKETED`` connections that have
+not yet sent a ticketed request (closed after ``FIRST_REQUEST_S`` seconds without one), at most
+``MAX_DEVICES`` ticketed ones, at most ``CONNECTIONS_PER_DEVICE`` of them for one ticketed device,
+each with one request at a time of at most ``MAX_FETCH`` digests; a device's allowance
+(``REQUESTS_PER_S``) is its own, however many connections it opens. docs/security.md adds it up.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ log = logging.getLogger(__name__)
 MAX_DEVICES = 1024  # ticketed device connections at once
 MAX_UNTICKETED = 256  # connections yet to send a ticketed request
 FIRST_REQUEST_S = 10.0  # seconds a new connection has to send one
-UPSTREAM_TIMEOUT = 6.0  # seconds to wait for the coordinator's blocks (a device waits 10 s per 64)
+# Seconds to wait for the coordinator's blocks. A device may give up sooner (use_relay.wait): a
+# block that comes late is kept for the next device that asks.
+UPSTREAM_TIMEOUT = 6.0
 UPSTREAM_PER_S = 100.0  # block requests a second to the coordinator (its allowance: 200, bursts of 400)
 # Block requests to the coordinator unanswered at once: two keep its link busy between replies,
 # and two replies (16 MiB each) stay within the 64 MiB it queues for one peer.
@@ -77,6 +82,11 @@ DEVICE_FRAME = 64 << 10  # a device's block_request: 64 digests and a ticket fit
 UPSTREAM_FRAME = 256 << 20  # the coordinator's blocks frame (as a device's client allows)
 REQUESTS_PER_S = 50.0  # a device's requests a second (bursts of 100), over all its connections
 CONNECTIONS_PER_DEVICE = 2  # a device reconnecting while its old connection closes
+# Block bytes in one reply to a device (always at least one block: a block is at most 16 MiB,
+# as the coordinator's replies to a relay); those past it are left out and the device asks again.
+REPLY_BYTES = 16 << 20
+REPLIES = 16  # replies gathered or written at once, over every device: 2 x 256 MiB at most
+SEND_S = 5.0  # seconds a request waits for its turn, and a reply to be written, before its connection closes
 
 
 class _Allowance:
@@ -151,6 +161,7 @@ class Relay:
         self.relay_id = 0
         self.key = b""
         self._upstream = None
+        self._stopped = False  # its session with the coordinator ended
         self._waiting: dict[str, asyncio.Future[torch.Tensor | None]] = {}  # digest -> its devices' wait
         self._queue: OrderedDict[str, None] = OrderedDict()  # digests waited on, not yet asked for
         # Requests sent (when, digests), oldest first: replies come in order.
@@ -161,6 +172,9 @@ class Relay:
         self._unticketed = 0
         self._allowances: dict[int, _Allowance] = {}  # ticketed device -> its allowance (kept across reconnects)
         self._conns: dict[int, int] = {}  # ticketed device -> its open connections
+        self._turns: dict[int, asyncio.Lock] = {}  # ticketed device -> its one request in hand at a time
+        self._replies = asyncio.Semaphore(REPLIES)  # replies gathered or written at once
+        self.replying = 0  # bytes of reply frames built and not yet written
         self.served_bytes = 0  # to devices
         self.fetched_bytes = 0  # from the coordinator
         self.ready = asyncio.Event()
@@ -189,6 +203,7 @@ class Relay:
                 try:
                     return await self._read_upstream(up)
                 finally:
+                    self._stopped = True  # requests still in hand are answered at once, with nothing
                     beat.cancel()
                     sender.cancel()
                     for fut in self._waiting.values():
@@ -211,7 +226,9 @@ class Relay:
                 device="relay",
             )
         elif not self.cfg.token:
-            raise RelayError("no credential for this coordinator: pass --token (the join token) to enrol")
+            raise RelayError(
+                "no credential for this coordinator: set CLEAVE_TOKEN (or pass --token-file) to the join token to enrol"
+            )
         else:
             hello = Hello(name=self.cfg.name, token=self.cfg.token, relay=self.cfg.public_url, device="relay")
         await up.send(encode(hello))  # type: ignore[attr-defined]
@@ -321,6 +338,8 @@ class Relay:
         loop = asyncio.get_running_loop()
         now = loop.time()
         got: dict[str, torch.Tensor | None] = {}
+        if self._stopped:  # the coordinator is gone: nothing will come
+            return dict.fromkeys(digests)
         futures: dict[str, asyncio.Future[torch.Tensor | None]] = {}
         for d in digests:
             if self._missing.get(d, 0.0) > now:  # it said it lacks this a moment ago
@@ -391,7 +410,8 @@ class Relay:
                 if not allowance.take(loop.time()):
                     await ws.close(CloseCode.RATE_LIMITED, "too many requests")
                     return
-                await ws.send(encode(await self._answer(msg.digests)))
+                if not await self._reply(ws, device, msg.digests):
+                    return
                 frame = await ws.recv()
         except ConnectionClosed:
             pass
@@ -403,28 +423,88 @@ class Relay:
                 self._conns[device] -= 1
                 if not self._conns[device]:
                     del self._conns[device]
+                    self._turns.pop(device, None)  # none of its requests is in hand here any more
+
+    async def _reply(self, ws: ServerConnection, device: int, digests: tuple[str, ...]) -> bool:
+        """Answer one request of ``device``: in its turn (one of its requests at a time, however
+        many connections it opens) and one of ``REPLIES`` places (over every device), each waited
+        for at most ``SEND_S``; the reply written within ``SEND_S`` too, else its connection is
+        dropped (a device that does not read would hold the reply's bytes for ever). False: the
+        connection is closed."""
+        turn = self._turns.setdefault(device, asyncio.Lock())
+        try:
+            await asyncio.wait_for(turn.acquire(), SEND_S)
+        except (TimeoutError, asyncio.TimeoutError):  # its last reply unread this long: it would not read a close
+            ws.transport.abort()
+            return False
+        try:
+            try:
+                await asyncio.wait_for(self._replies.acquire(), SEND_S)
+            except (TimeoutError, asyncio.TimeoutError):
+                await ws.close(CloseCode.BUSY, "relay is at its reply limit")
+                return False
+            try:
+                frame = encode(await self._answer(digests))
+                self.replying += len(frame)
+                try:
+                    await asyncio.wait_for(ws.send(frame), SEND_S)
+                except (TimeoutError, asyncio.TimeoutError):
+                    ws.transport.abort()  # its bytes go with the connection
+                    return False
+                finally:
+                    self.replying -= len(frame)
+            finally:
+                self._replies.release()
+        finally:
+            turn.release()
+        return True
 
     async def _answer(self, digests: tuple[str, ...]) -> Blocks:
+        """The blocks of ``digests`` it holds or the coordinator sends, in order, up to
+        ``REPLY_BYTES`` of them (always one): those past the cap are left out of both ``blocks``
+        and ``missing`` (the device asks again), and none is fetched once the reply is full."""
         # The reply's blocks are held here, not looked up again: while this request waited on the
         # coordinator, other devices' blocks may have evicted them from the cache.
-        held = {d: hit for d in digests if (hit := self.cache.get(d)) is not None}
-        lacking = [d for d in digests if d not in held]
-        if lacking:
+        held: dict[str, tuple[torch.Tensor, str]] = {}
+        size = 0
+
+        def fits(block: torch.Tensor) -> bool:
+            nonlocal size
+            nbytes = block.numel() * block.element_size()
+            if held and size + nbytes > REPLY_BYTES:
+                return False
+            size += nbytes
+            return True
+
+        lacking = []
+        for d in digests:
+            hit = self.cache.get(d)
+            if hit is None:
+                lacking.append(d)
+            elif fits(hit[0]):
+                held[d] = hit
+        unsent: set[str] = set()  # the coordinator did not send them (in time): missing
+        if lacking and size < REPLY_BYTES:
             for digest, block in (await self._fetch(lacking)).items():
                 if block is None:
+                    unsent.add(digest)
                     continue
                 if block_digest(block) != digest:  # the coordinator is trusted, but a bug is not served
                     log.error("the coordinator's block does not match its digest %s", digest[:16])
+                    unsent.add(digest)
                     continue
                 block = block.clone()  # its own bytes: a view would keep the whole upstream frame alive
-                held[digest] = (block, relay_tag(self.key, digest, digest))  # checked above
-                self.cache.put(digest, *held[digest])
+                hit = (block, relay_tag(self.key, digest, digest))  # checked above
+                self.cache.put(digest, *hit)
+                if fits(block):
+                    held[digest] = hit
         blocks, tags, missing = [], [], []
         for digest in digests:
             hit = held.get(digest)
             if hit is None:
-                missing.append(digest)
-                continue
+                if digest in unsent:
+                    missing.append(digest)
+                continue  # else past the cap: left out, asked again
             block, tag = hit
             if self.tamper is not None:  # a hostile double's doing
                 block = self.tamper(digest, block)

@@ -1,9 +1,12 @@
 """A device's link to the relay its coordinator put it behind (``use_relay``): blocks by digest.
 
 The device believes the relay about nothing but bytes with the right digest. A block that does
-not hash to what the work named, a relay that does not answer within ``TIMEOUT`` seconds, one it
+not hash to what the work named, a relay that does not send a work frame's blocks within the
+``wait`` its coordinator set (``use_relay.wait``: well within the leases' deadlines), one it
 cannot reach or that refuses its ticket, or one that says it lacks a block: ``RelayFailed``,
-which the runner reports to the coordinator (``relay_report``) before giving the tiles back.
+which the runner reports to the coordinator (``relay_report``) before giving the tiles back (the
+coordinator then sends their blocks itself). A relay sends at most its byte cap in one reply and
+leaves the rest out: the link asks again for those, within the same deadline.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from coordinator.wire.digest import block_digest
 from coordinator.wire.errors import CleaveError, ProtocolError
 from coordinator.wire.messages import MAX_FETCH, BlockRequest, Blocks, decode, encode
 
-TIMEOUT = 10.0  # seconds per MAX_FETCH blocks of one work frame, in one deadline (connecting included)
+TIMEOUT = 1.0  # seconds for one work frame's blocks (connecting included) when use_relay sets no wait
 MAX_FRAME = 256 << 20  # as from the coordinator
 
 
@@ -41,23 +44,26 @@ class RelayLink:
     ticket: str
     device: int
     tls: ssl.SSLContext | None = None
+    wait: float = TIMEOUT  # seconds for one work frame's blocks, all of them (use_relay.wait)
     bytes_in: int = 0
     _ws: ClientConnection | None = None
 
-    async def fetch(self, digests: list[str]) -> dict[str, torch.Tensor]:
-        """Every block of ``digests``, checked, within one deadline for them all: ``TIMEOUT``
-        seconds for each ``MAX_FETCH`` of them, so a relay that answers early chunks fast leaves
-        later ones more time, and one that dribbles its chunks out is cut at the same point;
-        raises ``RelayFailed``."""
+    async def fetch(self, digests: list[str], wait: float | None = None) -> dict[str, torch.Tensor]:
+        """Every block of ``digests``, checked, within one deadline for them all (``wait``
+        seconds: a relay that dribbles its replies out is cut at the same point as one that is
+        silent); asked ``MAX_FETCH`` at a time, and again for those a reply left out (past the
+        relay's byte cap). Raises ``RelayFailed``."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + TIMEOUT * max(1, -(-len(digests) // MAX_FETCH))
+        wait = self.wait if wait is None else wait  # the frame's own (work.fetch_wait), else use_relay's
+        deadline = loop.time() + wait
         got: dict[str, torch.Tensor] = {}
-        for i in range(0, len(digests), MAX_FETCH):
-            part = digests[i : i + MAX_FETCH]
-            got.update(await self._fetch(part, max(0.0, deadline - loop.time())))
+        want = list(digests)
+        while want:
+            got.update(await self._fetch(want[:MAX_FETCH], max(0.0, deadline - loop.time()), wait))
+            want = [d for d in want if d not in got]
         return got
 
-    async def _fetch(self, digests: list[str], left: float) -> dict[str, torch.Tensor]:
+    async def _fetch(self, digests: list[str], left: float, wait: float) -> dict[str, torch.Tensor]:
         first = digests[0] if digests else ""
 
         async def exchange() -> bytes:
@@ -77,23 +83,21 @@ class RelayLink:
         try:
             frame = await asyncio.wait_for(exchange(), left)
         except (TimeoutError, asyncio.TimeoutError):
-            await self.close()
+            self._drop()
             raise RelayFailed(
-                RelayFault.STALLED,
-                first,
-                f"relay {self.relay} did not answer in time ({TIMEOUT:g} s per {MAX_FETCH} blocks)",
+                RelayFault.STALLED, first, f"relay {self.relay} did not send the blocks in time ({wait:.3g} s)"
             ) from None
         except (OSError, InvalidHandshake, WebSocketException) as exc:
-            await self.close()
+            self._drop()
             raise RelayFailed(RelayFault.UNREACHABLE, first, f"relay {self.relay} unreachable: {exc}") from None
         self.bytes_in += len(frame)
         try:
             msg = decode(frame)
         except ProtocolError as exc:
-            await self.close()
+            self._drop()
             raise RelayFailed(RelayFault.WRONG, first, f"relay {self.relay} sent a bad frame: {exc}") from None
         if not isinstance(msg, Blocks):
-            await self.close()
+            self._drop()
             raise RelayFailed(RelayFault.WRONG, first, f"relay {self.relay} answered with {msg.TYPE}")
         if msg.missing:
             raise RelayFailed(RelayFault.UNREACHABLE, msg.missing[0], f"relay {self.relay} lacks a block")
@@ -104,16 +108,22 @@ class RelayLink:
                 continue  # not asked for: ignored
             got = block_digest(blk.data)
             if got != blk.key:
-                await self.close()
+                self._drop()
                 raise RelayFailed(
                     RelayFault.WRONG, blk.key, f"relay {self.relay} sent bytes that are not block {blk.key[:16]}",
                     tags.get(blk.key, ""), got,
                 )  # fmt: skip
             out[blk.key] = blk.data  # read only, as the coordinator's blocks are
-        lacking = [d for d in digests if d not in out]
-        if lacking:
-            raise RelayFailed(RelayFault.UNREACHABLE, lacking[0], f"relay {self.relay} left out a block")
-        return out
+        if not out:  # an honest relay sends at least one block a reply: this one would keep it asking
+            raise RelayFailed(RelayFault.STALLED, first, f"relay {self.relay} sent none of the blocks asked for")
+        return out  # those left out (past its byte cap) are asked for again
+
+    def _drop(self) -> None:
+        """A relay that failed: its connection goes at once, with no closing handshake to wait
+        for (the device reports the relay before its leases' deadlines)."""
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            ws.transport.abort()
 
     async def close(self) -> None:
         ws, self._ws = self._ws, None

@@ -44,6 +44,7 @@ from client.credentials import Credential as StoredCredential
 from client.credentials import CredentialError, CredentialStore
 from client.idle import Probe, SystemProbe
 from client.policy import Decision, Policy, PolicyConfig
+from client.relaylink import TIMEOUT as RELAY_WAIT
 from client.relaylink import RelayFailed, RelayLink
 from client.session import (
     Credited,
@@ -569,7 +570,8 @@ class Worker:
                 except URLRefused as exc:  # not a relay it would reach: its blocks come from the coordinator
                     await self._report(ws, RelayReport(msg.relay, RelayFault.UNREACHABLE), str(exc))
                     return []
-                self._relay = RelayLink(msg.relay, msg.url, msg.ticket, self.stats.device_id or 0, tls)
+                wait = msg.wait or RELAY_WAIT  # its coordinator's share of the leases' deadlines
+                self._relay = RelayLink(msg.relay, msg.url, msg.ticket, self.stats.device_id or 0, tls, wait)
             return []
         works = msg.works if isinstance(msg, WorkBatch) else (msg,) if isinstance(msg, Work) else ()
         if any(w.fetch for w in works):
@@ -583,12 +585,15 @@ class Worker:
         wanted = list(dict.fromkeys(d for w in works for _, d in w.fetch))
         if relay is None:
             return msg
+        # The frame's first lease bounds the wait: its relay is reported before that lease is late.
+        waits = [w.fetch_wait for w in works if w.fetch and w.fetch_wait > 0]
         try:
-            got = await relay.fetch(wanted)
+            got = await relay.fetch(wanted, min(waits) if waits else None)
         except RelayFailed as exc:
             self._relay = None
-            await relay.close()  # a relay that lacked or left out a block keeps no connection either
+            # Reported first: its leases' deadlines run while it closes the relay's connection.
             await self._report(ws, RelayReport(relay.relay, exc.fault, exc.digest, exc.tag, exc.got), str(exc))
+            await relay.close()  # a relay that lacked a block keeps no connection either
             return msg
         self.stats.relay_mb += sum(t.numel() * t.element_size() for t in got.values()) / 1e6
 

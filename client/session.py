@@ -400,7 +400,7 @@ class Session:
             # Never dropped silently: a server that refuses it may not be the one that issued it.
             raise Refused(
                 f"the coordinator refused this device's credential ({reason}); if its database "
-                "was replaced, enrol again with --new-identity --token JOIN-TOKEN"
+                "was replaced, enrol again with --new-identity and the join token (CLEAVE_TOKEN)"
             )
         if code in _PERMANENT:
             what = "banned this device" if code == CloseCode.BANNED else "refused this device"
@@ -438,7 +438,7 @@ class Session:
             where = f" in {self._credentials_file}" if self._credentials_file else ""
             raise Refused(
                 f"no credential for this coordinator under the name {self._hello.name!r}{where}; "
-                "pass --token (the join token) to enrol"
+                "set CLEAVE_TOKEN (or pass --token-file) to the join token to enrol"
             )
         self.enrolling = True
         return replace(hello, token=self._token)

@@ -63,6 +63,9 @@ class MemoryStore:
         self._checkpoints: list[CheckpointRow] = []
         self._identities: dict[int, tuple[IdentityRow, bytes]] = {}
         self._settings: dict[str, str] = {}
+        # Identities that had verified work or booked energy: [GFLOP, tiles, joules, metered GFLOP]
+        # over every job (the leaderboard's totals, kept by credit_device as SQLite's are).
+        self._totals: dict[int, list[float]] = {}
         self._next = {"job": 1, "device": 1, "gemm": 1, "tile": 1, "identity": 1}
 
     def _id(self, kind: str) -> int:
@@ -154,19 +157,11 @@ class MemoryStore:
     def leaderboard(self, limit: int = 10, by: str = "gflop") -> list[LeaderRow]:
         if by not in ("gflop", "gflop_per_j"):
             raise StoreError(f"a leaderboard ranks by gflop or gflop_per_j, not {by!r}")
-        totals: dict[int, list[float]] = {}
-        for d in self._devices.values():
-            if (
-                d.identity_id is not None
-                and d.identity_id in self._identities
-                and self._identities[d.identity_id][0].state == IdentityState.ACTIVE
-            ):
-                t = totals.setdefault(d.identity_id, [0.0, 0, 0.0, 0.0])
-                t[0] += d.gflop_verified
-                t[1] += d.tiles_done
-                t[2] += d.joules
-                t[3] += d.gflop_metered
-        ranked = [(i, t) for i, t in totals.items() if t[0] > 0 and (by == "gflop" or t[2] > 0)]
+        ranked = [
+            (i, t)
+            for i, t in self._totals.items()
+            if t[0] > 0 and (by == "gflop" or t[2] > 0) and self._identities[i][0].state == IdentityState.ACTIVE
+        ]
         score = (lambda t: t[0]) if by == "gflop" else (lambda t: t[3] / t[2])
         best = sorted(ranked, key=lambda kv: (-score(kv[1]), kv[0]))[:limit]
         return [LeaderRow(i, self._identities[i][0].name, g, int(n), j, m) for i, (g, n, j, m) in best]
@@ -251,6 +246,12 @@ class MemoryStore:
         d.energy_flagged += energy_flagged
         d.gflop_metered += gflop_metered
         d.last_seen = now
+        if d.identity_id in self._identities and (verified or gflop or joules or gflop_metered):
+            t = self._totals.setdefault(d.identity_id, [0.0, 0, 0.0, 0.0])
+            t[0] += gflop
+            t[1] += verified
+            t[2] += joules
+            t[3] += gflop_metered
 
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
         rows = [

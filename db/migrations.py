@@ -154,6 +154,29 @@ def m004_energy_metered(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE devices ADD COLUMN gflop_metered REAL NOT NULL DEFAULT 0.0")
 
 
+@migration
+def m005_identity_totals(db: sqlite_utils.Database) -> None:
+    """Each identity's totals over every job, kept by ``credit_device`` beside its device rows',
+    and two partial indexes in the leaderboard's orders: a public status ranks with an
+    index-ordered LIMIT, whatever the number of identities, and an identity that never had
+    verified work is in neither index (it costs a leaderboard nothing)."""
+    for column, kind in (("gflop_verified", "REAL"), ("tiles_done", "INTEGER"), ("joules", "REAL"),
+                         ("gflop_metered", "REAL")):  # fmt: skip
+        db.execute(f"ALTER TABLE identities ADD COLUMN {column} {kind} NOT NULL DEFAULT 0")
+    db.execute(
+        "UPDATE identities SET (gflop_verified, tiles_done, joules, gflop_metered) = (SELECT"
+        " COALESCE(SUM(d.gflop_verified), 0.0), COALESCE(SUM(d.tiles_done), 0), COALESCE(SUM(d.joules), 0.0),"
+        " COALESCE(SUM(d.gflop_metered), 0.0) FROM devices d WHERE d.identity_id = identities.id)"
+    )
+    db.execute(
+        "CREATE INDEX idx_identities_rank_gflop ON identities (state, gflop_verified DESC, id) WHERE gflop_verified > 0"
+    )
+    db.execute(
+        "CREATE INDEX idx_identities_rank_gflop_per_j ON identities (state, (gflop_metered / joules) DESC, id)"
+        " WHERE gflop_verified > 0 AND joules > 0"
+    )
+
+
 def migrate(db: sqlite_utils.Database) -> list[str]:
     """Apply pending migrations; returns the names applied."""
     if "_migrations" not in db.table_names():

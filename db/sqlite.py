@@ -22,6 +22,8 @@ states, checkpoints) commit at once, taking the group with them.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import math
 import os
@@ -45,6 +47,7 @@ from db.store import (
     ClaimedTile,
     DeviceInfo,
     DeviceRow,
+    DeviceStatus,
     IdentityRow,
     IdentityState,
     Issued,
@@ -155,6 +158,7 @@ class SQLiteStore:
         # the status a dashboard asks for every second must not scan a million rows.
         self._counts: dict[int, Counter[str]] = {}
         self._lost: dict[int, Counter[str]] = {}  # the same, of why leases were lost (status.lost_reasons)
+        self._states: dict[int, Counter[str]] = {}  # the same, of the devices' states (status.device_counts)
         self._gemm_job: dict[int, int] = {}
         self._data_version = self._version()
 
@@ -272,6 +276,7 @@ class SQLiteStore:
     # --- job and steps
     def mark_devices_offline(self, reason: str) -> None:
         self._write("UPDATE devices SET state = 'offline', reason = ? WHERE state IN ('online', 'paused')", (reason,))
+        self._states.clear()  # a bulk change: counted again when asked
 
     def create_job(self, name: str, config: dict[str, Any], steps: int, now: float) -> int:
         with self.atomic() as c:
@@ -361,17 +366,18 @@ class SQLiteStore:
             raise StoreError(f"no identity {identity_id}")
 
     def leaderboard(self, limit: int = 10, by: str = "gflop") -> list[LeaderRow]:
-        order = {"gflop": "g DESC", "gflop_per_j": "m / j DESC"}.get(by)
+        order = {"gflop": "gflop_verified DESC", "gflop_per_j": "(gflop_metered / joules) DESC"}.get(by)
         if order is None:
             raise StoreError(f"a leaderboard ranks by gflop or gflop_per_j, not {by!r}")
-        having = "g > 0" + (" AND j > 0" if by == "gflop_per_j" else "")
+        # The identities' totals (kept by credit_device) in one of m005's partial indexes: an
+        # index-ordered LIMIT, the same work at a thousand identities and at a million.
+        where = "gflop_verified > 0" + (" AND joules > 0" if by == "gflop_per_j" else "")
+        index = f"idx_identities_rank_{by}"  # named: without statistics the planner may sort another
         return [
             LeaderRow(int(r[0]), r[1], float(r[2]), int(r[3]), float(r[4]), float(r[5]))
             for r in self.conn.execute(
-                "SELECT i.id, i.name, SUM(d.gflop_verified) AS g, SUM(d.tiles_done), SUM(d.joules) AS j,"
-                " SUM(d.gflop_metered) AS m FROM devices d"
-                f" JOIN identities i ON i.id = d.identity_id WHERE i.state = ? GROUP BY i.id HAVING {having}"
-                f" ORDER BY {order}, i.id LIMIT ?",
+                f"SELECT id, name, gflop_verified, tiles_done, joules, gflop_metered FROM identities INDEXED BY {index}"
+                f" WHERE state = ? AND {where} ORDER BY {order}, id LIMIT ?",
                 (IdentityState.ACTIVE, limit),
             )
         ]
@@ -411,9 +417,10 @@ class SQLiteStore:
         with self.atomic() as c:
             if identity_id is not None:
                 row = c.execute(
-                    "SELECT id FROM devices WHERE job_id = ? AND identity_id = ?", (job_id, identity_id)
+                    "SELECT id, state FROM devices WHERE job_id = ? AND identity_id = ?", (job_id, identity_id)
                 ).fetchone()
                 if row is not None:
+                    self._count_state(job_id, row[1], DeviceStatus.ONLINE)
                     c.execute(
                         "UPDATE devices SET name = ?, platform = ?, cores = ?, memory_bytes = ?, device = ?,"
                         " gflops = ?, state = 'online', reason = '', last_seen = ? WHERE id = ?",
@@ -427,14 +434,25 @@ class SQLiteStore:
                 " last_seen, identity_id) VALUES (?, ?, ?, ?, ?, ?, ?, 'online', ?, ?, ?)",
                 (job_id, *values, now, now, identity_id),
             )
+            self._count_state(job_id, None, DeviceStatus.ONLINE)
             return int(cur.lastrowid)
 
     def set_device_state(self, device_id: int, state: str, now: float, reason: str = "") -> None:
-        cur = self._write(
-            "UPDATE devices SET state = ?, reason = ?, last_seen = ? WHERE id = ?", (state, reason, now, device_id)
-        )
-        if cur.rowcount != 1:
-            raise StoreError(f"no device {device_id}")
+        with self.atomic() as c:
+            row = c.execute("SELECT job_id, state FROM devices WHERE id = ?", (device_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no device {device_id}")
+            c.execute(
+                "UPDATE devices SET state = ?, reason = ?, last_seen = ? WHERE id = ?", (state, reason, now, device_id)
+            )
+            self._count_state(row[0], row[1], state)
+
+    def _count_state(self, job_id: int, old: str | None, new: str) -> None:
+        counts = self._states.get(job_id)
+        if counts is not None:  # jobs nobody asked about are counted from the rows when asked
+            if old is not None:
+                counts[str(old)] -= 1
+            counts[str(new)] += 1
 
     def credit_device(
         self,
@@ -450,18 +468,37 @@ class SQLiteStore:
         gflop_metered: float = 0.0,
         now: float,
     ) -> None:
-        cur = self._write(
-            "UPDATE devices SET tiles_done = tiles_done + ?, tiles_rejected = tiles_rejected + ?,"
-            " tiles_lost = tiles_lost + ?, tiles_revoked = tiles_revoked + ?, gflop_verified = gflop_verified + ?,"
-            " joules = joules + ?, energy_flagged = energy_flagged + ?, gflop_metered = gflop_metered + ?,"
-            " last_seen = ? WHERE id = ?",
-            (verified, rejected, lost, revoked, gflop, joules, energy_flagged, gflop_metered, now, device_id),
-            grouped=True,
-        )
-        if cur.rowcount != 1:
-            raise StoreError(f"no device {device_id}")
+        with self._grouped() as c:
+            row = c.execute(
+                "UPDATE devices SET tiles_done = tiles_done + ?, tiles_rejected = tiles_rejected + ?,"
+                " tiles_lost = tiles_lost + ?, tiles_revoked = tiles_revoked + ?, gflop_verified = gflop_verified + ?,"
+                " joules = joules + ?, energy_flagged = energy_flagged + ?, gflop_metered = gflop_metered + ?,"
+                " last_seen = ? WHERE id = ? RETURNING identity_id",
+                (verified, rejected, lost, revoked, gflop, joules, energy_flagged, gflop_metered, now, device_id),
+            ).fetchone()
+            if row is None:
+                raise StoreError(f"no device {device_id}")
+            if row[0] is not None and (verified or gflop or joules or gflop_metered):  # the leaderboard's totals
+                c.execute(
+                    "UPDATE identities SET gflop_verified = gflop_verified + ?, tiles_done = tiles_done + ?,"
+                    " joules = joules + ?, gflop_metered = gflop_metered + ? WHERE id = ?",
+                    (gflop, verified, joules, gflop_metered, row[0]),
+                )
 
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
+        if states is not None and limit is not None:
+            # One index range per state, each in id order (idx_devices_job_state ends in the rowid),
+            # merged: a status lists ``limit`` rows without sorting the job's every row.
+            rows = heapq.merge(
+                *(
+                    self.conn.execute(
+                        f"SELECT {_DEVICE_COLS} FROM devices WHERE job_id = ? AND state = ? ORDER BY id LIMIT ?",
+                        (job_id, str(state), limit),
+                    ).fetchall()
+                    for state in dict.fromkeys(states)
+                )
+            )
+            return [DeviceRow(*r) for r in itertools.islice(rows, limit)]
         where = "job_id = ?"
         params: list[Any] = [job_id]
         if states is not None:
@@ -474,12 +511,16 @@ class SQLiteStore:
         ]
 
     def device_states(self, job_id: int) -> dict[str, int]:
-        return {
-            str(state): int(n)
-            for state, n in self.conn.execute(
-                "SELECT state, COUNT(*) FROM devices WHERE job_id = ? GROUP BY state", (job_id,)
+        if job_id not in self._states:  # counted once from the rows, then kept by every state change
+            self._states[job_id] = Counter(
+                {
+                    str(state): int(n)
+                    for state, n in self.conn.execute(
+                        "SELECT state, COUNT(*) FROM devices WHERE job_id = ? GROUP BY state", (job_id,)
+                    )
+                }
             )
-        }
+        return {state: n for state, n in self._states[job_id].items() if n}
 
     # --- GEMMs and tiles
     def next_gemm_id(self) -> int:

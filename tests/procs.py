@@ -67,11 +67,13 @@ def _zygote_path() -> str | None:
 class Forked:
     """A process the zygote forked, with the part of Popen's interface the tests use."""
 
-    def __init__(self, args: list[str], path: str, stdin: int, stdout: int, stderr: int) -> None:
+    def __init__(
+        self, args: list[str], path: str, stdin: int, stdout: int, stderr: int, extra_env: dict[str, str] | None = None
+    ) -> None:
         self.args = args
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.connect(path)
-        request = {"argv": args[1:], "env": env(), "cwd": str(ROOT)}
+        request = {"argv": args[1:], "env": {**env(), **(extra_env or {})}, "cwd": str(ROOT)}
         socket.send_fds(self._conn, [json.dumps(request).encode()], [stdin, stdout, stderr])
         self._reader = self._conn.makefile("r")
         self.pid = int(json.loads(self._reader.readline())["pid"])
@@ -113,15 +115,21 @@ class Forked:
         self.send_signal(signal.SIGTERM)
 
 
-def start(cmd: list[str], *, stdout: int, stderr: int) -> subprocess.Popen | Forked:
+def start(
+    cmd: list[str], *, stdout: int, stderr: int, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen | Forked:
     """``cmd`` as a child with stdin from /dev/null: forked by the zygote when it is a Python
     command (``[sys.executable, ...]``), else started afresh. ``stdout``/``stderr``: pipes'
-    write ends or ``subprocess.STDOUT`` (stderr with stdout); the caller closes them."""
+    write ends or ``subprocess.STDOUT`` (stderr with stdout); the caller closes them.
+    ``extra_env``: variables added to its environment (secrets: other users can read argv)."""
     path = _zygote_path() if cmd and cmd[0] == sys.executable else None
     if path is None:
-        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env(), cwd=ROOT)
+        return subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env={**env(), **(extra_env or {})}, cwd=ROOT
+        )
     with open(os.devnull, "rb") as devnull:
-        return Forked(cmd, path, devnull.fileno(), stdout, stdout if stderr == subprocess.STDOUT else stderr)
+        out = stdout if stderr == subprocess.STDOUT else stderr
+        return Forked(cmd, path, devnull.fileno(), stdout, out, extra_env)
 
 
 def _pipe() -> tuple[io.TextIOWrapper, int]:
@@ -134,13 +142,13 @@ class Proc:
 
     running: list[Proc] = []  # killed after each test by conftest, whatever happened
 
-    def __init__(self, cmd: list[str], name: str) -> None:
+    def __init__(self, cmd: list[str], name: str, extra_env: dict[str, str] | None = None) -> None:
         Proc.running.append(self)
         self.name = name
         self.lines: list[str] = []
         out, w = _pipe()
         try:
-            self.proc = start(cmd, stdout=w, stderr=subprocess.STDOUT)
+            self.proc = start(cmd, stdout=w, stderr=subprocess.STDOUT, extra_env=extra_env)
         finally:
             os.close(w)
         self.proc.stdout = out  # type: ignore[assignment]
@@ -196,10 +204,6 @@ class Coordinator(Proc):
                 str(port),
                 "--db",
                 str(self.db),
-                "--token",
-                token,
-                "--operator-token",
-                operator,
                 "--steps",
                 str(steps),
                 "--metrics",
@@ -211,6 +215,8 @@ class Coordinator(Proc):
                 *args,
             ),
             "coordinator",
+            # The tokens as an operator should pass them: by environment, never on the command line.
+            extra_env={"CLEAVE_TOKEN": token, "CLEAVE_OPERATOR_TOKEN": operator},
         )
         self.url = self._await_url()
 
@@ -247,15 +253,18 @@ class Coordinator(Proc):
             return conn.execute(sql, params).fetchall()
 
 
-def join_cmd(url: str, name: str, *args: str, token: str = TOKEN) -> list[str]:
-    """``cleave join`` as the tests run it: one thread, on the CPU, always idle, until the job ends."""
+def join_cmd(url: str, name: str, *args: str, token: str | None = TOKEN) -> list[str]:
+    """``cleave join`` as the tests run it: one thread, on the CPU, always idle, until the job ends
+    (``token`` None: no --token, for a token given by environment)."""
+    given = ("--token", token) if token is not None else ()
     return cleave_cmd(
-        "join", url, "--token", token, "--once", "--threads", "1", "--name", name, "--device", "cpu", "--always", *args
+        "join", url, *given, "--once", "--threads", "1", "--name", name, "--device", "cpu", "--always", *args
     )
 
 
 def join(url: str, name: str, *args: str, token: str = TOKEN) -> Proc:
-    return Proc(join_cmd(url, name, "--quiet", *args, token=token), name)
+    """A volunteer, its join token in its environment (CLEAVE_TOKEN), as it should be given."""
+    return Proc(join_cmd(url, name, "--quiet", *args, token=None), name, extra_env={"CLEAVE_TOKEN": token})
 
 
 def double(mode: str, url: str, name: str, *args: str) -> Proc:

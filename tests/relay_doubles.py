@@ -4,8 +4,12 @@
 
 MODE: ``wrong`` serves every block with one element changed (sealed, as a lying relay would:
 its seal is its word on what it sent); ``stale`` serves the first block it ever served under
-every digest (bytes of another block); ``stall`` never answers a device; ``flood`` sends the
-coordinator block requests as fast as it can.
+every digest (bytes of another block); ``stall`` never answers a device; ``slow`` answers every
+device with the true blocks, ``SLOW_S`` seconds late (past any lease's deadline); ``flood`` sends
+the coordinator block requests as fast as it can.
+
+In process: ``slowed`` makes a relay slow; ``hoard`` is a device that asks a relay for its
+largest replies on every connection it may open and never reads them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,52 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from client.relay import Relay, RelayConfig  # noqa: E402
+
+SLOW_S = 8.0  # seconds a ``slow`` relay takes to answer a device
+
+
+def slowed(relay: Relay, delay: float = SLOW_S) -> Relay:
+    """``relay`` answering every device ``delay`` seconds late, with the true blocks, sealed.
+    Its ``late`` holds the requests it sits on (a test that is done with it cancels them)."""
+    answer = relay._answer
+    relay.late = set()  # type: ignore[attr-defined]
+
+    async def late(digests: tuple[str, ...]) -> object:
+        task = asyncio.current_task()
+        relay.late.add(task)  # type: ignore[attr-defined]
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            relay.late.discard(task)  # type: ignore[attr-defined]
+        return await answer(digests)
+
+    relay._answer = late  # type: ignore[method-assign]
+    return relay
+
+
+async def hoard(url: str, device: int, ticket: str, digests: tuple[str, ...], connections: int) -> list[object]:
+    """A device (a real ticket) that opens ``connections`` to its relay, asks for every block on
+    each, again and again, and never reads a reply: its sockets take a few KiB each, so what the
+    relay has not written stays in the relay's hands. Returns the connections (the caller closes
+    them)."""
+    import socket
+
+    from websockets.asyncio.client import connect
+
+    from coordinator.wire.messages import BlockRequest, encode
+
+    out = []
+    host, port = url.removeprefix("ws://").rsplit(":", 1)
+    for _ in range(connections):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # set before connecting: no window to fill
+        sock.connect((host, int(port)))
+        ws = await connect(url, sock=sock, compression=None, proxy=None, max_size=None)
+        ws.transport.pause_reading()  # never reads again (not even its library)
+        for _ in range(3):
+            await ws.send(encode(BlockRequest(digests, device, ticket)))
+        out.append(ws)
+    return out
 
 
 def main() -> None:
@@ -41,7 +91,9 @@ def main() -> None:
         url, ("127.0.0.1", int(port)), f"ws://127.0.0.1:{port}", token=token, name=f"hostile-{mode}",
         credentials=Path(credentials),
     )  # fmt: skip
-    relay = Relay(cfg, tamper=tamper)
+    relay = Relay(cfg, tamper=None if mode == "slow" else tamper)
+    if mode == "slow":
+        slowed(relay)
     if mode == "stall":
 
         async def never(digests: tuple[str, ...]) -> object:

@@ -4,17 +4,36 @@ redirecting newcomers on a real store."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 import numpy as np
 import pytest
+import torch
+from conftest import TIMEOUT
+from test_core import Fleet, submit
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from client.session import Ending, Redirected, Session
-from coordinator.engine.balance import REDEEM_GRACE, SHUN, TICKET_TTL, UNREDEEMED, Balancer, Pool, Redirecting
+from coordinator.engine.balance import (
+    REDEEM_GRACE,
+    SHUN,
+    TICKET_TTL,
+    UNMEASURED_GFLOPS,
+    UNREDEEMED,
+    Balancer,
+    Pool,
+    Redirecting,
+)
 from coordinator.engine.core import Core
 from coordinator.engine.outbound import Send
+from coordinator.net.server import Server, listen
+from coordinator.planning.tiles import TilingPolicy
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode
 from coordinator.wire.errors import AuthError
-from coordinator.wire.messages import Challenge, Credential, Hello, Redirect, Welcome
+from coordinator.wire.messages import Challenge, Credential, Hello, Redirect, Welcome, decode, encode
 from db.memory import MemoryStore
 
 SECRET = b"the tier's secret"
@@ -225,3 +244,101 @@ def test_a_burst_of_newcomers_on_tickets_waits_for_the_enrolment_rate_without_lo
     for n, (i, ticket) in enumerate(busy):  # later, at the enrolment rate
         rank1.connect(Hello(name=f"n{i}", ticket=ticket), rank1.gate.challenge().nonce, 30.0 + n)
     assert len(rank1.devices) == 30 and rank1.balancer.admitted == 30
+
+
+def _placements(liars: bool) -> tuple[list[int | None], float]:
+    """Twelve newcomers at rank 0 (four devices) while rank 1's pool is weak. With ``liars``,
+    every other one claims 1e7 GFLOP/s (the most the wire allows) and never follows its
+    redirect; without, an honest device of 400 GFLOP/s comes in its place. Where each went (a
+    rank, or None: it enrolled here), and rank 0's pool after."""
+    rank0 = _core()
+    rank0.join_tier(Balancer(0, SECRET, url=LOCAL))
+    for i in range(4):
+        rank0.connect(Hello(name=f"anchor{i}", token="tok", gflops=400.0), rank0.gate.challenge().nonce, 1.0)
+    rank0.balancer.update([Pool(1, "ws://127.0.0.1:9", 60.0, seq=1)])
+    went: list[int | None] = []
+    for i in range(12):
+        claim = 1e7 if liars and i % 2 else 400.0
+        try:
+            rank0.connect(Hello(name=f"n{i}", token="tok", gflops=claim), rank0.gate.challenge().nonce, 2.0 + i)
+            went.append(None)
+        except Redirecting as sent:
+            went.append(sent.message.rank)
+    return went, rank0.pool()[1]
+
+
+def test_newcomers_claiming_huge_rates_move_balancing_no_differently_from_honest_ones() -> None:
+    """A hello's claim is not believed beyond UNMEASURED_GFLOPS: liars sent to rank 1 do not
+    fill its pool (which would keep every later newcomer here), nor do those enrolled here swell
+    this rank's; the placements are those of an honest run."""
+    honest, liars = _placements(liars=False), _placements(liars=True)
+    assert honest == liars
+    went, pool = honest
+    assert went.count(1) >= 5 and went.count(None) >= 3  # balancing did move devices
+    assert pool <= (4 + went.count(None)) * UNMEASURED_GFLOPS
+
+
+def test_a_device_counts_in_its_pool_at_its_measured_rate_once_it_returned_verified_work() -> None:
+    store = MemoryStore()
+    core = Core(
+        store, store.create_job("t", {}, 10, 0.0), join_token="tok", rng=np.random.default_rng(0),
+        policy=TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1),
+    )  # fmt: skip
+    fleet = Fleet(core)
+    liar = fleet.join("liar", slots=1, gflops=1e7)
+    assert core.pool() == (1, UNMEASURED_GFLOPS)  # not 1e7, nor 1e7 / 4
+    box = submit(core, fleet, torch.randn(64, 32), torch.randn(32, 64))
+    fleet.drain()
+    measured = core.profiles[liar].profile(core.dtype).flops_per_s(core.dtype) / 1e9
+    assert "result" in box and core.profiles[liar].results > 0
+    assert core.pool()[1] == pytest.approx(measured) and measured < UNMEASURED_GFLOPS
+
+
+def test_newcomers_that_ignore_their_redirect_are_dropped_and_do_not_get_the_weak_rank_shunned() -> None:
+    """Over real websockets: three newcomers claim 1e7 GFLOP/s, take their redirect and stop
+    reading (they never answer the close that follows). Each is dropped after the grace with
+    4013, and its unredeemed ticket is put down to it: a minute later rank 1 is not shunned,
+    and an honest newcomer is still sent there."""
+    clock = [10.0]
+    store = MemoryStore()
+    core = Core(store, store.create_job("tier", {}, 10, 0.0), join_token="tok", rng=np.random.default_rng(0), epoch=NOW)
+    core.join_tier(Balancer(0, SECRET, url=LOCAL))
+    for i in range(4):
+        core.connect(Hello(name=f"anchor{i}", token="tok", gflops=400.0), core.gate.challenge().nonce, 1.0)
+    core.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
+    server = Server(core, clock=lambda: clock[0])
+
+    async def newcomer(url: str, gflops: float, *, ignore: bool) -> tuple[object, int | None]:
+        async with connect(url, compression=None) as ws:
+            assert isinstance(decode(await ws.recv()), Challenge)
+            await ws.send(encode(Hello(token="tok", name="n", gflops=gflops)))
+            first = decode(await ws.recv())
+            if not isinstance(first, Redirect):  # enrolled here (its credential): balancing sent it nowhere
+                return first, None
+            if ignore:  # it reads nothing more: the close after the redirect goes unanswered
+                ignored = core.balancer.ignored
+                ws.transport.pause_reading()
+                for _ in range(int(TIMEOUT / 0.02)):
+                    if core.balancer.ignored > ignored:
+                        break
+                    await asyncio.sleep(0.02)
+                ws.transport.resume_reading()
+            with contextlib.suppress(ConnectionClosed):
+                while True:
+                    await asyncio.wait_for(ws.recv(), TIMEOUT)
+            return first, ws.close_code
+
+    async def run() -> list[tuple[object, int | None]]:
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            out = [await newcomer(url, 1e7, ignore=True) for _ in range(UNREDEEMED)]
+            clock[0] += REDEEM_GRACE + 1
+            out.append(await newcomer(url, 400.0, ignore=False))
+            return out
+
+    got = asyncio.run(run())
+    for first, code in got[:UNREDEEMED]:
+        assert isinstance(first, Redirect) and first.rank == 1 and code == CloseCode.REDIRECTED
+    assert core.balancer.ignored == UNREDEEMED and core.balancer.shunned(core.wall(clock[0])) == []
+    first, code = got[-1]
+    assert isinstance(first, Redirect) and first.rank == 1, first  # still sent where it is needed

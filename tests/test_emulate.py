@@ -151,8 +151,6 @@ def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path
         cleave_cmd(
             "emulate",
             coord.url,
-            "--token",
-            TOKEN,
             "--devices",
             str(DEVICES),
             "--fleet",
@@ -170,6 +168,7 @@ def test_an_emulated_fleet_with_churn_and_a_forger_trains_exactly(tmp_path: Path
             "2",
         ),
         "emulate",
+        extra_env={"CLEAVE_TOKEN": TOKEN},  # by environment, as docs/cli.md advises
     )
     snapshots: list[dict] = []
     done = threading.Event()

@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.engine.energy import CEILING_W, GRID_GCO2_KWH, EnergyBooks, grams, kind_of
+from coordinator.engine.energy import (
+    BEST_GFLOP_PER_J,
+    CEILING_W,
+    CPU_PEAK_GFLOPS,
+    GRID_GCO2_KWH,
+    EnergyBooks,
+    grams,
+    kind_of,
+)
 from coordinator.meters import WATTS_PER_CORE, EnergyMeter, Rapl
 from coordinator.wire.codes import EnergySource
 from coordinator.wire.messages import Energy
@@ -115,28 +123,28 @@ def test_the_meter_takes_rapl_first_then_a_discharging_battery_and_adds_the_gpu(
 
 def test_the_books_believe_a_claim_within_its_band_and_cap_and_flag_one_outside() -> None:
     books = EnergyBooks(grid_gco2_kwh=400.0)
-    books.joined(1, "cpu", 0.0, now=0.0)
-    books.joined(2, "cuda:0", 0.0, now=0.0)
+    books.joined(1, "cpu", 0.0)
+    books.joined(2, "cuda:0", 0.0)
     # 30 s at 100 W, 90 GFLOP verified: believed, as RAPL, at the volunteer's own grid.
-    claim = books.claim(1, Energy(3000.0, 30.0, EnergySource.RAPL, grid_gco2_kwh=100.0), 90.0, now=30.0)
+    claim = books.claim(1, Energy(3000.0, 30.0, EnergySource.RAPL, grid_gco2_kwh=100.0), 90.0, held=30.0)
     assert claim.booked == {EnergySource.RAPL: 3000.0} and not claim.flagged and claim.gflop == 90.0
     assert claim.grams == pytest.approx(grams(3000.0, 100.0))
     # A GPU device: the board's NVML figure is booked under its own source.
-    claim = books.claim(2, Energy(600.0, 30.0, EnergySource.ESTIMATE, gpu_joules=9000.0), 0.0, now=30.0)
+    claim = books.claim(2, Energy(600.0, 30.0, EnergySource.ESTIMATE, gpu_joules=9000.0), 0.0, held=30.0)
     assert claim.booked == {EnergySource.ESTIMATE: 600.0, EnergySource.NVML: 9000.0}
-    # Over its kind's ceiling: 40 s seen (+5 s once) at 350 W is the most over its connection,
-    # 3,000 J of which are booked already; capped at the rest, flagged.
-    claim = books.claim(1, Energy(1e6, 10.0, EnergySource.RAPL), 90.0, now=40.0)
+    # Over its kind's ceiling: 40 s holding work (+5 s once) at 350 W is the most over its
+    # connection, 3,000 J of which are booked already; capped at the rest, flagged.
+    claim = books.claim(1, Energy(1e6, 10.0, EnergySource.RAPL), 90.0, held=40.0)
     assert claim.flagged and claim.booked == {EnergySource.CAPPED: pytest.approx(45 * 350 - 3000)}
     # Too efficient to be true: 5,000 GFLOP more for 1 J on a CPU (at most 50 GFLOP/J over the
     # connection: 5,090 GFLOP need 101.8 J, and far more is booked already: believed).
-    claim = books.claim(1, Energy(1.0, 10.0, EnergySource.ESTIMATE), 5090.0, now=50.0)
+    claim = books.claim(1, Energy(1.0, 10.0, EnergySource.ESTIMATE), 5090.0, held=50.0)
     assert not claim.flagged and claim.gflop == 5000.0
     # A device may not claim the coordinator's sources.
     with pytest.raises(ValueError, match="rapl, battery, estimate"):
-        books.claim(1, Energy(1.0, 1.0, EnergySource.CAPPED), 5090.0, now=51.0)
+        books.claim(1, Energy(1.0, 1.0, EnergySource.CAPPED), 5090.0, held=51.0)
     with pytest.raises(ValueError, match="not metered"):
-        books.claim(9, Energy(1.0, 1.0, EnergySource.RAPL), 0.0, now=51.0)
+        books.claim(9, Energy(1.0, 1.0, EnergySource.RAPL), 0.0, held=51.0)
     assert books.flagged == 1 and books.devices[1].flagged == 1
     books.own(500.0, EnergySource.ESTIMATE)
     step = books.close_step(gflop=5090.0)
@@ -162,30 +170,54 @@ def test_no_way_of_cutting_reports_widens_the_band() -> None:
     """Many reports a second get the slack once, not each; the floor holds over the connection
     (a device that reported nothing while it verified work cannot book 1 J for it later)."""
     books = EnergyBooks()
-    books.joined(1, "cpu", 0.0, now=0.0)
+    books.joined(1, "cpu", 0.0)
     booked = sum(
-        sum(books.claim(1, Energy(5000.0, 0.01, EnergySource.RAPL), 0.0, now=0.01 * i).booked.values())
+        sum(books.claim(1, Energy(5000.0, 0.01, EnergySource.RAPL), 0.0, held=0.01 * i).booked.values())
         for i in range(1, 301)
     )  # 300 reports in 3 s, each claiming 5 kJ
-    assert booked == pytest.approx((3.0 + 5.0) * 350.0)  # 3 s seen, 5 s of slack once, at 350 W
-    books.joined(2, "cpu", 0.0, now=0.0)
-    claim = books.claim(2, Energy(1e-9, 100.0, EnergySource.RAPL), 10_000.0, now=100.0)  # 10 TFLOP for nothing
+    assert booked == pytest.approx((3.0 + 5.0) * 350.0)  # 3 s holding work, 5 s of slack once, at 350 W
+    books.joined(2, "cpu", 0.0)
+    claim = books.claim(2, Energy(1e-9, 100.0, EnergySource.RAPL), 10_000.0, held=100.0)  # 10 TFLOP for nothing
     assert claim.flagged and claim.booked == {EnergySource.CAPPED: pytest.approx(10_000 / 50)}
 
 
-def test_time_paused_is_its_owners_and_a_resume_that_was_no_pause_changes_nothing() -> None:
+def test_only_time_holding_work_books_draw() -> None:
+    """Connected time holding no work (idle, paused: a pause gives the work back) is not
+    Cleave's draw: a report of it books nothing; once it held work, the band is its held time."""
     books = EnergyBooks()
-    books.joined(1, "cpu", 0.0, now=0.0)
-    books.paused(1, now=10.0)
-    # An hour paused, then a report claiming it: only the 10 s before the pause are its band.
-    claim = books.claim(1, Energy(1.2e6, 3610.0, EnergySource.RAPL), 0.0, now=3610.0)
+    books.joined(1, "cpu", 0.0)
+    # An hour connected, holding nothing, claiming the ceiling for all of it: nothing booked.
+    claim = books.claim(1, Energy(350.0 * 3600, 3600.0, EnergySource.RAPL), 0.0, held=0.0)
+    assert claim.booked == {} and not claim.flagged and books.devices[1].joules == 0.0
+    # Then 10 s holding work: 10 s (+5 s once) at 350 W is its band over the connection.
+    claim = books.claim(1, Energy(1.2e6, 3610.0, EnergySource.RAPL), 0.0, held=10.0)
     assert claim.flagged and claim.booked == {EnergySource.CAPPED: pytest.approx(15 * 350)}
-    books.resumed(1, now=3610.0)
-    books.resumed(1, now=3620.0)  # not paused: nothing moves
-    claim = books.claim(1, Energy(1000.0, 10.0, EnergySource.RAPL), 0.0, now=3620.0)
-    assert not claim.flagged and books.devices[1].seen == pytest.approx(20.0)
-    books.joined(2, "cpu", 0.0, now=0.0, paused=True)  # a hello that says it is paused
-    assert books.claim(2, Energy(1e4, 100.0, EnergySource.RAPL), 0.0, now=100.0).flagged  # 0 s seen: 5 s of slack
+    claim = books.claim(1, Energy(1000.0, 10.0, EnergySource.RAPL), 0.0, held=20.0)
+    assert not claim.flagged and books.devices[1].held == 20.0
+
+
+def test_a_claimed_gpu_kind_gets_its_band_only_for_work_beyond_a_cpus_rate() -> None:
+    """The kind in a hello is the device's word: a device that delivers verified work at a CPU's
+    rate gets a CPU's band whatever it claims; one delivering beyond any CPU gets its kind's
+    band for the share beyond."""
+    books = EnergyBooks()
+    books.joined(1, "cuda:0", 0.0)  # says it is a GPU, computes as a CPU does: 700 GFLOP/s
+    claim = books.claim(1, Energy(1.0, 10.0, EnergySource.ESTIMATE, gpu_joules=4.0), 7000.0, held=10.0)
+    assert claim.flagged and claim.booked == {EnergySource.CAPPED: pytest.approx(7000 / BEST_GFLOP_PER_J["cpu"])}
+    assert books.devices[1].gpu_share == 0.0
+    claim = books.claim(1, Energy(1e6, 10.0, EnergySource.ESTIMATE), 7000.0, held=20.0)  # a GPU's draw
+    assert claim.flagged and books.devices[1].joules == pytest.approx(25 * CEILING_W["cpu"])  # a CPU's ceiling
+    # A real GPU: 74 TFLOP/s verified over 10 s, beyond any CPU's 7.4 (plus 5 s of slack once).
+    books.joined(2, "cuda:0", 0.0)
+    done = 740_000.0
+    share = (done - 15 * CPU_PEAK_GFLOPS) / done
+    claim = books.claim(2, Energy(500.0, 10.0, EnergySource.RAPL, gpu_joules=2500.0), done, held=10.0)
+    assert not claim.flagged and books.devices[2].gpu_share == pytest.approx(share)  # 246 GFLOP/J: believed
+    # 1 J for 740 TFLOP more: the connection's floor, its CPU-rate share at a CPU's best.
+    assert books.claim(2, Energy(1.0, 1.0, EnergySource.RAPL), 2 * done, held=20.0).flagged
+    share = (2 * done - 25 * CPU_PEAK_GFLOPS) / (2 * done)
+    least = 2 * done * ((1 - share) / BEST_GFLOP_PER_J["cpu"] + share / BEST_GFLOP_PER_J["cuda"])
+    assert books.devices[2].joules == pytest.approx(least)
 
 
 # --------------------------------------------------------------------------- the Core
@@ -216,14 +248,50 @@ def test_the_core_books_devices_reports_and_ranks_them_by_gflop_per_joule() -> N
     rows = {r.name: r for r in core.store.devices(core.job_id)}
     assert rows["frugal"].joules == 300.0 and rows["frugal"].energy_flagged == 0
     seen = fleet.now - 100.0  # since it joined (the fleet's clock starts at 100 s)
-    assert rows["hungry"].joules == pytest.approx((seen + 5) * CEILING_W["cpu"]) and rows["hungry"].energy_flagged == 1
+    held = core.devices[hungry].seat.held(fleet.now)  # its draw is booked for the time it held work
+    assert 0 < held < seen and rows["hungry"].joules == pytest.approx((held + 5) * CEILING_W["cpu"])
+    assert rows["hungry"].energy_flagged == 1
     status = report.status(core, fleet.now)
     assert status["energy"]["flagged"] == 1 and status["energy"]["devices_sources"]["rapl"] == 300.0
     best = [r["name"] for r in status["leaderboard_efficiency"]]
-    assert best == ["frugal", "hungry", "cheat"] and status["leaderboard_efficiency"][0]["joules"] == 300.0
-    assert status["leaderboard_efficiency"][2]["gflop_per_j"] == 0.0  # its GFLOP were never metered
+    assert best == ["frugal", "hungry"] and status["leaderboard_efficiency"][0]["joules"] == 300.0
+    # cheat's one report covered time it held nothing: nothing booked, and its GFLOP never metered.
+    assert rows["cheat"].joules == 0.0 and rows["cheat"].gflop_metered == 0.0
     listed = {d["name"]: d for d in status["devices"]}
     assert listed["frugal"]["energy_source"] == "rapl" and listed["hungry"]["energy_source"] == "capped"
+
+
+def test_a_cpu_that_says_cuda_gets_a_cpus_band_and_an_idle_identity_books_no_draw() -> None:
+    """Real hellos through the Core: ``spoof`` says ``cuda:0`` (and a 100 TFLOP/s benchmark) but
+    returns its tiles at a CPU's pace, then reports a GPU's efficiency; ``honest`` says cpu and
+    reports the best a CPU can do. ``idle`` joins when the work is done and claims a full draw
+    for ten minutes connected."""
+    from test_core import Fleet, core, submit
+
+    from coordinator.engine import report
+
+    core = core.__wrapped__()
+    fleet = Fleet(core)
+    honest, spoof = fleet.join("honest"), fleet.join("spoof", device="cuda:0", gflops=100_000.0)
+    submit(core, fleet, torch.randn(64, 48), torch.randn(48, 40))
+    fleet.drain()
+    done = {d: core.devices[d].gflop_verified for d in (honest, spoof)}
+    assert all(done.values()), "tiles reached both devices"
+    idle = fleet.join("idle")
+    fleet.now += 600.0
+    core.handle(honest, Energy(done[honest] / BEST_GFLOP_PER_J["cpu"], 600.0, EnergySource.RAPL), fleet.now)
+    core.handle(spoof, Energy(0.0, 600.0, EnergySource.RAPL, gpu_joules=done[spoof] / 1400), fleet.now)
+    core.handle(idle, Energy(CEILING_W["cpu"] * 600.0, 600.0, EnergySource.RAPL), fleet.now)
+    rows = {r.name: r for r in core.store.devices(core.job_id)}
+    # The spoof's claimed kind bought nothing: booked at a CPU's best efficiency, and flagged.
+    assert rows["spoof"].energy_flagged == 1
+    assert rows["spoof"].gflop_metered / rows["spoof"].joules == pytest.approx(BEST_GFLOP_PER_J["cpu"])
+    best = report.status(core, fleet.now)["leaderboard_efficiency"]
+    assert [r["name"] for r in best] == ["honest", "spoof"]  # no better than a CPU: it tops nobody
+    assert max(r["gflop_per_j"] for r in best) <= BEST_GFLOP_PER_J["cpu"] + 1e-3
+    # Ten minutes connected holding nothing: no draw booked, and no lie flagged either.
+    assert rows["idle"].joules == 0.0 and rows["idle"].energy_flagged == 0
+    assert core.devices[idle].seat.held(fleet.now) == 0.0
 
 
 # --------------------------------------------------------------------------- real processes

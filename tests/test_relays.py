@@ -25,10 +25,11 @@ def relay(url: str, tmp: Path, *args: str, name: str = "relay-1") -> Proc:
     port = _port()
     return Proc(
         cleave_cmd(
-            "relay", url, "--token", TOKEN, "--listen", f"127.0.0.1:{port}", "--name", name,
+            "relay", url, "--listen", f"127.0.0.1:{port}", "--name", name,
             "--credentials", str(tmp / f"{name}.json"), *args,
         ),
         name,
+        extra_env={"CLEAVE_TOKEN": TOKEN},
     )  # fmt: skip
 
 
@@ -240,8 +241,10 @@ def test_a_device_has_one_allowance_at_a_relay_however_many_connections_it_opens
 
 
 def test_a_devices_relay_link_has_one_deadline_for_a_work_frames_blocks(monkeypatch) -> None:
-    """Chunks share one deadline: a relay that answers the first chunk at once may take longer
-    than ``TIMEOUT`` on the second; one that goes silent is reported as stalled when it runs out."""
+    """All of a work frame's blocks within one deadline (``use_relay.wait``), asked ``MAX_FETCH``
+    at a time and again for those a reply left out (the relay's byte cap): a relay that answers
+    each request in part, fast, is waited for to the end; one that goes silent, or dribbles its
+    replies out past the deadline, is reported as stalled when it runs out."""
     import asyncio
     import time
 
@@ -252,39 +255,208 @@ def test_a_devices_relay_link_has_one_deadline_for_a_work_frames_blocks(monkeypa
     from coordinator.wire.codes import RelayFault
     from coordinator.wire.messages import Block, BlockRequest, Blocks, decode, encode
 
-    monkeypatch.setattr(link_mod, "TIMEOUT", 0.4)
-    monkeypatch.setattr(link_mod, "MAX_FETCH", 1)
-    blocks = _blocks(3)
-    delays = {d: s for d, s in zip(blocks, (0.0, 0.6, None), strict=True)}
+    monkeypatch.setattr(link_mod, "MAX_FETCH", 2)
+    blocks = _blocks(4)
+    keys = list(blocks)
+    delays = {keys[0]: 0.0, keys[1]: 0.05, keys[2]: 0.3, keys[3]: None}
 
     async def relay(ws: object) -> None:
         async for frame in ws:  # type: ignore[attr-defined]
             msg = decode(frame)
-            assert isinstance(msg, BlockRequest)
-            delay = delays[msg.digests[0]]
-            if delay is None:  # silent until the device hangs up
+            assert isinstance(msg, BlockRequest) and len(msg.digests) <= 2
+            first = msg.digests[0]
+            if delays[first] is None:  # silent until the device hangs up
                 await ws.wait_closed()  # type: ignore[attr-defined]
                 return
-            await asyncio.sleep(delay)
-            await ws.send(encode(Blocks(tuple(Block(d, blocks[d]) for d in msg.digests))))  # type: ignore[attr-defined]
+            await asyncio.sleep(delays[first])
+            await ws.send(encode(Blocks((Block(first, blocks[first]),))))  # type: ignore[attr-defined]
 
     async def drill() -> None:
         async with serve(relay, "127.0.0.1", 0, compression=None) as server:
             url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
-            keys = list(blocks)
-            got = await RelayLink(1, url, "ab" * 32, 2).fetch(keys[:2])  # 0.6 s on the second: within 0.8
-            assert set(got) == set(keys[:2])
-            link = RelayLink(1, url, "ab" * 32, 2)
-            start = time.monotonic()
-            try:
-                await link.fetch([keys[0], keys[2]])
-            except RelayFailed as exc:
-                assert exc.fault is RelayFault.STALLED and exc.digest == keys[2]
-            else:
-                raise AssertionError("a silent relay was not reported")
-            assert time.monotonic() - start < 2.0
+            got = await RelayLink(1, url, "ab" * 32, 2, wait=0.7).fetch(keys[:3])  # one a reply, 0.35 s in all
+            assert set(got) == set(keys[:3])
+            for wanted, wait, stalled_on in (([keys[0], keys[3]], 0.2, keys[3]), (keys[:3], 0.2, keys[2])):
+                start = time.monotonic()
+                try:
+                    await RelayLink(1, url, "ab" * 32, 2, wait=wait).fetch(wanted)
+                except RelayFailed as exc:
+                    assert exc.fault is RelayFault.STALLED and exc.digest == stalled_on
+                else:
+                    raise AssertionError("a relay out of time was not reported")
+                assert time.monotonic() - start < wait + 0.2
 
     asyncio.run(drill())
+
+
+def test_devices_behind_a_relay_slower_than_their_leases_are_not_cut_and_the_relay_is_reported(tmp_path: Path) -> None:
+    """A real coordinator, a slow relay (tests/relay_doubles.py: the true blocks, sealed, later
+    than any lease's deadline) and two real clients, all on loopback, with a short lease floor
+    (``FaultPolicy.lease_floor``: the relay's wait is half of it). Each client gives up on the
+    relay in time, reports it and takes its blocks from the coordinator: no client is cut
+    (4010), the product is exact, and the relay takes no new device for its cool-off."""
+    import asyncio
+
+    import numpy as np
+    import torch
+    from relay_doubles import slowed
+
+    from client.relay import Relay, RelayConfig
+    from client.runner import Worker, WorkerConfig
+    from coordinator.engine.core import Core
+    from coordinator.engine.limits import TrustPolicy
+    from coordinator.engine.scheduler import FaultPolicy
+    from coordinator.net.server import Server, listen
+    from coordinator.planning.tiles import GemmKind, TilingPolicy
+    from db.memory import MemoryStore
+
+    store = MemoryStore()
+    core = Core(
+        store, store.create_job("t", {}, 1, 0.0), join_token="tok", rng=np.random.default_rng(0),
+        policy=TilingPolicy(max_edge=32, min_edge=8, min_tile_flops=1), faults=FaultPolicy(lease_floor=0.6),
+        trust=TrustPolicy(probation_tiles=0, first_slots=2), band_checks=False,
+    )  # fmt: skip
+    cuts: list[int] = []
+    cut = core._cut
+    core._cut = lambda dev, why, now: (cuts.append(dev.id), cut(dev, why, now))[1]  # type: ignore[method-assign]
+    server = Server(core)
+    a, b = torch.randn(64, 48), torch.randn(48, 64)
+
+    async def drill() -> torch.Tensor:
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            ticks = asyncio.create_task(server.tick_forever(0.05))
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            port = _port()
+            relay = slowed(Relay(RelayConfig(
+                url, ("127.0.0.1", port), f"ws://127.0.0.1:{port}", token="tok", name="slow",
+                credentials=tmp_path / "relay.json",
+            )), delay=2.0)  # fmt: skip
+            relayed = asyncio.create_task(relay.run())
+            await asyncio.wait_for(relay.ready.wait(), 10)
+            workers = [
+                Worker(
+                    WorkerConfig(
+                        url,
+                        token="tok",
+                        name=f"d{i}",
+                        device="cpu",
+                        threads=1,
+                        once=True,
+                        benchmark_seconds=0.05,
+                        credentials=tmp_path / f"d{i}.json",
+                        slots=2,
+                    )
+                )  # fmt: skip
+                for i in range(2)
+            ]
+            running = [asyncio.create_task(w.run()) for w in workers]
+            try:
+                while len(core.relays.behind) < 2:
+                    await asyncio.sleep(0.02)
+                done: asyncio.Future[torch.Tensor] = asyncio.get_running_loop().create_future()
+                _, out = core.submit(a, b, GemmKind.FORWARD, server.clock(), done.set_result)
+                server.deliver(out)
+                try:
+                    product = await asyncio.wait_for(done, 4.0)  # the relay's first answer, twice over
+                except (TimeoutError, asyncio.TimeoutError):
+                    raise AssertionError(f"no product in 4 s; devices cut for stalling: {cuts}") from None
+                (state,) = core.relays.relays.values()
+                assert not core.relays.behind and len(state.strikes) == 2 and state.cool_until > server.clock()
+                assert core.relays.place(10**6, now=server.clock()) is None  # cooling off: no newcomer
+                assert all("did not send the blocks in time" in w.stats.last_error for w in workers)
+                server.deliver(core.finish(server.clock()))
+                assert await asyncio.wait_for(asyncio.gather(*running), 10) == [0, 0]
+                return product
+            finally:
+                for task in (*running, *relay.late, relayed, ticks):  # type: ignore[attr-defined]
+                    task.cancel()
+                await asyncio.gather(*running, relayed, ticks, return_exceptions=True)
+
+    product = asyncio.run(drill())
+    assert not cuts, cuts
+    assert torch.allclose(product, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_devices_that_hoard_replies_hold_one_capped_reply_each_and_others_are_served(monkeypatch) -> None:
+    """Reply hoarders (tests/relay_doubles.py): devices that ask for all 64 blocks on every
+    connection they may open and never read. Each reply carries at most ``REPLY_BYTES`` (the
+    device asks again for the rest), a device has one reply in hand at a time however many
+    connections it opens, and one left unread for ``SEND_S`` loses its connection: what the
+    relay holds for them stays within one capped reply each, and an honest device behind the
+    same relay gets all its blocks meanwhile."""
+    import asyncio
+    import itertools
+    import socket
+
+    import torch
+    from relay_doubles import hoard
+    from websockets.asyncio.server import serve
+
+    import client.relay as relay_mod
+    from client.relaylink import RelayLink
+    from coordinator.wire.digest import block_digest, relay_tag, relay_ticket
+    from coordinator.wire.messages import Blocks
+
+    cap = 256 << 10  # four of its 64 KiB blocks
+    monkeypatch.setattr(relay_mod, "REPLY_BYTES", cap)
+    monkeypatch.setattr(relay_mod, "SEND_S", 0.4)
+    built: list[int] = []  # the reply frames the relay builds
+    real = relay_mod.encode
+
+    def encode(msg: object) -> bytes:
+        frame = real(msg)
+        if isinstance(msg, Blocks):
+            built.append(len(frame))
+        return frame
+
+    monkeypatch.setattr(relay_mod, "encode", encode)
+    r = _relay_here(capacity=8 << 20)
+    blocks = {}
+    for i in range(64):
+        t = torch.full((128, 128), float(i))
+        blocks[block_digest(t)] = t
+        r.cache.put(block_digest(t), t, relay_tag(r.key, block_digest(t), block_digest(t)))
+    digests = tuple(blocks)
+    hoarders = range(100, 104)
+
+    accepted = itertools.count()
+
+    async def relay(ws: object) -> None:
+        if next(accepted) < 3 * len(hoarders):  # theirs come first
+            # The kernel's buffers scaled down with the reply cap: a socket takes a few KiB and
+            # the rest of an unread reply stays in the relay's hands, as 16 MiB ones would.
+            sock = ws.transport.get_extra_info("socket")  # type: ignore[attr-defined]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        await r._serve_device(ws)  # type: ignore[arg-type]
+
+    async def drill() -> None:
+        async with serve(relay, "127.0.0.1", 0, compression=None) as server:
+            url = f"ws://127.0.0.1:{next(iter(server.sockets)).getsockname()[1]}"
+            held = [ws for d in hoarders for ws in await hoard(url, d, relay_ticket(r.key, 7, d), digests, 3)]
+            try:
+                for _ in range(20):  # a reply each, at once (their blocks are cached)
+                    if len(built) >= len(hoarders):
+                        break
+                    await asyncio.sleep(0.01)
+                bound = len(hoarders) * (cap + (16 << 10))  # one capped reply each, and its header
+                # Every reply built for them is unread: in the relay's hands, but for a few KiB
+                # in the kernel's; within SEND_S, no more is built for them.
+                assert built and max(built) <= cap + (16 << 10) and sum(built) <= bound, built
+                assert 0 < r.replying <= bound, r.replying
+                got = await RelayLink(7, url, relay_ticket(r.key, 7, 3), 3, wait=5.0).fetch(list(digests))
+                assert all(torch.equal(got[d], blocks[d]) for d in digests)
+                assert r.replying <= bound, r.replying
+                for _ in range(40):  # past SEND_S, twice: their connections dropped, their replies freed
+                    if not r.replying and not set(r._conns) & set(hoarders):
+                        break
+                    await asyncio.sleep(0.1)
+                assert r.replying == 0 and not set(r._conns) & set(hoarders), (r.replying, r._conns)
+            finally:
+                for ws in held:
+                    ws.transport.abort()
+
+    asyncio.run(drill())
+    assert built and max(built) <= cap + (16 << 10), max(built)
 
 
 def test_a_relay_batches_paces_and_bounds_its_requests_to_the_coordinator(monkeypatch) -> None:

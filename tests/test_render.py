@@ -120,11 +120,15 @@ def test_client_line_and_listening_banner() -> None:
     banner = render.listening(
         Listening("ws://0.0.0.0:8765", "ws://box:8765", "tok", "op", ("join",), exposed=True)
     ).plain
-    assert "listening on ws://0.0.0.0:8765" in banner and "cleave join ws://box:8765 --token tok --insecure" in banner
-    assert "cleave status --url ws://box:8765 --token op --insecure" in banner
-    assert "join token generated" in banner and "unencrypted" in banner
+    assert (
+        "listening on ws://0.0.0.0:8765" in banner and "CLEAVE_TOKEN=tok cleave join ws://box:8765 --insecure" in banner
+    )
+    assert "CLEAVE_OPERATOR_TOKEN=op cleave status --url ws://box:8765 --insecure" in banner
+    assert "join token generated" in banner and "unencrypted" in banner and "--token " not in banner  # not on argv
     kept = render.listening(Listening("wss://h:1", "wss://h:1", None, None, tls=True)).plain
-    assert "--token <the join token>" in kept and "kept from the database" in kept and "--insecure" not in kept
+    assert "CLEAVE_TOKEN=<the join token>" in kept and "kept from the database" in kept and "--insecure" not in kept
+    quoted = render.listening(Listening("ws://h:1", "ws://h:1", "a b$", "op", ())).plain
+    assert "CLEAVE_TOKEN='a b$' cleave join ws://h:1" in quoted  # pasted into a shell as it is
 
 
 def test_enrolled_devices_table() -> None:

@@ -518,3 +518,73 @@ def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch
     for tile in mine["beside"]:  # honest results that shared a frame with a forgery were verified
         mine_rows = [row for row in store.leases(tile) if row.device_id == seen["forger"]]
         assert [row.outcome for row in mine_rows] == ["verified"], store.leases(tile)
+
+
+def test_release_bouncers_over_real_websockets_are_cut_and_their_rows_bounded(tmp_path) -> None:  # noqa: ANN001
+    """Three devices speak the protocol and give every tile back, with words of their own, at
+    40% of its deadline (short of the stall rule), beside one honest device that takes 50 ms a
+    tile. Past their give-back allowance each is cut (4010); the GEMM is exact; the SQLite file
+    holds at most give_backs + cut_after lease rows for each, and none of their words."""
+    import sqlite3
+
+    from coordinator.engine.scheduler import FaultPolicy
+    from coordinator.wire.codes import ReleaseWhy
+    from coordinator.wire.messages import Release
+    from db.sqlite import SQLiteStore
+
+    words = "visit example.org " * 10
+    floor = 0.3
+    trust = TrustPolicy(probation_tiles=4, give_backs=2, cut_after=1, cooloff=60.0)
+    store = SQLiteStore(tmp_path / "c.db")
+    core = Core(
+        store, store.create_job("t", {}, 1, 0.0), join_token="tok", rng=np.random.default_rng(0),
+        policy=TilingPolicy(max_edge=32, min_edge=8, min_tile_flops=1), trust=trust, band_checks=False,
+        faults=FaultPolicy(lease_floor=floor, speculate_after=10.0),
+    )  # fmt: skip
+    server = Server(core)
+
+    async def bouncer(url: str, stop: asyncio.Event) -> int | None:
+        async with connect(url, compression=None) as ws:
+            await _enrol(ws, slots=1)
+            with contextlib.suppress(ConnectionClosed):
+                async for msg in _messages(ws, stop):
+                    if isinstance(msg, Work):
+                        await asyncio.sleep(0.4 * floor)
+                        await ws.send(encode(Release((msg.tile_id,), ReleaseWhy.MISSING_BLOCK, words)))
+            return ws.close_code
+
+    async def honest(url: str, stop: asyncio.Event) -> None:
+        blocks: dict[str, torch.Tensor] = {}
+        async with connect(url, compression=None, max_size=None) as ws:
+            await _enrol(ws, slots=1)
+            async for msg in _messages(ws, stop):
+                if isinstance(msg, Work):
+                    blocks.update({blk.key: blk.data for blk in msg.blocks})
+                    await asyncio.sleep(0.05)
+                    await ws.send(encode(Result(msg.tile_id, torch.matmul(*msg.operands(blocks)), 0.001)))
+
+    async def run() -> tuple[torch.Tensor, torch.Tensor, list[int | None], set[int]]:
+        async with listen(server, "127.0.0.1", 0) as ws_server:
+            url = f"ws://127.0.0.1:{ws_server.sockets[0].getsockname()[1]}"
+            stop = asyncio.Event()
+            bouncers = [asyncio.create_task(bouncer(url, stop)) for _ in range(3)]
+            while len(core.devices) < 3:
+                await asyncio.sleep(0.01)
+            ids = set(core.devices)
+            worker = asyncio.create_task(honest(url, stop))
+            a, b = torch.randn(128, 32), torch.randn(32, 32)
+            c = await _product(server, a, b)
+            stop.set()
+            codes = await asyncio.gather(*bouncers)
+            await worker
+            return c, a @ b, codes, ids
+
+    c, want, codes, ids = asyncio.run(run())
+    torch.testing.assert_close(c, want)
+    assert codes == [CloseCode.STALLING] * 3, codes
+    store.flush()
+    with sqlite3.connect(tmp_path / "c.db") as db:
+        rows = [row for row in db.execute("SELECT device_id, count(*) FROM leases GROUP BY device_id") if row[0] in ids]
+        reasons = {r for (r,) in db.execute("SELECT DISTINCT reason FROM leases")}
+    assert len(rows) == 3 and all(n <= trust.give_backs + trust.cut_after for _, n in rows), rows
+    assert not any("example.org" in (r or "") for r in reasons), reasons

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from coordinator.wire.errors import StoreError
 from db.memory import MemoryStore
 from db.migrations import migrate
 from db.sqlite import SQLiteStore
-from db.store import RESTARTED, CheckpointRow, DeviceInfo, Issued, NewTile, Outcome, Store
+from db.store import RESTARTED, CheckpointRow, DeviceInfo, Issued, LeaderRow, NewTile, Outcome, Store
 
 
 @pytest.fixture(params=["memory", "sqlite", "sqlite-grouped"])
@@ -737,3 +739,92 @@ def test_a_restart_loses_the_results_waiting_for_their_bands(store: Store) -> No
         ("lost", RESTARTED),
         ("lost", RESTARTED),
     ]
+
+
+def _crowd(path: Path, identities: int, jobs: int = 3) -> tuple[SQLiteStore, int]:
+    """A real SQLite store of ``identities`` enrolled identities, each with one device row (job by
+    job, in one transaction), one in a hundred credited verified work and energy."""
+    store = SQLiteStore(path)
+    job_ids = [store.create_job(f"job{j}", {}, 10, 0.0) for j in range(jobs)]
+    with store.atomic() as c:
+        c.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < :n)"
+            " INSERT INTO identities (id, name, key, state, reason, created_at, last_seen)"
+            " SELECT i, 'v' || i, x'00', 'active', '', 0, 0 FROM n",
+            {"n": identities},
+        )
+        c.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < :n)"
+            " INSERT INTO devices (job_id, name, platform, cores, memory_bytes, device, gflops, state, joined_at,"
+            " last_seen, identity_id) SELECT :first + (i - 1) * :jobs / :n, 'v' || i, 'Linux', 4, 1, 'cpu', 10.0,"
+            " 'offline', 0, 0, i FROM n",
+            {"n": identities, "jobs": jobs, "first": job_ids[0]},
+        )
+    with store.batch():
+        for device in range(1, identities + 1, 100):
+            store.credit_device(device, verified=device % 7 + 1, gflop=float(device), now=1.0)
+            store.credit_device(device, joules=float(device % 13 + 1), gflop_metered=float(device), now=1.0)
+    return store, job_ids[-1]
+
+
+def test_a_status_build_does_the_same_query_work_at_a_thousand_and_a_hundred_thousand_identities(
+    tmp_path: Path,
+) -> None:
+    """The public status is built every second from the store; its queries (the leaderboards, the
+    device counts, the listed rows) must not visit every identity's row. Counted in SQLite
+    virtual-machine steps (a progress handler), which do not depend on the machine's load."""
+    import numpy as np
+
+    from coordinator.engine import report
+    from coordinator.engine.core import Core
+
+    work = {}
+    for n in (1_000, 100_000):
+        store, job = _crowd(tmp_path / f"{n}.db", n)
+        core = Core(store, job, join_token="tok", operator_token="op", rng=np.random.default_rng(0))
+        report.status(core, 0.0)  # counts kept in memory are counted from the rows once, here
+        steps = Counter[str]()
+        store.conn.set_progress_handler(partial(steps.update, ("vm",)), 10)  # called every 10 VM steps
+        status = report.status(core, 0.0)
+        store.conn.set_progress_handler(None, 0)
+        work[n] = steps["vm"] * 10
+        # The ranks are still right: the most verified GFLOP first, the rest by GFLOP per joule.
+        worked = range(1, n + 1, 100)
+        assert [r["gflop"] for r in status["leaderboard"]] == [float(d) for d in sorted(worked, reverse=True)[:10]]
+        best = sorted(worked, key=lambda d: (-d / (d % 13 + 1), d))[:10]
+        assert [r["identity"] for r in status["leaderboard_efficiency"]] == best
+        assert status["device_counts"] == {"connected": 0, "offline": sum(i * 3 // n == 2 for i in range(n))}
+        store.close()
+    assert work[100_000] <= 2 * work[1_000], work
+
+
+def test_an_older_database_gets_its_identities_totals_from_its_device_rows(tmp_path: Path) -> None:
+    """m005 sums each identity's device rows of every job once; the leaderboard reads those
+    totals, and credit keeps them."""
+    import sqlite3
+
+    import sqlite_utils
+
+    from db.migrations import MIGRATIONS
+
+    path = tmp_path / "old.db"
+    db = sqlite_utils.Database(sqlite3.connect(path))
+    db["_migrations"].create({"name": str, "applied_at": float}, pk="name")
+    for name, fn in MIGRATIONS[:4]:  # the schema before m005
+        fn(db)
+        db["_migrations"].insert({"name": name, "applied_at": 0.0})
+    db.execute("INSERT INTO identities (id, name, key, state, created_at) VALUES (1, 'a', x'00', 'active', 0)")
+    db.execute(
+        "INSERT INTO jobs (id, name, config, state) VALUES (1, 'j1', '{}', 'finished'), (2, 'j2', '{}', 'finished')"
+    )
+    db.execute(
+        "INSERT INTO devices (job_id, name, identity_id, tiles_done, gflop_verified, joules, gflop_metered)"
+        " VALUES (1, 'a', 1, 3, 1.5, 2.0, 1.0), (2, 'a', 1, 4, 2.5, 1.0, 2.0)"
+    )
+    db.conn.commit()
+    db.conn.close()
+    store = SQLiteStore(path)
+    assert store.leaderboard(10) == [LeaderRow(1, "a", 4.0, 7, 3.0, 3.0)]
+    store.credit_device(2, verified=1, gflop=0.5, now=1.0)
+    assert store.leaderboard(10, by="gflop_per_j")[0].gflop == 4.5
+    store.close()

@@ -8,6 +8,7 @@ import queue
 import signal
 import socket
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -127,11 +128,13 @@ def test_ranks_train_the_global_batch_exactly_as_one_process(world: int) -> None
 
 
 def test_a_rank_without_the_secret_never_counts_as_one() -> None:
-    """A stranger at the rendezvous port, taking rank 1's place without the secret: the tier
-    refuses to start, and says which rank failed."""
+    """A stranger at the rendezvous port, taking rank 1's place without the secret: it never
+    meets rank 0 (it waits in another namespace; its address would fail the seal). The tier
+    refuses to start as soon as rank 0 sees the other secret's keys in its store (TierRefused),
+    not when the meeting times out (JobAborted). Rank 1 refuses so too, or finds the store gone."""
     results = _tier(2, OPTIONS, secrets=[SECRET, "guessed"])
-    assert results[0][0] == "TierRefused" and "rank 1 did not prove" in results[0][1], results
-    assert results[1][0] == "TierRefused"
+    assert results[0][0] == "TierRefused" and "needs the same --tier-secret" in results[0][1], results
+    assert results[1][0] == "TierRefused" or "could not form the tier" in results[1][1], results
 
 
 def test_sharded_adamw_on_one_rank_is_torchs_adamw_bit_for_bit() -> None:
@@ -259,7 +262,7 @@ def test_each_rank_sees_the_whole_tier_and_believes_only_sealed_fresh_summaries(
     summaries = [_summary(1, url="ws://10.0.0.1:8765"), _summary(1)]
     for r, tier in enumerate(ranks):
         tier.summary = lambda r=r: summaries[r]
-        tier.store.add(f"alive/{r}", 1)
+        tier.beat(tier.store)
     for tier, store in [*zip(ranks, (master, client))] * 2:  # rank 0 reads rank 1's on its second look
         tier.exchange(store)
     view = ranks[0].view()
@@ -305,9 +308,16 @@ def test_each_rank_sees_the_whole_tier_and_believes_only_sealed_fresh_summaries(
     now[0] += 10
     ranks[0].exchange(master)
     assert ranks[0].view()["ranks"][1]["health"] == "lost"
-    master.add("alive/1", 1)
+    ranks[1].beat(client)
     ranks[0].exchange(master)
     assert ranks[0].view()["ranks"][1]["health"] == "alive"
+
+
+def _arrived(store: Any, step: int | str, *ranks: int) -> None:
+    """Ranks ``ranks`` at ``step``'s barrier, as a rank marks its arrival (sealed)."""
+    for r in ranks:
+        name = f"step/{step}/{r}"
+        store.set(name, auth.tier_value_mac(KEY, name, b""))
 
 
 def test_a_lost_rank_is_named_alike_by_every_rank_and_only_on_a_ranks_sealed_word() -> None:
@@ -322,11 +332,11 @@ def test_a_lost_rank_is_named_alike_by_every_rank_and_only_on_a_ranks_sealed_wor
     client = dist.TCPStore("127.0.0.1", port, 3, is_master=False)
     rank0, rank1 = Tier(0, 3, master, timeout=30.0, key=KEY), Tier(1, 3, client, timeout=30.0, key=KEY)
     client.set(LOST, b"x" * 32 + b"lost|2|a stranger says so")
-    client.add("step/1", 2)  # ranks 1 and 2 are there already
+    _arrived(client, 1, 1, 2)  # ranks 1 and 2 are there already
     rank0.arrive(1)  # not believed: the barrier passes
     news = b"lost|2|a summary's seal on it"  # sealed as a summary is, not as a loss: not believed either
     client.set(LOST, auth.tier_status_mac(KEY, 2, news) + news)
-    client.add("step/1b", 3)
+    _arrived(client, "1b", 1, 2)
     rank0.arrive("1b")  # type: ignore[arg-type]
     with pytest.raises(RankLost, match="rank 2 of the tier was lost [(]no heartbeat for 30 s[)]"):
         rank1._announce(2, "no heartbeat for 30 s")
@@ -344,6 +354,188 @@ def test_join_tier_refuses_bad_options_in_one_line() -> None:
     with pytest.raises(ConfigError, match="needs its secret"):
         join_tier("tcp://127.0.0.1:1", 0, 2, "", bytes(32))
     assert RankLost(3, "x").rank == 3 and issubclass(TierRefused, ConfigError)
+
+
+def test_rank_0s_store_listens_only_on_the_rendezvous_host_and_under_the_secrets_namespace() -> None:
+    """--rendezvous tcp://127.0.0.1:PORT: rank 0's store accepts there, and refuses at
+    127.0.0.2:PORT (loopback too, on Linux), not every interface as torch binds by itself. Every
+    key in it, gloo's included, is under a namespace only the secret names."""
+    import torch.distributed as dist
+
+    from coordinator.tier.rendezvous import namespace
+
+    port = _port()
+    tier = join_tier(f"tcp://127.0.0.1:{port}", 0, 1, SECRET, job_digest(OPTIONS), timeout=4.0)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=2).close()
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        stranger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=4))
+        keys = stranger.list_keys()
+        space = namespace(SECRET.encode())
+        assert any("/pg/" in k for k in keys) and all(k.startswith(space) for k in keys), keys
+        assert space != namespace(b"guessed")
+    finally:
+        tier.close()
+
+
+def test_under_torchrun_rank_0_meets_at_the_agents_store_under_the_attempts_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """env:// under torchrun: the agent serves the store (here, a TCPStore this test hosts), so
+    rank 0 listens on nothing of its own; its keys are under the secret's namespace and this
+    restart's attempt, apart from an earlier attempt's."""
+    import torch.distributed as dist
+
+    from coordinator.tier.rendezvous import namespace
+
+    port = _port()
+    agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    env |= {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    tier = join_tier("env://", None, None, SECRET, job_digest(OPTIONS), timeout=4.0)
+    try:
+        assert (tier.rank, tier.world) == (0, 1)
+        keys = agent.list_keys()
+        assert keys and all(k.startswith(namespace(SECRET.encode(), "2")) for k in keys), keys
+    finally:
+        tier.close()
+
+
+def _stalls_with_a_stranger(rank: int, world: int, port: int, out: Any) -> None:
+    """Rank 1 joins and dies; rank 0 waits for it at step 1's barrier, with a stranger at the
+    store's port meanwhile. Reports what rank 0 met, after how long, and what it logged."""
+    import logging
+    import os
+
+    torch.set_num_threads(1)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cleave.tier").addHandler(handler)
+    try:
+        tier = join_tier(f"tcp://127.0.0.1:{port}", rank, world, SECRET, job_digest(OPTIONS), timeout=4.0)
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, str(exc), 0.0, lines))
+        return
+    if rank == 1:
+        os._exit(0)  # as a SIGKILL would: no more heartbeats, no arrival
+    tier.timeout = 0.5  # (the drill's --tier-timeout, shorter: the stranger has a second to act)
+    started = time.monotonic()
+    try:
+        tier.arrive(1)
+        out.put((rank, "passed the barrier", "", time.monotonic() - started, lines))
+    except Exception as exc:
+        out.put((rank, type(exc).__name__, str(exc), time.monotonic() - started, lines))
+
+
+def _store_stranger(port: int, stop: Any) -> None:
+    """A plain store client at rank 0's port, without the secret: while the ranks meet and wait,
+    it writes gloo's addresses and bumps the heartbeat and barrier counters under the names the
+    tier used to use, and overwrites every heartbeat and arrival it can list, forged or huge."""
+    import torch.distributed as dist
+
+    while not stop.is_set():  # at the port as soon as rank 0 opens it (torch's client backs off for seconds)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.01)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    except Exception:  # (rank 0 already gone: the test says what it met)
+        return
+    n = 0
+    while not stop.is_set():
+        n += 1
+        writes: list[tuple[Any, ...]] = [(store.set, f"cleave-tier//pg//0//cpu//0/{r}", b"an address") for r in (0, 1)]
+        writes += [(store.add, "cleave-tier//alive/1", 1), (store.add, "cleave-tier//step/1", 1)]
+        try:
+            listed = store.list_keys()
+        except Exception:  # rank 0 is gone, and its store with it
+            return
+        for space in {key.removesuffix("/run") for key in listed if key.endswith("/run")}:
+            huge = b"x" * (1 << 20) if n % 10 == 0 else b""
+            beat, arrival = huge or bytes(32) + str(10**6 + n).encode(), huge or bytes(32)  # (shaped as a rank's)
+            writes += [(store.set, f"{space}/alive/1", beat), (store.set, f"{space}/step/1/1", arrival)]
+            writes += [(store.add, f"{space}/junk/{n}", 1)]
+        for write, *args in writes:
+            try:
+                write(*args)
+            except Exception:  # (its own junk where it adds: it goes on)
+                pass
+        time.sleep(0.02)
+
+
+def test_a_stranger_at_the_store_port_can_neither_forge_heartbeats_nor_pass_the_barrier() -> None:
+    """Rank 1 dies once the tier is formed; rank 0 waits for it at the barrier. A stranger at the
+    store's port writes gloo's addresses and bumps heartbeats and arrivals under the tier's old
+    key names, and overwrites rank 1's heartbeat and arrival in the tier's namespace (listed)
+    with forged or 1 MiB values. The tier forms, rank 0 does not pass the barrier nor believe
+    the heartbeats: it names rank 1 lost within its timeout, and logs each forged key once."""
+    import threading
+
+    port, out, stop = _port(), CTX.Queue(), threading.Event()
+    stranger = threading.Thread(target=_store_stranger, args=(port, stop), daemon=True)
+    stranger.start()
+    procs = [CTX.Process(target=_stalls_with_a_stranger, args=(r, 2, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = out.get(timeout=60)
+    finally:
+        stop.set()
+        stranger.join(10)
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    rank, outcome, message, waited, lines = got
+    assert (rank, outcome) == (0, "RankLost") and "rank 1 of the tier was lost (no heartbeat" in message, got
+    assert waited < 0.5 + 3 * HEARTBEAT, got
+    doubted = [line for line in lines if "is not believed" in line]
+    assert any(line.startswith("tier: alive/1 in the") for line in doubted), lines
+    assert any(line.startswith("tier: step/1/1 in the") for line in doubted), lines
+    assert len(doubted) == len(set(doubted)), doubted  # one line a key, not one a look
+
+
+def test_gloo_meets_only_through_addresses_sealed_in_this_run() -> None:
+    """What gloo reads through the sealed store: a value a stranger overwrote, sealed in an
+    earlier run, moved from another key or too big is looked past, and refused once the meeting's
+    timeout is out (a clear error, not gloo connecting to it); a forged value that the rank then
+    overwrites with its own is waited past."""
+    import threading
+
+    import torch.distributed as dist
+
+    from coordinator.tier.rendezvous import SealedStore
+
+    port = _port()
+    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    stranger = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    key, earlier = auth.tier_store_key(SECRET.encode(), b"n" * 32), auth.tier_store_key(SECRET.encode(), b"e" * 32)
+    sealed = SealedStore(key, dist.PrefixStore("ns/", master), timedelta(seconds=0.1))
+    old = SealedStore(earlier, dist.PrefixStore("ns/", stranger), timedelta(seconds=0.1))
+    sealed.set("pg/1", b"10.0.0.2:4242")
+    assert sealed.get("pg/1") == b"10.0.0.2:4242"
+    for forged in (
+        bytes(32) + b"10.6.6.6:4242",  # no seal
+        auth.tier_value_mac(key, "pg/0", b"10.6.6.6:4242") + b"10.6.6.6:4242",  # another key's seal
+        b"x" * (1 << 17),  # too big
+    ):
+        stranger.set("ns//pg/1", forged)
+        with pytest.raises(dist.DistStoreError, match="pg/1 in the rendezvous store is not believed"):
+            sealed.get("pg/1")
+    old.set("pg/1", b"10.6.6.6:4242")  # sealed in an earlier run (another nonce of rank 0's)
+    with pytest.raises(dist.DistStoreError, match="fails the tier's seal"):
+        sealed.get("pg/1")
+    timer = threading.Timer(0.2, sealed.set, ("pg/1", b"10.0.0.2:4243"))  # the rank writes its own after
+    timer.start()
+    patient = SealedStore(key, dist.PrefixStore("ns/", master), timedelta(seconds=10))
+    assert patient.get("pg/1") == b"10.0.0.2:4243"
+    timer.join()
 
 
 def _rows_seen(coord: Coordinator, seen: list[list[dict]]) -> list[dict]:
@@ -369,13 +561,16 @@ def _rows_seen(coord: Coordinator, seen: list[list[dict]]) -> list[dict]:
 def _ranks(tmp: Path, world: int, port: int, *args: str, steps: int, batch: int) -> list[Coordinator]:
     """``world`` real coordinators, one tier on loopback."""
     out = []
+    secret = tmp / "tier-secret"  # from a file, as an operator should give it (not on the command line)
+    secret.touch(mode=0o600)
+    secret.write_text(SECRET + "\n")
     for r in range(world):
         (tmp / f"rank{r}").mkdir(exist_ok=True)
         out.append(
             Coordinator(
                 tmp / f"rank{r}",
                 *("--world-size", str(world), "--rank", str(r), "--rendezvous", f"tcp://127.0.0.1:{port}"),
-                *("--tier-secret", SECRET, "--batch-size", str(batch), "--micro-batches", "1", *args),
+                *("--tier-secret-file", str(secret), "--batch-size", str(batch), "--micro-batches", "1", *args),
                 steps=steps,
             )
         )

@@ -643,3 +643,91 @@ def test_a_device_that_lets_tiles_go_just_before_their_deadlines_is_cut() -> Non
         fleet.pending = [p for p in fleet.pending if p.device != dodger]  # it answers nothing, ever
         fleet.drain()
     assert fleet.closed.get(dodger) == CloseCode.STALLING
+
+
+# ------------------------------------------------------------------ give-backs
+
+WORDS = "buy cheap gpus at example.org " * 6  # a device's own words: never in the books
+
+
+def _bouncer_rows(path: Path, devices: set[int]) -> dict[int, int]:
+    """Lease rows written for each device, read from the SQLite file itself."""
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT device_id, count(*) FROM leases GROUP BY device_id").fetchall()
+    return {d: n for d, n in rows if d in devices}
+
+
+def test_release_bouncers_run_out_of_give_backs_and_their_rows_stay_bounded(tmp_path: Path) -> None:
+    """Four identities take every tile they can and give it back just under half its deadline
+    (short of the stall rule), with text of their choosing, for two minutes of a GEMM stream;
+    each comes back after every cut. Their give-backs run out: each is cut, then cut again after
+    each cool-off, the tiles go to the one honest device, and the lease rows they cost are
+    bounded by their allowance (not by how long they keep at it), none with their words."""
+    path = tmp_path / "c.db"
+    core = _core(SQLiteStore(path))
+    fleet = Fleet(core)
+    bouncers = {fleet.join(f"bouncer{i}", slots=1): None for i in range(4)}
+    credentials = {d: _credential(fleet, d) for d in bouncers}
+    honest = fleet.join("honest", slots=1)
+    boxes: list[dict] = []
+    start, next_result = fleet.now, fleet.now
+    while fleet.now - start < 120.0:
+        if not boxes or "result" in boxes[-1]:  # a stream of GEMMs: the next once the last is done
+            boxes.append(submit(core, fleet, torch.randn(64, 32), torch.randn(32, 16)))
+        fleet.now += 0.1
+        for d in bouncers:
+            if d not in core.devices:
+                try:  # back as soon as its cool-off allows
+                    fleet.route(_returning(core, credentials[d], fleet.now)[1])
+                except AuthError:
+                    continue
+            fleet.route(core.handle(d, Heartbeat(), fleet.now))
+            for tile in list(core.devices[d].inflight) if d in core.devices else []:
+                hold = core.sched.hold(tile, d)
+                if hold is not None and fleet.now - hold.leased_at >= 0.45 * (hold.soft - hold.leased_at):
+                    fleet.route(core.handle(d, Release((tile,), ReleaseWhy.MISSING_BLOCK, WORDS), fleet.now))
+        fleet.pending = [p for p in fleet.pending if p.device not in bouncers]  # they never compute
+        if fleet.now >= next_result and fleet.step(only=honest):  # one result every half second
+            next_result = fleet.now + 0.5
+        fleet.route(core.tick(fleet.now))
+    core.store.flush()
+    rows = _bouncer_rows(path, set(bouncers))
+    for d in bouncers:
+        cuts = core.gate.standing(credentials[d].identity).cuts
+        assert cuts >= 2, (d, cuts)
+        # Its free give-backs, then cut_after more after every cut, and one still open.
+        assert rows.get(d, 0) <= TRUST.give_backs + TRUST.cut_after * cuts + 1, (d, rows, cuts)
+    assert sum(rows.values()) < 120  # 225 when they could bounce for ever (80 now)
+    done = sum("result" in box for box in boxes)
+    assert done >= 75, done  # the honest device's stream: 85 GEMMs now, 63 while they bounced
+    reasons = {lease.reason for t in range(1, 10_000) for lease in core.store.leases(t)}
+    assert not any("example.org" in r for r in reasons) and "missing_block" in reasons
+
+
+def test_honest_pauses_cost_nothing_within_the_allowance_and_book_no_owners_words() -> None:
+    """An owner who pauses and resumes a device holding tiles, give_backs times, loses nothing:
+    not cut, its slots kept, the leases' rows say "paused" (the owner's words stay on the
+    device's row alone)."""
+    core = _core(pauses=Rate(10.0, 100.0))
+    fleet = Fleet(core)
+    laptop = fleet.join("laptop", slots=2)
+    fleet.join("other", slots=1)
+    box = submit(core, fleet, torch.randn(512, 32), torch.randn(32, 64))
+    while core.devices[laptop].standing.on_probation(TRUST):
+        assert fleet.step(only=laptop)
+    slots = core.devices[laptop].slots
+    held = next(iter(core.devices[laptop].inflight))
+    for _ in range(TRUST.give_backs):
+        fleet.now += 1.0
+        assert core.devices[laptop].inflight
+        fleet.route(core.handle(laptop, Pause("on battery " + WORDS), fleet.now))
+        fleet.pending = [p for p in fleet.pending if p.device != laptop]
+        fleet.now += 1.0
+        fleet.route(core.handle(laptop, Resume(), fleet.now))
+    assert laptop in core.devices and laptop not in fleet.closed and core.devices[laptop].slots == slots
+    given = [lease.reason for lease in core.store.leases(held) if lease.outcome == "released"]
+    assert given and set(given) == {"paused"}
+    fleet.drain()
+    assert "result" in box and core.devices[laptop].standing.given_back == 0  # its work refills it

@@ -5,8 +5,9 @@ goes at the pace of its weakest pool. Volunteers may all be given one rank's URL
 sends a newcomer on (``Redirect``, with a ticket) to the rank whose pool is weakest, when that
 pool is clearly weaker than its own: ``SLACK`` below it, as the ranks' published summaries say
 (their ``gflops``: the devices' rates as each rank's cost model counts them, measured once a
-device has returned work). The rank that gets it admits it once on its ticket (sealed under the
-tier's secret, for that rank, for ``TICKET_TTL`` seconds, single-use).
+device has returned work; until then at most ``UNMEASURED_GFLOPS``, whatever it claims). The
+rank that gets it admits it once on its ticket (sealed under the tier's secret, for that rank,
+for ``TICKET_TTL`` seconds, single-use).
 
 Only newcomers move: a device that already has an identity on this rank keeps it (its record,
 credit and trust are here), and one that came with a ticket stays where it was sent. The other
@@ -34,6 +35,10 @@ SLACK = 0.1  # another pool must be this much weaker than ours (a share of ours)
 TICKET_TTL = 300  # seconds a ticket is good for (the ranks' clocks may disagree by a little)
 MAX_TICKETS = 100_000  # tickets remembered as used, at most (each until it expires): ~10 MB
 MIN_COUNTED = 1.0  # GFLOP/s a newcomer sent elsewhere counts for at least (a claim of 0 still fills a pool)
+# GFLOP/s a device counts for at most in balancing until it has returned verified work (a modest
+# CPU's): its hello's claim is not believed beyond it, so newcomers claiming huge rates neither
+# fill the pool they are sent to nor swell the one they join. Measured rates replace it.
+UNMEASURED_GFLOPS = 50.0
 # A rank newcomers cannot reach (a host name that only resolves inside the operator's network, a
 # firewall): this many tickets sent it over REDEEM_GRACE seconds with none admitted there, and no
 # newcomer is sent it for SHUN seconds. They come back here and enrol (clients return to the URL
@@ -88,6 +93,7 @@ class Balancer:
         self._waiting: dict[int, tuple[int, float, int]] = {}
         self._shunned: dict[int, float] = {}  # rank -> until when no newcomer is sent it
         self.redirected = 0  # newcomers sent elsewhere
+        self.ignored = 0  # of them, those that did not even answer the close after their redirect
         self.admitted = 0  # newcomers admitted on a ticket
 
     def update(self, pools: Iterable[Pool]) -> None:
@@ -113,10 +119,12 @@ class Balancer:
         return not is_loopback(url_host(url)) or (bool(self.url) and is_loopback(url_host(self.url)))
 
     def place(self, mine: float, device: float, now: float) -> Redirect | None:
-        """Where a newcomer of ``device`` GFLOP/s should go, this rank's pool being ``mine``:
-        ``None`` to stay, else the redirect to send it (a fresh ticket). O(ranks)."""
+        """Where a newcomer claiming ``device`` GFLOP/s should go, this rank's pool being ``mine``:
+        ``None`` to stay, else the redirect to send it (a fresh ticket). It counts for its claim
+        within ``[MIN_COUNTED, UNMEASURED_GFLOPS]``: nothing it says is measured yet. O(ranks)."""
         if not math.isfinite(device) or device < 0:
             return None
+        device = min(max(device, MIN_COUNTED), UNMEASURED_GFLOPS)
         for rank, (_, since, count) in list(self._waiting.items()):
             if count >= UNREDEEMED and now - since >= REDEEM_GRACE:
                 self._shunned[rank] = now + SHUN
@@ -126,13 +134,26 @@ class Balancer:
         if weakest is None or self._with_sent(weakest) >= mine * (1 - self.slack):
             return None
         seq, sent = self._sent.get(weakest.rank, (weakest.seq, 0.0))
-        self._sent[weakest.rank] = (seq, sent + max(device, MIN_COUNTED))
+        self._sent[weakest.rank] = (seq, sent + device)
         admitted, since, count = self._waiting.get(weakest.rank, (weakest.admitted, now, 0))
         self._waiting[weakest.rank] = (admitted, since, count + 1)
         self.redirected += 1
         ticket = auth.redirect_ticket(self.secret, weakest.rank, int(now) + self.ttl, self.random_bytes(16))
         why = f"rank {weakest.rank}'s pool ({self._with_sent(weakest) - device:.0f} GFLOP/s) needs devices more"
         return Redirect(weakest.url, weakest.rank, ticket.hex(), why)
+
+    def ignored_by(self, rank: int) -> None:
+        """A newcomer sent to ``rank`` ignored its redirect (it did not answer the close that
+        followed, within the grace): the server dropped it, and its ticket, never redeemed, is
+        its doing, not a sign that ``rank`` cannot be reached: it does not count towards shunning."""
+        self.ignored += 1
+        waiting = self._waiting.get(rank)
+        if waiting is not None:
+            admitted, since, count = waiting
+            if count <= 1:
+                del self._waiting[rank]
+            else:
+                self._waiting[rank] = (admitted, since, count - 1)
 
     def shunned(self, now: float) -> list[int]:
         """Ranks no newcomer is sent to now: their tickets were not redeemed (``UNREDEEMED``)."""

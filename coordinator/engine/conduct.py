@@ -34,6 +34,7 @@ class Standing:
     grown: int = 0  # verified results since it was last sent back to one slot
     taken_in_a_row: int = 0  # leases taken back since its last verified result
     unanswered: int = 0  # leases that ended without its result (lost to a copy, taken back) since then
+    given_back: int = 0  # give-backs (releases, pauses, departures holding tiles) since its last verified result
     cuts: int = 0
     cooloff_until: float = 0.0
     budgets: tuple[TokenBucket, TokenBucket, TokenBucket] | None = None  # releases, resends, reconnects
@@ -55,6 +56,7 @@ class Standing:
         self.grown += 1
         self.taken_in_a_row = 0
         self.unanswered = 0
+        self.given_back = 0
 
     def rejected(self, trust: TrustPolicy) -> bool:
         """Counts a failed result; True when the identity must be banned."""
@@ -62,6 +64,13 @@ class Standing:
         self._remember(False, trust)
         rejects = sum(1 for ok in self.recent if not ok)
         return rejects >= (1 if probation else trust.ban_rejects)
+
+    def gave_back(self, trust: TrustPolicy) -> bool:
+        """It gave tiles back (one release, pause or departure); True when that is past its
+        ``trust.give_backs`` in a row without a verified result: it then counts as a lease taken
+        back. A cut does not refill the allowance; only a verified result does."""
+        self.given_back += 1
+        return self.given_back > trust.give_backs
 
     def late(self) -> None:
         """A lease passed its deadline: back to one slot until it earns more again."""
@@ -218,13 +227,22 @@ class Conduct:
         return dev.standing.rejected(self.trust)
 
     def gave_back(self, dev: Conducted, holds: Iterable[Hold], now: float) -> bool:
-        """``dev`` gave back (or lost by leaving) these leases. Each it held for most of its
-        deadline counts as unanswered, as if another copy had won: holding tiles until just
-        before their deadlines and then letting go is stalling. True when it must be cut."""
+        """``dev`` gave back (or lost by leaving) these leases, at once. Each it held for most of
+        its deadline counts as unanswered, as if another copy had won: holding tiles until just
+        before their deadlines and then letting go is stalling. And giving back at all is free
+        only ``trust.give_backs`` times in a row without a verified result: past that, each
+        give-back counts as a lease taken back (its first slots, then a cut with a cool-off), so
+        identities that bounce tiles between them early in their deadlines run out too. True
+        when it must be cut (else it is regraded)."""
+        holds = list(holds)
         cut = False
         for hold in holds:
             if now - hold.leased_at > (hold.soft - hold.leased_at) / 2:
                 cut = dev.standing.overtaken(self.trust) or cut
+        if holds and dev.standing.gave_back(self.trust):
+            cut = dev.standing.taken_back(self.trust) or cut
+        if not cut:
+            self.regrade(dev)
         return cut
 
     def late(self, dev: Conducted) -> None:

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from coordinator.engine.balance import Balancer, Redirecting
+from coordinator.engine.balance import UNMEASURED_GFLOPS, Balancer, Redirecting
 from coordinator.engine.blocks import BlockRef, Sources, block_ref
 from coordinator.engine.books import Books
 from coordinator.engine.conduct import Conduct, Pace, Standing
@@ -61,7 +61,7 @@ from coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Pla
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.engine.profiles import PRIOR_MEMORY, DeviceProfile
 from coordinator.engine.progress import Prediction, Progress
-from coordinator.engine.relays import Relays, RelayState, relay_url_ok
+from coordinator.engine.relays import WAIT_SHARE, Relays, RelayState, relay_url_ok
 from coordinator.engine.scheduler import (
     Assign,
     Decision,
@@ -218,6 +218,7 @@ class Core:
         self._sweep_len = 0
         self._checked_at = -float("inf")
         self._reopened: set[int] = set()  # tiles re-opened once after every device failed them
+        self._given_back: dict[int, int] = {}  # tiles of live GEMMs -> times devices gave them back
         self._stuck_since: dict[int, float] = {}  # re-opened tiles failed everywhere again: since when
         self._aborted = False  # an Abort went out
         self.progress = Progress(steps=store.job(job_id).steps)
@@ -229,7 +230,7 @@ class Core:
         # A rank of a tier: where newcomers go (engine/balance.py; set with ``join_tier``).
         self.balancer: Balancer | None = None
         # Relays and the devices behind them (engine/relays.py).
-        self.relays = Relays()
+        self.relays = Relays(self.faults.lease_floor * WAIT_SHARE)
         self._relay_by_identity: dict[int, int] = {}
         self.verify_seconds = 0.0
         self._bands_due: list[BandCheck] = []  # bands with every result in, for the verifier
@@ -323,7 +324,7 @@ class Core:
             batch=min(hello.batch, asked),
         )
         self.devices[device_id] = dev
-        self.energy.joined(device_id, hello.device, dev.gflop_verified, now, paused=bool(hello.paused))
+        self.energy.joined(device_id, hello.device, dev.gflop_verified)
         self._by_identity[admission.identity] = device_id
         self.profiles[device_id] = measured
         self._fleet_changed()
@@ -576,7 +577,6 @@ class Core:
             if isinstance(msg, Pause):
                 return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
-            self.energy.resumed(dev.id, now)  # its paused time was its owner's
             self.sched.update(dev.id, paused=False)
             self._fleet_changed()
             self.store.set_device_state(dev.id, DeviceStatus.ONLINE, self.wall(now))
@@ -594,10 +594,11 @@ class Core:
         ]
 
     def _on_energy(self, dev: DeviceState, msg: Energy, now: float) -> list[Outbound]:
-        """A device's energy since its last report: booked within its kind's band (engine/energy.py);
+        """A device's energy since its last report: booked within its band (engine/energy.py);
         a claim outside it is capped and flagged, never credited as measured."""
         try:
-            claim = self.energy.claim(dev.id, msg, dev.gflop_verified, now)
+            # Its band: the seconds it held work and the rate it delivered in them, both measured here.
+            claim = self.energy.claim(dev.id, msg, dev.gflop_verified, dev.seat.held(now))
         except ValueError as exc:
             return [self._send(dev.id, Error(Code.UNEXPECTED, str(exc)), now)]
         metered = self.energy.devices[dev.id]
@@ -850,7 +851,7 @@ class Core:
         sent, on_wire = self._sent.pop((msg.tile_id, dev.id), (0, None))
         if verdict is not None and not verdict.ok:
             self._failed(dev.id, now)
-            self.sched.release(msg.tile_id, dev.id, bar=True)
+            self.sched.release(msg.tile_id, dev.id, bar=True, now=now)
             self.store.end_lease(msg.tile_id, dev.id, Outcome.REJECTED, self.wall(now), verdict.reason)
             out.append(
                 self._send(
@@ -858,7 +859,7 @@ class Core:
                 )
             )
             return out + self._forged(dev, now)
-        losers = self.sched.done(msg.tile_id, dev.id)
+        losers = self.sched.done(msg.tile_id, dev.id, now)
         # Its lease is over either way; taken for its band, it is booked ``taken`` until the
         # band's check turns it verified (``settle_band``) or rejected (``_reject_taken``).
         self.store.end_lease(
@@ -1001,13 +1002,13 @@ class Core:
 
     def _on_pause(self, dev: DeviceState, reason: str, now: float) -> list[Outbound]:
         """The owner needs the machine: its tiles go to others at once; it stays connected."""
-        dev.paused = reason
-        self.energy.paused(dev.id, now)
+        dev.paused = reason  # its work goes back: its paused time books no draw (it holds nothing)
         self.sched.update(dev.id, paused=True)
         self._fleet_changed()
         self.store.set_device_state(dev.id, DeviceStatus.PAUSED, self.wall(now), reason)
-        # A paused client keeps its cached blocks: they serve it again once it resumes.
-        return self._give_back(dev, tuple(dev.inflight), f"paused: {reason}", now, blocks_lost=False)
+        # A paused client keeps its cached blocks: they serve it again once it resumes. Its
+        # leases' rows say "paused", never its owner's words (the device row keeps those, once).
+        return self._give_back(dev, tuple(dev.inflight), DeviceStatus.PAUSED.value, now, blocks_lost=False, paused=True)
 
     def _on_release(self, dev: DeviceState, msg: Release, now: float) -> list[Outbound]:
         # A missing block: send the blocks again if it gets the tile back. A failed compute: the
@@ -1028,8 +1029,11 @@ class Core:
                 return self._drop(dev, CloseCode.RATE_LIMITED, "too many blocks to send again", now) + self._dispatch(
                     now
                 )
-        reason = f"{msg.why.value}: {msg.reason}" if msg.reason else msg.why.value
-        return self._give_back(dev, msg.tile_ids, reason, now, blocks_lost=missing, bar=not missing)
+        # Its leases' rows get ``why`` alone (an enum): its own words (``msg.reason``) are never
+        # stored, so giving tiles back writes no text of a device's choosing into the books.
+        if msg.reason and not missing:  # "out of memory": the operator's log has them, once a release
+            log.info("device %d (%s) failed tiles %s: %s", dev.id, dev.name, list(msg.tile_ids[:8]), msg.reason)
+        return self._give_back(dev, msg.tile_ids, msg.why.value, now, blocks_lost=missing, failed=not missing)
 
     def _pairs_of(self, tile_id: int) -> list[tuple[BlockRef, BlockRef]]:
         gemm = self.gemms[self._tile_gemm[tile_id]]
@@ -1043,20 +1047,32 @@ class Core:
         now: float,
         *,
         blocks_lost: bool,
-        bar: bool = False,
+        failed: bool = False,
+        paused: bool = False,
     ) -> list[Outbound]:
+        """``dev`` gives these tiles back (``reason``: a fixed value, never the device's words).
+        ``failed``: its compute failed, it never gets them again. ``paused``: its owner needs the
+        machine (no tile is barred for that). A give-back counts against its allowance of them
+        (``Conduct.gave_back``), and a tile given back ``trust.tile_give_backs`` times bars each
+        later giver from it, so identities bouncing tiles between them cannot go on for ever."""
         given = 0
         # Tiles its relay failed it on were held waiting on the relay, not stalled by the device.
-        stalled = self._held_long(dev, [t for t in set(tile_ids) if t in dev.inflight and t not in dev.excused], now)
+        excused = dev.excused & set(tile_ids)
+        stalled = self._held_long(dev, [t for t in set(tile_ids) if t in dev.inflight and t not in excused], now)
         dev.excused.difference_update(tile_ids)
         for tile_id in tile_ids:
             if tile_id not in dev.inflight:
                 continue  # already finished or re-issued: nothing to give back
             given += 1
             self._sent.pop((tile_id, dev.id), None)
-            if bar:  # its compute failed
+            if failed:
                 self._failed(dev.id, now)
-            self.sched.release(tile_id, dev.id, bar=bar)
+            bar = failed
+            if not paused and tile_id not in excused:
+                returned = self._given_back.get(tile_id, 0)
+                self._given_back[tile_id] = returned + 1
+                bar = bar or returned >= self.trust.tile_give_backs
+            self.sched.release(tile_id, dev.id, bar=bar, now=now)
             self._lost_tile(dev, now)
             self.store.end_lease(tile_id, dev.id, Outcome.RELEASED, self.wall(now), reason, bar=bar)
             if blocks_lost:
@@ -1064,7 +1080,7 @@ class Core:
                     dev.lose(ref)
                     self.sched.drops_blocks(dev.id, (ref.key,))
                 self.sched.update(dev.id, full=dev.full)
-        out = self._cut(dev, "it kept giving tiles back near their deadlines", now) if stalled else []
+        out = self._cut(dev, "it kept giving tiles back without returning work", now) if stalled else []
         return out + self._dispatch(now) if given else out  # nothing changed: nothing to dispatch
 
     def _held_long(self, dev: DeviceState, tile_ids: list[int], now: float) -> bool:
@@ -1077,10 +1093,11 @@ class Core:
     def _complete(self, gemm: GemmState, now: float) -> None:
         product = functools.partial(assemble, gemm.plan, gemm.parts, gemm.out_dtype or gemm.a.dtype)
         self.store.finish_gemm(gemm.id, self.wall(now))
-        self.sched.drop_gemm(gemm.id)
+        self.sched.drop_gemm(gemm.id, now)
         for tid in gemm.tiles:
             self._tile_gemm.pop(tid, None)
             self._reopened.discard(tid)
+            self._given_back.pop(tid, None)
             self._stuck_since.pop(tid, None)
         # dW is the last reader of its X and dY: their cached pieces can go everywhere.
         last_use = gemm.kind is GemmKind.GRAD_WEIGHT
@@ -1257,10 +1274,16 @@ class Core:
         self.gate.tickets = balancer
 
     def pool(self) -> tuple[int, float]:
-        """The devices that may take work now and their GEMM GFLOP/s as the cost model counts
-        them (measured, or a discounted claim until a device has returned work). O(devices)."""
+        """The devices that may take work now and their GEMM GFLOP/s as the tier's balancing
+        counts them: measured, as the cost model has them, once a device has returned verified
+        work; until then its discounted claim, at most ``UNMEASURED_GFLOPS`` (a hello's claim
+        moves no device: engine/balance.py). O(devices)."""
         profiles = self.fleet_profiles()
-        return len(profiles), sum(p.flops_per_s(self.dtype) for p in profiles.values()) / 1e9
+        total = 0.0
+        for d, p in profiles.items():
+            rate = p.flops_per_s(self.dtype) / 1e9
+            total += rate if self.profiles[d].results else min(rate, UNMEASURED_GFLOPS)
+        return len(profiles), total
 
     def fleet_profiles(self, dtype: str | None = None) -> dict[int, Profile]:
         """What the cost model knows of each device that may take work now (O(devices)), in
@@ -1323,7 +1346,8 @@ class Core:
                 leasing.append((decision.unit, dev.id))
                 out.extend(self._lease(dev, decision.unit, now))
             elif isinstance(decision, Overdue):
-                self.conduct.late(dev)
+                if decision.unit not in dev.excused:  # late waiting on a relay it reported: the relay's doing
+                    self.conduct.late(dev)
             else:  # the store sees the leases before it, in order
                 out.extend(self._write_leases(leasing, now))
                 if isinstance(decision, Assign):
@@ -1347,7 +1371,7 @@ class Core:
                     "store refused the scheduler's lease of tile %d to device %d; tile re-queued", tile_id, device_id
                 )
                 self._sent.pop((tile_id, device_id), None)
-                self.sched.release(tile_id, device_id)
+                self.sched.release(tile_id, device_id, now=now)
                 dev = self.devices.get(device_id)
                 if dev is not None:
                     dev.cancel(tile_id)
@@ -1360,14 +1384,20 @@ class Core:
     def _take_back(self, dev: DeviceState, decision: Reclaim, now: float) -> list[Outbound]:
         """The scheduler revoked ``dev``'s lease; leases taken back in a row cut the device."""
         tile_id, reason = decision.unit, decision.reason
+        # Held waiting on a relay it reported (engine/relays.py): the relay's slowness, not its stall.
+        excused = tile_id in dev.excused
+        dev.excused.discard(tile_id)
         self._sent.pop((tile_id, dev.id), None)
-        self._failed(dev.id, now)
+        if not excused:
+            self._failed(dev.id, now)
         dev.cancel(tile_id)
         self._lost_tile(dev, now)
         # Barred from the tile: it goes to someone else, never straight back to this device.
         self.store.end_lease(tile_id, dev.id, Outcome.REVOKED, self.wall(now), reason, bar=True)
-        self.store.credit_device(dev.id, revoked=1, now=self.wall(now))
         out: list[Outbound] = [self._send(dev.id, Cancel((tile_id,), f"lease taken back: {reason}"), now)]
+        if excused:
+            return out
+        self.store.credit_device(dev.id, revoked=1, now=self.wall(now))
         if self.conduct.taken_back(dev):  # else it is regraded
             out.extend(self._cut(dev, "its tiles kept running past their deadlines", now))
         return out
@@ -1376,6 +1406,9 @@ class Core:
         """Disconnect a device that holds tiles without returning them; it may come back after a
         cool-off (doubling with every cut)."""
         wait = self.conduct.cut(dev, now)
+        relay_id = self.relays.behind.get(dev.id)
+        if relay_id is not None:  # it may have stalled on its relay: no one new goes behind that for a while
+            self.relays.cool(relay_id, now)
         return self._drop(dev, CloseCode.STALLING, f"{why}; come back in {wait:.0f} s", now)
 
     def _copy(self, dev: DeviceState, tile_id: int, copy: str, now: float) -> list[Outbound]:
@@ -1384,7 +1417,7 @@ class Core:
             # The scheduler and the store disagree (a bug, never a peer's doing): say so, and let
             # the scheduler give the tile to someone else rather than stop training.
             log.error("store refused the scheduler's copy of tile %d to device %d", tile_id, dev.id)
-            self.sched.release(tile_id, dev.id)
+            self.sched.release(tile_id, dev.id, now=now)
             return []
         return self._lease(dev, tile_id, now)
 
@@ -1430,9 +1463,13 @@ class Core:
             self.sched.update(dev.id, full=True)
         more = tuple(key for pa, pb in pairs[1:] for key in (pa.key, pb.key))
         more_t = tuple(flag for pa, pb in pairs[1:] for flag in (pa.transposed, pb.transposed))
+        wait = 0.0  # the relay's wait scales with this lease's own deadline (slow links, big tiles)
+        if fetch and (hold := self.sched.hold(tile_id, dev.id)) is not None:
+            wait = max(self.relays.wait, WAIT_SHARE * (hold.soft - hold.leased_at))
         return Work(
-            tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget, more, more_t, tuple(fetch)
-        )
+            tile_id, ra.key, rb.key, ra.transposed, rb.transposed, tuple(blocks), forget, more, more_t, tuple(fetch),
+            wait,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ job
 

@@ -1,14 +1,21 @@
 """The job's energy books: what devices say they used, what of it is believed, and what the
 coordinator used itself; per step, per verified GFLOP, and in grams of CO2 (issue 23).
 
-A device's report (``energy``) is its word. It is believed within a band set by its kind
-(``hello.device``), kept over its whole connection so that no way of cutting it into reports
-widens it: what is booked for a device may not exceed the unpaused time this clock has seen it
-connected (plus ``SLACK_S`` once) times ``CEILING_W``, nor fall below the GFLOP it had verified
-by its last report over ``BEST_GFLOP_PER_J`` (the best any machine of its kind does: a device
-may not look more efficient than that on the leaderboard). A claim outside the band is booked
-at the band's edge, under the source ``capped``, and flagged: never as measured. Time paused is
-its owner's: not counted. The leaderboard divides the GFLOP its reports covered
+A device's report (``energy``) is its word. It is believed within a band kept over its whole
+connection, so that no way of cutting it into reports widens it: what is booked for a device
+may not exceed the seconds it held work (leases outstanding, by this clock; plus ``SLACK_S``
+once, if it held any) times its ceiling in watts, nor fall below the GFLOP it had verified by
+its last report over its best GFLOP per joule (a device may not look more efficient than that
+on the leaderboard). Connected time holding nothing books nothing: it is not Cleave's draw
+(and time paused holds nothing: a pause gives the work back).
+
+The band's kind (``hello.device``) is the device's word too, so it is believed only as far as
+the coordinator's own measurement bears it out: of the GFLOP it verified, those a CPU could have
+delivered in the time it held work (``CPU_PEAK_GFLOPS`` per second) are held to the CPU's band;
+only the share beyond that gets its claimed kind's ceiling and efficiency. A CPU that says
+``cuda:0`` gets a CPU's band; a GPU faster than any CPU gets more of its own as it proves it.
+A claim outside the band is booked at the band's edge, under the source ``capped``, and
+flagged: never as measured. The leaderboard divides the GFLOP its reports covered
 (``gflop_metered``), not all it did, by what was booked. The sources of the constants are in
 docs/operations.md "Energy and carbon".
 
@@ -35,6 +42,11 @@ CEILING_W: dict[str, float] = {"cpu": 350.0, "mps": 370.0, "cuda": 1050.0}
 # ~100 W, about 270; we allow 400. cuda: H100 SXM5's 67 TFLOP/s fp32 (989 in bf16) at 700 W,
 # 96 (1,400); we allow 1,500 (half-precision wires).
 BEST_GFLOP_PER_J: dict[str, float] = {"cpu": 50.0, "mps": 400.0, "cuda": 1500.0}
+# The most verified GFLOP/s a CPU delivers: the same AMD EPYC 9654, 96 cores x 2.4 GHz x 32 fp32
+# FLOP/cycle = 7,373 GFLOP/s. Verified GFLOP over the seconds a device held work is a rate it
+# cannot inflate (its results are checked, the seconds are this clock's): what it delivered up
+# to this rate is held to the CPU's band, whatever kind it claims.
+CPU_PEAK_GFLOPS = 7400.0
 SLACK_S = 5.0  # seconds, once per connection, its reports may cover beyond what this clock saw
 DEVICE_SOURCES = (EnergySource.RAPL, EnergySource.BATTERY, EnergySource.ESTIMATE)
 # World-average carbon intensity of electricity generation, gCO2e/kWh: 436 in 2022 (Ember, *Global
@@ -70,12 +82,11 @@ class Claim:
 class DeviceEnergy:
     """One device's energy in this job (while it is connected)."""
 
-    kind: str
-    since: float  # when its current span began (its welcome, its last report, its resume)
+    kind: str  # as its hello claims (its band follows it only as far as its rate does)
     gflop_at: float  # its verified GFLOP at its last report (or welcome)
     gflop_start: float  # ... at its welcome
-    seen: float = 0.0  # unpaused seconds this clock saw it connected, up to ``since``
-    paused_at: float | None = None  # while its owner has it paused
+    held: float = 0.0  # seconds it held work, by its last report (this clock)
+    gpu_share: float = 0.0  # of its verified GFLOP, the share delivered beyond a CPU's rate
     joules: float = 0.0  # booked
     grams: float = 0.0
     flagged: int = 0
@@ -155,48 +166,42 @@ class EnergyBooks:
         self._step_flagged = 0
         self._gflop_at = 0.0  # the job's verified GFLOP when the step began
 
-    def joined(self, device: int, kind: str, gflop: float, now: float, *, paused: bool = False) -> None:
-        """A device is welcomed (``paused``: by a hello that says so): its span starts now."""
-        self.devices[device] = DeviceEnergy(kind_of(kind), now, gflop, gflop, paused_at=now if paused else None)
-
-    def paused(self, device: int, now: float) -> None:
-        """Its owner paused it: the time from now on is not Cleave's."""
-        dev = self.devices.get(device)
-        if dev is not None and dev.paused_at is None:
-            dev.paused_at = now
-
-    def resumed(self, device: int, now: float) -> None:
-        """It resumes: its span goes on from now (what it verified meanwhile still counts)."""
-        dev = self.devices.get(device)
-        if dev is not None and dev.paused_at is not None:
-            dev.seen += max(0.0, dev.paused_at - dev.since)
-            dev.since, dev.paused_at = now, None
+    def joined(self, device: int, kind: str, gflop: float) -> None:
+        """A device is welcomed, with ``gflop`` verified before (other connections)."""
+        self.devices[device] = DeviceEnergy(kind_of(kind), gflop, gflop)
 
     def left(self, device: int) -> DeviceEnergy | None:
         """A device is gone: its span ends unreported."""
         return self.devices.pop(device, None)
 
-    def claim(self, device: int, msg: Energy, gflop: float, now: float) -> Claim:
-        """A device's report, at ``now``, when its verified GFLOP are ``gflop`` in all: booked
+    def claim(self, device: int, msg: Energy, gflop: float, held: float) -> Claim:
+        """A device's report, when its verified GFLOP are ``gflop`` in all and it has held work
+        for ``held`` seconds over this connection (the scheduler's count, this clock): booked
         within its band. Raises ValueError for a source a device may not claim."""
         if msg.source not in DEVICE_SOURCES:
             raise ValueError(f"energy.source must be one of {', '.join(s.value for s in DEVICE_SOURCES)}")
         dev = self.devices.get(device)
         if dev is None:
             raise ValueError(f"device {device} is not metered here")
-        until = now if dev.paused_at is None else dev.paused_at  # a paused device's time stopped there
-        dev.seen += max(0.0, until - dev.since)
-        dev.since = until
-        most = (dev.seen + SLACK_S) * CEILING_W[dev.kind] - dev.joules  # over its connection: no report widens it
+        dev.held = max(dev.held, held)
+        span = dev.held + SLACK_S if dev.held > 0 else 0.0  # held nothing: none of its draw is Cleave's
+        done = max(0.0, gflop - dev.gflop_start)  # verified over this connection
+        cpu_could = min(done, span * CPU_PEAK_GFLOPS)  # ... of which a CPU could have delivered
+        dev.gpu_share = (done - cpu_could) / done if done > 0 and dev.kind != "cpu" else 0.0
+        cpu, own = 1.0 - dev.gpu_share, dev.gpu_share
+        watts = cpu * CEILING_W["cpu"] + own * CEILING_W[dev.kind]
+        most = span * watts - dev.joules  # over its connection: no report widens it
         covered = max(0.0, gflop - dev.gflop_at)
-        least = (gflop - dev.gflop_start) / BEST_GFLOP_PER_J[dev.kind] - dev.joules
+        least = done * (cpu / BEST_GFLOP_PER_J["cpu"] + own / BEST_GFLOP_PER_J[dev.kind]) - dev.joules
         claimed = msg.joules + msg.gpu_joules
         flagged = ""
-        if claimed > most:
-            flagged = f"{claimed:.0f} J is over its kind's {CEILING_W[dev.kind]:g} W for the {dev.seen:.0f} s seen"
+        if span == 0.0:  # a report of time it held nothing (a leave, a pause): nothing to book, no lie
+            booked = {}
+        elif claimed > most:
+            flagged = f"{claimed:.0f} J is over {watts:.0f} W for the {dev.held:.0f} s it held work"
             booked = {EnergySource.CAPPED: max(0.0, most)}
         elif claimed < least:
-            flagged = f"{claimed:.0f} J for {covered:.0f} GFLOP is beyond its kind's efficiency"
+            flagged = f"{claimed:.0f} J for {covered:.0f} GFLOP is beyond the efficiency its measured rate allows"
             booked = {EnergySource.CAPPED: least}
         else:
             booked = {s: j for s, j in ((msg.source, msg.joules), (EnergySource.NVML, msg.gpu_joules)) if j > 0}

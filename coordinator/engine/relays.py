@@ -14,6 +14,13 @@ strike, and a relay that ``STRIKES`` different devices report is dropped (not ba
 be slow). A relay that only lacked a block (``UNREACHABLE``) is avoided by that device for
 ``AVOID_S`` seconds and struck by no one.
 
+A slow relay costs the relay, never its devices: a device waits on it at most ``wait`` seconds a
+work frame (``WAIT_SHARE`` of the shortest lease deadline, told in ``use_relay``), then takes its
+blocks from the coordinator and reports the relay stalled; the leases it held meanwhile are
+excused (the Core neither counts their take-back nor their give-back as its stall). A relay
+reported stalled, or one whose device was cut, takes no new devices for a cool-off
+(``COOLOFF_S``, doubling with each such mark up to ``AVOID_S``).
+
 Pure: no clock of its own, no I/O; the Core holds one ``Relays`` and sends what it decides.
 """
 
@@ -38,6 +45,12 @@ MAX_DEVICES_PER_RELAY = 1024  # devices one relay serves at most
 # 64 MiB queue for one peer (Limits.outbound_queue).
 MAX_REPLY_BYTES = 16 << 20
 AVOID_S = 600.0  # seconds a device keeps off a relay it could not take its blocks from
+# A device waits on its relay for one work frame's blocks this share of the shortest lease
+# deadline (FaultPolicy.lease_floor: a lease is late no sooner, and taken back no sooner than
+# twice that): it gives up, reports the relay and has the coordinator's blocks well before
+# its leases would be copied or taken back.
+WAIT_SHARE = 0.5
+COOLOFF_S = 60.0  # first cool-off of a relay reported stalled (or whose device was cut): no new devices
 
 
 def relay_url_ok(url: str) -> bool:
@@ -77,6 +90,8 @@ class RelayState:
     served: dict[str, int] = field(default_factory=dict)  # digest -> times sent to it
     named: set[str] = field(default_factory=set)  # digests named this step for its own devices
     strikes: set[int] = field(default_factory=set)  # devices that reported it, unproven
+    slow: int = 0  # times reported stalled, or a device of it cut: each doubles its cool-off
+    cool_until: float = 0.0  # no new devices go behind it before this (monotonic seconds)
     bytes_out: int = 0  # block bytes the coordinator sent it
     bytes_named: int = 0  # block bytes its devices were told to fetch from it
 
@@ -93,7 +108,8 @@ class Verdict:
 class Relays:
     """The coordinator's relays, the devices behind each, and the blocks it may serve them."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait: float = 1.0) -> None:
+        self.wait = wait  # seconds a device waits on its relay for one work frame's blocks (use_relay.wait)
         self.relays: dict[int, RelayState] = {}
         self.behind: dict[int, int] = {}  # device -> its relay
         self._down: dict[int, float] = {}  # device -> the downlink it was placed with
@@ -124,14 +140,19 @@ class Relays:
     def place(self, device: int, down: float = 1.0, now: float = 0.0) -> UseRelay | None:
         """Put a device whose downlink is ``down`` bytes/s behind the relay whose devices'
         downlinks add up to least (what its egress would have to feed were they all busy;
-        ties: fewest devices, then the lowest id), none it avoids at ``now``; None: no relay has
-        room. The device takes its blocks from there from its next work on."""
+        ties: fewest devices, then the lowest id), none it avoids at ``now`` and none cooling off
+        (reported slow: its load fell because its devices left it); None: no relay has room. The
+        device takes its blocks from there from its next work on."""
         if device in self.behind or not self.relays:
             return None
         avoid = self.avoid.get(device, {})
         for relay_id in [r for r, until in avoid.items() if until <= now]:
             del avoid[relay_id]  # an UNREACHABLE report's time is up: it may try that relay again
-        open_ = [r for r in self.relays.values() if len(r.devices) < MAX_DEVICES_PER_RELAY and r.id not in avoid]
+        open_ = [
+            r
+            for r in self.relays.values()
+            if len(r.devices) < MAX_DEVICES_PER_RELAY and r.id not in avoid and r.cool_until <= now
+        ]
         if not open_:
             return None
         relay = min(open_, key=lambda r: (r.load, len(r.devices), r.id))
@@ -139,7 +160,18 @@ class Relays:
         relay.load += down
         self._down[device] = down
         self.behind[device] = relay.id
-        return UseRelay(relay.id, relay.url, relay_ticket(relay.key, relay.id, device))
+        return UseRelay(relay.id, relay.url, relay_ticket(relay.key, relay.id, device), self.wait)
+
+    def cool(self, relay_id: int, now: float) -> float:
+        """``relay_id`` was slow (reported stalled, or a device of it was cut): it takes no new
+        devices until the returned time (``COOLOFF_S``, doubling with each mark, at most
+        ``AVOID_S``). Its devices stay: each finds out and reports it on its own."""
+        relay = self.relays.get(relay_id)
+        if relay is None:
+            return now
+        relay.slow += 1
+        relay.cool_until = max(relay.cool_until, now + min(AVOID_S, COOLOFF_S * 2 ** (relay.slow - 1)))
+        return relay.cool_until
 
     def leave(self, device: int) -> None:
         """A device is gone, or will take its blocks from the coordinator."""
@@ -220,7 +252,8 @@ class Relays:
         only with the relay's own seal on serving bytes of digest ``got`` as ``digest``: then the
         relay is banned. Without proof (a device may say anything, and a relay may seal what it
         did not send) a stall or wrong bytes counts a strike; a relay that lacked a block
-        (``UNREACHABLE``) does not (an honest one may have been evicted or sent its limit)."""
+        (``UNREACHABLE``) does not (an honest one may have been evicted or sent its limit). A
+        stall also cools the relay off (``cool``): no new devices go behind it for a while."""
         relay = self.relays.get(relay_id)
         if relay is None or self.behind.get(device) != relay_id:
             return None
@@ -232,6 +265,8 @@ class Relays:
             return Verdict(True, True, f"its own seal says it served other bytes as block {digest[:16]}")
         if fault is RelayFault.UNREACHABLE:
             return Verdict(False, False, f"device {device} could not take its blocks there")
+        if fault is RelayFault.STALLED:  # slow for this device: no one new goes behind it for a while
+            self.cool(relay_id, now)
         relay.strikes.add(device)
         if len(relay.strikes) >= STRIKES:
             return Verdict(False, True, f"{len(relay.strikes)} devices reported it ({fault.value})")

@@ -156,6 +156,22 @@ class Seat:
     down_rate: float = 0.0  # bytes/s of its links as last estimated (0: not known)
     up_rate: float = 0.0
     batch: int = 1  # the most units it takes in one work frame (its hello's batch)
+    # Seconds it held at least one unit (up to ``held_since``, when it last went from holding
+    # nothing to holding work): the energy books book a device's draw for these only.
+    held_s: float = 0.0
+    held_since: float | None = None
+
+    def held(self, now: float) -> float:
+        """Seconds it has held work since it joined, up to ``now``."""
+        return self.held_s + (max(0.0, now - self.held_since) if self.held_since is not None else 0.0)
+
+    def holds(self, now: float) -> None:
+        """Its leases changed at ``now``: start or stop its held-work clock."""
+        if self.inflight and self.held_since is None:
+            self.held_since = now
+        elif not self.inflight and self.held_since is not None:
+            self.held_s += max(0.0, now - self.held_since)
+            self.held_since = None
 
     @property
     def refill(self) -> int:
@@ -214,6 +230,7 @@ class Scheduler:
         self._barred_units: set[int] = set()  # units some device may not take (it failed them)
         self._seq = 0
         self._looks = scan  # steal looks left in this dispatch (``assign``)
+        self._now = 0.0  # the latest time a caller gave: a lease ended by a caller that gives none ends then
 
     # ------------------------------------------------------------------ views
 
@@ -396,8 +413,9 @@ class Scheduler:
             if home in self._ready:
                 self._ready.move_to_end(home, last=False)
 
-    def drop_gemm(self, gemm: int) -> None:
-        """The GEMM is done (or abandoned): forget its units."""
+    def drop_gemm(self, gemm: int, now: float | None = None) -> None:
+        """The GEMM is done (or abandoned) at ``now``: forget its units."""
+        at = self._at(now)
         for uid in self._gemm_units.pop(gemm, ()):
             self._done.pop(uid, None)
             u = self.units.pop(uid, None)
@@ -410,6 +428,7 @@ class Scheduler:
                 seat = self.seats.get(device)
                 if seat is not None:
                     seat.inflight.pop(uid, None)
+                    seat.holds(at)
                     self._refresh(seat)
             self._late.pop(uid, None)
             self._thin.pop(uid, None)
@@ -472,6 +491,7 @@ class Scheduler:
             self._thin.pop(uid, None)
         heapq.heappush(self._deadlines, (hold.soft, hold.seq, uid, seat.id))
         seat.inflight[uid] = now
+        seat.holds(self._at(now))
         self._refresh(seat)
 
     def on_wire(self, unit: int, device: int, now: float) -> None:
@@ -507,12 +527,18 @@ class Scheduler:
         hold.seq = self._seq
         heapq.heappush(self._deadlines, (hold.hard if hold.late else hold.soft, hold.seq, unit, device))
 
-    def _end(self, uid: int, device: int, *, bar: bool) -> bool:
+    def _at(self, now: float | None) -> float:
+        if now is not None:
+            self._now = max(self._now, now)
+        return self._now
+
+    def _end(self, uid: int, device: int, *, bar: bool, now: float | None = None) -> bool:
         """``device``'s lease of ``uid`` ends without a result. True if the unit queued again."""
         u = self.units.get(uid)
         seat = self.seats.get(device)
         if seat is not None:
             seat.inflight.pop(uid, None)
+            seat.holds(self._at(now))
             self._refresh(seat)
         if u is None or u.holders.pop(device, None) is None:
             return False
@@ -531,14 +557,15 @@ class Scheduler:
         self._moved()
         return True
 
-    def release(self, unit: int, device: int, *, bar: bool = False) -> bool:
+    def release(self, unit: int, device: int, *, bar: bool = False, now: float | None = None) -> bool:
         """The device gave the unit back, failed it, or lost it to a reject (``bar``: never to
         it again). True if the unit is queued again."""
-        return self._end(unit, device, bar=bar)
+        return self._end(unit, device, bar=bar, now=now)
 
-    def done(self, unit: int, device: int) -> list[int]:
+    def done(self, unit: int, device: int, now: float | None = None) -> list[int]:
         """``device``'s result for ``unit`` was verified: every other holder loses the race.
         Returns those devices (they are told to drop it)."""
+        at = self._at(now)
         u = self.units.pop(unit, None)
         if u is None:
             return []
@@ -548,6 +575,7 @@ class Scheduler:
             seat = self.seats.get(d)
             if seat is not None:
                 seat.inflight.pop(unit, None)
+                seat.holds(at)
                 self._refresh(seat)
         u.holders.clear()
         self._late.pop(unit, None)
@@ -605,7 +633,7 @@ class Scheduler:
                 heapq.heappush(self._deadlines, (hold.hard, seq, uid, device))
                 out.append(Overdue(device, uid))
             else:
-                self._end(uid, device, bar=True)  # it goes to someone else, never straight back
+                self._end(uid, device, bar=True, now=now)  # it goes to someone else, never straight back
                 out.append(Reclaim(device, uid, "held past twice its deadline"))
         return out
 
@@ -764,7 +792,7 @@ class Scheduler:
                 continue
             if len(u.holders) >= f.max_copies + 1:
                 victim = min(late, key=lambda d: u.holders[d].soft)
-                self._end(uid, victim, bar=True)
+                self._end(uid, victim, bar=True, now=now)
                 yield Reclaim(victim, uid, "late while another device was free")
                 if not u.holders or uid not in self.units:  # queued again, for assign
                     continue

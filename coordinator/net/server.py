@@ -130,13 +130,15 @@ def _reason(text: str) -> str:
     return text.encode()[:120].decode(errors="ignore")
 
 
-async def _refuse(ws: ServerConnection, code: int, reason: str) -> None:
+async def _refuse(ws: ServerConnection, code: int, reason: str) -> bool:
     """Close with a code and a reason, without waiting on a peer that may never answer, or that
-    keeps streaming a frame we refused: its socket is dropped after a short grace."""
+    keeps streaming a frame we refused: its socket is dropped after a short grace. True when the
+    peer answered the close within it."""
     try:
         await asyncio.wait_for(ws.close(code, reason), REFUSE_GRACE)
+        return True
     except (TimeoutError, asyncio.TimeoutError):
-        pass
+        return False
     finally:
         ws.transport.abort()
 
@@ -259,7 +261,12 @@ class Server:
                 await asyncio.wait_for(ws.send(encode(exc.message)), REFUSE_GRACE)
             except (ConnectionClosed, TimeoutError, asyncio.TimeoutError):
                 return
-            await _refuse(ws, CloseCode.REDIRECTED, f"redirected to rank {exc.message.rank}")
+            if not await _refuse(ws, CloseCode.REDIRECTED, f"redirected to rank {exc.message.rank}"):
+                # It ignored the redirect: dropped, and its unredeemed ticket is put down to it,
+                # not to the rank it was sent to (engine/balance.py, ``ignored_by``).
+                log.info("a newcomer from %s ignored its redirect to rank %d", ws.remote_address, exc.message.rank)
+                if self.core.balancer is not None:
+                    self.core.balancer.ignored_by(exc.message.rank)
             return
         self._authenticated(ws)
         if self.senders is not None:  # the loop's own transport if this one cannot be had (no descriptor left)

@@ -5,13 +5,18 @@ torch's TCPStore there, or ``env://`` under torchrun), forms the gloo process gr
 makes every rank prove it holds the tier's secret before any of them trains: each draws a
 fresh nonce, the nonces are gathered, and each rank sends ``HMAC(secret, rank | world | job |
 nonces)`` (``wire/auth.py``). A rank whose proof fails, or that was started for another job (the
-digest of its training options differs), stops every rank with ``TierRefused``.
+digest of its training options differs), stops every rank with ``TierRefused``; so does a rank
+given another secret, as soon as a rank waiting at the rendezvous sees its keys there (they are
+under another namespace, and it never meets the others).
 
 torch's store has no authentication of its own: anyone who reaches the rendezvous port can
-read and write its keys and could take a rank's place in the group. The proof keeps such a
-stranger from ever counting as a rank (the tier refuses to start); it cannot keep it from
-disturbing the rendezvous, which is why the port belongs on a private network
-(docs/security.md).
+read, list and write its keys. Rank 0 listens only on the address ``--rendezvous`` names; every
+key lives under a namespace only the secret names, and every value a rank reads back is sealed
+(gloo's addresses under the secret and rank 0's nonce for this run, the tier's own heartbeats,
+arrivals, notices and summaries under the meeting's key) and bounded, so a stranger's is ignored
+with a logged line (``rendezvous.py``). The proof keeps a stranger from ever counting as a rank;
+none of this keeps it from deleting keys or filling the store, which is why the port belongs on
+a private network (docs/security.md).
 
 The tier's view: every ``STATUS_EVERY`` seconds the same thread publishes this rank's summary
 (its step, devices, tiles a second, its pool's measured GFLOP/s, its URL) under ``status/<rank>``
@@ -24,9 +29,10 @@ carries no figures. (The store hands over a value whole, however big: the size c
 control, not a bound on what a stranger at the port can make a rank read. The exchange runs on
 a thread of its own with a 5 s store timeout, so it can never hold up a heartbeat.)
 
-Liveness: every rank bumps a counter in the store every ``HEARTBEAT`` seconds from a thread of
-its own. Before each step's collectives a rank waits at the step's barrier until every rank has
-arrived; while it waits it watches the counters, and a rank whose counter has not moved for
+Liveness: every rank writes its heartbeat count to the store (``alive/<rank>``, sealed) every
+``HEARTBEAT`` seconds from a thread of its own. Before each step's collectives a rank marks its
+arrival (``step/<step>/<rank>``, sealed) and waits at the step's barrier until every rank's is
+there; while it waits it watches the counts, and a rank whose count has not risen for
 ``timeout`` seconds is lost: ``RankLost`` names it and the job stops (exit 1). The rank that
 notices first writes the loss to the store, and the others name the same rank from it (rank 0,
 which hosts the store, waits up to ``ANNOUNCE_GRACE`` for them to read it before it leaves). A
@@ -54,6 +60,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from coordinator.tier.rendezvous import LOOKOUT, RUN, Doubts, SealedStore, foreign, listen, namespace, seal, unseal
 from coordinator.training.parallel import DataParallel, all_gather
 from coordinator.wire import auth
 from coordinator.wire.errors import ConfigError, JobAborted
@@ -65,7 +72,13 @@ HEARTBEAT = 1.0  # seconds between a rank's heartbeats
 STATUS_EVERY = 2  # heartbeats between two publications of a rank's summary
 MAX_STATUS_BYTES = 2048  # a published summary's JSON, at most (a bigger one is not believed)
 VIEW_TIMEOUT = 5.0  # seconds a look at the store for the tier's view may wait
-LOST, LOST_ACKS = "lost", "lost/acks"  # store keys: which rank was lost and why; ranks that read it
+LOST, LOST_ACK = "lost", "lost/ack/{rank}"  # store keys: which rank was lost and why; a rank that read it
+MAX_NEWS = 512  # bytes of a loss's notice, at most
+MAX_COUNT = 20  # digits of a heartbeat count, at most
+OTHER_SECRET = (
+    "the rendezvous store holds keys under another secret: every rank needs the same --tier-secret"
+    " (or a stranger at the port wrote them)"
+)
 ANNOUNCE_GRACE = 5.0  # seconds rank 0 keeps the store up for the others to read a loss
 MAX_URL = 256
 POLL = 0.02  # seconds between looks at a barrier
@@ -155,6 +168,11 @@ class Tier:
     # the store or the engine: the job refreshes a snapshot on its loop).
     summary: Callable[[], RankSummary | None] | None = None
     _beats: dist.Store | None = None
+    _beats_sent: int = 0
+    _gloo: dist.Store | None = None  # the sealed store gloo met through (its C++ side calls back into it)
+    _arrivals: list[str] = field(default_factory=list)  # this rank's arrival keys at the last barriers
+    _lost_rank: int | None = None
+    _doubts: Doubts = field(default_factory=Doubts)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -177,7 +195,7 @@ class Tier:
         def beat() -> None:
             while not self._stop.wait(HEARTBEAT):
                 try:
-                    beats.add(f"alive/{self.rank}", 1)
+                    self.beat(beats)
                 except Exception:  # a slow store, or rank 0 gone (the barrier says so): beat on
                     continue
 
@@ -196,52 +214,101 @@ class Tier:
                     if failed == 1:
                         log.warning("tier: could not refresh the view of the other ranks: %s", exc)
 
-        beats.add(f"alive/{self.rank}", 1)
+        self.beat(beats)
         self._thread = threading.Thread(target=beat, name=f"cleave-tier-beat-{self.rank}", daemon=True)
         self._thread.start()
         if views is not None:
             threading.Thread(target=look, name=f"cleave-tier-view-{self.rank}", daemon=True).start()
 
+    def _sealed(self, name: str, value: bytes) -> bytes:
+        return seal(self.key, name, value)
+
+    def _believed(self, store: dist.Store, names: list[str], limit: int) -> list[bytes | None]:
+        """The values under ``names`` that a rank of this meeting sealed; None for one absent, or
+        not believed (forged, moved from another key, from another run, too big: logged once).
+        Raises what the store raises."""
+        if store.check(names):  # the usual case: one read for all
+            raw: list[bytes | None] = list(store.multi_get(names))
+        else:
+            raw = [store.get(name) if store.check([name]) else None for name in names]
+        out: list[bytes | None] = []
+        for name, data in zip(names, raw, strict=True):
+            value, why = unseal(self.key, name, data, limit) if data is not None else (None, "")
+            if why:
+                self._doubts.note(name, why)
+            elif value is not None:
+                self._doubts.clear(name)
+            out.append(value)
+        return out
+
+    def beat(self, store: dist.Store) -> None:
+        """One heartbeat: this rank's count, sealed, so no one else can make it rise."""
+        self._beats_sent += 1
+        name = f"alive/{self.rank}"
+        store.set(name, self._sealed(name, str(self._beats_sent).encode()))
+
+    def _counts(self, store: dist.Store) -> list[int]:
+        """Every rank's heartbeat count as sealed in the store (-1: none believed)."""
+        got = self._believed(store, [f"alive/{r}" for r in range(self.world)], MAX_COUNT)
+        return [int(v) if v and v.isdigit() else -1 for v in got]
+
     def _beat_counts(self) -> list[int]:
         try:
-            return [int(self.store.add(f"alive/{r}", 0)) for r in range(self.world)]
+            return self._counts(self.store)
         except Exception as exc:  # rank 0 hosts the store
             raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
+
+    def _still_waiting(self, names: list[str], waiting: list[int], read: bool) -> tuple[list[int], bool]:
+        """The ranks of ``waiting`` whose sealed arrival is not in the store yet, and whether a
+        key of theirs holds a value not believed. One read while any is missing."""
+        if not read:  # (asked only while a value is doubted: it stays so until the next read)
+            return waiting, True
+        keys = [names[r] for r in waiting]
+        if not self.store.check(keys):
+            return waiting, False
+        left = [r for r, value in zip(waiting, self._believed(self.store, keys, 0), strict=True) if value is None]
+        return left, bool(left)
 
     def arrive(self, step: int) -> None:
         """Wait until every rank reached ``step``'s sums; raise ``RankLost`` for one that stopped
         beating for ``timeout`` seconds meanwhile."""
-        key = f"step/{step}"
+        names = [f"step/{step}/{r}" for r in range(self.world)]
+        mine = names[self.rank]
+        waiting = [r for r in range(self.world) if r != self.rank]
         try:
-            arrived = int(self.store.add(key, 1))
+            self.store.set(mine, self._sealed(mine, b""))
+            # Every rank has passed the barrier before last (it arrived at the last): its key can go.
+            self._arrivals.append(mine)
+            if len(self._arrivals) > 2:
+                self.store.delete_key(self._arrivals.pop(0))
+            waiting, doubted = self._still_waiting(names, waiting, read=True)
         except Exception as exc:
             raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
         last = self._beat_counts()
         moved = [self.clock()] * self.world
-        # Arrivals are one read; every rank's heartbeat is ``world`` reads, of counters that move
+        # Arrivals are one read; every rank's heartbeat is ``world`` reads, of counts that rise
         # once a second: read them once a heartbeat (less often in a big tier), not every poll.
+        # So are arrivals once a key holds a value not believed (it may be big).
         looked = self.clock()
         every = HEARTBEAT * max(1, self.world // 64)
-        while arrived < self.world:
+        while waiting:
             time.sleep(POLL)
             now = self.clock()
-            if now - looked < every:
-                try:
-                    arrived = int(self.store.add(key, 0))
-                except Exception as exc:
-                    raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
-                continue
-            looked = now
-            self._heard_of_a_loss()
-            counts = self._beat_counts()
-            for r, (old, new) in enumerate(zip(last, counts, strict=True)):
-                if new != old:
-                    moved[r] = now
-                elif r != self.rank and now - moved[r] > self.timeout:
-                    self._announce(r, f"no heartbeat for {self.timeout:g} s")
-            last = counts
+            look = now - looked >= every
+            if look:
+                looked = now
+                self._heard_of_a_loss()
+                counts = self._beat_counts()
+                for r, (old, new) in enumerate(zip(last, counts, strict=True)):
+                    if new > old:
+                        moved[r] = now
+                    elif r != self.rank and now - moved[r] > self.timeout:
+                        self._announce(r, f"no heartbeat for {self.timeout:g} s")
+                last = [max(old, new) for old, new in zip(last, counts, strict=True)]
             try:
-                arrived = int(self.store.add(key, 0))
+                if look:  # again: a stranger may have deleted or overwritten it
+                    self.store.set(mine, self._sealed(mine, b""))
+                waiting, doubted = self._still_waiting(names, waiting, read=look or not doubted)
             except Exception as exc:
                 raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
 
@@ -262,24 +329,28 @@ class Tier:
             now = self.clock()
             counts = self._beat_counts()
             for r, (old, new) in enumerate(zip(last, counts, strict=True)):
-                if new != old:
+                if new > old:
                     moved[r] = now
                 elif r != self.rank and now - moved[r] > self.timeout:
                     self._announce(r, f"no heartbeat for {self.timeout:g} s after a collective failed")
-            last = counts
+            last = [max(old, new) for old, new in zip(last, counts, strict=True)]
 
     def _announce(self, rank: int, why: str) -> None:
         """Rank ``rank`` is lost: tell the others through the store (so each names the same rank,
         whoever noticed first, even once rank 0 leaves and takes the store), then stop."""
-        self._lost_announced = True
+        self._lost_announced, self._lost_rank = True, rank
         try:
-            news = f"lost|{rank}|{why}".encode()  # sealed: a stranger at the port cannot stop the tier so
+            news = f"lost|{rank}|{why}".encode()[:MAX_NEWS]  # sealed: a stranger at the port cannot stop the tier so
             self.store.set(LOST, auth.tier_lost_mac(self.key, rank, news) + news)
             if self.rank != 0:  # it knows: rank 0 need not wait for it to read the news
-                self.store.add(LOST_ACKS, 1)
+                self._acknowledge()
         except Exception:  # the store is gone too: the others will say so
             pass
         raise RankLost(rank, why)
+
+    def _acknowledge(self) -> None:
+        name = LOST_ACK.format(rank=self.rank)
+        self.store.set(name, self._sealed(name, b""))
 
     def _heard_of_a_loss(self) -> None:
         """Another rank announced a lost one: acknowledge, and stop naming the same rank."""
@@ -291,11 +362,14 @@ class Tier:
             return
         mac, news = data[:32], data[32:]
         _, rank, why = news.decode(errors="replace").split("|", 2) if news.count(b"|") >= 2 else ("", "", "")
-        if not (rank.isdigit() and 0 <= int(rank) < self.world and auth.tier_lost_ok(self.key, int(rank), news, mac)):
+        if len(news) > MAX_NEWS or not (
+            rank.isdigit() and 0 <= int(rank) < self.world and auth.tier_lost_ok(self.key, int(rank), news, mac)
+        ):
+            self._doubts.note(LOST, "too big" if len(news) > MAX_NEWS else "it fails the tier's seal")
             return  # not a rank's word: not believed
         if not self._lost_announced:  # its own notice is no other rank's acknowledgement
             try:
-                self.store.add(LOST_ACKS, 1)
+                self._acknowledge()
             except Exception:
                 pass
         raise RankLost(int(rank), why[:200] or "announced by another rank")
@@ -315,12 +389,11 @@ class Tier:
                 self.publish(store, mine)
         now = self.clock()
         rows = []
-        for r in range(self.world):
-            count = int(store.add(f"alive/{r}", 0))
+        for r, count in enumerate(self._counts(store)):
             last, since = self._moved.get(r, (count, now))
-            if count != last:
+            if count > last:
                 since = now
-            self._moved[r] = (count, since)
+            self._moved[r] = (max(count, last), since)
             quiet = now - since
             health = (
                 Health.SELF
@@ -350,11 +423,14 @@ class Tier:
         data = store.get(key)
         mac, payload = data[:32], data[32:]
         if len(data) > 32 + MAX_STATUS_BYTES or not auth.tier_status_ok(self.key, r, payload, mac):
+            self._doubts.note(key, "too big" if len(data) > 32 + MAX_STATUS_BYTES else "it fails the tier's seal")
             return None, "its published status failed the tier's seal: not believed"
         try:
             summary = RankSummary.from_json(payload)
         except ValueError as exc:
+            self._doubts.note(key, f"malformed: {exc}")
             return None, f"its published status is malformed ({exc}): not believed"
+        self._doubts.clear(key)
         seen = self._seen.get(r)
         if seen is not None and summary.seq < seen.seq:  # an old one again: a replay
             return seen, None
@@ -378,8 +454,11 @@ class Tier:
         self._stop.set()
         if self._lost_announced and self.rank == 0:  # rank 0 holds the store: let the others read it
             deadline = time.monotonic() + ANNOUNCE_GRACE
+            acks = [LOST_ACK.format(rank=r) for r in range(1, self.world) if r != self._lost_rank]
             try:
-                while int(self.store.add(LOST_ACKS, 0)) < self.world - 2 and time.monotonic() < deadline:
+                while time.monotonic() < deadline:
+                    if not acks or (self.store.check(acks) and None not in self._believed(self.store, acks, 0)):
+                        break
                     time.sleep(POLL)
             except Exception:
                 pass
@@ -425,30 +504,73 @@ def join_tier(
     ``job``: a digest of the training options every rank must share. Blocks until every rank
     came (at most ``timeout`` seconds)."""
     if not secret:
-        raise ConfigError("a tier needs its secret: --tier-secret or CLEAVE_TIER_SECRET, the same on every rank")
+        raise ConfigError(
+            "a tier needs its secret: CLEAVE_TIER_SECRET or --tier-secret-file (or --tier-secret), the same on every "
+            "rank"
+        )
     host, port, rank, world = _place(rendezvous, rank, world)
     wait = timedelta(seconds=timeout)
+    # Under torchrun the agent already serves the store at MASTER_PORT (every interface, its
+    # choice): rank 0 is then a client, and each restart of the ranks meets under a prefix of its own.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    host_it = rank == 0 and not agent
+    space = namespace(secret.encode(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent else None)
+    listening = listen(host, port) if host_it else None  # the named address only, not every one
+    store: dist.Store | None = None
     try:
-        # Under torchrun the agent already serves the store at MASTER_PORT: rank 0 is then a client.
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        host_it = rank == 0 and not agent
-        store = dist.TCPStore(host, port, world, is_master=host_it, timeout=wait, wait_for_workers=False)
-        prefixed = dist.PrefixStore("cleave-tier/", store)
-        group = dist.PrefixStore("pg/", prefixed)
-        dist.init_process_group("gloo", store=group, rank=rank, world_size=world, timeout=wait)
+        store = dist.TCPStore(
+            host, port, world, is_master=host_it, timeout=wait, wait_for_workers=False, master_listen_fd=listening
+        )
+        prefixed = dist.PrefixStore(space, store)
+        gloo = _sealed_for_gloo(store, prefixed, secret.encode(), rank, world, wait, random_bytes)
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg/", gloo), rank=rank, world_size=world, timeout=wait)
     except (RuntimeError, TimeoutError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
-        raise JobAborted(f"could not form the tier at {rendezvous} as rank {rank} of {world}: {exc}") from None
-    tier = Tier(rank, world, prefixed, timeout, secret=secret.encode())
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if OTHER_SECRET in why:  # (raised by the lookout from inside gloo, which re-raises it so)
+            raise TierRefused(OTHER_SECRET) from None
+        raise JobAborted(f"could not form the tier at {rendezvous} as rank {rank} of {world}: {why}") from None
+    tier = Tier(rank, world, prefixed, timeout, secret=secret.encode(), _gloo=gloo)
     try:
         _prove(tier, secret.encode(), job, random_bytes)
     except BaseException:
         tier.close()
         raise
-    beats = dist.PrefixStore("cleave-tier/", dist.TCPStore(host, port, world, is_master=False, timeout=wait))
+    beats = dist.PrefixStore(space, dist.TCPStore(host, port, world, is_master=False, timeout=wait))
     look = timedelta(seconds=VIEW_TIMEOUT)
-    views = dist.PrefixStore("cleave-tier/", dist.TCPStore(host, port, world, is_master=False, timeout=look))
+    views = dist.PrefixStore(space, dist.TCPStore(host, port, world, is_master=False, timeout=look))
     tier.start_heartbeat(beats, views)
     return tier
+
+
+def _sealed_for_gloo(
+    store: dist.Store,
+    space: dist.Store,
+    secret: bytes,
+    rank: int,
+    world: int,
+    wait: timedelta,
+    random_bytes: Callable[[int], bytes],
+) -> SealedStore:
+    """What gloo meets through: rank 0 draws this run's nonce, and every rank seals its address
+    under the secret and that nonce (an address sealed in an earlier run does not pass). A rank
+    given another secret waits in another namespace: any rank that sees its keys while it waits
+    refuses at once, rather than wait out the timeout."""
+
+    def lookout() -> None:
+        if foreign(store, secret):
+            raise TierRefused(OTHER_SECRET)
+
+    every = LOOKOUT * max(1, world // 64)  # (a look lists every key in the store)
+    door = SealedStore(auth.tier_store_key(secret), space, wait, lookout=lookout, every=every)
+    if rank == 0:
+        nonce = random_bytes(NONCE_BYTES)
+        door.set(RUN, nonce)
+    else:
+        door.set(f"here/{rank}", b"")  # (so rank 0, should this rank hold another secret, can say so)
+        nonce = door.get(RUN)  # waits for rank 0's, past a stranger's
+        if len(nonce) != NONCE_BYTES:
+            raise dist.DistStoreError("rank 0's nonce for this run is malformed")
+    return SealedStore(auth.tier_store_key(secret, nonce), space, wait, lookout=lookout, every=every)
 
 
 def _gather(tensor: torch.Tensor, world: int) -> torch.Tensor:

@@ -129,6 +129,37 @@ def tier_status_ok(key: bytes, rank: int, payload: bytes, mac: bytes) -> bool:
     return len(mac) == hashlib.sha256().digest_size and hmac.compare_digest(tier_status_mac(key, rank, payload), mac)
 
 
+_TIER_NAMESPACE = b"cleave-tier-namespace-v1|"
+_TIER_STORE = b"cleave-tier-store-v1|"
+_TIER_VALUE = "cleave-tier-value-v1|{size}|{name}|"
+
+
+def tier_namespace(secret: bytes) -> str:
+    """Where a tier's keys live in the rendezvous store: 32 hex digits of an HMAC under the
+    secret, so a stranger cannot name a key without listing the store. (Not of the job: a rank
+    started with other options must still meet the others, to be refused by name.)"""
+    return hmac.new(secret, _TIER_NAMESPACE, hashlib.sha256).hexdigest()[:32]
+
+
+def tier_store_key(secret: bytes, nonce: bytes = b"") -> bytes:
+    """The key that seals what the ranks write to the store before they meet (gloo's
+    addresses): under the secret, over rank 0's fresh nonce for this run (the nonce itself is
+    sealed under the key without one)."""
+    return hmac.new(secret, _TIER_STORE + nonce, hashlib.sha256).digest()
+
+
+def tier_value_mac(key: bytes, name: str, value: bytes) -> bytes:
+    """A rank's seal on ``value`` stored under ``name``: bound to the key's name, so a sealed
+    value moved to another key (another rank's heartbeat, another step's arrival) fails."""
+    label = _TIER_VALUE.format(size=len(name), name=name).encode("utf-8", "surrogatepass")
+    return hmac.new(key, label + value, hashlib.sha256).digest()
+
+
+def tier_value_ok(key: bytes, name: str, value: bytes, mac: bytes) -> bool:
+    """Constant-time check of a stored value's seal."""
+    return len(mac) == hashlib.sha256().digest_size and hmac.compare_digest(tier_value_mac(key, name, value), mac)
+
+
 _TICKET = b"cleave-redirect-v1|"
 TICKET = struct.Struct("<IQ16s")  # the rank it is for, when it expires (Unix seconds), a nonce
 TICKET_BYTES = TICKET.size + hashlib.sha256().digest_size  # 60: hex, the 120 digits of hello.ticket

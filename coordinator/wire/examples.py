@@ -194,7 +194,7 @@ RELAY_BLOCK = _f32([[1.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
 RELAY_DIGEST = block_digest(RELAY_BLOCK)
 WRONG_DIGEST = block_digest(_f32([[1.0, 1.0, 0.0], [0.0, 2.0, 1.5]]))  # what a lying relay sent instead
 # A tile whose B the device takes from its relay: WORK's A (cached), B named by its digest.
-WORK_FETCH = Work(tile_id=22, a="12.0.2x3", b="23.0.2x3", b_t=True, fetch=(("23.0.2x3", RELAY_DIGEST),))
+WORK_FETCH = Work(tile_id=22, a="12.0.2x3", b="23.0.2x3", b_t=True, fetch=(("23.0.2x3", RELAY_DIGEST),), fetch_wait=3.0)
 
 
 def product(work: Work, cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
@@ -249,7 +249,9 @@ def examples() -> dict[str, Message]:
             ticket=auth.redirect_ticket(b"the tier's secret", 1, 1767225900, bytes(range(16))).hex(), **_COMMON
         ),
         "hello-relay": Hello(name="uni-relay-1", token="s3cret", relay="wss://relay1.example.edu:8766"),
-        "use-relay": UseRelay(relay=4, url="wss://relay1.example.edu:8766", ticket=relay_ticket(RELAY_KEY, 4, 3)),
+        "use-relay": UseRelay(
+            relay=4, url="wss://relay1.example.edu:8766", ticket=relay_ticket(RELAY_KEY, 4, 3), wait=1.0
+        ),
         "work-fetch": WORK_FETCH,
         "block-request": BlockRequest(digests=(RELAY_DIGEST,), device=3, ticket=relay_ticket(RELAY_KEY, 4, 3)),
         "blocks": Blocks(

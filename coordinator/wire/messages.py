@@ -370,6 +370,9 @@ class Work:
     # Blocks to take from the device's relay (``use_relay``) rather than from this frame: each a
     # ``(key, digest)``. The device checks the bytes against the digest before using them.
     fetch: tuple[tuple[str, str], ...] = ()
+    # Seconds the device may wait on its relay for ``fetch`` (a share of this lease's deadline,
+    # so a slow relay is reported before the lease is late); 0: ``use_relay.wait``.
+    fetch_wait: float = _float(0.0, hi=3600.0)
 
     def operands(self, cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(A, B)`` from a device's block cache, or None when a block is missing. With more
@@ -436,13 +439,15 @@ class Redirect:
 @dataclass(frozen=True)
 class UseRelay:
     """Coordinator -> device: take the blocks that ``work.fetch`` names from the relay at
-    ``url`` (relay ``relay``), presenting ``ticket`` (``relay`` 0: no relay any more). Results
-    still come here."""
+    ``url`` (relay ``relay``), presenting ``ticket`` (``relay`` 0: no relay any more), waiting
+    at most ``wait`` seconds for one work frame's blocks (well within its leases' deadlines;
+    then it takes them from the coordinator and reports the relay). Results still come here."""
 
     TYPE: ClassVar[str] = "use_relay"
     relay: int = _int()
     url: str = _text("", max_len=MAX_URL, text="name")
     ticket: str = _text("", max_len=SECRET_HEX, text="hex")
+    wait: float = _float(0.0, hi=3600.0)
 
 
 @dataclass(frozen=True)
@@ -660,6 +665,8 @@ def _work_header(msg: Work) -> dict[str, Any]:
         header["more_t"] = list(msg.more_t)
     if msg.fetch:  # absent when empty, likewise
         header["fetch"] = [list(f) for f in msg.fetch]
+    if msg.fetch_wait:  # absent when 0 (set only beside ``fetch``)
+        header["fetch_wait"] = msg.fetch_wait
     return header
 
 
