@@ -25,8 +25,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("cleave_cli.simulate", "simulate"),
     "emulate": ("cleave_cli.emulate", "emulate"),
     "relay": ("cleave_cli.relay", "relay"),
+    "export": ("cleave_cli.export", "export"),
+    "sample": ("cleave_cli.sample", "sample"),
 }
 COORDINATOR = "coordinator"
+DATA = "data"  # ``cleave data prepare`` (cleave_cli/data.py)
 ADMIN = ("devices", "token")  # ``cleave coordinator`` groups that need no torch (cleave_cli/admin.py)
 
 
@@ -42,7 +45,7 @@ def build(argv: Sequence[str] = ()) -> typer.Typer:
     )
     app.callback()(_group)  # a group even when it holds one command: ``cleave join URL``, not ``cleave URL``
     first = argv[0] if argv else None
-    everything = first not in COMMANDS and first != COORDINATOR
+    everything = first not in COMMANDS and first not in (COORDINATOR, DATA)
     if everything or first == COORDINATOR:
         from cleave_cli import admin
 
@@ -55,6 +58,12 @@ def build(argv: Sequence[str] = ()) -> typer.Typer:
             group.command("start")(coordinator.start)
         admin.add_to(group)
         app.add_typer(group, name=COORDINATOR)
+    if everything or first == DATA:
+        from cleave_cli import data
+
+        group = typer.Typer(help="Prepare training data: tokenize a corpus into token shards.", no_args_is_help=True)
+        group.command("prepare")(data.prepare)
+        app.add_typer(group, name=DATA)
     for name, (module, function) in COMMANDS.items():
         if everything or first == name:
             app.command(name)(getattr(importlib.import_module(module), function))

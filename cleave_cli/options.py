@@ -34,6 +34,26 @@ BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens (bytes) per sequence.")]
 Lr = Annotated[float, typer.Option("--lr", help="Peak AdamW learning rate (warm-up, then cosine decay).")]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of weights and batches: the same seed gives the same losses.")]
+Warmup = Annotated[
+    int, typer.Option("--warmup", help="Steps of linear learning-rate warm-up from 0 to --lr (0: none), 0-10,000,000.")
+]
+MinLr = Annotated[
+    float | None,
+    typer.Option(
+        "--min-lr",
+        help="The learning rate the cosine decay ends at, on the last step, 0 to --lr. Default: 10% of --lr.",
+    ),
+]
+WeightDecay = Annotated[
+    float,
+    typer.Option("--weight-decay", help="AdamW's decoupled weight decay, on matrices only (not biases or norms), 0-1."),
+]
+GradClip = Annotated[
+    float,
+    typer.Option(
+        "--grad-clip", help="Clip the gradients' global L2 norm to at most this before each step; 0: no clip."
+    ),
+]
 Precision = Annotated[
     str,
     typer.Option(
@@ -46,7 +66,44 @@ Precision = Annotated[
 Data = Annotated[
     Path | None,
     typer.Option(
-        "--data", help="UTF-8 text file or folder to train on. Default: this Python's standard library sources."
+        "--data",
+        help="What to train on, streamed from disk whatever its size: a UTF-8 text file or folder, JSONL "
+        "(.jsonl, the text in --data-field), or token shards (a folder `cleave data prepare` wrote, or .bin/.npy "
+        "files). Default: this Python's standard library sources (8 MiB).",
+    ),
+]
+DataField = Annotated[str, typer.Option("--data-field", help="The text field of each JSONL record.")]
+DataDtype = Annotated[
+    str | None,
+    typer.Option(
+        "--data-dtype",
+        help="The ids' dtype of .bin shards without a shards.json beside them: uint16 or uint32 (raw "
+        "little-endian ids, nanoGPT's layout).",
+    ),
+]
+ValData = Annotated[
+    Path | None,
+    typer.Option(
+        "--val-data", help="Held-out data (the forms of --data) for the held-out loss; then --data is not split."
+    ),
+]
+ValFraction = Annotated[
+    float,
+    typer.Option(
+        "--val-fraction",
+        help="Without --val-data: the last this share of --data's tokens is held out (at least one window; "
+        "training windows never reach it); 0: none.",
+    ),
+]
+EvalEvery = Annotated[
+    int,
+    typer.Option("--eval-every", help="Compute the held-out loss (val_loss) every this many steps; 0: never."),
+]
+EvalBatches = Annotated[
+    int,
+    typer.Option(
+        "--eval-batches",
+        help="Fixed held-out batches (of --batch-size sequences) each evaluation reads: the same ones every time.",
     ),
 ]
 Metrics = Annotated[
@@ -110,10 +167,25 @@ def train_config(
     data: Path | None,
     precision: str = "fp32",
     micro_batches: str | int = 1,
+    *,
+    warmup: int | None = None,
+    min_lr: float | None = None,
+    weight_decay: float | None = None,
+    grad_clip: float | None = None,
+    data_field: str = "text",
+    data_dtype: str | None = None,
+    val_data: Path | None = None,
+    val_fraction: float | None = None,
+    eval_every: int | None = None,
+    eval_batches: int | None = None,
 ) -> TrainConfig:
-    from coordinator.training.loop import TrainConfig
+    """The job the training options describe; an optimizer setting left None keeps TrainConfig's
+    default (min_lr's: 10% of lr)."""
+    from coordinator.training.loop import TrainConfig, with_data_vocab
 
-    return TrainConfig(
+    optimizer = {"warmup": warmup, "min_lr": min_lr, "weight_decay": weight_decay, "grad_clip": grad_clip}
+    evaluation = {"val_fraction": val_fraction, "eval_every": eval_every, "eval_batches": eval_batches}
+    cfg = TrainConfig(
         model=model,
         steps=steps,
         batch_size=batch_size,
@@ -123,7 +195,13 @@ def train_config(
         data=str(data) if data is not None else None,
         precision=precision,
         micro_batches=micro_batches if isinstance(micro_batches, int) else micro_batches_of(micro_batches),
+        **{k: v for k, v in optimizer.items() if v is not None},
+        data_field=data_field,
+        data_dtype=data_dtype,
+        val_data=str(val_data) if val_data is not None else None,
+        **{k: v for k, v in evaluation.items() if v is not None},
     )
+    return with_data_vocab(cfg)
 
 
 CaFile = Annotated[

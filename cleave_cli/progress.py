@@ -51,6 +51,7 @@ class ConsoleReporter:
 
     def step(self, result: StepResult, status: dict[str, Any]) -> None:
         steps = status.get("job", {}).get("steps") or result.step
+        val_loss = result.extra.get("val_loss")  # a step that evaluated the held-out split
         if self.quiet:
             return
         if self.live:
@@ -59,12 +60,18 @@ class ConsoleReporter:
             assert self._progress is not None and self._task is not None
             line = render.step_line(result.step, steps, result.loss, result.seconds, status, show_step=False)
             self._progress.update(self._task, completed=result.step, info=line.plain)
+            if val_loss is not None:  # kept above the bar: an evaluation is rare and worth its line
+                self.console.print(
+                    render.step_line(result.step, steps, result.loss, result.seconds, status, val_loss=val_loss),
+                    soft_wrap=True,
+                )
             return
         now = time.monotonic()
-        if result.step in (1, steps) or now - self._last_print >= 1.0:
+        if result.step in (1, steps) or now - self._last_print >= 1.0 or val_loss is not None:
             self._last_print = now
             self.console.print(
-                render.step_line(result.step, steps, result.loss, result.seconds, status), soft_wrap=True
+                render.step_line(result.step, steps, result.loss, result.seconds, status, val_loss=val_loss),
+                soft_wrap=True,
             )
 
     def finished(self, results: list[StepResult], status: dict[str, Any]) -> None:
@@ -73,7 +80,8 @@ class ConsoleReporter:
         if results:
             last = results[-1]
             self.console.print(
-                f"done: {last.step} steps, final loss {last.loss:.4f}; "
+                f"done: {last.step} steps, final loss {last.loss:.4f}"
+                f"{render.held_out(status.get('job', {}), ', held-out {loss} (step {step})')}; "
                 f"tiles {status['tiles']['verified']:,} verified, {status['tiles']['rejected']:,} rejected",
                 style="bold green",
                 highlight=False,

@@ -61,6 +61,13 @@ def energy_line(energy: dict[str, Any] | None) -> str:
     return line
 
 
+def held_out(job: dict[str, Any], form: str) -> str:
+    """The job's last held-out loss in ``form`` (``{loss}``, ``{step}``); "" before the first."""
+    if job.get("val_step") is None:
+        return ""
+    return form.format(loss=_num(job.get("val_loss")), step=f"{job['val_step']:,}")
+
+
 def step_line(
     step: int,
     steps: int,
@@ -70,12 +77,16 @@ def step_line(
     tokens_per_s: float = 0.0,
     *,
     show_step: bool = True,
+    val_loss: float | None = None,
 ) -> Text:
-    """One line per step; ``status`` is the coordinator's snapshot, or None for a local run."""
+    """One line per step; ``status`` is the coordinator's snapshot, or None for a local run;
+    ``val_loss``: the held-out loss, on a step that evaluated one."""
     text = Text()
     if show_step:
         text.append(f"step {step:>{len(str(steps))}}/{steps}  ", style="bold")
     text.append(f"loss {loss:.4f}", style="cyan")
+    if val_loss is not None:
+        text.append(f"  held-out {val_loss:.4f}", style="magenta")
     text.append(f"  {seconds * 1000:7.1f} ms")
     if status is None:
         text.append(f"  {tokens_per_s:,.0f} tok/s  (local torch)")
@@ -133,6 +144,7 @@ def job_summary(status: dict[str, Any] | None) -> str:
     counts = (status or {}).get("device_counts") or {}
     devices = sum(n for state, n in counts.items() if state != "connected")  # every one, not the listed
     steps, loss = f"{job.get('step') or 0:,}/{job.get('steps') or 0:,} steps", _num(job.get("loss"))
+    loss += held_out(job, ", held-out {loss} (step {step})")
     work = (
         f"{tiles.get('verified', 0):,} tiles verified, {tiles.get('rejected', 0):,} rejected, "
         f"{tiles.get('lost', 0):,} lost, on {devices:,} device{'s' if devices != 1 else ''}"
@@ -158,6 +170,8 @@ def dashboard(status: dict[str, Any], rank_by: str = "gflop") -> Group:
         timing += f", about {_duration(job['eta_s'])} left" if job.get("eta_s") is not None else ""
     summary.add_row("step", f"{step}/{steps}" + (f"  ({100 * step / steps:.0f}%)" if steps else "") + timing)
     summary.add_row("loss", _num(job.get("loss")))
+    if job.get("val_step") is not None:
+        summary.add_row("held-out loss", held_out(job, "{loss}  (evaluated after step {step})"))
     summary.add_row("throughput", f"{job.get('tokens_per_s', 0):,.0f} tokens/s")
     share = job.get("gemm_share")
     if isinstance(share, dict) and isinstance(share.get("share"), (int, float)):

@@ -20,8 +20,10 @@ written: at most ``REPLIES`` at once over all devices, one per device (whatever 
 opens), each of at most ``REPLY_BYTES`` of blocks (always one; a device asks again for those
 left out) and its frame, a copy of them; a reply not written within ``SEND_S`` seconds (a device
 that does not read) loses its connection and its place. A reply holds its own blocks, so eviction
-under other devices' requests cannot empty it. At most ``MAX_UNTICKETED`` connections that have
-not yet sent a ticketed request (closed after ``FIRST_REQUEST_S`` seconds without one), at most
+under other devices' requests cannot empty it; those it lacks are fetched in order, a chunk at a
+time, until it is full (a request for 64 lacking blocks holds about one reply of them). At most
+``MAX_UNTICKETED`` connections that have not yet sent a ticketed request (closed after
+``FIRST_REQUEST_S`` seconds without one), at most
 ``MAX_DEVICES`` ticketed ones, at most ``CONNECTIONS_PER_DEVICE`` of them for one ticketed device,
 each with one request at a time of at most ``MAX_FETCH`` digests; a device's allowance
 (``REQUESTS_PER_S``) is its own, however many connections it opens. docs/security.md adds it up.
@@ -85,7 +87,7 @@ CONNECTIONS_PER_DEVICE = 2  # a device reconnecting while its old connection clo
 # Block bytes in one reply to a device (always at least one block: a block is at most 16 MiB,
 # as the coordinator's replies to a relay); those past it are left out and the device asks again.
 REPLY_BYTES = 16 << 20
-REPLIES = 16  # replies gathered or written at once, over every device: 2 x 256 MiB at most
+REPLIES = 16  # replies gathered or written at once, over every device: 2 x 256 MiB, and chunks being fetched
 SEND_S = 5.0  # seconds a request waits for its turn, and a reply to be written, before its connection closes
 
 
@@ -175,6 +177,7 @@ class Relay:
         self._turns: dict[int, asyncio.Lock] = {}  # ticketed device -> its one request in hand at a time
         self._replies = asyncio.Semaphore(REPLIES)  # replies gathered or written at once
         self.replying = 0  # bytes of reply frames built and not yet written
+        self._largest = 0  # bytes of the largest block it has served or fetched: sizes its fetches
         self.served_bytes = 0  # to devices
         self.fetched_bytes = 0  # from the coordinator
         self.ready = asyncio.Event()
@@ -483,9 +486,19 @@ class Relay:
                 lacking.append(d)
             elif fits(hit[0]):
                 held[d] = hit
+                self._largest = max(self._largest, hit[0].numel() * hit[0].element_size())
         unsent: set[str] = set()  # the coordinator did not send them (in time): missing
-        if lacking and size < REPLY_BYTES:
-            for digest, block in (await self._fetch(lacking)).items():
+        # Fetched in order, a chunk at a time, until the reply is full: a chunk is as many blocks
+        # as would fill the rest of it at the largest block this relay has seen (one until it has
+        # seen any), so a request for 64 lacking blocks holds about one reply's bytes, not 64
+        # blocks. A block fetched past the cap is only cached (within the cache's bound).
+        full = False
+        while lacking and not full and size < REPLY_BYTES:
+            n = 1 if not self._largest else max(1, min(MAX_FETCH, (REPLY_BYTES - size) // self._largest))
+            chunk, lacking = lacking[:n], lacking[n:]
+            fetched = await self._fetch(chunk)
+            for digest in chunk:
+                block = fetched.pop(digest, None)
                 if block is None:
                     unsent.add(digest)
                     continue
@@ -494,10 +507,14 @@ class Relay:
                     unsent.add(digest)
                     continue
                 block = block.clone()  # its own bytes: a view would keep the whole upstream frame alive
+                self._largest = max(self._largest, block.numel() * block.element_size())
                 hit = (block, relay_tag(self.key, digest, digest))  # checked above
                 self.cache.put(digest, *hit)
-                if fits(block):
+                if not full and fits(block):
                     held[digest] = hit
+                else:
+                    full = True  # the rest are left out (the device asks again), none fetched
+            del fetched
         blocks, tags, missing = [], [], []
         for digest in digests:
             hit = held.get(digest)

@@ -2,7 +2,8 @@
 
 The device believes the relay about nothing but bytes with the right digest. A block that does
 not hash to what the work named, a relay that does not send a work frame's blocks within the
-``wait`` its coordinator set (``use_relay.wait``: well within the leases' deadlines), one it
+``wait`` its coordinator set from the frame's arrival (``work.fetch_wait``, else ``use_relay.wait``:
+well within the leases' deadlines), one it
 cannot reach or that refuses its ticket, or one that says it lacks a block: ``RelayFailed``,
 which the runner reports to the coordinator (``relay_report``) before giving the tiles back (the
 coordinator then sends their blocks itself). A relay sends at most its byte cap in one reply and
@@ -48,14 +49,17 @@ class RelayLink:
     bytes_in: int = 0
     _ws: ClientConnection | None = None
 
-    async def fetch(self, digests: list[str], wait: float | None = None) -> dict[str, torch.Tensor]:
+    async def fetch(
+        self, digests: list[str], wait: float | None = None, left: float | None = None
+    ) -> dict[str, torch.Tensor]:
         """Every block of ``digests``, checked, within one deadline for them all (``wait``
-        seconds: a relay that dribbles its replies out is cut at the same point as one that is
-        silent); asked ``MAX_FETCH`` at a time, and again for those a reply left out (past the
-        relay's byte cap). Raises ``RelayFailed``."""
+        seconds from the work frame's arrival, of which ``left`` remain now: a frame that waited
+        behind another's blocks has less; a relay that dribbles its replies out is cut at the
+        same point as one that is silent); asked ``MAX_FETCH`` at a time, and again for those a
+        reply left out (past the relay's byte cap). Raises ``RelayFailed``."""
         loop = asyncio.get_running_loop()
         wait = self.wait if wait is None else wait  # the frame's own (work.fetch_wait), else use_relay's
-        deadline = loop.time() + wait
+        deadline = loop.time() + (wait if left is None else min(wait, left))
         got: dict[str, torch.Tensor] = {}
         want = list(digests)
         while want:
@@ -85,7 +89,9 @@ class RelayLink:
         except (TimeoutError, asyncio.TimeoutError):
             self._drop()
             raise RelayFailed(
-                RelayFault.STALLED, first, f"relay {self.relay} did not send the blocks in time ({wait:.3g} s)"
+                RelayFault.STALLED,
+                first,
+                f"relay {self.relay} did not send the blocks in time ({wait:.3g} s from the work's arrival)",
             ) from None
         except (OSError, InvalidHandshake, WebSocketException) as exc:
             self._drop()

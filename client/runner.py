@@ -499,11 +499,19 @@ class Worker:
         ]
         if outbox is not None:
             tasks.append(asyncio.create_task(self._uplink(ws, outbox)))
+        # Frames are read as they come, each with its arrival time: a work frame that waits here
+        # behind another's relay fetch has its blocks due by its own arrival + fetch_wait, so
+        # relay waits never add up past a lease's share (what piles up here meanwhile is what the
+        # coordinator sends in one fetch_wait: work for the slots it grants, and control frames).
+        inbox: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+        reader = asyncio.create_task(self._read(ws, inbox))
+        tasks.append(reader)
         pulse = asyncio.create_task(self._heartbeat(ws, session))
         try:
-            async for frame in ws:
+            while (item := await inbox.get()) is not None:
+                arrived, frame = item
                 self.stats.bytes_down += len(frame)
-                for event in await self._receive(ws, session, frame):
+                for event in await self._receive(ws, session, frame, arrived):
                     if isinstance(event, TileQueued):
                         work.set()
                     elif isinstance(event, Credited):
@@ -534,6 +542,8 @@ class Worker:
                             self.stats.rejected += 1
                         log.warning("coordinator: %s (%s)", event.message, event.code)
                         self._set(self.stats.state, event.message)
+            if reader.done() and not reader.cancelled() and (failed := reader.exception()) is not None:  # a bug, said
+                raise failed
         except ConnectionClosed:
             pass
         finally:
@@ -548,9 +558,20 @@ class Worker:
             return Ending.STOPPED
         return session.closed(ws.close_code, ws.close_reason or "")
 
-    async def _receive(self, ws: ClientConnection, session: Session, frame: bytes) -> list[Event]:
-        """A frame from the coordinator: relays handled here (``use_relay``, and the blocks a
-        work names by digest, taken from the relay and checked before the session sees them)."""
+    async def _read(self, ws: ClientConnection, inbox: asyncio.Queue[tuple[float, bytes] | None]) -> None:
+        """Every frame from the coordinator, as it arrives, with its arrival time; then None."""
+        try:
+            async for frame in ws:
+                inbox.put_nowait((self._clock(), frame))
+        except ConnectionClosed:
+            pass
+        finally:
+            inbox.put_nowait(None)
+
+    async def _receive(self, ws: ClientConnection, session: Session, frame: bytes, arrived: float) -> list[Event]:
+        """A frame from the coordinator, arrived at ``arrived``: relays handled here
+        (``use_relay``, and the blocks a work names by digest, taken from the relay and checked
+        before the session sees them)."""
         try:
             msg = decode(frame)
         except ProtocolError:
@@ -575,20 +596,26 @@ class Worker:
             return []
         works = msg.works if isinstance(msg, WorkBatch) else (msg,) if isinstance(msg, Work) else ()
         if any(w.fetch for w in works):
-            msg = await self._fetched(ws, msg, works)
+            msg = await self._fetched(ws, msg, works, arrived)
         return session.receive(msg, self._clock(), len(frame))
 
-    async def _fetched(self, ws: ClientConnection, msg: Work | WorkBatch, works: tuple[Work, ...]) -> Work | WorkBatch:
+    async def _fetched(
+        self, ws: ClientConnection, msg: Work | WorkBatch, works: tuple[Work, ...], arrived: float
+    ) -> Work | WorkBatch:
         """``msg`` with the blocks its works fetch from the relay carried in it, each checked
-        against its digest; unchanged (the session gives those tiles back) when the relay failed."""
+        against its digest; unchanged (the session gives those tiles back) when the relay failed,
+        or did not send them within the frame's wait of its arrival (``arrived``)."""
         relay = self._relay
         wanted = list(dict.fromkeys(d for w in works for _, d in w.fetch))
         if relay is None:
             return msg
-        # The frame's first lease bounds the wait: its relay is reported before that lease is late.
+        # The frame's first lease bounds the wait, counted from the frame's arrival (not from
+        # now: it may have waited behind an earlier frame's fetch): its relay is reported before
+        # that lease is late.
         waits = [w.fetch_wait for w in works if w.fetch and w.fetch_wait > 0]
+        wait = min(waits) if waits else relay.wait
         try:
-            got = await relay.fetch(wanted, min(waits) if waits else None)
+            got = await relay.fetch(wanted, wait, arrived + wait - self._clock())
         except RelayFailed as exc:
             self._relay = None
             # Reported first: its leases' deadlines run while it closes the relay's connection.

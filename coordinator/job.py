@@ -44,10 +44,9 @@ from coordinator.planning.tiles import TilingPolicy
 from coordinator.tier.group import HEARTBEAT, TIER_TIMEOUT, RankSummary, Tier, TierRefused, job_digest, join_tier
 from coordinator.training import checkpoint, models
 from coordinator.training.checkpoint import Resume
-from coordinator.training.data import load_corpus
 from coordinator.training.flops import GemmShare, gemm_share
 from coordinator.training.hardware import DEVICES, coordinator_device, describe
-from coordinator.training.loop import StepResult, TrainConfig, Trainer
+from coordinator.training.loop import BEFORE_DATA_OPTIONS, StepResult, TrainConfig, Trainer, open_data
 from coordinator.wire.addresses import is_loopback, url_host
 from coordinator.wire.errors import CheckpointError, ConfigError
 from coordinator.wire.messages import MAX_GRID, MAX_TOKEN, MAX_URL, WireDtype
@@ -272,7 +271,7 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
             "--new-job (new_job=True) to start a new one"
         )
     try:
-        train = TrainConfig(**unfinished.config)
+        train = TrainConfig(**{**BEFORE_DATA_OPTIONS, **unfinished.config})
     except (TypeError, ConfigError) as exc:
         raise ConfigError(f"job {unfinished.id} in {cfg.db} cannot be resumed ({exc}); pass --new-job") from None
     resume = checkpoint.newest_good(Books(store, unfinished.id).checkpoints())
@@ -370,7 +369,8 @@ async def serve_job(
     try:
         plan = _plan(cfg, store, reporter, clock())
         books, train_cfg = plan.books, plan.train
-        corpus = await asyncio.to_thread(load_corpus, train_cfg.data)  # fail fast on bad --data
+        # Fail fast on bad --data; the trainer reads this split's windows (streamed: docs/cli.md).
+        corpus = await asyncio.to_thread(open_data, train_cfg)
         # The cost model's view of this machine: its GEMM, verification and copy rates, measured.
         device = coordinator_device(cfg.device)
         reporter.note(f"coordinator device: {describe(device)}")
@@ -405,9 +405,11 @@ async def serve_job(
         server = Server(core, time.monotonic, cfg.limits, send_threads=cfg.send_threads)
         if cfg.tier is not None and cfg.tier.rank is not None:  # labelled from the first scrape on
             server.metrics.rank = cfg.tier.rank
-        if plan.resume:  # the dashboard's curve starts with the steps before the checkpoint
+        if plan.resume:  # the dashboard's curves start with the steps before the checkpoint
             for row in books.steps():
-                server.dashboard.step(row.step, row.loss)
+                server.dashboard.step(row.step, row.loss, row.extra.get("val_loss"))
+                if "val_loss" in row.extra:  # the last held-out loss shows until the next evaluation
+                    core.progress.evaluated(row.step, row.extra["val_loss"])
         if on_start is not None:
             on_start(server)
         metrics = _Metrics(cfg.metrics, keep_until=start_step if plan.resume else None)
@@ -445,7 +447,7 @@ async def serve_job(
             assert metrics is not None
             metrics.write(result.metrics())
             core.record_step(result.step, result.loss, result.tokens, result.seconds, extra, time.monotonic())
-            server.record_step(result.step, result.loss, result.seconds)
+            server.record_step(result.step, result.loss, result.seconds, result.extra.get("val_loss"))
             reporter.step(result, server.status())
 
         def saved(row: CheckpointRow) -> None:  # on the loop

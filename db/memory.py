@@ -33,6 +33,7 @@ from db.store import (
     Outcome,
     StepRow,
     TileState,
+    finite_extra,
 )
 
 
@@ -106,7 +107,7 @@ class MemoryStore:
         now: float,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        self._steps[job_id][step] = StepRow(step, loss, tokens, seconds, now, dict(extra or {}))
+        self._steps[job_id][step] = StepRow(step, loss, tokens, seconds, now, finite_extra(extra))
         self._jobs[job_id].step = step
 
     def steps(self, job_id: int) -> list[StepRow]:
@@ -455,6 +456,9 @@ class MemoryStore:
 
     def checkpoints(self, job_id: int) -> list[CheckpointRow]:
         return sorted((c for c in self._checkpoints if c.job_id == job_id), key=lambda c: -c.step)
+
+    def newest_job(self) -> JobRow | None:
+        return copy.deepcopy(self._jobs[max(self._jobs)]) if self._jobs else None
 
     def resumable_job(self) -> JobRow | None:
         if not self._jobs:

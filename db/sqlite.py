@@ -60,6 +60,7 @@ from db.store import (
     Outcome,
     StepRow,
     TileState,
+    finite_extra,
 )
 
 GROUP_SECONDS = 0.05  # a running coordinator's group-commit window (see the module doc)
@@ -315,7 +316,7 @@ class SQLiteStore:
         with self.atomic() as c:
             c.execute(
                 "INSERT OR REPLACE INTO steps (job_id, step, loss, tokens, seconds, at, extra) VALUES (?,?,?,?,?,?,?)",
-                (job_id, step, loss, tokens, seconds, now, json.dumps(extra or {}, sort_keys=True)),
+                (job_id, step, loss, tokens, seconds, now, json.dumps(finite_extra(extra), sort_keys=True)),
             )
             c.execute("UPDATE jobs SET step = ? WHERE id = ?", (step, job_id))
 
@@ -823,6 +824,10 @@ class SQLiteStore:
                 (job_id,),
             )
         ]
+
+    def newest_job(self) -> JobRow | None:
+        row = self._one("SELECT id FROM jobs ORDER BY id DESC LIMIT 1")
+        return self.job(int(row[0])) if row is not None else None
 
     def resumable_job(self) -> JobRow | None:
         row = self._one("SELECT id, state FROM jobs ORDER BY id DESC LIMIT 1")

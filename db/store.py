@@ -15,6 +15,7 @@ Time is always passed in (``now``, seconds since the epoch) so tests can move th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -137,6 +138,18 @@ class DeviceRow:
 
 def _reliability(done: int, failed: int) -> float:
     return done / (done + failed) if done + failed else 1.0
+
+
+def finite_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """A step's extra fields as strict JSON holds them: a non-finite float (a diverged held-out
+    loss) becomes None, as the metrics file writes it, so SQLite's json functions read every row."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return {k: clean(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    return clean(dict(extra or {}))
 
 
 @dataclass
@@ -413,6 +426,10 @@ class Store(Protocol):
     def add_checkpoint(self, row: CheckpointRow) -> None: ...
     def checkpoints(self, job_id: int) -> list[CheckpointRow]:
         """Newest first."""
+        ...
+
+    def newest_job(self) -> JobRow | None:
+        """The job created last, whatever its state; None in a database without jobs."""
         ...
 
     def resumable_job(self) -> JobRow | None:

@@ -105,7 +105,11 @@ def test_a_straggler_does_not_hold_the_steps_back(tmp_path: Path) -> None:
 def test_a_killed_coordinator_resumes_with_the_same_losses(tmp_path: Path, damage: bool) -> None:
     port = free_port()
     args = ("--checkpoint-every", "5", "--min-devices", "2")
-    coord = Coordinator(tmp_path, *args, steps=20, port=port)
+    # The optimizer's settings are the job's: the second start names others, and the resumed job
+    # keeps those it was first started with (as it does --lr).
+    first = ("--warmup", "3", "--min-lr", "0.0005", "--weight-decay", "0.05", "--grad-clip", "0.5")
+    options = {"warmup": 3, "min_lr": 5e-4, "weight_decay": 0.05, "grad_clip": 0.5}
+    coord = Coordinator(tmp_path, *args, *first, steps=20, port=port)
     clients = [join(coord.url, f"c{i}") for i in range(2)]
     kill_at = random.Random(11 + damage).randint(8, 14)  # 11: past two checkpoints
     coord.wait_for_step(kill_at)
@@ -120,14 +124,14 @@ def test_a_killed_coordinator_resumes_with_the_same_losses(tmp_path: Path, damag
         assert len(known) >= 2, "an older checkpoint to fall back to"
         newest = Path(known[0][0])
         newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    again = Coordinator(tmp_path, *args, steps=20, port=port)
+    again = Coordinator(tmp_path, *args, "--warmup", "0", "--grad-clip", "0", steps=20, port=port)
     assert again.wait(3 * TIMEOUT) == 0, again.output
     assert [c.wait() for c in clients] == [0, 0], [c.output for c in clients]  # they reconnected by themselves
     assert "resuming job 1" in again.output
     if damage:
         assert "truncated" in again.output and "trying an older one" in again.output
     losses = [row[0] for row in again.query("SELECT loss FROM steps WHERE job_id = 1 ORDER BY step")]
-    assert_same_losses(losses, local_losses(20))
-    assert_same_losses(again.losses(), local_losses(20))  # the metrics file agrees
+    assert_same_losses(losses, local_losses(20, **options))
+    assert_same_losses(again.losses(), local_losses(20, **options))  # the metrics file agrees
     assert again.query("SELECT state FROM jobs") == [("finished",)]
     wait_until(lambda: True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +46,9 @@ def test_every_command_has_help_and_a_docs_section() -> None:
         "cleave simulate",
         "cleave emulate",
         "cleave relay",
+        "cleave data prepare",
+        "cleave export",
+        "cleave sample",
         "cleave coordinator devices list",
         "cleave coordinator devices revoke",
         "cleave coordinator devices unban",
@@ -124,3 +129,31 @@ def test_micro_batches_take_a_number_or_auto() -> None:
     for bad, why in (("0", "at least 1"), ("-2", "at least 1"), ("many", "whole number or auto"), ("2.5", "whole")):
         with pytest.raises(ConfigError, match=why):
             micro_batches_of(bad)
+
+
+def test_the_optimizer_flags_reach_the_schedule_and_bad_ones_are_one_line_errors(tmp_path: Path) -> None:
+    """--warmup, --min-lr, --weight-decay and --grad-clip: `cleave train --local` steps with the
+    schedule they set (the metrics' lr column), and both training commands refuse a bad value in
+    one line, exit 2, before anything starts."""
+    from typer.testing import CliRunner
+
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "m.jsonl"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 100)
+    runner = CliRunner()
+    flags = ["--warmup", "1", "--min-lr", "0.0001", "--weight-decay", "0.05", "--grad-clip", "0.5"]
+    small = ["--steps", "3", "--batch-size", "2", "--seq-len", "16", "--data", str(corpus)]
+    done = runner.invoke(app, ["train", "--local", *small, *flags, "--metrics", str(out), "--quiet"])
+    assert done.exit_code == 0, done.output
+    lrs = [json.loads(line)["lr"] for line in out.read_text().splitlines()]
+    assert lrs == pytest.approx([0.003, 0.0001 + (0.003 - 0.0001) * 0.5, 0.0001], rel=1e-12)  # warm-up, cosine, floor
+    for bad, why in (
+        (["--warmup", "-1"], "--warmup must be between 0 and 10,000,000 steps, got -1"),
+        (["--min-lr", "0.5"], "--min-lr must be between 0 and --lr (0.003), got 0.5"),
+        (["--weight-decay", "nan"], "--weight-decay must be between 0 and 1, got nan"),
+        (["--grad-clip", "-2"], "--grad-clip must be a finite number >= 0 (0: no clipping), got -2.0"),
+    ):
+        for command in (["train", "--local"], ["coordinator", "start", "--db", str(tmp_path / "x.db")]):
+            result = runner.invoke(app, [*command, *small, *bad])
+            assert result.exit_code == 2, result.output
+            assert result.output.strip() == f"error: {why}", result.output
+    assert not (tmp_path / "x.db").exists()  # refused before the coordinator opened its database

@@ -116,7 +116,7 @@ def core_alone() -> Core:
     return make_core(band_checks=False)
 
 
-def make_core(*, band_checks: bool = True, ban_rejects: int | None = None) -> Core:
+def make_core(*, band_checks: bool = True, ban_rejects: int | None = None, trust: TrustPolicy | None = None) -> Core:
     store = MemoryStore()
     job = store.create_job("test", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
@@ -128,7 +128,8 @@ def make_core(*, band_checks: bool = True, ban_rejects: int | None = None) -> Co
         operator_token="op",
         rng=np.random.default_rng(0),
         policy=policy,
-        trust=TrustPolicy(
+        trust=trust
+        or TrustPolicy(
             probation_tiles=0, first_slots=8, **({} if ban_rejects is None else {"ban_rejects": ban_rejects})
         ),
         band_checks=band_checks,
@@ -825,6 +826,61 @@ def test_a_slow_relay_costs_the_relay_new_devices_and_never_its_waiting_devices_
         fleet.now += 3.0
         fleet.route(core.tick(fleet.now))
     assert core.relays.behind.get(newcomer) == relay_id and dev not in core.relays.behind  # it reported it: never
+
+
+def test_one_new_identity_cannot_close_a_relay_to_newcomers() -> None:
+    """A relay cools off only on a trusted device's word or conduct: a new identity (the join
+    token is all it costs) that gets itself cut for giving tiles back, or reports the relay
+    stalled, strikes it at most and leaves it; the next newcomer still goes behind it."""
+    from coordinator.wire.codes import RelayFault
+    from coordinator.wire.messages import RelayReport
+
+    core = make_core(trust=TrustPolicy(probation_tiles=20, first_slots=8))
+    fleet = Fleet(core)
+    relay_id, _ = _relay(core, fleet)
+    relay = core.relays.relays[relay_id]
+    sybil = fleet.join("sybil", slots=1)
+    assert core.relays.behind[sybil] == relay_id
+    submit(core, fleet, torch.randn(150, 70), torch.randn(70, 130))
+    while sybil in core.devices:  # every tile it gets, given back at once: cut past its allowance
+        fleet.now += 0.1
+        fleet.route(
+            core.handle(sybil, Release(tuple(core.devices[sybil].inflight), ReleaseWhy.MISSING_BLOCK), fleet.now)
+        )
+        fleet.pending = [p for p in fleet.pending if p.device != sybil]
+    assert fleet.closed[sybil] == CloseCode.STALLING
+    assert relay.cool_until <= fleet.now, "a give-back bouncer's cut cooled its relay"
+    other = fleet.join("other", slots=1)
+    assert core.relays.behind[other] == relay_id
+    fleet.route(core.handle(other, RelayReport(relay_id, RelayFault.STALLED, "ab" * 32), fleet.now))
+    assert other not in core.relays.behind and relay.strikes == {other}  # struck, and it left
+    assert relay.cool_until <= fleet.now, "a new identity's report cooled the relay"
+    assert core.relays.behind.get(fleet.join("newcomer")) == relay_id
+
+
+def test_relay_and_device_cool_offs_stay_capped_past_a_thousand_marks_and_start_over_after_a_clean_spell(
+    core: Core,
+) -> None:
+    """Marks double a cool-off up to its cap however many there are (``2 ** 1025`` does not fit
+    in a float: a relay marked that often made the tick that cut its device raise, which stops
+    the job), and a clean spell after the last cool-off starts it over from the first."""
+    from coordinator.engine.relays import AVOID_S, CLEAN_S, COOLOFF_S
+
+    fleet = Fleet(core)
+    relay_id, _ = _relay(core, fleet)
+    dev = fleet.join("a", slots=4)
+    relay, standing = core.relays.relays[relay_id], core.devices[dev].standing
+    for _ in range(1100):  # a relay and an identity marked for months on end
+        until, wait = core.relays.cool(relay_id, fleet.now), core.conduct.cut(core.devices[dev], fleet.now)
+    assert (until, wait) == (fleet.now + AVOID_S, core.trust.cooloff_max)
+    submit(core, fleet, torch.randn(150, 70), torch.randn(70, 130))  # its tiles wait on the relay's blocks ...
+    _past_hard_deadlines(core, fleet, dev)  # ... and the tick takes them back: cut, its relay marked
+    assert fleet.closed.get(dev) == CloseCode.STALLING
+    assert relay.cool_until == fleet.now + AVOID_S and standing.cooloff_until == fleet.now + core.trust.cooloff_max
+    later = relay.cool_until + CLEAN_S  # nothing for a clean spell: from the first cool-off again
+    assert core.relays.cool(relay_id, later) == later + COOLOFF_S
+    later = standing.cooloff_until + core.trust.cooloff_max
+    assert standing.cut(core.trust, later) == core.trust.cooloff
 
 
 def test_a_relay_whose_device_was_cut_for_stalling_takes_no_new_devices_for_a_while(core: Core) -> None:

@@ -166,6 +166,41 @@ def test_names_from_volunteers_are_never_html_and_the_curve_stays_bounded() -> N
     assert len(curve.points) < 100 and curve.points[0][0] == 1 and curve.points[-1][0] > 9_000
 
 
+def test_the_held_out_loss_flows_from_a_steps_row_to_the_store_the_status_and_its_own_curve(tmp_path: Path) -> None:
+    """A step that evaluated the held-out split (``val_loss`` in its metrics row): the row keeps
+    it in SQLite, the status document (``status --json``) and /metrics' books show the last one
+    with its step, and the dashboard draws it as its own curve at those steps only."""
+    import numpy as np
+
+    from coordinator.engine import report
+    from coordinator.engine.books import Books
+    from coordinator.engine.core import Core
+    from db.sqlite import SQLiteStore
+
+    store = SQLiteStore(tmp_path / "v.db")
+    core = Core(store, store.create_job("v", {}, 5, 0.0), rng=np.random.default_rng(0))
+    board = Dashboard(lambda: report.status(core, 10.0), lambda token: False, clock=lambda: 0.0)
+    core.start_training(0.0)
+    rows = [(1, 5.5, {}), (2, 5.0, {"val_loss": 5.25}), (3, 4.75, {}), (4, 4.5, {"val_loss": 4.625}), (5, 4.4, {})]
+    for step, loss, extra in rows:
+        if step == 2:
+            before = report.status(core, 1.0)["job"]
+            assert before["val_loss"] is None and before["val_step"] is None  # none evaluated yet
+        core.record_step(step, loss, 512, 0.1, extra, float(step))
+        board.step(step, loss, extra.get("val_loss"))
+    job = report.status(core, 10.0)["job"]
+    assert (job["loss"], job["val_loss"], job["val_step"]) == (4.4, 4.625, 4)  # the last evaluation's
+    assert report.books(core)["job"]["val_loss"] == 4.625
+    assert [r.extra.get("val_loss") for r in Books(store, core.job_id).steps()] == [None, 5.25, None, 4.625, None]
+    view = json.loads(board.respond("/api/status", None)[2])
+    assert view["job"]["val_loss"] == 4.625 and view["job"]["val_step"] == 4
+    assert view["losses"] == [[s, loss] for s, loss, _ in rows]
+    assert view["val_losses"] == [[2, 5.25], [4, 4.625]]  # drawn only at the steps that have it
+    board.step(6, 4.3, float("nan"))  # a diverged evaluation is not drawn
+    assert board.val_curve.points == [(2, 5.25), (4, 4.625)]
+    store.close()
+
+
 def test_the_status_is_built_at_most_once_a_second_for_both_views() -> None:
     builds = []
     now = [0.0]
@@ -278,6 +313,8 @@ def test_a_finished_job_stays_on_the_page_and_the_page_fits_a_phone(tmp_path: Pa
                     " timing: document.getElementById('timing').textContent,"
                     " ticks: document.querySelectorAll('#curve text').length,"
                     " lines: document.querySelectorAll('#curve polyline').length,"
+                    " held: document.querySelectorAll('#curve .held, #curve .held-point').length,"
+                    " heldLegend: !document.getElementById('legend-held').hidden,"
                     " devices: [...document.querySelectorAll('#devices tbody tr')].map((r) => r.innerText),"
                     " box: document.querySelector('#devices').parentElement.clientWidth,"
                     " emptyShown: !document.getElementById('curve-empty').hidden})"
@@ -306,6 +343,7 @@ def test_a_finished_job_stays_on_the_page_and_the_page_fits_a_phone(tmp_path: Pa
     for name, page in seen.items():
         assert page["overflow"] <= 0, f"{name}: the page is {page['overflow']} px wider than the screen"
         assert page["lines"] == 2 and page["ticks"] >= 6 and not page["emptyShown"], page
+        assert page["held"] == 0 and not page["heldLegend"], page  # no held-out split: no held-out curve
         assert re.match(r"steps 1 to 6: loss 5\.5\d\d at the first, \d\.\d{3} at the last", page["caption"]), page
         assert "elapsed" in page["timing"] and "left" not in page["timing"], page
         assert len(page["devices"]) == 2 and all("phone-" in row and " #" in row for row in page["devices"]), page
@@ -313,7 +351,7 @@ def test_a_finished_job_stays_on_the_page_and_the_page_fits_a_phone(tmp_path: Pa
 
 
 TIER_STATUS = {
-    "job": {"name": "tiered", "state": "training", "step": 5, "steps": 20, "loss": 3.2},
+    "job": {"name": "tiered", "state": "training", "step": 5, "steps": 20, "loss": 3.2, "val_loss": 3.3, "val_step": 4},
     "tiles": {},
     "device_counts": {"connected": 3},
     "leaderboard": [],
@@ -338,11 +376,14 @@ def test_a_rank_of_a_tier_shows_every_rank_with_a_link_to_its_page(tmp_path: Pat
     """The page of rank 1 of 3 (the real Dashboard and page over HTTP, a status with a tier):
     its header says which rank it is, the tier's table has a row per rank with its figures and a
     link to that rank's own page (https for wss), and a rank whose status is not believed says
-    why, with no figures."""
+    why, with no figures. Its loss chart also draws the held-out loss: a dashed line of its own
+    colour through a point at each step that evaluated it, with a legend."""
     import http.server
     import threading
 
     board = Dashboard(lambda: TIER_STATUS, lambda token: False)
+    for step, loss in enumerate((4.0, 3.8, 3.5, 3.4, 3.2), start=1):
+        board.step(step, loss, {2: 3.6, 4: 3.3}.get(step))
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 -- http.server's name
@@ -372,6 +413,21 @@ def test_a_rank_of_a_tier_shows_every_rank_with_a_link_to_its_page(tmp_path: Pat
         links = page.js("[...document.querySelectorAll('#tier a')].map(a => a.href)")
         assert links[:2] == ["https://rank0.example.org:8765/", "http://10.0.0.2:8765/"]
         assert page.js("document.querySelectorAll('#tier a')[2].hasAttribute('href')") is False  # no URL: no link
+        chart = page.js(
+            "({card: document.getElementById('val-loss').textContent,"
+            " caption: document.getElementById('curve-range').textContent,"
+            " legend: !document.getElementById('curve-legend').hidden"
+            " && !document.getElementById('legend-held').hidden,"
+            " lines: [...document.querySelectorAll('#curve polyline')].map((l) => l.getAttribute('class')),"
+            " points: [...document.querySelectorAll('#curve circle.held-point')].map((c) => +c.getAttribute('cx')),"
+            " colours: ['.smooth', '.held']"
+            ".map((c) => getComputedStyle(document.querySelector('#curve ' + c)).stroke)})"
+        )
+        assert chart["card"] == "held-out 3.3000 at step 4" and chart["legend"], chart
+        assert "held-out 3.300 at step 4" in chart["caption"], chart
+        assert chart["lines"] == ["raw", "smooth", "held"], chart
+        assert len(chart["points"]) == 2 and chart["points"][0] < chart["points"][1], chart  # steps 2 and 4 only
+        assert chart["colours"][0] != chart["colours"][1], chart
     finally:
         page.close()
         httpd.shutdown()

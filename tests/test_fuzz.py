@@ -860,16 +860,6 @@ def _bars(lease: Any) -> bool:
     )
 
 
-GIVE_BACKS = {why.value for why in ReleaseWhy}  # a release's lease rows say why, and nothing else
-
-
-def _may_bar(lease: Any, given_back: int, limit: int) -> bool:
-    """``_bars``, or a give-back of a tile given back more than ``limit`` times in all
-    (``given_back``): each giver past the limit is barred (Core._give_back); which ones, the rows
-    do not say for sure (a relay's failure excuses a give-back), so any of them may be."""
-    return _bars(lease) or (lease.outcome == "released" and lease.reason in GIVE_BACKS and given_back > limit)
-
-
 @dataclass
 class FakeDevice:
     """One volunteer as the coordinator's peer sees it: its block cache and the tiles it holds."""
@@ -1523,13 +1513,9 @@ class CoreUnderFire(RuleBasedStateMachine):
         queued_tiles = [t for g in live.values() for t in g.tiles if store.tile_state(t) == TileState.QUEUED]
         for device_id, dev in core.devices.items():
             if dev.free > 0:  # work-conserving: a willing device is never idle beside work it may take
-                open_to_it = []
-                for t in queued_tiles:
-                    leases = store.leases(t)
-                    given = sum(lease.outcome == "released" and lease.reason in GIVE_BACKS for lease in leases)
-                    limit = core.trust.tile_give_backs
-                    if not any(_may_bar(lease, given, limit) for lease in leases if lease.device_id == device_id):
-                        open_to_it.append(t)
+                open_to_it = [
+                    t for t in queued_tiles if not any(_bars(lease) for lease in self.leases_of(t, device_id))
+                ]
                 assert not open_to_it, f"device {device_id} has {dev.free} free slots, tiles {open_to_it} wait"
         status = report.status(core, self.now)
         reply = decode(encode(StatusReply(status)))  # strict JSON, within the observer's limits

@@ -4,6 +4,9 @@ two `cleave join` clients, and checked against the store's own rows."""
 from __future__ import annotations
 
 import asyncio
+import math
+import shutil
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -153,3 +156,19 @@ def test_a_rank_of_a_tier_labels_every_series_with_its_rank() -> None:
     assert {s.name for s in ranked} == {s.name for s in plain}
     assert all(s.labels.get("rank") == "1" for s in ranked), [s for s in ranked if s.labels.get("rank") != "1"]
     assert any(s.name == "cleave_device_tiles_total" and s.labels["device"] == "laptop #3" for s in ranked)
+
+
+def test_the_held_out_loss_is_a_gauge_nan_until_the_first_evaluation() -> None:
+    """``cleave_val_loss``: the last evaluation's held-out loss; NaN before one (or without
+    --eval-every), as ``cleave_loss`` is before the first step. promtool (where installed) passes
+    both expositions."""
+    job = {"state": "training", "step": 4, "steps": 20, "loss": 4.25}
+    for status, want in (({"job": job}, None), ({"job": {**job, "val_loss": 4.5, "val_step": 4}}, 4.5)):
+        text = metrics_mod.Metrics(lambda status=status: status).render()[2].decode()
+        assert "# HELP cleave_val_loss Held-out loss of the last evaluation" in text
+        assert "# TYPE cleave_val_loss gauge" in text
+        got = _samples(text)[("cleave_val_loss", ())]
+        assert math.isnan(got) if want is None else got == want
+        if shutil.which("promtool"):
+            run = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+            assert run.returncode == 0 and not run.stdout.strip() and not run.stderr.strip(), run.stdout + run.stderr

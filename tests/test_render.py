@@ -230,3 +230,20 @@ def test_the_terminal_leaderboard_ranks_by_gflop_per_joule_when_asked() -> None:
     by_joule = _text(render.dashboard(status, rank_by="efficiency"), width=160)
     assert "verified work by device" in by_work and by_work.index("busy #1") < by_work.index("frugal #2")
     assert "verified GFLOP per joule" in by_joule and by_joule.index("frugal #2") < by_joule.index("busy #1")
+
+
+def test_the_held_out_loss_shows_once_evaluated_in_status_step_lines_and_the_summary() -> None:
+    evaluated = {**STATUS, "job": {**STATUS["job"], "val_loss": 4.5, "val_step": 4}}
+    out = _text(render.dashboard(evaluated), width=140)
+    assert "held-out loss  4.5000  (evaluated after step 4)" in out
+    assert "held-out" not in _text(render.dashboard(STATUS), width=140)  # none evaluated yet: no row
+    diverged = {**STATUS, "job": {**STATUS["job"], "val_loss": None, "val_step": 4}}
+    assert "held-out loss  -  (evaluated after step 4)" in _text(render.dashboard(diverged), width=140)
+    line = render.step_line(4, 20, 4.25, 0.125, STATUS, val_loss=4.5).plain
+    assert line.startswith("step  4/20  loss 4.2500  held-out 4.5000  ")
+    assert "held-out" not in render.step_line(5, 20, 4.25, 0.125, STATUS).plain
+    finished = {**evaluated, "job": {**evaluated["job"], "state": "finished"}}
+    assert render.job_summary(finished).startswith(
+        "job finished: 5/20 steps, final loss 4.2500, held-out 4.5000 (step 4);"
+    )
+    assert "held-out" not in render.job_summary({**STATUS, "job": {**STATUS["job"], "state": "finished"}})

@@ -523,7 +523,8 @@ def test_batching_devices_get_work_batches_and_a_forged_result_in_a_result_batch
 def test_release_bouncers_over_real_websockets_are_cut_and_their_rows_bounded(tmp_path) -> None:  # noqa: ANN001
     """Three devices speak the protocol and give every tile back, with words of their own, at
     40% of its deadline (short of the stall rule), beside one honest device that takes 50 ms a
-    tile. Past their give-back allowance each is cut (4010); the GEMM is exact; the SQLite file
+    tile, over a stream of GEMMs. Past their give-back allowance each is cut (4010); every GEMM
+    is exact; the SQLite file
     holds at most give_backs + cut_after lease rows for each, and none of their words."""
     import sqlite3
 
@@ -533,8 +534,10 @@ def test_release_bouncers_over_real_websockets_are_cut_and_their_rows_bounded(tm
     from db.sqlite import SQLiteStore
 
     words = "visit example.org " * 10
-    floor = 0.3
-    trust = TrustPolicy(probation_tiles=4, give_backs=2, cut_after=1, cooloff=60.0)
+    # The honest device is cut only by cut_after take-backs in a row, each 2 x floor late: a
+    # loaded box would have to stall its loop for 4 s. Bouncers are cut after 4 give-backs.
+    floor = 1.0
+    trust = TrustPolicy(probation_tiles=4, give_backs=2, cut_after=2, cooloff=60.0)
     store = SQLiteStore(tmp_path / "c.db")
     core = Core(
         store, store.create_job("t", {}, 1, 0.0), join_token="tok", rng=np.random.default_rng(0),
@@ -574,6 +577,9 @@ def test_release_bouncers_over_real_websockets_are_cut_and_their_rows_bounded(tm
             worker = asyncio.create_task(honest(url, stop))
             a, b = torch.randn(128, 32), torch.randn(32, 32)
             c = await _product(server, a, b)
+            deadline = asyncio.get_running_loop().time() + TIMEOUT
+            while not all(t.done() for t in bouncers) and asyncio.get_running_loop().time() < deadline:
+                torch.testing.assert_close(await _product(server, a, b), a @ b)  # a stream, till they are cut
             stop.set()
             codes = await asyncio.gather(*bouncers)
             await worker

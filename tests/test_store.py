@@ -54,6 +54,18 @@ def test_job_and_steps(store: Store) -> None:
         store.job(999)
 
 
+def test_a_steps_held_out_loss_is_kept_and_a_diverged_one_is_stored_as_null(store: Store) -> None:
+    job = store.create_job("j", {}, 3, 0.0)
+    store.record_step(job, 1, 5.0, 8, 0.1, 1.0, extra={"devices": 2})
+    store.record_step(job, 2, 4.5, 8, 0.1, 2.0, extra={"val_loss": 4.75, "eval_s": 0.25})
+    store.record_step(job, 3, 4.0, 8, 0.1, 3.0, extra={"val_loss": float("nan"), "sources": {"x": float("inf")}})
+    assert [r.extra.get("val_loss") for r in store.steps(job)] == [None, 4.75, None]
+    assert store.steps(job)[2].extra == {"val_loss": None, "sources": {"x": None}}  # strict JSON, as the metrics file
+    if isinstance(store, SQLiteStore):  # every row reads with SQLite's own JSON functions
+        query = "SELECT step, json_extract(extra, '$.val_loss') FROM steps WHERE job_id = ? ORDER BY step"
+        assert store.conn.execute(query, (job,)).fetchall() == [(1, None), (2, 4.75), (3, None)]
+
+
 def test_devices_are_credited(store: Store) -> None:
     job = store.create_job("j", {}, 1, 0.0)
     d = store.add_device(job, DeviceInfo("laptop", "Linux", 4, 1 << 30, "cpu", 50.0), now=1.0)
@@ -275,6 +287,15 @@ def test_only_the_newest_job_is_resumed(store: Store) -> None:
     new = store.create_job("new", {}, 10, 2.0)
     store.set_job_state(new, "finished", 3.0)
     assert store.resumable_job() is None
+
+
+def test_the_newest_job_is_the_last_created_whatever_its_state(store: Store) -> None:
+    assert store.newest_job() is None
+    store.create_job("old", {"model": "tiny"}, 10, 0.0)
+    new = store.create_job("new", {"model": "small"}, 10, 2.0)
+    store.set_job_state(new, "finished", 3.0)
+    newest = store.newest_job()
+    assert newest is not None and (newest.id, newest.name, newest.config) == (new, "new", {"model": "small"})
 
 
 def test_device_reliability_counts_verified_against_failed_work(store: Store) -> None:

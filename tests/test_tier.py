@@ -29,6 +29,7 @@ from coordinator.tier.group import (
     job_digest,
     join_tier,
 )
+from coordinator.tier.rendezvous import LOOKOUT
 from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.training.parallel import DataParallel, ShardedAdamW
 from coordinator.wire import auth
@@ -58,10 +59,12 @@ def _rank(rank: int, world: int, port: int, secret: str, options: dict, out: Any
         out.put((rank, type(exc).__name__, str(exc)))
         return
     trainer = Trainer(cfg, parallel=tier.parallel)
-    losses = []
+    losses, held_out = [], []
     try:
         while trainer.step < cfg.steps:
-            losses.append(trainer.train_step().loss)
+            result = trainer.train_step()
+            losses.append(result.loss)
+            held_out.append(result.extra.get("val_loss"))
     except Exception as exc:
         out.put((rank, type(exc).__name__, str(exc)))
         tier.close()
@@ -69,7 +72,7 @@ def _rank(rank: int, world: int, port: int, secret: str, options: dict, out: Any
     state = sum(v.numel() for s in trainer.optimizer.state.values() for v in s.values() if v.dim())
     # numpy, not tensors: a tensor crosses a queue as a shared-memory handle that dies with this process
     weights = {k: v.numpy().copy() for k, v in trainer.model.state_dict().items()}
-    out.put((rank, losses, weights, state, trainer.tokens_seen))
+    out.put((rank, losses, weights, state, trainer.tokens_seen, held_out))
     tier.close()
 
 
@@ -96,7 +99,7 @@ def _tier(world: int, options: dict, secrets: list[str] | None = None) -> dict:
     return results
 
 
-OPTIONS = {"steps": 4, "batch_size": 6, "seq_len": 32}
+OPTIONS = {"steps": 4, "batch_size": 6, "seq_len": 32, "eval_every": 2}  # the held-out loss at steps 2 and 4
 TIER_WAIT = 10  # the drill's --tier-timeout: long enough for a look at the stalled tier
 
 
@@ -108,7 +111,8 @@ def test_ranks_train_the_global_batch_exactly_as_one_process(world: int) -> None
     results = _tier(world, OPTIONS)
     assert sorted(results) == list(range(world)), results
     whole = Trainer(TrainConfig(**OPTIONS))
-    want = [r.loss for r in whole.run()]
+    whole_results = whole.run()
+    want = [r.loss for r in whole_results]
     parts = Trainer(TrainConfig(**OPTIONS, micro_batches=world))
     in_order = [r.loss for r in parts.run()]
     losses, weights, state, tokens = results[0][0], results[0][1], results[0][2], results[0][3]
@@ -120,6 +124,13 @@ def test_ranks_train_the_global_batch_exactly_as_one_process(world: int) -> None
     for k, v in parts.model.state_dict().items():
         assert torch.equal(torch.from_numpy(weights[k]), v), k
     assert tokens == whole.tokens_seen  # the global count
+    # The held-out loss: each rank evaluates its slice of the fixed batches and the ranks sum their
+    # shares, so every rank logs the same one, that of one process within float error.
+    held_out = results[0][4]
+    assert all(results[r][4] == held_out for r in range(1, world))
+    assert [v is None for v in held_out] == [True, False, True, False]
+    want_held = [r.extra["val_loss"] for r in whole_results if "val_loss" in r.extra]
+    assert [v for v in held_out if v is not None] == pytest.approx(want_held, rel=1e-5)
     # ZeRO-1: each rank holds AdamW's moments for its share of the parameters only (whole
     # parameters: within one parameter of an equal share).
     total = sum(p.numel() for p in whole.model.parameters())
@@ -344,6 +355,64 @@ def test_a_lost_rank_is_named_alike_by_every_rank_and_only_on_a_ranks_sealed_wor
         rank0.arrive(2)
 
 
+class _DeletesBeforeTheRead:
+    """A store client through which a stranger deletes ``name`` once, just before a rank reads it
+    (after the rank looked and found it there): the read would wait for it."""
+
+    def __init__(self, inner: Any, name: str, gone: Any) -> None:
+        self.inner, self.name, self.gone = inner, name, gone
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def _race(self, names: list[str]) -> None:
+        if self.name in names and not self.gone.is_set():
+            self.inner.delete_key(self.name)
+            self.gone.set()
+
+    def get(self, name: str) -> bytes:
+        self._race([name])
+        return self.inner.get(name)
+
+    def multi_get(self, names: list[str]) -> list[bytes]:
+        self._race(names)
+        return self.inner.multi_get(names)
+
+
+def test_a_key_deleted_between_a_look_and_its_read_holds_a_rank_up_a_heartbeat_not_the_store_timeout() -> None:
+    """Ranks 1 and 2 have arrived at step 1's barrier; a stranger at the port deletes rank 1's
+    arrival after rank 0 saw it there and before it read it, and rank 2 then announces rank 1
+    lost. Rank 0 reads through a client that waits a heartbeat at most: it takes the key for not
+    there yet, reads the notice at its next look, and names rank 1, not its own store (which
+    would wait 10 s, the tier's timeout here, for the deleted key)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from coordinator.tier.group import LOST
+
+    port, name, gone = _port(), "step/1/1", threading.Event()
+    master = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    quick = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=HEARTBEAT))
+    writer = dist.TCPStore("127.0.0.1", port, 3, is_master=False)
+    rank0 = Tier(0, 3, _DeletesBeforeTheRead(master, name, gone), timeout=30.0, key=KEY)
+    rank0.reads = _DeletesBeforeTheRead(quick, name, gone)
+    _arrived(writer, 1, 1, 2)
+
+    def rank_2_announces() -> None:
+        gone.wait(10)
+        news = b"lost|1|no heartbeat for 30 s"
+        writer.set(LOST, auth.tier_lost_mac(KEY, 1, news) + news)
+
+    threading.Thread(target=rank_2_announces, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(RankLost) as lost:
+        rank0.arrive(1)
+    assert gone.is_set() and lost.value.rank == 1, lost.value
+    assert time.monotonic() - started < 5 * HEARTBEAT  # a read's timeout and a look later: 2 s
+
+
 def test_join_tier_refuses_bad_options_in_one_line() -> None:
     from coordinator.wire.errors import ConfigError
 
@@ -354,6 +423,23 @@ def test_join_tier_refuses_bad_options_in_one_line() -> None:
     with pytest.raises(ConfigError, match="needs its secret"):
         join_tier("tcp://127.0.0.1:1", 0, 2, "", bytes(32))
     assert RankLost(3, "x").rank == 3 and issubclass(TierRefused, ConfigError)
+
+
+def test_a_rendezvous_name_that_resolves_to_loopback_is_said_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    """``--rendezvous $(hostname):P`` on Debian resolves to 127.0.1.1: rank 0 would listen where
+    no other machine reaches it. A name that resolves to loopback is said, once, when other ranks
+    are to come; an address typed as such, or a tier of one, is taken as meant."""
+    import logging
+    import os
+
+    from coordinator.tier.rendezvous import listen
+
+    caplog.set_level(logging.WARNING, logger="cleave.tier")
+    for host, world in (("localhost", 2), ("127.0.0.1", 2), ("localhost", 1)):
+        os.close(listen(host, _port(), world))
+    said = [r.getMessage() for r in caplog.records if "loopback" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("tier: --rendezvous localhost resolves to "), said
+    assert "ranks on other machines cannot reach it" in said[0]
 
 
 def test_rank_0s_store_listens_only_on_the_rendezvous_host_and_under_the_secrets_namespace() -> None:
@@ -404,9 +490,10 @@ def test_under_torchrun_rank_0_meets_at_the_agents_store_under_the_attempts_name
         tier.close()
 
 
-def _stalls_with_a_stranger(rank: int, world: int, port: int, out: Any) -> None:
-    """Rank 1 joins and dies; rank 0 waits for it at step 1's barrier, with a stranger at the
-    store's port meanwhile. Reports what rank 0 met, after how long, and what it logged."""
+def _stalls_with_a_stranger(rank: int, world: int, port: int, out: Any, skew: float = 0.0) -> None:
+    """Rank 1 joins ``skew`` seconds late and dies; rank 0 waits for it at step 1's barrier, with
+    a stranger at the store's port meanwhile. Reports what rank 0 met, after how long, and what
+    it logged."""
     import logging
     import os
 
@@ -415,6 +502,8 @@ def _stalls_with_a_stranger(rank: int, world: int, port: int, out: Any) -> None:
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("cleave.tier").addHandler(handler)
+    if rank == 1:
+        time.sleep(skew)
     try:
         tier = join_tier(f"tcp://127.0.0.1:{port}", rank, world, SECRET, job_digest(OPTIONS), timeout=4.0)
     except Exception as exc:
@@ -473,14 +562,17 @@ def test_a_stranger_at_the_store_port_can_neither_forge_heartbeats_nor_pass_the_
     """Rank 1 dies once the tier is formed; rank 0 waits for it at the barrier. A stranger at the
     store's port writes gloo's addresses and bumps heartbeats and arrivals under the tier's old
     key names, and overwrites rank 1's heartbeat and arrival in the tier's namespace (listed)
-    with forged or 1 MiB values. The tier forms, rank 0 does not pass the barrier nor believe
-    the heartbeats: it names rank 1 lost within its timeout, and logs each forged key once."""
+    with forged or 1 MiB values. Rank 1 starts a second after rank 0 (a loaded machine, or
+    another one): the stranger's keys outside the namespace stop nothing meanwhile (they are no
+    rank's arrival), and are logged once. The tier forms, rank 0 does not pass the barrier nor
+    believe the heartbeats: it names rank 1 lost within its timeout, and logs each forged key once."""
     import threading
 
     port, out, stop = _port(), CTX.Queue(), threading.Event()
     stranger = threading.Thread(target=_store_stranger, args=(port, stop), daemon=True)
     stranger.start()
-    procs = [CTX.Process(target=_stalls_with_a_stranger, args=(r, 2, port, out)) for r in range(2)]
+    skew = 1.5 * LOOKOUT  # rank 0 looks at the store's keys while it waits for rank 1
+    procs = [CTX.Process(target=_stalls_with_a_stranger, args=(r, 2, port, out, skew)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -499,6 +591,7 @@ def test_a_stranger_at_the_store_port_can_neither_forge_heartbeats_nor_pass_the_
     assert any(line.startswith("tier: alive/1 in the") for line in doubted), lines
     assert any(line.startswith("tier: step/1/1 in the") for line in doubted), lines
     assert len(doubted) == len(set(doubted)), doubted  # one line a key, not one a look
+    assert sum("outside this tier's namespace and no rank's" in line for line in lines) == 1, lines
 
 
 def test_gloo_meets_only_through_addresses_sealed_in_this_run() -> None:

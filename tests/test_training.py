@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import threading
 import time
 import weakref
@@ -14,11 +16,12 @@ from torch import nn
 
 from coordinator.planning.costmodel import PARTS_IN_FLIGHT
 from coordinator.planning.tiles import TilingPolicy, plan_gemm, tiled_matmul
-from coordinator.training.data import ByteBatches, DataError, load_corpus
+from coordinator.training.data import ByteBatches, load_corpus
 from coordinator.training.hardware import coordinator_device, to_host
 from coordinator.training.linear import GemmRequest, LocalEngine, TiledLinear, offload_linears
 from coordinator.training.loop import TrainConfig, Trainer, draws_randomness
 from coordinator.training.model import PRESETS, Transformer
+from coordinator.training.tokens import DataError
 from coordinator.wire.errors import ConfigError
 
 
@@ -343,6 +346,16 @@ def test_presets_have_the_advertised_sizes() -> None:
         ({"seed": -3}, "--seed"),
         ({"micro_batches": 3}, "--micro-batches"),  # does not divide the batch of 8
         ({"micro_batches": -1}, "--micro-batches"),  # 0 is auto: the cost model chooses
+        ({"warmup": -1}, "--warmup must be between 0 and 10,000,000 steps, got -1"),
+        ({"warmup": 10_000_001}, "--warmup"),
+        ({"min_lr": 0.01}, r"--min-lr must be between 0 and --lr \(0.003\), got 0.01"),
+        ({"min_lr": -1e-4}, "--min-lr"),
+        ({"min_lr": float("nan")}, "--min-lr"),
+        ({"weight_decay": -0.1}, "--weight-decay must be between 0 and 1, got -0.1"),
+        ({"weight_decay": 2.0}, "--weight-decay"),
+        ({"weight_decay": float("inf")}, "--weight-decay"),
+        ({"grad_clip": -1.0}, r"--grad-clip must be a finite number >= 0 \(0: no clipping\), got -1.0"),
+        ({"grad_clip": float("nan")}, "--grad-clip"),
     ],
 )
 def test_absurd_options_are_refused_with_the_option_name(kwargs: dict, message: str) -> None:
@@ -444,3 +457,143 @@ def test_a_layers_deferred_dw_reaches_the_thread_that_ran_its_forward() -> None:
     for (name, want), got in zip(plain.named_parameters(), tiled.parameters(), strict=True):
         assert got.grad is not None, name
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- the optimizer's settings
+
+CORPUS = bytes(range(32, 127)) * 200  # 19 kB of text: no corpus to read
+SMALL = {"batch_size": 2, "seq_len": 16}  # steps of a few milliseconds
+
+
+def _schedule(step: int, lr: float, steps: int, warmup: int, floor: float) -> float:
+    """The schedule docs/cli.md states, written out: linear warm-up, then cosine to the floor."""
+    if warmup and step <= warmup:
+        return lr * step / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def test_the_learning_rate_warms_up_then_decays_to_min_lr_and_the_optimizer_takes_it() -> None:
+    cfg = TrainConfig(steps=5, lr=2e-3, warmup=2, min_lr=2e-4, **SMALL)
+    trainer = Trainer(cfg, corpus=CORPUS)
+    for step in range(1, 6):
+        assert trainer.lr_at(step) == pytest.approx(_schedule(step, 2e-3, 5, 2, 2e-4), rel=1e-12), step
+    assert trainer.lr_at(2) == 2e-3 and trainer.lr_at(5) == pytest.approx(2e-4, rel=1e-12)
+    taken = []  # what the optimizer stepped with, as each step ends
+    results = trainer.run(on_step=lambda r: taken.append([g["lr"] for g in trainer.optimizer.param_groups]))
+    assert taken == [[r.lr, r.lr] for r in results]
+    assert [r.lr for r in results] == [trainer.lr_at(s) for s in range(1, 6)]
+    default = Trainer(TrainConfig(steps=30), corpus=CORPUS)  # no --min-lr: 10% of --lr, as before it existed
+    for step in range(1, 31):
+        progress = (step - 10) / 20  # the code before --min-lr, verbatim
+        before = 3e-3 * step / 10 if step <= 10 else 3e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+        assert default.lr_at(step) == before, step  # the same bits: old jobs' losses do not move
+    no_warmup = Trainer(TrainConfig(steps=5, warmup=0, min_lr=0.0), corpus=CORPUS)
+    assert [no_warmup.lr_at(s) for s in (1, 5)] == [pytest.approx(_schedule(1, 3e-3, 5, 0, 0.0)), 0.0]
+
+
+def _plain_adamw(cfg: TrainConfig, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict, list[float]]:
+    """The reference: plain torch's AdamW on the same model and batches, the decay on matrices
+    only, the gradients clipped to ``grad_clip`` unless 0. Returns the weights and each step's
+    gradient norm before clipping."""
+    from coordinator.training import models
+
+    torch.manual_seed(cfg.seed)
+    model = models.build(cfg.model)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    others = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+        foreach=False,
+    )
+    floor = 0.1 * cfg.lr if cfg.min_lr is None else cfg.min_lr
+    norms = []
+    for step, (x, y) in enumerate(batches, start=1):
+        for group in opt.param_groups:
+            group["lr"] = _schedule(step, cfg.lr, cfg.steps, cfg.warmup, floor)
+        opt.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip, foreach=False)
+        opt.step()
+    return model.state_dict(), norms
+
+
+def _trained(cfg: TrainConfig) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A Trainer's weights after ``cfg.steps`` steps, and the batches it drew."""
+    trainer = Trainer(cfg, corpus=CORPUS)
+    drawn = []
+    draw = trainer.batches.next
+
+    def recorded() -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = draw()
+        drawn.append((x.clone(), y.clone()))
+        return x, y
+
+    trainer.batches.next = recorded  # type: ignore[method-assign]
+    trainer.run()
+    return trainer.model.state_dict(), drawn
+
+
+@pytest.mark.parametrize("grad_clip", [0.05, 0.0], ids=["clipped", "no-clip"])
+def test_weight_decay_and_clipping_are_plain_adamws_as_set(grad_clip: float) -> None:
+    cfg = TrainConfig(steps=4, warmup=1, min_lr=1e-4, weight_decay=0.5, grad_clip=grad_clip, **SMALL)
+    weights, batches = _trained(cfg)
+    assert Trainer(cfg, corpus=CORPUS).optimizer.param_groups[0]["weight_decay"] == 0.5
+    want, norms = _plain_adamw(cfg, batches)
+    for name, tensor in want.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+    # Each setting changes the weights: clipping bites (every norm is above it) and so does the decay.
+    if grad_clip:
+        assert min(norms) > grad_clip
+    for changed in ({"grad_clip": 0.05 - grad_clip}, {"weight_decay": 0.0}):
+        unlike, _ = _plain_adamw(dataclasses.replace(cfg, **changed), batches)
+        assert any(not torch.equal(weights[name], tensor) for name, tensor in unlike.items()), changed
+
+
+def test_the_optimizer_settings_are_stored_with_the_job_and_a_resume_keeps_them(tmp_path: Path) -> None:
+    """A job's options are stored in its row and its checkpoints; a coordinator that resumes it
+    takes the stored ones (those it was started with now are ignored, as for --lr), and a
+    checkpoint is refused by a trainer of other settings."""
+    from coordinator.job import CoordinatorConfig, _plan
+    from db.sqlite import SQLiteStore
+
+    first = TrainConfig(steps=5, warmup=2, min_lr=1e-4, weight_decay=0.05, grad_clip=0.5, **SMALL)
+    store = SQLiteStore(tmp_path / "j.db")
+    store.create_job("a", first.to_dict(), 5, 0.0)  # left unfinished
+    notes: list[str] = []
+
+    class Notes:
+        def note(self, text: str) -> None:
+            notes.append(text)
+
+    other = CoordinatorConfig(train=TrainConfig(steps=5, warmup=0, grad_clip=0.0), db=str(tmp_path / "j.db"))
+    plan = _plan(other, store, Notes(), 1.0)  # type: ignore[arg-type]
+    assert plan.train == first and "options as first given" in notes[-1]
+    stored = store.job(plan.books.job_id).config  # read back from SQLite
+    store.close()
+    assert {k: stored[k] for k in ("warmup", "min_lr", "weight_decay", "grad_clip")} == {
+        "warmup": 2,
+        "min_lr": 1e-4,
+        "weight_decay": 0.05,
+        "grad_clip": 0.5,
+    }
+    trainer = Trainer(first, corpus=CORPUS)
+    trainer.train_step()
+    state = trainer.state_dict()
+    again = Trainer(first, corpus=CORPUS)
+    again.load_state_dict(state)
+    assert again.step == 1
+    for changed in ({"warmup": 3}, {"min_lr": None}, {"weight_decay": 0.1}, {"grad_clip": 1.0}):
+        with pytest.raises(ConfigError, match="other options"):
+            Trainer(dataclasses.replace(first, **changed), corpus=CORPUS).load_state_dict(state)
+    # A checkpoint or job row from before these options existed: today's defaults, as it trained.
+    old = Trainer(TrainConfig(steps=5), corpus=CORPUS).state_dict()
+    del old["config"]["min_lr"]
+    Trainer(TrainConfig(steps=5), corpus=CORPUS).load_state_dict(old)
+    assert TrainConfig(**old["config"]) == TrainConfig(steps=5)

@@ -731,3 +731,69 @@ def test_honest_pauses_cost_nothing_within_the_allowance_and_book_no_owners_word
     assert given and set(given) == {"paused"}
     fleet.drain()
     assert "result" in box and core.devices[laptop].standing.given_back == 0  # its work refills it
+
+
+def test_an_owner_whose_laptop_keeps_waking_or_dropping_off_is_never_cut_for_it() -> None:
+    """Pauses and departures have rate limits of their own and spend none of the release
+    allowance: a laptop holding tiles that its owner wakes three times the allowance over, and
+    whose Wi-Fi then drops as often, is never cut, and its standing counts no give-back."""
+    from coordinator.engine.core import Departure
+
+    core = _core(pauses=Rate(10.0, 100.0))
+    fleet = Fleet(core)
+    laptop = fleet.join("laptop", slots=2)
+    credential = _credential(fleet, laptop)
+    fleet.join("other", slots=1)
+    submit(core, fleet, torch.randn(512, 32), torch.randn(32, 64))
+    rounds = 3 * (TRUST.give_backs + TRUST.cut_after)
+    for _ in range(rounds):
+        fleet.now += 1.0
+        assert core.devices[laptop].inflight
+        fleet.route(core.handle(laptop, Pause("the owner is back"), fleet.now))
+        fleet.pending = [p for p in fleet.pending if p.device != laptop]
+        fleet.now += 1.0
+        fleet.route(core.handle(laptop, Resume(), fleet.now))
+    assert laptop in core.devices and laptop not in fleet.closed
+    assert core.devices[laptop].standing.given_back == 0 and core.devices[laptop].standing.cuts == 0
+    for _ in range(TRUST.give_backs + TRUST.cut_after + 1):
+        assert core.devices[laptop].inflight  # it holds tiles when its link drops
+        fleet.route(core.disconnect(laptop, fleet.now, Departure.CLOSED))
+        fleet.pending = [p for p in fleet.pending if p.device != laptop]
+        fleet.now += 10.0  # within its reconnect allowance (one per 10 s)
+        laptop, out = _returning(core, credential, fleet.now, name="laptop")  # refused while cut: AuthError
+        fleet.blocks[laptop], fleet.inbox[laptop], fleet.compute[laptop] = {}, [], honest
+        fleet.blocks_received[laptop] = []
+        fleet.route(out)
+    standing = core.gate.standing(credential.identity)
+    assert standing.cuts == 0 and standing.given_back == 0, (standing.cuts, standing.given_back)
+
+
+def test_tiles_given_back_for_missing_blocks_bar_no_one_and_do_not_stop_the_job() -> None:
+    """Two devices whose blocks keep going missing give one tile back between them again and
+    again (within their allowance): a missing block is sent again with the tile, so neither is
+    barred from it, no tile is stuck, the job is not stopped (no ``Abort``), and once one keeps
+    its blocks the GEMM completes."""
+    from coordinator.engine.core import STANDING_CHECK
+    from coordinator.engine.outbound import Abort
+
+    core = _core()
+    fleet = Fleet(core)
+    devices = [fleet.join("a", slots=1), fleet.join("b", slots=1)]
+    box = submit(core, fleet, torch.randn(16, 32), torch.randn(32, 16))  # one tile
+    (tile,) = [t for d in devices for t in core.devices[d].inflight]
+    for _ in range(2 * (TRUST.give_backs - 1)):  # each device within its allowance
+        (holder,) = [d for d in devices if tile in core.devices[d].inflight]
+        fleet.now += STANDING_CHECK
+        out = core.handle(holder, Release((tile,), ReleaseWhy.MISSING_BLOCK), fleet.now)
+        assert holder not in core.sched.units[tile].barred, "barred for a missing block"
+        for d in devices:
+            out += core.handle(d, Heartbeat(), fleet.now)
+        out += core.tick(fleet.now)  # the stuck-tile check runs here
+        assert not [o for o in out if isinstance(o, Abort)]
+        fleet.route(out)
+        fleet.pending = [p for p in fleet.pending if p.device != holder]  # its blocks: gone again
+    assert not [
+        lease for lease in core.store.leases(tile) if lease.outcome == "released" and lease.reason != "missing_block"
+    ]
+    fleet.drain()
+    assert "result" in box

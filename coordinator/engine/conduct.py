@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coordinator.engine.limits import TokenBucket, TrustPolicy
+from coordinator.engine.limits import TokenBucket, TrustPolicy, cooloff
 from coordinator.engine.profiles import CLAIM_GFLOPS, UNPROVEN_FACTOR
 from coordinator.engine.scheduler import Hold, Scheduler, Seat
 
@@ -34,7 +34,7 @@ class Standing:
     grown: int = 0  # verified results since it was last sent back to one slot
     taken_in_a_row: int = 0  # leases taken back since its last verified result
     unanswered: int = 0  # leases that ended without its result (lost to a copy, taken back) since then
-    given_back: int = 0  # give-backs (releases, pauses, departures holding tiles) since its last verified result
+    given_back: int = 0  # releases since its last verified result (pauses and departures do not count)
     cuts: int = 0
     cooloff_until: float = 0.0
     budgets: tuple[TokenBucket, TokenBucket, TokenBucket] | None = None  # releases, resends, reconnects
@@ -66,7 +66,7 @@ class Standing:
         return rejects >= (1 if probation else trust.ban_rejects)
 
     def gave_back(self, trust: TrustPolicy) -> bool:
-        """It gave tiles back (one release, pause or departure); True when that is past its
+        """It gave tiles back (one release); True when that is past its
         ``trust.give_backs`` in a row without a verified result: it then counts as a lease taken
         back. A cut does not refill the allowance; only a verified result does."""
         self.given_back += 1
@@ -91,10 +91,15 @@ class Standing:
         return self.unanswered >= limit
 
     def cut(self, trust: TrustPolicy, now: float) -> float:
-        """Cut it: it may come back after the returned number of seconds (doubling each time)."""
+        """Cut it: it may come back after the returned number of seconds (doubling each time,
+        at most ``trust.cooloff_max``). An identity with no cut for ``cooloff_max`` after its
+        last cool-off ended starts again from ``trust.cooloff``: an honest device cut now and
+        then over months does not wait ten minutes for every blip."""
+        if self.cuts and now >= self.cooloff_until + trust.cooloff_max:
+            self.cuts = 0
         self.cuts += 1
         self.taken_in_a_row = self.unanswered = 0
-        wait = min(trust.cooloff_max, trust.cooloff * 2 ** (self.cuts - 1))
+        wait = cooloff(trust.cooloff, trust.cooloff_max, self.cuts)
         self.cooloff_until = now + wait
         return wait
 
@@ -226,20 +231,23 @@ class Conduct:
         """A result of ``dev`` failed verification; True when its identity must be banned."""
         return dev.standing.rejected(self.trust)
 
-    def gave_back(self, dev: Conducted, holds: Iterable[Hold], now: float) -> bool:
+    def gave_back(self, dev: Conducted, holds: Iterable[Hold], now: float, *, released: bool = True) -> bool:
         """``dev`` gave back (or lost by leaving) these leases, at once. Each it held for most of
         its deadline counts as unanswered, as if another copy had won: holding tiles until just
-        before their deadlines and then letting go is stalling. And giving back at all is free
-        only ``trust.give_backs`` times in a row without a verified result: past that, each
-        give-back counts as a lease taken back (its first slots, then a cut with a cool-off), so
-        identities that bounce tiles between them early in their deadlines run out too. True
-        when it must be cut (else it is regraded)."""
+        before their deadlines and then letting go is stalling. And a release (``released``) is
+        free only ``trust.give_backs`` times in a row without a verified result: past that, each
+        counts as a lease taken back (its first slots, then a cut with a cool-off), so identities
+        that bounce tiles between them early in their deadlines run out too. A pause or a
+        departure (not ``released``) spends none of that allowance: each has its own rate limit
+        (``Limits.pauses``, ``TrustPolicy.reconnects``), and an honest laptop whose owner keeps
+        waking it, or whose Wi-Fi drops, must not be cut for it. True when it must be cut (else
+        it is regraded)."""
         holds = list(holds)
         cut = False
         for hold in holds:
             if now - hold.leased_at > (hold.soft - hold.leased_at) / 2:
                 cut = dev.standing.overtaken(self.trust) or cut
-        if holds and dev.standing.gave_back(self.trust):
+        if holds and released and dev.standing.gave_back(self.trust):
             cut = dev.standing.taken_back(self.trust) or cut
         if not cut:
             self.regrade(dev)

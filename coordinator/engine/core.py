@@ -218,7 +218,6 @@ class Core:
         self._sweep_len = 0
         self._checked_at = -float("inf")
         self._reopened: set[int] = set()  # tiles re-opened once after every device failed them
-        self._given_back: dict[int, int] = {}  # tiles of live GEMMs -> times devices gave them back
         self._stuck_since: dict[int, float] = {}  # re-opened tiles failed everywhere again: since when
         self._aborted = False  # an Abort went out
         self.progress = Progress(steps=store.job(job_id).steps)
@@ -429,7 +428,8 @@ class Core:
     def _on_relay_report(self, dev: DeviceState, msg: RelayReport, now: float) -> list[Outbound]:
         """A device says its relay failed it: it takes its blocks from here from now on; a relay
         proven to have served other bytes is banned (engine/relays.py)."""
-        verdict = self.relays.report(dev.id, msg.relay, msg.fault, msg.digest, msg.tag, msg.got, now)
+        trusted = not dev.standing.on_probation(self.trust)  # only earned trust cools a relay (engine/relays.py)
+        verdict = self.relays.report(dev.id, msg.relay, msg.fault, msg.digest, msg.tag, msg.got, now, trusted=trusted)
         if verdict is None:
             return []
         log.warning("device %d reported relay %d: %s", dev.id, msg.relay, verdict.why)
@@ -597,8 +597,9 @@ class Core:
         """A device's energy since its last report: booked within its band (engine/energy.py);
         a claim outside it is capped and flagged, never credited as measured."""
         try:
-            # Its band: the seconds it held work and the rate it delivered in them, both measured here.
-            claim = self.energy.claim(dev.id, msg, dev.gflop_verified, dev.seat.held(now))
+            # Its band: the seconds it held work and the rate it delivered in them (measured here),
+            # and the GEMM seconds its results stated (its word: they lift its ceiling only).
+            claim = self.energy.claim(dev.id, msg, dev.gflop_verified, dev.seat.held(now), dev.compute_seconds)
         except ValueError as exc:
             return [self._send(dev.id, Error(Code.UNEXPECTED, str(exc)), now)]
         metered = self.energy.devices[dev.id]
@@ -679,10 +680,12 @@ class Core:
                 if now - since < STUCK_GRACE or self._aborted:
                     continue
             # Read from the store only now: a tile waiting out its grace costs nothing per second.
+            # Real failures only (what bars): a give-back for a missing block or a pause is none.
             failures = [
                 lease
                 for lease in self.store.leases(tile_id)
-                if lease.outcome in (Outcome.REJECTED, Outcome.RELEASED, Outcome.REVOKED)
+                if lease.outcome in (Outcome.REJECTED, Outcome.REVOKED)
+                or (lease.outcome == Outcome.RELEASED and lease.reason.startswith(ReleaseWhy.COMPUTE_FAILED.value))
             ]
             last = f"{failures[-1].outcome}: {failures[-1].reason}" if failures else "unknown"
             if tile_id in self._reopened:
@@ -1051,14 +1054,17 @@ class Core:
         paused: bool = False,
     ) -> list[Outbound]:
         """``dev`` gives these tiles back (``reason``: a fixed value, never the device's words).
-        ``failed``: its compute failed, it never gets them again. ``paused``: its owner needs the
-        machine (no tile is barred for that). A give-back counts against its allowance of them
-        (``Conduct.gave_back``), and a tile given back ``trust.tile_give_backs`` times bars each
-        later giver from it, so identities bouncing tiles between them cannot go on for ever."""
+        ``failed``: its compute failed, it never gets them again (a bar: only real failures bar,
+        so only they can leave a tile to ``_unstick``). A missing block bars nothing: the tile's
+        blocks come with it again. ``paused``: its owner needs the machine. A release spends its
+        allowance of them (``Conduct.gave_back``: past it, each counts as a take-back), so
+        identities bouncing tiles between them cannot go on for ever; a pause does not (it has
+        its own rate limit)."""
         given = 0
         # Tiles its relay failed it on were held waiting on the relay, not stalled by the device.
         excused = dev.excused & set(tile_ids)
-        stalled = self._held_long(dev, [t for t in set(tile_ids) if t in dev.inflight and t not in excused], now)
+        kept = [t for t in set(tile_ids) if t in dev.inflight and t not in excused]
+        stalled = self._held_long(dev, kept, now, released=not paused)
         dev.excused.difference_update(tile_ids)
         for tile_id in tile_ids:
             if tile_id not in dev.inflight:
@@ -1067,11 +1073,7 @@ class Core:
             self._sent.pop((tile_id, dev.id), None)
             if failed:
                 self._failed(dev.id, now)
-            bar = failed
-            if not paused and tile_id not in excused:
-                returned = self._given_back.get(tile_id, 0)
-                self._given_back[tile_id] = returned + 1
-                bar = bar or returned >= self.trust.tile_give_backs
+            bar = failed  # never a missing block's tile: it is sent again with its blocks
             self.sched.release(tile_id, dev.id, bar=bar, now=now)
             self._lost_tile(dev, now)
             self.store.end_lease(tile_id, dev.id, Outcome.RELEASED, self.wall(now), reason, bar=bar)
@@ -1083,12 +1085,13 @@ class Core:
         out = self._cut(dev, "it kept giving tiles back without returning work", now) if stalled else []
         return out + self._dispatch(now) if given else out  # nothing changed: nothing to dispatch
 
-    def _held_long(self, dev: DeviceState, tile_ids: list[int], now: float) -> bool:
+    def _held_long(self, dev: DeviceState, tile_ids: list[int], now: float, *, released: bool = False) -> bool:
         """Leases it gives back (or loses by leaving) after holding them for most of their
         deadline count as unanswered, as if another copy had won: holding tiles until just
-        before their deadlines and then letting go is stalling. True when it must be cut."""
+        before their deadlines and then letting go is stalling. A release (``released``) also
+        spends its allowance of them (``Conduct.gave_back``). True when it must be cut."""
         holds = [hold for tile_id in tile_ids if (hold := self.sched.hold(tile_id, dev.id)) is not None]
-        return self.conduct.gave_back(dev, holds, now)
+        return self.conduct.gave_back(dev, holds, now, released=released)
 
     def _complete(self, gemm: GemmState, now: float) -> None:
         product = functools.partial(assemble, gemm.plan, gemm.parts, gemm.out_dtype or gemm.a.dtype)
@@ -1097,7 +1100,6 @@ class Core:
         for tid in gemm.tiles:
             self._tile_gemm.pop(tid, None)
             self._reopened.discard(tid)
-            self._given_back.pop(tid, None)
             self._stuck_since.pop(tid, None)
         # dW is the last reader of its X and dY: their cached pieces can go everywhere.
         last_use = gemm.kind is GemmKind.GRAD_WEIGHT
@@ -1399,15 +1401,20 @@ class Core:
             return out
         self.store.credit_device(dev.id, revoked=1, now=self.wall(now))
         if self.conduct.taken_back(dev):  # else it is regraded
-            out.extend(self._cut(dev, "its tiles kept running past their deadlines", now))
+            # Cut on a lease that waited on its relay's blocks: it may have been the relay.
+            on_relay = tile_id in dev.relayed
+            out.extend(self._cut(dev, "its tiles kept running past their deadlines", now, on_relay=on_relay))
         return out
 
-    def _cut(self, dev: DeviceState, why: str, now: float) -> list[Outbound]:
+    def _cut(self, dev: DeviceState, why: str, now: float, *, on_relay: bool = False) -> list[Outbound]:
         """Disconnect a device that holds tiles without returning them; it may come back after a
-        cool-off (doubling with every cut)."""
+        cool-off (doubling with every cut). ``on_relay``: the lease taken back last waited on
+        blocks named on its relay: the relay may have been slow, and takes no newcomers for a
+        while, if the device is off probation (a new identity costs only the join token: its
+        cuts, like its reports, cool no relay; give-backs and races never do)."""
         wait = self.conduct.cut(dev, now)
         relay_id = self.relays.behind.get(dev.id)
-        if relay_id is not None:  # it may have stalled on its relay: no one new goes behind that for a while
+        if relay_id is not None and on_relay and not dev.standing.on_probation(self.trust):
             self.relays.cool(relay_id, now)
         return self._drop(dev, CloseCode.STALLING, f"{why}; come back in {wait:.0f} s", now)
 
@@ -1502,6 +1509,8 @@ class Core:
         p.loss = loss if math.isfinite(loss) else None
         p.step = step
         p.tokens_per_s = p.tokens / elapsed if elapsed > 0 else 0.0
+        if "val_loss" in extra:  # a step that evaluated the held-out split (--eval-every)
+            p.evaluated(step, extra["val_loss"])
 
     def checkpointed(self, row: CheckpointRow) -> list[CheckpointRow]:
         """A checkpoint was written: recorded; returns the job's checkpoints, newest first."""

@@ -1,19 +1,34 @@
 """The job's energy books: what devices say they used, what of it is believed, and what the
 coordinator used itself; per step, per verified GFLOP, and in grams of CO2 (issue 23).
 
-A device's report (``energy``) is its word. It is believed within a band kept over its whole
-connection, so that no way of cutting it into reports widens it: what is booked for a device
-may not exceed the seconds it held work (leases outstanding, by this clock; plus ``SLACK_S``
-once, if it held any) times its ceiling in watts, nor fall below the GFLOP it had verified by
-its last report over its best GFLOP per joule (a device may not look more efficient than that
-on the leaderboard). Connected time holding nothing books nothing: it is not Cleave's draw
-(and time paused holds nothing: a pause gives the work back).
+A device's report (``energy``) is its word: its whole machine's energy over ``seconds`` of wall
+clock since its previous report. Only the time it held work (leases outstanding, by this clock)
+is Cleave's draw, so each report is first scaled by the seconds it held work since its previous
+report over the seconds it covers (idle time books nothing, and an honest reporter is not
+flagged for it). The scaled figure is believed within a band kept over its whole connection,
+so that no way of cutting it into reports widens it: what is booked for a device may not exceed
+the seconds it held work (plus ``SLACK_S`` once per identity in the job, never more than it
+held) times its ceiling in watts, nor fall below the GFLOP it had verified by its last report
+over its best GFLOP per joule (a device may not look more efficient than that on the
+leaderboard); a scaled figure below that floor whose whole report covers it is booked at the
+floor, unflagged. Connected time holding nothing books nothing (and time paused holds nothing:
+a pause gives the work back).
 
-The band's kind (``hello.device``) is the device's word too, so it is believed only as far as
-the coordinator's own measurement bears it out: of the GFLOP it verified, those a CPU could have
-delivered in the time it held work (``CPU_PEAK_GFLOPS`` per second) are held to the CPU's band;
-only the share beyond that gets its claimed kind's ceiling and efficiency. A CPU that says
-``cuda:0`` gets a CPU's band; a GPU faster than any CPU gets more of its own as it proves it.
+The band's kind (``hello.device``) is the device's word too, believed as far as evidence bears
+it out, each edge by the evidence that cannot be bent the way that edge guards against:
+
+- the floor (the leaderboard's lever) by the verified rate: of the GFLOP the coordinator
+  verified, those a CPU could have delivered in the time it held work (``CPU_PEAK_GFLOPS`` per
+  second) are held to the CPU's efficiency; only the share beyond gets its kind's. A device
+  cannot inflate verified GFLOP, nor shorten this clock's seconds: a CPU that says ``cuda:0``
+  can look no more efficient than a CPU.
+- the ceiling by the compute rate its results report (verified GFLOP over the GEMM seconds its
+  results state): of its GFLOP, those a CPU could have computed in those seconds are held to the
+  CPU's ceiling, the rest gets its kind's. A GPU fed over a home link holds work mostly waiting
+  on the link, so its verified rate per held second is a CPU's; its GEMM seconds are a GPU's.
+  Those seconds are its word: a client that also shortens them books up to its kind's ceiling
+  for the time it held work (1,050 W for cuda), and only looks less efficient for it.
+
 A claim outside the band is booked at the band's edge, under the source ``capped``, and
 flagged: never as measured. The leaderboard divides the GFLOP its reports covered
 (``gflop_metered``), not all it did, by what was booked. The sources of the constants are in
@@ -45,9 +60,12 @@ BEST_GFLOP_PER_J: dict[str, float] = {"cpu": 50.0, "mps": 400.0, "cuda": 1500.0}
 # The most verified GFLOP/s a CPU delivers: the same AMD EPYC 9654, 96 cores x 2.4 GHz x 32 fp32
 # FLOP/cycle = 7,373 GFLOP/s. Verified GFLOP over the seconds a device held work is a rate it
 # cannot inflate (its results are checked, the seconds are this clock's): what it delivered up
-# to this rate is held to the CPU's band, whatever kind it claims.
+# to this rate is held to the CPU's efficiency, whatever kind it claims; what it computed up to
+# this rate in the GEMM seconds its results state is held to the CPU's ceiling.
 CPU_PEAK_GFLOPS = 7400.0
-SLACK_S = 5.0  # seconds, once per connection, its reports may cover beyond what this clock saw
+# Seconds its reports may cover beyond what this clock saw: once per identity in the job (a
+# reconnect gets none), and never more than it held work (a brief lease buys a brief slack).
+SLACK_S = 5.0
 DEVICE_SOURCES = (EnergySource.RAPL, EnergySource.BATTERY, EnergySource.ESTIMATE)
 # World-average carbon intensity of electricity generation, gCO2e/kWh: 436 in 2022 (Ember, *Global
 # Electricity Review 2023*). A location-based figure: what the average kWh on the world's grids
@@ -85,8 +103,10 @@ class DeviceEnergy:
     kind: str  # as its hello claims (its band follows it only as far as its rate does)
     gflop_at: float  # its verified GFLOP at its last report (or welcome)
     gflop_start: float  # ... at its welcome
+    slack: float = SLACK_S  # seconds of slack this connection may have (0 after the identity's first)
     held: float = 0.0  # seconds it held work, by its last report (this clock)
-    gpu_share: float = 0.0  # of its verified GFLOP, the share delivered beyond a CPU's rate
+    gpu_share: float = 0.0  # of its verified GFLOP, the share delivered beyond a CPU's rate (its floor)
+    ceiling_share: float = 0.0  # ... the share computed beyond a CPU's rate, by its results' seconds
     joules: float = 0.0  # booked
     grams: float = 0.0
     flagged: int = 0
@@ -165,46 +185,64 @@ class EnergyBooks:
         self._step_coordinator = Ledger()
         self._step_flagged = 0
         self._gflop_at = 0.0  # the job's verified GFLOP when the step began
+        self._slacked: set[int] = set()  # identities (device ids) given their slack in this job
 
     def joined(self, device: int, kind: str, gflop: float) -> None:
         """A device is welcomed, with ``gflop`` verified before (other connections)."""
-        self.devices[device] = DeviceEnergy(kind_of(kind), gflop, gflop)
+        slack = 0.0 if device in self._slacked else SLACK_S
+        self.devices[device] = DeviceEnergy(kind_of(kind), gflop, gflop, slack=slack)
 
     def left(self, device: int) -> DeviceEnergy | None:
         """A device is gone: its span ends unreported."""
         return self.devices.pop(device, None)
 
-    def claim(self, device: int, msg: Energy, gflop: float, held: float) -> Claim:
-        """A device's report, when its verified GFLOP are ``gflop`` in all and it has held work
-        for ``held`` seconds over this connection (the scheduler's count, this clock): booked
-        within its band. Raises ValueError for a source a device may not claim."""
+    def claim(self, device: int, msg: Energy, gflop: float, held: float, compute: float = 0.0) -> Claim:
+        """A device's report, when its verified GFLOP are ``gflop`` in all, it has held work for
+        ``held`` seconds over this connection (the scheduler's count, this clock) and its results
+        state ``compute`` seconds of GEMMs: booked within its band. Raises ValueError for a source
+        a device may not claim."""
         if msg.source not in DEVICE_SOURCES:
             raise ValueError(f"energy.source must be one of {', '.join(s.value for s in DEVICE_SOURCES)}")
         dev = self.devices.get(device)
         if dev is None:
             raise ValueError(f"device {device} is not metered here")
+        held_since = max(0.0, held - dev.held)  # since its previous report
         dev.held = max(dev.held, held)
-        span = dev.held + SLACK_S if dev.held > 0 else 0.0  # held nothing: none of its draw is Cleave's
+        if dev.held > 0:
+            self._slacked.add(device)
+        span = dev.held + min(dev.slack, dev.held)  # held nothing: none of its draw is Cleave's
         done = max(0.0, gflop - dev.gflop_start)  # verified over this connection
+        gpu = dev.kind != "cpu" and done > 0
         cpu_could = min(done, span * CPU_PEAK_GFLOPS)  # ... of which a CPU could have delivered
-        dev.gpu_share = (done - cpu_could) / done if done > 0 and dev.kind != "cpu" else 0.0
-        cpu, own = 1.0 - dev.gpu_share, dev.gpu_share
-        watts = cpu * CEILING_W["cpu"] + own * CEILING_W[dev.kind]
+        dev.gpu_share = (done - cpu_could) / done if gpu else 0.0
+        cpu_computes = min(done, compute * CPU_PEAK_GFLOPS)  # ... or computed in its GEMM seconds
+        dev.ceiling_share = max(dev.gpu_share, (done - cpu_computes) / done) if gpu else 0.0
+        top = dev.ceiling_share
+        watts = (1.0 - top) * CEILING_W["cpu"] + top * CEILING_W[dev.kind]
         most = span * watts - dev.joules  # over its connection: no report widens it
         covered = max(0.0, gflop - dev.gflop_at)
-        least = done * (cpu / BEST_GFLOP_PER_J["cpu"] + own / BEST_GFLOP_PER_J[dev.kind]) - dev.joules
+        own = dev.gpu_share
+        least = done * ((1.0 - own) / BEST_GFLOP_PER_J["cpu"] + own / BEST_GFLOP_PER_J[dev.kind]) - dev.joules
         claimed = msg.joules + msg.gpu_joules
+        # Its whole machine over the report's seconds: the part drawn while it held work is
+        # Cleave's (at least the floor, when the whole report covers it).
+        part = min(1.0, held_since / msg.seconds) if msg.seconds > 0 else float(held_since > 0)
+        if claimed > 0 and least > 0:
+            part = min(1.0, max(part, least / claimed))
+        scaled = claimed * part
         flagged = ""
-        if span == 0.0:  # a report of time it held nothing (a leave, a pause): nothing to book, no lie
+        if dev.held == 0.0:  # a report of time it held nothing (a leave, a pause): nothing to book, no lie
             booked = {}
-        elif claimed > most:
-            flagged = f"{claimed:.0f} J is over {watts:.0f} W for the {dev.held:.0f} s it held work"
+        elif scaled > most:
+            flagged = f"{scaled:.0f} J is over {watts:.0f} W for the {dev.held:.0f} s it held work"
             booked = {EnergySource.CAPPED: max(0.0, most)}
         elif claimed < least:
             flagged = f"{claimed:.0f} J for {covered:.0f} GFLOP is beyond the efficiency its measured rate allows"
             booked = {EnergySource.CAPPED: least}
         else:
-            booked = {s: j for s, j in ((msg.source, msg.joules), (EnergySource.NVML, msg.gpu_joules)) if j > 0}
+            booked = {
+                s: j * part for s, j in ((msg.source, msg.joules), (EnergySource.NVML, msg.gpu_joules)) if j * part > 0
+            }
         grid = msg.grid_gco2_kwh or self.grid
         g = grams(sum(booked.values()), grid)
         dev.gflop_at = gflop

@@ -33,6 +33,14 @@ class TokenBucket:
         return True
 
 
+def cooloff(first: float, most: float, marks: int) -> float:
+    """A cool-off that doubles with each mark: ``first`` after one, at most ``most``. The
+    exponent is capped before it is taken (``2 ** 1024`` does not fit in a float), so any
+    count of marks gives ``most``."""
+    doublings = min(max(0, marks - 1), 64)
+    return min(most, first * 2.0**doublings)
+
+
 @dataclass(frozen=True)
 class Rate:
     """A rate limit: ``per_second`` on average, ``burst`` at once."""
@@ -54,7 +62,7 @@ class TrustPolicy:
     for every ``grow_every`` verified results, up to ``max_slots`` (and never more than it asked
     for). A lease that passes its deadline sends it back to one slot; ``cut_after`` leases taken
     back in a row (no verified result between) cut it, and it may not reconnect for a cool-off
-    that doubles with every cut; give-backs past ``give_backs`` in a row count as leases taken
+    that doubles with every cut; releases past ``give_backs`` in a row count as leases taken
     back. A device on probation that lets ``cut_unanswered`` leases in a
     row go to other copies without ever answering is cut the same way (a staller loses its tiles
     to speculation before their deadlines pass; this finds it anyway). ``ban_rejects`` rejected
@@ -70,13 +78,11 @@ class TrustPolicy:
     cut_after: int = 3
     cut_unanswered: int = 8  # on probation: leases lost to other copies in a row, with no result of its own
     cut_unanswered_trusted: int = 32  # ... and off probation
-    # Give-backs (a release, a pause, a departure holding tiles) in a row with no verified result
-    # between that cost nothing; each past them counts as a lease taken back (cut_after of those
-    # cut it). An honest device gives back a lost block's tile, or pauses, then returns work.
+    # Releases in a row with no verified result between that cost nothing; each past them counts
+    # as a lease taken back (cut_after of those cut it). An honest device gives back a lost
+    # block's tile, then returns work. Pauses and departures have rate limits of their own
+    # (Limits.pauses, reconnects) and spend none of it.
     give_backs: int = 8
-    # A tile given back this many times bars each device that gives it back after that from it:
-    # identities bouncing a tile between them each lose it, and it goes to someone else.
-    tile_give_backs: int = 2
     prefetch_seconds: float = 4.0  # a device holds at most the tiles it verifies in this long
     reconnects: Rate = Rate(0.1, 6.0)  # connections of one identity: 6 at once, then one per 10 s
     cooloff: float = 10.0
@@ -97,14 +103,13 @@ class TrustPolicy:
         if (
             self.cut_after < 1
             or self.give_backs < 0
-            or self.tile_give_backs < 1
             or not 1 <= self.cut_unanswered <= self.cut_unanswered_trusted
             or not 0 < self.cooloff <= self.cooloff_max
             or self.standings < 1
             or self.prefetch_seconds <= 0
         ):
             raise ConfigError(
-                "need cut_after >= 1, give_backs >= 0, tile_give_backs >= 1, "
+                "need cut_after >= 1, give_backs >= 0, "
                 "1 <= cut_unanswered <= cut_unanswered_trusted, "
                 "0 < cooloff <= cooloff_max, standings >= 1, prefetch_seconds > 0"
             )

@@ -105,6 +105,14 @@ class Progress:
     since: float | None = None  # when training started (monotonic seconds)
     ended: float | None = None  # when the job finished (monotonic seconds)
     first: int = 0  # the step this run of the coordinator started training from (a resume's)
+    val_loss: float | None = None  # the held-out loss of the last evaluation (None: none yet, or not finite)
+    val_step: int | None = None  # the step it was evaluated after
+
+    def evaluated(self, step: int, val_loss: float | None) -> None:
+        """The held-out loss after ``step`` (a step's metrics row with ``val_loss``; None or a
+        NaN there: it diverged)."""
+        self.val_loss = float(val_loss) if isinstance(val_loss, int | float) and math.isfinite(val_loss) else None
+        self.val_step = step
 
     def elapsed(self, now: float) -> float | None:
         """Seconds of training so far (to the finish, once finished); None before it starts."""

@@ -14,12 +14,14 @@ strike, and a relay that ``STRIKES`` different devices report is dropped (not ba
 be slow). A relay that only lacked a block (``UNREACHABLE``) is avoided by that device for
 ``AVOID_S`` seconds and struck by no one.
 
-A slow relay costs the relay, never its devices: a device waits on it at most ``wait`` seconds a
-work frame (``WAIT_SHARE`` of the shortest lease deadline, told in ``use_relay``), then takes its
-blocks from the coordinator and reports the relay stalled; the leases it held meanwhile are
+A slow relay costs the relay, never its devices: a device waits on it for a work frame's blocks
+at most its ``fetch_wait``, counted from the frame's arrival (``WAIT_SHARE`` of that lease's own
+window, at least ``wait``, the share of the shortest lease deadline told in ``use_relay``), then
+takes its blocks from the coordinator and reports the relay stalled; the leases it held meanwhile are
 excused (the Core neither counts their take-back nor their give-back as its stall). A relay
-reported stalled, or one whose device was cut, takes no new devices for a cool-off
-(``COOLOFF_S``, doubling with each such mark up to ``AVOID_S``).
+reported stalled by a device off probation, or one whose device off probation was cut on leases
+that waited on its blocks, takes no new devices for a cool-off (``COOLOFF_S``, doubling with each
+such mark up to ``AVOID_S``, from ``COOLOFF_S`` again after ``CLEAN_S`` without one).
 
 Pure: no clock of its own, no I/O; the Core holds one ``Relays`` and sends what it decides.
 """
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from coordinator.engine.blocks import BlockRef
-from coordinator.engine.limits import TokenBucket
+from coordinator.engine.limits import TokenBucket, cooloff
 from coordinator.wire.addresses import odd_ipv4
 from coordinator.wire.codes import RelayFault
 from coordinator.wire.digest import relay_ticket, tag_ok
@@ -45,12 +47,15 @@ MAX_DEVICES_PER_RELAY = 1024  # devices one relay serves at most
 # 64 MiB queue for one peer (Limits.outbound_queue).
 MAX_REPLY_BYTES = 16 << 20
 AVOID_S = 600.0  # seconds a device keeps off a relay it could not take its blocks from
-# A device waits on its relay for one work frame's blocks this share of the shortest lease
-# deadline (FaultPolicy.lease_floor: a lease is late no sooner, and taken back no sooner than
-# twice that): it gives up, reports the relay and has the coordinator's blocks well before
-# its leases would be copied or taken back.
+# A device waits on its relay for one work frame's blocks this share of the frame's lease
+# window (work.fetch_wait; use_relay.wait: this share of FaultPolicy.lease_floor, the shortest),
+# counted from the frame's arrival: it gives up, reports the relay and has the coordinator's
+# blocks well before its leases would be copied or taken back.
 WAIT_SHARE = 0.5
 COOLOFF_S = 60.0  # first cool-off of a relay reported stalled (or whose device was cut): no new devices
+# A relay with no such mark for this long after its last cool-off ended starts again from
+# COOLOFF_S (its marks are forgotten, as a device's cuts are: engine/conduct.py).
+CLEAN_S = AVOID_S
 
 
 def relay_url_ok(url: str) -> bool:
@@ -90,7 +95,7 @@ class RelayState:
     served: dict[str, int] = field(default_factory=dict)  # digest -> times sent to it
     named: set[str] = field(default_factory=set)  # digests named this step for its own devices
     strikes: set[int] = field(default_factory=set)  # devices that reported it, unproven
-    slow: int = 0  # times reported stalled, or a device of it cut: each doubles its cool-off
+    slow: int = 0  # marks (a stall report, a cut) since its last clean period: each doubles its cool-off
     cool_until: float = 0.0  # no new devices go behind it before this (monotonic seconds)
     bytes_out: int = 0  # block bytes the coordinator sent it
     bytes_named: int = 0  # block bytes its devices were told to fetch from it
@@ -163,14 +168,18 @@ class Relays:
         return UseRelay(relay.id, relay.url, relay_ticket(relay.key, relay.id, device), self.wait)
 
     def cool(self, relay_id: int, now: float) -> float:
-        """``relay_id`` was slow (reported stalled, or a device of it was cut): it takes no new
-        devices until the returned time (``COOLOFF_S``, doubling with each mark, at most
-        ``AVOID_S``). Its devices stay: each finds out and reports it on its own."""
+        """``relay_id`` was slow (reported stalled by a trusted device, or a trusted device of it
+        was cut on tiles that waited on it): it takes no new devices until the returned time
+        (``COOLOFF_S``, doubling with each mark, at most ``AVOID_S``; a relay with no mark for
+        ``CLEAN_S`` after its last cool-off starts again from ``COOLOFF_S``). Its devices stay:
+        each finds out and reports it on its own."""
         relay = self.relays.get(relay_id)
         if relay is None:
             return now
+        if relay.slow and now >= relay.cool_until + CLEAN_S:
+            relay.slow = 0
         relay.slow += 1
-        relay.cool_until = max(relay.cool_until, now + min(AVOID_S, COOLOFF_S * 2 ** (relay.slow - 1)))
+        relay.cool_until = max(relay.cool_until, now + cooloff(COOLOFF_S, AVOID_S, relay.slow))
         return relay.cool_until
 
     def leave(self, device: int) -> None:
@@ -244,7 +253,16 @@ class Relays:
             relay.named.clear()
 
     def report(
-        self, device: int, relay_id: int, fault: RelayFault, digest: str, tag: str, got: str = "", now: float = 0.0
+        self,
+        device: int,
+        relay_id: int,
+        fault: RelayFault,
+        digest: str,
+        tag: str,
+        got: str = "",
+        now: float = 0.0,
+        *,
+        trusted: bool = True,
     ) -> Verdict | None:
         """A device's report of its relay at ``now`` (None: not its relay, ignored). The device
         leaves the relay in any case, and is not put behind it again (after ``UNREACHABLE``: not
@@ -253,7 +271,11 @@ class Relays:
         relay is banned. Without proof (a device may say anything, and a relay may seal what it
         did not send) a stall or wrong bytes counts a strike; a relay that lacked a block
         (``UNREACHABLE``) does not (an honest one may have been evicted or sent its limit). A
-        stall also cools the relay off (``cool``): no new devices go behind it for a while."""
+        stall reported by a ``trusted`` device (off probation: it has returned verified work)
+        also cools the relay off (``cool``): no new devices go behind it for a while. A new
+        identity costs only the join token, so one on probation strikes the relay and leaves
+        it, and cools nothing: else one identity, cut and back again, could keep a relay
+        closed to newcomers for ever."""
         relay = self.relays.get(relay_id)
         if relay is None or self.behind.get(device) != relay_id:
             return None
@@ -265,7 +287,7 @@ class Relays:
             return Verdict(True, True, f"its own seal says it served other bytes as block {digest[:16]}")
         if fault is RelayFault.UNREACHABLE:
             return Verdict(False, False, f"device {device} could not take its blocks there")
-        if fault is RelayFault.STALLED:  # slow for this device: no one new goes behind it for a while
+        if fault is RelayFault.STALLED and trusted:  # slow for this device: no one new goes behind it for a while
             self.cool(relay_id, now)
         relay.strikes.add(device)
         if len(relay.strikes) >= STRIKES:

@@ -101,6 +101,9 @@ def status(core: Core, now: float) -> dict[str, Any]:
             "step": p.step,
             "steps": p.steps,
             "loss": p.loss,
+            # The held-out loss of the last evaluation, and its step (None: none yet).
+            "val_loss": p.val_loss,
+            "val_step": p.val_step,
             "state": p.state.value,
             "tokens_per_s": round(p.tokens_per_s, 1),
             "elapsed_s": None if (elapsed := p.elapsed(now)) is None else round(elapsed, 1),
@@ -149,6 +152,7 @@ def books(core: Core) -> dict[str, Any]:
             "step": p.step,
             "steps": p.steps,
             "loss": p.loss,
+            "val_loss": p.val_loss,
             "tokens_per_s": p.tokens_per_s,
             "gemm_share": p.gemm_share,
         },

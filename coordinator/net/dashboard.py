@@ -2,7 +2,8 @@
 
 ``GET /`` serves a page (``coordinator/net/web``: HTML, CSS and JavaScript shipped in the package,
 nothing fetched from anywhere else) that polls ``GET /api/status`` once a second: the job's
-progress, loss curve, tokens per second, tile counts and the leaderboard. With the operator
+progress, loss curve (with the held-out loss where the job evaluates one), tokens per second,
+tile counts and the leaderboard. With the operator
 token (``Authorization: Bearer TOKEN``; the page takes it from ``/#token=...`` and keeps it in
 the tab, never in a URL the server sees) the reply adds the devices table: state, measured
 compute and links. A request with a wrong token gets 401 and the public view.
@@ -11,9 +12,9 @@ Cost to the coordinator is bounded whatever the request rate: the status documen
 most once per ``MIN_INTERVAL`` and shared by both views, each view is encoded at most once per
 ``MIN_INTERVAL`` and served from that copy otherwise (a build's store queries are index-ordered
 LIMITs and counts kept in memory: the same work at a thousand enrolled identities and at
-300,000, bench/bench_status.py), and the loss curve is kept in memory
-with at most ``CURVE_POINTS`` points (every other point is dropped when it fills, so a long job
-keeps an even sample of its whole run).
+300,000, bench/bench_status.py), and the loss curve and the held-out loss's are kept in memory
+with at most ``CURVE_POINTS`` points each (every other point is dropped when one fills, so a long
+job keeps an even sample of its whole run).
 """
 
 from __future__ import annotations
@@ -72,13 +73,17 @@ class Dashboard:
     ) -> None:
         self.status, self.is_operator, self.clock = status, is_operator, clock
         self.curve = Curve()
+        self.val_curve = Curve()  # (step, held-out loss) at the steps that evaluated one
         self._views: dict[bool, tuple[float, bytes]] = {}
         self._status: tuple[float, dict[str, Any]] | None = None  # the last build, shared by both views
         self._assets: dict[str, bytes] = {}
 
-    def step(self, step: int, loss: float) -> None:
-        if loss == loss and abs(loss) != float("inf"):  # a NaN or Inf step is not drawn
+    def step(self, step: int, loss: float, val_loss: float | None = None) -> None:
+        """A step's losses: ``val_loss`` only on a step that evaluated the held-out split."""
+        if _finite(loss) is not None:  # a NaN or Inf step is not drawn
             self.curve.add(step, loss)
+        if val_loss is not None and _finite(val_loss) is not None:
+            self.val_curve.add(step, val_loss)
 
     def respond(self, path: str, authorization: str | None) -> tuple[int, str, bytes, dict[str, str]]:
         """(HTTP status, content type, body, headers) for a GET of ``path``."""
@@ -112,6 +117,8 @@ class Dashboard:
                 "step": job.get("step"),
                 "steps": job.get("steps"),
                 "loss": _finite(job.get("loss")),
+                "val_loss": _finite(job.get("val_loss")),
+                "val_step": job.get("val_step"),
                 "tokens_per_s": job.get("tokens_per_s"),
                 "gemm_share": share,
                 "elapsed_s": job.get("elapsed_s"),
@@ -124,6 +131,7 @@ class Dashboard:
             # The job's energy, booked (aggregates only: no device's figure without the token).
             "energy": {k: v for k, v in (s.get("energy") or {}).items()},
             "losses": self.curve.points,
+            "val_losses": self.val_curve.points,
         }
         tier = s.get("tier")
         if tier is not None:  # a rank of a tier: every rank's row (its URL is public: volunteers join it)

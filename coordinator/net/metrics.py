@@ -78,6 +78,12 @@ class _Books:
         loss = GaugeMetricFamily("cleave_loss", "Loss of the last finished step (NaN before the first).")
         loss.add_metric([], float("nan") if job.get("loss") is None else float(job["loss"]))
         yield loss
+        val = GaugeMetricFamily(
+            "cleave_val_loss",
+            "Held-out loss of the last evaluation (--eval-every; NaN before the first, or without one).",
+        )
+        val.add_metric([], float("nan") if job.get("val_loss") is None else float(job["val_loss"]))
+        yield val
         yield CounterMetricFamily(
             "cleave_tokens", "Tokens trained by this coordinator.", value=s.get("tokens_trained", 0)
         )

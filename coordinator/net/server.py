@@ -410,10 +410,11 @@ class Server:
             },
         }
 
-    def record_step(self, step: int, loss: float, seconds: float) -> None:
-        """A step finished (on the loop): the metrics' histogram and the dashboard's curve."""
+    def record_step(self, step: int, loss: float, seconds: float, val_loss: float | None = None) -> None:
+        """A step finished (on the loop): the metrics' histogram and the dashboard's curves
+        (``val_loss``: the held-out loss, on a step that evaluated one)."""
         self.metrics.step(seconds)
-        self.dashboard.step(step, loss)
+        self.dashboard.step(step, loss, val_loss)
 
     def http(self, connection: ServerConnection, request: Request) -> Response | None:
         """Plain HTTP on the websocket port: the dashboard (``/``, its assets, ``/api/status``)

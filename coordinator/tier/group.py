@@ -6,8 +6,9 @@ makes every rank prove it holds the tier's secret before any of them trains: eac
 fresh nonce, the nonces are gathered, and each rank sends ``HMAC(secret, rank | world | job |
 nonces)`` (``wire/auth.py``). A rank whose proof fails, or that was started for another job (the
 digest of its training options differs), stops every rank with ``TierRefused``; so does a rank
-given another secret, as soon as a rank waiting at the rendezvous sees its keys there (they are
-under another namespace, and it never meets the others).
+given another secret, as soon as a rank waiting at the rendezvous sees its arrival there (under
+another namespace, at a place this tier's lacks: it never meets the others). A stranger's other
+keys there stop nothing.
 
 torch's store has no authentication of its own: anyone who reaches the rendezvous port can
 read, list and write its keys. Rank 0 listens only on the address ``--rendezvous`` names; every
@@ -60,7 +61,18 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from coordinator.tier.rendezvous import LOOKOUT, RUN, Doubts, SealedStore, foreign, listen, namespace, seal, unseal
+from coordinator.tier.rendezvous import (
+    HERE,
+    LOOKOUT,
+    RUN,
+    Doubts,
+    SealedStore,
+    foreign,
+    listen,
+    namespace,
+    seal,
+    unseal,
+)
 from coordinator.training.parallel import DataParallel, all_gather
 from coordinator.wire import auth
 from coordinator.wire.errors import ConfigError, JobAborted
@@ -167,6 +179,10 @@ class Tier:
     # This rank's summary now (set by the job; read by the heartbeat thread, so it must not touch
     # the store or the engine: the job refreshes a snapshot on its loop).
     summary: Callable[[], RankSummary | None] | None = None
+    # A client of the same store whose reads wait at most a heartbeat (``join_tier`` makes one):
+    # a key a stranger deletes between a look and the read then costs a heartbeat, not the
+    # store's whole timeout. None: ``store`` itself.
+    reads: dist.Store | None = None
     _beats: dist.Store | None = None
     _beats_sent: int = 0
     _gloo: dist.Store | None = None  # the sealed store gloo met through (its C++ side calls back into it)
@@ -223,14 +239,23 @@ class Tier:
     def _sealed(self, name: str, value: bytes) -> bytes:
         return seal(self.key, name, value)
 
-    def _believed(self, store: dist.Store, names: list[str], limit: int) -> list[bytes | None]:
+    def _believed(
+        self, store: dist.Store, names: list[str], limit: int, reads: dist.Store | None = None
+    ) -> list[bytes | None]:
         """The values under ``names`` that a rank of this meeting sealed; None for one absent, or
         not believed (forged, moved from another key, from another run, too big: logged once).
-        Raises what the store raises."""
+        ``reads``: the client that reads what ``store`` found there (a short timeout). A key gone
+        between the look and the read (a stranger deleted it) reads as absent, once the read's
+        timeout is over. Raises what the store raises otherwise (it is gone)."""
+        reads = store if reads is None else reads
+        raw: list[bytes | None] | None = None
         if store.check(names):  # the usual case: one read for all
-            raw: list[bytes | None] = list(store.multi_get(names))
-        else:
-            raw = [store.get(name) if store.check([name]) else None for name in names]
+            try:
+                raw = list(reads.multi_get(names))
+            except dist.DistStoreError:  # one went meanwhile: a key at a time
+                raw = None
+        if raw is None:
+            raw = [self._read_now(store, reads, name) for name in names]
         out: list[bytes | None] = []
         for name, data in zip(names, raw, strict=True):
             value, why = unseal(self.key, name, data, limit) if data is not None else (None, "")
@@ -240,6 +265,16 @@ class Tier:
                 self._doubts.clear(name)
             out.append(value)
         return out
+
+    @staticmethod
+    def _read_now(store: dist.Store, reads: dist.Store, name: str) -> bytes | None:
+        """``name``'s value, or None: absent, or gone before ``reads`` could read it."""
+        if not store.check([name]):
+            return None
+        try:
+            return reads.get(name)
+        except dist.DistStoreError:  # (a wait's timeout: the key went after the look)
+            return None
 
     def beat(self, store: dist.Store) -> None:
         """One heartbeat: this rank's count, sealed, so no one else can make it rise."""
@@ -254,7 +289,8 @@ class Tier:
 
     def _beat_counts(self) -> list[int]:
         try:
-            return self._counts(self.store)
+            got = self._believed(self.store, [f"alive/{r}" for r in range(self.world)], MAX_COUNT, self.reads)
+            return [int(v) if v and v.isdigit() else -1 for v in got]
         except Exception as exc:  # rank 0 hosts the store
             raise RankLost(0, f"the rendezvous store on rank 0 stopped answering: {exc}") from None
 
@@ -266,7 +302,8 @@ class Tier:
         keys = [names[r] for r in waiting]
         if not self.store.check(keys):
             return waiting, False
-        left = [r for r, value in zip(waiting, self._believed(self.store, keys, 0), strict=True) if value is None]
+        values = self._believed(self.store, keys, 0, self.reads)
+        left = [r for r, value in zip(waiting, values, strict=True) if value is None]
         return left, bool(left)
 
     def arrive(self, step: int) -> None:
@@ -355,9 +392,9 @@ class Tier:
     def _heard_of_a_loss(self) -> None:
         """Another rank announced a lost one: acknowledge, and stop naming the same rank."""
         try:
-            if not self.store.check([LOST]):
+            data = self._read_now(self.store, self.reads or self.store, LOST)
+            if data is None:
                 return
-            data = self.store.get(LOST)
         except Exception:  # the store went while we looked: the caller's next look says so
             return
         mac, news = data[:32], data[32:]
@@ -457,7 +494,9 @@ class Tier:
             acks = [LOST_ACK.format(rank=r) for r in range(1, self.world) if r != self._lost_rank]
             try:
                 while time.monotonic() < deadline:
-                    if not acks or (self.store.check(acks) and None not in self._believed(self.store, acks, 0)):
+                    if not acks or (
+                        self.store.check(acks) and None not in self._believed(self.store, acks, 0, self.reads)
+                    ):
                         break
                     time.sleep(POLL)
             except Exception:
@@ -515,14 +554,14 @@ def join_tier(
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     host_it = rank == 0 and not agent
     space = namespace(secret.encode(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if agent else None)
-    listening = listen(host, port) if host_it else None  # the named address only, not every one
+    listening = listen(host, port, world) if host_it else None  # the named address only, not every one
     store: dist.Store | None = None
     try:
         store = dist.TCPStore(
             host, port, world, is_master=host_it, timeout=wait, wait_for_workers=False, master_listen_fd=listening
         )
         prefixed = dist.PrefixStore(space, store)
-        gloo = _sealed_for_gloo(store, prefixed, secret.encode(), rank, world, wait, random_bytes)
+        gloo = _sealed_for_gloo(store, prefixed, space, secret.encode(), rank, world, wait, random_bytes)
         dist.init_process_group("gloo", store=dist.PrefixStore("pg/", gloo), rank=rank, world_size=world, timeout=wait)
     except (RuntimeError, TimeoutError) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -536,6 +575,8 @@ def join_tier(
         tier.close()
         raise
     beats = dist.PrefixStore(space, dist.TCPStore(host, port, world, is_master=False, timeout=wait))
+    quick = timedelta(seconds=HEARTBEAT)
+    tier.reads = dist.PrefixStore(space, dist.TCPStore(host, port, world, is_master=False, timeout=quick))
     look = timedelta(seconds=VIEW_TIMEOUT)
     views = dist.PrefixStore(space, dist.TCPStore(host, port, world, is_master=False, timeout=look))
     tier.start_heartbeat(beats, views)
@@ -545,6 +586,7 @@ def join_tier(
 def _sealed_for_gloo(
     store: dist.Store,
     space: dist.Store,
+    prefix: str,
     secret: bytes,
     rank: int,
     world: int,
@@ -552,13 +594,25 @@ def _sealed_for_gloo(
     random_bytes: Callable[[int], bytes],
 ) -> SealedStore:
     """What gloo meets through: rank 0 draws this run's nonce, and every rank seals its address
-    under the secret and that nonce (an address sealed in an earlier run does not pass). A rank
-    given another secret waits in another namespace: any rank that sees its keys while it waits
-    refuses at once, rather than wait out the timeout."""
+    under the secret and that nonce (an address sealed in an earlier run does not pass; a
+    replayed nonce, sealed under the key without one, fails the meeting: see rendezvous.py). A rank
+    given another secret waits in another namespace: any rank that sees its arrival there, at a
+    place this tier's namespace lacks, refuses at once, rather than wait out the timeout. Other
+    keys outside the namespace are a stranger's: logged once, and waited past."""
+    said = [False]
 
     def lookout() -> None:
-        if foreign(store, secret):
+        arrivals, junk = foreign(store, secret, prefix, world)
+        if arrivals:
             raise TierRefused(OTHER_SECRET)
+        if junk and not said[0]:
+            said[0] = True
+            log.warning(
+                "tier: %d keys in the rendezvous store are outside this tier's namespace and no rank's "
+                "(e.g. %r): a stranger at the port? Ignored",
+                len(junk),
+                junk[0][:80],
+            )
 
     every = LOOKOUT * max(1, world // 64)  # (a look lists every key in the store)
     door = SealedStore(auth.tier_store_key(secret), space, wait, lookout=lookout, every=every)
@@ -566,7 +620,7 @@ def _sealed_for_gloo(
         nonce = random_bytes(NONCE_BYTES)
         door.set(RUN, nonce)
     else:
-        door.set(f"here/{rank}", b"")  # (so rank 0, should this rank hold another secret, can say so)
+        door.set(HERE.format(rank=rank), b"")  # (so rank 0, should this rank hold another secret, can say so)
         nonce = door.get(RUN)  # waits for rank 0's, past a stranger's
         if len(nonce) != NONCE_BYTES:
             raise dist.DistStoreError("rank 0's nonce for this run is malformed")

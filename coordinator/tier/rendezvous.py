@@ -10,19 +10,27 @@ and delete every key. So:
   tier's secret (``auth.tier_namespace``): a stranger cannot name one without listing the store,
   and an old client's or another tier's keys never mix with this one's.
 * Every value a rank reads back is sealed and bounded. gloo's addresses go through
-  ``SealedStore``, under a key made from the secret and rank 0's fresh nonce for this run (so a
-  value recorded in an earlier run does not pass); the tier's own heartbeats, arrivals and
+  ``SealedStore``, under a key made from the secret and rank 0's fresh nonce for this run (so an
+  address recorded in an earlier run does not pass, unless that run's nonce is replayed too: the
+  nonce is sealed under a key the same in every run, and a rank that takes an old one meets no
+  one who can prove the secret, so the meeting fails); the tier's own heartbeats, arrivals and
   notices are sealed under the meeting's key (``group.py``). A value that fails is ignored, and
   one line says why.
+* A key outside the namespace is a rank given another secret only when it is shaped as a
+  rank's arrival at the meeting (``ARRIVAL``) for a place this tier's namespace lacks
+  (``foreign``); the rest is a stranger's junk, logged once and waited past.
 
 What a stranger at the port can still do: list the keys (torch lists them to any client), delete
-or overwrite them, and fill the store with junk. That stops the tier (the ranks time out or name
+or overwrite them, fill the store with junk, write a key shaped as an arrival, or replay an
+earlier run's nonce. That stops the tier (the ranks time out or name
 a rank lost) and costs rank 0 memory; it never makes a rank believe a forged value.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -41,17 +49,33 @@ MAC_BYTES = 32
 MAX_GLOO_VALUE = 64 * 1024  # gloo's address of a rank: about 170 bytes
 FORGED_POLL = 0.1  # seconds between looks at a key whose value failed its seal
 LOOKOUT = 0.5  # seconds between a waiting rank's looks for another secret's keys
+HERE = "here/{rank}"  # a rank (not 0) at the meeting, before rank 0's nonce (sealed: an empty value)
+# A rank's arrival at the meeting under some secret's namespace (and torchrun's attempt): rank 0's
+# nonce, or another rank's mark. Only such a key, for a place this tier's own namespace lacks, is
+# taken for a rank given another secret; any other key outside the namespace is a stranger's junk.
+# (torch's PrefixStore puts a "/" between its prefix and a key.)
+ARRIVAL = re.compile(re.escape(ROOT) + r"[0-9a-f]{32}/(?:attempt-[0-9]{1,9}/)?/(?:" + RUN + r"|here/([0-9]{1,9}))")
 WAIT_POLL = 0.05  # seconds between a waiting rank's looks for a key
 MAX_DOUBTS = 1024  # distinct keys logged as not believed (then silence: a flood logs nothing more)
 
 
-def listen(host: str, port: int) -> int:
+def listen(host: str, port: int, world: int = 1) -> int:
     """A socket listening on ``host``'s address only, as a descriptor for
-    ``TCPStore(master_listen_fd=...)``, which then owns it (libuv's backend takes it as is)."""
+    ``TCPStore(master_listen_fd=...)``, which then owns it (libuv's backend takes it as is).
+    A name that resolves to a loopback address (Debian and Ubuntu map the machine's own name to
+    127.0.1.1) is said in one line when other ranks are to come: only ranks on this machine can
+    reach it (which a tier on one machine may mean; an address typed as such is taken as meant)."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise ConfigError(f"--rendezvous names {host!r}, which does not resolve here: {exc}") from None
+    if world > 1 and ipaddress.ip_address(addr[0]).is_loopback and not _literal(host):
+        log.warning(
+            "tier: --rendezvous %s resolves to %s, a loopback address: rank 0 listens there only, so ranks on "
+            "other machines cannot reach it (name an address they reach, such as this machine's LAN address)",
+            host,
+            addr[0],
+        )
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch does: a restarted rank 0 rebinds at once
@@ -62,6 +86,15 @@ def listen(host: str, port: int) -> int:
         why = f"rank 0 cannot listen at {host}:{port}, the address --rendezvous names ({exc.strerror or exc})"
         raise ConfigError(f"{why}: it must be one of this machine's addresses, and the port free") from None
     return sock.detach()
+
+
+def _literal(host: str) -> bool:
+    """Whether ``host`` is an IP address as typed (not a name)."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 def namespace(secret: bytes, attempt: str | None = None) -> str:
@@ -171,11 +204,25 @@ class SealedStore(dist.Store):
         return self._inner.num_keys()
 
 
-def foreign(store: dist.Store, secret: bytes) -> bool:
-    """Whether the store holds tier keys outside this secret's namespace: a rank given another
-    secret (or a stranger's keys). Never raises."""
+def foreign(store: dist.Store, secret: bytes, space: str, world: int) -> tuple[list[str], list[str]]:
+    """The tier keys in the store outside this secret's namespace: ``(arrivals, junk)``.
+    ``arrivals``: keys shaped as a rank's arrival at the meeting (rank 0's nonce, another rank's
+    mark) for a place of this world that this tier's own namespace (``space``) lacks: a rank given
+    another secret. ``junk``: the rest (a stranger's; they stop nothing). Never raises."""
     mine = namespace(secret)
     try:
-        return any(k.startswith(ROOT) and not k.startswith(mine) for k in store.list_keys())
+        keys = [k for k in store.list_keys() if k.startswith(ROOT)]
     except Exception:  # (a store gone, or a torch without list_keys)
-        return False
+        return [], []
+    ours = {k for k in keys if k.startswith(mine)}
+    arrivals, junk = [], []
+    for key in keys:
+        if key in ours:
+            continue
+        shape = ARRIVAL.fullmatch(key)
+        place = None if shape is None else int(shape.group(1) or 0)
+        if place is not None and place < world and f"{space}/{HERE.format(rank=place) if place else RUN}" not in ours:
+            arrivals.append(key)
+        else:
+            junk.append(key)
+    return arrivals, junk

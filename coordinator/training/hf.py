@@ -46,6 +46,7 @@ def _transformers() -> Any:
     except ImportError:
         raise HFError("--model hf:DIR needs the transformers package: pip install 'cleave[hf]'") from None
     transformers.logging.set_verbosity_error()  # its notes on configs go to our errors, not stderr
+    transformers.utils.logging.disable_progress_bar()  # no bars for loading or saving a small folder
     return transformers
 
 
@@ -98,6 +99,11 @@ def _config(path: Path, name: str) -> Any:
         raise HFError(f"--model {name}: transformers cannot read its config ({str(exc).splitlines()[0]})") from None
 
 
+def config(name: str) -> Any:
+    """The transformers config of ``hf:DIR`` (HFError if the folder cannot be used)."""
+    return _config(spec(name).path, name)
+
+
 class HFCausalLM(nn.Module):
     """The job's view of a ``transformers`` causal LM: ``(logits, loss)`` from ids and targets,
     as the built-in ``Transformer``. The loss is computed here, on the already shifted targets
@@ -136,14 +142,21 @@ def build(name: str) -> HFCausalLM:
     return HFCausalLM(inner)
 
 
+def tokenizer(name: str) -> Any:
+    """The tokenizer of ``hf:DIR`` (``AutoTokenizer``; HFError if it cannot be loaded)."""
+    transformers = _transformers()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(
+            str(spec(name).path), local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise HFError(f"--model {name}: transformers cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
+
+
 def tokenize(name: str, text: bytes) -> torch.Tensor:
     """Token ids of ``text`` with the folder's tokenizer (int64, one dimension)."""
     s = spec(name)
-    transformers = _transformers()
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(s.path), local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        raise HFError(f"--model {name}: transformers cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
+    tok = tokenizer(name)
     ids = tok(text.decode("utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
     out = torch.tensor(ids, dtype=torch.int64)
     if out.numel() and int(out.max()) >= s.vocab_size:

@@ -7,6 +7,7 @@ same optimizer: the same losses up to float rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
@@ -20,10 +21,13 @@ import torch
 from torch import nn
 
 from coordinator.planning.costmodel import PARTS_IN_FLIGHT
+from coordinator.training import data as corpora
 from coordinator.training import models
-from coordinator.training.data import ByteBatches, load_corpus
+from coordinator.training.data import ByteBatches, HeldOut, Split, load_corpus
 from coordinator.training.linear import MatmulEngine, offload_linears
 from coordinator.training.parallel import DataParallel, ShardedAdamW
+from coordinator.training.shards import BIN_DTYPES
+from coordinator.training.tokens import in_memory
 from coordinator.wire.errors import CleaveError, ConfigError
 
 # How a step computes: fp32; bf16 (weights, activations and optimizer state in bfloat16); fp16
@@ -31,6 +35,26 @@ from coordinator.wire.errors import CleaveError, ConfigError
 # weights, forward under bfloat16 autocast). The loss is always returned as a float.
 PRECISIONS = ("fp32", "bf16", "fp16", "autocast")
 _AUTOCAST = {"fp16": torch.float16, "autocast": torch.bfloat16}
+
+MAX_STEPS = 10_000_000  # --steps and --warmup at most
+VAL_FRACTION = 0.01  # --val-fraction: the last 1% of the corpus's tokens held out
+EVAL_EVERY = 50  # --eval-every: the held-out loss every 50 steps (~2% more forward GEMMs with 4 batches)
+EVAL_BATCHES = 4  # --eval-batches
+MAX_EVAL_BATCHES = 1000
+# What a job stored before the data options existed trained on all of its corpus and never
+# evaluated: a job resumed from such a row keeps doing so (job.py, Trainer.load_state_dict).
+BEFORE_DATA_OPTIONS: dict[str, Any] = {
+    "data_field": "text",
+    "data_dtype": None,
+    "vocab_size": 0,
+    "val_data": None,
+    "val_fraction": 0.0,
+    "eval_every": 0,
+    "eval_batches": EVAL_BATCHES,
+}
+# The learning rate's floor, as a share of --lr, that the cosine decay reaches at the last step
+# unless --min-lr names one.
+MIN_LR_SHARE = 0.1
 
 # Micro-batches through forward and backward at once (an engine that takes concurrent GEMMs):
 # at most PARTS_IN_FLIGHT (8) started and not yet summed (a window: part i + 8 starts once part
@@ -68,11 +92,20 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 1337
     data: str | None = None
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    warmup: int = 10
+    weight_decay: float = 0.1  # AdamW's, on matrices only (--weight-decay)
+    grad_clip: float = 1.0  # the gradients' global L2 norm at most this; 0: no clipping (--grad-clip)
+    warmup: int = 10  # steps of linear warm-up to --lr (--warmup)
+    min_lr: float | None = None  # the cosine decay's floor at the last step; None: MIN_LR_SHARE of --lr (--min-lr)
     precision: str = "fp32"  # fp32 | bf16 (weights too) | fp16 (autocast, loss scaler) | autocast (bf16)
     micro_batches: int = 1  # the batch's sequences in this many equal parts, their gradients summed; 0: auto
+    # The data (coordinator/training/data.py, docs/cli.md's Training data):
+    data_field: str = "text"  # a JSONL record's text (--data-field)
+    data_dtype: str | None = None  # a .bin shard's ids without a shards.json beside it (--data-dtype)
+    vocab_size: int = 0  # a preset's vocabulary; 0: its own (256 bytes). Set from shards.json by the CLI
+    val_data: str | None = None  # the held-out data (--val-data); None: the last val_fraction of --data
+    val_fraction: float = VAL_FRACTION  # of --data's tokens held out when there is no --val-data; 0: none
+    eval_every: int = EVAL_EVERY  # steps between evaluations of the held-out loss; 0: never
+    eval_batches: int = EVAL_BATCHES  # fixed batches of --batch-size sequences each evaluation reads
 
     def __post_init__(self) -> None:
         try:
@@ -80,7 +113,7 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         checks = [
-            (1 <= self.steps <= 10_000_000, f"--steps must be between 1 and 10,000,000, got {self.steps}"),
+            (1 <= self.steps <= MAX_STEPS, f"--steps must be between 1 and {MAX_STEPS:,}, got {self.steps}"),
             (1 <= self.batch_size <= 4096, f"--batch-size must be between 1 and 4096, got {self.batch_size}"),
             (
                 2 <= self.seq_len <= max_seq,
@@ -88,11 +121,47 @@ class TrainConfig:
             ),
             (math.isfinite(self.lr) and 0 < self.lr <= 1, f"--lr must be in (0, 1], got {self.lr}"),
             (0 <= self.seed < 2**63, f"--seed must be a non-negative 64-bit integer, got {self.seed}"),
-            (self.weight_decay >= 0 and self.grad_clip >= 0 and self.warmup >= 0, "negative optimizer setting"),
+            (0 <= self.warmup <= MAX_STEPS, f"--warmup must be between 0 and {MAX_STEPS:,} steps, got {self.warmup}"),
+            (
+                self.min_lr is None or (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr),
+                f"--min-lr must be between 0 and --lr ({self.lr:g}), got {self.min_lr}",
+            ),
+            (
+                math.isfinite(self.weight_decay) and 0 <= self.weight_decay <= 1,
+                f"--weight-decay must be between 0 and 1, got {self.weight_decay}",
+            ),
+            (
+                math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+                f"--grad-clip must be a finite number >= 0 (0: no clipping), got {self.grad_clip}",
+            ),
             (
                 self.micro_batches == 0  # auto: the cost model's choice from the fleet (a coordinator's job)
                 or (1 <= self.micro_batches <= self.batch_size and self.batch_size % self.micro_batches == 0),
                 f"--micro-batches must divide --batch-size ({self.batch_size}), got {self.micro_batches}",
+            ),
+            (
+                math.isfinite(self.val_fraction) and 0 <= self.val_fraction <= 0.5,
+                f"--val-fraction must be between 0 and 0.5, got {self.val_fraction}",
+            ),
+            (
+                0 <= self.eval_every <= MAX_STEPS,
+                f"--eval-every must be between 0 (never) and {MAX_STEPS:,} steps, got {self.eval_every}",
+            ),
+            (
+                1 <= self.eval_batches <= MAX_EVAL_BATCHES,
+                f"--eval-batches must be between 1 and {MAX_EVAL_BATCHES}, got {self.eval_batches}",
+            ),
+            (
+                self.data_dtype is None or self.data_dtype in BIN_DTYPES,
+                f"--data-dtype must be one of {', '.join(BIN_DTYPES)}, got {self.data_dtype!r}",
+            ),
+            (
+                bool(self.data_field) and self.data_field.isprintable() and len(self.data_field) <= 256,
+                f"--data-field must name a JSON field (1 to 256 printable characters), got {self.data_field!r}",
+            ),
+            (
+                self.vocab_size == 0 or (models.is_preset(self.model) and 2 <= self.vocab_size <= 1 << 32),
+                f"a vocabulary of {self.vocab_size} is for a preset, between 2 and 2^32 (model {self.model})",
             ),
             (
                 self.precision in PRECISIONS,
@@ -131,7 +200,7 @@ class Trainer:
         self,
         cfg: TrainConfig,
         engine: MatmulEngine | None = None,
-        corpus: bytes | None = None,
+        corpus: bytes | Split | None = None,
         model_factory: Callable[[], nn.Module] | None = None,
         device: torch.device | None = None,
         parallel: DataParallel | None = None,
@@ -158,7 +227,7 @@ class Trainer:
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
         torch.manual_seed(cfg.seed)
         try:
-            self.model = model_factory() if model_factory is not None else models.build(cfg.model)
+            self.model = model_factory() if model_factory is not None else models.build(cfg.model, cfg.vocab_size)
         except ValueError as exc:  # an hf:DIR that transformers cannot build
             raise ConfigError(str(exc)) from None
         if cfg.precision == "bf16":
@@ -207,12 +276,14 @@ class Trainer:
                 betas=(0.9, 0.95),
                 order=list(self.model.parameters()),  # the clip's order, as clip_grad_norm_ below
             )
-        data = corpus if corpus is not None else load_corpus(cfg.data)
-        try:
-            ids = models.tokens(cfg.model, data)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        self.batches = ByteBatches(ids, cfg.seq_len, cfg.batch_size, np.random.default_rng(cfg.seed))
+        data = corpus if isinstance(corpus, Split) else open_data(cfg, corpus)
+        self.batches = ByteBatches(data.train, cfg.seq_len, cfg.batch_size, np.random.default_rng(cfg.seed))
+        # Fixed batches of the held-out part, none of the training RNG's draws (None: no evaluation).
+        self.held_out = (
+            HeldOut(data.held_out, cfg.seq_len, cfg.batch_size, cfg.eval_batches)
+            if data.held_out is not None and cfg.eval_every
+            else None
+        )
         self.step = 0
         self.tokens_seen = 0
 
@@ -245,13 +316,20 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             **({"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}),
             "data_rng": self.batches.rng.bit_generator.state,
+            "data_tokens": len(self.batches.part),  # the training part's length: a changed corpus is refused
             "config": self.cfg.to_dict(),
             **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Checkpoints from before --precision and --micro-batches had neither.
-        saved = {"precision": "fp32", "micro_batches": 1, **(state.get("config") or {})}
+        # Checkpoints from before --precision, --micro-batches and --min-lr had none of them.
+        saved = {
+            "precision": "fp32",
+            "micro_batches": 1,
+            "min_lr": None,
+            **BEFORE_DATA_OPTIONS,
+            **(state.get("config") or {}),
+        }
         if saved != self.cfg.to_dict():
             raise ConfigError("the checkpoint was written by a job with other options")
         if self.scaler is not None and "scaler" in state:
@@ -261,17 +339,25 @@ class Trainer:
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and "cuda_rng" in state:  # dropout on a GPU draws from its own generator
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        if "data_tokens" in state and int(state["data_tokens"]) != len(self.batches.part):
+            raise ConfigError(
+                f"the corpus changed since the checkpoint: {int(state['data_tokens']):,} training tokens then, "
+                f"{len(self.batches.part):,} now; the same --data is needed to resume"
+            )
         self.batches.rng.bit_generator.state = state["data_rng"]
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
 
     def lr_at(self, step: int) -> float:
-        """Linear warm-up, then cosine decay to 10% over the run."""
+        """Linear warm-up over ``warmup`` steps to ``lr``, then cosine decay to the floor
+        (``min_lr``, else ``MIN_LR_SHARE`` of ``lr``) at the last step."""
         cfg = self.cfg
         if cfg.warmup and step <= cfg.warmup:
             return cfg.lr * step / cfg.warmup
         progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+        # As a share of lr, so the default floor gives the same bits as before --min-lr existed.
+        floor = MIN_LR_SHARE if cfg.min_lr is None else cfg.min_lr / cfg.lr
+        return cfg.lr * (floor + (1 - floor) / 2 * (1 + math.cos(math.pi * min(1.0, progress))))
 
     def train_step(self) -> StepResult:
         started = time.perf_counter()
@@ -309,7 +395,13 @@ class Trainer:
                 loss_sum += float(loss.item())
         tokens = x.numel()
         try:
-            return self._finish_step(started, loss_sum, tokens, lr)
+            result = self._finish_step(started, loss_sum, tokens, lr)
+            if self.held_out is not None and self.step % self.cfg.eval_every == 0:
+                evaluating = time.perf_counter()
+                val_loss = self.evaluate()
+                extra = {**result.extra, "val_loss": val_loss, "eval_s": time.perf_counter() - evaluating}
+                result = dataclasses.replace(result, extra=extra)
+            return result
         except RuntimeError as exc:  # gloo's errors: a rank may have gone during the sums
             # (The tier's own word, a RankLost from its barrier, names the rank already.)
             if self.parallel is not None and self.parallel.on_failure is not None and not isinstance(exc, CleaveError):
@@ -351,6 +443,37 @@ class Trainer:
             extra["tier_gather_s"] = self.optimizer.gather_seconds
         self.tokens_seen += tokens
         return StepResult(self.step, loss_sum, tokens, time.perf_counter() - started, lr, extra)
+
+    def evaluate(self) -> float:
+        """The mean loss of the held-out batches: the forward only, without gradients, in eval
+        mode (no dropout: torch's random state is not drawn from), through the engine as a step's
+        forward (a coordinator's GEMMs go out as verified tiles), one micro-batch at a time. On a
+        tier each rank reads its slice of every batch and the ranks sum their shares. Draws from
+        no RNG, so the next step is the one it would have been."""
+        assert self.held_out is not None
+        held, world = self.held_out, 1
+        rows = slice(None)
+        if self.parallel is not None:
+            rows, world = self.parallel.slice_of(self.cfg.batch_size), self.parallel.world
+        share = 1 / (len(held) * self.micro_batches * world)  # equal parts of equal batches
+        total = 0.0
+        training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for k in range(len(held)):
+                    x, y = held.batch(k)  # (B, T)
+                    x, y = x[rows].to(self.device), y[rows].to(self.device)
+                    for xs, ys in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True):
+                        with self._autocast():
+                            _, loss = self.model(xs, ys)
+                        assert loss is not None
+                        total += float(loss.float().item()) * share
+        finally:
+            self.model.train(training)
+        if self.parallel is not None:
+            (total,) = self.parallel.all_sum([total])
+        return total
 
     def _autocast(self) -> torch.autocast:
         """The forward's autocast on the trainer's device (off unless --precision asks for it)."""
@@ -420,7 +543,11 @@ class Trainer:
         return float(loss.item()), grads
 
     def close(self) -> None:
-        """Stop the parts' threads (a trainer that ran parts at once holds a pool)."""
+        """Stop the parts' threads (a trainer that ran parts at once holds a pool) and close the
+        corpus's files."""
+        self.batches.part.stream.close()
+        if self.held_out is not None:
+            self.held_out.part.stream.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -433,3 +560,47 @@ class Trainer:
             if on_step is not None:
                 on_step(result)
         return results
+
+
+def with_data_vocab(cfg: TrainConfig) -> TrainConfig:
+    """A preset job on token shards takes their vocabulary (``shards.json``'s ``vocab_size``),
+    stored with the job as ``vocab_size`` so a resume and an export build the same model; any
+    other job is returned as it is."""
+    if not models.is_preset(cfg.model) or cfg.vocab_size or cfg.data is None:
+        return cfg
+    stated = corpora.stated_vocab(cfg.data)
+    if stated is None or stated == models.vocab_size(cfg.model):
+        return cfg
+    return dataclasses.replace(cfg, vocab_size=stated)
+
+
+def open_data(cfg: TrainConfig, corpus: bytes | None = None) -> Split:
+    """The job's data as the model's token ids, split into its training and held-out parts:
+    ``corpus`` (text bytes, in memory: the Python API's and tests'), else ``--data`` (streamed,
+    ``data.py``), else the default corpus; ``--val-data`` or the last ``--val-fraction`` held out."""
+    try:
+        vocab = models.vocab_size(cfg.model, cfg.vocab_size)
+        tokenize = models.tokenizer(cfg.model)
+        if corpus is not None or cfg.data is None:
+            text = corpus if corpus is not None else load_corpus()
+            ids = models.tokens(cfg.model, text).numpy()
+            stream = in_memory(ids, vocab, "the corpus")
+        else:
+            stream = corpora.open_tokens(
+                cfg.data, vocab_size=vocab, tokenize=tokenize, field=cfg.data_field, dtype=cfg.data_dtype
+            )
+        val = None
+        if cfg.val_data is not None:
+            val = corpora.open_tokens(
+                cfg.val_data,
+                vocab_size=vocab,
+                tokenize=tokenize,
+                field=cfg.data_field,
+                dtype=cfg.data_dtype,
+                flag="--val-data",
+            )
+    except ValueError as exc:  # an hf:DIR whose tokenizer does not load
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(str(exc)) from None
+    return corpora.split(stream, val, cfg.val_fraction, cfg.seq_len)

@@ -5,8 +5,11 @@ model built by a factory given through the Python API (docs/api.md). Every model
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -58,11 +61,36 @@ def max_seq_len(name: str) -> int:
     return preset(name).max_seq_len
 
 
-def build(name: str) -> nn.Module:
-    """A fresh model from torch's current seed (the caller seeds), or ``hf:DIR``'s weights."""
+def is_preset(name: str) -> bool:
+    return name in PRESETS
+
+
+def build(name: str, vocab_size: int = 0) -> nn.Module:
+    """A fresh model from torch's current seed (the caller seeds), or ``hf:DIR``'s weights.
+    ``vocab_size``: a preset's embedding and output rows (0: its own, 256 byte ids), as token
+    shards of a trained tokenizer state it (``TrainConfig.vocab_size``)."""
     if is_custom(name):
         raise ConfigError(f"model {name!r} is built by the model_factory passed with it (docs/api.md)")
-    return hf.build(name) if hf.is_hf(name) else Transformer(preset(name))
+    if hf.is_hf(name):
+        return hf.build(name)
+    cfg = preset(name)
+    return Transformer(dataclasses.replace(cfg, vocab_size=vocab_size) if vocab_size else cfg)
+
+
+def vocab_size(name: str, override: int = 0) -> int | None:
+    """The ids the model takes (None: a ``custom:`` model's own business)."""
+    if is_custom(name):
+        return None
+    if hf.is_hf(name):
+        return hf.spec(name).vocab_size
+    return override or preset(name).vocab_size
+
+
+def tokenizer(name: str) -> Callable[[bytes], np.ndarray] | None:
+    """Text to the model's ids: its tokenizer's (``hf:DIR`` with one), else None (one id a byte)."""
+    if hf.is_hf(name) and hf.spec(name).tokenizer:
+        return lambda text: hf.tokenize(name, text).numpy()
+    return None
 
 
 def tokens(name: str, text: bytes) -> torch.Tensor:

@@ -4,7 +4,7 @@ the command line turns any of them into one line and the exit code its branch st
 
     CleaveError                      exit 1: something failed
     ├── ConfigError (ValueError)     exit 2: an option, file or setting the user gave is wrong
-    │   ├── DataError                    --data (coordinator/training/data.py)
+    │   ├── DataError                    --data, --val-data (coordinator/training/tokens.py)
     │   ├── HFError                      --model hf:DIR (coordinator/training/hf.py)
     │   ├── CostModelError               a model, fleet or option the cost model cannot price
     │   │   └── SimulationError          ... or the simulator cannot run (coordinator/whatif/)

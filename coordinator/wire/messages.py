@@ -370,8 +370,9 @@ class Work:
     # Blocks to take from the device's relay (``use_relay``) rather than from this frame: each a
     # ``(key, digest)``. The device checks the bytes against the digest before using them.
     fetch: tuple[tuple[str, str], ...] = ()
-    # Seconds the device may wait on its relay for ``fetch`` (a share of this lease's deadline,
-    # so a slow relay is reported before the lease is late); 0: ``use_relay.wait``.
+    # Seconds the device may wait on its relay for ``fetch``, from the frame's arrival (a share
+    # of this lease's own window, so a slow relay is reported before the lease is late); 0:
+    # ``use_relay.wait``.
     fetch_wait: float = _float(0.0, hi=3600.0)
 
     def operands(self, cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:

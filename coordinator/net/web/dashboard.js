@@ -86,20 +86,24 @@ function smoothed(values) {  // over about a tenth of the points shown (0.9 from
 
 let hoverX = null;  // where the pointer is over the chart (viewBox units), kept across redraws
 
-function curve(all) {
-  const points = all.filter((p) => Number.isFinite(p[0]) && Number.isFinite(p[1]));  // a diverged loss is null
+function curve(all, allHeld) {
+  const finite = (p) => Number.isFinite(p[0]) && Number.isFinite(p[1]);  // a diverged loss is null
+  const points = all.filter(finite), held = (allHeld || []).filter(finite);  // held-out: steps that evaluated
   const svg = $("curve");
   const empty = points.length === 0;
   svg.hidden = empty;
   $("curve-empty").hidden = !empty;
+  $("curve-legend").hidden = empty;
+  $("legend-held").hidden = held.length === 0;
   svg.replaceChildren();
   if (empty) { $("curve-range").textContent = ""; return; }
   // One viewBox unit per CSS pixel (within bounds), so the labels read the same on a phone.
   const W = Math.round(Math.max(320, Math.min(960, svg.clientWidth || 640))), H = W < 500 ? 200 : 240;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const steps = points.map((p) => p[0]), losses = points.map((p) => p[1]), smooth = smoothed(losses);
-  const x0 = Math.min(...steps), x1 = Math.max(x0 + 1, ...steps);
-  let y0 = Math.min(...losses), y1 = Math.max(...losses);
+  const heldLosses = held.map((p) => p[1]);
+  const x0 = Math.min(...steps, ...held.map((p) => p[0])), x1 = Math.max(x0 + 1, ...steps, ...held.map((p) => p[0]));
+  let y0 = Math.min(...losses, ...heldLosses), y1 = Math.max(...losses, ...heldLosses);
   if (y1 - y0 < 1e-9) { y0 -= 0.5; y1 += 0.5; }
   const pad = (y1 - y0) * 0.05;
   y0 -= pad; y1 += pad;
@@ -122,6 +126,11 @@ function curve(all) {
   const path = (ys) => points.map((p, i) => `${sx(p[0]).toFixed(1)},${sy(ys[i]).toFixed(1)}`).join(" ");
   svg.appendChild(el("polyline", { class: "raw", points: path(losses) }));
   svg.appendChild(el("polyline", { class: "smooth", points: path(smooth) }));
+  // The held-out loss: a point at each step that evaluated it, joined by a dashed line.
+  if (held.length > 1) {
+    svg.appendChild(el("polyline", { class: "held", points: held.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ") }));
+  }
+  for (const p of held) svg.appendChild(el("circle", { class: "held-point", cx: sx(p[0]).toFixed(1), cy: sy(p[1]).toFixed(1), r: 3 }));
   // Hover: the nearest step's loss and its smoothed value.
   const marker = el("circle", { class: "marker", r: 3.5, visibility: "hidden" });
   const label = el("text", { id: "hover-text", x: W - RIGHT, y: TOP + 10, "text-anchor": "end" }, "");
@@ -132,7 +141,13 @@ function curve(all) {
     marker.setAttribute("cx", sx(steps[best]));
     marker.setAttribute("cy", sy(losses[best]));
     marker.setAttribute("visibility", "visible");
-    label.textContent = `step ${fmt(steps[best], 0)}: loss ${fmt(losses[best], 4)} (smoothed ${fmt(smooth[best], 4)})`;
+    let text = `step ${fmt(steps[best], 0)}: loss ${fmt(losses[best], 4)} (smoothed ${fmt(smooth[best], 4)})`;
+    if (held.length) {  // the evaluation nearest the pointer
+      let near = 0;
+      for (let i = 1; i < held.length; i++) if (Math.abs(sx(held[i][0]) - x) < Math.abs(sx(held[near][0]) - x)) near = i;
+      text += `; held-out ${fmt(held[near][1], 4)} at step ${fmt(held[near][0], 0)}`;
+    }
+    label.textContent = text;
   };
   svg.onmousemove = (event) => {
     const box = svg.getBoundingClientRect();
@@ -143,8 +158,9 @@ function curve(all) {
   if (hoverX !== null) show(hoverX);  // the poll redrew the chart under a still pointer
   const last = losses.length - 1;
   $("curve-range").textContent = `steps ${fmt(steps[0], 0)} to ${fmt(steps[last], 0)}: loss ${fmt(losses[0], 3)} ` +
-    `at the first, ${fmt(losses[last], 3)} at the last (lowest ${fmt(Math.min(...losses), 3)}); ` +
-    "light line: each step, dark line: smoothed";
+    `at the first, ${fmt(losses[last], 3)} at the last (lowest ${fmt(Math.min(...losses), 3)})` +
+    (held.length ? `; held-out ${fmt(heldLosses[held.length - 1], 3)} at step ${fmt(held[held.length - 1][0], 0)} ` +
+      `(lowest ${fmt(Math.min(...heldLosses), 3)})` : "");
 }
 
 function duration(seconds) {
@@ -198,6 +214,8 @@ function draw(s) {
       `, about ${duration(job.eta_s)} left`);
   $("progress").style.width = job.steps ? `${(100 * job.step) / job.steps}%` : "0";
   $("loss").textContent = fmt(job.loss, 4);
+  $("val-loss").textContent = job.val_step === null || job.val_step === undefined ? "" :
+    `held-out ${fmt(job.val_loss, 4)} at step ${fmt(job.val_step, 0)}`;
   $("tokens").textContent = fmt(job.tokens_per_s, 0);
   const t = s.tiles || {};
   $("tiles").textContent = fmt(t.verified, 0);
@@ -209,7 +227,7 @@ function draw(s) {
     lost.map(([why, n]) => `${why || "no reason given"} (${fmt(n, 0)})`).join(", ") : "";
   $("share").textContent = job.gemm_share ? `${fmt(100 * job.gemm_share, 1)}%` : "-";
   $("device-count").textContent = fmt(s.connected, 0);
-  curve(s.losses || []);
+  curve(s.losses || [], s.val_losses);
   const e = s.energy || {};
   $("energy").textContent = e.joules ? joules(e.joules) : "-";
   $("energy-detail").textContent = e.joules ? `${fmt(e.j_per_gflop, 3)} J per verified GFLOP, ` +
