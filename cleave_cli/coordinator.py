@@ -87,6 +87,7 @@ def start(
     data: opt.Data = None,
     data_field: opt.DataField = D.data_field,
     data_dtype: opt.DataDtype = None,
+    vocab_size: opt.VocabSize = 0,
     val_data: opt.ValData = None,
     val_fraction: opt.ValFraction = D.val_fraction,
     eval_every: opt.EvalEvery = D.eval_every,
@@ -103,6 +104,14 @@ def start(
         int,
         typer.Option("--checkpoint-every", help="Checkpoint the parameter server every N steps (0: only at the end)."),
     ] = 50,
+    prune_steps: Annotated[
+        int,
+        typer.Option(
+            "--prune-steps",
+            help="At each checkpoint, delete the database rows (GEMMs, tiles, leases) of finished GEMMs older "
+            "than the last N steps, keeping their counts: the store stays bounded in steps (0: keep every row).",
+        ),
+    ] = 0,
     linger: Annotated[
         float,
         typer.Option(
@@ -250,6 +259,7 @@ def start(
             grad_clip=grad_clip,
             data_field=data_field,
             data_dtype=data_dtype,
+            vocab_size=vocab_size,
             val_data=val_data,
             val_fraction=val_fraction,
             eval_every=eval_every,
@@ -272,6 +282,7 @@ def start(
         ),
         limits=limits,
         checkpoint_every=checkpoint_every,
+        prune_steps=prune_steps,
         linger=linger,
         new_job=new_job,
         planner=planner,

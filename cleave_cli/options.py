@@ -81,6 +81,14 @@ DataDtype = Annotated[
         "little-endian ids, nanoGPT's layout).",
     ),
 ]
+VocabSize = Annotated[
+    int,
+    typer.Option(
+        "--vocab-size",
+        help="A preset's vocabulary for raw .bin/.npy shards without a shards.json (their tokenizer's size; "
+        "ids are checked against it at start). 0: the shards.json's, else 256 bytes.",
+    ),
+]
 ValData = Annotated[
     Path | None,
     typer.Option(
@@ -97,7 +105,10 @@ ValFraction = Annotated[
 ]
 EvalEvery = Annotated[
     int,
-    typer.Option("--eval-every", help="Compute the held-out loss (val_loss) every this many steps; 0: never."),
+    typer.Option(
+        "--eval-every",
+        help="Compute the held-out loss (val_loss) every this many steps and at the last; 0: never (nothing held out).",
+    ),
 ]
 EvalBatches = Annotated[
     int,
@@ -174,6 +185,7 @@ def train_config(
     grad_clip: float | None = None,
     data_field: str = "text",
     data_dtype: str | None = None,
+    vocab_size: int = 0,
     val_data: Path | None = None,
     val_fraction: float | None = None,
     eval_every: int | None = None,
@@ -198,6 +210,7 @@ def train_config(
         **{k: v for k, v in optimizer.items() if v is not None},
         data_field=data_field,
         data_dtype=data_dtype,
+        vocab_size=vocab_size,
         val_data=str(val_data) if val_data is not None else None,
         **{k: v for k, v in evaluation.items() if v is not None},
     )

@@ -81,6 +81,9 @@ class CoordinatorConfig:
     trust: TrustPolicy = field(default_factory=TrustPolicy)
     limits: Limits = field(default_factory=Limits)
     checkpoint_every: int = 50  # steps; 0 turns checkpoints off
+    # At each checkpoint, delete the GEMM, tile and lease rows of finished GEMMs older than the last
+    # this many steps (their counts are kept); 0 keeps every row (--prune-steps).
+    prune_steps: int = 0
     new_job: bool = False  # start a new job even if the database holds an unfinished one
     planner: Planner = Planner.COST  # how GEMMs are cut and shared out (--planner)
     ps_link_gbps: float = 10.0  # the coordinator's link, each way (--ps-link-gbps)
@@ -127,6 +130,10 @@ class CoordinatorConfig:
             raise ConfigError(f"--linger must be between 0 and {MAX_LINGER:,} s, got {self.linger:g}")
         if not (0 <= self.checkpoint_every <= 10_000_000):
             raise ConfigError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
+        if not (0 <= self.prune_steps <= 10_000_000):
+            raise ConfigError(f"--prune-steps must be between 0 and 10,000,000, got {self.prune_steps}")
+        if self.prune_steps and not self.checkpoint_every:
+            raise ConfigError("--prune-steps prunes at each checkpoint: it needs --checkpoint-every above 0")
         if (self.model_factory is not None) != models.is_custom(self.train.model):
             raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
         if not (math.isfinite(self.grid_gco2_kwh) and 0 <= self.grid_gco2_kwh <= MAX_GRID):
@@ -262,7 +269,8 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
     unfinished = taken.unfinished
     if unfinished is None:
         name = f"{cfg.train.model} x {cfg.train.steps} steps"
-        return _Plan(Books.create(store, name, cfg.train.to_dict(), cfg.train.steps, now), cfg.train, None)
+        books = Books.create(store, name, cfg.train.to_dict(), cfg.train.steps, now, cfg.prune_steps)
+        return _Plan(books, cfg.train, None)
     stored = unfinished.config.get("model")
     if (models.is_custom(stored or "") or cfg.model_factory is not None) and stored != cfg.train.model:
         # A factory builds only the model it was given for: never another job's.
@@ -284,7 +292,7 @@ def _plan(cfg: CoordinatorConfig, store: SQLiteStore, reporter: Reporter, now: f
     )
     if taken.abandoned:
         reporter.note(f"{taken.abandoned} tiles in flight when the last coordinator stopped will be recomputed")
-    return _Plan(Books.resume(store, unfinished.id, resume.step, now), train, resume)
+    return _Plan(Books.resume(store, unfinished.id, resume.step, now, cfg.prune_steps), train, resume)
 
 
 CHOICE_TIMEOUT = 60.0  # seconds the trainer waits for --micro-batches auto's second choice

@@ -68,6 +68,9 @@ class MemoryStore:
         # over every job (the leaderboard's totals, kept by credit_device as SQLite's are).
         self._totals: dict[int, list[float]] = {}
         self._next = {"job": 1, "device": 1, "gemm": 1, "tile": 1, "identity": 1}
+        # What prune_gemms deleted, per job: tile counts and lost reasons, added back when counted.
+        self._pruned: dict[int, Counter[str]] = {}
+        self._pruned_lost: dict[int, Counter[str]] = {}
 
     def _id(self, kind: str) -> int:
         self._next[kind] += 1
@@ -423,6 +426,7 @@ class MemoryStore:
             for lease in self._leases[t.id]
             if lease.outcome == Outcome.LOST
         )
+        reasons.update(self._pruned_lost.get(job_id, Counter()))
         return dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))[:limit])
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
@@ -440,6 +444,8 @@ class MemoryStore:
                     counts["speculative"] += 1
                 elif lease.issued == Issued.DEADLINE:
                     counts["expired"] += 1
+        for key, n in self._pruned.get(job_id, Counter()).items():
+            counts[key] += n
         return counts
 
     def leases(self, tile_id: int) -> list[LeaseRow]:
@@ -480,6 +486,27 @@ class MemoryStore:
             t.state = TileState.ABANDONED
             count += 1
         return count
+
+    def prune_gemms(self, job_id: int, through_step: int) -> int:
+        newest = max(self._gemms, default=0)
+        ids = {
+            gid
+            for gid, g in self._gemms.items()
+            if g["job_id"] == job_id and g["step"] <= through_step and g["done"] is not None and gid != newest
+        }
+        if not ids:
+            return 0
+        before, lost = self.tile_counts(job_id), self.lost_reasons(job_id, limit=1 << 62)
+        for tid in [tid for tid, t in self._tiles.items() if t.gemm_id in ids]:
+            del self._tiles[tid], self._leases[tid]
+            self._queued.pop(tid, None)
+        for gid in ids:
+            del self._gemms[gid]
+        # What the deleted rows counted is what the remaining ones no longer do.
+        after, lost_after = self.tile_counts(job_id), self.lost_reasons(job_id, limit=1 << 62)
+        self._pruned.setdefault(job_id, Counter()).update({k: before[k] - after[k] for k in TILE_COUNTS})
+        self._pruned_lost.setdefault(job_id, Counter()).update(Counter(lost) - Counter(lost_after))
+        return len(ids)
 
     def flush(self) -> None:
         pass

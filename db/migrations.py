@@ -177,6 +177,22 @@ def m005_identity_totals(db: sqlite_utils.Database) -> None:
     )
 
 
+@migration
+def m006_pruning(db: sqlite_utils.Database) -> None:
+    """What ``--prune-steps`` deleted, per job: the tile counts and lost reasons its GEMM, tile and
+    lease rows held, which ``recount`` and ``lost_reasons`` add back, so a job's books read the
+    same after its old rows are gone. The indexes let the pruning's deletes (and the foreign-key
+    checks they make) find a step's GEMMs, a GEMM's tiles and a tile's leases without a scan."""
+    db["pruned_counts"].create(
+        {"job_id": int, "key": str, "n": int}, pk=("job_id", "key"), foreign_keys=[("job_id", "jobs", "id")]
+    )
+    db["pruned_lost"].create(
+        {"job_id": int, "reason": str, "n": int}, pk=("job_id", "reason"), foreign_keys=[("job_id", "jobs", "id")]
+    )
+    db.execute("CREATE INDEX IF NOT EXISTS idx_gemms_job_step ON gemms (job_id, step)")
+    db.execute("CREATE INDEX IF NOT EXISTS idx_tiles_gemm ON tiles (gemm_id)")
+
+
 def migrate(db: sqlite_utils.Database) -> list[str]:
     """Apply pending migrations; returns the names applied."""
     if "_migrations" not in db.table_names():

@@ -117,6 +117,17 @@ WHERE id = :tile AND state = 'leased'
 RETURNING id, gemm_id, idx, a_key, b_key, attempts
 """
 
+# The GEMMs ``prune_gemms`` deletes (a condition on ``gemms g``), and its deletes, children first.
+# Each finds its rows by index (gemms by job and step, tiles by GEMM, leases by tile), as do the
+# foreign-key checks they make: tests/test_store.py reads their query plans.
+_PRUNED = "g.job_id = :job AND g.step <= :through AND g.done_at IS NOT NULL AND g.id < :newest"
+_PRUNED_IDS = f"SELECT g.id FROM gemms g WHERE {_PRUNED}"
+PRUNE_DELETES = (
+    f"DELETE FROM leases WHERE tile_id IN (SELECT id FROM tiles WHERE gemm_id IN ({_PRUNED_IDS}))",
+    f"DELETE FROM tiles WHERE gemm_id IN ({_PRUNED_IDS})",
+    f"DELETE FROM gemms WHERE id IN ({_PRUNED_IDS})",
+)
+
 
 class SQLiteStore:
     def __init__(
@@ -753,17 +764,11 @@ class SQLiteStore:
         return str(row[0])
 
     def lost_reasons(self, job_id: int, limit: int = 8) -> dict[str, int]:
-        if job_id not in self._lost:  # counted once from the rows, then kept by end_lease
-            self._lost[job_id] = Counter(
-                {
-                    str(reason): int(n)
-                    for reason, n in self.conn.execute(
-                        "SELECT l.reason, COUNT(*) FROM leases l JOIN tiles t ON t.id = l.tile_id "
-                        "JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = ? AND l.outcome = ? GROUP BY l.reason",
-                        (job_id, Outcome.LOST.value),
-                    )
-                }
-            )
+        if job_id not in self._lost:  # counted once from the rows (and what was pruned), then kept by end_lease
+            lost = self._lost_counted("g.job_id = :job", {"job": job_id})
+            for reason, n in self.conn.execute("SELECT reason, n FROM pruned_lost WHERE job_id = ?", (job_id,)):
+                lost[str(reason)] += int(n)
+            self._lost[job_id] = lost
         return dict(sorted(self._lost[job_id].items(), key=lambda kv: (-kv[1], kv[0]))[:limit])
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
@@ -772,12 +777,19 @@ class SQLiteStore:
         return {key: self._counts[job_id][key] for key in TILE_COUNTS}
 
     def recount(self, job_id: int) -> dict[str, int]:
-        """Tile counts from the rows themselves (the running counters must always agree)."""
+        """Tile counts from the rows themselves and what pruning took from them (the running
+        counters must always agree)."""
+        counts = self._counted("g.job_id = :job", {"job": job_id})
+        for key, n in self.conn.execute("SELECT key, n FROM pruned_counts WHERE job_id = ?", (job_id,)):
+            counts[key] = counts.get(key, 0) + int(n)
+        return counts
+
+    def _counted(self, gemms: str, params: dict[str, Any]) -> dict[str, int]:
+        """Tile counts of the rows of the GEMMs ``gemms`` picks (a condition on ``gemms g``)."""
         counts = dict.fromkeys(TILE_COUNTS, 0)
         for state, n in self.conn.execute(
-            "SELECT t.state, COUNT(*) FROM tiles t JOIN gemms g ON g.id = t.gemm_id "
-            "WHERE g.job_id = ? GROUP BY t.state",
-            (job_id,),
+            f"SELECT t.state, COUNT(*) FROM tiles t JOIN gemms g ON g.id = t.gemm_id WHERE {gemms} GROUP BY t.state",
+            params,
         ):
             counts[state] = n
         row = self._one(
@@ -786,13 +798,26 @@ class SQLiteStore:
             " COALESCE(SUM(l.outcome = 'cancelled'), 0), COALESCE(SUM(l.outcome = 'revoked'), 0),"
             " COALESCE(SUM(l.issued LIKE 'requeued%'), 0),"
             " COALESCE(SUM(l.issued = :spec), 0), COALESCE(SUM(l.issued = :deadline), 0) "
-            "FROM leases l JOIN tiles t ON t.id = l.tile_id JOIN gemms g ON g.id = t.gemm_id WHERE g.job_id = :job",
-            {"job": job_id, "spec": Issued.SPECULATIVE, "deadline": Issued.DEADLINE},
+            f"FROM leases l JOIN tiles t ON t.id = l.tile_id JOIN gemms g ON g.id = t.gemm_id WHERE {gemms}",
+            {**params, "spec": Issued.SPECULATIVE, "deadline": Issued.DEADLINE},
         )
         assert row is not None
         for name, value in zip(TILE_COUNTS[len(TileState) :], row):
             counts[name] = int(value)
         return counts
+
+    def _lost_counted(self, gemms: str, params: dict[str, Any]) -> Counter[str]:
+        """Why the leases of the GEMMs ``gemms`` picks were lost: reason -> leases."""
+        return Counter(
+            {
+                str(reason): int(n)
+                for reason, n in self.conn.execute(
+                    "SELECT l.reason, COUNT(*) FROM leases l JOIN tiles t ON t.id = l.tile_id "
+                    f"JOIN gemms g ON g.id = t.gemm_id WHERE {gemms} AND l.outcome = :lost GROUP BY l.reason",
+                    {**params, "lost": Outcome.LOST.value},
+                )
+            }
+        )
 
     def leases(self, tile_id: int) -> list[LeaseRow]:
         return [
@@ -856,6 +881,33 @@ class SQLiteStore:
             self._counts.clear()  # a bulk change: count again when asked
             self._lost.clear()
             return cur.rowcount
+
+    def prune_gemms(self, job_id: int, through_step: int) -> int:
+        # The rows go and their pages return to SQLite's free list, which later inserts reuse:
+        # the file stops growing once it holds the steps kept (no VACUUM here: it rewrites the file).
+        with self.atomic() as c:
+            (newest,) = c.execute("SELECT COALESCE(MAX(id), 0) FROM gemms").fetchone()
+            params = {"job": job_id, "through": through_step, "newest": newest}
+            ids = [int(r[0]) for r in c.execute(_PRUNED_IDS, params)]
+            if not ids:
+                return 0
+            counts = {key: n for key, n in self._counted(_PRUNED, params).items() if n}
+            lost = self._lost_counted(_PRUNED, params)
+            c.executemany(
+                "INSERT INTO pruned_counts (job_id, key, n) VALUES (?, ?, ?) "
+                "ON CONFLICT (job_id, key) DO UPDATE SET n = n + excluded.n",
+                [(job_id, str(key), n) for key, n in counts.items()],
+            )
+            c.executemany(
+                "INSERT INTO pruned_lost (job_id, reason, n) VALUES (?, ?, ?) "
+                "ON CONFLICT (job_id, reason) DO UPDATE SET n = n + excluded.n",
+                [(job_id, reason, n) for reason, n in lost.items()],
+            )
+            for delete in PRUNE_DELETES:
+                c.execute(delete, params)
+        for gid in ids:  # the running counters still hold what the rows held: nothing to change there
+            self._gemm_job.pop(gid, None)
+        return len(ids)
 
     def close(self) -> None:
         self.flush()

@@ -451,6 +451,14 @@ class Store(Protocol):
         end as lost. Returns how many tiles."""
         ...
 
+    def prune_gemms(self, job_id: int, through_step: int) -> int:
+        """Delete the rows of ``job_id``'s finished GEMMs (``done_at`` set) of steps up to
+        ``through_step``: their leases, tiles and GEMM rows, in one write (``--prune-steps``). What
+        they counted is kept per job, so ``tile_counts`` and ``lost_reasons`` read the same after,
+        also once recounted from the rows. The newest GEMM of the store is always kept (the next
+        GEMM id, from which block keys derive, must never go back). Returns the GEMMs deleted."""
+        ...
+
     def flush(self) -> None:
         """Make every write so far durable (a store may group hot-path writes; see db/sqlite.py)."""
         ...

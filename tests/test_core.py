@@ -196,6 +196,23 @@ def test_dw_reuses_the_forward_and_dx_blocks_already_on_the_device(core: Core) -
     assert len(core.sources) == 0
 
 
+def test_a_forward_no_backward_follows_leaves_no_source_on_devices(core: Core) -> None:
+    """A forward's X is kept on devices for its dW; an evaluation's (``retain=False``) has no
+    dW, so its blocks go with the GEMM instead of at the next step."""
+    fleet = Fleet(core)
+    fleet.join("solo", slots=4)
+    x, w = torch.randn(96, 64), torch.randn(64, 48)
+    box: dict = {}
+    _, out = core.submit(x, w, GemmKind.FORWARD, fleet.now, lambda r: box.setdefault("y", r), retain=False)
+    fleet.route(out)
+    fleet.drain()
+    torch.testing.assert_close(box["y"], x @ w, rtol=1e-5, atol=1e-5)
+    assert len(core.sources) == 0
+    submit(core, fleet, x, w)  # training's forward: X stays for the dW
+    fleet.drain()
+    assert [s.retained for s in core.sources._live.values()] == [True]
+
+
 def test_a_weight_changed_in_place_is_never_served_from_a_stale_cache(core: Core) -> None:
     fleet = Fleet(core)
     fleet.join("solo", slots=4)

@@ -289,7 +289,7 @@ def test_a_finished_job_stays_on_the_page_and_the_page_fits_a_phone(tmp_path: Pa
     """The page of a finished job during the coordinator's linger, at desktop and phone widths.
     With CLEAVE_SCREENSHOTS=DIR the screenshots are written there (docs/ holds the last ones)."""
     cfg = CoordinatorConfig(
-        train=TrainConfig(steps=6),
+        train=TrainConfig(steps=6, eval_every=0),  # no held-out split: no held-out curve
         port=0,
         db=str(tmp_path / "f.db"),
         token=TOKEN,

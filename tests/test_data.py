@@ -12,10 +12,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_core import Fleet as CoreFleet
+from test_core import make_core
 from test_training import TiledLocalEngine
 from typer.testing import CliRunner
 
 from cleave_cli.app import app
+from coordinator.net.remote import RemoteEngine
+from coordinator.net.server import Server
 from coordinator.training import data as corpora
 from coordinator.training import prepare as prep
 from coordinator.training import shards
@@ -23,6 +27,7 @@ from coordinator.training.data import ByteBatches, HeldOut, load_corpus, open_to
 from coordinator.training.loop import TrainConfig, Trainer, open_data, with_data_vocab
 from coordinator.training.tokens import DataError, View
 from coordinator.wire.errors import ConfigError
+from coordinator.wire.messages import WireDtype
 
 SMALL = {"model": "tiny", "batch_size": 4, "seq_len": 16}
 
@@ -65,7 +70,7 @@ def test_a_text_folder_streams_the_bytes_it_would_have_read_into_memory(tmp_path
     (tmp_path / "a.txt").write_text("hello world\n" * 300)
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.md").write_text("more text, é and ü " * 200)
-    (tmp_path / "blob.bin").write_bytes(b"\xff\xfe\x00" * 10)  # not text: skipped, as before
+    (tmp_path / "blob.dat").write_bytes(b"\xff\xfe\x00" * 10)  # not text: skipped (a .bin would be a shard)
     stream = open_tokens(str(tmp_path), vocab_size=256, tokenize=None)
     assert all(seg.array is None or seg.length == 1 for seg in stream.segments)  # files stay on disk
     assert _read_all(stream).astype(np.uint8).tobytes() == load_corpus(tmp_path)
@@ -116,7 +121,11 @@ def test_bin_without_a_dtype_and_ids_beyond_the_vocabulary_are_refused(tmp_path:
     ids.tofile(tmp_path / "s.bin")
     with pytest.raises(DataError, match="--data-dtype uint16"):
         open_tokens(str(tmp_path / "s.bin"), vocab_size=256, tokenize=None)
-    stream = open_tokens(str(tmp_path / "s.bin"), vocab_size=256, tokenize=None, dtype="uint16")
+    with pytest.raises(DataError, match=r"holds token id 599, .* pass --vocab-size \(at least 600"):
+        open_tokens(str(tmp_path / "s.bin"), vocab_size=256, tokenize=None, dtype="uint16")  # raw: scanned at open
+    assert len(open_tokens(str(tmp_path / "s.bin"), vocab_size=600, tokenize=None, dtype="uint16")) == 600
+    _write_meta(tmp_path, "uint16", 256, [("s.bin", 600)])  # a shards.json that understates its ids
+    stream = open_tokens(str(tmp_path), vocab_size=256, tokenize=None)
     assert np.array_equal(stream.read(0, 256), ids[:256])  # checked lazily: each window as it is read
     with pytest.raises(DataError, match=r"s.bin \(near token 250\) holds token id 265, outside .* 256"):
         stream.read(250, 16)
@@ -152,6 +161,27 @@ def test_held_out_windows_never_share_a_token_with_training_windows() -> None:
         split(corpora.in_memory(np.arange(30), 256, "t"), None, 0.5, seq_len=16)
 
 
+def test_a_job_that_never_evaluates_holds_nothing_out_and_one_that_does_evaluates_its_last_step() -> None:
+    corpus = b"abcdefgh" * 200
+    never = open_data(TrainConfig(**SMALL, eval_every=0), corpus)
+    assert never.held_out is None and len(never.train) == len(corpus)  # --val-fraction left at 0.01
+    held = open_data(TrainConfig(**SMALL, eval_every=2), corpus)
+    assert held.held_out is not None and len(held.train) == len(corpus) - 17  # 1% is less than one window
+    results = Trainer(TrainConfig(**SMALL, steps=3, eval_every=2, eval_batches=1), corpus=corpus).run()
+    assert [("val_loss" in r.extra) for r in results] == [False, True, True]  # every 2 steps and the last
+
+
+def test_an_id_outside_the_vocabulary_in_the_held_out_part_stops_the_job_before_its_first_step(
+    tmp_path: Path,
+) -> None:
+    ids = np.random.default_rng(0).integers(0, 1000, size=5000).astype(np.uint16)
+    ids[-1] = 5000  # in the last held-out window only
+    ids.tofile(tmp_path / "part-0.bin")
+    cfg = TrainConfig(**SMALL, steps=4, data=str(tmp_path), data_dtype="uint16", vocab_size=1000, eval_every=2)
+    with pytest.raises(DataError, match="holds token id 5,000, beyond the model's vocabulary of 1,000"):
+        Trainer(cfg)  # read once, here: not after an optimizer step, at each resume's evaluation
+
+
 def test_a_resumed_trainer_draws_exactly_the_windows_of_an_uninterrupted_one(tmp_path: Path) -> None:
     _bins(tmp_path, "uint16", [3000, 2000], seed=1)
     cfg = TrainConfig(**SMALL, steps=6, data=str(tmp_path), data_dtype="uint16", vocab_size=1000, eval_every=0)
@@ -177,6 +207,76 @@ def test_a_checkpoint_of_another_corpus_is_refused(tmp_path: Path) -> None:
         Trainer(cfg, corpus=b"abcdefgh" * 200).load_state_dict(state)
 
 
+def test_a_checkpoint_of_the_same_shards_in_another_order_or_content_is_refused(tmp_path: Path) -> None:
+    _bins(tmp_path, "uint16", [3000, 3000])
+    cfg = TrainConfig(**SMALL, steps=2, data=str(tmp_path), data_dtype="uint16", vocab_size=1000)
+    trainer = Trainer(cfg)
+    state = trainer.state_dict()
+    trainer.load_state_dict(state)  # the same files: resumed
+    assert corpora.fingerprint(open_data(cfg)) == state["data_fingerprint"]
+    (tmp_path / "part-0.bin").rename(tmp_path / "part-2.bin")  # same sizes and ids, another order
+    again = Trainer(cfg)
+    with pytest.raises(ConfigError, match=r"^the corpus changed since the checkpoint \(its files"):
+        again.load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "data_fingerprint"}  # a checkpoint from before the fingerprint
+    again.load_state_dict(old)  # today's check only: the same length, resumed
+    (tmp_path / "part-2.bin").rename(tmp_path / "part-0.bin")
+    with open(tmp_path / "part-1.bin", "r+b") as f:  # the same length, another last id
+        f.seek(-2, 2)
+        f.write(b"\x01\x00" if f.read(2) != b"\x01\x00" else b"\x02\x00")
+    assert corpora.fingerprint(open_data(cfg)) != state["data_fingerprint"]
+
+
+def test_a_shard_folder_with_other_files_and_no_shards_json_is_refused_never_read_as_text(tmp_path: Path) -> None:
+    np.frombuffer(b"hello world " * 100, dtype=np.uint8).astype(np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "readme.md").write_text("nanoGPT data\n")
+    with pytest.raises(DataError, match=r"token shards \(train.bin\) and other files \(readme.md\).*--val-data"):
+        open_tokens(str(tmp_path), vocab_size=256, tokenize=None, dtype="uint16")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"vocab_size": "300"}, "vocab_size is '300', not a int"),
+        ({"shards": {"s.bin": 10}}, "shards is .*not a list"),
+        ({"shards": [{"file": "../s.bin", "tokens": 10}]}, "file '../s.bin' is not a file name"),
+        ({"shards": [{"file": "s.bin", "tokens": "10"}]}, "tokens '10' is not a count"),
+        ({"shards": ["s.bin"]}, "shard 0's file None"),
+        ({"extra": []}, "extra is"),
+    ],
+)
+def test_a_malformed_shards_json_is_refused_in_one_line(tmp_path: Path, change: dict, message: str) -> None:
+    np.zeros(10, dtype=np.uint16).tofile(tmp_path / "s.bin")
+    _write_meta(tmp_path, "uint16", 256, [("s.bin", 10)])
+    raw = json.loads((tmp_path / shards.META).read_text())
+    (tmp_path / shards.META).write_text(json.dumps(raw | change))
+    with pytest.raises(DataError, match=message) as err:
+        open_tokens(str(tmp_path), vocab_size=256, tokenize=None)
+    assert "\n" not in str(err.value)
+    (tmp_path / shards.META).write_text("[1, 2]")
+    with pytest.raises(DataError, match="not a JSON object"):
+        open_tokens(str(tmp_path), vocab_size=256, tokenize=None)
+
+
+def test_a_vocab_size_that_differs_from_the_shards_json_is_refused(tmp_path: Path) -> None:
+    np.zeros(3000, dtype=np.uint16).tofile(tmp_path / "s.bin")
+    _write_meta(tmp_path, "uint16", 300, [("s.bin", 3000)])
+    with pytest.raises(ConfigError, match=r"^--vocab-size 512 differs from the vocabulary of 300"):
+        with_data_vocab(TrainConfig(**SMALL, steps=1, data=str(tmp_path), vocab_size=512))
+    assert with_data_vocab(TrainConfig(**SMALL, steps=1, data=str(tmp_path), vocab_size=300)).vocab_size == 300
+
+
+def test_prepare_keeps_a_long_line_of_multibyte_characters_whole(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(prep, "CHUNK_BYTES", 7)  # a line far longer than 4 chunks, cut mid-character if careless
+    text = "a" + "é€😀" * 40
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text(text)
+    chunks = [c for doc, _ in prep.documents(src, "text") for c in doc]
+    assert len(chunks) > 5 and all(c.decode("utf-8") for c in chunks)  # strict: no character cut
+    assert b"".join(chunks).decode("utf-8") == text
+
+
 def _reference_val_loss(model: torch.nn.Module, held: HeldOut) -> float:
     """Plain torch: the mean of each held-out batch's cross-entropy, no engine, no gradients."""
     model.eval()
@@ -187,6 +287,47 @@ def _reference_val_loss(model: torch.nn.Module, held: HeldOut) -> float:
             logits, _ = model(x, None)
             losses.append(F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item())
     return sum(losses) / len(losses)
+
+
+class _InProcessServer:
+    """Stands for the event loop and the server: the real ``Server.submit`` into a real Core,
+    whose GEMMs honest in-process devices compute at once."""
+
+    submit = Server.submit
+    start = Server.start
+
+    def __init__(self) -> None:
+        self.core = make_core()
+        self.fleet = CoreFleet(self.core)
+        # (bf16 blocks multiplied in float32: torch's bf16 matmul on a CPU is slow)
+        self.fleet.join("a", lambda a, b: (a.float() @ b.float()).to(a.dtype), slots=4)
+        self._aborted, self._pending = None, set()
+
+    def clock(self) -> float:
+        return self.fleet.now
+
+    def deliver(self, out: list) -> None:
+        self.fleet.route(out)
+
+    def call_soon_threadsafe(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        fn(*args)
+        self.fleet.drain()
+
+
+def test_an_evaluation_leaves_no_activations_on_devices_nor_their_copies_at_the_coordinator() -> None:
+    """Training's forward keeps X on devices till its dW reads it; an evaluation has no dW, so
+    its activations go with each GEMM (they once stayed till the next step: every batch's)."""
+    server = _InProcessServer()
+    engine = RemoteEngine(server=server, loop=server, wire=WireDtype.BF16)  # type: ignore[arg-type]
+    cfg = TrainConfig(**SMALL, steps=2, eval_every=2, eval_batches=1, val_fraction=0.1)
+    trainer = Trainer(cfg, engine, corpus=load_corpus(max_bytes=20_000))
+    kept = []  # the sources a step leaves on devices (training's: its GEMMs kept home, swept next step)
+    for _ in range(2):
+        result = trainer.train_step()
+        kept.append(sorted(s.storage.nbytes() for s in server.core.sources._live.values()))
+    assert "val_loss" in result.extra and kept[1] == kept[0]  # the same step plus an evaluation
+    params = {id(p) for p in trainer.model.parameters()}
+    assert all(id(base) in params for base, _ in engine._casts.values())  # the weights' copies only
 
 
 def test_evaluation_through_the_engine_equals_plain_torch_and_leaves_training_as_it_was() -> None:
@@ -202,8 +343,10 @@ def test_evaluation_through_the_engine_equals_plain_torch_and_leaves_training_as
     assert trainer.held_out is not None
     want = _reference_val_loss(plain.model, trainer.held_out)
     assert results[-1].extra["val_loss"] == pytest.approx(want, rel=1e-5)
-    # The same training, step for step, as a job that never evaluates.
-    never = Trainer(TrainConfig(**SMALL, steps=4, eval_every=0, micro_batches=2), TiledLocalEngine(), corpus=corpus)
+    # The same training, step for step, as a job that evaluates only after its last step (the
+    # same held-out part; one that never evaluates holds nothing out).
+    once = TrainConfig(**SMALL, steps=4, eval_every=1000, eval_batches=3, micro_batches=2)
+    never = Trainer(once, TiledLocalEngine(), corpus=corpus)
     assert [r.loss for r in never.run()] == [r.loss for r in results]
     assert never.batches.rng.bit_generator.state == trainer.batches.rng.bit_generator.state
     assert torch.equal(never.model.head.weight, trainer.model.head.weight)

@@ -12,12 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TIMEOUT
 from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, metrics, run_all
 
 from cleave_cli.status import fetch_status
 from coordinator.planning.costmodel import Profile
-from emulator.devices import Pacer, Pacing, byzantine_indices, device_name
+from emulator.devices import Pacer, Pacing, SharedCompute, byzantine_indices, device_name
 
 # --------------------------------------------------------------------------- the pacing model
 
@@ -98,6 +99,37 @@ def test_names_and_byzantine_choice_are_seeded() -> None:
     assert byzantine_indices(20, 0.05, 7) == byzantine_indices(20, 0.05, 7)
     assert len(byzantine_indices(20, 0.05, 7)) == 1 and len(byzantine_indices(3, 0.01, 1)) == 1
     assert byzantine_indices(20, 0.0, 7) == set() and len(byzantine_indices(20, 0.5, 7)) == 10
+
+
+def test_products_stay_on_the_fleets_threads_whichever_worker_asks() -> None:
+    """Every rejoin is a new Worker with a new thread: the products must not follow it onto a
+    fresh thread each time (torch/MKL on a new thread per rejoin grew the emulator's heap)."""
+    ran_on: set[int] = set()
+
+    class Spy(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            if "matmul" in getattr(func, "__name__", ""):
+                ran_on.add(threading.get_ident())
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    a = torch.eye(3).as_subclass(Spy)
+    compute = SharedCompute(threads=2)
+    callers: set[int] = set()
+
+    def worker_thread() -> None:
+        callers.add(threading.get_ident())
+        c, seconds = compute(a, a)
+        assert torch.equal(c, torch.eye(3)) and seconds >= 0
+
+    try:
+        for _ in range(12):  # twelve incarnations, each on its own thread, one after another
+            t = threading.Thread(target=worker_thread)
+            t.start()
+            t.join()
+    finally:
+        compute.close()
+    assert 1 <= len(ran_on) <= 2 and not ran_on & callers
 
 
 # --------------------------------------------------------------------------- a drill

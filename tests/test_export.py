@@ -192,6 +192,15 @@ def test_a_preset_trained_on_shards_of_a_trained_tokenizer_exports_that_tokenize
     eos = exported.convert_tokens_to_ids(prepare.END_OF_TEXT)
     assert exported.eos_token_id == model.config.eos_token_id == model.generation_config.eos_token_id == eos
     assert json.loads((out / INFO).read_text())["tokens"] == "tokenizer"
+    # The tokenizer the job recorded at its start, never bytes: refused once moved or changed.
+    shards.rename(tmp_path / "moved")
+    code, output = export("--db", str(job.db), "--out", str(tmp_path / "m2"))
+    assert code != 0 and "which is not there any more (moved?)" in output and len(output.strip().splitlines()) == 1
+    (tmp_path / "moved").rename(shards)
+    with open(shards / prepare.TOKENIZER_FILE, "a") as f:
+        f.write(" ")
+    code, output = export("--db", str(job.db), "--out", str(tmp_path / "m3"))
+    assert code != 0 and "which has changed since" in output and not (tmp_path / "m3").exists()
 
 
 def test_force_replaces_an_earlier_export_whole_and_step_picks_the_checkpoint(tiny_job: Job, tmp_path: Path) -> None:

@@ -49,11 +49,21 @@ def argmax_decode(job: Job, prompt: list[int], new: int, window: int) -> list[in
 
 
 def test_greedy_sampling_equals_an_argmax_decode_of_the_trainers_model(exported: tuple[Job, Path]) -> None:
+    """Over the context it was trained on (16 tokens, though its config takes 1024 positions)."""
     job, folder = exported
-    want = PROMPT + byte_tokenizer().decode(argmax_decode(job, list(PROMPT.encode()), 40, 1024)) + "\n"
+    assert generate.load(folder).max_len == 16
+    want = PROMPT + byte_tokenizer().decode(argmax_decode(job, list(PROMPT.encode()), 40, 16)) + "\n"
     code, output = sample(folder, "--prompt", PROMPT, "--max-new-tokens", "40", "--greedy")
     assert code == 0 and output == want
     assert sample(folder, "--prompt", PROMPT, "--max-new-tokens", "40", "--temperature", "0")[1] == want
+
+
+def test_a_folder_without_cleave_json_takes_its_configs_context(exported: tuple[Job, Path], tmp_path: Path) -> None:
+    _, folder = exported
+    assert generate.trained_context(folder, 1024) == 16  # cleave.json's seq_len
+    assert generate.trained_context(tmp_path, 1024) == 1024  # any transformers folder: its config's
+    (tmp_path / "cleave.json").write_text('{"seq_len": 4096}')
+    assert generate.trained_context(tmp_path, 1024) == 1024  # never past the positions it takes
 
 
 def test_past_the_longest_context_each_token_reads_the_last_window(exported: tuple[Job, Path]) -> None:

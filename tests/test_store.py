@@ -849,3 +849,122 @@ def test_an_older_database_gets_its_identities_totals_from_its_device_rows(tmp_p
     store.credit_device(2, verified=1, gflop=0.5, now=1.0)
     assert store.leaderboard(10, by="gflop_per_j")[0].gflop == 4.5
     store.close()
+
+
+def _a_step_of_work(store: Store, job: int, step: int, d1: int, d2: int, *, finish: bool = True) -> list[int]:
+    """One GEMM of ``step`` whose three tiles end every way the books count: a lost lease then a
+    requeued one, a speculative (or deadline) copy cancelled by the first result, a rejection."""
+    gid = store.next_gemm_id()
+    new = [NewTile(i, f"{gid}.a{i}", f"{gid}.b", 9) for i in range(3)]
+    t0, t1, t2 = store.add_gemm(gid, job, step, "fwd", (3, 1, 1), new, now=1.0)
+    if not finish:
+        return [t0, t1, t2]
+    store.lease_tile(t0, d1, 2.0)
+    store.end_lease(t0, d1, Outcome.LOST, 3.0, reason=f"silent {step % 2}")
+    store.lease_tile(t0, d2, 4.0)
+    store.end_lease(t0, d2, Outcome.VERIFIED, 5.0)
+    store.lease_tile(t1, d1, 2.0)
+    store.claim_copy(t1, d2, Issued.SPECULATIVE if step % 2 else Issued.DEADLINE, 3.0)
+    store.end_lease(t1, d1, Outcome.VERIFIED, 4.0)
+    store.lease_tile(t2, d2, 2.0)
+    store.end_lease(t2, d2, Outcome.REJECTED, 3.0)
+    store.lease_tile(t2, d1, 4.0)
+    store.end_lease(t2, d1, Outcome.VERIFIED, 5.0)
+    store.finish_gemm(gid, 6.0)
+    return [t0, t1, t2]
+
+
+def test_pruning_old_steps_keeps_the_books_and_the_last_steps(store: Store, tmp_path: Path) -> None:
+    # Prepare: four steps of finished GEMMs, an unfinished GEMM of step 1, and another job's step.
+    job = store.create_job("j", {}, 10, 0.0)
+    d1 = store.add_device(job, DeviceInfo("a"), 1.0)
+    d2 = store.add_device(job, DeviceInfo("b"), 1.0)
+    tiles = {step: _a_step_of_work(store, job, step, d1, d2) for step in (1, 2, 3, 4)}
+    unfinished = _a_step_of_work(store, job, 1, d1, d2, finish=False)
+    store.lease_tile(unfinished[0], d1, 7.0)
+    store.end_lease(unfinished[0], d1, Outcome.LOST, 8.0, reason="gone")
+    counts, lost = store.tile_counts(job), store.lost_reasons(job)
+    assert (counts["verified"], counts["lost"], counts["rejected"], counts["cancelled"]) == (12, 5, 4, 4)
+    assert (counts["speculative"], counts["expired"], counts["requeued"], counts["queued"]) == (2, 2, 8, 3)
+    assert lost == {"silent 0": 2, "silent 1": 2, "gone": 1}
+    rows = _row_counts(store)
+    # Execute: the checkpoint of step 4 with --prune-steps 2 deletes steps 1 and 2's finished GEMMs.
+    assert store.prune_gemms(job, 4 - 2) == 2
+    # Assert: the same books, fewer rows; the unfinished GEMM and steps 3 and 4 are untouched.
+    assert store.tile_counts(job) == counts and store.lost_reasons(job) == lost
+    for tid in tiles[1] + tiles[2]:
+        assert store.leases(tid) == []
+        with pytest.raises(StoreError):
+            store.tile_state(tid)
+    assert [store.tile_state(t) for t in tiles[3] + tiles[4]] == ["verified"] * 6
+    assert [store.tile_state(t) for t in unfinished] == ["queued"] * 3
+    assert [len(store.leases(t)) for t in tiles[4]] == [2, 2, 2]
+    assert store.prune_gemms(job, 2) == 0  # nothing left to prune there
+    if isinstance(store, SQLiteStore):
+        assert _row_counts(store) == {k: n - {"gemms": 2, "tiles": 6, "leases": 12}[k] for k, n in rows.items()}
+        assert store.recount(job) == counts
+        store.close()
+        again = SQLiteStore(store.path)  # counted from the rows again, and from what was pruned
+        assert again.tile_counts(job) == counts and again.lost_reasons(job) == lost
+        # The next pruning adds to what the first one kept.
+        assert again.prune_gemms(job, 3) == 1
+        assert again.tile_counts(job) == counts == again.recount(job) and again.lost_reasons(job) == lost
+        again.close()
+        store = SQLiteStore(store.path)  # for the fixture's close
+        assert store.tile_counts(job) == counts and store.lost_reasons(job) == lost
+
+
+def _row_counts(store: Store) -> dict[str, int]:
+    if not isinstance(store, SQLiteStore):
+        return {}
+    return {t: store.conn.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("gemms", "tiles", "leases")}
+
+
+def test_pruning_never_deletes_the_newest_gemm_so_gemm_ids_never_go_back(store: Store) -> None:
+    job = store.create_job("j", {}, 10, 0.0)
+    d1 = store.add_device(job, DeviceInfo("a"), 1.0)
+    d2 = store.add_device(job, DeviceInfo("b"), 1.0)
+    _a_step_of_work(store, job, 1, d1, d2)
+    newest = _a_step_of_work(store, job, 2, d1, d2)
+    next_id = store.next_gemm_id()
+    assert store.prune_gemms(job, 99) == 1  # step 2's GEMM is the newest: it stays
+    assert store.next_gemm_id() == next_id and store.tile_state(newest[0]) == "verified"
+
+
+def test_pruning_deletes_by_index_in_sqlite(tmp_path: Path) -> None:
+    from db.sqlite import PRUNE_DELETES
+
+    store = SQLiteStore(tmp_path / "p.db")
+    params = {"job": 1, "through": 5, "newest": 9}
+    for delete in PRUNE_DELETES:  # the deletes themselves and their foreign-key checks
+        plan = [row[3] for row in store.conn.execute(f"EXPLAIN QUERY PLAN {delete}", params)]
+        assert plan and not [step for step in plan if step.startswith("SCAN")], (delete, plan)
+    store.close()
+
+
+def test_books_prune_the_store_at_each_checkpoint() -> None:
+    from coordinator.engine.books import Books
+
+    store = MemoryStore()
+    books = Books.create(store, "j", {}, 10, 0.0, prune_steps=1)
+    d1 = store.add_device(books.job_id, DeviceInfo("a"), 1.0)
+    d2 = store.add_device(books.job_id, DeviceInfo("b"), 1.0)
+    tiles = {step: _a_step_of_work(store, books.job_id, step, d1, d2) for step in (1, 2, 3)}
+    counts = store.tile_counts(books.job_id)
+    books.checkpointed(CheckpointRow(books.job_id, 3, "c3.pt", "0" * 64, 1, 9.0))
+    assert store.tile_counts(books.job_id) == counts
+    assert store.leases(tiles[2][0]) == [] and store.tile_state(tiles[3][0]) == "verified"  # the last step kept
+    keep = Books(store, books.job_id)  # 0: every row kept
+    keep.checkpointed(CheckpointRow(books.job_id, 4, "c4.pt", "0" * 64, 1, 9.0))
+    assert len(store.leases(tiles[3][0])) == 2
+
+
+def test_prune_steps_is_checked_with_a_clear_error() -> None:
+    from coordinator.job import CoordinatorConfig
+    from coordinator.wire.errors import ConfigError
+
+    assert CoordinatorConfig(prune_steps=2).prune_steps == 2
+    with pytest.raises(ConfigError, match="--prune-steps must be between 0 and"):
+        CoordinatorConfig(prune_steps=-1)
+    with pytest.raises(ConfigError, match="needs --checkpoint-every"):
+        CoordinatorConfig(prune_steps=2, checkpoint_every=0)

@@ -26,9 +26,12 @@ class Takeover:
 class Books:
     """The records of one job (``job_id``) in ``store``."""
 
-    def __init__(self, store: Store, job_id: int) -> None:
+    def __init__(self, store: Store, job_id: int, prune_steps: int = 0) -> None:
         self.store = store
         self.job_id = job_id
+        # At each checkpoint, the rows of finished GEMMs older than the last this many steps are
+        # deleted (their counts kept: ``Store.prune_gemms``); 0 keeps every row (--prune-steps).
+        self.prune_steps = prune_steps
         self.done = False  # finished in the books: nothing that interrupts the goodbyes undoes it
 
     @staticmethod
@@ -42,17 +45,19 @@ class Books:
         return Takeover(unfinished, abandoned)
 
     @classmethod
-    def create(cls, store: Store, name: str, config: dict[str, Any], steps: int, at: float) -> Books:
+    def create(
+        cls, store: Store, name: str, config: dict[str, Any], steps: int, at: float, prune_steps: int = 0
+    ) -> Books:
         """A new job, running."""
-        return cls(store, store.create_job(name, config, steps, at))
+        return cls(store, store.create_job(name, config, steps, at), prune_steps)
 
     @classmethod
-    def resume(cls, store: Store, job_id: int, step: int, at: float) -> Books:
+    def resume(cls, store: Store, job_id: int, step: int, at: float, prune_steps: int = 0) -> Books:
         """Take up ``job_id`` again from its checkpoint of ``step`` (0: from the start): the steps
         after it will be computed again, so their rows go, and the job runs again."""
         store.truncate_steps(job_id, step)
         store.set_job_state(job_id, JobState.RUNNING, at)
-        return cls(store, job_id)
+        return cls(store, job_id, prune_steps)
 
     def steps(self) -> list[StepRow]:
         """The job's recorded steps, in order."""
@@ -70,8 +75,11 @@ class Books:
 
     def checkpointed(self, row: CheckpointRow) -> list[CheckpointRow]:
         """A checkpoint was written; returns the job's checkpoints, newest first (the caller
-        prunes old files)."""
+        prunes old files). With ``prune_steps``, the rows of finished GEMMs of the steps before
+        the last ``prune_steps`` go too: the store stays bounded in steps."""
         self.store.add_checkpoint(row)
+        if self.prune_steps:
+            self.store.prune_gemms(self.job_id, row.step - self.prune_steps)
         return self.checkpoints()
 
     def finished(self, at: float) -> None:

@@ -1150,6 +1150,7 @@ class Core:
         out_dtype: torch.dtype | None = None,
         kept: Product | None = None,
         deferred: bool = False,
+        retain: bool = True,
     ) -> tuple[int, list[Outbound]]:
         """Queue ``a @ b`` as tiles; ``on_done(result)`` is called once every tile is verified.
         ``finite_checked``: the caller ran ``check_finite`` already (the server's trainer thread
@@ -1160,7 +1161,9 @@ class Core:
         results are summed and returned in float32). ``kept``: the product should the planner
         keep the GEMM here (the wire's float32 originals), instead of ``a @ b``. ``deferred``:
         nobody waits on this product until the step ends (a weight gradient): its tiles queue
-        behind those of GEMMs submitted later without it, which the trainer waits on."""
+        behind those of GEMMs submitted later without it, which the trainer waits on. ``retain``
+        False: no backward will read a forward's X again (one without autograd: an evaluation),
+        so its blocks go with this GEMM rather than at the next step."""
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"cannot multiply {tuple(a.shape)} by {tuple(b.shape)}")
         if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -1191,7 +1194,7 @@ class Core:
         # Forward's X and dX's dY are read again by their dW (a deferred dW may come first: then
         # whichever of the two finishes last lets dY go): keep them on devices.
         sources = (
-            self.sources.acquire(a, retain=kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)),
+            self.sources.acquire(a, retain=retain and kind in (GemmKind.FORWARD, GemmKind.GRAD_INPUT)),
             self.sources.acquire(b, retain=False),
         )
         gemm_id = self.store.next_gemm_id()

@@ -182,11 +182,11 @@ class RemoteEngine:
                 kept.append(None)
                 continue
             if dtype is None:  # a GPU's operands, staged to the host as they are
-                sent.append(GemmRequest(self._cast(r.a, r.a.dtype), self._cast(r.b, r.b.dtype), r.kind))
+                sent.append(GemmRequest(self._cast(r.a, r.a.dtype), self._cast(r.b, r.b.dtype), r.kind, r.retain))
                 out.append(None)
                 kept.append(functools.partial(torch.matmul, r.a.detach(), r.b.detach()))
                 continue
-            half = GemmRequest(self._cast(r.a, dtype), self._cast(r.b, dtype), r.kind)
+            half = GemmRequest(self._cast(r.a, dtype), self._cast(r.b, dtype), r.kind, r.retain)
             if dtype == torch.float16:  # fp16 cannot hold what float32 can (bf16 can)
                 check_finite(half.a, half.b, r.kind, self.wire.value)
             sent.append(half)
@@ -201,6 +201,8 @@ class RemoteEngine:
         # dW is the last to read its X and dY: their copies can go (its GEMM holds them), once
         # the dX that a deferred dW precedes has cast the same dY (the next GEMM waited on).
         evict = [self._key(t)[1] for r in requests if r.kind is GemmKind.GRAD_WEIGHT for t in (r.a, r.b)]
+        # A forward no backward follows (an evaluation): nothing reads its X's copy again.
+        evict += [self._key(r.a)[1] for r in requests if r.kind is GemmKind.FORWARD and not r.retain]
         if deferred:
             part.evict.extend(evict)
         else:

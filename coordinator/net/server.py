@@ -857,6 +857,7 @@ class Server:
                     out_dtype=out_dtype,
                     kept=local,
                     deferred=deferred,
+                    retain=request.retain,
                 )
             except Exception as exc:  # surfaced in the trainer thread, not swallowed here
                 if not future.done():

@@ -22,6 +22,7 @@ file) and 32 open files; an in-memory one at most ``IN_MEMORY_TEXT`` bytes of te
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,17 +106,30 @@ def load_corpus(source: str | Path | None = None, max_bytes: int = DEFAULT_MAX_B
 
 def kind_of(path: Path) -> Kind:
     """Shards: a folder with ``shards.json``, a ``.bin``/``.npy`` file, or a folder of only
-    those; JSONL: a ``.jsonl`` file or a folder of only those; anything else is text."""
+    those; JSONL: a ``.jsonl`` file or a folder of only those; anything else is text. A folder
+    that mixes shards with other files and has no ``shards.json`` is refused (DataError)."""
     if path.is_file():
         if path.suffix in shards.SHARD_SUFFIXES:
             return Kind.SHARDS
         return Kind.JSONL if path.suffix == JSONL else Kind.TEXT
     if (path / shards.META).is_file():
         return Kind.SHARDS
-    suffixes = {p.suffix for p in _files(path, None)}
+    files = _files(path, None)
+    suffixes = {p.suffix for p in files}
     if suffixes and suffixes <= set(shards.SHARD_SUFFIXES):
         return Kind.SHARDS
+    if suffixes & set(shards.SHARD_SUFFIXES):  # a shard is never read as text
+        ids = [p.relative_to(path).as_posix() for p in files if p.suffix in shards.SHARD_SUFFIXES]
+        others = [p.relative_to(path).as_posix() for p in files if p.suffix not in shards.SHARD_SUFFIXES]
+        raise DataError(
+            f"{path} holds token shards ({_some(ids)}) and other files ({_some(others)}) but no {shards.META}: "
+            "pass one shard file (nanoGPT's: --data DIR/train.bin --val-data DIR/val.bin) or a folder of only shards"
+        )
     return Kind.JSONL if suffixes == {JSONL} else Kind.TEXT
+
+
+def _some(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def _is_text(path: Path) -> bool:
@@ -256,6 +271,14 @@ def open_tokens(
                 "(prepared with another tokenizer? a preset takes the shards' vocabulary from --data as given "
                 "on the command line)"
             )
+        if stated is None and vocab_size is not None:  # raw ids: refused now, not hours in
+            top = _max_id(segments)
+            if top >= vocab_size:
+                raise DataError(
+                    f"{flag} {source} holds token id {top:,}, beyond the model's vocabulary of {vocab_size:,} and "
+                    f"with no {shards.META} to state one: pass --vocab-size (at least {top + 1:,}, the tokenizer's "
+                    "size) for a preset"
+                )
         stream = TokenStream(segments, vocab_size, str(root))
     elif kind is Kind.JSONL:
         stream = in_memory(_ids(jsonl_bytes(root, field, flag), tokenize), vocab_size, str(root))
@@ -266,6 +289,25 @@ def open_tokens(
     if len(stream) == 0:
         raise DataError(f"{flag} {source} holds no tokens")
     return stream
+
+
+SCAN_IDS = 1 << 22  # ids read at once by _max_id: 16 MiB of uint32
+
+
+def _max_id(segments: list[Segment]) -> int:
+    """The largest id of shards on disk (a negative one is refused as it is read later), read
+    ``SCAN_IDS`` at a time: one pass over the data in bounded memory (about 1 s a GB)."""
+    top = -1
+    for seg in segments:
+        for lo in range(0, seg.length, SCAN_IDS):
+            n = min(SCAN_IDS, seg.length - lo)
+            if seg.path is None:
+                part = seg.array[lo : lo + n] if seg.array is not None else np.zeros(0, dtype=np.int64)
+            else:
+                part = np.fromfile(seg.path, dtype=seg.dtype, count=n, offset=seg.offset + lo * seg.dtype.itemsize)
+            if part.size:
+                top = max(top, int(part.max()))
+    return top
 
 
 def _small_text(root: Path, flag: str) -> bytes:
@@ -315,6 +357,36 @@ def split(stream: TokenStream, val: TokenStream | None, fraction: float, seq_len
     return Split(View(stream, 0, cut), View(stream, cut, len(stream)))
 
 
+FINGERPRINT_EDGE = 64 << 10  # bytes of each file's start and end a data fingerprint hashes
+
+
+def fingerprint(data: Split) -> dict[str, Any]:
+    """A cheap identity of a job's data, kept in each checkpoint so a resume on other data is
+    refused: each segment's name (relative to ``--data``), size and a hash of its first and last
+    ``FINGERPRINT_EDGE`` bytes (the files' order counts), and the held-out part's length. Reads
+    128 KiB a file."""
+    stream = data.train.stream
+    root = Path(stream.name)
+    segments = []
+    for seg in stream.segments:
+        digest = hashlib.sha256()
+        size = seg.length * seg.dtype.itemsize
+        if seg.path is None:
+            raw = seg.array.tobytes() if seg.array is not None else b""
+            digest.update(raw[:FINGERPRINT_EDGE] + raw[max(FINGERPRINT_EDGE, size - FINGERPRINT_EDGE) :])
+            name = ""
+        else:
+            with open(seg.path, "rb") as f:
+                f.seek(seg.offset)
+                digest.update(f.read(min(size, FINGERPRINT_EDGE)))
+                if size > FINGERPRINT_EDGE:
+                    f.seek(seg.offset + max(FINGERPRINT_EDGE, size - FINGERPRINT_EDGE))
+                    digest.update(f.read(FINGERPRINT_EDGE))
+            name = seg.path.relative_to(root).as_posix() if seg.path.is_relative_to(root) else seg.path.name
+        segments.append([name, size, digest.hexdigest()[:16]])
+    return {"segments": segments, "held_out": len(data.held_out) if data.held_out is not None else 0}
+
+
 def _as_view(data: bytes | torch.Tensor | np.ndarray | View) -> View:
     if isinstance(data, View):
         return data
@@ -355,16 +427,21 @@ class ByteBatches:
 
 class HeldOut:
     """``batches`` fixed batches of the held-out part: windows spread evenly over it, the same
-    at every evaluation and drawn from no RNG."""
+    at every evaluation and drawn from no RNG. They are read (and their ids checked against the
+    vocabulary) once, here: a bad id stops the job before its first step, not after an optimizer
+    step at each evaluation. Held in memory: batches x batch_size x (seq_len + 1) int64 ids
+    (4 x 64 x 1025 x 8 bytes = 2 MiB at --batch-size 64 --seq-len 1024)."""
 
     def __init__(self, part: View, seq_len: int, batch_size: int, batches: int) -> None:
         last = len(part) - seq_len - 1  # the last start whose window fits
         n = batch_size * batches
         self.part, self.seq_len, self.batch_size = part, seq_len, batch_size
         self.starts = np.linspace(0, last, n).round().astype(np.int64) if n > 1 else np.zeros(n, dtype=np.int64)
+        self._x, self._y = _windows(part, self.starts, seq_len)  # (batches * B, T) each
 
     def __len__(self) -> int:
         return len(self.starts) // self.batch_size
 
     def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _windows(self.part, self.starts[k * self.batch_size : (k + 1) * self.batch_size], self.seq_len)
+        rows = slice(k * self.batch_size, (k + 1) * self.batch_size)
+        return self._x[rows], self._y[rows]

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from coordinator.training import checkpoint, hf, models, prepare, shards
+from coordinator.training import checkpoint, hf, models, prepare
 from coordinator.training.model import ModelConfig, preset
 from coordinator.wire.errors import CheckpointError, ConfigError, StoreError
 from coordinator.wire.version import package_version
@@ -192,30 +192,6 @@ def byte_tokenizer() -> Any:
     return hf._transformers().PreTrainedTokenizerFast(tokenizer_object=bpe)
 
 
-def data_tokenizer(data: str | None) -> Path | None:
-    """Where the tokenizer of a preset job's token shards is: the file or folder their
-    ``shards.json`` names (``tokenizer.json`` beside them, a ``--tokenizer`` path, an ``hf:DIR``);
-    None for bytes (text, or shards of bytes). ConfigError if it names one that is gone."""
-    if data is None:
-        return None
-    root = Path(data).expanduser()
-    folder = root if root.is_dir() else root.parent
-    if not (folder / shards.META).is_file() or (root.is_file() and root.suffix not in shards.SHARD_SUFFIXES):
-        return None
-    named = shards.Meta.read(folder / shards.META).tokenizer
-    if named == prepare.BYTES.name:
-        return None
-    if named == prepare.TOKENIZER_FILE:  # trained by cleave data prepare, saved beside the shards
-        where = folder if (folder / "tokenizer_config.json").is_file() else folder / named
-    elif hf.is_hf(named):
-        where = Path(named[len(hf.PREFIX) :]).expanduser()
-    else:  # --tokenizer's file or folder, as given to cleave data prepare
-        where = next((p for p in (Path(named).expanduser(), folder / named) if p.exists()), Path(named))
-    if not where.exists():
-        raise ConfigError(f"the shards in {folder} were tokenized with {named}, which is not there any more")
-    return where
-
-
 def _load_tokenizer(where: Path, job: JobRow) -> Any:
     transformers = hf._transformers()
     try:
@@ -231,11 +207,20 @@ def _load_tokenizer(where: Path, job: JobRow) -> Any:
     return tok
 
 
-def _tokenizer(job: JobRow, vocab: int) -> tuple[Any, Tokens]:
+def _data_tokenizer(job: JobRow, state: dict[str, Any]) -> Path | None:
+    """A preset job's tokenizer: the one its checkpoint recorded at the job's start (checked by
+    its hash), so a moved data folder or a relative --data cannot turn it into bytes; a
+    checkpoint from before the record: the one its data's ``shards.json`` names now."""
+    if prepare.TOKENIZER_KEY in state:
+        return prepare.recorded_tokenizer(state[prepare.TOKENIZER_KEY], f"job {job.id}")
+    return prepare.data_tokenizer(job.config.get("data"))
+
+
+def _tokenizer(job: JobRow, vocab: int, state: dict[str, Any]) -> tuple[Any, Tokens]:
     name = job.config["model"]
     if hf.is_hf(name) and hf.spec(name).tokenizer:
         tok = hf.tokenizer(name)
-    elif not hf.is_hf(name) and (where := data_tokenizer(job.config.get("data"))) is not None:
+    elif not hf.is_hf(name) and (where := _data_tokenizer(job, state)) is not None:
         tok = _load_tokenizer(where, job)
     else:
         return byte_tokenizer(), Tokens.BYTES
@@ -363,10 +348,11 @@ def export_job(
         store.close()
     weights: dict[str, torch.Tensor] = state["model"]
     tokens_seen = int(state.get("tokens_seen", 0))
+    recorded = {k: state[k] for k in (prepare.TOKENIZER_KEY,) if k in state}
     del state  # the optimizer's moments go now: only the weights are written
     model = _model(row_job, weights)
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    tok, tokens = _tokenizer(row_job, vocab)
+    tok, tokens = _tokenizer(row_job, vocab, recorded)
     if tokens is Tokens.TOKENIZER and not hf.is_hf(str(row_job.config["model"])):
         # A preset on shards: generation stops where the tokenizer ends a document.
         model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id

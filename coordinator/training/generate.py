@@ -9,6 +9,7 @@ tokens of the current output line for decoding.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class Loaded:
 
     model: nn.Module  # a transformers causal LM, in eval mode
     tokenizer: Any  # a transformers tokenizer (the byte-level one for a folder that has none)
-    max_len: int  # the longest context it takes
+    max_len: int  # the longest context it takes: the one it was trained on, for a Cleave export
     stop: int | None  # the tokenizer's end-of-text id, where generation ends (None: it has none)
 
 
@@ -93,7 +94,20 @@ def load(folder: Path) -> Loaded:
 
         tokenizer = byte_tokenizer()
     model = hf.build(name).inner.eval()
-    return Loaded(model, tokenizer, spec.max_seq_len, getattr(tokenizer, "eos_token_id", None))
+    return Loaded(model, tokenizer, trained_context(folder, spec.max_seq_len), getattr(tokenizer, "eos_token_id", None))
+
+
+def trained_context(folder: Path, max_positions: int) -> int:
+    """The context to generate in: a Cleave export's ``seq_len`` (its ``cleave.json``), where it
+    is shorter than the positions the model takes (a preset's config allows 1024 however short
+    its training sequences were, and positions past them were never trained); else those."""
+    from coordinator.training.export import INFO
+
+    try:
+        seq_len = int(json.loads((folder / INFO).read_text()).get("seq_len") or 0)
+    except (OSError, ValueError, AttributeError):  # no cleave.json (any transformers folder), or not ours
+        return max_positions
+    return min(max_positions, seq_len) if seq_len > 0 else max_positions
 
 
 def encode(loaded: Loaded, prompt: str) -> list[int]:

@@ -34,6 +34,9 @@ class GemmRequest:
     a: torch.Tensor
     b: torch.Tensor
     kind: GemmKind = GemmKind.PLAIN
+    # A forward whose X a backward will read again (its dW): devices keep X's blocks till then.
+    # False for a forward without autograd (an evaluation): they go when the GEMM is done.
+    retain: bool = True
 
 
 class MatmulEngine(Protocol):
@@ -65,7 +68,9 @@ class _TiledLinearFn(torch.autograd.Function):
     ``transformers`` ``Conv1D``, W is in x out), with its three GEMMs through the engine."""
 
     @staticmethod
-    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, engine: MatmulEngine, in_out: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, engine: MatmulEngine, in_out: bool, retain: bool
+    ) -> torch.Tensor:
         ctx.save_for_backward(x2d, weight)
         ctx.engine = engine
         ctx.in_out = in_out
@@ -74,11 +79,11 @@ class _TiledLinearFn(torch.autograd.Function):
         # deferred dWs): backward may run on another thread (autograd's own, on a GPU).
         part = getattr(engine, "part", None)
         ctx.part = {} if part is None else {"part": part()}
-        (y,) = engine.run([GemmRequest(x2d, weight if in_out else weight.t(), GemmKind.FORWARD)])
+        (y,) = engine.run([GemmRequest(x2d, weight if in_out else weight.t(), GemmKind.FORWARD, retain)])
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x2d, weight = ctx.saved_tensors
         grad_y = grad_y.contiguous()
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -101,7 +106,7 @@ class _TiledLinearFn(torch.autograd.Function):
         results = iter(ctx.engine.run(requests, **ctx.part) if requests else ())
         grad_x = next(results) if want_x else None
         grad_w = next(results) if want_w else None
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
 class TiledLinear(nn.Module):
@@ -136,7 +141,9 @@ class TiledLinear(nn.Module):
                 f"{self.replaced} input is {x2d.dtype} but its weight is {weight.dtype} (as nn.Linear, "
                 "outside autocast both must match)"
             )
-        y = _TiledLinearFn.apply(x2d, weight, self.engine, self.in_out)  # (tokens, out)
+        # (Inside the Function grad mode is off: whether a backward will follow is known here.)
+        backward = torch.is_grad_enabled() and (x2d.requires_grad or weight.requires_grad)
+        y = _TiledLinearFn.apply(x2d, weight, self.engine, self.in_out, backward)  # (tokens, out)
         if bias is not None:
             y = y + bias
         return y.reshape(*lead, self.out_features)

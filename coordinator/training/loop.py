@@ -22,7 +22,7 @@ from torch import nn
 
 from coordinator.planning.costmodel import PARTS_IN_FLIGHT
 from coordinator.training import data as corpora
-from coordinator.training import models
+from coordinator.training import models, prepare
 from coordinator.training.data import ByteBatches, HeldOut, Split, load_corpus
 from coordinator.training.linear import MatmulEngine, offload_linears
 from coordinator.training.parallel import DataParallel, ShardedAdamW
@@ -103,7 +103,7 @@ class TrainConfig:
     data_dtype: str | None = None  # a .bin shard's ids without a shards.json beside it (--data-dtype)
     vocab_size: int = 0  # a preset's vocabulary; 0: its own (256 bytes). Set from shards.json by the CLI
     val_data: str | None = None  # the held-out data (--val-data); None: the last val_fraction of --data
-    val_fraction: float = VAL_FRACTION  # of --data's tokens held out when there is no --val-data; 0: none
+    val_fraction: float = VAL_FRACTION  # of --data's tokens held out (without --val-data, when evaluating); 0: none
     eval_every: int = EVAL_EVERY  # steps between evaluations of the held-out loss; 0: never
     eval_batches: int = EVAL_BATCHES  # fixed batches of --batch-size sequences each evaluation reads
 
@@ -277,6 +277,10 @@ class Trainer:
                 order=list(self.model.parameters()),  # the clip's order, as clip_grad_norm_ below
             )
         data = corpus if isinstance(corpus, Split) else open_data(cfg, corpus)
+        # Recorded at the start, kept in each checkpoint: the data a resume must find again, and
+        # a preset's tokenizer for `cleave export` (wherever the data folder has gone since).
+        self.data_fingerprint = corpora.fingerprint(data)
+        self.tokenizer = prepare.tokenizer_record(cfg.data) if models.is_preset(cfg.model) else None
         self.batches = ByteBatches(data.train, cfg.seq_len, cfg.batch_size, np.random.default_rng(cfg.seed))
         # Fixed batches of the held-out part, none of the training RNG's draws (None: no evaluation).
         self.held_out = (
@@ -317,6 +321,8 @@ class Trainer:
             **({"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}),
             "data_rng": self.batches.rng.bit_generator.state,
             "data_tokens": len(self.batches.part),  # the training part's length: a changed corpus is refused
+            "data_fingerprint": self.data_fingerprint,  # its files, sizes and edges (corpora.fingerprint)
+            **({prepare.TOKENIZER_KEY: self.tokenizer} if self.tokenizer is not None else {}),
             "config": self.cfg.to_dict(),
             **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {}),
         }
@@ -343,6 +349,11 @@ class Trainer:
             raise ConfigError(
                 f"the corpus changed since the checkpoint: {int(state['data_tokens']):,} training tokens then, "
                 f"{len(self.batches.part):,} now; the same --data is needed to resume"
+            )
+        if "data_fingerprint" in state and state["data_fingerprint"] != self.data_fingerprint:
+            raise ConfigError(
+                "the corpus changed since the checkpoint (its files, their sizes or contents, or the held-out "
+                "part differ); the same --data is needed to resume"
             )
         self.batches.rng.bit_generator.state = state["data_rng"]
         self.step = int(state["step"])
@@ -396,7 +407,8 @@ class Trainer:
         tokens = x.numel()
         try:
             result = self._finish_step(started, loss_sum, tokens, lr)
-            if self.held_out is not None and self.step % self.cfg.eval_every == 0:
+            # Every --eval-every steps and at the last: the final model's held-out loss is reported.
+            if self.held_out is not None and (self.step % self.cfg.eval_every == 0 or self.step == self.cfg.steps):
                 evaluating = time.perf_counter()
                 val_loss = self.evaluate()
                 extra = {**result.extra, "val_loss": val_loss, "eval_s": time.perf_counter() - evaluating}
@@ -565,10 +577,18 @@ class Trainer:
 def with_data_vocab(cfg: TrainConfig) -> TrainConfig:
     """A preset job on token shards takes their vocabulary (``shards.json``'s ``vocab_size``),
     stored with the job as ``vocab_size`` so a resume and an export build the same model; any
-    other job is returned as it is."""
-    if not models.is_preset(cfg.model) or cfg.vocab_size or cfg.data is None:
+    other job is returned as it is. A ``--vocab-size`` given is for raw shards without a
+    ``shards.json``; one that differs from the ``shards.json``'s is refused."""
+    if not models.is_preset(cfg.model) or cfg.data is None:
         return cfg
     stated = corpora.stated_vocab(cfg.data)
+    if cfg.vocab_size:
+        if stated is not None and stated != cfg.vocab_size:
+            raise ConfigError(
+                f"--vocab-size {cfg.vocab_size} differs from the vocabulary of {stated} that {cfg.data}'s "
+                f"{corpora.shards.META} states: leave --vocab-size out (it is for raw shards without one)"
+            )
+        return cfg
     if stated is None or stated == models.vocab_size(cfg.model):
         return cfg
     return dataclasses.replace(cfg, vocab_size=stated)
@@ -603,4 +623,5 @@ def open_data(cfg: TrainConfig, corpus: bytes | None = None) -> Split:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(str(exc)) from None
-    return corpora.split(stream, val, cfg.val_fraction, cfg.seq_len)
+    # Nothing is held out of a job that never evaluates (--eval-every 0): it trains on all of it.
+    return corpora.split(stream, val, cfg.val_fraction if cfg.eval_every else 0.0, cfg.seq_len)

@@ -13,6 +13,7 @@ the corpus's distinct words, not its size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import numpy as np
 
 from coordinator.training import data as corpora
 from coordinator.training import hf, models
-from coordinator.training.shards import Meta, ShardWriter, dtype_for
+from coordinator.training.shards import META, SHARD_SUFFIXES, Meta, ShardWriter, dtype_for
 from coordinator.training.tokens import DataError
 
 CHUNK_BYTES = 1 << 20  # text tokenized at a time
@@ -59,11 +60,25 @@ def _chunks(path: Path) -> Iterator[bytes]:
             if cut == 0 and len(block) < 4 * CHUNK_BYTES:  # a very long line: keep reading it
                 rest = block
                 continue
-            cut = cut or len(block)
+            cut = cut or _char_boundary(block)
             yield block[:cut]
             rest = block[cut:]
         if rest:
             yield rest
+
+
+def _char_boundary(block: bytes) -> int:
+    """The end of ``block`` moved back before a UTF-8 character it cuts (a chunk is decoded on
+    its own, so a cut character would become U+FFFD); ``len(block)`` when no character is cut."""
+    cut = len(block)
+    back = 0
+    while back < 3 and cut - back > 0 and block[cut - back - 1] & 0xC0 == 0x80:
+        back += 1  # continuation bytes 10xxxxxx at the end
+    lead = cut - back - 1
+    if lead < 0 or block[lead] < 0xC0:
+        return cut  # ASCII or stray continuation bytes: nothing to keep whole
+    need = 2 if block[lead] < 0xE0 else 3 if block[lead] < 0xF0 else 4
+    return lead if back + 1 < need else cut
 
 
 def documents(source: Path, field: str) -> Iterator[tuple[Iterator[bytes], int]]:
@@ -90,6 +105,71 @@ def total_bytes(source: Path) -> int:
 
 def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
+
+
+TOKENIZER_KEY = "tokenizer"  # a checkpoint's record of a preset job's tokenizer (recorded_tokenizer)
+# A tokenizer folder's files that decide its ids (hashed; its model weights, if any, are not).
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def data_tokenizer(data: str | None) -> Path | None:
+    """Where the tokenizer of a preset job's token shards is: the file or folder their
+    ``shards.json`` names (``tokenizer.json`` beside them, a ``--tokenizer`` path, an ``hf:DIR``);
+    None for bytes (text, or shards of bytes). DataError if it names one that is gone."""
+    if data is None:
+        return None
+    root = Path(data).expanduser()
+    folder = root if root.is_dir() else root.parent
+    if not (folder / META).is_file() or (root.is_file() and root.suffix not in SHARD_SUFFIXES):
+        return None
+    named = Meta.read(folder / META).tokenizer
+    if named == BYTES.name:
+        return None
+    if named == TOKENIZER_FILE:  # trained by cleave data prepare, saved beside the shards
+        where = folder if (folder / "tokenizer_config.json").is_file() else folder / named
+    elif hf.is_hf(named):
+        where = Path(named[len(hf.PREFIX) :]).expanduser()
+    else:  # --tokenizer's file or folder, as given to cleave data prepare
+        where = next((p for p in (Path(named).expanduser(), folder / named) if p.exists()), Path(named))
+    if not where.exists():
+        raise DataError(f"the shards in {folder} were tokenized with {named}, which is not there any more")
+    return where
+
+
+def _tokenizer_sha256(where: Path) -> str:
+    digest = hashlib.sha256()
+    for path in [where] if where.is_file() else [where / n for n in TOKENIZER_FILES if (where / n).is_file()]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())  # a tokenizer is a few MB at most
+    return digest.hexdigest()
+
+
+def tokenizer_record(data: str | None) -> dict[str, str | None]:
+    """What a preset job on ``data`` reads its ids with, recorded at its start (in each
+    checkpoint): the tokenizer's absolute path and hash; ``path`` None for bytes; ``missing``
+    where the tokenizer its ``shards.json`` names was gone already."""
+    try:
+        where = data_tokenizer(data)
+    except DataError as exc:
+        return {"path": None, "sha256": None, "missing": str(exc)}
+    if where is None:
+        return {"path": None, "sha256": None}
+    where = where.resolve()
+    return {"path": str(where), "sha256": _tokenizer_sha256(where)}
+
+
+def recorded_tokenizer(record: dict[str, Any], job: str) -> Path | None:
+    """The tokenizer a ``tokenizer_record`` names, checked: DataError when it is gone or has
+    changed since; None for bytes."""
+    if record.get("missing"):
+        raise DataError(f"{job}'s tokenizer was not there when it started: {record['missing']}")
+    if record.get("path") is None:
+        return None
+    where = Path(str(record["path"]))
+    if not where.exists():
+        raise DataError(f"{job} was trained with the tokenizer {where}, which is not there any more (moved?)")
+    if _tokenizer_sha256(where) != record.get("sha256"):
+        raise DataError(f"{job} was trained with the tokenizer {where}, which has changed since (another sha256)")
+    return where
 
 
 def model_encoder(model: str) -> Encoder:

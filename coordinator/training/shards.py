@@ -57,9 +57,12 @@ class Meta:
     def read(path: Path) -> Meta:
         try:
             raw = json.loads(path.read_text())
-            meta = Meta(**raw)
+            meta = Meta(**raw) if isinstance(raw, dict) else None
         except (OSError, ValueError, TypeError) as exc:
             raise DataError(f"{path} is not a readable {META} ({exc})") from None
+        if meta is None:
+            raise DataError(f"{path} is not a readable {META} (not a JSON object)")
+        _check_fields(path, meta)
         if meta.format != FORMAT or meta.version != VERSION:
             raise DataError(f"{path}: format {meta.format!r} version {meta.version}, not {FORMAT!r} {VERSION}")
         if meta.dtype not in BIN_DTYPES:
@@ -67,6 +70,35 @@ class Meta:
         if not 2 <= meta.vocab_size <= np.iinfo(meta.dtype).max + 1:
             raise DataError(f"{path}: a vocabulary of {meta.vocab_size} does not fit its dtype {meta.dtype}")
         return meta
+
+
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "dtype": str,
+    "vocab_size": int,
+    "tokens": int,
+    "shards": list,
+    "tokenizer": str,
+    "source": str,
+    "format": str,
+    "version": int,
+    "extra": dict,
+}
+
+
+def _check_fields(path: Path, meta: Meta) -> None:
+    """Each field of the type it is written with, and each shard a plain file name beside it and
+    a count: a hand-edited or foreign file is refused in one line, never a traceback."""
+    for name, kind in _FIELD_TYPES.items():
+        value = getattr(meta, name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise DataError(f"{path}: {name} is {value!r}, not a {getattr(kind, '__name__', kind)}")
+    for n, shard in enumerate(meta.shards):
+        file = shard.get("file") if isinstance(shard, dict) else None
+        count = shard.get("tokens") if isinstance(shard, dict) else None
+        if not isinstance(file, str) or not file or file in (".", "..") or "/" in file or "\\" in file:
+            raise DataError(f"{path}: shard {n}'s file {file!r} is not a file name beside {META}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise DataError(f"{path}: shard {n}'s tokens {count!r} is not a count")
 
 
 def bin_segment(path: Path, dtype: str) -> Segment:
