@@ -40,7 +40,8 @@ def test_units_go_first_to_their_planned_owner_and_free_devices_steal_from_the_t
     s = Scheduler(FAULTS)
     s.join(1, slots=1, seconds_per_gflop=0.1)
     s.join(2, slots=1, seconds_per_gflop=0.1)
-    s.add_gemm(7, units(7, 4, owner=1))
+    s.holds_block(2, "x")  # a thief holds one of the units' blocks (``Scheduler._sooner``)
+    s.add_gemm(7, units(7, 4, owner=1, keys=("x", "w")))
     got = dict(assigned(s))
     assert got[1] == 0  # its own queue, in order
     assert got[2] == 3  # a steal takes the unit the owner would reach last
@@ -78,7 +79,9 @@ def test_a_thief_whose_links_would_make_it_late_does_not_steal() -> None:
         s = Scheduler(FAULTS)
         s.join(1, slots=1, seconds_per_gflop=0.1)  # the owner: 0.1 s a unit
         s.join(2, slots=1, seconds_per_gflop=0.001, down_rate=down_rate, up_rate=down_rate)
-        s.add_gemm(7, [dataclasses.replace(u, down_bytes=32 << 20, up_bytes=1 << 20) for u in units(7, 4, owner=1)])
+        s.holds_block(2, "x")
+        work = units(7, 4, owner=1, keys=("x", "w"))
+        s.add_gemm(7, [dataclasses.replace(u, down_bytes=32 << 20, up_bytes=1 << 20) for u in work])
         return s
 
     assert dict(assigned(fleet(5e6))) == {1: 0}  # 6.4 s of links against 0.4 s: it waits
@@ -86,6 +89,23 @@ def test_a_thief_whose_links_would_make_it_late_does_not_steal() -> None:
     s = fleet(5e6)
     s.links(2, 1e9, 1e9)  # its links as measured later
     assert dict(assigned(s)) == {1: 0, 2: 3}
+
+
+def test_a_thief_holding_neither_block_of_a_planned_unit_never_steals_it() -> None:
+    """However fast, a device holding neither of a planned unit's blocks leaves it to its owner:
+    both blocks would leave the coordinator again, on the loop every device shares. Once it holds
+    one (the GEMM's X rows, say), it steals the tail; a paused owner's units go to anyone."""
+    s = Scheduler(FAULTS)
+    s.join(1, slots=1, seconds_per_gflop=1.0)  # the owner: 1 s a unit, 40 of them
+    s.join(2, slots=1, seconds_per_gflop=0.001)
+    s.add_gemm(7, units(7, 40, owner=1, keys=("x", "w")))
+    assert dict(assigned(s)) == {1: 0}
+    s.holds_block(2, "w")
+    s.done(0, 1)
+    assert dict(assigned(s, 1.0)) == {1: 1, 2: 39}
+    s.update(1, paused=True)
+    s.join(3, slots=1, seconds_per_gflop=0.001)  # holds nothing: the paused owner's units are anyone's
+    assert 3 in dict(assigned(s, 2.0))
 
 
 def test_a_unit_without_an_owner_goes_to_a_device_holding_its_blocks() -> None:
@@ -343,6 +363,7 @@ class Books(RuleBasedStateMachine):
         s = self.s
         queued = [u for u in s.units.values() if u.queued]
         assert s.queued == len(queued)
+        assert s.unowned == sum(1 for u in queued if u.home is None)  # what wakes sleepers (engine/standby.py)
         for uid, u in s.units.items():
             assert uid not in self.done
             assert not (u.queued and u.holders), f"unit {uid} is queued and held"
@@ -376,10 +397,11 @@ def test_a_slow_device_does_not_take_a_fast_devices_planned_unit_it_would_return
     s = Scheduler(FAULTS)
     s.join(1, slots=1, seconds_per_gflop=0.1)  # fast: 0.1 s a unit
     s.join(2, slots=1, seconds_per_gflop=1.0)  # slow: 1 s a unit
-    s.add_gemm(1, units(1, 4, owner=1))
+    s.holds_block(2, "x")
+    s.add_gemm(1, units(1, 4, owner=1, keys=("x", "w")))
     assert assigned(s) == [(1, 0)]  # the slow one would finish any of them after the fast one
     s.done(0, 1)
-    s.add_gemm(2, units(2, 40, start=100, owner=1))  # a long queue: the slow one helps from its tail
+    s.add_gemm(2, units(2, 40, start=100, owner=1, keys=("x", "v")))  # a long queue: the slow one helps from its tail
     got = dict((d, u) for d, u in assigned(s))
     assert got[1] == 1 and got[2] == 139
 
@@ -405,7 +427,8 @@ def test_a_device_that_declined_a_steal_looks_again_once_its_own_work_is_done() 
     s.join(1, slots=4, seconds_per_gflop=0.1)
     s.join(2, slots=2, seconds_per_gflop=0.5)
     s.add_gemm(1, units(1, 2, owner=2))
-    s.add_gemm(2, units(2, 12, start=10, owner=1))
+    s.holds_block(2, "x")
+    s.add_gemm(2, units(2, 12, start=10, owner=1, keys=("x", "w")))
     first = assigned(s)
     assert {d for d, _ in first} == {1, 2}
     s.update(1, seconds_per_gflop=5.0)  # the owner turned out slow

@@ -28,16 +28,34 @@ measures it at 10,000 virtual devices.
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
 from coordinator.wire.errors import ConfigError
 from db.store import Issued
 
-RETRY = 8  # deferred devices that look again at each assign
+
+class _Miss(enum.Enum):
+    """Why a free device took nothing."""
+
+    NONE = 0  # it took a unit
+    BARRED = 1  # everything queued is barred for it: it waits for the queue to change
+    MERIT = 2  # every queue it may take from would get the unit sooner from its owner
+    LATER = 3  # its look at the shared queue was cut short: it looks again at the next dispatch's retries
+    UNSEEN = 4  # this dispatch's steal looks were spent before it had its look: set aside unseen
+
+
+RETRY = 8  # devices whose look was cut short, and devices set aside, that look again at an assign
+# Devices set aside on merit (they would return every unit later than its owner) look again at
+# most this often (seconds), RETRY at a time: what changes that answer (an owner slowing, pausing
+# or leaving) is seen at the server's tick. Looking at every assign, with the look that new
+# GEMMs trigger, took 60-75% of a simulation's time at 1,024 devices (and that work per dispatch
+# on the live loop).
+RETRY_EVERY = 0.05
 
 
 @dataclass(frozen=True)
@@ -215,6 +233,7 @@ class Scheduler:
         self._gemm_units: dict[int, list[int]] = {}
         self._shared: deque[int] = deque()  # queued units with no home (lazily pruned)
         self._queued = 0
+        self._owned = 0  # of which in an own queue (the sum of the seats' ``own_count``)
         self.version = 0  # moves whenever units are queued: devices that found nothing look again
         self._ready: OrderedDict[int, None] = OrderedDict()  # seats with a free slot, FIFO
         self._blocked: list[int] = []  # free seats barred from everything queued at this version
@@ -222,6 +241,10 @@ class Scheduler:
         # from its planned owner), or whose look at the shared queue was cut short: they look
         # again when their own state or the queue changes, and a few at every ``assign``.
         self._deferred: OrderedDict[int, None] = OrderedDict()
+        # Free seats that looked at every queue they may take from and would return each unit
+        # later than its owner (``_sooner``): a new GEMM has them look again only if they could
+        # beat one of its owners (``_could_steal``), and a few look again every ``RETRY_EVERY``.
+        self._aside: OrderedDict[int, bool] = OrderedDict()  # True: on merit; False: unseen
         self._steal: list[tuple[int, int]] = []  # heap (-own_count, seat), lazily updated
         self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, hold seq, unit, seat)
         self._late: OrderedDict[int, None] = OrderedDict()  # units with a late, uncopied lease
@@ -231,6 +254,7 @@ class Scheduler:
         self._seq = 0
         self._looks = scan  # steal looks left in this dispatch (``assign``)
         self._now = 0.0  # the latest time a caller gave: a lease ended by a caller that gives none ends then
+        self._retry_at = 0.0  # deferred devices look again at the first assign from then
 
     # ------------------------------------------------------------------ views
 
@@ -238,6 +262,17 @@ class Scheduler:
     def queued(self) -> int:
         """Units waiting for a device."""
         return self._queued
+
+    @property
+    def unowned(self) -> int:
+        """Units waiting in the shared queue: no planned owner is here for them. O(1)."""
+        return self._queued - self._owned
+
+    @property
+    def offered(self) -> bool:
+        """Whether some device with a free slot may still take a unit (it has not looked yet,
+        or looks again later); False when every free device is barred from what is queued."""
+        return bool(self._ready or self._deferred or self._aside)
 
     def holding(self) -> Iterable[tuple[int, dict[int, Hold]]]:
         """Every unit that is out, with its open leases."""
@@ -294,6 +329,7 @@ class Scheduler:
             return []
         self._ready.pop(device, None)
         self._deferred.pop(device, None)
+        self._aside.pop(device, None)
         held = list(seat.inflight)
         for uid in held:
             self._end(uid, device, bar=False)
@@ -315,6 +351,7 @@ class Scheduler:
                 u.home = None
                 mine.append(uid)
         seat.own.clear()
+        self._owned -= seat.own_count
         seat.own_count = 0
         self._shared.extendleft(reversed(mine))
         if mine:
@@ -374,6 +411,7 @@ class Scheduler:
         if seat.id not in self.seats:
             return
         self._deferred.pop(seat.id, None)
+        self._aside.pop(seat.id, None)
         free = seat.free
         if free <= 0:
             self._ready.pop(seat.id, None)
@@ -405,7 +443,7 @@ class Scheduler:
             heapq.heapify(self._steal)
         for home in homes:
             heapq.heappush(self._steal, (-self.seats[home].own_count, home))
-        self._moved()
+        self._moved(self._could_steal(units, homes))
         # Planned owners look first: at scale most free seats have no unit of this GEMM and may
         # not steal one (``_sooner``), and behind ``scan`` of them an owner would wait for the
         # next dispatch (O(homes) here, so a dispatch still does bounded work).
@@ -458,23 +496,62 @@ class Scheduler:
         else:
             seat.own.append(u.spec.id)
         seat.own_count += 1
+        self._owned += 1
 
     def _own_less(self, u: _Unit) -> None:
         if u.home is not None:
             seat = self.seats.get(u.home)
             if seat is not None:
                 seat.own_count -= 1
+                self._owned -= 1
 
-    def _moved(self) -> None:
+    def _moved(self, could_steal: Callable[[Seat], bool] | None = None) -> None:
         """Units were queued: devices that found nothing look again (amortised: each was put
-        aside by a look that found nothing)."""
+        aside by a look that found nothing). ``could_steal``: the new units are all planned
+        owners' (``_could_steal``); a device refused every queue on merit looks again only if
+        it passes it, so a GEMM's submission costs O(devices set aside) arithmetic, not a steal
+        look each (at 1,024 devices and thousands of GEMMs a step, that was most of a
+        simulation's time and the same work on the live loop)."""
         self.version += 1
+        keep: OrderedDict[int, bool] = OrderedDict()
         for device in [*self._blocked, *self._deferred]:
             seat = self.seats.get(device)
             if seat is not None:
                 self._refresh(seat)
+        for device, merit in list(self._aside.items()):
+            seat = self.seats.get(device)
+            if seat is not None and merit and could_steal is not None and not could_steal(seat):
+                keep[device] = True
+            elif seat is not None:
+                self._refresh(seat)
         self._blocked.clear()
         self._deferred.clear()
+        self._aside = keep
+
+    def _could_steal(self, units: Sequence[UnitSpec], homes: set[int]) -> Callable[[Seat], bool] | None:
+        """A test no looser than ``_sooner`` for a device set aside on merit: could it steal any
+        of these new units from its owner? None (everyone looks) unless every unit went to its
+        planned, unpaused owner. Bounds: no owner's queue is ever longer or its pace slower than
+        now until something else moves the queue (which looks again), and no unit is smaller."""
+        if not units or any(
+            spec.owner is None or spec.owner not in homes or self.seats[spec.owner].paused for spec in units
+        ):
+            return None
+        least = min(spec.flops for spec in units)
+        most = max(spec.flops for spec in units)
+        down = min(spec.down_bytes for spec in units)
+        up = min(spec.up_bytes for spec in units)
+        theirs = max((s.own_count + len(s.inflight)) * s.expected(most) for s in (self.seats[h] for h in homes))
+
+        def could(seat: Seat) -> bool:
+            if seat.id in homes:
+                return True
+            mine = (len(seat.inflight) + 1) * seat.expected(least)
+            mine += down / seat.down_rate if seat.down_rate > 0 else 0.0
+            mine += up / seat.up_rate if seat.up_rate > 0 else 0.0
+            return mine < theirs
+
+        return could
 
     # ------------------------------------------------------------------ leases
 
@@ -647,22 +724,28 @@ class Scheduler:
         # queues that no free device may steal from (each would return the unit later than its
         # owner), each of ``scan`` free devices looking at ``scan`` queues would be scan^2 work.
         self._looks = self.scan
-        for _ in range(min(RETRY, len(self._deferred))):  # owners slow down, pause, leave
-            device, _ = self._deferred.popitem(last=False)
+        retries = [self._deferred] * min(RETRY, len(self._deferred))  # looks cut short
+        if now >= self._retry_at:  # owners slow down, pause, leave
+            self._retry_at = now + RETRY_EVERY
+            retries += [self._aside] * min(RETRY, len(self._aside))
+        for waiting in retries:
+            device, _ = waiting.popitem(last=False)
             if device in self.seats and self.seats[device].free > 0:
                 self._ready[device] = None
         while self._queued > 0 and self._ready:
             device = next(iter(self._ready))
             seat = self.seats[device]
-            uid, barred = self._take(seat)
+            uid, why = self._take(seat)
             if uid is None:
+                misses += 1
                 self._ready.pop(device)
-                if barred:  # everything queued is barred for it: not asked until the queue changes
+                if why is _Miss.BARRED:  # everything queued is barred for it: not asked until the queue changes
                     seat.nothing_at = self.version
                     self._blocked.append(device)
-                else:
+                elif why is _Miss.LATER:
                     self._deferred[device] = None
-                misses += 1
+                else:  # MERIT, or UNSEEN: a new GEMM has it look again regardless
+                    self._aside[device] = why is _Miss.MERIT
                 if misses > self.scan:
                     break
                 continue
@@ -670,15 +753,14 @@ class Scheduler:
             self._lease(seat, uid, now)
             yield Assign(device, uid)
 
-    def _take(self, seat: Seat) -> tuple[int | None, bool]:
+    def _take(self, seat: Seat) -> tuple[int | None, _Miss]:
         """The next unit for ``seat``: its own, else the shared queue's, else a steal. With
-        none, whether that is because everything queued is barred for it (``True``), or because
-        it should wait or look further another time (``False``)."""
+        none, why (``_Miss``)."""
         while seat.own:
             uid = seat.own.popleft()
             u = self.units.get(uid)
             if u is not None and u.queued and u.home == seat.id:
-                return self._dequeue(u), False
+                return self._dequeue(u), _Miss.NONE
         looked = 0
         skipped: list[int] = []
         found = None
@@ -699,16 +781,21 @@ class Scheduler:
         else:
             self._shared.extendleft(reversed(skipped))
         if found is not None:
-            return found, False
-        stolen, refused = self._steal_for(seat)
+            return found, _Miss.NONE
+        stolen, passed, unseen = self._steal_for(seat)
         if stolen is not None:
-            return stolen, False
-        return None, not (cut_short or refused)
+            return stolen, _Miss.NONE
+        if cut_short:
+            return None, _Miss.LATER
+        if unseen:
+            return None, _Miss.UNSEEN
+        return None, _Miss.MERIT if passed else _Miss.BARRED
 
-    def _steal_for(self, seat: Seat) -> tuple[int | None, bool]:
+    def _steal_for(self, seat: Seat) -> tuple[int | None, bool, bool]:
         """The last unit of the longest own queue it may take (lazy heap: stale entries are
         dropped; at most ``scan`` queues looked at). Also whether a queue was passed over
-        because taking from it would not have helped."""
+        because taking from it would not have helped, and whether queues were left unseen
+        because this dispatch's looks are spent."""
         looked = 0
         passed: list[tuple[int, int]] = []
         found = None
@@ -744,16 +831,22 @@ class Scheduler:
                 break
         for entry in passed:
             heapq.heappush(self._steal, entry)
-        # Queues left unseen (this dispatch's looks are spent) count as passed over: look again later.
-        return found, found is None and (bool(passed) or (self._looks <= 0 and bool(self._steal)))
+        # Queues left unseen (this dispatch's looks are spent): look again later.
+        return found, bool(passed), found is None and self._looks <= 0 and bool(self._steal)
 
     @staticmethod
     def _sooner(thief: Seat, victim: Seat, u: _Unit) -> bool:
         """Would ``thief`` return the victim's last planned unit before the victim reaches it?
         If not, taking it would lengthen the step: the thief stays idle (a plan's slow device
-        is not handed a fast one's last tile)."""
+        is not handed a fast one's last tile). A thief holding neither of the unit's blocks never
+        takes it: both would leave the coordinator again, on the loop and the link every device
+        shares, for a gain to one device (at 1,024 devices such steals sent 5x the plan's bytes
+        and made a loop-bound step 3x longer: docs/simulation.md); the plan's owner, a copy of a
+        late lease, or a thief that holds a block serves it."""
         if victim.paused:
             return True
+        if u.spec.a not in thief.blocks and u.spec.b not in thief.blocks:
+            return False
         mine = (len(thief.inflight) + 1) * thief.expected(u.spec.flops) + thief.transfer(u.spec)
         theirs = (victim.own_count + len(victim.inflight)) * victim.expected(u.spec.flops)
         return mine < theirs
@@ -770,12 +863,12 @@ class Scheduler:
         to free devices, trusted ones first. When every copy slot of a late unit is taken, its
         most overdue holder loses it, so no set of devices can hold a unit forever. A generator,
         like ``assign``: a take-back may cut its device, and what follows must see that."""
-        if not (self._ready or self._deferred) or (not self._late and (self._queued or not self._thin)):
+        if not (self._ready or self._deferred or self._aside) or (not self._late and (self._queued or not self._thin)):
             return
         f = self.faults
         looked = 0
         for uid in list(islice(self._late, self.scan)):
-            if looked >= self.scan or not (self._ready or self._deferred):
+            if looked >= self.scan or not (self._ready or self._deferred or self._aside):
                 break
             looked += 1
             u = self.units.get(uid)
@@ -810,7 +903,7 @@ class Scheduler:
         # device would need (a device known to be slow earns no extra patience).
         looked = 0
         for uid in list(islice(self._thin, self.scan)):
-            if looked >= self.scan or not (self._ready or self._deferred):
+            if looked >= self.scan or not (self._ready or self._deferred or self._aside):
                 break
             looked += 1
             u = self.units.get(uid)
@@ -832,7 +925,7 @@ class Scheduler:
         """A free device that neither holds nor is barred from ``u``: trusted first, then the
         longest free. Bounded: at most ``scan`` devices are looked at."""
         best: Seat | None = None
-        for i, device in enumerate(chain(self._ready, self._deferred)):
+        for i, device in enumerate(chain(self._ready, self._deferred, self._aside)):
             if i >= self.scan:
                 break
             seat = self.seats[device]
