@@ -67,6 +67,12 @@ class LivePlan:
 
 MAX_CLASSES = 32  # the planner prices each class: more, and the grid is coarsened until they fit
 MIN_TIME = 1e-4  # seconds: latencies below this round up to it (a class for every LAN rtt is noise)
+# Priced GEMMs shared by every planner of this process: ``plan_gemm`` is a pure function of the
+# GEMM, the classes, the PS and the options, and a simulation's forecasts, its calm run and its
+# run with a crash price the same GEMMs on the same fleets (at 1,024 devices pricing was a third
+# of a one-layer simulation). At most this many plans (each a few hundred bytes).
+PRICED_LIMIT = 4096
+_priced: OrderedDict[tuple, Plan | None] = OrderedDict()
 
 
 def _down(x: float, step: float = 0.5) -> float:
@@ -315,10 +321,19 @@ class LivePlanner:
         ps = self._lane_ps
         if self.planner is Planner.UNIFORM:
             return baseline(gemm, classes, ps, PlannerOptions(uniform=self.policy))
+        # Class names too: a plan's units name their classes.
+        key = (gemm, tuple(c.name for c in classes), signature(classes, gemm.dtype), repr(ps), repr(self.options))
+        if key in _priced:
+            _priced.move_to_end(key)
+            return _priced[key]
         try:
-            return plan_gemm(gemm, classes, ps, self.options)
+            plan: Plan | None = plan_gemm(gemm, classes, ps, self.options)
         except CostModelError:
-            return None
+            plan = None
+        _priced[key] = plan
+        if len(_priced) > PRICED_LIMIT:
+            _priced.popitem(last=False)
+        return plan
 
 
 def batches(tiles: Sequence[Tile], owners: Mapping[int, int], limit: int = MAX_BATCH) -> list[list[Tile]]:
