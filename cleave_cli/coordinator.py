@@ -16,6 +16,7 @@ from cleave_cli.progress import ConsoleReporter
 from coordinator.engine.limits import Limits
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.scheduler import FaultPolicy
+from coordinator.engine.standby import StandbyPolicy
 from coordinator.job import DEFAULT_SEND_THREADS, LINGER, CoordinatorConfig, TierOptions, run_job
 from coordinator.planning.tiles import TilingPolicy
 from coordinator.tier.group import TIER_TIMEOUT
@@ -136,6 +137,21 @@ def start(
             "passes, and taken back at twice it).",
         ),
     ] = FaultPolicy().lease_floor,
+    standby_after: Annotated[
+        float,
+        typer.Option(
+            "--standby-after",
+            help="Seconds a device has held no tile and been left out of every live GEMM's plan before it is "
+            "sent to standby (it beats rarely and holds no memory until a plan needs it); 0: never.",
+        ),
+    ] = StandbyPolicy().after,
+    standby_keepalive: Annotated[
+        float,
+        typer.Option(
+            "--standby-keepalive",
+            help="Seconds between the heartbeats of a device in standby (1-3600); it counts as silent after 3.",
+        ),
+    ] = StandbyPolicy().keepalive,
     new_job: Annotated[
         bool,
         typer.Option("--new-job", help="Start a new job even if --db holds an unfinished one (default: resume it)."),
@@ -280,6 +296,7 @@ def start(
         faults=FaultPolicy(
             heartbeat=min(2.0, heartbeat_timeout / 5), heartbeat_timeout=heartbeat_timeout, lease_floor=lease_floor
         ),
+        standby=StandbyPolicy(after=standby_after, keepalive=standby_keepalive),
         limits=limits,
         checkpoint_every=checkpoint_every,
         prune_steps=prune_steps,

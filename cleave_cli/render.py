@@ -56,6 +56,8 @@ def energy_line(energy: dict[str, Any] | None) -> str:
         f"{_mix(energy.get('coordinator_sources'))}), {_num(energy.get('j_per_gflop'), '{:.3f}')} J per verified "
         f"GFLOP, {energy.get('gco2', 0):,.1f} g CO2 at {energy.get('grid_gco2_kwh', 0):g} g/kWh"
     )
+    if "increment_j" in energy:  # over machines on anyway: devices' draw less their idle
+        line += f"; increment {joules(energy['increment_j'])}"
     if energy.get("flagged"):
         line += f"; {energy['flagged']:,} device claims capped"
     return line
@@ -232,6 +234,7 @@ def dashboard(status: dict[str, Any], rank_by: str = "gflop") -> Group:
         DeviceView.WORKING: "green",
         DeviceView.IDLE: "cyan",
         DeviceView.PAUSED: "yellow",
+        DeviceView.STANDBY: "cyan",
         DeviceView.OFFLINE: "dim",
         DeviceView.BANNED: "bold red",
         DeviceView.REVOKED: "red",
@@ -331,6 +334,7 @@ def tier_table(tier: dict[str, Any]) -> Table:
 _STATE_STYLE = {
     WorkerState.WORKING: "bold green",
     WorkerState.PAUSED: "bold yellow",
+    WorkerState.STANDBY: "cyan",
     WorkerState.RECONNECTING: "bold red",
     WorkerState.CONNECTING: "bold",
 }
@@ -419,8 +423,8 @@ def client_line(stats: Any, url: str) -> Text:
     """The log line of ``cleave join`` when not on a terminal."""
     text = Text()
     text.append(f"{stats.state:<16}", style=_STATE_STYLE.get(stats.state, "bold"))
-    if stats.reason and stats.state == WorkerState.PAUSED:
-        text.append(f" ({stats.reason})", style="yellow")
+    if stats.reason and stats.state in (WorkerState.PAUSED, WorkerState.STANDBY):
+        text.append(f" ({stats.reason})", style="yellow" if stats.state == WorkerState.PAUSED else "dim")
     text.append(f" tiles {stats.tiles:,}")
     if stats.rejected:
         text.append(f" ({stats.rejected} rejected)", style="red")

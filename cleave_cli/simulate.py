@@ -61,6 +61,7 @@ from coordinator.whatif.energy import (
     COORDINATOR_POWER,
     NETWORK_J_PER_BYTE,
     PUE_DEFAULT,
+    STANDBY_W,
     check_pue,
     cleave_energy,
     cloud_energy,
@@ -296,7 +297,10 @@ def simulate_one(
     measured = stormy.measured
     busy: dict[str, float] = {}
     present: dict[str, float] = {}
+    asleep: dict[str, float] = {}
     for s in measured:
+        for name, v in s.class_standby_s.items():
+            asleep[name] = asleep.get(name, 0.0) + v / len(measured)
         for name, v in s.class_busy_s.items():
             busy[name] = busy.get(name, 0.0) + v / len(measured)
         for name, v in s.class_present_s.items():
@@ -315,6 +319,7 @@ def simulate_one(
         network_bytes=moved * tier.ranks,
         scale=scale,
         grid_gco2_kwh=grid_gco2_kwh,
+        standby_s=asleep,
     )
     report["energy"] = cleave_e.as_json()
     dtfm_e = dtfm_energy(dtfm, classes, baseline_dtype or dtype, flops=flops, grid_gco2_kwh=grid_gco2_kwh)
@@ -353,10 +358,13 @@ def simulate_one(
             "vs_cloud": _ratio(cloud.step_s, step_s),
             "recovery_vs_dtfm": _ratio(dtfm_json["recovery_s"], report["recovery_s"]),
         },
-        # The baseline's energy a step over Cleave's: above 1, Cleave uses less.
+        # The baseline's energy a step over Cleave's: above 1, Cleave uses less. Whole draw, and
+        # the increment over machines on anyway (coordinator/whatif/energy.py).
         "energy_ratio": {
             "vs_dtfm": None if dtfm_e is None else _ratio(dtfm_e.energy_j, cleave_e.energy_j),
             "vs_cloud": _ratio(cloud_e.energy_j, cleave_e.energy_j),
+            "increment_vs_dtfm": None if dtfm_e is None else _ratio(dtfm_e.increment_j, cleave_e.increment_j),
+            "increment_vs_cloud": _ratio(cloud_e.increment_j, cleave_e.increment_j),
         },
     }
 
@@ -469,6 +477,7 @@ def build_report(
             "pue": pue,
             "coordinator_w": COORDINATOR_POWER[coordinator],
             "network_j_per_gb": NETWORK_J_PER_BYTE * 1e9,
+            "standby_w": STANDBY_W,
         },
     }
     if len(runs) == 1:
@@ -479,14 +488,17 @@ def build_report(
         "cleave": {
             "step_s": [r["cleave"]["step_s"] for r in runs],
             "energy_j": [r["cleave"]["energy"]["energy_j"] for r in runs],
+            "increment_j": [r["cleave"]["energy"]["increment_j"] for r in runs],
         },
         "dtfm": {
             "step_s": [r["dtfm"]["step_s"] for r in runs],
             "energy_j": [r["dtfm"]["energy"] and r["dtfm"]["energy"]["energy_j"] for r in runs],
+            "increment_j": [r["dtfm"]["energy"] and r["dtfm"]["energy"]["increment_j"] for r in runs],
         },
         "cloud": {
             "step_s": [r["cloud"]["step_s"] for r in runs],
             "energy_j": [r["cloud"]["energy"]["energy_j"] for r in runs],
+            "increment_j": [r["cloud"]["energy"]["increment_j"] for r in runs],
         },
     }
 
@@ -548,22 +560,26 @@ def energy_table(report: dict[str, Any]) -> Table:
     a = report["energy_assumptions"]
     table = Table(
         title=f"energy per step (grid {a['grid_gco2_kwh']:g} gCO2e/kWh, datacentre PUE {a['pue']:g}; "
+        "increment: over machines on anyway; "
         'network apart: docs/simulation.md "Energy")',
         title_justify="left",
     )
-    for name in ("devices", "system", "J/step", "busy", "waiting", "datacentre", "J/GFLOP", "gCO2e", "network"):
+    columns = ("devices", "system", "J/step", "increment", "busy", "waiting", "datacentre", "J/GFLOP", "gCO2e")
+    columns += ("network",)
+    for name in columns:
         table.add_column(name, justify="right")
     for run in report.get("sweep") or [report]:
         for system, part in (("Cleave", run["cleave"]), ("DTFM-style", run["dtfm"]), ("cloud", run["cloud"])):
             e = part.get("energy")
             if e is None:
-                table.add_row(f"{run['devices']:,}", system, "does not fit", *["-"] * 6)
+                table.add_row(f"{run['devices']:,}", system, "does not fit", *["-"] * (len(columns) - 3))
                 continue
             per = e["energy_j_per_gflop"]
             table.add_row(
                 f"{run['devices']:,}",
                 system,
                 _joules(e["energy_j"]),
+                _joules(e["increment_j"]),
                 _joules(e["devices_busy_j"]),
                 _joules(e["devices_waiting_j"]),
                 _joules(e["datacentre_j"]),

@@ -41,6 +41,15 @@ def configure(device: torch.device, threads: int | None) -> None:
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
 
+def release_memory(device: torch.device) -> None:
+    """Hand the memory the device's allocator keeps cached back to the machine (its tensors must
+    be dropped first): a GPU's cache would otherwise keep what the blocks held while in standby."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if device.type == "cpu" else t.to(device, non_blocking=False)
 

@@ -56,8 +56,10 @@ from client.session import (
     HangUp,
     Redirected,
     Session,
+    Sleeping,
     TileQueued,
     Welcomed,
+    Woken,
 )
 from client.state import WorkerState
 from coordinator.meters import EnergyMeter
@@ -282,6 +284,7 @@ class Worker:
             **({} if pacer is None else {"cpu_seconds": lambda: self.stats.compute_seconds}),
         )
         self._energy_at = clock()  # when the span now metered began
+        self._standby_reason = ""  # why the coordinator sent it to standby, as its owner sees it
         self._metering = False  # welcomed on the open connection: its energy is reported there
 
     def _compute(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -533,6 +536,14 @@ class Worker:
                             self._set(WorkerState.WAITING, reason="")
                         else:
                             self._set(WorkerState.PAUSED, reason=self.stats.reason)
+                    elif isinstance(event, Sleeping):
+                        self._sleep(event)
+                    elif isinstance(event, Woken):
+                        pulse.cancel()  # its answer is due now, not at the keep-alive's next beat
+                        pulse = asyncio.create_task(self._heartbeat(ws, session))
+                        log.info("woken by the coordinator")
+                        if self._allowed:
+                            self._set(WorkerState.WAITING, reason="")
                     elif isinstance(event, Ended):
                         return event.outcome
                     elif isinstance(event, Redirected):
@@ -695,7 +706,10 @@ class Worker:
                     self._energy_at = self._clock()
                     session.resume()
                     await self._flush(ws, session)
-                    self._set(WorkerState.WAITING, reason="")
+                    if session.keepalive is not None:  # still in the coordinator's standby
+                        self._set(WorkerState.STANDBY, reason=self._standby_reason)
+                    else:
+                        self._set(WorkerState.WAITING, reason="")
                 else:
                     if self._metering:  # what it used up to now, then pause
                         await self._send(ws, encode(self._energy()))
@@ -705,6 +719,15 @@ class Worker:
             elif not decision.run and decision.reason != self.stats.reason:
                 self._set(WorkerState.PAUSED, reason=decision.reason)
             await asyncio.sleep(self.cfg.poll_seconds)
+
+    def _sleep(self, event: Sleeping) -> None:
+        """The coordinator has no work for this device: the session dropped its blocks and tiles;
+        the memory they held goes back to the machine (a GPU's cache too)."""
+        kernels.release_memory(self.device)
+        self._standby_reason = f"no work for now ({event.reason}); a heartbeat every {event.keepalive:g} s"
+        log.info("standby: %s", self._standby_reason)
+        if self._allowed:  # a pause its owner asked for shows first
+            self._set(WorkerState.STANDBY, reason=self._standby_reason)
 
     async def _heartbeat(self, ws: ClientConnection, session: Session) -> None:
         """Tell the coordinator we are alive; hang up if it has gone silent (then reconnect)."""

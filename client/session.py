@@ -10,6 +10,7 @@ the websocket, the compute thread, the owner's policy and reconnects, and drives
     ------------                                 -------------------
     a frame arrives at ``now``         ------>   receive_frame(frame, now) -> events
     the heartbeat timer fires          ------>   tick(now, wall) -> events (HangUp when silent)
+    (standby: ``Sleeping``; wake: ``Woken``, and the next beat is due at once)
     the owner's policy changes         ------>   pause(reason) / resume()
     the compute task wants a tile      ------>   pop(), then start(queued, now) -> Tile or None
     the product is done / failed       ------>   computed(tile, c, seconds) -> Result or None / failed(tile, why)
@@ -17,8 +18,9 @@ the websocket, the compute thread, the owner's policy and reconnects, and drives
     after each call                    <------   messages_to_send(): Hello, Heartbeat, Release, Pause, Resume
 
 Events (``Welcomed``, ``TileQueued``, ``Credited``, ``Enrolled``, ``ErrorReceived``, ``Ended``,
-``HangUp``) tell the runner what happened; it acts on them (stores a credential, restarts its
-heartbeat timer, wakes the compute task, updates what the owner sees). Results are returned
+``HangUp``, ``Sleeping``, ``Woken``) tell the runner what happened; it acts on them (stores a
+credential, restarts its heartbeat timer, wakes the compute task, frees memory, updates what the
+owner sees). Results are returned
 rather than queued, because an emulated device delivers them later (its paced uplink).
 
 Times are monotonic seconds passed in as ``now``; ``wall`` (Unix seconds) only stamps heartbeats.
@@ -35,10 +37,13 @@ import torch
 
 from client.credentials import Credential as StoredCredential
 from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy
+from coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy, StandbyWhy
 from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
 from coordinator.wire.messages import (
     DEFAULT_HEARTBEAT,
+    MAX_KEEPALIVE,
+    MIN_KEEPALIVE,
+    STANDBY_MISSES,
     Cancel,
     Challenge,
     Credential,
@@ -54,6 +59,8 @@ from coordinator.wire.messages import (
     Result,
     ResultBatch,
     Resume,
+    Standby,
+    Wake,
     Welcome,
     Work,
     WorkBatch,
@@ -159,7 +166,21 @@ class Redirected:
     reason: str
 
 
-Event = Welcomed | TileQueued | Credited | Enrolled | ErrorReceived | Ended | HangUp | Redirected
+@dataclass(frozen=True)
+class Sleeping:
+    """The coordinator has no work for this device for now (``reason``): its blocks and tiles are
+    dropped (free the memory they held), and it beats every ``keepalive`` seconds until woken."""
+
+    keepalive: float
+    reason: StandbyWhy
+
+
+@dataclass(frozen=True)
+class Woken:
+    """The coordinator needs this device again: its next heartbeat (the wake's answer) is due now."""
+
+
+Event = Welcomed | TileQueued | Credited | Enrolled | ErrorReceived | Ended | HangUp | Redirected | Sleeping | Woken
 
 
 @dataclass(frozen=True)
@@ -221,6 +242,7 @@ class Session:
         self.coordinator: str | None = None  # its id, from the challenge; None until then
         self.enrolling = False  # the hello carried the join token, not a proof
         self.interval = DEFAULT_HEARTBEAT
+        self.keepalive: float | None = None  # in standby: seconds between its heartbeats; None: awake
         # The most results one frame may carry: the hello's batch (the coordinator's frame limit
         # allows that many of the tiles it leases, and no device holds more than it leased).
         self.batch = max(1, hello.batch)
@@ -303,6 +325,13 @@ class Session:
             self.interval = min(max(msg.heartbeat, MIN_HEARTBEAT), MAX_HEARTBEAT)
             self._next_beat = now + self.interval
             return [Welcomed(msg.device_id, msg.identity, msg.job, self.interval)]
+        elif isinstance(msg, Standby):
+            return self._standby(msg, now)
+        elif isinstance(msg, Wake):
+            # Answered at once, asleep or not: the coordinator times the wake by the answer.
+            self.keepalive = None
+            self._next_beat = now
+            return [Woken()]
         elif isinstance(msg, Finished):
             return self._end(Ending.FINISHED)
         elif isinstance(msg, Error):
@@ -315,11 +344,15 @@ class Session:
         if self.ended is not None or self.coordinator is None or now < self._next_beat:
             return []
         silent = now - self._heard
-        if silent > SILENCE_FACTOR * self.interval:
+        # In standby the coordinator beats once a keep-alive too: a few of them missed, it is gone.
+        patience = SILENCE_FACTOR * self.interval
+        if self.keepalive is not None:
+            patience = max(patience, STANDBY_MISSES * self.keepalive)
+        if silent > patience:
             self._next_beat = float("inf")
             return [HangUp(CloseCode.GOING_AWAY, "coordinator silent", silent)]
         self._outgoing.append(Heartbeat(wall))
-        self._next_beat = now + self.interval
+        self._next_beat = now + (self.interval if self.keepalive is None else self.keepalive)
         return []
 
     def pause(self, reason: str) -> None:
@@ -442,6 +475,24 @@ class Session:
             )
         self.enrolling = True
         return replace(hello, token=self._token)
+
+    def _standby(self, msg: Standby, now: float) -> list[Event]:
+        """No work for now: beat every ``keepalive`` seconds and hold nothing. The coordinator sends
+        it only once every lease of this device has ended, so a tile still held is one nobody
+        wants back (cancelled): queued ones are dropped, the one computing has its result dropped.
+        The blocks go (the coordinator forgets that this device held them)."""
+        if not self.welcomed:
+            log.error("coordinator sent standby before its welcome; ignored")
+            return []
+        for queued in self._queue:
+            self._done(queued.work.tile_id)
+        self._queue.clear()
+        self._cancelled |= self._assigned
+        self.blocks.clear()
+        # Within the wire's bounds already (decode checks them); held to them here too.
+        self.keepalive = min(max(msg.keepalive, MIN_KEEPALIVE), MAX_KEEPALIVE)
+        self._next_beat = now + self.keepalive
+        return [Sleeping(self.keepalive, msg.reason)]
 
     def _on_work(self, msg: Work, ready: float) -> list[Event]:
         for namespace in msg.forget:

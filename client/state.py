@@ -15,6 +15,7 @@ class WorkerState(Name):
     WAITING = "waiting for work"
     WORKING = "working"
     PAUSED = "paused"  # its owner's policy says stop (``reason`` says which rule)
+    STANDBY = "standby"  # the coordinator has no work for it for now: it holds nothing and beats rarely until woken
     RECONNECTING = "reconnecting"
     LEAVING = "leaving"
     FINISHED = "finished"  # the job is complete (with --once)

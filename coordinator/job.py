@@ -36,6 +36,7 @@ from coordinator.engine.limits import Limits, TrustPolicy
 from coordinator.engine.live_plan import Planner
 from coordinator.engine.profiles import measure_ps
 from coordinator.engine.scheduler import FaultPolicy
+from coordinator.engine.standby import StandbyPolicy
 from coordinator.meters import EnergyMeter
 from coordinator.net.remote import RemoteEngine
 from coordinator.net.server import Server, listen
@@ -78,6 +79,7 @@ class CoordinatorConfig:
     min_devices: int = 1
     policy: TilingPolicy = field(default_factory=TilingPolicy)
     faults: FaultPolicy = field(default_factory=FaultPolicy)
+    standby: StandbyPolicy = field(default_factory=StandbyPolicy)  # when unneeded devices sleep (--standby-after)
     trust: TrustPolicy = field(default_factory=TrustPolicy)
     limits: Limits = field(default_factory=Limits)
     checkpoint_every: int = 50  # steps; 0 turns checkpoints off
@@ -403,6 +405,7 @@ async def serve_job(
             ps=ps,
             grid_gco2_kwh=cfg.grid_gco2_kwh,
             band_checks=cfg.band_checks,
+            standby=cfg.standby,
         )
         meter = EnergyMeter(gpu="cuda" if device.type == "cuda" else "", gpu_index=device.index or 0)
         meter.keep_reading()  # this process's own energy, read at each step's end (and between: wraps)

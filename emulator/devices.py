@@ -103,7 +103,8 @@ Sleep = Callable[[float], Awaitable[None]]
 BYZANTINE_KINDS: tuple[str, ...] = tuple(
     sorted(SCALABLE | NON_FINITE | {"zeros", "swap_rows", "swap_cols", "previous_batch", "replay"})
 )
-CONNECTED = frozenset({WorkerState.WAITING, WorkerState.WORKING, WorkerState.PAUSED})  # worker states after the Welcome
+# Worker states after the Welcome.
+CONNECTED = frozenset({WorkerState.WAITING, WorkerState.WORKING, WorkerState.PAUSED, WorkerState.STANDBY})
 
 
 class Fate(Name):

@@ -15,6 +15,7 @@ from coordinator.engine.energy import (
     CEILING_W,
     CPU_PEAK_GFLOPS,
     GRID_GCO2_KWH,
+    IDLE_W,
     EnergyBooks,
     grams,
     kind_of,
@@ -215,6 +216,47 @@ def test_an_honest_machine_holding_work_part_of_the_time_books_its_draw_while_ho
     assert books.flagged == 1
 
 
+def test_the_increment_is_the_booked_draw_less_the_idle_draw_while_holding_work_within_zero_and_booked() -> None:
+    """What a device's work added to a machine on anyway: its booked energy less its idle draw
+    (by what the report measured) over the seconds it held work since its previous report; never
+    below 0 (a hostile report of next to nothing), never above what was booked; the coordinator's
+    own counts whole. Per claim, per step, in the summary and the step's row."""
+    books = EnergyBooks()
+    books.joined(1, "cpu", 0.0)
+    books.joined(2, "cuda:0", 0.0)
+    books.joined(3, "cpu", 0.0)
+    # RAPL at 100 W over 30 s, holding work 9 of them: 900 J booked, less 2 W x 9 s.
+    assert IDLE_W[EnergySource.RAPL] == 2.0 and IDLE_W[EnergySource.NVML] == 10.0
+    claim = books.claim(1, Energy(3000.0, 30.0, EnergySource.RAPL), 0.0, held=9.0)
+    assert sum(claim.booked.values()) == pytest.approx(900.0) and claim.increment == pytest.approx(900.0 - 2 * 9)
+    # RAPL and NVML, 30 s held: the package's and the board's idle, 12 W x 30 s.
+    claim = books.claim(2, Energy(1500.0, 30.0, EnergySource.RAPL, gpu_joules=3000.0), 0.0, held=30.0)
+    assert not claim.flagged and claim.increment == pytest.approx(4500.0 - 12 * 30)
+    # The estimate counts only Cleave's own seconds: all of it is the increment.
+    claim = books.claim(3, Energy(600.0, 30.0, EnergySource.ESTIMATE), 0.0, held=30.0)
+    assert claim.increment == 600.0
+    # 1 J for 60 s held: below the idle draw, so nothing (never negative).
+    claim = books.claim(1, Energy(1.0, 60.0, EnergySource.RAPL), 0.0, held=69.0)
+    assert sum(claim.booked.values()) == 1.0 and claim.increment == 0.0
+    # Capped at its ceiling (350 W x (79 s held + 5 s slack), less what it booked): less its idle.
+    claim = books.claim(1, Energy(1e7, 10.0, EnergySource.BATTERY), 0.0, held=79.0)
+    cap = 84 * CEILING_W["cpu"] - 901.0
+    assert claim.flagged and claim.increment == pytest.approx(cap - IDLE_W[EnergySource.BATTERY] * 10)
+    # A report of time it held nothing: nothing booked, nothing on the increment.
+    assert books.claim(1, Energy(500.0, 30.0, EnergySource.RAPL), 0.0, held=79.0).increment == 0.0
+    books.own(500.0, EnergySource.ESTIMATE)
+    step = books.close_step(gflop=0.0)
+    devices = 882.0 + 4140.0 + 600.0 + cap - 50.0
+    assert step.devices_increment_j == pytest.approx(devices) and step.increment_j == pytest.approx(devices + 500)
+    assert 0 < step.devices_increment_j <= step.devices_j
+    assert step.as_row()["j_devices_increment"] == pytest.approx(devices, abs=1e-3)
+    summary = books.summary(0.0)
+    assert summary["devices_increment_j"] == pytest.approx(devices, abs=1e-3)
+    assert summary["increment_j"] == pytest.approx(devices + 500, abs=1e-3)
+    assert summary["increment_j"] <= summary["joules"]
+    assert books.devices[1].increment == pytest.approx(882.0 + cap - 50.0)
+
+
 def test_a_reconnecting_identity_gets_its_slack_once_and_never_more_than_it_held() -> None:
     """An identity that takes one brief lease and reconnects, again and again, claiming a full
     draw each time, books only about the seconds it held work: its slack is no longer than what
@@ -318,6 +360,10 @@ def test_the_core_books_devices_reports_and_ranks_them_by_gflop_per_joule() -> N
     status = report.status(core, fleet.now)
     assert status["energy"]["flagged"] == 1
     assert status["energy"]["devices_sources"]["rapl"] == pytest.approx(thrifty, abs=1e-3)
+    # On the increment: frugal's booked RAPL figure less 2 W over the seconds it held work.
+    frugal_held = core.devices[frugal].seat.held(fleet.now)
+    assert core.energy.devices[frugal].increment == pytest.approx(thrifty - 2.0 * frugal_held)
+    assert 0 < status["energy"]["devices_increment_j"] < status["energy"]["devices_j"]
     best = [r["name"] for r in status["leaderboard_efficiency"]]
     assert best == ["frugal", "hungry"]
     assert status["leaderboard_efficiency"][0]["joules"] == pytest.approx(thrifty, abs=1e-3)
@@ -425,6 +471,8 @@ def test_clients_report_their_machines_energy_and_an_implausible_one_is_capped(t
     assert energy["grid_gco2_kwh"] == 300.0 and energy["flagged"] >= 1 and energy["coordinator_sources"]
     joules = [line for line in scraped.splitlines() if line.startswith("cleave_energy_joules_total")]
     assert any('source="rapl"' in line for line in joules) and any('source="capped"' in line for line in joules)
+    assert 0 < energy["devices_increment_j"] < energy["devices_j"]
+    assert any(line.startswith('cleave_energy_increment_joules_total{part="devices"}') for line in scraped.splitlines())
 
 
 def test_a_gpu_nvml_cannot_read_is_estimated_from_its_gemm_seconds_and_emulated_devices_read_no_counter(

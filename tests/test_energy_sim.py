@@ -20,6 +20,7 @@ from coordinator.whatif.energy import (
     DEVICE_POWER,
     NETWORK_J_PER_BYTE,
     PUE_DEFAULT,
+    STANDBY_W,
     cleave_energy,
     cloud_energy,
     device_power,
@@ -78,7 +79,60 @@ def test_cleave_step_matches_a_hand_computed_figure() -> None:
     assert e.co2_g == pytest.approx(7680 / J_PER_KWH * GRID_GCO2_KWH)
     assert e.network_j == pytest.approx(13_500)  # apart: not in energy_j
     row = e.as_json()["by_class"]["laptop-low"]
-    assert row == {"busy_s": 4.0, "waiting_s": 16.0, "busy_j": 100.0, "waiting_j": 80.0}
+    assert row == {
+        "busy_s": 4.0,
+        "waiting_s": 16.0,
+        "standby_s": 0.0,
+        "busy_j": 100.0,
+        "waiting_j": 80.0,
+        "standby_j": 0.0,
+        "increment_j": 80.0,
+    }
+    # On the increment over machines on anyway: busy 4 x (25 - 5) = 80 J, waiting nothing, the
+    # coordinator whole.
+    assert e.devices_increment_j == pytest.approx(80)
+    assert e.increment_j == pytest.approx(7580)
+    assert e.as_json()["increment_j_per_gflop"] == pytest.approx(7580 / 2000)
+
+
+def test_standby_seconds_cost_standby_power_whole_and_nothing_on_the_increment() -> None:
+    # Prepare: 2 laptop-low (25 W busy, 5 W idle) present 20 s in all, busy 4 s, asleep 10 s;
+    # a tier's rank standing for 3 such shares; no coordinator.
+    fleet = (_cls("laptop-low", 2),)
+    # Execute
+    e = cleave_energy(
+        fleet, {"laptop-low": 4.0}, {"laptop-low": 20.0}, 10.0, coordinator_w=0.0, scale=3.0,
+        standby_s={"laptop-low": 10.0},
+    )  # fmt: skip
+    # Assert: x3: busy 12 s x 25 = 300 J; standby 30 s x 0.5 W = 15 J; awake waiting 18 s x 5 = 90 J.
+    assert STANDBY_W == 0.5
+    assert (e.devices_busy_j, e.devices_standby_j, e.devices_waiting_j) == pytest.approx((300, 15, 90))
+    assert e.energy_j == pytest.approx(405)
+    assert e.increment_j == pytest.approx(12 * 20)  # only computing adds to a machine on anyway
+    row = e.by_class["laptop-low"]
+    assert (row["standby_s"], row["waiting_s"]) == pytest.approx((30, 18))
+    # Standby never takes more than the time present and not computing.
+    over = cleave_energy(fleet, {"laptop-low": 4.0}, {"laptop-low": 20.0}, 10.0, coordinator_w=0.0,
+                         standby_s={"laptop-low": 50.0})  # fmt: skip
+    assert over.by_class["laptop-low"]["standby_s"] == 16.0 and over.devices_waiting_j == 0.0
+    with pytest.raises(CostModelError, match="standby seconds"):
+        cleave_energy(fleet, {}, {}, 1.0, coordinator_w=0.0, standby_s={"laptop-low": -1.0})
+    with pytest.raises(CostModelError, match="not in the fleet"):
+        cleave_energy(fleet, {}, {}, 1.0, coordinator_w=0.0, standby_s={"rtx-4090": 1.0})
+
+
+def test_the_increment_is_never_above_the_whole_draw_nor_below_zero() -> None:
+    rng = random.Random(11)
+    fleet = tuple(_cls(name, 3) for name in ("phone-mid", "apple-m1", "rtx-4090"))
+    for _ in range(50):
+        step = rng.uniform(0.1, 100)
+        busy = {c.name: rng.uniform(0, 3 * step) for c in fleet}
+        standby = {c.name: rng.uniform(0, 3 * step) for c in fleet}
+        e = cleave_energy(fleet, busy, {c.name: 3 * step for c in fleet}, step, coordinator_w=500.0,
+                          standby_s=standby)  # fmt: skip
+        assert e.datacentre_j <= e.increment_j <= e.energy_j
+        for row in e.by_class.values():
+            assert 0 <= row["increment_j"] <= row["busy_j"]
 
 
 def test_a_tier_counts_its_coordinators_relays_and_every_share_of_the_fleet() -> None:
@@ -122,6 +176,7 @@ def test_cloud_with_pue_one_is_board_plus_host_over_its_step() -> None:
         assert e.energy_j == pytest.approx(node * cloud.step_s)
         assert energy.CLOUD_POWER[gpu].board_w == board
         assert cloud_energy(cloud).energy_j == pytest.approx(PUE_DEFAULT * node * cloud.step_s)
+        assert e.increment_j == e.energy_j  # dedicated machines: whole both ways
         assert e.j_per_gflop == pytest.approx(node / (cloud.gpus * cloud.peak_tflops * 1e3 * cloud.utilisation))
 
 
@@ -191,6 +246,11 @@ def test_dtfm_energy_counts_the_devices_it_uses_busy_and_waiting_over_its_step()
     computed = sum(row["busy_s"] * rates[name] for name, row in e.by_class.items())
     assert computed == pytest.approx(sum(seat.devices * seat.flops for seat in r.seats))
     assert e.datacentre_j == 0 and e.network_j > 0
+    # Its devices are volunteers' too: on the increment, busy minus idle power while computing.
+    assert e.devices_increment_j == pytest.approx(
+        sum(row["busy_s"] * DEVICE_POWER[name].increment_w for name, row in e.by_class.items())
+    )
+    assert 0 < e.increment_j == e.devices_increment_j < e.energy_j
     phones = resolve_fleet("phones", "fp32", 100)
     assert dtfm_energy(dtfm_step(model, phones, 8, 256, "fp32"), phones, "fp32") is None  # does not fit
 
@@ -206,11 +266,16 @@ def test_simulate_json_carries_energy_for_cleave_and_both_baselines() -> None:
         for key in ("energy_j", "kwh", "co2_g", "energy_j_per_gflop"):
             assert e[key] > 0, (system, key)
         assert e["energy_j"] == pytest.approx(e["devices_j"] + e["datacentre_j"])
+        assert e["increment_j"] == pytest.approx(e["devices_increment_j"] + e["datacentre_j"])
+        assert 0 < e["increment_j"] <= e["energy_j"], system
     c = report["cleave"]["energy"]
     assert c["devices_busy_j"] > 0 and c["devices_waiting_j"] > 0 and c["datacentre_j"] > 0
     assert set(c["by_class"]) == {"laptop-low", "laptop-high", "laptop-zen4"}
     ratio = report["energy_ratio"]["vs_cloud"]
     assert ratio == pytest.approx(report["cloud"]["energy"]["energy_j"] / c["energy_j"])
+    ratio = report["energy_ratio"]["increment_vs_dtfm"]
+    assert ratio == pytest.approx(report["dtfm"]["energy"]["increment_j"] / c["increment_j"])
+    assert report["energy_assumptions"]["standby_w"] == STANDBY_W
     # The grid and the PUE are the caller's to state.
     again = RUNNER.invoke(
         app,
@@ -241,4 +306,4 @@ def test_simulate_refuses_a_pue_below_one_and_prints_the_energy_table() -> None:
     assert bad.exit_code == 2 and "--pue" in bad.output
     text = RUNNER.invoke(app, ["simulate", *FAST, "--devices", "4", "--micro-batches", "1"], terminal_width=200)
     assert text.exit_code == 0, text.output
-    assert "energy per step" in text.output and "gCO2e" in text.output
+    assert "energy per step" in text.output and "gCO2e" in text.output and "increment" in text.output

@@ -40,6 +40,7 @@ from coordinator.engine.core import Core
 from coordinator.engine.limits import Limits, Rate, TrustPolicy
 from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from coordinator.engine.scheduler import FaultPolicy
+from coordinator.engine.standby import StandbyPolicy
 from coordinator.planning.tiles import GemmKind, TilingPolicy
 from coordinator.wire import auth
 from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
@@ -68,9 +69,11 @@ from coordinator.wire.messages import (
     ResultBatch,
     Resume,
     SpeedTest,
+    Standby,
     StatusReply,
     StatusRequest,
     UseRelay,
+    Wake,
     Welcome,
     Work,
     WorkBatch,
@@ -110,6 +113,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     BlockRequest,
     Blocks,
     RelayReport,
+    Standby,
+    Wake,
     Finished,
     Error,
 )
@@ -812,6 +817,8 @@ UNEXPECTED = [
     Credential(1, "cd" * 32),
     SpeedTest(reply_bytes=1, data=torch.zeros(1, dtype=torch.uint8)),
     Work(tile_id=1, a="1.0.1x1", b="1.0.1x1"),
+    Standby(keepalive=60.0),  # the coordinator's to send, never a device's
+    Wake(),
 ]
 
 
@@ -959,6 +966,8 @@ class CoreUnderFire(RuleBasedStateMachine):
             limits=limits,
             randbytes=lambda n: entropy.bytes(n),
             band_checks=self.BAND,
+            # Idle devices sleep within an example's minutes, and must be woken for what waits.
+            standby=StandbyPolicy(after=2.0, keepalive=3.0),
         )
         self.core._lease = self.checked_lease(self.core._lease)  # type: ignore[method-assign]
         self.core._write_leases = self.checked_writes(self.core._write_leases)  # type: ignore[method-assign]
@@ -1045,6 +1054,9 @@ class CoreUnderFire(RuleBasedStateMachine):
             elif isinstance(msg, Cancel):
                 for tile_id in msg.tile_ids:
                     assert dev.pending.pop(tile_id, None) is not None, f"cancel of tile {tile_id} it does not hold"
+            elif isinstance(msg, Standby):  # the coordinator sends it only to a device holding nothing
+                assert not dev.pending, f"standby for device {dev.id} while it holds {sorted(dev.pending)}"
+                dev.cache.clear()  # as a client does: the blocks the coordinator sends next come whole
             elif isinstance(msg, Credential):
                 dev.identity, dev.secret = msg.identity, bytes.fromhex(msg.secret)
             elif isinstance(msg, Welcome):
@@ -1432,8 +1444,10 @@ class CoreUnderFire(RuleBasedStateMachine):
                         self.act(self.devs[device_id])
             self.route(self.core.tick(self.now))
         # A device is looked after at least once per sweep; one that joined mid-sweep, in the next.
-        grace = self.core.faults.heartbeat_timeout + 2 * getattr(core_module, "SWEEP", 0.0) + TICK
+        # One in standby may be silent for a few keep-alives (engine/standby.py).
+        sweep = 2 * getattr(core_module, "SWEEP", 0.0) + TICK
         for dev in self.core.devices.values():
+            grace = self.core.standby.silence(dev.id, self.core.faults.heartbeat_timeout) + sweep
             assert self.now - dev.last_seen <= grace, f"device {dev.id}, silent since {dev.last_seen}, was kept"
 
     def act(self, dev: FakeDevice) -> None:

@@ -172,3 +172,20 @@ def test_the_held_out_loss_is_a_gauge_nan_until_the_first_evaluation() -> None:
         if shutil.which("promtool"):
             run = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
             assert run.returncode == 0 and not run.stdout.strip() and not run.stderr.strip(), run.stdout + run.stderr
+
+
+def test_the_energy_on_the_increment_is_a_counter_by_part_next_to_the_whole() -> None:
+    """``cleave_energy_increment_joules``: devices' booked draw less their idle draw, and the
+    coordinator's own whole, read from the books as ``cleave_energy_joules`` is."""
+    energy = {
+        "devices_sources": {"rapl": 900.0},
+        "coordinator_sources": {"estimate": 500.0},
+        "coordinator_j": 500.0,
+        "devices_increment_j": 882.0,
+    }
+    text = metrics_mod.Metrics(lambda: {"energy": energy}).render()[2].decode()
+    assert "# HELP cleave_energy_increment_joules_total Energy booked on the increment" in text
+    got = _samples(text)
+    assert got[("cleave_energy_increment_joules_total", (("part", "devices"),))] == 882.0
+    assert got[("cleave_energy_increment_joules_total", (("part", "coordinator"),))] == 500.0
+    assert got[("cleave_energy_joules_total", (("part", "devices"), ("source", "rapl")))] == 900.0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from coordinator.wire.addresses import is_loopback, url_host
-from coordinator.wire.codes import Code, EnergySource, ReleaseWhy
+from coordinator.wire.codes import Code, EnergySource, ReleaseWhy, StandbyWhy
 from coordinator.wire.errors import ProtocolError
 from coordinator.wire.messages import (
     MAGIC,
@@ -32,8 +32,10 @@ from coordinator.wire.messages import (
     ResultBatch,
     Resume,
     SpeedTest,
+    Standby,
     StatusReply,
     StatusRequest,
+    Wake,
     Welcome,
     Work,
     WorkBatch,
@@ -69,6 +71,8 @@ PLAIN = [
     StatusReply(status={"job": {"step": 1, "loss": 2.5}, "devices": []}),
     Finished(reason="job complete"),
     Error(code=Code.NOT_LEASED, message="tile 9 is not leased to you"),
+    Standby(keepalive=60.0, reason=StandbyWhy.IDLE),
+    Wake(),
 ]
 
 
@@ -174,7 +178,7 @@ def test_non_contiguous_tensors_are_sent_by_value() -> None:
 GOLDEN = {
     "challenge": (
         Challenge(nonce="ab" * 32, coordinator="c0ffee"),
-        b'CLV\x08\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"'
+        b'CLV\x09\x83\x00\x00\x00{"coordinator":"c0ffee","nonce":"'
         + b"ab" * 32
         + b'","tensors":[],"type":"challenge"}',
     ),
@@ -190,7 +194,7 @@ GOLDEN = {
             slots=2,
             client_version="0.2.0",
         ),
-        b'CLV\x08\xf3\x00\x00\x00{"batch":1,"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
+        b'CLV\x09\xf3\x00\x00\x00{"batch":1,"block_budget":0,"client_version":"0.2.0","cores":2,"device":"cpu","gflops":1.5,'
         b'"identity":0,"memory_bytes":4,"name":"n","paused":"","platform":"p","proof":"","relay":"","slots":2,'
         b'"tensors":[],"ticket":"","token":"t","type":"hello"}',
     ),
@@ -204,7 +208,7 @@ GOLDEN = {
             forget=(3,),
         ),
         bytes.fromhex(
-            "434c56089a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
+            "434c56099a0000007b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e327831222c22"
             "625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274656e736f"
             "7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274696c655f6964223a372c2274"
             "797065223a22776f726b227d0000803f00000040"
@@ -213,7 +217,7 @@ GOLDEN = {
     "result": (
         Result(tile_id=7, c=torch.tensor([[0.5]]), seconds=0.25, waited=0.125),
         bytes.fromhex(
-            "434c5608650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
+            "434c5609650000007b227365636f6e6473223a302e32352c2274656e736f7273223a5b7b226474797065223a22663332222c"
             "227368617065223a5b312c315d7d5d2c2274696c655f6964223a372c2274797065223a22726573756c74222c227761697465"
             "64223a302e3132357d0000003f"
         ),
@@ -234,7 +238,7 @@ GOLDEN = {
             )
         ),
         bytes.fromhex(
-            "434c56082c0100007b2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d2c"
+            "434c56092c0100007b2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c325d7d2c"
             "7b226474797065223a22663332222c227368617065223a5b312c325d7d5d2c2274797065223a22776f726b5f626174636822"
             "2c22776f726b73223a5b7b2261223a22312e302e317832222c22615f74223a66616c73652c2262223a22322e302e32783122"
             "2c22625f74223a747275652c22626c6f636b73223a5b22312e302e317832225d2c22666f72676574223a5b335d2c2274696c"
@@ -246,7 +250,7 @@ GOLDEN = {
     "result_batch": (
         ResultBatch((Result(7, torch.tensor([[0.5]]), 0.25, 0.125), Result(8, torch.tensor([[11.0]]), 0.25, 0.0))),
         bytes.fromhex(
-            "434c5608c10000007b22726573756c7473223a5b7b227365636f6e6473223a302e32352c2274696c655f6964223a372c2277"
+            "434c5609c10000007b22726573756c7473223a5b7b227365636f6e6473223a302e32352c2274696c655f6964223a372c2277"
             "6169746564223a302e3132357d2c7b227365636f6e6473223a302e32352c2274696c655f6964223a382c2277616974656422"
             "3a302e307d5d2c2274656e736f7273223a5b7b226474797065223a22663332222c227368617065223a5b312c315d7d2c7b22"
             "6474797065223a22663332222c227368617065223a5b312c315d7d5d2c2274797065223a22726573756c745f626174636822"
@@ -256,16 +260,22 @@ GOLDEN = {
     # A rank of a tier sends a newcomer on: where to, and the ticket to enrol there with.
     "redirect": (
         Redirect(url="wss://rank1.example.org:8765", rank=1, ticket="ab" * 60, reason="rank 1 needs devices more"),
-        b'CLV\x08\xf7\x00\x00\x00{"rank":1,"reason":"rank 1 needs devices more","tensors":[],"ticket":"'
+        b'CLV\x09\xf7\x00\x00\x00{"rank":1,"reason":"rank 1 needs devices more","tensors":[],"ticket":"'
         + b"ab" * 60
         + b'","type":"redirect","url":"wss://rank1.example.org:8765"}',
     ),
     # A device's energy since its last report, batched with its results (protocol 8).
     "energy": (
         Energy(joules=1520.5, seconds=30.0, source=EnergySource.RAPL, gpu_joules=12.25, grid_gco2_kwh=250.0),
-        b'CLV\x08v\x00\x00\x00{"gpu_joules":12.25,"grid_gco2_kwh":250.0,"joules":1520.5,"seconds":30.0,'
+        b'CLV\x09v\x00\x00\x00{"gpu_joules":12.25,"grid_gco2_kwh":250.0,"joules":1520.5,"seconds":30.0,'
         b'"source":"rapl","tensors":[],"type":"energy"}',
     ),
+    # No work for the device for now: it sleeps, beating once a minute, until woken (protocol 9).
+    "standby": (
+        Standby(keepalive=60.0, reason=StandbyWhy.UNPLANNED),
+        b'CLV\x09E\x00\x00\x00{"keepalive":60.0,"reason":"unplanned","tensors":[],"type":"standby"}',
+    ),
+    "wake": (Wake(), b'CLV\x09\x1c\x00\x00\x00{"tensors":[],"type":"wake"}'),
 }
 
 
@@ -374,6 +384,16 @@ MALFORMED = {
     "slots out of range": (_frame({"type": "hello", "name": "n", "slots": 10_000}), "bad_frame"),
     "too many tensors": (
         _frame({"type": "result", "tile_id": 1, "tensors": [{"dtype": "u8", "shape": [0]}] * 17}),
+        "bad_tensor",
+    ),
+    # A standby's keep-alive is bounded both ways: a client never beats 1,000 times a second, nor
+    # goes silent for a day; and it has one.
+    "standby keepalive too short": (_frame({"type": "standby", "keepalive": 0.001}), "bad_frame"),
+    "standby keepalive too long": (_frame({"type": "standby", "keepalive": 86400.0}), "bad_frame"),
+    "standby without keepalive": (_frame({"type": "standby", "reason": "idle"}), "bad_frame"),
+    "unknown standby reason": (_frame({"type": "standby", "keepalive": 60, "reason": "bored"}), "bad_frame"),
+    "tensor on a wake": (
+        _frame({"type": "wake", "tensors": [{"dtype": "f32", "shape": [1]}]}, b"\0" * 4),
         "bad_tensor",
     ),
 }

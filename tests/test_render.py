@@ -200,15 +200,17 @@ def test_energy_shows_in_the_dashboard_the_leaderboard_and_the_volunteers_panel(
             "gco2": 872.0,
             "grid_gco2_kwh": 436.0,
             "flagged": 3,
+            "increment_j": 1_800_000.0,
         },
         "leaderboard": [{"label": "laptop #1", "gflop": 3.5, "tiles": 120, "joules": 1500.0, "gflop_per_j": 0.0023}],
     }
-    text = _text(render.dashboard(status), width=200)
+    text = _text(render.dashboard(status), width=240)  # the energy line in full
     assert "energy" in text and "2.00 kWh" in text and "capped 27%, rapl 73%" in text and "estimate 100%" in text
     assert (
         "12.500 J per verified GFLOP" in text
         and "872.0 g CO2 at 436 g/kWh" in text
         and "3 device claims capped" in text
+        and "increment 1.80 MJ" in text
     )
     assert "1.5 kJ" in text and "GFLOP/J" in text
     assert render.energy_line({}) == "no energy reported yet"

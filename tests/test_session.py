@@ -18,11 +18,13 @@ from client.session import (
     ErrorReceived,
     HangUp,
     Session,
+    Sleeping,
     TileQueued,
     Welcomed,
+    Woken,
 )
 from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
+from coordinator.wire.codes import CloseCode, Code, ReleaseWhy, StandbyWhy
 from coordinator.wire.errors import Banned, Refused
 from coordinator.wire.messages import (
     DEFAULT_HEARTBEAT,
@@ -41,6 +43,8 @@ from coordinator.wire.messages import (
     Result,
     ResultBatch,
     Resume,
+    Standby,
+    Wake,
     Welcome,
     Work,
     WorkBatch,
@@ -338,6 +342,55 @@ def test_a_pause_gives_every_tile_back_drops_results_and_a_resume_takes_work_aga
     session.receive_frame(work(4, blocks=False), 3.0)
     result = compute(session, 3.0)
     assert result is not None and result.tile_id == 4
+
+
+# --------------------------------------------------------------------------- standby
+
+
+def test_standby_drops_blocks_and_tiles_beats_at_the_keepalive_and_a_wake_is_answered_at_once() -> None:
+    session = connected(now=0.0)
+    session.receive_frame(work(1), 1.0)
+    session.receive_frame(work(2, blocks=False), 1.0)
+    computing = session.start(session.pop(), 1.0)  # type: ignore[arg-type]
+    assert computing is not None and session.blocks
+    [sleeping] = session.receive_frame(encode(Standby(keepalive=30.0, reason=StandbyWhy.UNPLANNED)), 2.0)
+    assert sleeping == Sleeping(30.0, StandbyWhy.UNPLANNED) and session.keepalive == 30.0
+    assert not session.blocks and session.queued == 0  # nothing held: the runner frees the memory
+    assert session.computed(computing, computing.a @ computing.b, 0.25) is None  # nobody wants it
+    assert session.held == frozenset() and sent(session) == []
+    # One heartbeat every 30 s, not every 2 s; a coordinator that beats at that pace is not silent.
+    for t in (4.0, 10.0, 31.0):
+        assert session.tick(t, 0.0) == []
+    assert sent(session) == []
+    assert session.tick(32.0, 5.0) == [] and sent(session) == [Heartbeat(sent_at=5.0)]
+    session.receive_frame(encode(Heartbeat(sent_at=1.0)), 60.0)
+    assert session.tick(62.0, 0.0) == [] and sent(session) == [Heartbeat(sent_at=0.0)]
+    # Woken: its answer is due at once, then the welcome's interval again.
+    assert session.receive_frame(encode(Wake()), 70.0) == [Woken()]
+    assert session.keepalive is None and session.next_beat == 70.0
+    assert session.tick(70.0, 7.0) == [] and sent(session) == [Heartbeat(sent_at=7.0)]
+    assert session.next_beat == 70.0 + DEFAULT_HEARTBEAT
+    session.receive_frame(work(3), 70.5)  # work follows the wake
+    result = compute(session, 71.0)
+    assert result is not None and result.tile_id == 3
+
+
+def test_a_sleeping_device_hangs_up_only_after_three_keepalives_of_silence() -> None:
+    session = connected(now=0.0)
+    session.receive_frame(encode(Standby(keepalive=60.0)), 0.0)
+    for t in range(60, 181, 60):  # 3 keep-alives without a frame: still waiting
+        assert session.tick(float(t), 0.0) == []
+    [hangup] = session.tick(240.0, 0.0)
+    assert isinstance(hangup, HangUp) and hangup.silent == 240.0
+
+
+def test_a_wake_when_awake_is_answered_and_a_standby_before_the_welcome_is_ignored() -> None:
+    session = Session(HELLO, now=0.0, token="join-token")
+    challenge(session)
+    assert session.receive_frame(encode(Standby(keepalive=5.0)), 0.5) == []  # not welcomed yet
+    assert session.keepalive is None
+    session.receive_frame(welcome(), 1.0)
+    assert session.receive_frame(encode(Wake()), 1.5) == [Woken()] and session.next_beat == 1.5
 
 
 def test_a_pause_without_a_reason_still_counts_as_paused() -> None:

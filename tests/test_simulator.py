@@ -537,3 +537,22 @@ def test_the_loop_s_costs_come_from_one_place() -> None:
     # The simulator, the planner (through PSProfile) and the calibration read LOOP_COSTS.
     assert PSProfile().loop is LOOP_COSTS and LAN_PS.loop is LOOP_COSTS
     assert shared(LAN_PS, 4).loop == LOOP_COSTS.scaled(4)
+
+
+def test_devices_the_step_leaves_idle_sleep_after_the_standby_policys_wait_and_never_while_working() -> None:
+    """``class_standby_s``: a device with no work in the step sleeps once ``after`` seconds have
+    passed; one that worked sleeps only ``after`` past its last result; ``after`` 0 never."""
+    from coordinator.engine.standby import StandbyPolicy
+
+    fleet, tiny = laptops(16), model_shape("tiny")
+    sim = run(model=tiny, fleet=fleet, standby=StandbyPolicy(after=1.0))
+    st = sim.result.steps[-1]
+    for name, asleep in st.class_standby_s.items():
+        awake = st.class_present_s[name] - st.class_busy_s[name]
+        assert 0 <= asleep <= awake + 1e-9  # never asleep while computing
+    idle = [d for d in sim.devices.values() if d.compute_s == 0]
+    bound = sum(max(0.0, st.seconds - 1.0) for _ in idle)
+    assert sum(st.class_standby_s.values()) >= bound - 1e-6  # the idle ones slept after 1 s
+    assert idle and st.devices_used  # some computed, some did not
+    never = run(model=tiny, fleet=fleet, standby=StandbyPolicy(after=0.0)).result.steps[-1]
+    assert sum(never.class_standby_s.values()) == 0

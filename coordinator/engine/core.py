@@ -37,6 +37,7 @@ Faults cost only outstanding tiles:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -71,6 +72,7 @@ from coordinator.engine.scheduler import (
     Scheduler,
     UnitSpec,
 )
+from coordinator.engine.standby import Sleepers, StandbyPolicy
 from coordinator.planning.costmodel import Profile, PSProfile, local_seconds
 from coordinator.planning.tiles import (
     GemmKind,
@@ -81,7 +83,7 @@ from coordinator.planning.tiles import (
     piece_tiles,
 )
 from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy
+from coordinator.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy, StandbyWhy
 from coordinator.wire.errors import AuthError
 from coordinator.wire.messages import (
     MAX_SLOTS,
@@ -102,7 +104,9 @@ from coordinator.wire.messages import (
     Release,
     Result,
     Resume,
+    Standby,
     UseRelay,
+    Wake,
     Welcome,
     Work,
 )
@@ -125,6 +129,7 @@ STANDING_CHECK = 1.0  # seconds between looks for an operator's revocations and 
 STUCK_GRACE = 60.0  # seconds a tile failed everywhere twice waits for a new device before the job stops
 SWEEP = 0.5  # seconds in which tick looks after every device once (heartbeats, silence, credit)
 WAIT_SLACK = 0.005  # seconds a tile may wait on a device with nothing before it (its event loop)
+WAKE_SCAN = 64  # sleeping devices woken in one tick for tiles no awake device may take (Scheduler.scan's bound)
 
 
 class Departure(Name):
@@ -171,6 +176,7 @@ class Core:
         books: Books | None = None,
         grid_gco2_kwh: float = GRID_GCO2_KWH,
         band_checks: bool = True,
+        standby: StandbyPolicy | None = None,
     ) -> None:
         self.store = store
         # Results of a GEMM cut into row bands are checked a band at a time (``BandCheck``):
@@ -189,6 +195,8 @@ class Core:
             self.gate.set_tokens(join=join_token, operator=operator_token)
         self.job_name = job_name or f"job {job_id}"
         self.devices: dict[int, DeviceState] = {}
+        # Devices the plans leave out sleep (engine/standby.py): who sleeps, whom to wake.
+        self.standby = Sleepers(standby)
         self.energy = EnergyBooks(grid_gco2_kwh)  # devices' reports within their band, and our own meter
         self.gflop_verified = 0.0  # every device's, in this process
         self._by_identity: dict[int, int] = {}  # identity -> device id, while connected
@@ -323,6 +331,7 @@ class Core:
             batch=min(hello.batch, asked),
         )
         self.devices[device_id] = dev
+        self.standby.joined(device_id, now)
         self.energy.joined(device_id, hello.device, dev.gflop_verified)
         self._by_identity[admission.identity] = device_id
         self.profiles[device_id] = measured
@@ -464,6 +473,7 @@ class Core:
         self._by_identity.pop(dev.identity, None)
         self.relays.leave(device_id)
         self.energy.left(device_id)
+        self.standby.left(device_id)
         departure = Departure.of(reason)
         graceful = departure is not Departure.CLOSED  # leaving, or the coordinator stopping
         held = list(dev.inflight)
@@ -555,6 +565,8 @@ class Core:
         if dev is None:
             return []
         dev.last_seen = now
+        if self.standby.heard(device_id, now) is not None:  # the answer to its wake: planned at its round trip again
+            self._fleet_changed()
         # A result for a tile it holds was asked for: its lease paid for it (the coordinator
         # leases at most ``slots`` at once). Every other frame draws on the message allowance; a
         # fast honest device returns results far faster (the tiny model's, ~170 a second here).
@@ -577,7 +589,7 @@ class Core:
             if isinstance(msg, Pause):
                 return self._on_pause(dev, msg.reason or "paused by its owner", now)
             dev.paused = None
-            self.sched.update(dev.id, paused=False)
+            self.sched.update(dev.id, paused=self.standby.is_asleep(dev.id))  # its owner is back; it may still sleep
             self._fleet_changed()
             self.store.set_device_state(dev.id, DeviceStatus.ONLINE, self.wall(now))
             return self._dispatch(now)
@@ -642,14 +654,20 @@ class Core:
             dev = self.devices.get(self._sweep.pop()) if self._sweep else None
             if dev is None:
                 continue
-            if now - dev.last_seen > self.faults.heartbeat_timeout:
+            # A sleeping device beats once a keep-alive: silent for a few of them, it is gone;
+            # silent for less, it is sleeping, never at fault (engine/standby.py).
+            if now - dev.last_seen > self.standby.silence(dev.id, self.faults.heartbeat_timeout):
                 silence = f"no heartbeat for {now - dev.last_seen:.1f} s"
                 out.extend(self._drop(dev, CloseCode.SILENT, silence, now))
                 continue
             if dev.gflop_verified != dev.credit_sent and now - dev.credit_at >= CREDIT_INTERVAL:
                 out.append(self._credit(dev, now))  # verified work only, never claims
-            if now - dev.last_sent >= self.faults.heartbeat:
+            if now - dev.last_sent >= self.standby.beat(dev.id, self.faults.heartbeat):
                 out.append(self._send(dev.id, Heartbeat(self.wall(now)), now))
+            idle = dev.paused is None and not dev.inflight and not dev.seat.own_count and not self.finished
+            why = self.standby.due(dev.id, idle, bool(self.gemms), now)
+            if why is not None:
+                out.append(self._sleep(dev, why, now))
             if self.relays.relays and dev.id not in self.relays.behind:  # one it avoided for a while, or none had room
                 profile = self._profiled.get(dev.id) or self.profiles[dev.id].profile(self.dtype)
                 use = self.relays.place(dev.id, profile.down, now)
@@ -659,8 +677,56 @@ class Core:
                 dev.frame_limit = self.limits.idle_frame
                 out.append(Limit(dev.id, dev.frame_limit))
         out.extend(self._dispatch(now))
+        woken = self._wake_for_queue(now)
+        if woken:
+            out.extend(woken)
+            out.extend(self._dispatch(now))
         self.store.flush()  # the hot path's grouped writes are durable within a tick or two
         return out
+
+    # ------------------------------------------------------------------ standby
+
+    def _sleep(self, dev: DeviceState, why: StandbyWhy, now: float) -> Send:
+        """Send an idle device the plans leave out to standby: it gets no work (its seat is paused
+        with the scheduler) and drops its cached blocks, which it is no longer counted to hold."""
+        self.standby.sleep(dev.id, now)
+        self.sched.update(dev.id, paused=True)
+        for namespace in list(dev.namespaces):
+            keys = dev.drop(namespace)
+            self.sched.drops_blocks(dev.id, keys)
+        dev.forget.clear()  # it drops every block: nothing to name in a later work's ``forget``
+        self.sched.update(dev.id, full=dev.full)
+        self._fleet_changed()  # planned at its wake latency from now on
+        log.info("device %d (%s) sent to standby: %s", dev.id, dev.name, why)
+        return self._send(dev.id, Standby(self.standby.policy.keepalive, why), now)
+
+    def _wake(self, dev: DeviceState, now: float) -> Send:
+        """Wake a sleeping device: it may take work at once (its frames follow the wake on its
+        socket); its answer times the wake (``Sleepers.heard``)."""
+        self.standby.wake(dev.id, now)
+        self.sched.update(dev.id, paused=dev.paused is not None)
+        self._fleet_changed()
+        log.info("device %d (%s) woken", dev.id, dev.name)
+        return self._send(dev.id, Wake(), now)
+
+    def _wake_for_queue(self, now: float) -> list[Outbound]:
+        """Tiles wait that no awake device may take now (no planned owner is here for them, and
+        every free device is barred from them, or none is free): wake sleepers, longest asleep
+        first, until their slots cover them (at most ``WAKE_SCAN`` a tick). O(woken), plus the
+        sleepers its owner paused ahead of them."""
+        waiting = self.sched.unowned
+        if not waiting or not self.standby.asleep or self.sched.offered:
+            return []
+        chosen: list[DeviceState] = []
+        for device_id in self.standby.longest_asleep():
+            dev = self.devices[device_id]
+            if dev.paused is not None:  # its owner's pause holds it anyway: waking it would not help
+                continue
+            chosen.append(dev)
+            waiting -= max(1, dev.slots)
+            if waiting <= 0 or len(chosen) >= WAKE_SCAN:
+                break
+        return [self._wake(dev, now) for dev in chosen]
 
     def _unstick(self, now: float) -> list[Outbound]:
         """A queued tile that every device here has failed would wait forever, and training
@@ -870,6 +936,7 @@ class Core:
         )
         dev.tiles_done += 1
         dev.compute_seconds += msg.seconds
+        self.standby.working(dev.id, now)
         # From its work frame going on the wire (not from the lease: a frame queued behind the
         # device's other work is that work's link time, not this one's).
         start = leased_at if on_wire is None else max(leased_at, on_wire)
@@ -1097,6 +1164,7 @@ class Core:
         product = functools.partial(assemble, gemm.plan, gemm.parts, gemm.out_dtype or gemm.a.dtype)
         self.store.finish_gemm(gemm.id, self.wall(now))
         self.sched.drop_gemm(gemm.id, now)
+        self.standby.done(gemm.id)
         for tid in gemm.tiles:
             self._tile_gemm.pop(tid, None)
             self._reopened.discard(tid)
@@ -1231,6 +1299,9 @@ class Core:
         for tid in ids:
             self._tile_gemm[tid] = gemm_id
         owners = live.owners
+        # Sleeping devices the plan names are woken first: their tiles then wait in their own
+        # queues, and their work frames follow the wake (engine/standby.py).
+        wakes = [self._wake(self.devices[d], now) for d in self.standby.planned(gemm_id, owners.values())]
         # Ahead of deferred GEMMs' queued tiles (FIFO otherwise): the trainer waits on this one.
         front = not deferred and any(g.deferred for g in self.gemms.values() if g is not gemm)
         self.sched.add_gemm(
@@ -1250,7 +1321,7 @@ class Core:
             ],
             front=front,
         )
-        return gemm_id, self._dispatch(now)
+        return gemm_id, wakes + self._dispatch(now)
 
     def _plan(self, m: int, n: int, k: int, kind: GemmKind) -> LivePlan:
         """The cost model's plan for the devices that may take work now. Their classes are
@@ -1295,7 +1366,11 @@ class Core:
         ``dtype`` (default: the job's GEMMs' dtype, known once the first GEMM has come)."""
         dtype = dtype or self.dtype
         if dtype != self.dtype:
-            return {d: self.profiles[d].profile(dtype) for d, dev in self.devices.items() if dev.paused is None}
+            return {
+                d: self._resting(d, self.profiles[d].profile(dtype))
+                for d, dev in self.devices.items()
+                if dev.paused is None
+            }
         # A profile changes only with an observation (which marks the device measured): each
         # device's is computed once per observation, not once per GEMM the fleet changed for.
         out = {}
@@ -1305,8 +1380,14 @@ class Core:
             known = None if d in self._measured else self._profiled.get(d)
             if known is None:
                 known = self._profiled[d] = self.profiles[d].profile(dtype)
-            out[d] = known
+            out[d] = self._resting(d, known)
         return out
+
+    def _resting(self, device_id: int, profile: Profile) -> Profile:
+        """A sleeping device as the planner sees it: its round trip lengthened by its wake, so a
+        plan that wants it pays for the wait (engine/standby.py)."""
+        wait = self.standby.latency(device_id, profile.rtt)
+        return dataclasses.replace(profile, rtt=profile.rtt + wait) if wait > 0 else profile
 
     def _fleet_changed(self) -> None:
         """A device joined, left, paused, resumed or moved on the planner's grid."""
@@ -1433,6 +1514,7 @@ class Core:
 
     def _lease(self, dev: DeviceState, tile_id: int, now: float) -> list[Outbound]:
         """Send the work of a lease (its store row is the caller's: ``_write_leases``, ``_copy``)."""
+        self.standby.working(dev.id, now)
         gemm = self.gemms[self._tile_gemm[tile_id]]
         tile = gemm.tiles[tile_id]
         out: list[Outbound] = []

@@ -34,6 +34,12 @@ flagged: never as measured. The leaderboard divides the GFLOP its reports covere
 (``gflop_metered``), not all it did, by what was booked. The sources of the constants are in
 docs/operations.md "Energy and carbon".
 
+Each booking is also counted on the increment (issue 37): what Cleave's work added to a machine
+that is on anyway, the booked figure less the machine's idle draw (``IDLE_W``, by what the report
+measured) over the seconds it held work since its previous report, never below 0 nor above the
+booked figure (a hostile report can only move it within those). The coordinator is a dedicated
+machine: its own energy counts whole both ways.
+
 Pure: ``now`` in, no I/O. The Core holds one; the job feeds it the coordinator's own meter.
 """
 
@@ -66,6 +72,20 @@ CPU_PEAK_GFLOPS = 7400.0
 # Seconds its reports may cover beyond what this clock saw: once per identity in the job (a
 # reconnect gets none), and never more than it held work (a brief lease buys a brief slack).
 SLACK_S = 5.0
+# The idle draw of what each source measures, subtracted from a device's booked energy over the
+# seconds it held work to give its increment over a machine on anyway. The low end of each range,
+# so the increment errs against Cleave. Our assumptions (approx.): rapl, the CPU packages idle
+# (a laptop's idles at a watt or two, a desktop's at 5-15 W in reviews' package-power
+# measurements): 2 W; nvml, a GPU board idle (desktop GeForce boards idle at 10-20 W, as the
+# simulator assumes: coordinator/whatif/energy.py): 10 W; battery, the whole machine on its
+# battery, idle and awake on Wi-Fi (the simulator's 15 W-class laptop): 5 W; estimate: 0, since it
+# counts only Cleave's own CPU and GEMM seconds, none of the machine's idle draw.
+IDLE_W: dict[EnergySource, float] = {
+    EnergySource.RAPL: 2.0,
+    EnergySource.NVML: 10.0,
+    EnergySource.BATTERY: 5.0,
+    EnergySource.ESTIMATE: 0.0,
+}
 DEVICE_SOURCES = (EnergySource.RAPL, EnergySource.BATTERY, EnergySource.ESTIMATE)
 # World-average carbon intensity of electricity generation, gCO2e/kWh: 436 in 2022 (Ember, *Global
 # Electricity Review 2023*). A location-based figure: what the average kWh on the world's grids
@@ -94,6 +114,7 @@ class Claim:
     flagged: str  # why it was capped ("" if believed)
     grams: float
     gflop: float  # verified GFLOP the report covers (since the device's previous one)
+    increment: float = 0.0  # of the booked joules, those over its idle draw (0 <= it <= booked)
 
 
 @dataclass
@@ -108,6 +129,7 @@ class DeviceEnergy:
     gpu_share: float = 0.0  # of its verified GFLOP, the share delivered beyond a CPU's rate (its floor)
     ceiling_share: float = 0.0  # ... the share computed beyond a CPU's rate, by its results' seconds
     joules: float = 0.0  # booked
+    increment: float = 0.0  # ... of which over its machine's idle draw
     grams: float = 0.0
     flagged: int = 0
     source: str = ""  # of its last report (``rapl+nvml`` for a GPU device)
@@ -115,16 +137,18 @@ class DeviceEnergy:
 
 @dataclass
 class Ledger:
-    """Joules by source, and grams."""
+    """Joules by source, grams, and joules on the increment over machines on anyway."""
 
     joules: dict[EnergySource, float] = field(default_factory=dict)
     grams: float = 0.0
+    increment: float = 0.0
 
-    def add(self, booked: dict[EnergySource, float], grams: float) -> None:
-        """Book these joules (by source) and grams."""
+    def add(self, booked: dict[EnergySource, float], grams: float, increment: float | None = None) -> None:
+        """Book these joules (by source), grams, and ``increment`` of them (None: all)."""
         for source, j in booked.items():
             self.joules[source] = self.joules.get(source, 0.0) + j
         self.grams += grams
+        self.increment += sum(booked.values()) if increment is None else increment
 
     @property
     def total(self) -> float:
@@ -146,6 +170,12 @@ class StepEnergy:
     gflop: float  # verified during the step
     sources: dict[str, float]  # devices' and coordinator's joules by source
     flagged: int  # device reports capped during it
+    devices_increment_j: float = 0.0  # of devices_j, over their machines' idle draw
+
+    @property
+    def increment_j(self) -> float:
+        """Over machines on anyway: the devices' increment, the coordinator's whole."""
+        return self.devices_increment_j + self.coordinator_j
 
     @property
     def joules(self) -> float:
@@ -162,6 +192,7 @@ class StepEnergy:
         per = self.j_per_gflop
         return {
             "j_devices": round(self.devices_j, 3),
+            "j_devices_increment": round(self.devices_increment_j, 3),
             "j_coordinator": round(self.coordinator_j, 3),
             "j_per_gflop": None if per is None else round(per, 4),
             "gco2": round(self.grams, 4),
@@ -243,19 +274,25 @@ class EnergyBooks:
             booked = {
                 s: j * part for s, j in ((msg.source, msg.joules), (EnergySource.NVML, msg.gpu_joules)) if j * part > 0
             }
+        whole = sum(booked.values())
+        # Its machine's idle draw over the seconds it held work (no more than the report covers).
+        idle_w = IDLE_W[msg.source] + (IDLE_W[EnergySource.NVML] if msg.gpu_joules > 0 else 0.0)
+        idle_s = min(held_since, msg.seconds)
+        increment = min(whole, max(0.0, whole - idle_w * idle_s))
         grid = msg.grid_gco2_kwh or self.grid
-        g = grams(sum(booked.values()), grid)
+        g = grams(whole, grid)
         dev.gflop_at = gflop
-        dev.joules += sum(booked.values())
+        dev.joules += whole
+        dev.increment += increment
         dev.grams += g
         dev.source = "+".join(s.value for s in booked) or msg.source.value
         if flagged:
             dev.flagged += 1
             self.flagged += 1
             self._step_flagged += 1
-        self.job_devices.add(booked, g)
-        self._step_devices.add(booked, g)
-        return Claim(booked, flagged, g, covered)
+        self.job_devices.add(booked, g, increment)
+        self._step_devices.add(booked, g, increment)
+        return Claim(booked, flagged, g, covered, increment)
 
     def own(self, joules: float, source: EnergySource, gpu_joules: float = 0.0) -> None:
         """The coordinator's own meter, over the span since its last read."""
@@ -276,6 +313,7 @@ class EnergyBooks:
             max(0.0, gflop - self._gflop_at),
             sources.mix(),
             self._step_flagged,
+            self._step_devices.increment,
         )
         self._step_devices, self._step_coordinator, self._step_flagged = Ledger(), Ledger(), 0
         self._gflop_at = gflop
@@ -288,6 +326,9 @@ class EnergyBooks:
             "joules": round(total, 3),
             "devices_j": round(self.job_devices.total, 3),
             "coordinator_j": round(self.job_coordinator.total, 3),
+            # Over machines on anyway: devices' booked draw less their idle, the coordinator's whole.
+            "increment_j": round(self.job_devices.increment + self.job_coordinator.total, 3),
+            "devices_increment_j": round(self.job_devices.increment, 3),
             "kwh": round(total / J_PER_KWH, 6),
             "gco2": round(self.job_devices.grams + self.job_coordinator.grams, 3),
             "grid_gco2_kwh": self.grid,

@@ -54,6 +54,8 @@ def status(core: Core, now: float) -> dict[str, Any]:
             state = DeviceView.OFFLINE if row.state in CONNECTED else DeviceView(row.state)
         elif live.paused is not None:
             state = DeviceView.PAUSED
+        elif core.standby.is_asleep(row.id):
+            state = DeviceView.STANDBY
         else:
             state = DeviceView.WORKING if live.inflight else DeviceView.IDLE
         profile = core.profiles.get(row.id)
@@ -83,6 +85,8 @@ def status(core: Core, now: float) -> dict[str, Any]:
                 "mb_down": round((live.bytes_down if live else 0) / 1e6, 2),
                 "mb_up": round((live.bytes_up if live else 0) / 1e6, 2),
                 "compute_s": round(live.compute_seconds, 4) if live else None,
+                # Seconds from a wake to its answer (a running mean; None: never woken here).
+                "wake_s": round(wake, 4) if (wake := core.standby.wake_s.get(row.id)) is not None else None,
                 "profile": profile.as_json(core.dtype) if profile is not None else None,
                 # Its energy reports as booked in this job (capped ones at their cap), and where
                 # its last one came from (rapl, battery, estimate, +nvml; capped).
@@ -112,6 +116,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
         },
         "devices": listed,
         "device_counts": {"connected": len(core.devices), **store.device_states(job_id)},
+        **_standby(core),
         "tiles": {k: counts[k] for k in STATUS_TILES},
         # Why tiles were lost (a device's connection closed, it went silent, it was cut...):
         # the most common reasons, each with its count.
@@ -162,5 +167,13 @@ def books(core: Core) -> dict[str, Any]:
         "verify": {"seconds": core.verify_seconds},
         "gemms_in_flight": len(core.gemms),
         "device_counts": {"connected": len(core.devices), **core.store.device_states(core.job_id)},
+        **_standby(core),
         "energy": core.energy.summary(core.gflop_verified),
     }
+
+
+def _standby(core: Core) -> dict[str, Any]:
+    """Devices asleep now (counted apart: each is also ``online`` in ``device_counts``), and the
+    standby and wake messages sent so far (engine/standby.py)."""
+    sleepers = core.standby
+    return {"devices_standby": len(sleepers.asleep), "standby": {"sent": sleepers.sent, "woken": sleepers.woken}}

@@ -126,6 +126,7 @@ class Dashboard:
             },
             "tiles": {k: s.get("tiles", {}).get(k, 0) for k in ("queued", "leased", "verified", "rejected", "lost")},
             "connected": s.get("device_counts", {}).get("connected", 0),
+            "standby": s.get("devices_standby", 0),  # of them, asleep: the plans leave them out
             "leaderboard": [_leader(r) for r in s.get("leaderboard", [])],
             "leaderboard_efficiency": [_leader(r) for r in s.get("leaderboard_efficiency", [])],
             # The job's energy, booked (aggregates only: no device's figure without the token).

@@ -118,6 +118,15 @@ class _Books:
             for source, j in sorted(energy.get(key, {}).items()):
                 joules.add_metric([part, source], j)
         yield joules
+        increment = CounterMetricFamily(
+            "cleave_energy_increment_joules",
+            "Energy booked on the increment over machines on anyway: devices' booked draw less their idle draw "
+            "while holding work (between 0 and the booked), the coordinator's own meter whole.",
+            labels=["part"],
+        )
+        increment.add_metric(["devices"], energy.get("devices_increment_j", 0.0))
+        increment.add_metric(["coordinator"], energy.get("coordinator_j", 0.0))
+        yield increment
         yield CounterMetricFamily(
             "cleave_co2_grams",
             "Grams of CO2 of the energy booked, at each grid's stated intensity.",
@@ -145,6 +154,18 @@ class _Books:
             states.add_metric([state], n)
         yield states
         yield GaugeMetricFamily("cleave_devices_connected", "Devices connected now.", value=connected)
+        yield GaugeMetricFamily(
+            "cleave_devices_standby",
+            "Devices connected and in standby now: the plans leave them out (each is also online).",
+            value=s.get("devices_standby", 0),
+        )
+        standby = s.get("standby") or {}
+        yield CounterMetricFamily(
+            "cleave_standby_sent", "Standby messages sent to devices the plans left out.", value=standby.get("sent", 0)
+        )
+        yield CounterMetricFamily(
+            "cleave_wakes_sent", "Wake messages sent to devices in standby.", value=standby.get("woken", 0)
+        )
         share = (job.get("gemm_share") or {}).get("share")
         if share is not None:
             yield GaugeMetricFamily(

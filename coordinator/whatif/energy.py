@@ -2,11 +2,18 @@
 pipeline, and the cloud. Pure arithmetic: no I/O, no clock.
 
 Every power here is at the wall (what a meter at the socket would read) and comes with its source
-in a comment and in docs/simulation.md ("Energy"). A device draws its busy power while it computes
-and its idle power while it waits on the network (awake, connected, not computing); a datacentre
-machine draws its power times the facility's PUE. Homes have no PUE: their wall figures already
-count the power supply's or charger's losses, and home cooling is not counted (our assumption).
-Where a figure is our own assumption, the comment says so; "approx." marks round published values.
+in a comment and in docs/simulation.md ("Energy"). A device draws its busy power while it computes,
+its idle power while it waits on the network (awake, connected, not computing) and ``STANDBY_W``
+while its client sleeps in standby; a datacentre machine draws its power times the facility's PUE.
+Homes have no PUE: their wall figures already count the power supply's or charger's losses, and
+home cooling is not counted (our assumption). Where a figure is our own assumption, the comment
+says so; "approx." marks round published values.
+
+Each step is counted two ways (issue 37): the whole draw (``energy_j``: as if the machines were on
+for Cleave alone), and the increment over machines that are on anyway (``increment_j``): a
+volunteer's device adds its busy power minus its idle power while it computes and nothing while it
+waits or sleeps; dedicated machines (the coordinator, relays, the cloud's nodes) count whole both
+ways. The truth for a fleet lies between the two.
 
 Units: watts, seconds, joules; FLOP; bytes.
 """
@@ -128,6 +135,11 @@ class DevicePower:
     idle_w: float
     source: str
 
+    @property
+    def increment_w(self) -> float:
+        """What computing adds to the machine idle and awake, on anyway (never below 0)."""
+        return max(0.0, self.busy_w - self.idle_w)
+
 
 _RTX = "board: NVIDIA GeForce spec page; host and idle: our assumption; 80 PLUS Gold power supply"
 DEVICE_POWER: dict[str, DevicePower] = {
@@ -181,17 +193,31 @@ def device_power(cls: DeviceClass) -> tuple[DevicePower, bool]:
     return DEVICE_POWER[nearest], True
 
 
+# A device in standby: the coordinator told it it has no work for a while, so its client stops
+# heartbeating beyond a slow keep-alive and frees its memory, and the machine may sleep. Its whole
+# draw then: 0.5 W, the EU's ceiling for equipment in standby or off mode since 2013 (Commission
+# Regulation (EC) No 1275/2008, tier 2). One figure for every class: our assumption (approx.: a
+# phone asleep draws less, a desktop keeping its network link awake somewhat more).
+STANDBY_W = 0.5
+# The increment over a machine that is on anyway: waiting awake or in standby adds nothing to its
+# idle draw (the heartbeats, the keep-alive: negligible; our assumption), so only its computing
+# counts, at busy minus idle power (``DevicePower.increment_w``).
+
+
 # --------------------------------------------------------------------------- the books of a step
 
 
 @dataclass(frozen=True)
 class Energy:
     """One step's energy. ``energy_j`` is devices plus datacentre (coordinator or cloud nodes, PUE
-    included); ``network_j`` is apart (see NETWORK_J_PER_BYTE)."""
+    included), the whole draw; ``increment_j`` the same over machines on anyway (devices' increment
+    plus the datacentre's whole); ``network_j`` is apart (see NETWORK_J_PER_BYTE)."""
 
     step_s: float
     devices_busy_j: float = 0.0  # volunteer devices computing
-    devices_waiting_j: float = 0.0  # volunteer devices present and not computing
+    devices_waiting_j: float = 0.0  # volunteer devices present, awake and not computing
+    devices_standby_j: float = 0.0  # volunteer devices present in standby (STANDBY_W)
+    devices_increment_j: float = 0.0  # devices' increment: busy minus idle power while computing
     datacentre_j: float = 0.0  # the coordinator(s) and relays, or the cloud's nodes, times PUE
     network_j: float = 0.0
     flops: float = 0.0  # of the step, for joules per GFLOP
@@ -201,7 +227,7 @@ class Energy:
 
     @property
     def devices_j(self) -> float:
-        return self.devices_busy_j + self.devices_waiting_j
+        return self.devices_busy_j + self.devices_waiting_j + self.devices_standby_j
 
     @property
     def energy_j(self) -> float:
@@ -219,6 +245,11 @@ class Energy:
     def j_per_gflop(self) -> float | None:
         return self.energy_j / (self.flops / 1e9) if self.flops > 0 else None
 
+    @property
+    def increment_j(self) -> float:
+        """Over machines that are on anyway: the devices' increment, the datacentre whole."""
+        return self.devices_increment_j + self.datacentre_j
+
     def as_json(self) -> dict[str, object]:
         return {
             "energy_j": self.energy_j,
@@ -228,7 +259,12 @@ class Energy:
             "devices_j": self.devices_j,
             "devices_busy_j": self.devices_busy_j,
             "devices_waiting_j": self.devices_waiting_j,
+            "devices_standby_j": self.devices_standby_j,
             "datacentre_j": self.datacentre_j,
+            "increment_j": self.increment_j,
+            "increment_co2_g": self.increment_j / J_PER_KWH * self.grid_gco2_kwh,
+            "increment_j_per_gflop": self.increment_j / (self.flops / 1e9) if self.flops > 0 else None,
+            "devices_increment_j": self.devices_increment_j,
             "network_j": self.network_j,
             "network_co2_g": self.network_j / J_PER_KWH * self.grid_gco2_kwh,
             "by_class": {name: dict(row) for name, row in self.by_class.items()},
@@ -265,32 +301,50 @@ def cleave_energy(
     network_bytes: float = 0.0,
     scale: float = 1.0,
     grid_gco2_kwh: float = GRID_GCO2_KWH,
+    standby_s: Mapping[str, float] | None = None,
 ) -> Energy:
-    """A Cleave step: each class's busy seconds at its busy power and the rest of its devices'
-    time present at its idle power (``busy_s`` and ``present_s`` summed over its devices, from the
-    simulator), ``scale`` times (a tier's rank stands for ``scale`` such shares of the fleet);
-    plus ``coordinators`` coordinators (and their ``relays`` each) at their power for the whole
-    step, times ``pue``."""
+    """A Cleave step: each class's busy seconds at its busy power, its seconds in standby
+    (``standby_s``, part of its present time) at ``STANDBY_W``, and the rest of its devices' time
+    present at its idle power (each summed over its devices, from the simulator), ``scale`` times
+    (a tier's rank stands for ``scale`` such shares of the fleet); plus ``coordinators``
+    coordinators (and their ``relays`` each) at their power for the whole step, times ``pue``.
+    On the increment: busy seconds at busy minus idle power, waiting and standby nothing, the
+    coordinators and relays whole."""
     step_s = _check("step_s", step_s)
     pue = check_pue(pue)
+    standby_s = standby_s or {}
     powers = {cls.name: device_power(cls) for cls in fleet}
-    busy_j = waiting_j = 0.0
+    busy_j = waiting_j = asleep_j = increment_j = 0.0
     by_class: dict[str, dict[str, float]] = {}
-    for name in sorted(set(busy_s) | set(present_s)):
+    for name in sorted(set(busy_s) | set(present_s) | set(standby_s)):
         if name not in powers:
             raise CostModelError(f"class {name!r} is not in the fleet")
         power, _ = powers[name]
         busy = _check(f"{name} busy seconds", busy_s.get(name, 0.0)) * scale
-        waiting = max(0.0, _check(f"{name} present seconds", present_s.get(name, 0.0)) * scale - busy)
-        row = {"busy_s": busy, "waiting_s": waiting, "busy_j": busy * power.busy_w, "waiting_j": waiting * power.idle_w}
+        present = _check(f"{name} present seconds", present_s.get(name, 0.0)) * scale
+        standby = min(_check(f"{name} standby seconds", standby_s.get(name, 0.0)) * scale, max(0.0, present - busy))
+        waiting = max(0.0, present - busy - standby)
+        row = {
+            "busy_s": busy,
+            "waiting_s": waiting,
+            "standby_s": standby,
+            "busy_j": busy * power.busy_w,
+            "waiting_j": waiting * power.idle_w,
+            "standby_j": standby * STANDBY_W,
+            "increment_j": busy * power.increment_w,
+        }
         by_class[name] = row
         busy_j += row["busy_j"]
         waiting_j += row["waiting_j"]
+        asleep_j += row["standby_j"]
+        increment_j += row["increment_j"]
     datacentre_w = coordinators * (coordinator_w + relays * RELAY_W) * pue
     return Energy(
         step_s=step_s,
         devices_busy_j=busy_j,
         devices_waiting_j=waiting_j,
+        devices_standby_j=asleep_j,
+        devices_increment_j=increment_j,
         datacentre_j=datacentre_w * step_s,
         network_j=_check("network bytes", network_bytes) * NETWORK_J_PER_BYTE,
         flops=_check("flops", flops),
@@ -302,7 +356,8 @@ def cleave_energy(
 
 def cloud_energy(cloud: CloudResult, *, pue: float = PUE_DEFAULT, grid_gco2_kwh: float = GRID_GCO2_KWH) -> Energy:
     """The cloud's step: ``gpus x (board x GPU_TRAINING_POWER_SHARE + host) x PUE x step``.
-    Traffic stays inside the node (NVLink): no network energy is charged."""
+    Traffic stays inside the node (NVLink): no network energy is charged. Dedicated machines: the
+    increment is the whole draw."""
     node = CLOUD_POWER.get(cloud.gpu)
     if node is None:
         raise CostModelError(f"no power figures for gpu {cloud.gpu!r}; known: {', '.join(CLOUD_POWER)}")
@@ -380,7 +435,8 @@ def dtfm_energy(
     """The DTFM-style step: each device of the pipeline busy for its stage's FLOP at its rate and
     waiting (bubble, transfers, all-reduce) the rest of the step; devices it does not use are not
     counted. Among the placements as fast as the chosen one, the one that costs least energy
-    (in DTFM's favour). None where it does not fit."""
+    (in DTFM's favour). None where it does not fit. Its devices are volunteers' machines on
+    anyway too: on the increment, busy minus idle power while computing, waiting nothing."""
     if result.step_s is None or not result.seats:
         return None
     classes = [cls for cls in fleet if cls.count > 0 and cls.profile.flops_per_s(dtype) > 0]
@@ -398,7 +454,7 @@ def dtfm_energy(
     seats = result.seats
     cost = [[joules(cls, seat.flops) if cls.name in seat.classes else None for seat in seats] for cls in classes]
     flow = _assign([cls.count for cls in classes], [seat.devices for seat in seats], cost)
-    busy_j = waiting_j = 0.0
+    busy_j = waiting_j = increment_j = 0.0
     by_class: dict[str, dict[str, float]] = {}
     for c, cls in enumerate(classes):
         power, _ = powers[cls.name]
@@ -413,13 +469,16 @@ def dtfm_energy(
             "waiting_s": w,
             "busy_j": b * power.busy_w,
             "waiting_j": w * power.idle_w,
+            "increment_j": b * power.increment_w,
         }
         busy_j += b * power.busy_w
         waiting_j += w * power.idle_w
+        increment_j += b * power.increment_w
     return Energy(
         step_s=step,
         devices_busy_j=busy_j,
         devices_waiting_j=waiting_j,
+        devices_increment_j=increment_j,
         network_j=sum(seat.devices * seat.bytes_sent for seat in seats) * NETWORK_J_PER_BYTE,
         flops=_check("flops", flops),
         grid_gco2_kwh=_check("grid intensity", grid_gco2_kwh),
@@ -437,4 +496,5 @@ def constants() -> Iterable[tuple[str, float, str]]:
         ("NETWORK_J_PER_BYTE", NETWORK_J_PER_BYTE, "J/byte"),
         ("SERVER_W", SERVER_W, "W"),
         ("RELAY_W", RELAY_W, "W"),
+        ("STANDBY_W", STANDBY_W, "W"),
     )

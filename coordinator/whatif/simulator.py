@@ -60,6 +60,7 @@ from coordinator.engine.core import (
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.live_plan import LivePlanner, Planner, batches
 from coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
+from coordinator.engine.standby import StandbyPolicy
 from coordinator.planning.costmodel import (
     ADAMW_BYTES,
     ATTENTION_PASSES,
@@ -390,6 +391,9 @@ class SimConfig:
     # one Python process: bench/bench_sim_live.py): each unit's compute also waits its turn
     # there, FIFO. 0: every device computes on its own.
     host_cpu: float = 0.0
+    # When the coordinator sends a device the plans leave idle to standby (coordinator/engine/
+    # standby.py): its seconds asleep are booked at standby power (``StepStats.class_standby_s``).
+    standby: StandbyPolicy = field(default_factory=StandbyPolicy)
 
     @property
     def rank_batch(self) -> int:
@@ -486,6 +490,11 @@ class StepStats:
     # What coordinator/whatif/energy.py prices: busy at a busy power, the rest waiting.
     class_busy_s: dict[str, float] = field(default_factory=dict)
     class_present_s: dict[str, float] = field(default_factory=dict)
+    # Of those present seconds, the ones asleep (``SimConfig.standby``): a device that held no
+    # work in the step sleeps once ``after`` seconds have passed, one that worked after ``after``
+    # seconds past its last result (the gaps between its units are counted awake: an upper
+    # bound on its draw).
+    class_standby_s: dict[str, float] = field(default_factory=dict)
     loop_s: float = 0.0  # the event loop's CPU (every worker's): frames down, results up
     bands: int = 0  # band checks the verifier ran
     alone: int = 0  # results checked alone (probation, a device's unchecked cap, tile checks)
@@ -1305,15 +1314,22 @@ class Simulation:
         rows = []
         busy: Counter = Counter()
         there: Counter = Counter()
+        asleep: Counter = Counter()
+        after = self.cfg.standby.after
         for d in present:
             c0, d0, u0, bd0, bu0, f0 = before.get(d.id, (0.0,) * 6)
             rows.append(
                 (d.compute_s - c0, d.down_s - d0, d.up_s - u0, d.bytes_down - bd0, d.bytes_up - bu0, d.flop_s - f0)
             )
             busy[d.cls] += d.compute_s - c0
-            there[d.cls] += max(0.0, min(self.now, d.left) - max(began, d.joined))
+            end, start = min(self.now, d.left), max(began, d.joined)
+            there[d.cls] += max(0.0, end - start)
+            if after > 0:  # 0: the coordinator never sends a device to standby
+                idle_from = start if d.compute_s <= c0 else max(start, d.up_free)
+                asleep[d.cls] += max(0.0, end - idle_from - after)
         st.class_busy_s = dict(sorted(busy.items()))
         st.class_present_s = dict(sorted(there.items()))
+        st.class_standby_s = dict(sorted(asleep.items()))
         worked = [r for r in rows if r[0] > 0]
         st.devices_used = len(worked)
         if rows and st.seconds > 0:  # every device present, idle ones too: the fleet's view

@@ -70,6 +70,13 @@ class RelayFault(Name):
     UNREACHABLE = "unreachable"  # no connection, or it refused the device's ticket
 
 
+class StandbyWhy(Name):
+    """Why the coordinator sends a device to standby (``standby.reason``): it has no work for it."""
+
+    IDLE = "idle"  # no GEMM is out: the job waits (between steps, a checkpoint, devices to join)
+    UNPLANNED = "unplanned"  # GEMMs are out, but the plans of the live ones leave this device out
+
+
 class EnergySource(Name):
     """Where an energy figure comes from (``energy.source``, the books' source mix)."""
 
@@ -96,6 +103,7 @@ class DeviceView(Name):
     WORKING = "working"  # connected, holding tiles
     IDLE = "idle"  # connected, holding none
     PAUSED = "paused"  # connected; its owner needs the machine
+    STANDBY = "standby"  # connected, asleep: the coordinator has no work for it now (``standby``)
     OFFLINE = "offline"
     BANNED = "banned"
     REVOKED = "revoked"

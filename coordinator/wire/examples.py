@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from coordinator.wire import auth
-from coordinator.wire.codes import Code, EnergySource, RelayFault, ReleaseWhy
+from coordinator.wire.codes import Code, EnergySource, RelayFault, ReleaseWhy, StandbyWhy
 from coordinator.wire.digest import block_digest, relay_tag, relay_ticket
 from coordinator.wire.messages import (
     MAGIC,
@@ -51,7 +51,9 @@ from coordinator.wire.messages import (
     Release,
     Result,
     ResultBatch,
+    Standby,
     UseRelay,
+    Wake,
     Welcome,
     Work,
     WorkBatch,
@@ -237,6 +239,9 @@ def examples() -> dict[str, Message]:
         "cancel": Cancel(tile_ids=(11,), reason="another copy was verified first"),
         "error": Error(code=Code.NOT_LEASED, message="tile 12 is not leased to you; result ignored"),
         "heartbeat": Heartbeat(sent_at=1767225600.5),
+        # The plans leave the device out: it sleeps, beating once a minute, until it is woken.
+        "standby": Standby(keepalive=60.0, reason=StandbyWhy.UNPLANNED),
+        "wake": Wake(),
         # A newcomer at a rank of a tier whose pool is strong: sent to rank 1 with a ticket, which
         # it presents there instead of the join token (the ticket is opaque to the device).
         "redirect": Redirect(

@@ -39,13 +39,14 @@ if TYPE_CHECKING:
 # without tensors (``cleave status``, the operator's commands) starts in a fraction of a second
 # instead of paying torch's import (1.5 s or more).
 
-from coordinator.wire.codes import Code, EnergySource, Name, RelayFault, ReleaseWhy
+from coordinator.wire.codes import Code, EnergySource, Name, RelayFault, ReleaseWhy, StandbyWhy
 from coordinator.wire.errors import ProtocolError
 
-PROTOCOL_VERSION = 8  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
+PROTOCOL_VERSION = 9  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
 # 5: work_batch, result_batch and hello.batch (many tiles under one header); 6: redirect and
 # hello.ticket (a tier's rank sends a newcomer to the rank that needs devices most); 7: relays
-# (hello.relay, work.fetch, use_relay, block_request, blocks, relay_report); 8: energy
+# (hello.relay, work.fetch, use_relay, block_request, blocks, relay_report); 8: energy; 9: standby
+# and wake
 MAGIC = b"CLV"
 _PREFIX = struct.Struct("<3sBI")  # magic, version, header length
 MAX_HEADER_BYTES = 1 << 20
@@ -77,6 +78,10 @@ MAX_JOULES = 1e9  # of one energy report (a 1 kW machine for 11 days)
 MAX_SPAN = 1e6  # seconds one energy report may cover
 MAX_GRID = 2000.0  # gCO2/kWh a volunteer may state (coal plants emit about 1,000)
 ENERGY_EVERY = 30.0  # seconds between a device's energy reports, at the most often
+# A device in standby beats every ``standby.keepalive`` seconds, within these bounds; each side
+# counts the other silent after STANDBY_MISSES keep-alives heard of neither.
+MIN_KEEPALIVE, MAX_KEEPALIVE = 1.0, 3600.0
+STANDBY_MISSES = 3
 DIGEST_HEX = 64  # a block's digest: BLAKE2b-256 of its dtype, shape and bytes (wire/digest.py), hex
 MAX_FETCH = MAX_BATCH_TENSORS  # digests in one block_request or blocks frame, and fetches in one work
 
@@ -507,6 +512,26 @@ class Energy:
 
 
 @dataclass(frozen=True)
+class Standby:
+    """Coordinator -> device: no work for you for now (``reason``). Drop your cached blocks and
+    free what memory you can, send a heartbeat only every ``keepalive`` seconds, take no work
+    until ``wake``. The coordinator sends it only to a device holding no tile of its: any tile the
+    device still holds is one nobody wants back (cancelled), and goes."""
+
+    TYPE: ClassVar[str] = "standby"
+    keepalive: float = _float(lo=MIN_KEEPALIVE, hi=MAX_KEEPALIVE)
+    reason: StandbyWhy = _enum(StandbyWhy, StandbyWhy.UNPLANNED)
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Coordinator -> device in standby: come back. Answer with a ``heartbeat`` at once (the
+    coordinator times its devices' wakes by it); work may follow this frame straight away."""
+
+    TYPE: ClassVar[str] = "wake"
+
+
+@dataclass(frozen=True)
 class Finished:
     """Coordinator -> device: the job is over; a client started with --once exits."""
 
@@ -548,6 +573,8 @@ Message = (
     | Blocks
     | RelayReport
     | Energy
+    | Standby
+    | Wake
     | Finished
     | Error
 )
@@ -572,6 +599,8 @@ _PLAIN: dict[str, type] = {
         BlockRequest,
         RelayReport,
         Energy,
+        Standby,
+        Wake,
         Finished,
         Error,
     )

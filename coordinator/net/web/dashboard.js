@@ -226,11 +226,12 @@ function draw(s) {
   $("lost-reasons").textContent = lost.length ? "Tiles lost because: " +
     lost.map(([why, n]) => `${why || "no reason given"} (${fmt(n, 0)})`).join(", ") : "";
   $("share").textContent = job.gemm_share ? `${fmt(100 * job.gemm_share, 1)}%` : "-";
-  $("device-count").textContent = fmt(s.connected, 0);
+  $("device-count").textContent = fmt(s.connected, 0) + (s.standby ? ` (${fmt(s.standby, 0)} in standby)` : "");
   curve(s.losses || [], s.val_losses);
   const e = s.energy || {};
   $("energy").textContent = e.joules ? joules(e.joules) : "-";
-  $("energy-detail").textContent = e.joules ? `${fmt(e.j_per_gflop, 3)} J per verified GFLOP, ` +
+  $("energy-detail").textContent = e.joules ? `increment ${joules(e.increment_j || 0)} (over machines on anyway), ` +
+    `${fmt(e.j_per_gflop, 3)} J per verified GFLOP, ` +
     `${fmt(e.gco2, 1)} g CO2 at ${fmt(e.grid_gco2_kwh, 0)} g/kWh; devices ${sources(e.devices_sources)}, ` +
     `coordinator ${sources(e.coordinator_sources)}` + (e.flagged ? `; ${fmt(e.flagged, 0)} claims capped` : "") :
     "no energy reported yet";
