@@ -257,7 +257,9 @@ class LivePlanner:
         _, _, _, active, lanes = self._fleet
         lane = min(range(len(lanes)), key=lambda i: (max(now, self._free_at[i]), i))
         classes, members = lanes[lane]
-        key = (gemm, self.planner, signature(classes, dtype))
+        # Class names too: a plan's units name their classes, and a lane's are a subset of the
+        # fleet's (a lane's counts and profiles can recur under other names as the fleet changes).
+        key = (gemm, self.planner, tuple(c.name for c in classes), signature(classes, dtype))
         if key in self._cache:
             self._cache.move_to_end(key)
             plan = self._cache[key]
