@@ -245,6 +245,7 @@ class Scheduler:
         # later than its owner (``_sooner``): a new GEMM has them look again only if they could
         # beat one of its owners (``_could_steal``), and a few look again every ``RETRY_EVERY``.
         self._aside: OrderedDict[int, bool] = OrderedDict()  # True: on merit; False: unseen
+        self._paused: set[int] = set()  # paused seats: anyone may take their planned units
         self._steal: list[tuple[int, int]] = []  # heap (-own_count, seat), lazily updated
         self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, hold seq, unit, seat)
         self._late: OrderedDict[int, None] = OrderedDict()  # units with a late, uncopied lease
@@ -312,6 +313,8 @@ class Scheduler:
             device, slots, seconds_per_gflop, trusted, paused, down_rate=down_rate, up_rate=up_rate, batch=batch
         )
         self.seats[device] = seat
+        if paused:
+            self._paused.add(device)
         self._refresh(seat)
         return seat
 
@@ -330,6 +333,7 @@ class Scheduler:
         self._ready.pop(device, None)
         self._deferred.pop(device, None)
         self._aside.pop(device, None)
+        self._paused.discard(device)
         held = list(seat.inflight)
         for uid in held:
             self._end(uid, device, bar=False)
@@ -379,6 +383,7 @@ class Scheduler:
             seat.trusted = trusted
         if paused is not None:
             seat.paused = paused
+            (self._paused.add if paused else self._paused.discard)(device)
             if paused:  # its planned units must not wait for its owner's whim
                 self._disown(seat)
         if full is not None:
@@ -542,10 +547,13 @@ class Scheduler:
         down = min(spec.down_bytes for spec in units)
         up = min(spec.up_bytes for spec in units)
         theirs = max((s.own_count + len(s.inflight)) * s.expected(most) for s in (self.seats[h] for h in homes))
+        keys = {spec.a for spec in units} | {spec.b for spec in units}
 
         def could(seat: Seat) -> bool:
             if seat.id in homes:
                 return True
+            if seat.blocks.isdisjoint(keys):  # it may steal only a unit one of whose blocks it holds
+                return False
             mine = (len(seat.inflight) + 1) * seat.expected(least)
             mine += down / seat.down_rate if seat.down_rate > 0 else 0.0
             mine += up / seat.up_rate if seat.up_rate > 0 else 0.0
@@ -796,6 +804,8 @@ class Scheduler:
         dropped; at most ``scan`` queues looked at). Also whether a queue was passed over
         because taking from it would not have helped, and whether queues were left unseen
         because this dispatch's looks are spent."""
+        if not seat.blocks and not self._paused:  # it may steal only a unit one of whose blocks it holds
+            return None, bool(self._steal), False
         looked = 0
         passed: list[tuple[int, int]] = []
         found = None
