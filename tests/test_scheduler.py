@@ -476,3 +476,28 @@ def test_a_unit_every_able_device_failed_is_stuck_until_unbarred() -> None:
     assert s.stuck() == [0]  # every device here failed it
     s.unbar(0)
     assert s.stuck() == [] and len(assigned(s)) == 1
+
+
+def test_an_owner_far_behind_or_late_loses_its_queue_to_devices_holding_none_of_its_blocks() -> None:
+    """A thief holding no block of a planned unit steals it once its owner would reach it only
+    after ``max_wait`` (an owner that slowed 100x), and a late lease sends its owner's queue to the
+    shared queue (an owner that never answers): neither can hold a GEMM for its whole queue."""
+    s = Scheduler(FAULTS)
+    for d in (1, 2, 3):
+        s.join(d, slots=1, seconds_per_gflop=1.0)
+    s.add_gemm(7, units(7, 10, owner=1))
+    assert dict(assigned(s)) == {1: 0}  # 9 s of queue at its pace: the others hold no block and wait
+    s.update(1, seconds_per_gflop=100.0)  # it throttles: 900 s to reach its last unit
+    s.done(0, 1)
+    got = dict(assigned(s, 1.0))
+    assert got[1] == 1 and {2, 3} <= set(got)  # the idle two take from its tail
+
+    s = Scheduler(FAULTS)
+    for d in (1, 2):
+        s.join(d, slots=1, seconds_per_gflop=0.01)
+    s.add_gemm(7, units(7, 8, owner=1))
+    assert dict(assigned(s)) == {1: 0}
+    late = s.expire(1.5)  # its lease passed its deadline (1.02 s), not yet twice it: it never answered
+    assert [type(d).__name__ for d in late] == ["Overdue"]
+    assert s.unowned == 7  # its queue went to the shared queue
+    assert 2 in dict(assigned(s, 1.5))

@@ -125,7 +125,8 @@ def fleet_classes(profiles: Mapping[int, Profile], dtype: str) -> tuple[list[Dev
 
 
 def _key(p: Profile, dtype: str) -> tuple[float, ...]:
-    return (p.gflops.get(dtype, 0.0), p.memory, p.down, p.up, p.rtt, p.reliability, p.overhead)
+    # Everything of a profile the planner reads (planner.py; its session for the work at risk).
+    return (p.gflops.get(dtype, 0.0), p.memory, p.down, p.up, p.rtt, p.reliability, p.overhead, p.session)
 
 
 def shared(ps: PSProfile, lanes: int) -> PSProfile:

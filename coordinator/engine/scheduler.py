@@ -534,10 +534,13 @@ class Scheduler:
         self._aside = keep
 
     def _could_steal(self, units: Sequence[UnitSpec], homes: set[int]) -> Callable[[Seat], bool] | None:
-        """A test no looser than ``_sooner`` for a device set aside on merit: could it steal any
-        of these new units from its owner? None (everyone looks) unless every unit went to its
-        planned, unpaused owner. Bounds: no owner's queue is ever longer or its pace slower than
-        now until something else moves the queue (which looks again), and no unit is smaller."""
+        """A test no looser than ``_sooner`` at this instant for a device set aside on merit:
+        could it steal any of these new units from its owner? None (everyone looks) unless every
+        unit went to its planned, unpaused owner. Bounds: the owners' queues and paces as now,
+        the smallest unit, a block of these units held. An owner's queue or pace can grow later
+        without a new GEMM (it takes a shared unit, its slots or pace change): the devices set
+        aside see that at their retries (``RETRY`` every ``RETRY_EVERY``), and a late owner's
+        queue goes to the shared queue (``expire``)."""
         if not units or any(
             spec.owner is None or spec.owner not in homes or self.seats[spec.owner].paused for spec in units
         ):
@@ -552,8 +555,8 @@ class Scheduler:
         def could(seat: Seat) -> bool:
             if seat.id in homes:
                 return True
-            if seat.blocks.isdisjoint(keys):  # it may steal only a unit one of whose blocks it holds
-                return False
+            if seat.blocks.isdisjoint(keys) and theirs <= self.faults.max_wait:
+                return False  # a thief holding no block takes only from an owner far behind (``_sooner``)
             mine = (len(seat.inflight) + 1) * seat.expected(least)
             mine += down / seat.down_rate if seat.down_rate > 0 else 0.0
             mine += up / seat.up_rate if seat.up_rate > 0 else 0.0
@@ -704,7 +707,9 @@ class Scheduler:
 
     def expire(self, now: float) -> list[Decision]:
         """Deadlines that passed, in order (O(log U) each): a late lease is ``Overdue`` (and
-        buys a copy); a lease at twice its deadline is taken back."""
+        buys a copy), and its device's planned units still queued go to the shared queue (a
+        late owner, slowed or hostile, must not hold them: a thief holding no block never
+        steals from it, ``_sooner``); a lease at twice its deadline is taken back."""
         out: list[Decision] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, seq, uid, device = heapq.heappop(self._deadlines)
@@ -717,6 +722,8 @@ class Scheduler:
                 self._late[uid] = None
                 heapq.heappush(self._deadlines, (hold.hard, seq, uid, device))
                 out.append(Overdue(device, uid))
+                if self.seats[device].own_count:
+                    self._disown(self.seats[device])
             else:
                 self._end(uid, device, bar=True, now=now)  # it goes to someone else, never straight back
                 out.append(Reclaim(device, uid, "held past twice its deadline"))
@@ -804,8 +811,6 @@ class Scheduler:
         dropped; at most ``scan`` queues looked at). Also whether a queue was passed over
         because taking from it would not have helped, and whether queues were left unseen
         because this dispatch's looks are spent."""
-        if not seat.blocks and not self._paused:  # it may steal only a unit one of whose blocks it holds
-            return None, bool(self._steal), False
         looked = 0
         passed: list[tuple[int, int]] = []
         found = None
@@ -844,21 +849,21 @@ class Scheduler:
         # Queues left unseen (this dispatch's looks are spent): look again later.
         return found, bool(passed), found is None and self._looks <= 0 and bool(self._steal)
 
-    @staticmethod
-    def _sooner(thief: Seat, victim: Seat, u: _Unit) -> bool:
+    def _sooner(self, thief: Seat, victim: Seat, u: _Unit) -> bool:
         """Would ``thief`` return the victim's last planned unit before the victim reaches it?
         If not, taking it would lengthen the step: the thief stays idle (a plan's slow device
-        is not handed a fast one's last tile). A thief holding neither of the unit's blocks never
-        takes it: both would leave the coordinator again, on the loop and the link every device
-        shares, for a gain to one device (at 1,024 devices such steals sent 5x the plan's bytes
-        and made a loop-bound step 3x longer: docs/simulation.md); the plan's owner, a copy of a
-        late lease, or a thief that holds a block serves it."""
+        is not handed a fast one's last tile). A thief holding neither of the unit's blocks
+        takes it only from an owner that would reach it after ``FaultPolicy.max_wait`` (the
+        longest a lease is expected to take: an owner that slowed down or holds too much): both
+        blocks would leave the coordinator again, on the loop and the link every device shares,
+        for a small gain to one device (at 1,024 devices such steals sent 5x the plan's bytes and
+        made a loop-bound step 3x longer: docs/simulation.md)."""
         if victim.paused:
             return True
-        if u.spec.a not in thief.blocks and u.spec.b not in thief.blocks:
-            return False
         mine = (len(thief.inflight) + 1) * thief.expected(u.spec.flops) + thief.transfer(u.spec)
         theirs = (victim.own_count + len(victim.inflight)) * victim.expected(u.spec.flops)
+        if u.spec.a not in thief.blocks and u.spec.b not in thief.blocks:
+            return mine < theirs and theirs > self.faults.max_wait
         return mine < theirs
 
     def _dequeue(self, u: _Unit) -> int:

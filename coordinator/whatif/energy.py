@@ -197,7 +197,9 @@ def device_power(cls: DeviceClass) -> tuple[DevicePower, bool]:
 # heartbeating beyond a slow keep-alive and frees its memory, and the machine may sleep. Its whole
 # draw then: 0.5 W, the EU's ceiling for equipment in standby or off mode since 2013 (Commission
 # Regulation (EC) No 1275/2008, tier 2). One figure for every class: our assumption (approx.: a
-# phone asleep draws less, a desktop keeping its network link awake somewhat more).
+# phone asleep draws less, a desktop keeping its network link awake somewhat more). It assumes
+# the owner's machine suspends while the client sleeps: today's client keeps its websocket, whose
+# pings (every 20 s) keep the network awake, so this is the whole draw's floor, not a measurement.
 STANDBY_W = 0.5
 # The increment over a machine that is on anyway: waiting awake or in standby adds nothing to its
 # idle draw (the heartbeats, the keep-alive: negligible; our assumption), so only its computing
