@@ -848,6 +848,9 @@ class Worker:
                     seconds = await pacer.finish(started, tile.flops)
                 result = session.computed(tile, c, seconds)
                 if result is None:  # cancelled (or paused) while computing: nobody wants it
+                    if session.keepalive is not None:  # a standby cancelled it: its memory goes back too
+                        del c, tile
+                        kernels.release_memory(self.device)
                     continue
                 if not pending:
                     held_since = self._clock()

@@ -238,15 +238,16 @@ def test_the_increment_is_the_booked_draw_less_the_idle_draw_while_holding_work_
     # 1 J for 60 s held: below the idle draw, so nothing (never negative).
     claim = books.claim(1, Energy(1.0, 60.0, EnergySource.RAPL), 0.0, held=69.0)
     assert sum(claim.booked.values()) == 1.0 and claim.increment == 0.0
-    # Capped at its ceiling (350 W x (79 s held + 5 s slack), less what it booked): less its idle.
+    # Capped at its ceiling (350 W x (79 s held + 5 s slack), less what it booked): its source is
+    # not believed, so none of its idle comes off (a capped report is all increment).
     claim = books.claim(1, Energy(1e7, 10.0, EnergySource.BATTERY), 0.0, held=79.0)
     cap = 84 * CEILING_W["cpu"] - 901.0
-    assert claim.flagged and claim.increment == pytest.approx(cap - IDLE_W[EnergySource.BATTERY] * 10)
+    assert claim.flagged and claim.increment == pytest.approx(cap)
     # A report of time it held nothing: nothing booked, nothing on the increment.
     assert books.claim(1, Energy(500.0, 30.0, EnergySource.RAPL), 0.0, held=79.0).increment == 0.0
     books.own(500.0, EnergySource.ESTIMATE)
     step = books.close_step(gflop=0.0)
-    devices = 882.0 + 4140.0 + 600.0 + cap - 50.0
+    devices = 882.0 + 4140.0 + 600.0 + cap
     assert step.devices_increment_j == pytest.approx(devices) and step.increment_j == pytest.approx(devices + 500)
     assert 0 < step.devices_increment_j <= step.devices_j
     assert step.as_row()["j_devices_increment"] == pytest.approx(devices, abs=1e-3)
@@ -254,7 +255,7 @@ def test_the_increment_is_the_booked_draw_less_the_idle_draw_while_holding_work_
     assert summary["devices_increment_j"] == pytest.approx(devices, abs=1e-3)
     assert summary["increment_j"] == pytest.approx(devices + 500, abs=1e-3)
     assert summary["increment_j"] <= summary["joules"]
-    assert books.devices[1].increment == pytest.approx(882.0 + cap - 50.0)
+    assert books.devices[1].increment == pytest.approx(882.0 + cap)
 
 
 def test_a_reconnecting_identity_gets_its_slack_once_and_never_more_than_it_held() -> None:

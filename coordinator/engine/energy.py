@@ -275,10 +275,13 @@ class EnergyBooks:
                 s: j * part for s, j in ((msg.source, msg.joules), (EnergySource.NVML, msg.gpu_joules)) if j * part > 0
             }
         whole = sum(booked.values())
-        # Its machine's idle draw over the seconds it held work (no more than the report covers).
+        # Its machine's idle draw over the seconds it held work (no more than the report covers),
+        # as its source says; none for a capped report (its source is not believed). Never below
+        # what its verified GFLOP cost at the best efficiency its rate allows (``least``).
         idle_w = IDLE_W[msg.source] + (IDLE_W[EnergySource.NVML] if msg.gpu_joules > 0 else 0.0)
+        idle_w = 0.0 if flagged else idle_w
         idle_s = min(held_since, msg.seconds)
-        increment = min(whole, max(0.0, whole - idle_w * idle_s))
+        increment = min(whole, max(0.0, least, whole - idle_w * idle_s))
         grid = msg.grid_gco2_kwh or self.grid
         g = grams(whole, grid)
         dev.gflop_at = gflop
