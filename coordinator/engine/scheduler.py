@@ -272,8 +272,10 @@ class Scheduler:
     @property
     def offered(self) -> bool:
         """Whether some device with a free slot may still take a unit (it has not looked yet,
-        or looks again later); False when every free device is barred from what is queued."""
-        return bool(self._ready or self._deferred or self._aside)
+        or looks again later); False when every free device is barred from what is queued. A
+        device set aside (``_aside``) found nothing in the shared queue it may take: it does not
+        count (the unowned units wait for someone else, a sleeper say)."""
+        return bool(self._ready or self._deferred)
 
     def holding(self) -> Iterable[tuple[int, dict[int, Hold]]]:
         """Every unit that is out, with its open leases."""
