@@ -38,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +50,30 @@ from emulator.netns import Lab, Link, available  # noqa: E402
 
 PORT = 8765
 TIMEOUT = 900.0  # seconds the job may take
+START_TIMEOUT = 120.0  # seconds the coordinator may take to listen, and the relay to enrol
 
 
 def _cleave(*args: str) -> list[str]:
     return [sys.executable, "-m", "cleave_cli", *args]
+
+
+def _await(what: str, ready: Callable[[], bool], proc: subprocess.Popen, log: Path) -> None:
+    """Poll until ``ready()``: a start is seconds of imports, more on a loaded machine, so a fixed
+    sleep is either too long or too short."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{what} never came:\n" + (log.read_text()[-2000:] if log.exists() else ""))
+        time.sleep(0.1)
+
+
+def _enrolled(db: Path, device: str) -> bool:
+    """Whether a device of this kind ("relay") has its row in the coordinator's database yet."""
+    try:
+        with closing(sqlite3.connect(f"{db.as_uri()}?mode=rw", uri=True, timeout=1)) as conn:  # never creates it
+            return conn.execute("SELECT 1 FROM devices WHERE device = ?", (device,)).fetchone() is not None
+    except sqlite3.Error:  # not created yet, or busy
+        return False
 
 
 def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -79,6 +101,9 @@ def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     *("--min-devices", str(args.clients), "--micro-batches", "1", "--checkpoint-every", "0"),
                     *("--ps-link-gbps", str(args.ps_mbps / 1000), "--ps-gflops", str(args.ps_gflops)),
                     *("--planner", "uniform"),
+                    # No held-out evaluation: the simulator prices training steps, and the last step's
+                    # evaluation would add its bytes to the link's count (and seconds to the run).
+                    *("--eval-every", "0"),
                     *("--linger", "0", "--quiet"),
                 ),
             ),
@@ -87,7 +112,8 @@ def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             stdout=(tmp / "coordinator.log").open("w"),
             stderr=subprocess.STDOUT,
         )
-        time.sleep(2.0)  # it listens before the clients dial
+        log = tmp / "coordinator.log"
+        _await("the coordinator's listening", lambda: "listening on" in log.read_text(), coordinator, log)
         relays = []
         if relay is not None:  # enrolled before the clients: every client goes behind it
             relays.append(
@@ -108,7 +134,7 @@ def run_job(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                     stderr=(tmp / "relay.log").open("w"),
                 )
             )
-            time.sleep(3.0)
+            _await("the relay's enrolment", lambda: _enrolled(tmp / "ps.db", "relay"), relays[0], tmp / "relay.log")
         clients = [
             subprocess.Popen(
                 lab.command(

@@ -117,15 +117,35 @@ def _weight(item: pytest.Item) -> int:
     return 1 if item.nodeid.startswith(HEAVY) else 0
 
 
+def _shared(item: pytest.Item) -> str | None:
+    """The module of a module-scoped fixture ``item`` reads (a baseline, a job trained once), if any."""
+    info = getattr(item, "_fixtureinfo", None)  # pytest's record of a test's fixtures (not public API)
+    for defs in info.name2fixturedefs.values() if info is not None else ():
+        if defs and defs[-1].scope == "module":
+            return item.nodeid.split("::")[0]
+    return None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Drills first, then the other long tests: the suite runs on two workers (pyproject's
     addopts), and the longest tests started first leave the quick ones to fill the gaps at the end.
     xdist's worksteal hands each worker one half of this list and lets an idle worker take the
     tail of the other's queue: the heavy tests alternate between the halves, so both workers start
-    on long runs and both queues end in quick ones. Stable sorts, the same in every worker, so
-    xdist sees one order."""
+    on long runs and both queues end in quick ones. The tests of a weight that read one module's
+    module-scoped fixture alternate as one, at the first one's place: in one half, one worker
+    computes it, not both. Stable sorts, the same in every worker, so xdist sees one order."""
     items.sort(key=lambda item: -_weight(item))
-    items[:] = items[::2] + items[1::2]
+    units: list[list[pytest.Item]] = []
+    first: dict[tuple[int, str], list[pytest.Item]] = {}  # the unit of each weight's readers of a module's fixture
+    for item in items:
+        shared = _shared(item)
+        if shared is None:
+            units.append([item])
+        elif (_weight(item), shared) in first:
+            first[_weight(item), shared].append(item)
+        else:
+            units.append(first.setdefault((_weight(item), shared), [item]))
+    items[:] = [item for unit in units[::2] + units[1::2] for item in unit]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -39,7 +39,9 @@ def test_a_client_unplugged_mid_run_pauses_within_a_second_and_resumes(tmp_path:
     probe.write_text(json.dumps({"on_ac": True, "battery_percent": 90, "other_cpu_percent": 0}))
     policy = tmp_path / "client.toml"
     policy.write_text("[policy]\nidle_minutes = 0\nmax_other_cpu = 100\nresume_after = 0.5\n")
-    steps = 16  # the pause comes at about step 4 and the resume at about step 9
+    # The pause comes at about step 4 and the plug back at about step 7; the resumed work is credited
+    # a second (the probe's read, resume_after) and a step's end later: 13 leaves it 4 steps or more.
+    steps = 13
     coord = Coordinator(tmp_path, "--min-devices", "2", "--batch-size", "16", "--seq-len", "128", steps=steps)
     laptop = Proc(
         cleave_cmd(
@@ -138,7 +140,9 @@ def test_show_config_merges_file_and_flags_and_bad_files_get_one_line(tmp_path: 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_the_live_panel_renders_and_updates_in_a_real_terminal(tmp_path: Path) -> None:
-    coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=6)
+    # The panel shows work and its update within step 1 (the refresh is a fraction of a second, a
+    # step of this size most of one): 4 steps leave it 3 more.
+    coord = Coordinator(tmp_path, "--min-devices", "1", "--batch-size", "16", "--seq-len", "128", steps=4)
     with Terminal(join_cmd(coord.url, "tty-laptop")) as terminal:
 
         def tiles() -> int:
