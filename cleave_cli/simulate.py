@@ -205,13 +205,15 @@ def simulate_one(
     if tier.ranks > 1:
         where = f"one of {tier.ranks} coordinators' share of {where}"
     progress(f"simulating {model.name} on {where} (no churn) ...")
-    calm = Simulation(base).run()
+    calm = Simulation(base, tell=lambda line: progress(f"simulating {model.name} on {where} (no churn): {line}")).run()
     progress(f"simulating {model.name} on {where} (churn, one crash) ...")
     # The crash lands mid-step of the last step (measured without churn), on its busiest device.
     last = calm.steps[-1].seconds
     # The calm run's micro-batches (the cost model's choice, when asked for auto) for both.
     stormy_cfg = dataclasses.replace(base, churn=churn, fail_at=FAIL_AT * last, micro_batches=calm.micro_batches)
-    stormy = Simulation(stormy_cfg).run()
+    stormy = Simulation(
+        stormy_cfg, tell=lambda line: progress(f"simulating {model.name} on {where} (churn, one crash): {line}")
+    ).run()
     wall = time.perf_counter() - started
     step_s = stormy.step_s
     stats = stormy.steps[-1]

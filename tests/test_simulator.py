@@ -556,3 +556,18 @@ def test_devices_the_step_leaves_idle_sleep_after_the_standby_policys_wait_and_n
     assert idle and st.devices_used  # some computed, some did not
     never = run(model=tiny, fleet=fleet, standby=StandbyPolicy(after=0.0)).result.steps[-1]
     assert sum(never.class_standby_s.values()) == 0
+
+
+def test_a_long_simulation_tells_how_far_it_has_got(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tell``: a line every ``TELL_EVERY`` events with the ops done of the step's and the
+    simulated clock, never more done than there are, the clock never going back."""
+    import coordinator.whatif.simulator as simulator
+
+    monkeypatch.setattr(simulator, "TELL_EVERY", 50)
+    lines: list[str] = []
+    cfg = SimConfig(model_shape("tiny"), laptops(16), SLOW, churn=False)
+    Simulation(cfg, tell=lines.append).run()
+    assert len(lines) >= 3
+    parsed = [tuple(float(x.replace(",", "")) for x in (w[0], w[2], w[4])) for w in (line.split() for line in lines)]
+    assert all(0 <= done <= total for done, total, _ in parsed)
+    assert [t for *_, t in parsed] == sorted(t for *_, t in parsed)

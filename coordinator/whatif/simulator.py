@@ -83,6 +83,7 @@ from coordinator.whatif.presets import ModelShape
 from coordinator.wire.messages import DEFAULT_SLOTS
 
 QUANTILES = (0.1, 0.5, 0.9)  # of the devices' compute shares, in reports
+TELL_EVERY = 50_000  # events between progress lines (about a second of wall time at 1,024 devices)
 
 
 class SimulationError(CostModelError):
@@ -636,8 +637,13 @@ _ARRIVE, _UPLOAD, _RESULT, _CHECK, _HANDLE, _CPU_DONE, _LEAVE, _DETECT, _JOIN, _
 class Simulation:
     """One run: ``run()`` simulates ``cfg.steps`` steps and returns their statistics."""
 
-    def __init__(self, cfg: SimConfig, *, scheduler: Scheduler | None = None) -> None:
+    def __init__(
+        self, cfg: SimConfig, *, scheduler: Scheduler | None = None, tell: Callable[[str], None] | None = None
+    ) -> None:
         self.cfg = cfg
+        # Progress for a person waiting (``cleave simulate``'s status line): a line every
+        # ``TELL_EVERY`` events, what is done of the step's ops and the simulated clock.
+        self.tell = tell
         self.rng = random.Random(cfg.seed)
         self.sched = scheduler if scheduler is not None else Scheduler(cfg.faults)
         self.conduct = Conduct(self.sched, cfg.trust)  # the live Core's rules, over this scheduler
@@ -1376,9 +1382,13 @@ class Simulation:
         self._deferred = 0
         self._ops.clear()
         began = self.now
+        total, first = sum(len(chain) for chain in chains), self._next_token
         for index in range(len(chains)):
             self._next_op(index)
         while self._running or self._deferred:
+            if self.tell is not None and self.events % TELL_EVERY == 0:
+                done = self._next_token - first - len(self._ops)  # issued, less those not done
+                self.tell(f"{done:,} of {total:,} ops, {self.now:,.0f} simulated s")
             if not self._events:
                 raise SimulationError(
                     "the simulation stalled: work is queued that no device can take (every device left "
