@@ -13,7 +13,7 @@ from coordinator.engine import report
 from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
 from coordinator.engine.live_plan import LivePlanner, Planner
-from coordinator.engine.outbound import Close, Limit, Outbound, Send
+from coordinator.engine.outbound import Outbound, Send
 from coordinator.engine.scheduler import FaultPolicy
 from coordinator.engine.standby import StandbyPolicy
 from coordinator.planning.costmodel import PSProfile
@@ -24,16 +24,14 @@ from coordinator.wire.errors import ConfigError
 from coordinator.wire.messages import (
     Error,
     Heartbeat,
-    Hello,
     Message,
-    Result,
     Standby,
     Wake,
-    Work,
     decode,
     encode,
 )
 from db.memory import MemoryStore
+from tests import test_core as core_tests
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
 SLOW_PS = PSProfile(gflops={"fp32": 0.01}, verify_flops=1e12, unit_overhead=0.0)  # shipping always wins
@@ -58,56 +56,28 @@ def make_core(planner: Planner = Planner.COST) -> Core:
     )
 
 
-class Fleet:
-    """Honest devices: they cache blocks, answer work, and (``beat``) send their heartbeats;
-    every message to them goes through the real codec."""
+class Fleet(core_tests.Fleet):
+    """test_core's honest devices, every message to them through the real codec: a standby
+    drops the device's blocks, as the client does, and (``tick_until``) they beat."""
 
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.now = 100.0
-        self.blocks: dict[int, dict[str, torch.Tensor]] = {}
-        self.inbox: dict[int, list[Message]] = {}
-        self.pending: list[tuple[int, Work]] = []
-        self.closed: dict[int, int] = {}
+        super().__init__(core)
         self.order: list[tuple[int, str]] = []  # (device, message type) as sent
 
-    def join(self, name: str, slots: int = 4) -> int:
-        nonce = self.core.gate.challenge().nonce
-        hello = Hello(token="tok", name=name, slots=slots, batch=1, gflops=50.0)
-        device, out = self.core.connect(hello, nonce, self.now)
-        self.blocks[device], self.inbox[device] = {}, []
-        self.route(out)
-        return device
+    def join(self, name: str, slots: int = 4) -> int:  # type: ignore[override]
+        return super().join(name, slots=slots, batch=1, gflops=50.0)
 
     def route(self, out: list[Outbound]) -> None:
         for item in out:
-            if isinstance(item, Limit):
-                continue
-            if isinstance(item, Close):
-                self.closed[item.device] = item.code
-                continue
-            assert isinstance(item, Send)
-            msg = decode(encode(item.message))
-            self.order.append((item.device, msg.TYPE))
-            if isinstance(msg, Work):
-                for blk in msg.blocks:
-                    self.blocks[item.device][blk.key] = blk.data
-                self.pending.append((item.device, msg))
-            else:
-                self.inbox[item.device].append(msg)
-            if isinstance(msg, Standby):  # the client drops its blocks
+            if isinstance(item, Send):
+                item = Send(item.device, decode(encode(item.message)))
+                self.order.append((item.device, item.message.TYPE))
+            super().route([item])
+            if isinstance(item, Send) and isinstance(item.message, Standby):  # the client drops its blocks
                 self.blocks[item.device].clear()
 
     def got(self, device: int, kind: type) -> list[Message]:
         return [m for m in self.inbox[device] if isinstance(m, kind)]
-
-    def drain(self) -> None:
-        while self.pending:
-            device, work = self.pending.pop(0)
-            operands = work.operands(self.blocks[device])
-            assert operands is not None, "a work named a block the device was never sent (or dropped in standby)"
-            self.now += 0.01
-            self.route(self.core.handle(device, Result(work.tile_id, operands[0] @ operands[1], 0.001), self.now))
 
     def tick_until(self, until: float, *, beat: dict[int, float] | None = None, step: float = 0.25) -> None:
         """Tick the Core every ``step`` seconds up to ``until``; each device in ``beat`` sends a
@@ -174,7 +144,7 @@ def test_a_plan_that_names_sleepers_wakes_them_before_their_tiles_and_times_the_
     assert sorted(core.standby.asleep) == devices
     a, b = torch.randn(128, 96), torch.randn(96, 128)
     box = submit(core, fleet, a, b)
-    owners = {d for d, _ in fleet.pending}
+    owners = {item.device for item in fleet.pending}
     assert owners, "the plan shipped the GEMM"
     for d in owners:  # each owner's wake comes before its first work
         kinds = [kind for dev, kind in fleet.order if dev == d]

@@ -67,8 +67,8 @@ class LivePlan:
 
 MAX_CLASSES = 32  # the planner prices each class: more, and the grid is coarsened until they fit
 MIN_TIME = 1e-4  # seconds: latencies below this round up to it (a class for every LAN rtt is noise)
-# Priced GEMMs shared by every planner of this process: ``plan_gemm`` is a pure function of the
-# GEMM, the classes, the PS and the options, and a simulation's forecasts, its calm run and its
+# Priced GEMMs shared by every planner of this process: a plan is a pure function of the GEMM,
+# the classes, the PS, the options and the uniform grid's policy, and a simulation's forecasts, its calm run and its
 # run with a crash price the same GEMMs on the same fleets (at 1,024 devices pricing was a third
 # of a one-layer simulation). At most this many plans (each a few hundred bytes).
 PRICED_LIMIT = 4096
@@ -191,8 +191,9 @@ def gemm_of(m: int, n: int, k: int, kind: GemmKind, dtype: str, policy: TilingPo
 
 
 class LivePlanner:
-    """Plans each GEMM for the devices connected now. Plans are cached by GEMM and fleet
-    signature (a step's GEMMs repeat every step; rounded profiles keep the key stable)."""
+    """Plans each GEMM for the devices connected now. Plans are priced once per process for the
+    same GEMM, lane and inputs (``_priced``: a step's GEMMs repeat every step; rounded profiles
+    keep the key stable)."""
 
     def __init__(
         self,
@@ -200,7 +201,6 @@ class LivePlanner:
         ps: PSProfile,
         policy: TilingPolicy,
         options: PlannerOptions | None = None,
-        cache: int = 512,
         lanes: int = 1,
     ) -> None:
         if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
@@ -216,9 +216,8 @@ class LivePlanner:
         self._free_at = [0.0] * lanes  # when each lane is predicted to finish what it was given
         # Tests force one partition kind through ``options.kinds``.
         self.options = options or PlannerOptions(kinds=LIVE_KINDS, uniform=policy)
-        self._cache: OrderedDict[tuple, Plan | None] = OrderedDict()
         self._fleet: tuple | None = None  # (version, dtype), classes, members, devices
-        self._limit = cache
+        self._inputs = self._key_of_inputs()  # what a plan depends on besides the GEMM and the lane
 
     def use_relays(self, relays: int) -> None:
         """The coordinator has this many relays now: blocks are priced through them
@@ -226,13 +225,13 @@ class LivePlanner:
         if relays != self.ps.relays:
             self.ps = dataclasses.replace(self.ps, relays=relays)
             self._lane_ps = shared(self.ps, self.lanes)
-            self._cache.clear()
+            self._inputs = self._key_of_inputs()  # plans made before no longer match
 
     def with_lanes(self, lanes: int) -> LivePlanner:
         """This planner for ``lanes`` GEMMs side by side (the micro-batches the trainer runs at once)."""
         if lanes == self.lanes:
             return self
-        return LivePlanner(self.planner, self.ps, self.policy, self.options, self._limit, lanes)
+        return LivePlanner(self.planner, self.ps, self.policy, self.options, lanes)
 
     def plan(
         self,
@@ -258,17 +257,7 @@ class LivePlanner:
         _, _, _, active, lanes = self._fleet
         lane = min(range(len(lanes)), key=lambda i: (max(now, self._free_at[i]), i))
         classes, members = lanes[lane]
-        # Class names too: a plan's units name their classes, and a lane's are a subset of the
-        # fleet's (a lane's counts and profiles can recur under other names as the fleet changes).
-        key = (gemm, self.planner, tuple(c.name for c in classes), signature(classes, dtype))
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            plan = self._cache[key]
-        else:
-            plan = self._price(gemm, classes)
-            self._cache[key] = plan
-            if len(self._cache) > self._limit:
-                self._cache.popitem(last=False)
+        plan = self._price(gemm, classes)
         done_at = None
         if plan is not None and math.isfinite(plan.seconds):  # a GEMM kept home runs on the lane's share of the PS
             done_at = self._free_at[lane] = max(now, self._free_at[lane]) + plan.seconds
@@ -316,23 +305,30 @@ class LivePlanner:
             owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
         return LivePlan(tiles, owners, plan, done_at)
 
+    def _key_of_inputs(self) -> tuple:
+        return (self.planner, repr(self._lane_ps), repr(self.options), repr(self.policy))
+
     def _price(self, gemm: Gemm, classes: list[DeviceClass]) -> Plan | None:
+        """The lane's plan for ``gemm``, priced once per process for the same inputs (``_priced``).
+        Class names are in the key too: a plan's units name their classes, and a lane's are a
+        subset of the fleet's (its counts and profiles can recur under other names)."""
         if not classes and self.planner is Planner.UNIFORM:
             return None  # the grid waits for devices
-        # With no device (--min-devices 0, or every one gone or paused) the cost planner keeps
-        # the GEMM home: the PS alone is a plan it can price, and waiting for devices is not.
-        ps = self._lane_ps
-        if self.planner is Planner.UNIFORM:
-            return baseline(gemm, classes, ps, PlannerOptions(uniform=self.policy))
-        # Class names too: a plan's units name their classes.
-        key = (gemm, tuple(c.name for c in classes), signature(classes, gemm.dtype), repr(ps), repr(self.options))
+        key = (gemm, tuple(c.name for c in classes), signature(classes, gemm.dtype), self._inputs)
         if key in _priced:
             _priced.move_to_end(key)
             return _priced[key]
-        try:
-            plan: Plan | None = plan_gemm(gemm, classes, ps, self.options)
-        except CostModelError:
-            plan = None
+        # With no device (--min-devices 0, or every one gone or paused) the cost planner keeps
+        # the GEMM home: the PS alone is a plan it can price, and waiting for devices is not.
+        ps = self._lane_ps
+        plan: Plan | None
+        if self.planner is Planner.UNIFORM:
+            plan = baseline(gemm, classes, ps, PlannerOptions(uniform=self.policy))
+        else:
+            try:
+                plan = plan_gemm(gemm, classes, ps, self.options)
+            except CostModelError:
+                plan = None
         _priced[key] = plan
         if len(_priced) > PRICED_LIMIT:
             _priced.popitem(last=False)

@@ -245,7 +245,6 @@ class Scheduler:
         # later than its owner (``_sooner``): a new GEMM has them look again only if they could
         # beat one of its owners (``_could_steal``), and a few look again every ``RETRY_EVERY``.
         self._aside: OrderedDict[int, bool] = OrderedDict()  # True: on merit; False: unseen
-        self._paused: set[int] = set()  # paused seats: anyone may take their planned units
         self._steal: list[tuple[int, int]] = []  # heap (-own_count, seat), lazily updated
         self._deadlines: list[tuple[float, int, int, int]] = []  # heap: (when, hold seq, unit, seat)
         self._late: OrderedDict[int, None] = OrderedDict()  # units with a late, uncopied lease
@@ -315,8 +314,6 @@ class Scheduler:
             device, slots, seconds_per_gflop, trusted, paused, down_rate=down_rate, up_rate=up_rate, batch=batch
         )
         self.seats[device] = seat
-        if paused:
-            self._paused.add(device)
         self._refresh(seat)
         return seat
 
@@ -335,7 +332,6 @@ class Scheduler:
         self._ready.pop(device, None)
         self._deferred.pop(device, None)
         self._aside.pop(device, None)
-        self._paused.discard(device)
         held = list(seat.inflight)
         for uid in held:
             self._end(uid, device, bar=False)
@@ -385,7 +381,6 @@ class Scheduler:
             seat.trusted = trusted
         if paused is not None:
             seat.paused = paused
-            (self._paused.add if paused else self._paused.discard)(device)
             if paused:  # its planned units must not wait for its owner's whim
                 self._disown(seat)
         if full is not None:
