@@ -176,8 +176,10 @@ REPORT_ROWS: tuple[tuple[str, Callable[[Report, dict[str, Any]], str]], ...] = (
     ),
     ("by class", lambda r, c: shares(c["class_utilisation"])),
     (
-        "links' ceiling, this step's work",
-        lambda r, c: f"{pct(c['utilisation_ceiling'])}, {pct(c['utilisation_bound'])}",
+        "links' ceiling; this step's work, the part that can wait",
+        lambda r, c: (
+            f"{pct(c['utilisation_ceiling'])}; {pct(c['utilisation_bound'])}, {pct(c['utilisation_wait_bound'])}"
+        ),
     ),
     ("devices that computed", lambda r, c: f"{c['devices_used']:,} of {r['devices']:,}"),
     ("units, copies, take-backs", lambda r, c: f"{c['units']:,.0f}, {c['copies']:,.0f}, {c['reclaimed']:,.0f}"),

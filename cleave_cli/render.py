@@ -803,7 +803,8 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
             f"fleet: devices computed {_share(c['fleet_utilisation'])} of the step on average "
             f"(p10 {_share(q.get('p10'))}, median {_share(q.get('p50'))}, p90 {_share(q.get('p90'))}; "
             f"their links allow at most {_share(c.get('utilisation_ceiling'))}, this step's work "
-            f"{_share(c.get('utilisation_bound'))}); "
+            f"{_share(c.get('utilisation_bound'))}, the part that can wait "
+            f"{_share(c.get('utilisation_wait_bound'))}); "
             f"GEMMs in flight {c['gemms_in_flight']['mean']:.1f} on average, at most {c['gemms_in_flight']['max']}\n"
         )
     forecasts = c.get("micro_batch_forecasts_s")

@@ -251,6 +251,8 @@ def simulate_one(
             "utilisation_ceiling": statistics.fmean(s.utilisation_ceiling for s in stormy.measured),
             # ...and the most the step's GEMM FLOP could keep them busy in its time, within that.
             "utilisation_bound": statistics.fmean(s.utilisation_bound for s in stormy.measured),
+            # ...and with only the work that can wait (dW) on them: the critical path left fast.
+            "utilisation_wait_bound": statistics.fmean(s.utilisation_wait_bound for s in stormy.measured),
             "gemms_in_flight": {
                 "mean": statistics.fmean(s.gemms_in_flight for s in stormy.measured),
                 "max": max(s.most_gemms_in_flight for s in stormy.measured),

@@ -265,6 +265,8 @@ def test_micro_batches_in_flight_verify_every_unit_once_and_keep_the_fleet_busie
     assert 0 <= q[0.1] <= q[0.5] <= q[0.9] <= 1 and 0 < b.fleet_utilisation <= 1
     assert b.fleet_utilisation <= b.utilisation_ceiling <= 1  # no plan beats the links
     assert 0 < b.utilisation_bound <= b.utilisation_ceiling
+    # The weight gradients are a third of a Linear's FLOP: what the slow devices could take alone.
+    assert 0 < b.utilisation_wait_bound < b.utilisation_bound
     # The PS's verifier took results together, more than one a check: by band (the live
     # default: veterans' results wait for their row band), or batched when checked alone.
     assert b.checked >= b.units - b.copies and b.checks + b.bands < b.checked

@@ -486,6 +486,11 @@ class StepStats:
     # within its ceiling (costmodel.utilisation_bound): below the ceiling when there is too little
     # work to keep the slow devices busy.
     utilisation_bound: float = 0.0
+    # The same with only the work that can wait (the deferred weight gradients): what the slowest
+    # devices could be kept busy with if the critical path (forward, input gradients) took none of
+    # their time, so that they do not lengthen the step. The most a step-level plan could reach
+    # without the slow devices on the critical path.
+    utilisation_wait_bound: float = 0.0
     # Per class, summed over its devices present in the step: seconds busy computing (its units'
     # FLOP at its rate plus the per-unit overhead) and seconds present (joined and not yet left).
     # What coordinator/whatif/energy.py prices: busy at a busy power, the rest waiting.
@@ -682,6 +687,7 @@ class Simulation:
         self.relays = [_Relay() for _ in range(cfg.ps.relays)]  # device d behind relay d mod count
         self._shapes: set[tuple[int, int, int]] = set()  # the step's GEMMs (m, n, k)
         self._work = 0.0  # the step's GEMM FLOP
+        self._waiting = 0.0  # ...of which deferred (the weight gradients)
         self._checks: list[tuple[int, int, int, float]] = []  # results waiting for the verifier
         self._check_due = False  # a _CHECK event is on the clock
         self._tick_at = math.inf
@@ -1253,6 +1259,7 @@ class Simulation:
             calls = [c for chain in chains for op in chain if not isinstance(op, PsWork) for c in op]
             self._shapes = {(c.m, c.n, c.k) for c in calls}
             self._work = sum(2.0 * c.m * c.n * c.k for c in calls)
+            self._waiting = sum(2.0 * c.m * c.n * c.k for c in calls if c.deferred)
             self._run_chains(chains)
             if tail:
                 self._run_chains([tail])
@@ -1295,6 +1302,7 @@ class Simulation:
         calls = [c for chain in chains for op in chain if not isinstance(op, PsWork) for c in op]
         self._shapes = {(c.m, c.n, c.k) for c in calls}
         self._work = sum(2.0 * c.m * c.n * c.k for c in calls)
+        self._waiting = sum(2.0 * c.m * c.n * c.k for c in calls if c.deferred)
         self._run_chains(chains)
         self._in_flight(0)
         self._stats.seconds = self.now - began
@@ -1352,9 +1360,9 @@ class Simulation:
                 if d.cls not in ceiling:
                     ceiling[d.cls] = compute_share_ceiling(d.profile, self.cfg.dtype, self._shapes, self.itemsize)
             st.utilisation_ceiling = sum(ceiling[d.cls] for d in present) / len(present)
-            st.utilisation_bound = utilisation_bound(
-                [(d.rate, ceiling[d.cls]) for d in present], self._work, st.seconds
-            )
+            rates = [(d.rate, ceiling[d.cls]) for d in present]
+            st.utilisation_bound = utilisation_bound(rates, self._work, st.seconds)
+            st.utilisation_wait_bound = utilisation_bound(rates, self._waiting, st.seconds)
         if rows:
             st.device_compute = max(r[0] for r in rows)
             st.device_down = max(r[1] for r in rows)
