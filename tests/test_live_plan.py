@@ -13,7 +13,7 @@ import torch
 from coordinator.engine import report
 from coordinator.engine.core import Core
 from coordinator.engine.limits import TrustPolicy
-from coordinator.engine.live_plan import LIVE_KINDS, LivePlanner, Planner, fleet_classes
+from coordinator.engine.live_plan import HOME_MARGIN, LIVE_KINDS, LivePlanner, Planner, fleet_classes
 from coordinator.engine.outbound import Limit, Outbound, Send
 from coordinator.planning.costmodel import Profile, PSProfile
 from coordinator.planning.planner import Kind, PlannerOptions
@@ -162,7 +162,7 @@ def test_a_fast_device_is_planned_more_tiles_and_each_device_starts_on_its_own()
     fleet = Fleet(core)
     for name in ("a", "b"):
         fleet.join(name)
-    live_plan = core._plan(256, 256, 512, GemmKind.FORWARD)
+    live_plan = core._plan(256, 256, 512, GemmKind.FORWARD, 0.0)
     _, out = core.submit(torch.randn(256, 512), torch.randn(512, 256), GemmKind.FORWARD, fleet.now, lambda c: None)
     first = [item for item in out if isinstance(item, Send) and isinstance(item.message, Work)]
     tiles = core.gemms[next(iter(core.gemms))].tiles
@@ -228,7 +228,7 @@ def test_long_runs_of_pieces_go_as_several_units_that_fit_a_frame() -> None:
     for i in range(2):
         fleet.join(f"d{i}")
     a, b = torch.randn(32, 4096), torch.randn(4096, 24)  # 256 pieces of 16
-    live = core._plan(32, 24, 4096, GemmKind.PLAIN)
+    live = core._plan(32, 24, 4096, GemmKind.PLAIN, 0.0)
     assert live.plan is not None and live.plan.local_sum
     assert max(t.pieces for t in live.tiles.tiles) == MAX_PAIRS + 1
     box: dict = {}
@@ -336,3 +336,25 @@ def test_with_no_device_the_cost_planner_keeps_the_gemm_home_and_the_grid_waits(
         assert plan.tiles is None and plan.plan is not None and plan.plan.kind is Kind.LOCAL
     else:
         assert plan.tiles is not None and plan.plan is None
+
+
+def test_with_gemms_in_flight_the_coordinators_cpu_takes_gemms_while_its_loop_is_busier() -> None:
+    """Each lane sees a share of the PS, so alone it would ship every GEMM here; across lanes the
+    loop and the CPU are shared, and a GEMM stays home whenever the CPU, loaded with those kept
+    before, would finish it (by ``HOME_MARGIN``) before the loop has framed those shipped before.
+    The two stay within one GEMM of each other; one lane (nothing in flight) ships them all."""
+    ps = PSProfile(gflops={"fp32": 5.0}, verify_flops=1e12, unit_overhead=0.0)
+    profiles = {d: Profile(gflops={"fp32": 50.0}, memory=2**30, down=1e9, up=1e9, rtt=0.001) for d in range(1, 9)}
+    one = LivePlanner(Planner.COST, ps, POLICY)
+    assert all(one.plan(256, 256, 256, GemmKind.FORWARD, "fp32", profiles, 0).tiles is not None for _ in range(20))
+    two = LivePlanner(Planner.COST, ps, POLICY, lanes=2)
+    plans = [two.plan(256, 256, 256, GemmKind.FORWARD, "fp32", profiles, 0, now=0.0) for _ in range(20)]
+    home = [p for p in plans if p.tiles is None]
+    shipped = [p for p in plans if p.tiles is not None]
+    assert home and len(shipped) > len(home)  # the loop is cheaper a GEMM than the CPU, not free
+    seconds = 2.0 * 256**3 / 5e9
+    assert all(p.plan is not None and p.plan.kind is Kind.LOCAL and p.seconds == seconds for p in home)
+    # Kept home, a GEMM is done when the CPU has done those before it, one after another.
+    assert sorted(p.done_at for p in home) == pytest.approx([seconds * (i + 1) for i in range(len(home))])
+    loop = max(p.plan.loop_seconds for p in shipped) / 2
+    assert abs(len(home) * seconds * HOME_MARGIN - len(shipped) * loop) <= seconds * HOME_MARGIN + loop

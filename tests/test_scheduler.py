@@ -501,3 +501,24 @@ def test_an_owner_far_behind_or_late_loses_its_queue_to_devices_holding_none_of_
     assert [type(d).__name__ for d in late] == ["Overdue"]
     assert s.unowned == 7  # its queue went to the shared queue
     assert 2 in dict(assigned(s, 1.5))
+
+
+def test_units_planned_for_a_device_whose_lease_went_late_go_to_others_until_it_answers() -> None:
+    """A crashed or frozen device is found out by its heartbeat only much later; a late lease
+    is the first sign. New units planned for it meanwhile go to the shared queue (or to a
+    holder of their blocks that answers), not to its queue; once a result of it is verified,
+    it is planned for again."""
+    s = Scheduler(FAULTS)
+    for d in (1, 2):
+        s.join(d, slots=1, seconds_per_gflop=0.01)
+    s.holds_block(1, "x")
+    s.add_gemm(7, units(7, 1, owner=1))
+    assert dict(assigned(s)) == {1: 0}
+    assert [type(d).__name__ for d in s.expire(1.5)] == ["Overdue"]
+    s.add_gemm(8, units(8, 3, start=10, owner=1, keys=("x", "w")))  # planned for it, its block too
+    assert s.unowned == 3  # none queued for it, though it holds the blocks
+    assert dict(assigned(s, 1.5)) == {2: 10}
+    s.done(0, 1, 1.6)  # it answers after all
+    s.add_gemm(9, units(9, 2, start=20, owner=1))
+    assert s.unowned == 2  # the two left of the three before: these are its own
+    assert dict(assigned(s, 1.6))[1] == 20  # its own queue first again

@@ -1244,7 +1244,7 @@ class Core:
         if dtype != self.dtype:  # profiles are cached in the job's dtype
             self._profiled.clear()
             self.dtype = dtype
-        live = self._plan(m, n, k, kind)
+        live = self._plan(m, n, k, kind, now)
         pred = self.prediction
         pred.planned.append(live.seconds)
         pred.home.append(local_seconds(m, n, k, dtype, self.planner.ps))
@@ -1323,7 +1323,7 @@ class Core:
         )
         return gemm_id, wakes + self._dispatch(now)
 
-    def _plan(self, m: int, n: int, k: int, kind: GemmKind) -> LivePlan:
+    def _plan(self, m: int, n: int, k: int, kind: GemmKind, now: float) -> LivePlan:
         """The cost model's plan for the devices that may take work now. Their classes are
         rebuilt (O(devices)) only when the fleet changed: a device joined, left, paused or
         resumed, or its measured profile moved on the planner's grid."""
@@ -1341,7 +1341,7 @@ class Core:
                 self._fleet_keys[device_id] = key
                 self._fleet_changed()
         self._measured.clear()
-        return self.planner.plan(m, n, k, kind, self.dtype, self.fleet_profiles, self._fleet_version)
+        return self.planner.plan(m, n, k, kind, self.dtype, self.fleet_profiles, self._fleet_version, now=now)
 
     def join_tier(self, balancer: Balancer, *, redirect: bool = True) -> None:
         """This coordinator is a rank of a tier: tickets from the other ranks admit newcomers, and

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile
+from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile, local_seconds
 from coordinator.planning.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
 from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
 from coordinator.planning.tiles import plan_gemm as uniform_grid
@@ -72,6 +72,13 @@ MIN_TIME = 1e-4  # seconds: latencies below this round up to it (a class for eve
 # run with a crash price the same GEMMs on the same fleets (at 1,024 devices pricing was a third
 # of a one-layer simulation). At most this many plans (each a few hundred bytes).
 PRICED_LIMIT = 4096
+# With GEMMs in flight, a GEMM is kept home when the coordinator's CPU would finish it sooner than
+# its loop would ship it (``LivePlanner._balance``), by this margin: the CPU runs every PS op in
+# turn (attention, assembly, the optimizer), so a GEMM kept home also delays the critical path's
+# own PS work behind it, which a shipped one does not. Measured on the simulator's probe
+# (Llama-2-7B cut to 8 layers, 1,024 mixed devices, 64 x 1,024, bf16, 8 parts): a step of 299,
+# 283, 293 and 324 s at 1, 1.5, 2 and 3 (399 s with no balance); docs/simulation.md.
+HOME_MARGIN = 1.5
 _priced: OrderedDict[tuple, Plan | None] = OrderedDict()
 
 
@@ -218,6 +225,10 @@ class LivePlanner:
         self.options = options or PlannerOptions(kinds=LIVE_KINDS, uniform=policy)
         self._fleet: tuple | None = None  # (version, dtype), classes, members, devices
         self._inputs = self._key_of_inputs()  # what a plan depends on besides the GEMM and the lane
+        # The coordinator's two shared resources, across lanes: when its CPU and its event loop
+        # are predicted free of the GEMMs planned so far (full rate, not a lane's share).
+        self._cpu_free = 0.0
+        self._loop_free = 0.0
 
     def use_relays(self, relays: int) -> None:
         """The coordinator has this many relays now: blocks are priced through them
@@ -259,7 +270,11 @@ class LivePlanner:
         classes, members = lanes[lane]
         plan = self._price(gemm, classes)
         done_at = None
-        if plan is not None and math.isfinite(plan.seconds):  # a GEMM kept home runs on the lane's share of the PS
+        if plan is not None and self.planner is Planner.COST and self.lanes > 1 and math.isfinite(plan.seconds):
+            plan, done_at = self._balance(gemm, plan, now)
+            if plan.kind is not Kind.LOCAL:
+                self._free_at[lane] = max(now, self._free_at[lane]) + plan.seconds
+        elif plan is not None and math.isfinite(plan.seconds):  # one lane: the plan's own choice
             done_at = self._free_at[lane] = max(now, self._free_at[lane]) + plan.seconds
         if self.planner is Planner.UNIFORM or plan is None:
             # The fixed grid, dealt to whoever is free (also when nothing could be priced: no
@@ -304,6 +319,36 @@ class LivePlanner:
         for unit in units:
             owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
         return LivePlan(tiles, owners, plan, done_at)
+
+    def observe(self, cpu_free: float) -> None:
+        """The coordinator's CPU is busy until ``cpu_free`` (the caller's clock) with what this
+        planner does not plan: attention, assembly, the optimizer."""
+        self._cpu_free = max(self._cpu_free, cpu_free)
+
+    def occupy(self, now: float, seconds: float) -> float:
+        """Work of ``seconds`` on the coordinator's CPU from ``now``, after what it holds: when
+        it is done (a forecast's own PS work, which the GEMMs kept home wait behind)."""
+        self._cpu_free = max(now, self._cpu_free) + seconds
+        return self._cpu_free
+
+    def _balance(self, gemm: Gemm, plan: Plan, now: float) -> tuple[Plan, float]:
+        """Ship the GEMM as planned, or keep it home, whichever the coordinator's resources as
+        loaded so far finish first: shipped, its frames wait for the loop behind those planned
+        before (``plan.loop_seconds`` is a lane's share: a lane's loop is ``lanes`` times slower);
+        kept home, the multiply waits for the CPU. Each lane alone sees a share of both, and the
+        loop binds long before the CPU does (docs/simulation.md): this is the step's view."""
+        home = local_seconds(gemm.m, gemm.n, gemm.k, gemm.dtype, self.ps)
+        home_at = max(now, self._cpu_free) + home
+        if plan.kind is Kind.LOCAL:
+            self._cpu_free = home_at
+            return plan, home_at
+        loop = plan.loop_seconds / self.lanes
+        ship_at = max(now + plan.seconds, max(now, self._loop_free) + loop)
+        if now + (home_at - now) * HOME_MARGIN < ship_at:
+            self._cpu_free = home_at
+            return Plan(gemm, Kind.LOCAL, (1, 1, 1), home, ps_seconds=home), home_at
+        self._loop_free = max(now, self._loop_free) + loop
+        return plan, ship_at
 
     def _key_of_inputs(self) -> tuple:
         return (self.planner, repr(self._lane_ps), repr(self.options), repr(self.policy))

@@ -165,6 +165,9 @@ class Seat:
     seconds_per_gflop: float  # expected turnaround of a lease, per GFLOP
     trusted: bool = True  # off probation: copies of late units go to trusted devices first
     paused: bool = False
+    # A lease of it went late and no result of it was verified since: new units are not queued
+    # for it (it may have crashed or frozen, and would hold them until it is found out).
+    late: bool = False
     full: bool = False  # its block budget is spent: it finishes what it holds first
     inflight: dict[int, float] = field(default_factory=dict)  # unit -> leased at
     own: deque[int] = field(default_factory=deque)  # planned units waiting for it (lazily pruned)
@@ -435,7 +438,8 @@ class Scheduler:
             u = _Unit(spec)
             self.units[spec.id] = u
             ids.append(spec.id)
-            home = spec.owner if spec.owner in self.seats else self._affinity(spec)
+            owner = self.seats.get(spec.owner) if spec.owner is not None else None
+            home = spec.owner if owner is not None and not owner.late else self._affinity(spec)
             self._enqueue(u, home, front=front)
             if home is not None:
                 homes.add(home)
@@ -476,7 +480,7 @@ class Scheduler:
     def _affinity(self, spec: UnitSpec) -> int | None:
         a, b = self._holders_of.get(spec.a, set()), self._holders_of.get(spec.b, set())
         both = a & b if len(a) <= len(b) else b & a
-        pool = both or a or b
+        pool = [d for d in (both or a or b) if not self.seats[d].late]
         if not pool:
             return None
         # The least loaded holder; ties by id so the choice does not depend on set order.
@@ -655,6 +659,8 @@ class Scheduler:
         if u is None:
             return []
         self._done[unit] = (u.spec, u.barred)
+        if (answered := self.seats.get(device)) is not None:
+            answered.late = False  # it answers: plans may count on it again
         losers = [d for d in u.holders if d != device]
         for d in u.holders:
             seat = self.seats.get(d)
@@ -716,6 +722,7 @@ class Scheduler:
                 continue  # that lease already ended
             if not hold.late:
                 hold.late = True
+                self.seats[device].late = True
                 self._late[uid] = None
                 heapq.heappush(self._deadlines, (hold.hard, seq, uid, device))
                 out.append(Overdue(device, uid))

@@ -232,7 +232,7 @@ def predict(
             end = max(end, now)
             continue
         if isinstance(op, PsWork):
-            cpu = max(now, cpu) + op.seconds
+            cpu = planner.occupy(now, op.seconds)  # behind the GEMMs it keeps home
             heapq.heappush(ready, (cpu, index))
             continue
         done = now
@@ -245,7 +245,7 @@ def predict(
         heapq.heappush(ready, (done, index))
     for op in tail:
         if isinstance(op, PsWork):
-            end = cpu = max(end, cpu) + op.seconds
+            end = cpu = planner.occupy(end, op.seconds)
     return end
 
 
@@ -775,6 +775,7 @@ class Simulation:
     def _submit(self, call: GemmCall, token: int) -> int:
         """Plan and queue one GEMM of op ``token``; returns its id."""
         cfg = self.cfg
+        self.planner.observe(self.cpu_free)
         live = self.planner.plan(
             call.m, call.n, call.k, call.kind, cfg.dtype, self._profiles, self._fleet_version, now=self.now
         )
