@@ -522,3 +522,12 @@ def test_units_planned_for_a_device_whose_lease_went_late_go_to_others_until_it_
     s.add_gemm(9, units(9, 2, start=20, owner=1))
     assert s.unowned == 2  # the two left of the three before: these are its own
     assert dict(assigned(s, 1.6))[1] == 20  # its own queue first again
+    # Late again, its lease copied and won elsewhere: only a sign of life (a heartbeat, any
+    # frame) lets plans count on it again, or a device that was merely slow would idle forever.
+    assert any(isinstance(d, Overdue) and d.device == 1 for d in s.expire(10.0))
+    assert s.seats[1].own_count == 0  # its queue went to the shared queue
+    s.add_gemm(10, units(10, 1, start=30, owner=1))
+    assert s.seats[1].own_count == 0
+    s.answered(1)
+    s.add_gemm(11, units(11, 1, start=40, owner=1))
+    assert s.seats[1].own_count == 1

@@ -330,6 +330,10 @@ def test_auto_micro_batches_take_the_fewest_parts_within_the_slack_of_the_best_f
     for m, forecast in live.forecasts.items():
         chains, tail = program(model, 8, 256, "fp32", LAN_PS, 0, m)
         assert forecast == predict(chains, tail, LivePlanner(Planner.COST, LAN_PS, POLICY, lanes=m), "fp32", members)
+    # No more parts than devices: two devices weigh one and two parts only.
+    two = {d: members[d] for d in (1, 2)}
+    assert set(choose_micro_batches(model, 8, 256, "fp32", LAN_PS, Planner.COST, POLICY, two).forecasts) == {1, 2}
+    assert choose_micro_batches(model, 8, 256, "fp32", LAN_PS, Planner.COST, POLICY, {}).micro_batches == 1
 
 
 def test_a_simulation_asked_for_auto_micro_batches_runs_the_cost_models_choice() -> None:

@@ -219,6 +219,9 @@ class LivePlanner:
         # each GEMM is planned on the lane that is free first, so that GEMMs in flight side by
         # side run on different devices, each device with a larger share of fewer GEMMs.
         self.lanes = lanes
+        # The lanes the fleet fills (a class of fewer devices than lanes leaves some empty): the
+        # PS is shared by these, and each plans with its share (``_lane_ps``).
+        self._filled = lanes
         self._lane_ps = shared(ps, lanes)  # what one lane plans with
         self._free_at = [0.0] * lanes  # when each lane is predicted to finish what it was given
         # Tests force one partition kind through ``options.kinds``.
@@ -235,7 +238,7 @@ class LivePlanner:
         (``PSProfile.send_seconds``), at the profile's relay link; plans made before go."""
         if relays != self.ps.relays:
             self.ps = dataclasses.replace(self.ps, relays=relays)
-            self._lane_ps = shared(self.ps, self.lanes)
+            self._lane_ps = shared(self.ps, self._filled)
             self._inputs = self._key_of_inputs()  # plans made before no longer match
 
     def with_lanes(self, lanes: int) -> LivePlanner:
@@ -265,6 +268,10 @@ class LivePlanner:
             current = profiles() if callable(profiles) else profiles
             classes, members = fleet_classes(current, dtype)
             self._fleet = ((version, dtype), classes, members, len(current), _lanes(classes, members, self.lanes))
+            if len(self._fleet[4]) != self._filled:  # two devices and eight lanes: two lanes, not eight
+                self._filled = len(self._fleet[4])
+                self._lane_ps = shared(self.ps, self._filled)
+                self._inputs = self._key_of_inputs()
         _, _, _, active, lanes = self._fleet
         lane = min(range(len(lanes)), key=lambda i: (max(now, self._free_at[i]), i))
         classes, members = lanes[lane]
@@ -342,7 +349,7 @@ class LivePlanner:
         if plan.kind is Kind.LOCAL:
             self._cpu_free = home_at
             return plan, home_at
-        loop = plan.loop_seconds / self.lanes
+        loop = plan.loop_seconds / self._filled
         ship_at = max(now + plan.seconds, max(now, self._loop_free) + loop)
         if now + (home_at - now) * HOME_MARGIN < ship_at:
             self._cpu_free = home_at

@@ -165,8 +165,8 @@ class Seat:
     seconds_per_gflop: float  # expected turnaround of a lease, per GFLOP
     trusted: bool = True  # off probation: copies of late units go to trusted devices first
     paused: bool = False
-    # A lease of it went late and no result of it was verified since: new units are not queued
-    # for it (it may have crashed or frozen, and would hold them until it is found out).
+    # A lease of it went late and it has not been heard from since (``answered``): new units are
+    # not queued for it (it may have crashed or frozen, and would hold them until found out).
     late: bool = False
     full: bool = False  # its block budget is spent: it finishes what it holds first
     inflight: dict[int, float] = field(default_factory=dict)  # unit -> leased at
@@ -595,6 +595,13 @@ class Scheduler:
         self._postpone(unit, device, hold, now - hold.leased_at)
         hold.leased_at = now
 
+    def answered(self, device: int) -> None:
+        """``device`` was heard from (a result, a heartbeat): alive, so new units may be planned
+        for it again (``Seat.late``)."""
+        seat = self.seats.get(device)
+        if seat is not None:
+            seat.late = False
+
     def result_in(self, unit: int, device: int, now: float, read: float) -> None:
         """``device``'s result for ``unit`` reached the coordinator at ``now`` and waits until
         ``read`` for its event loop to read it: the lease's clock stops meanwhile (the live loop
@@ -659,8 +666,7 @@ class Scheduler:
         if u is None:
             return []
         self._done[unit] = (u.spec, u.barred)
-        if (answered := self.seats.get(device)) is not None:
-            answered.late = False  # it answers: plans may count on it again
+        self.answered(device)
         losers = [d for d in u.holders if d != device]
         for d in u.holders:
             seat = self.seats.get(d)
