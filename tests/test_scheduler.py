@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from coordinator.engine.scheduler import Assign, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
+from coordinator.engine.scheduler import DOUBT_HEARTBEATS, Assign, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
 from db.store import Issued
 
 FAULTS = FaultPolicy(lease_floor=1.0, lease_factor=2.0, speculate_after=0.5, speculate_factor=2.0)
@@ -378,6 +378,8 @@ class Books(RuleBasedStateMachine):
                 assert device in s.units[uid].holders
             live_own = sum(1 for u in s.units.values() if u.queued and u.home == device)
             assert seat.own_count == live_own
+            # Its late leases, counted as they go late and end: what bars it from new plans.
+            assert seat.late == sum(1 for u in s.units.values() if device in u.holders and u.holders[device].late)
             if seat.free > 0:  # work-conserving: a free device is never idle beside work it may take
                 # ... except another's planned units that it would return later than their owner
                 open_to_it = [
@@ -505,9 +507,10 @@ def test_an_owner_far_behind_or_late_loses_its_queue_to_devices_holding_none_of_
 
 def test_units_planned_for_a_device_whose_lease_went_late_go_to_others_until_it_answers() -> None:
     """A crashed or frozen device is found out by its heartbeat only much later; a late lease
-    is the first sign. New units planned for it meanwhile go to the shared queue (or to a
-    holder of their blocks that answers), not to its queue; once a result of it is verified,
-    it is planned for again."""
+    is the first sign. New units planned for it while it holds one go to the shared queue (or to
+    a holder of their blocks), not to its queue; once its late lease ends (its result came, or
+    it was taken back, a while later), it is planned for again. A heartbeat does not lift it: a
+    device that beats and never answers would otherwise be planned every GEMM's units."""
     s = Scheduler(FAULTS)
     for d in (1, 2):
         s.join(d, slots=1, seconds_per_gflop=0.01)
@@ -515,19 +518,24 @@ def test_units_planned_for_a_device_whose_lease_went_late_go_to_others_until_it_
     s.add_gemm(7, units(7, 1, owner=1))
     assert dict(assigned(s)) == {1: 0}
     assert [type(d).__name__ for d in s.expire(1.5)] == ["Overdue"]
+    assert s.seats[1].late == 1
     s.add_gemm(8, units(8, 3, start=10, owner=1, keys=("x", "w")))  # planned for it, its block too
-    assert s.unowned == 3  # none queued for it, though it holds the blocks
+    assert s.unowned == 3 and s.seats[1].own_count == 0  # none queued for it, though it holds the blocks
     assert dict(assigned(s, 1.5)) == {2: 10}
     s.done(0, 1, 1.6)  # it answers after all
+    assert s.seats[1].late == 0
     s.add_gemm(9, units(9, 2, start=20, owner=1))
-    assert s.unowned == 2  # the two left of the three before: these are its own
+    assert s.unowned == 2 and s.seats[1].own_count == 2  # the two left of the three before; these are its own
     assert dict(assigned(s, 1.6))[1] == 20  # its own queue first again
-    # Late again, its lease copied and won elsewhere: only a sign of life (a heartbeat, any
-    # frame) lets plans count on it again, or a device that was merely slow would idle forever.
-    assert any(isinstance(d, Overdue) and d.device == 1 for d in s.expire(10.0))
-    assert s.seats[1].own_count == 0  # its queue went to the shared queue
+    # Late again and taken back at twice its deadline (it never answered): doubted for two
+    # heartbeats more (a crashed device is not handed the next GEMM), then planned for again.
+    assert any(isinstance(d, Overdue) and d.device == 1 for d in s.expire(3.0))
     s.add_gemm(10, units(10, 1, start=30, owner=1))
     assert s.seats[1].own_count == 0
-    s.answered(1)
+    assert any(isinstance(d, Reclaim) and d.device == 1 for d in s.expire(60.0))
+    assert s.seats[1].late == 0
     s.add_gemm(11, units(11, 1, start=40, owner=1))
+    assert s.seats[1].own_count == 0
+    s.expire(60.0 + DOUBT_HEARTBEATS * FAULTS.heartbeat + 0.1)
+    s.add_gemm(12, units(12, 1, start=50, owner=1))
     assert s.seats[1].own_count == 1

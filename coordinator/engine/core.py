@@ -565,7 +565,6 @@ class Core:
         if dev is None:
             return []
         dev.last_seen = now
-        self.sched.answered(device_id)  # alive: a lease of it that went late no longer bars its plans
         if self.standby.heard(device_id, now) is not None:  # the answer to its wake: planned at its round trip again
             self._fleet_changed()
         # A result for a tile it holds was asked for: its lease paid for it (the coordinator

@@ -49,7 +49,7 @@ class LivePlan:
     tiles: TilePlan | TileList | None  # None: the PS multiplies itself
     owners: Mapping[int, int]  # tile index -> the device it is planned for (absent: whoever is free)
     plan: Plan | None  # the model's prediction (None when no device could be priced)
-    done_at: float | None = None  # when its lane is predicted to have finished it (``plan``'s ``now``)
+    done_at: float | None = None  # when predicted done: its lane's, the loop's or the CPU's turn (``now``'s clock)
 
     @property
     def seconds(self) -> float | None:
@@ -171,6 +171,12 @@ def _lanes(
     return out or [(list(classes), dict(members))]
 
 
+def filled_lanes(profiles: Mapping[int, Profile], dtype: str, lanes: int) -> int:
+    """How many of ``lanes`` lanes these devices fill (each class is shared out on its own, so a
+    class of fewer devices than lanes leaves some empty)."""
+    return len(_lanes(*fleet_classes(profiles, dtype), lanes)) if profiles else 1
+
+
 def fleet_key(p: Profile, dtype: str) -> tuple[float, ...]:
     """A device's place on the finest grid: when it moves, the fleet's classes may change."""
     return _key(_rounded(p, dtype), dtype)
@@ -278,7 +284,7 @@ class LivePlanner:
         plan = self._price(gemm, classes)
         done_at = None
         if plan is not None and self.planner is Planner.COST and self.lanes > 1 and math.isfinite(plan.seconds):
-            plan, done_at = self._balance(gemm, plan, now)
+            plan, done_at = self._balance(gemm, plan, now, max(now, self._free_at[lane]) + plan.seconds)
             if plan.kind is not Kind.LOCAL:
                 self._free_at[lane] = max(now, self._free_at[lane]) + plan.seconds
         elif plan is not None and math.isfinite(plan.seconds):  # one lane: the plan's own choice
@@ -327,22 +333,19 @@ class LivePlanner:
             owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
         return LivePlan(tiles, owners, plan, done_at)
 
-    def observe(self, cpu_free: float) -> None:
-        """The coordinator's CPU is busy until ``cpu_free`` (the caller's clock) with what this
-        planner does not plan: attention, assembly, the optimizer."""
-        self._cpu_free = max(self._cpu_free, cpu_free)
-
     def occupy(self, now: float, seconds: float) -> float:
         """Work of ``seconds`` on the coordinator's CPU from ``now``, after what it holds: when
-        it is done (a forecast's own PS work, which the GEMMs kept home wait behind)."""
+        it is done (``predict``'s PS work: attention, the optimizer, which GEMMs kept home share
+        the CPU with)."""
         self._cpu_free = max(now, self._cpu_free) + seconds
         return self._cpu_free
 
-    def _balance(self, gemm: Gemm, plan: Plan, now: float) -> tuple[Plan, float]:
+    def _balance(self, gemm: Gemm, plan: Plan, now: float, lane_done: float) -> tuple[Plan, float]:
         """Ship the GEMM as planned, or keep it home, whichever the coordinator's resources as
-        loaded so far finish first: shipped, its frames wait for the loop behind those planned
-        before (``plan.loop_seconds`` is a lane's share: a lane's loop is ``lanes`` times slower);
-        kept home, the multiply waits for the CPU. Each lane alone sees a share of both, and the
+        loaded so far finish first: shipped, it is done when its lane has done what it holds
+        (``lane_done``) and its frames have waited for the loop behind those planned before
+        (``plan.loop_seconds`` is a lane's share: a lane's loop is ``lanes`` times slower); kept
+        home, the multiply waits for the CPU. Each lane alone sees a share of both, and the
         loop binds long before the CPU does (docs/simulation.md): this is the step's view."""
         home = local_seconds(gemm.m, gemm.n, gemm.k, gemm.dtype, self.ps)
         home_at = max(now, self._cpu_free) + home
@@ -350,7 +353,7 @@ class LivePlanner:
             self._cpu_free = home_at
             return plan, home_at
         loop = plan.loop_seconds / self._filled
-        ship_at = max(now + plan.seconds, max(now, self._loop_free) + loop)
+        ship_at = max(lane_done, max(now, self._loop_free) + loop)
         if now + (home_at - now) * HOME_MARGIN < ship_at:
             self._cpu_free = home_at
             return Plan(gemm, Kind.LOCAL, (1, 1, 1), home, ps_seconds=home), home_at

@@ -56,6 +56,11 @@ RETRY = 8  # devices whose look was cut short, and devices set aside, that look 
 # GEMMs trigger, took 60-75% of a simulation's time at 1,024 devices (and that work per dispatch
 # on the live loop).
 RETRY_EVERY = 0.05
+# A device that let a lease go late and lost it (to a copy, or taken back) is planned no new
+# units for this many heartbeats, or until its next result: a live one answers within them, a
+# crashed one is not handed the next GEMM's units to sit on (a small job's crashed device cost
+# its step 2 s a GEMM so: docs/simulation.md). Bounded, so a slow device is never left idle.
+DOUBT_HEARTBEATS = 2
 
 
 @dataclass(frozen=True)
@@ -165,9 +170,12 @@ class Seat:
     seconds_per_gflop: float  # expected turnaround of a lease, per GFLOP
     trusted: bool = True  # off probation: copies of late units go to trusted devices first
     paused: bool = False
-    # A lease of it went late and it has not been heard from since (``answered``): new units are
-    # not queued for it (it may have crashed or frozen, and would hold them until found out).
-    late: bool = False
+    # Its leases past their deadline and not ended yet: while any, new units are not queued for
+    # it (it may have crashed or frozen, and would hold them until found out).
+    late: int = 0
+    # ... and, once such a lease ended without its result (another copy won, or it was taken
+    # back), until this time (``DOUBT_HEARTBEATS`` heartbeats later) or its next result.
+    doubted_until: float = 0.0
     full: bool = False  # its block budget is spent: it finishes what it holds first
     inflight: dict[int, float] = field(default_factory=dict)  # unit -> leased at
     own: deque[int] = field(default_factory=deque)  # planned units waiting for it (lazily pruned)
@@ -439,7 +447,7 @@ class Scheduler:
             self.units[spec.id] = u
             ids.append(spec.id)
             owner = self.seats.get(spec.owner) if spec.owner is not None else None
-            home = spec.owner if owner is not None and not owner.late else self._affinity(spec)
+            home = spec.owner if owner is not None and not self._doubted(owner) else self._affinity(spec)
             self._enqueue(u, home, front=front)
             if home is not None:
                 homes.add(home)
@@ -468,19 +476,30 @@ class Scheduler:
             if u.queued:
                 self._queued -= 1
                 self._own_less(u)
-            for device in u.holders:
+            for device, hold in u.holders.items():
                 seat = self.seats.get(device)
                 if seat is not None:
+                    if hold.late:
+                        self._unlate(seat)
                     seat.inflight.pop(uid, None)
                     seat.holds(at)
                     self._refresh(seat)
             self._late.pop(uid, None)
             self._thin.pop(uid, None)
 
+    def _unlate(self, seat: Seat) -> None:
+        """A late lease of ``seat`` ended without its result: it stays doubted a while."""
+        seat.late -= 1
+        seat.doubted_until = max(seat.doubted_until, self._now + DOUBT_HEARTBEATS * self.faults.heartbeat)
+
+    def _doubted(self, seat: Seat) -> bool:
+        """Not to be planned units now: a lease of it is late, or one was taken back lately."""
+        return seat.late > 0 or seat.doubted_until > self._now
+
     def _affinity(self, spec: UnitSpec) -> int | None:
         a, b = self._holders_of.get(spec.a, set()), self._holders_of.get(spec.b, set())
         both = a & b if len(a) <= len(b) else b & a
-        pool = [d for d in (both or a or b) if not self.seats[d].late]
+        pool = [d for d in (both or a or b) if not self._doubted(self.seats[d])]
         if not pool:
             return None
         # The least loaded holder; ties by id so the choice does not depend on set order.
@@ -595,13 +614,6 @@ class Scheduler:
         self._postpone(unit, device, hold, now - hold.leased_at)
         hold.leased_at = now
 
-    def answered(self, device: int) -> None:
-        """``device`` was heard from (a result, a heartbeat): alive, so new units may be planned
-        for it again (``Seat.late``)."""
-        seat = self.seats.get(device)
-        if seat is not None:
-            seat.late = False
-
     def result_in(self, unit: int, device: int, now: float, read: float) -> None:
         """``device``'s result for ``unit`` reached the coordinator at ``now`` and waits until
         ``read`` for its event loop to read it: the lease's clock stops meanwhile (the live loop
@@ -636,8 +648,11 @@ class Scheduler:
             seat.inflight.pop(uid, None)
             seat.holds(self._at(now))
             self._refresh(seat)
-        if u is None or u.holders.pop(device, None) is None:
+        hold = u.holders.pop(device, None) if u is not None else None
+        if hold is None or u is None:
             return False
+        if hold.late and seat is not None:
+            self._unlate(seat)
         if bar:
             u.barred.add(device)
             self._barred_units.add(uid)
@@ -666,11 +681,15 @@ class Scheduler:
         if u is None:
             return []
         self._done[unit] = (u.spec, u.barred)
-        self.answered(device)
         losers = [d for d in u.holders if d != device]
-        for d in u.holders:
+        for d, hold in u.holders.items():
             seat = self.seats.get(d)
             if seat is not None:
+                if d == device:
+                    seat.late -= hold.late
+                    seat.doubted_until = 0.0  # it answers: plans may count on it again
+                elif hold.late:
+                    self._unlate(seat)
                 seat.inflight.pop(unit, None)
                 seat.holds(at)
                 self._refresh(seat)
@@ -720,6 +739,7 @@ class Scheduler:
         late owner, slowed or hostile, must not hold them: a thief holding no block never
         steals from it, ``_sooner``); a lease at twice its deadline is taken back."""
         out: list[Decision] = []
+        self._at(now)  # every dispatch starts here: the clock ``_doubted`` reads
         while self._deadlines and self._deadlines[0][0] <= now:
             _, seq, uid, device = heapq.heappop(self._deadlines)
             u = self.units.get(uid)
@@ -728,7 +748,7 @@ class Scheduler:
                 continue  # that lease already ended
             if not hold.late:
                 hold.late = True
-                self.seats[device].late = True
+                self.seats[device].late += 1
                 self._late[uid] = None
                 heapq.heappush(self._deadlines, (hold.hard, seq, uid, device))
                 out.append(Overdue(device, uid))

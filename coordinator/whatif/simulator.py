@@ -58,7 +58,7 @@ from coordinator.engine.core import (
     UNCHECKED_PER_SLOT,  # a device's results a slot awaiting bands, at most
 )
 from coordinator.engine.limits import TrustPolicy
-from coordinator.engine.live_plan import LivePlanner, Planner, batches
+from coordinator.engine.live_plan import LivePlanner, Planner, batches, filled_lanes
 from coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
 from coordinator.engine.standby import StandbyPolicy
 from coordinator.planning.costmodel import (
@@ -224,7 +224,7 @@ def predict(
     ready = [(0.0, index) for index in range(len(chains))]  # (when the chain's next op may start, chain)
     heapq.heapify(ready)
     ops = [iter(chain) for chain in chains]
-    cpu = end = 0.0
+    end = 0.0
     while ready:
         now, index = heapq.heappop(ready)
         op = next(ops[index], None)
@@ -232,8 +232,7 @@ def predict(
             end = max(end, now)
             continue
         if isinstance(op, PsWork):
-            cpu = planner.occupy(now, op.seconds)  # behind the GEMMs it keeps home
-            heapq.heappush(ready, (cpu, index))
+            heapq.heappush(ready, (planner.occupy(now, op.seconds), index))  # behind GEMMs kept home
             continue
         done = now
         for call in op:
@@ -245,7 +244,7 @@ def predict(
         heapq.heappush(ready, (done, index))
     for op in tail:
         if isinstance(op, PsWork):
-            end = cpu = planner.occupy(end, op.seconds)
+            end = planner.occupy(end, op.seconds)
     return end
 
 
@@ -331,11 +330,11 @@ def choose_micro_batches(
     False). On a tier, ``batch`` is one rank's slice and ``profiles`` its devices. Pure: no
     clock, no I/O."""
     forecasts: dict[int, float] = {}
-    # No more parts than devices: each part's GEMMs need a lane of their own, and the forecast
-    # counts the PS's CPU as a lane beside them, which on a fleet of two made four parts look
-    # faster than two (1.9 s against 2.1) that ran 2x slower (bench/bench_planner.py, ``ship``).
-    most = min(most, max(1, len(profiles)))
     for m in micro_batch_choices(batch, most):
+        # No more parts than the lanes the fleet fills: a part without a lane of its own only
+        # waits (on two devices, four parts ran 2x slower than two: bench/bench_planner.py).
+        if m > 1 and filled_lanes(profiles, dtype, m) < m:
+            continue
         chains, tail = program(model, batch, seq, dtype, ps, 0, m, tier)
         forecast = predict(chains, tail, LivePlanner(planner, ps, policy, lanes=m), dtype, profiles)
         if keeps_home and planner is Planner.COST:
@@ -779,7 +778,6 @@ class Simulation:
     def _submit(self, call: GemmCall, token: int) -> int:
         """Plan and queue one GEMM of op ``token``; returns its id."""
         cfg = self.cfg
-        self.planner.observe(self.cpu_free)
         live = self.planner.plan(
             call.m, call.n, call.k, call.kind, cfg.dtype, self._profiles, self._fleet_version, now=self.now
         )
@@ -1012,8 +1010,6 @@ class Simulation:
         """The result reached the PS: the event loop reads it (FIFO), then takes it."""
         d = self.devices.get(device)
         unit = self.units.get(uid)
-        if d is not None and d.epoch == epoch:
-            self.sched.answered(device)  # Core: any message from a device (heartbeats are not simulated)
         if d is None or d.epoch != epoch or unit is None or self._leased.get((uid, device)) != epoch:
             return  # the device was dropped, or another copy won (its result is ignored unread)
         self._arrived.add((uid, device))
