@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile, local_seconds
-from coordinator.planning.planner import Gemm, Kind, Plan, PlannerOptions, baseline, plan_gemm, realize
+from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile
+from coordinator.planning.planner import Gemm, Kind, Plan, PlannerOptions, baseline, local_plan, plan_gemm, realize
 from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
 from coordinator.planning.tiles import plan_gemm as uniform_grid
 from coordinator.wire.codes import Name
@@ -283,12 +283,14 @@ class LivePlanner:
         classes, members = lanes[lane]
         plan = self._price(gemm, classes)
         done_at = None
-        if plan is not None and self.planner is Planner.COST and self.lanes > 1 and math.isfinite(plan.seconds):
-            plan, done_at = self._balance(gemm, plan, now, max(now, self._free_at[lane]) + plan.seconds)
-            if plan.kind is not Kind.LOCAL:
-                self._free_at[lane] = max(now, self._free_at[lane]) + plan.seconds
-        elif plan is not None and math.isfinite(plan.seconds):  # one lane: the plan's own choice
-            done_at = self._free_at[lane] = max(now, self._free_at[lane]) + plan.seconds
+        if plan is not None and math.isfinite(plan.seconds):
+            lane_done = max(now, self._free_at[lane]) + plan.seconds
+            if self.planner is Planner.COST and self.lanes > 1:
+                plan, done_at = self._balance(gemm, plan, now, lane_done)
+            else:  # one lane: the plan's own choice
+                done_at = lane_done
+            if plan.kind is not Kind.LOCAL or self.lanes == 1:
+                self._free_at[lane] = lane_done
         if self.planner is Planner.UNIFORM or plan is None:
             # The fixed grid, dealt to whoever is free (also when nothing could be priced: no
             # device can take a unit and the PS cannot price it; never worse than nothing).
@@ -347,8 +349,8 @@ class LivePlanner:
         (``plan.loop_seconds`` is a lane's share: a lane's loop is ``lanes`` times slower); kept
         home, the multiply waits for the CPU. Each lane alone sees a share of both, and the
         loop binds long before the CPU does (docs/simulation.md): this is the step's view."""
-        home = local_seconds(gemm.m, gemm.n, gemm.k, gemm.dtype, self.ps)
-        home_at = max(now, self._cpu_free) + home
+        home = local_plan(gemm, self.ps)
+        home_at = max(now, self._cpu_free) + home.seconds
         if plan.kind is Kind.LOCAL:
             self._cpu_free = home_at
             return plan, home_at
@@ -356,7 +358,7 @@ class LivePlanner:
         ship_at = max(lane_done, max(now, self._loop_free) + loop)
         if now + (home_at - now) * HOME_MARGIN < ship_at:
             self._cpu_free = home_at
-            return Plan(gemm, Kind.LOCAL, (1, 1, 1), home, ps_seconds=home), home_at
+            return home, home_at
         self._loop_free = max(now, self._loop_free) + loop
         return plan, ship_at
 

@@ -493,7 +493,7 @@ class Scheduler:
         seat.doubted_until = max(seat.doubted_until, self._now + DOUBT_HEARTBEATS * self.faults.heartbeat)
 
     def _doubted(self, seat: Seat) -> bool:
-        """Not to be planned units now: a lease of it is late, or one was taken back lately."""
+        """Not to be planned units now: a lease of it is late, or one it let go late was lost lately."""
         return seat.late > 0 or seat.doubted_until > self._now
 
     def _affinity(self, spec: UnitSpec) -> int | None:
@@ -648,8 +648,7 @@ class Scheduler:
             seat.inflight.pop(uid, None)
             seat.holds(self._at(now))
             self._refresh(seat)
-        hold = u.holders.pop(device, None) if u is not None else None
-        if hold is None or u is None:
+        if u is None or (hold := u.holders.pop(device, None)) is None:
             return False
         if hold.late and seat is not None:
             self._unlate(seat)

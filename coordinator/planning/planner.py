@@ -863,7 +863,8 @@ def baseline(
     )
 
 
-def _local(gemm: Gemm, ps: PSProfile) -> Plan:
+def local_plan(gemm: Gemm, ps: PSProfile) -> Plan:
+    """The GEMM kept on the PS: no bytes move, no verification."""
     seconds = local_seconds(gemm.m, gemm.n, gemm.k, gemm.dtype, ps)
     return Plan(gemm, Kind.LOCAL, (1, 1, 1), seconds, ps_seconds=seconds)
 
@@ -901,7 +902,7 @@ def plan_gemm(
     opts = opts or PlannerOptions()
     plans: list[Plan] = []
     if Kind.LOCAL in opts.kinds:
-        plans.append(_local(gemm, ps))
+        plans.append(local_plan(gemm, ps))
     devices = sum(cls.count for cls in fleet)
     best = min((p.seconds for p in plans), default=math.inf)
     # Cheapest bound first; a candidate that cannot beat the best so far (within TIE, so that ties

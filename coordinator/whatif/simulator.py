@@ -1259,10 +1259,7 @@ class Simulation:
             if self._stats.kept_home:
                 self._stats.forecast = self._stats.home
             self.planner = self._home if self._stats.kept_home else self._shipping
-            calls = [c for chain in chains for op in chain if not isinstance(op, PsWork) for c in op]
-            self._shapes = {(c.m, c.n, c.k) for c in calls}
-            self._work = sum(2.0 * c.m * c.n * c.k for c in calls)
-            self._waiting = sum(2.0 * c.m * c.n * c.k for c in calls if c.deferred)
+            self._count(chains)
             self._run_chains(chains)
             if tail:
                 self._run_chains([tail])
@@ -1302,10 +1299,7 @@ class Simulation:
             self.planner = planner
         self._stats = StepStats()
         began = self.now
-        calls = [c for chain in chains for op in chain if not isinstance(op, PsWork) for c in op]
-        self._shapes = {(c.m, c.n, c.k) for c in calls}
-        self._work = sum(2.0 * c.m * c.n * c.k for c in calls)
-        self._waiting = sum(2.0 * c.m * c.n * c.k for c in calls if c.deferred)
+        self._count(chains)
         self._run_chains(chains)
         self._in_flight(0)
         self._stats.seconds = self.now - began
@@ -1375,6 +1369,13 @@ class Simulation:
         if worked:
             st.bytes_down_mean = sum(r[3] for r in worked) / len(worked)
             st.bytes_up_mean = sum(r[4] for r in worked) / len(worked)
+
+    def _count(self, chains: list[list[Op]]) -> None:
+        """The step's GEMMs, for its report: their shapes, their FLOP, and the deferred part."""
+        calls = [c for chain in chains for op in chain if not isinstance(op, PsWork) for c in op]
+        self._shapes = {(c.m, c.n, c.k) for c in calls}
+        self._work = sum(2.0 * c.m * c.n * c.k for c in calls)
+        self._waiting = sum(2.0 * c.m * c.n * c.k for c in calls if c.deferred)
 
     def _run_chains(self, chains: list[list[Op]]) -> None:
         """Run chains of ops side by side until every op and every deferred GEMM is done: each
