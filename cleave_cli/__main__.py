@@ -1,3 +1,4 @@
 from cleave_cli.app import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -68,13 +68,14 @@ from coordinator.whatif.energy import (
     dtfm_energy,
 )
 from coordinator.whatif.presets import model_shape, resolve_fleet
-from coordinator.whatif.simulator import SimConfig, SimResult, Simulation
+from coordinator.whatif.runs import run_all
+from coordinator.whatif.simulator import SimConfig, SimResult
 from coordinator.wire.errors import CleaveError, ConfigError
 from coordinator.wire.messages import MAX_GRID
 
 MAX_DEVICES = 100_000  # every device is simulated one by one (its links, its leases)
 MAX_SWEEP = 16
-FAIL_AT = 0.5  # the injected crash comes this far into the (churn-free) step
+FAIL_AT = 0.5  # the injected crash comes once this share of the last step's GEMMs is submitted
 # When no resource is busy this share of the step, round trips and hand-offs set the pace: the
 # step is "latency" bound (GEMMs run one after another, each waits for its slowest unit).
 LATENCY_BOUND = 0.25
@@ -204,16 +205,20 @@ def simulate_one(
     where = f"{devices:,} devices"
     if tier.ranks > 1:
         where = f"one of {tier.ranks} coordinators' share of {where}"
-    progress(f"simulating {model.name} on {where} (no churn) ...")
-    calm = Simulation(base, tell=lambda line: progress(f"simulating {model.name} on {where} (no churn): {line}")).run()
-    progress(f"simulating {model.name} on {where} (churn, one crash) ...")
-    # The crash lands mid-step of the last step (measured without churn), on its busiest device.
-    last = calm.steps[-1].seconds
-    # The calm run's micro-batches (the cost model's choice, when asked for auto) for both.
-    stormy_cfg = dataclasses.replace(base, churn=churn, fail_at=FAIL_AT * last, micro_batches=calm.micro_batches)
-    stormy = Simulation(
-        stormy_cfg, tell=lambda line: progress(f"simulating {model.name} on {where} (churn, one crash): {line}")
-    ).run()
+    # Two runs side by side (coordinator/whatif/runs.py): without churn, to price the stalls
+    # churn causes, and with churn and one crash on the busiest device, halfway through the
+    # last step's GEMMs, to measure recovery. Both choose the same micro-batches (the same fleet
+    # at the first step).
+    stormy_cfg = dataclasses.replace(base, churn=churn, fail_share=FAIL_AT)
+    names = ("no churn", "churn, one crash" if churn else "one crash")
+    lines = ["starting", "starting"]
+
+    def tell(index: int, line: str) -> None:
+        lines[index] = line
+        progress(f"simulating {model.name} on {where}: " + "; ".join(f"{n}: {t}" for n, t in zip(names, lines)))
+
+    progress(f"simulating {model.name} on {where} ({names[0]}; {names[1]}) ...")
+    calm, stormy = run_all([base, stormy_cfg], tell)
     wall = time.perf_counter() - started
     step_s = stormy.step_s
     stats = stormy.steps[-1]

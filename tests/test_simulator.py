@@ -34,6 +34,7 @@ from coordinator.planning.tiles import GemmKind
 from coordinator.planning.tiles import plan_gemm as uniform_grid
 from coordinator.training.loop import TrainConfig, Trainer
 from coordinator.whatif.presets import model_shape, resolve_fleet
+from coordinator.whatif.runs import run_all
 from coordinator.whatif.simulator import (
     PsWork,
     SchedulerLog,
@@ -577,3 +578,34 @@ def test_a_long_simulation_tells_how_far_it_has_got(monkeypatch: pytest.MonkeyPa
     parsed = [tuple(float(x.replace(",", "")) for x in (w[0], w[2], w[4])) for w in (line.split() for line in lines)]
     assert all(0 <= done <= total for done, total, _ in parsed)
     assert [t for *_, t in parsed] == sorted(t for *_, t in parsed)
+
+
+def test_a_crash_halfway_through_the_steps_gemms_needs_no_calm_run_first() -> None:
+    # fail_share: the crash lands once half the last step's GEMMs are submitted, mid-step
+    # whatever the step takes, so cleave simulate's two runs can go side by side.
+    calm = run(model=model_shape("small"), fleet=laptops(16)).result
+    crashed = run(model=model_shape("small"), fleet=laptops(16), fail_share=0.5).result
+    assert crashed.injected_recovery is not None and crashed.injected_recovery in crashed.recoveries
+    assert crashed.steps[0].seconds >= calm.steps[0].seconds
+    with pytest.raises(SimulationError, match="fail_share"):
+        run(fail_share=0.0)
+    with pytest.raises(SimulationError, match="fail_share"):
+        run(fail_share=0.5, fail_at=1.0)
+
+
+def test_runs_side_by_side_in_processes_give_what_one_process_gives_in_order() -> None:
+    base = SimConfig(model_shape("small"), laptops(16), SLOW, churn=False)
+    configs = [base, dataclasses.replace(base, fail_share=0.5), dataclasses.replace(base, seed=3, churn=True)]
+    lines: list[tuple[int, str]] = []
+    apart = run_all(configs, lambda i, line: lines.append((i, line)), processes=2)
+    here = run_all(configs, processes=1)
+    assert [r.steps[0].seconds for r in apart] == [r.steps[0].seconds for r in here]
+    assert [r.events for r in apart] == [r.events for r in here]
+    assert apart[1].injected_recovery == here[1].injected_recovery is not None
+    # A child's error reaches the caller as the same error, not a hang.
+    mute = (DeviceClass("x", 4, Profile(gflops={"fp32": 0.0}, memory=1 << 30, down=1e6, up=1e6)),)
+    broken = SimConfig(model_shape("tiny"), mute, PSProfile(gflops={"fp32": 0.0}))
+    with pytest.raises(SimulationError, match="can compute"):
+        run_all([base, broken], processes=2)
+    with pytest.raises(SimulationError, match="processes"):
+        run_all([base], processes=0)

@@ -269,6 +269,39 @@ class LivePlanner:
         ``now``: with several lanes, the GEMM goes to the lane predicted to be free first."""
         if min(m, n, k) < 1:  # nothing to price: an empty product is one (empty) tile
             return LivePlan(uniform_grid(m, n, k, kind, 1, self.policy), {}, None)
+        plan, done_at, active, members = self._choose(m, n, k, kind, dtype, profiles, version, now)
+        if self.planner is Planner.UNIFORM or plan is None:
+            # The fixed grid, dealt to whoever is free (also when nothing could be priced: no
+            # device can take a unit and the PS cannot price it; never worse than nothing).
+            return LivePlan(uniform_grid(m, n, k, kind, max(1, active), self.policy), {}, plan, done_at)
+        if plan.kind is Kind.LOCAL:
+            return LivePlan(None, {}, plan, done_at)
+        tiles, owners = _tiled(plan, m, n, k, members)
+        return LivePlan(tiles, owners, plan, done_at)
+
+    def done_at(
+        self, m: int, n: int, k: int, kind: GemmKind, dtype: str, profiles: Mapping[int, Profile], now: float = 0.0
+    ) -> float | None:
+        """``plan``'s decision for a forecast (``predict``): when the GEMM is predicted done, the
+        lanes, CPU and loop moved as ``plan`` moves them, without cutting it into tiles. The
+        fleet is taken as one version: pass the same ``profiles`` every call."""
+        if min(m, n, k) < 1:
+            return None
+        return self._choose(m, n, k, kind, dtype, profiles, 0, now)[1]
+
+    def _choose(
+        self,
+        m: int,
+        n: int,
+        k: int,
+        kind: GemmKind,
+        dtype: str,
+        profiles: Mapping[int, Profile] | Callable[[], Mapping[int, Profile]],
+        version: int | None,
+        now: float,
+    ) -> tuple[Plan | None, float | None, int, Mapping[str, list[int]]]:
+        """The plan for the lane free first, balanced against the coordinator's resources, and
+        when it is predicted done; the devices that may take work, and the lane's members."""
         gemm = gemm_of(m, n, k, kind, dtype, self.policy)
         if version is None or self._fleet is None or self._fleet[0] != (version, dtype):
             current = profiles() if callable(profiles) else profiles
@@ -291,49 +324,7 @@ class LivePlanner:
                 done_at = lane_done
             if plan.kind is not Kind.LOCAL or self.lanes == 1:
                 self._free_at[lane] = lane_done
-        if self.planner is Planner.UNIFORM or plan is None:
-            # The fixed grid, dealt to whoever is free (also when nothing could be priced: no
-            # device can take a unit and the PS cannot price it; never worse than nothing).
-            return LivePlan(uniform_grid(m, n, k, kind, max(1, active), self.policy), {}, plan, done_at)
-        if plan.kind is Kind.LOCAL:
-            return LivePlan(None, {}, plan, done_at)
-        rows, cols, parts = plan.grid
-        rc, cc, kc = even_cuts(m, rows), even_cuts(n, cols), even_cuts(k, parts)
-        units = realize(plan)
-        tiles: TilePlan | TileList
-        if plan.local_sum:  # a unit is a run of pieces: one tile, its device adds them up
-            ri, ci, ki = ({v: i for i, v in enumerate(cuts)} for cuts in (rc, cc, kc))
-            # A work frame names at most 1 + MAX_PAIRS pairs: longer runs go as several units
-            # (each still summed on the device; the PS adds the few partials).
-            run = MAX_PAIRS + 1
-            units = [
-                dataclasses.replace(u, k0=kc[q], k1=kc[min(q + run, ki[u.k1])])
-                for u in units
-                for q in range(ki[u.k0], ki[u.k1], run)
-            ]
-            ordered = sorted(units, key=lambda u: (u.r0, u.c0, u.k0))
-            tiles = TileList(
-                m,
-                n,
-                k,
-                rc,
-                cc,
-                kc,
-                tuple(
-                    Tile(i, ri[u.r0], ci[u.c0], ki[u.k0], u.r0, u.r1, u.c0, u.c1, u.k0, u.k1, ki[u.k1] - ki[u.k0])
-                    for i, u in enumerate(ordered)
-                ),
-            )
-        else:
-            tiles = TilePlan(m, n, k, rc, cc, kc)
-        owners: dict[int, int] = {}
-        # Every kind goes to its planned owners, dW too: left to whoever holds one of its blocks,
-        # a dW unit priced for a GPU could wait on a 3 GFLOP/s laptop that kept an X block (the
-        # simulator measured 65 s for a 2.7 s plan). The scheduler's affinity serves unplanned units.
-        index = {(t.r0, t.c0, t.k0): t.index for t in tiles.tiles}
-        for unit in units:
-            owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
-        return LivePlan(tiles, owners, plan, done_at)
+        return plan, done_at, active, members
 
     def occupy(self, now: float, seconds: float) -> float:
         """Work of ``seconds`` on the coordinator's CPU from ``now``, after what it holds: when
@@ -390,6 +381,50 @@ class LivePlanner:
         if len(_priced) > PRICED_LIMIT:
             _priced.popitem(last=False)
         return plan
+
+
+def _tiled(
+    plan: Plan, m: int, n: int, k: int, members: Mapping[str, list[int]]
+) -> tuple[TilePlan | TileList, dict[int, int]]:
+    """A shipped plan's tiles and each one's planned device (``members``: the lane's devices
+    by class)."""
+    rows, cols, parts = plan.grid
+    rc, cc, kc = even_cuts(m, rows), even_cuts(n, cols), even_cuts(k, parts)
+    units = realize(plan)
+    tiles: TilePlan | TileList
+    if plan.local_sum:  # a unit is a run of pieces: one tile, its device adds them up
+        ri, ci, ki = ({v: i for i, v in enumerate(cuts)} for cuts in (rc, cc, kc))
+        # A work frame names at most 1 + MAX_PAIRS pairs: longer runs go as several units
+        # (each still summed on the device; the PS adds the few partials).
+        run = MAX_PAIRS + 1
+        units = [
+            dataclasses.replace(u, k0=kc[q], k1=kc[min(q + run, ki[u.k1])])
+            for u in units
+            for q in range(ki[u.k0], ki[u.k1], run)
+        ]
+        ordered = sorted(units, key=lambda u: (u.r0, u.c0, u.k0))
+        tiles = TileList(
+            m,
+            n,
+            k,
+            rc,
+            cc,
+            kc,
+            tuple(
+                Tile(i, ri[u.r0], ci[u.c0], ki[u.k0], u.r0, u.r1, u.c0, u.c1, u.k0, u.k1, ki[u.k1] - ki[u.k0])
+                for i, u in enumerate(ordered)
+            ),
+        )
+    else:
+        tiles = TilePlan(m, n, k, rc, cc, kc)
+    owners: dict[int, int] = {}
+    # Every kind goes to its planned owners, dW too: left to whoever holds one of its blocks,
+    # a dW unit priced for a GPU could wait on a 3 GFLOP/s laptop that kept an X block (the
+    # simulator measured 65 s for a 2.7 s plan). The scheduler's affinity serves unplanned units.
+    index = {(t.r0, t.c0, t.k0): t.index for t in tiles.tiles}
+    for unit in units:
+        owners[index[(unit.r0, unit.c0, unit.k0)]] = members[unit.owner][unit.member]
+    return tiles, owners
 
 
 def batches(tiles: Sequence[Tile], owners: Mapping[int, int], limit: int = MAX_BATCH) -> list[list[Tile]]:

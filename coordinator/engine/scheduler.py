@@ -826,6 +826,8 @@ class Scheduler:
             self._shared.extendleft(reversed(skipped))
         if found is not None:
             return found, _Miss.NONE
+        if self._looks <= 0:  # this dispatch's steal looks are spent (as ``_steal_for`` would find)
+            return None, _Miss.LATER if cut_short else _Miss.UNSEEN if self._steal else _Miss.BARRED
         stolen, passed, unseen = self._steal_for(seat)
         if stolen is not None:
             return stolen, _Miss.NONE
@@ -889,11 +891,11 @@ class Scheduler:
         made a loop-bound step 3x longer: docs/simulation.md)."""
         if victim.paused:
             return True
-        mine = (len(thief.inflight) + 1) * thief.expected(u.spec.flops) + thief.transfer(u.spec)
-        theirs = (victim.own_count + len(victim.inflight)) * victim.expected(u.spec.flops)
-        if u.spec.a not in thief.blocks and u.spec.b not in thief.blocks:
-            return mine < theirs and theirs > self.faults.max_wait
-        return mine < theirs
+        spec = u.spec
+        theirs = (victim.own_count + len(victim.inflight)) * victim.expected(spec.flops)
+        if theirs <= self.faults.max_wait and spec.a not in thief.blocks and spec.b not in thief.blocks:
+            return False  # decided before its own time is worked out (most looks, at 1,024 devices)
+        return (len(thief.inflight) + 1) * thief.expected(spec.flops) + thief.transfer(spec) < theirs
 
     def _dequeue(self, u: _Unit) -> int:
         u.queued = False

@@ -236,8 +236,8 @@ def predict(
             continue
         done = now
         for call in op:
-            live = planner.plan(call.m, call.n, call.k, call.kind, dtype, profiles, 0, now=now)
-            at = live.done_at if live.done_at is not None else math.inf
+            at = planner.done_at(call.m, call.n, call.k, call.kind, dtype, profiles, now=now)
+            at = at if at is not None else math.inf
             end = max(end, at)
             if not call.deferred:
                 done = max(done, at)
@@ -375,6 +375,9 @@ class SimConfig:
     rejoin_seconds: float = 60.0  # mean delay before a leaver's replacement joins
     veterans: bool = True  # devices present at the start are off probation (a running fleet)
     fail_at: float | None = None  # crash the busiest device this many seconds into the last step
+    # ... or once this share of the last step's GEMMs is submitted: mid-step whatever the step
+    # turns out to take, so a run with a crash needs no calm run before it (``run_all``).
+    fail_share: float | None = None
     slots: int = DEFAULT_SLOTS  # what `cleave join` asks for by default (--slots)
     give_up: float = 3600.0  # simulated seconds without a verified unit before the run is declared stalled
     # The batch in this many parts through the model side by side (``dataflow_program``); 1: one
@@ -415,6 +418,8 @@ class SimConfig:
                 raise SimulationError(f"{name} must be {what}, got {value!r}")
         if not (math.isfinite(self.host_cpu) and self.host_cpu >= 0):
             raise SimulationError(f"host_cpu must be non-negative and finite, got {self.host_cpu!r}")
+        if self.fail_share is not None and (self.fail_at is not None or not 0 < self.fail_share <= 1):
+            raise SimulationError(f"fail_share must be in (0, 1] and fail_at unset, got {self.fail_share!r}")
         if not 0 <= self.crash_share <= 1:
             raise SimulationError(f"crash_share must be between 0 and 1, got {self.crash_share!r}")
         if not sum(c.count for c in self.fleet):
@@ -689,7 +694,8 @@ class Simulation:
         self._unchecked: Counter = Counter()  # device -> its taken results awaiting their bands
         self.relays = [_Relay() for _ in range(cfg.ps.relays)]  # device d behind relay d mod count
         self._shapes: set[tuple[int, int, int]] = set()  # the step's GEMMs (m, n, k)
-        self._work = 0.0  # the step's GEMM FLOP
+        self._calls = 0  # the step's GEMMs
+        self._work = 0.0  # ...their FLOP
         self._waiting = 0.0  # ...of which deferred (the weight gradients)
         self._checks: list[tuple[int, int, int, float]] = []  # results waiting for the verifier
         self._check_due = False  # a _CHECK event is on the clock
@@ -711,6 +717,7 @@ class Simulation:
         self._readers: Counter = Counter()  # tensor namespace -> GEMMs that will still read it
         self._gemms_live = 0
         self._gemms_since = 0.0
+        self._fail_after: int | None = None  # GEMMs to submit before the crash of ``fail_share``
         self.events = 0
 
     # ------------------------------------------------------------------ clock
@@ -794,6 +801,7 @@ class Simulation:
             seconds = local_seconds(call.m, call.n, call.k, cfg.dtype, cfg.ps)
             self.gemms[gid] = _Gemm(gid, call, 1, 0, token)
             self._cpu(seconds, "local_gemms", gid)
+            self._fail_soon()
             return gid
         stats.remote_gemms += 1
         plan = live.tiles
@@ -834,10 +842,19 @@ class Simulation:
             down = sum(size for _, _, size in named)
             specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], flops, owner, down, up))
         self._outstanding += len(specs)
+        self._fail_soon()
         # Core.submit: ahead of deferred GEMMs' queued units, which only the optimizer waits for.
         front = not call.deferred and any(g.call.deferred for g in self.gemms.values() if g is not gemm)
         self.sched.add_gemm(gid, specs, front=front)
         return gid
+
+    def _fail_soon(self) -> None:
+        """A GEMM was submitted: once ``fail_share`` of the step's are, the injected crash is due."""
+        if self._fail_after is not None:
+            self._fail_after -= 1
+            if self._fail_after <= 0:
+                self._fail_after = None
+                self._at(self.now, _FAIL)
 
     def _gemm_done(self, gemm: _Gemm) -> None:
         """Every unit verified: the PS writes the output and adds partials (memory bound)."""
@@ -1260,6 +1277,8 @@ class Simulation:
                 self._stats.forecast = self._stats.home
             self.planner = self._home if self._stats.kept_home else self._shipping
             self._count(chains)
+            if cfg.fail_share is not None and step == cfg.steps - 1:
+                self._fail_after = max(1, math.ceil(cfg.fail_share * self._calls))
             self._run_chains(chains)
             if tail:
                 self._run_chains([tail])
@@ -1373,6 +1392,7 @@ class Simulation:
     def _count(self, chains: list[list[Op]]) -> None:
         """The step's GEMMs, for its report: their shapes, their FLOP, and the deferred part."""
         calls = [c for chain in chains for op in chain if not isinstance(op, PsWork) for c in op]
+        self._calls = len(calls)
         self._shapes = {(c.m, c.n, c.k) for c in calls}
         self._work = sum(2.0 * c.m * c.n * c.k for c in calls)
         self._waiting = sum(2.0 * c.m * c.n * c.k for c in calls if c.deferred)
