@@ -3,9 +3,11 @@ crash) each in a process of its own, so that a machine's cores share them.
 
 A run is a pure function of its ``SimConfig`` (its seed included): the same results whichever
 process computes it, and in the same order as the configs. The first run stays in this process;
-each other one is a spawned child (portable, and safe beside the threads of a status line) that
-sends its progress lines and then its result back over a local pipe. Nothing leaves the machine:
-these are this program's own processes, not peers.
+each other one is a child that sends its progress lines and then its result back over a local
+pipe. On Linux a child is forked (it starts at once, with this process's modules and priced
+plans; it only simulates and writes to its pipe, so the threads of a status line do not bother
+it); elsewhere it is spawned, and spends a few seconds importing the engine first. Nothing
+leaves the machine: these are this program's own processes, not peers.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue as queues
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordinator.whatif.simulator import SimConfig, SimResult, Simulation, SimulationError
 
 POLL_S = 0.5  # how often a wait for the other runs looks whether their processes are still alive
-# A spawned process spends about 3 s importing the engine (torch with it) before it simulates:
-# by default, runs smaller than this (devices x layers x steps) all stay in this process.
+# By default, runs smaller than this (devices x layers x steps) all stay in this process: they
+# take a second or less, and a spawned process spends about 3 s importing the engine (torch with
+# it) before it simulates.
 SPAWN_WORTH = 4096
 
 
@@ -56,11 +61,13 @@ def run_all(
     aside = min(len(configs), most) - 1  # runs in children; the rest here, in turn
     if aside <= 0:
         return [_run(cfg, i, tell) for i, cfg in enumerate(configs)]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     inbox: Any = ctx.Queue()
     children = {i: ctx.Process(target=_child, args=(configs[i], i, inbox), daemon=True) for i in range(1, aside + 1)}
-    for child in children.values():
-        child.start()
+    with warnings.catch_warnings():  # Python 3.12+ warns of forking beside threads (see above)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for child in children.values():
+            child.start()
     got: dict[int, SimResult] = {}
 
     def drain(block: bool) -> None:
