@@ -279,15 +279,17 @@ class LivePlanner:
         tiles, owners = _tiled(plan, m, n, k, members)
         return LivePlan(tiles, owners, plan, done_at)
 
-    def done_at(
+    def forecast(
         self, m: int, n: int, k: int, kind: GemmKind, dtype: str, profiles: Mapping[int, Profile], now: float = 0.0
-    ) -> float | None:
-        """``plan``'s decision for a forecast (``predict``): when the GEMM is predicted done, the
-        lanes, CPU and loop moved as ``plan`` moves them, without cutting it into tiles. The
-        fleet is taken as one version: pass the same ``profiles`` every call."""
+    ) -> tuple[float | None, bool]:
+        """``plan``'s decision for a forecast (``predict``), without cutting the GEMM into tiles:
+        when it is predicted done (lanes, CPU and loop moved as ``plan`` moves them), and whether
+        the coordinator keeps it. The fleet is taken as one version: pass the same ``profiles``
+        every call."""
         if min(m, n, k) < 1:
-            return None
-        return self._choose(m, n, k, kind, dtype, profiles, 0, now)[1]
+            return None, False
+        plan, done_at, _, _ = self._choose(m, n, k, kind, dtype, profiles, 0, now)
+        return done_at, plan is not None and plan.kind is Kind.LOCAL
 
     def _choose(
         self,
@@ -325,13 +327,6 @@ class LivePlanner:
             if plan.kind is not Kind.LOCAL or self.lanes == 1:
                 self._free_at[lane] = lane_done
         return plan, done_at, active, members
-
-    def occupy(self, now: float, seconds: float) -> float:
-        """Work of ``seconds`` on the coordinator's CPU from ``now``, after what it holds: when
-        it is done (``predict``'s PS work: attention, the optimizer, which GEMMs kept home share
-        the CPU with)."""
-        self._cpu_free = max(now, self._cpu_free) + seconds
-        return self._cpu_free
 
     def _balance(self, gemm: Gemm, plan: Plan, now: float, lane_done: float) -> tuple[Plan, float]:
         """Ship the GEMM as planned, or keep it home, whichever the coordinator's resources as

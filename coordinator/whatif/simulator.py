@@ -217,14 +217,17 @@ def predict(
     chains: list[list[Op]], tail: list[Op], planner: LivePlanner, dtype: str, profiles: Mapping[int, Profile]
 ) -> float:
     """The cost model's step: the program list-scheduled on the planner's lanes with each GEMM's
-    predicted seconds (``LivePlanner.plan`` at the predicted clock: it picks the lane free first,
-    as it will live), PS work one after another on the PS, a chain's next op once its GEMMs are
-    predicted done, deferred GEMMs on lanes without holding their chain, then ``tail`` once
-    everything is done. No events, no units: O(ops log chains). Pass a fresh planner."""
+    predicted seconds (``LivePlanner.forecast`` at the predicted clock: it picks the lane free
+    first, and ships the GEMM or keeps it, as it will live), a chain's next op once its GEMMs
+    are predicted done, deferred GEMMs on lanes without holding their chain, then ``tail`` once
+    everything is done. The coordinator's CPU runs the GEMMs kept home and the PS work (attention,
+    the optimizer) one after another: the planner sees only the GEMMs (the live one cannot see
+    the trainer's other work), so its view of the CPU is not the step's. No events, no units:
+    O(ops log chains). Pass a fresh planner."""
     ready = [(0.0, index) for index in range(len(chains))]  # (when the chain's next op may start, chain)
     heapq.heapify(ready)
     ops = [iter(chain) for chain in chains]
-    end = 0.0
+    end = cpu = 0.0  # cpu: when the coordinator's CPU is predicted free
     while ready:
         now, index = heapq.heappop(ready)
         op = next(ops[index], None)
@@ -232,11 +235,14 @@ def predict(
             end = max(end, now)
             continue
         if isinstance(op, PsWork):
-            heapq.heappush(ready, (planner.occupy(now, op.seconds), index))  # behind GEMMs kept home
+            cpu = max(now, cpu) + op.seconds
+            heapq.heappush(ready, (cpu, index))
             continue
         done = now
         for call in op:
-            at = planner.done_at(call.m, call.n, call.k, call.kind, dtype, profiles, now=now)
+            at, home = planner.forecast(call.m, call.n, call.k, call.kind, dtype, profiles, now=now)
+            if home:  # behind the PS work the planner does not see
+                at = cpu = max(now, cpu) + local_seconds(call.m, call.n, call.k, dtype, planner.ps)
             at = at if at is not None else math.inf
             end = max(end, at)
             if not call.deferred:
@@ -244,7 +250,7 @@ def predict(
         heapq.heappush(ready, (done, index))
     for op in tail:
         if isinstance(op, PsWork):
-            end = planner.occupy(end, op.seconds)
+            end = cpu = max(end, cpu) + op.seconds
     return end
 
 
