@@ -75,7 +75,7 @@ from coordinator.wire.messages import MAX_GRID
 
 MAX_DEVICES = 100_000  # every device is simulated one by one (its links, its leases)
 MAX_SWEEP = 16
-FAIL_AT = 0.5  # the injected crash comes once this share of the last step's GEMMs is submitted
+FAIL_SHARE = 0.5  # the injected crash comes once this share of the last step's GEMMs is submitted
 # When no resource is busy this share of the step, round trips and hand-offs set the pace: the
 # step is "latency" bound (GEMMs run one after another, each waits for its slowest unit).
 LATENCY_BOUND = 0.25
@@ -209,7 +209,7 @@ def simulate_one(
     # churn causes, and with churn and one crash on the busiest device, halfway through the
     # last step's GEMMs, to measure recovery. Both choose the same micro-batches (the same fleet
     # at the first step).
-    stormy_cfg = dataclasses.replace(base, churn=churn, fail_share=FAIL_AT)
+    stormy_cfg = dataclasses.replace(base, churn=churn, fail_share=FAIL_SHARE)
     names = ("no churn", "churn, one crash" if churn else "one crash")
     lines = ["starting", "starting"]
 

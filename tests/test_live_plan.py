@@ -358,3 +358,33 @@ def test_with_gemms_in_flight_the_coordinators_cpu_takes_gemms_while_its_loop_is
     assert sorted(p.done_at for p in home) == pytest.approx([seconds * (i + 1) for i in range(len(home))])
     loop = max(p.plan.loop_seconds for p in shipped) / 2
     assert abs(len(home) * seconds * HOME_MARGIN - len(shipped) * loop) <= seconds * HOME_MARGIN + loop
+
+
+@pytest.mark.parametrize(
+    "planner, lanes", [(Planner.COST, 1), (Planner.COST, 2), (Planner.COST, 4), (Planner.UNIFORM, 2)]
+)
+def test_a_forecast_decides_each_gemm_as_its_plan_does(planner: Planner, lanes: int) -> None:
+    """``forecast`` is ``plan`` without the tiles: the same finish, the same GEMMs kept home,
+    and the planner's lanes, CPU and loop moved the same way, call after call."""
+    ps = PSProfile(gflops={"fp32": 5.0}, verify_flops=1e12, unit_overhead=0.0)
+    profiles = {d: Profile(gflops={"fp32": 10.0 * d}, memory=2**30, down=1e8, up=1e8, rtt=0.001) for d in range(1, 7)}
+    planned, forecast = (LivePlanner(planner, ps, POLICY, lanes=lanes) for _ in range(2))
+    shapes = [
+        (256, 256, 256, GemmKind.FORWARD),
+        (128, 512, 256, GemmKind.GRAD_INPUT),
+        (512, 128, 64, GemmKind.GRAD_WEIGHT),
+    ]
+    kept = 0
+    for i in range(30):
+        m, n, k, kind = shapes[i % len(shapes)]
+        now = 0.01 * i
+        live = planned.plan(m, n, k, kind, "fp32", profiles, 0, now=now)
+        done, home = forecast.forecast(m, n, k, kind, "fp32", profiles, now=now)
+        assert done == live.done_at and home == (live.tiles is None and live.plan is not None)
+        kept += home
+        assert (planned._free_at, planned._cpu_free, planned._loop_free) == (
+            forecast._free_at,
+            forecast._cpu_free,
+            forecast._loop_free,
+        )
+    assert kept or planner is Planner.UNIFORM or lanes == 1  # with lanes the balance keeps some home here

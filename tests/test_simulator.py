@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -33,6 +35,7 @@ from coordinator.planning.tier import Tier
 from coordinator.planning.tiles import GemmKind
 from coordinator.planning.tiles import plan_gemm as uniform_grid
 from coordinator.training.loop import TrainConfig, Trainer
+from coordinator.whatif import runs
 from coordinator.whatif.presets import model_shape, resolve_fleet
 from coordinator.whatif.runs import run_all
 from coordinator.whatif.simulator import (
@@ -587,6 +590,9 @@ def test_a_crash_halfway_through_the_steps_gemms_needs_no_calm_run_first() -> No
     crashed = run(model=model_shape("small"), fleet=laptops(16), fail_share=0.5).result
     assert crashed.injected_recovery is not None and crashed.injected_recovery in crashed.recoveries
     assert crashed.steps[0].seconds >= calm.steps[0].seconds
+    # Over two steps, only the last one's.
+    two = run(model=model_shape("small"), fleet=laptops(16), fail_share=0.5, steps=2).result
+    assert two.injected_recovery is not None and two.steps[1].seconds >= calm.steps[0].seconds
     with pytest.raises(SimulationError, match="fail_share"):
         run(fail_share=0.0)
     with pytest.raises(SimulationError, match="fail_share"):
@@ -609,3 +615,18 @@ def test_runs_side_by_side_in_processes_give_what_one_process_gives_in_order() -
         run_all([base, broken], processes=2)
     with pytest.raises(SimulationError, match="processes"):
         run_all([base], processes=0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the child must inherit the patch: forked on Linux only")
+def test_a_child_run_that_dies_is_an_error_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = runs._run
+
+    def dies_aside(cfg: SimConfig, index: int, tell: object) -> object:
+        if index == 1:
+            os._exit(3)  # killed, say, by the kernel for memory: no result, no error sent
+        return real(cfg, index, tell)
+
+    monkeypatch.setattr(runs, "_run", dies_aside)
+    base = SimConfig(model_shape("small"), laptops(16), SLOW, churn=False)
+    with pytest.raises(SimulationError, match=r"died \(exit code 3\)"):
+        run_all([base, base], processes=2)

@@ -381,8 +381,10 @@ class SimConfig:
     rejoin_seconds: float = 60.0  # mean delay before a leaver's replacement joins
     veterans: bool = True  # devices present at the start are off probation (a running fleet)
     fail_at: float | None = None  # crash the busiest device this many seconds into the last step
-    # ... or once this share of the last step's GEMMs is submitted: mid-step whatever the step
-    # turns out to take, so a run with a crash needs no calm run before it (``run_all``).
+    # ... or once this share of the last step's GEMMs is submitted (or the first GEMM after,
+    # when no device holds work then): mid-step whatever the step turns out to take, so a run
+    # with a crash needs no calm run before it (coordinator/whatif/runs.py). A step kept home
+    # has nobody to crash. ``run``'s steps only (``run_ops`` injects no crash).
     fail_share: float | None = None
     slots: int = DEFAULT_SLOTS  # what `cleave join` asks for by default (--slots)
     give_up: float = 3600.0  # simulated seconds without a verified unit before the run is declared stalled
@@ -550,7 +552,7 @@ class SimResult:
     recoveries: list[float]  # per crash of a device that held work: seconds until all its units were verified
     kinds: Counter
     events: int
-    injected_recovery: float | None = None  # the injected crash's (``fail_at``)
+    injected_recovery: float | None = None  # the injected crash's (``fail_at``, ``fail_share``); None: none came
     micro_batches: int = 1  # the parts each step ran in (the cost model's choice when asked for 0)
     choice: MicroBatchChoice | None = None  # that choice and its forecasts, when the cost model made it
 
@@ -1230,6 +1232,8 @@ class Simulation:
             d = self.devices[device]
             self._injected = device
             self._crash_or_leave(device, d.epoch, DeviceClass(d.cls, 1, d.profile), crash=True)
+        elif self.cfg.fail_share is not None:  # nobody holds work now (GEMMs kept home): at the next GEMM
+            self._fail_after = 1
 
     # ------------------------------------------------------------------ running
 
