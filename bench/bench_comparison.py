@@ -25,12 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cleave_cli.plan import coordinator_ps, default_ps, with_relays  # noqa: E402
-from cleave_cli.simulate import adjust_fleet, simulate_one  # noqa: E402
-from coordinator.engine.live_plan import Planner  # noqa: E402
-from coordinator.planning.costmodel import ITEMSIZE  # noqa: E402
-from coordinator.planning.tier import Tier  # noqa: E402
-from coordinator.whatif.presets import resolve_fleet  # noqa: E402
+from cleave.cli.plan import coordinator_ps, default_ps, with_relays  # noqa: E402
+from cleave.cli.simulate import adjust_fleet, simulate_one  # noqa: E402
+from cleave.coordinator.engine.live_plan import Planner  # noqa: E402
+from cleave.coordinator.planning.costmodel import ITEMSIZE  # noqa: E402
+from cleave.coordinator.planning.tier import Tier  # noqa: E402
+from cleave.coordinator.whatif.presets import resolve_fleet  # noqa: E402
 
 
 def fmt(value: float | None) -> str:

@@ -29,17 +29,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported
 from bench_distributed import BenchReporter, ProgressUI
+from cleave.cli.local import serve_with_local_clients
+from cleave.coordinator.engine.identity import new_token
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.job import CoordinatorConfig
+from cleave.coordinator.training.hardware import coordinator_device, describe, synchronize
+from cleave.coordinator.training.loop import TrainConfig, Trainer
 from rich.console import Console
 from rich.table import Table
-
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported
-from cleave_cli.local import serve_with_local_clients
-from coordinator.engine.identity import new_token
-from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig
-from coordinator.training.hardware import coordinator_device, describe, synchronize
-from coordinator.training.loop import TrainConfig, Trainer
 
 
 def _median_after_first(seconds: list[float]) -> float:

@@ -57,7 +57,7 @@ The losses of both runs are also compared (they should agree to ~1e-4 relative).
 from __future__ import annotations
 
 # isort: off
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 # isort: on
 
 import argparse
@@ -77,20 +77,19 @@ from typing import Any
 import numpy as np
 import torch
 import wire_floor
+from cleave.cli.local import serve_with_local_clients
+from cleave.cli.options import micro_batches_of
+from cleave.coordinator.engine.identity import new_token
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.job import CoordinatorConfig, JobOutcome, Listening
+from cleave.coordinator.planning.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
+from cleave.coordinator.training.loop import StepResult, TrainConfig, Trainer
+from cleave.coordinator.wire.messages import WireDtype
+from cleave.coordinator.wire.verify import ROUNDS, freivalds, random_vectors
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from timing import interleaved_medians
-
-from cleave_cli.local import serve_with_local_clients
-from cleave_cli.options import micro_batches_of
-from coordinator.engine.identity import new_token
-from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig, JobOutcome, Listening
-from coordinator.planning.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
-from coordinator.training.loop import StepResult, TrainConfig, Trainer
-from coordinator.wire.messages import WireDtype
-from coordinator.wire.verify import ROUNDS, freivalds, random_vectors
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element on the wire
 CLIENT_EXIT_TIMEOUT_S = 30.0

@@ -35,8 +35,8 @@ from bench.loopback import run_job  # noqa: E402 - after the path is set
 
 def local(args: argparse.Namespace) -> dict[str, Any]:
     """Plain torch in this process, metered the way the coordinator meters itself."""
-    from coordinator.meters import EnergyMeter
-    from coordinator.training.loop import TrainConfig, Trainer
+    from cleave.coordinator.meters import EnergyMeter
+    from cleave.coordinator.training.loop import TrainConfig, Trainer
 
     trainer = Trainer(TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len))
     meter = EnergyMeter()

@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from emulator.netns import Lab, Link, available  # noqa: E402
+from cleave.emulator.netns import Lab, Link, available  # noqa: E402
 
 PORT = 8765
 TIMEOUT = 900.0  # seconds the job may take
@@ -54,7 +54,7 @@ START_TIMEOUT = 120.0  # seconds the coordinator may take to listen, and the rel
 
 
 def _cleave(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleave_cli", *args]
+    return [sys.executable, "-m", "cleave", *args]
 
 
 def _await(what: str, ready: Callable[[], bool], proc: subprocess.Popen, log: Path) -> None:

@@ -53,7 +53,7 @@ def log(text: str) -> None:
 def start_coordinator(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str, list[str]]:
     """``cleave coordinator start ARGS`` on a free port; returns it, its URL and its first lines."""
     coord = subprocess.Popen(
-        [sys.executable, "-m", "cleave_cli", "coordinator", "start", "--port", "0", "--linger", "0", *args],
+        [sys.executable, "-m", "cleave", "coordinator", "start", "--port", "0", "--linger", "0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -21,16 +21,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 from bench_distributed import BenchReporter, ProgressUI
+from cleave.cli.local import serve_with_local_clients
+from cleave.coordinator.engine.identity import new_token
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.job import CoordinatorConfig
+from cleave.coordinator.training.loop import PRECISIONS, TrainConfig, Trainer
 from rich.console import Console
 from rich.table import Table
-
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
-from cleave_cli.local import serve_with_local_clients
-from coordinator.engine.identity import new_token
-from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig
-from coordinator.training.loop import PRECISIONS, TrainConfig, Trainer
 
 
 def _rel(a: list[float], b: list[float]) -> list[float]:

@@ -22,7 +22,7 @@ as bench_distributed.py). Needs ptrace rights over this process (root, or
 from __future__ import annotations
 
 # isort: off
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 # isort: on
 
 import argparse
@@ -119,8 +119,7 @@ def main() -> int:
     if not Path(spy).exists():
         raise SystemExit("bench_profile needs py-spy: .venv/bin/python -m pip install py-spy")
     from bench_distributed import ProgressUI, run_distributed
-
-    from coordinator.training.loop import TrainConfig
+    from cleave.coordinator.training.loop import TrainConfig
 
     train = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
     with tempfile.TemporaryDirectory(prefix="cleave-bench-profile-") as tmp:

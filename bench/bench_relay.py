@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    from coordinator.training.loop import TrainConfig, Trainer
+    from cleave.coordinator.training.loop import TrainConfig, Trainer
 
     want = [
         r.loss

@@ -27,14 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-from coordinator.engine.core import Core  # noqa: E402
-from coordinator.engine.limits import Limits, Rate, TrustPolicy  # noqa: E402
-from coordinator.engine.outbound import Send
-from coordinator.engine.scheduler import Assign, FaultPolicy, Scheduler, UnitSpec  # noqa: E402
-from coordinator.planning.tiles import GemmKind, TilingPolicy  # noqa: E402
-from coordinator.wire.messages import Hello, Result, Work  # noqa: E402
-from db.memory import MemoryStore  # noqa: E402
+from cleave.coordinator.engine.core import Core  # noqa: E402
+from cleave.coordinator.engine.limits import Limits, Rate, TrustPolicy  # noqa: E402
+from cleave.coordinator.engine.outbound import Send
+from cleave.coordinator.engine.scheduler import Assign, FaultPolicy, Scheduler, UnitSpec  # noqa: E402
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy  # noqa: E402
+from cleave.coordinator.wire.messages import Hello, Result, Work  # noqa: E402
+from cleave.db.memory import MemoryStore  # noqa: E402
 
 FAULTS = FaultPolicy(heartbeat=5.0, heartbeat_timeout=1e6, lease_floor=1e5)  # no deadline fires mid-run
 

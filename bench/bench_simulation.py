@@ -123,9 +123,9 @@ def core_seconds_per_result(devices: int) -> float:
 
 
 def simulated(count: int, args: argparse.Namespace, fleet: Path, ps) -> list[float]:
-    from coordinator.engine.live_plan import Planner
-    from coordinator.whatif.presets import model_shape, resolve_fleet
-    from coordinator.whatif.simulator import SimConfig, Simulation
+    from cleave.coordinator.engine.live_plan import Planner
+    from cleave.coordinator.whatif.presets import model_shape, resolve_fleet
+    from cleave.coordinator.whatif.simulator import SimConfig, Simulation
 
     cfg = SimConfig(
         model_shape(args.model),
@@ -155,7 +155,7 @@ def main() -> int:
     args = parser.parse_args()
     import dataclasses
 
-    from coordinator.engine.profiles import measure_ps
+    from cleave.coordinator.engine.profiles import measure_ps
 
     counts = [int(c) for c in args.counts.split(",")]
     ps = measure_ps(10.0)

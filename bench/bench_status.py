@@ -26,10 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
-
-from coordinator.engine import report  # noqa: E402
-from coordinator.engine.core import Core  # noqa: E402
-from db.sqlite import SQLiteStore  # noqa: E402
+from cleave.coordinator.engine import report  # noqa: E402
+from cleave.coordinator.engine.core import Core  # noqa: E402
+from cleave.db.sqlite import SQLiteStore  # noqa: E402
 
 JOBS = 3
 WORKED = 100  # one identity in this many was credited work

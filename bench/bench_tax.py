@@ -66,7 +66,7 @@ side by side with their ratio; ``--repeat N`` runs each N times, alternating, an
 from __future__ import annotations
 
 # isort: off
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 # isort: on
 
 import argparse
@@ -94,20 +94,19 @@ from typing import Any
 import numpy as np
 import torch
 from bench_throughput import _thread_cpu
+from cleave.client.idle import Reading
+from cleave.client.policy import PolicyConfig
+from cleave.client.runner import Worker, WorkerConfig
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.gemms import check_finite
+from cleave.coordinator.engine.limits import Limits, TrustPolicy
+from cleave.coordinator.engine.live_plan import LivePlan, LivePlanner, Planner
+from cleave.coordinator.net.server import Server, listen
+from cleave.coordinator.planning.costmodel import Profile, PSProfile
+from cleave.coordinator.planning.tiles import GemmKind, TilePlan, TilingPolicy, even_cuts
+from cleave.db.sqlite import GROUP_SECONDS, SQLiteStore
 from rich.console import Console
 from rich.table import Table
-
-from client.idle import Reading
-from client.policy import PolicyConfig
-from client.runner import Worker, WorkerConfig
-from coordinator.engine.core import Core
-from coordinator.engine.gemms import check_finite
-from coordinator.engine.limits import Limits, TrustPolicy
-from coordinator.engine.live_plan import LivePlan, LivePlanner, Planner
-from coordinator.net.server import Server, listen
-from coordinator.planning.costmodel import Profile, PSProfile
-from coordinator.planning.tiles import GemmKind, TilePlan, TilingPolicy, even_cuts
-from db.sqlite import GROUP_SECONDS, SQLiteStore
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-tax-token"

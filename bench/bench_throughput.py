@@ -24,7 +24,7 @@ Figures, over ``--seconds`` after ``--warmup`` seconds (devices enrol and leave 
 from __future__ import annotations
 
 # isort: off
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 # isort: on
 
 import argparse
@@ -43,15 +43,14 @@ from typing import Any
 import numpy as np
 import torch
 import wire_floor
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.limits import Limits
+from cleave.coordinator.net.server import Server, listen
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.db.sqlite import GROUP_SECONDS, SQLiteStore
+from cleave.db.store import DeviceInfo, NewTile, Outcome
 from rich.console import Console
 from rich.table import Table
-
-from coordinator.engine.core import Core
-from coordinator.engine.limits import Limits
-from coordinator.net.server import Server, listen
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from db.sqlite import GROUP_SECONDS, SQLiteStore
-from db.store import DeviceInfo, NewTile, Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-throughput-token"

@@ -37,7 +37,7 @@ share: the ratio shows what the tier costs, not the speedup of more machines.
 from __future__ import annotations
 
 # isort: off
-import cleave_cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 # isort: on
 
 import argparse
@@ -56,14 +56,13 @@ from typing import Any
 
 import torch
 from bench_distributed import BenchReporter, ProgressUI
+from cleave.cli.local import serve_with_local_clients
+from cleave.coordinator.engine.identity import new_token
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.job import CoordinatorConfig
+from cleave.coordinator.training.loop import TrainConfig, Trainer
 from rich.console import Console
 from rich.table import Table
-
-from cleave_cli.local import serve_with_local_clients
-from coordinator.engine.identity import new_token
-from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig
-from coordinator.training.loop import TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 900.0  # seconds the tier's processes may take
@@ -118,7 +117,7 @@ def run_one(train: TrainConfig, ui: ProgressUI) -> dict[str, Any]:
 
 
 def _cleave(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleave_cli", *args]
+    return [sys.executable, "-m", "cleave", *args]
 
 
 def run_tier(train: TrainConfig, ui: ProgressUI, world: int = 2) -> dict[str, Any]:

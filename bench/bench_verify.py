@@ -41,11 +41,18 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from cleave.coordinator.wire.verify import (
+    ROUNDS,
+    Product,
+    _row_norms,
+    freivalds,
+    freivalds_batch,
+    rademacher,
+    random_vectors,
+)
 from rich.console import Console
 from rich.table import Table
 from timing import interleaved_medians
-
-from coordinator.wire.verify import ROUNDS, Product, _row_norms, freivalds, freivalds_batch, rademacher, random_vectors
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.planning.costmodel import LOOP_COSTS, LoopCosts  # noqa: E402
+from cleave.coordinator.planning.costmodel import LOOP_COSTS, LoopCosts  # noqa: E402
 
 MB = 1e6
 

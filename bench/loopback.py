@@ -20,7 +20,7 @@ START_S = 3.0  # seconds a coordinator (or relay) is given to listen before its 
 
 
 def cleave(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleave_cli", *args]
+    return [sys.executable, "-m", "cleave", *args]
 
 
 def free_port() -> int:

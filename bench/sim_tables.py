@@ -69,9 +69,8 @@ def log(text: str) -> None:
 
 def simulate(args: str) -> Report:
     """``cleave simulate ARGS --json``, in process: the CLI's own option parsing, checks and report."""
+    from cleave.cli.app import build
     from typer.testing import CliRunner
-
-    from cleave_cli.app import build
 
     result = CliRunner().invoke(build(["simulate"]), ["simulate", *shlex.split(args), "--json"])
     if result.exception is not None and not isinstance(result.exception, SystemExit):
@@ -285,8 +284,8 @@ def dtfm_examples(batch: int) -> Callable[[], tuple[list[str], list[list[str]]]]
     """docs/simulation.md "Examples": the DTFM-style pipeline and the cloud on each preset of 1,000."""
 
     def build() -> tuple[list[str], list[list[str]]]:
-        from coordinator.whatif.baselines import cloud_step, dtfm_step
-        from coordinator.whatif.presets import model_shape, resolve_fleet
+        from cleave.coordinator.whatif.baselines import cloud_step, dtfm_step
+        from cleave.coordinator.whatif.presets import model_shape, resolve_fleet
 
         header = ["Model", "Fleet", "dtype", "DTFM step (s)", "D_PP x D_DP", "micro-batches (flushes)"]
         header += ["compute / pipeline / bubble / all-reduce (s)", "bound", "memory per device", "8 x A100 (s)"]

@@ -83,11 +83,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import cleave.cli  # noqa: E402,F401 - OMP_WAIT_POLICY before torch loads
 import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-
-import cleave_cli  # noqa: E402,F401 - OMP_WAIT_POLICY before torch loads
 
 TOKEN, OPERATOR = "soak-join-token", "soak-operator-token"
 MODEL, BATCH, SEQ_LEN, STEPS = "tiny", 8, 64, 100_000  # far more steps than an hour: losses compared as done
@@ -117,7 +116,7 @@ def _free_port() -> int:
 
 
 def _cleave(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleave_cli", *args]
+    return [sys.executable, "-m", "cleave", *args]
 
 
 # --------------------------------------------------------------------------- processes
@@ -364,7 +363,7 @@ class Observer:
     def _ask(self, rank: int, port: int, endpoint: str) -> str | None:
         """None when the answer is what the endpoint promises, else what is wrong with it."""
         if endpoint == "ws_status_operator":
-            from cleave_cli.status import fetch_status
+            from cleave.cli.status import fetch_status
 
             snapshot = fetch_status(f"ws://127.0.0.1:{port}", OPERATOR)
             return None if "job" in snapshot and "devices" in snapshot else f"keys {sorted(snapshot)[:8]}"
@@ -892,7 +891,7 @@ def plain_losses(steps: int, parts: int = 1) -> list[float]:
     of ``parts`` ranks adds its ranks' gradients: its losses are plain torch's with the batch in
     ``parts`` micro-batches, bit for bit (docs/operations.md, Running a tier); with one part the
     sums' order differs and training drifts apart by float error (4.4e-2 after 1,644 steps)."""
-    from coordinator.training.loop import TrainConfig, Trainer
+    from cleave.coordinator.training.loop import TrainConfig, Trainer
 
     config = TrainConfig(model=MODEL, steps=STEPS, batch_size=BATCH, seq_len=SEQ_LEN, micro_batches=parts)
     trainer = Trainer(config)

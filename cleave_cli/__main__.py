@@ -1,4 +1,4 @@
-from cleave_cli.app import main
+from cleave.cli.app import main
 
 if __name__ == "__main__":
     main()

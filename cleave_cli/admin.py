@@ -10,17 +10,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from cleave.cli import render
+from cleave.cli.errors import friendly, stderr_console
+from cleave.cli.options import read_secret
+from cleave.coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN, STRONG_TOKEN, new_token, store_token
+from cleave.coordinator.wire.auth import token_hash
+from cleave.coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.messages import MAX_TOKEN
+from cleave.db.sqlite import SQLiteStore
+from cleave.db.store import IdentityState
 from rich.console import Console
-
-from cleave_cli import render
-from cleave_cli.errors import friendly, stderr_console
-from cleave_cli.options import read_secret
-from coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN, STRONG_TOKEN, new_token, store_token
-from coordinator.wire.auth import token_hash
-from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import MAX_TOKEN
-from db.sqlite import SQLiteStore
-from db.store import IdentityState
 
 devices_app = typer.Typer(
     help="The devices enrolled on a coordinator's --db: list, revoke, unban.", no_args_is_help=True

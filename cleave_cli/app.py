@@ -16,21 +16,22 @@ import typer
 
 # name -> (module, function), in the order ``cleave --help`` lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "join": ("cleave_cli.join", "join"),
-    "status": ("cleave_cli.status", "status"),
-    "train": ("cleave_cli.train", "train"),
-    "demo": ("cleave_cli.demo", "demo"),
-    "benchmark": ("cleave_cli.benchmark", "benchmark"),
-    "plan": ("cleave_cli.plan", "plan"),
-    "simulate": ("cleave_cli.simulate", "simulate"),
-    "emulate": ("cleave_cli.emulate", "emulate"),
-    "relay": ("cleave_cli.relay", "relay"),
-    "export": ("cleave_cli.export", "export"),
-    "sample": ("cleave_cli.sample", "sample"),
+    "join": ("cleave.cli.join", "join"),
+    "status": ("cleave.cli.status", "status"),
+    "train": ("cleave.cli.train", "train"),
+    "demo": ("cleave.cli.demo", "demo"),
+    "benchmark": ("cleave.cli.benchmark", "benchmark"),
+    "plan": ("cleave.cli.plan", "plan"),
+    "simulate": ("cleave.cli.simulate", "simulate"),
+    "emulate": ("cleave.cli.emulate", "emulate"),
+    "relay": ("cleave.cli.relay", "relay"),
+    "export": ("cleave.cli.export", "export"),
+    "sample": ("cleave.cli.sample", "sample"),
 }
 COORDINATOR = "coordinator"
 DATA = "data"  # ``cleave data prepare`` (cleave_cli/data.py)
 ADMIN = ("devices", "token")  # ``cleave coordinator`` groups that need no torch (cleave_cli/admin.py)
+VERSION = "--version"
 
 
 def build(argv: Sequence[str] = ()) -> typer.Typer:
@@ -45,21 +46,23 @@ def build(argv: Sequence[str] = ()) -> typer.Typer:
     )
     app.callback()(_group)  # a group even when it holds one command: ``cleave join URL``, not ``cleave URL``
     first = argv[0] if argv else None
+    if first == VERSION:  # nothing else to load
+        return app
     everything = first not in COMMANDS and first not in (COORDINATOR, DATA)
     if everything or first == COORDINATOR:
-        from cleave_cli import admin
+        from cleave.cli import admin
 
         group = typer.Typer(
             help="Run a coordinator (parameter server + tile queue) and manage it.", no_args_is_help=True
         )
         if everything or len(argv) < 2 or argv[1] not in ADMIN:
-            from cleave_cli import coordinator
+            from cleave.cli import coordinator
 
             group.command("start")(coordinator.start)
         admin.add_to(group)
         app.add_typer(group, name=COORDINATOR)
     if everything or first == DATA:
-        from cleave_cli import data
+        from cleave.cli import data
 
         group = typer.Typer(help="Prepare training data: tokenize a corpus into token shards.", no_args_is_help=True)
         group.command("prepare")(data.prepare)
@@ -70,7 +73,19 @@ def build(argv: Sequence[str] = ()) -> typer.Typer:
     return app
 
 
-def _group() -> None:
+def _version(show: bool) -> None:
+    if show:
+        from cleave import __version__
+
+        typer.echo(f"cleave {__version__}")
+        raise typer.Exit()
+
+
+def _group(
+    version: bool = typer.Option(
+        False, VERSION, help="Print Cleave's version and exit.", is_eager=True, callback=_version
+    ),
+) -> None:
     pass
 
 

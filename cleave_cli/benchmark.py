@@ -7,15 +7,14 @@ import json
 from typing import Annotated
 
 import typer
+from cleave.cli import options as opt
+from cleave.cli import render
+from cleave.cli.errors import friendly
+from cleave.client import benchmark as bench
+from cleave.client import kernels
+from cleave.client.connection import URLRefused, check_url
+from cleave.coordinator.wire.errors import CleaveError, ConfigError
 from rich.console import Console
-
-from cleave_cli import options as opt
-from cleave_cli import render
-from cleave_cli.errors import friendly
-from client import benchmark as bench
-from client import kernels
-from client.connection import URLRefused, check_url
-from coordinator.wire.errors import CleaveError, ConfigError
 
 
 @friendly

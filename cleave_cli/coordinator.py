@@ -7,22 +7,21 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from cleave.cli import options as opt
+from cleave.cli.errors import friendly, is_terminal
+from cleave.cli.progress import ConsoleReporter
+from cleave.coordinator.engine.limits import Limits
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.engine.scheduler import FaultPolicy
+from cleave.coordinator.engine.standby import StandbyPolicy
+from cleave.coordinator.job import DEFAULT_SEND_THREADS, LINGER, CoordinatorConfig, TierOptions, run_job
+from cleave.coordinator.planning.tiles import TilingPolicy
+from cleave.coordinator.tier.group import TIER_TIMEOUT
+from cleave.coordinator.training.loop import TrainConfig
+from cleave.coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.messages import WireDtype
 from rich.console import Console
 from rich.logging import RichHandler
-
-from cleave_cli import options as opt
-from cleave_cli.errors import friendly, is_terminal
-from cleave_cli.progress import ConsoleReporter
-from coordinator.engine.limits import Limits
-from coordinator.engine.live_plan import Planner
-from coordinator.engine.scheduler import FaultPolicy
-from coordinator.engine.standby import StandbyPolicy
-from coordinator.job import DEFAULT_SEND_THREADS, LINGER, CoordinatorConfig, TierOptions, run_job
-from coordinator.planning.tiles import TilingPolicy
-from coordinator.tier.group import TIER_TIMEOUT
-from coordinator.training.loop import TrainConfig
-from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import WireDtype
 
 D = TrainConfig()  # the defaults the options show
 

@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from cleave.cli import options as opt
+from cleave.cli.errors import friendly, is_terminal
+from cleave.coordinator.wire.errors import ConfigError
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
-from cleave_cli import options as opt
-from cleave_cli.errors import friendly, is_terminal
-from coordinator.wire.errors import ConfigError
 
 
 @friendly
@@ -49,7 +48,7 @@ def prepare(
 ) -> None:
     """Tokenize text or JSONL into token shards (uint16 when the vocabulary fits, else uint32) with a
     shards.json; pass the folder as --data."""
-    from coordinator.training import prepare as prep
+    from cleave.coordinator.training import prepare as prep
 
     chosen = [
         name

@@ -10,18 +10,17 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from cleave.cli import options as opt
+from cleave.cli import render
+from cleave.cli.errors import friendly, is_terminal
+from cleave.cli.local import serve_with_local_clients
+from cleave.cli.progress import ConsoleReporter
+from cleave.coordinator.engine.identity import new_token
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.job import CoordinatorConfig
+from cleave.coordinator.training.loop import TrainConfig, Trainer
+from cleave.coordinator.wire.errors import CleaveError, ConfigError
 from rich.console import Console
-
-from cleave_cli import options as opt
-from cleave_cli import render
-from cleave_cli.errors import friendly, is_terminal
-from cleave_cli.local import serve_with_local_clients
-from cleave_cli.progress import ConsoleReporter
-from coordinator.engine.identity import new_token
-from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig
-from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.wire.errors import CleaveError, ConfigError
 
 MATCH_TOLERANCE = 1e-4  # relative, per step
 

@@ -13,18 +13,17 @@ import time
 from typing import Annotated, Any
 
 import typer
+from cleave.cli import options as opt
+from cleave.cli.errors import friendly, is_terminal, stderr_console
+from cleave.coordinator.planning.costmodel import ITEMSIZE
+from cleave.coordinator.whatif.presets import FLEETS, resolve_fleet
+from cleave.coordinator.wire.errors import CleaveError, ConfigError
+from cleave.emulator.devices import Fleet, FleetConfig
 from rich.console import Console, Group
 from rich.live import Live
 from rich.logging import RichHandler
 from rich.table import Table
 from rich.text import Text
-
-from cleave_cli import options as opt
-from cleave_cli.errors import friendly, is_terminal, stderr_console
-from coordinator.planning.costmodel import ITEMSIZE
-from coordinator.whatif.presets import FLEETS, resolve_fleet
-from coordinator.wire.errors import CleaveError, ConfigError
-from emulator.devices import Fleet, FleetConfig
 
 MAX_DEVICES = 10_000
 

@@ -15,10 +15,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from cleave.coordinator.wire.errors import CleaveError
 from rich.console import Console
 from rich.text import Text
-
-from coordinator.wire.errors import CleaveError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

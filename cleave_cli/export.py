@@ -7,11 +7,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from cleave.cli.errors import friendly
+from cleave.coordinator.training.export import export_job
+from cleave.coordinator.wire.errors import ConfigError
 from rich.console import Console
-
-from cleave_cli.errors import friendly
-from coordinator.training.export import export_job
-from coordinator.wire.errors import ConfigError
 
 
 @friendly

@@ -9,21 +9,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from cleave.cli import options as opt
+from cleave.cli import render
+from cleave.cli.errors import friendly, is_terminal
+from cleave.client.credentials import default_path as default_credentials
+from cleave.client.idle import FileProbe, Reading, SystemProbe
+from cleave.client.policy import Decision, PolicyConfig, default_config_path, load_config
+from cleave.client.state import WorkerState
+from cleave.client.sysinfo import machine_name
+from cleave.coordinator.wire.messages import MAX_NAME
 from rich.console import Console
 from rich.live import Live
 
-from cleave_cli import options as opt
-from cleave_cli import render
-from cleave_cli.errors import friendly, is_terminal
-from client.credentials import default_path as default_credentials
-from client.idle import FileProbe, Reading, SystemProbe
-from client.policy import Decision, PolicyConfig, default_config_path, load_config
-from client.state import WorkerState
-from client.sysinfo import machine_name
-from coordinator.wire.messages import MAX_NAME
-
 if TYPE_CHECKING:  # the worker computes with torch: imported once there is work to do, not for --show-config
-    from client.runner import Worker, WorkerStats
+    from cleave.client.runner import Worker, WorkerStats
 
 
 class _Display:
@@ -199,7 +198,7 @@ def join(
     token = opt.read_secret(token, token_file, "--token", opt.Secret.JOIN_TOKEN)
     if new_identity and not token:
         raise typer.BadParameter("--new-identity needs the join token (CLEAVE_TOKEN, --token-file or --token)")
-    from client.runner import Worker, WorkerConfig
+    from cleave.client.runner import Worker, WorkerConfig
 
     cfg = WorkerConfig(
         url=url,

@@ -7,9 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from cleave_cli.options import Secret
-from coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
-from coordinator.wire.errors import CleaveError
+from cleave.cli.options import Secret
+from cleave.coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
+from cleave.coordinator.wire.errors import CleaveError
 
 
 async def serve_with_local_clients(
@@ -37,7 +37,7 @@ async def serve_with_local_clients(
         await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "cleave_cli",
+            "cleave",
             "join",
             url,
             "--once",

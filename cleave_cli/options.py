@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-
-from cleave_cli.errors import stderr_console
-from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import WireDtype
+from cleave.cli.errors import stderr_console
+from cleave.coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.messages import WireDtype
 
 if TYPE_CHECKING:  # the training modules import torch: the commands that train import them
-    from coordinator.training.loop import TrainConfig
+    from cleave.coordinator.training.loop import TrainConfig
 
 
 Model = Annotated[
@@ -193,7 +192,7 @@ def train_config(
 ) -> TrainConfig:
     """The job the training options describe; an optimizer setting left None keeps TrainConfig's
     default (min_lr's: 10% of lr)."""
-    from coordinator.training.loop import TrainConfig, with_data_vocab
+    from cleave.coordinator.training.loop import TrainConfig, with_data_vocab
 
     optimizer = {"warmup": warmup, "min_lr": min_lr, "weight_decay": weight_decay, "grad_clip": grad_clip}
     evaluation = {"val_fraction": val_fraction, "eval_every": eval_every, "eval_batches": eval_batches}

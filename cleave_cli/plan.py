@@ -16,11 +16,9 @@ from enum import Enum
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-
-from cleave_cli import render
-from cleave_cli.errors import friendly, is_terminal, stderr_console
-from coordinator.planning.costmodel import (
+from cleave.cli import render
+from cleave.cli.errors import friendly, is_terminal, stderr_console
+from cleave.coordinator.planning.costmodel import (
     ADAMW_BYTES,
     ATTENTION_PASSES,
     ITEMSIZE,
@@ -29,9 +27,9 @@ from coordinator.planning.costmodel import (
     DeviceClass,
     PSProfile,
 )
-from coordinator.planning.planner import Gemm, Kind, Plan, StepPlan, baseline, plan_step
-from coordinator.planning.tier import DEFAULT_TIER_GBPS, MAX_RANKS, SOLO, Tier
-from coordinator.whatif.presets import (
+from cleave.coordinator.planning.planner import Gemm, Kind, Plan, StepPlan, baseline, plan_step
+from cleave.coordinator.planning.tier import DEFAULT_TIER_GBPS, MAX_RANKS, SOLO, Tier
+from cleave.coordinator.whatif.presets import (
     COORDINATORS,
     FLEETS,
     MODELS,
@@ -41,7 +39,8 @@ from coordinator.whatif.presets import (
     resolve_fleet,
     step_gemms,
 )
-from coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.errors import ConfigError
+from rich.console import Console
 
 
 class DType(str, Enum):

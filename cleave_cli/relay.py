@@ -9,11 +9,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from cleave_cli import options as opt
-from cleave_cli.errors import friendly
-from coordinator.wire.addresses import url_host
-from coordinator.wire.errors import ConfigError
+from cleave.cli import options as opt
+from cleave.cli.errors import friendly
+from cleave.coordinator.wire.addresses import url_host
+from cleave.coordinator.wire.errors import ConfigError
 
 MAX_MEMORY_GB = 1024.0
 
@@ -56,7 +55,7 @@ def relay(
     """Serve the coordinator's operand blocks to the devices it puts behind this machine: each block
     comes from the coordinator once, however many of them need it. Results still go straight to
     the coordinator, which verifies them; devices check every block against its digest."""
-    from client.relay import Relay, RelayConfig
+    from cleave.client.relay import Relay, RelayConfig
 
     if not url.startswith(("ws://", "wss://")):
         raise ConfigError(f"the coordinator URL must start with ws:// or wss://, got {url!r}")

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from cleave_cli.errors import friendly
-from coordinator.training import generate
+from cleave.cli.errors import friendly
+from cleave.coordinator.training import generate
 
 D = generate.Sampling()  # the defaults the options show
 

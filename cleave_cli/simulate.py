@@ -18,13 +18,10 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console, Group
-from rich.table import Table
-
-from cleave_cli import render
-from cleave_cli.errors import friendly, stderr_console
-from cleave_cli.options import micro_batches_of
-from cleave_cli.plan import (
+from cleave.cli import render
+from cleave.cli.errors import friendly, stderr_console
+from cleave.cli.options import micro_batches_of
+from cleave.cli.plan import (
     DEFAULT_LINK_GBPS,
     DEFAULT_RELAY_GB,
     DEFAULT_RELAY_GBPS,
@@ -51,13 +48,13 @@ from cleave_cli.plan import (
     with_relays,
     with_workers,
 )
-from coordinator.engine.energy import GRID_GCO2_KWH
-from coordinator.engine.live_plan import Planner
-from coordinator.engine.scheduler import FaultPolicy
-from coordinator.planning.costmodel import CostModelError, DeviceClass, PSProfile
-from coordinator.planning.tier import DEFAULT_TIER_GBPS, SOLO, Tier
-from coordinator.whatif.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
-from coordinator.whatif.energy import (
+from cleave.coordinator.engine.energy import GRID_GCO2_KWH
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.engine.scheduler import FaultPolicy
+from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass, PSProfile
+from cleave.coordinator.planning.tier import DEFAULT_TIER_GBPS, SOLO, Tier
+from cleave.coordinator.whatif.baselines import bytes_per_param, cloud_step, dtfm_step, step_flops
+from cleave.coordinator.whatif.energy import (
     COORDINATOR_POWER,
     NETWORK_J_PER_BYTE,
     PUE_DEFAULT,
@@ -67,11 +64,13 @@ from coordinator.whatif.energy import (
     cloud_energy,
     dtfm_energy,
 )
-from coordinator.whatif.presets import model_shape, resolve_fleet
-from coordinator.whatif.runs import run_all
-from coordinator.whatif.simulator import SimConfig, SimResult
-from coordinator.wire.errors import CleaveError, ConfigError
-from coordinator.wire.messages import MAX_GRID
+from cleave.coordinator.whatif.presets import model_shape, resolve_fleet
+from cleave.coordinator.whatif.runs import run_all
+from cleave.coordinator.whatif.simulator import SimConfig, SimResult
+from cleave.coordinator.wire.errors import CleaveError, ConfigError
+from cleave.coordinator.wire.messages import MAX_GRID
+from rich.console import Console, Group
+from rich.table import Table
 
 MAX_DEVICES = 100_000  # every device is simulated one by one (its links, its leases)
 MAX_SWEEP = 16

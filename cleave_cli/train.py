@@ -5,15 +5,14 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
+from cleave.cli import options as opt
+from cleave.cli import render
+from cleave.cli.errors import friendly
+from cleave.coordinator.job import metrics_line
+from cleave.coordinator.training.hardware import coordinator_device, describe
+from cleave.coordinator.training.loop import TrainConfig, Trainer
+from cleave.coordinator.wire.errors import ConfigError
 from rich.console import Console
-
-from cleave_cli import options as opt
-from cleave_cli import render
-from cleave_cli.errors import friendly
-from coordinator.job import metrics_line
-from coordinator.training.hardware import coordinator_device, describe
-from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.wire.errors import ConfigError
 
 D = TrainConfig()  # the defaults the options show
 

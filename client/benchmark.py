@@ -20,9 +20,8 @@ from typing import Any
 
 import psutil
 import torch
-
-from client import kernels
-from client.paths import user_dir
+from cleave.client import kernels
+from cleave.client.paths import user_dir
 
 SHAPES = (512, 1024)  # tile-like square GEMMs
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,10 +146,9 @@ async def measure_link(
 ) -> LinkFigure:
     """Round trip and throughput to a coordinator, as an observer. ``token`` is the operator
     token: the coordinator checks it before it answers."""
+    from cleave.client.connection import client_tls
+    from cleave.coordinator.wire.messages import Challenge, SpeedTest, decode, encode
     from websockets.asyncio.client import connect
-
-    from client.connection import client_tls
-    from coordinator.wire.messages import Challenge, SpeedTest, decode, encode
 
     empty = torch.zeros(0, dtype=torch.uint8)
     async with connect(

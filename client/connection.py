@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ssl
 
-from coordinator.wire.addresses import is_loopback, url_host
-from coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.addresses import is_loopback, url_host
+from cleave.coordinator.wire.errors import ConfigError
 
 
 class URLRefused(ConfigError):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from client.paths import user_dir
-from coordinator.wire.errors import ConfigError
+from cleave.client.paths import user_dir
+from cleave.coordinator.wire.errors import ConfigError
 
 try:  # POSIX advisory locks; elsewhere concurrent enrolments may race (a second identity, no harm)
     import fcntl

@@ -145,13 +145,13 @@ class SystemProbe:
 
 
 def is_cleave(cmdline: list[str]) -> bool:
-    """``cleave ...`` or ``python -m cleave_cli ...``: not an editor that happens to be in a
+    """``cleave ...`` or ``python -m cleave ...``: not an editor that happens to be in a
     folder called cleave."""
     if not cmdline:
         return False
     if Path(cmdline[0]).name in ("cleave", "cleave.exe"):
         return True
-    return any(Path(arg).name in ("cleave", "cleave.exe") or arg == "cleave_cli" for arg in cmdline[1:3])
+    return any(Path(arg).name in ("cleave", "cleave.exe") or arg in ("cleave", "cleave.cli") for arg in cmdline[1:3])
 
 
 def _macos_idle(ioreg: str) -> float:

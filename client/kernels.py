@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
-
-from coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.errors import ConfigError
 
 
 class DeviceUnavailable(ConfigError):

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from client.idle import Reading
-from client.paths import user_dir
-from coordinator.wire.errors import ConfigError
+from cleave.client.idle import Reading
+from cleave.client.paths import user_dir
+from cleave.coordinator.wire.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

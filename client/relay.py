@@ -40,17 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from websockets.asyncio.client import connect
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
-
-from client.connection import client_tls
-from client.credentials import Credential, CredentialStore
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode
-from coordinator.wire.digest import block_digest, relay_tag, ticket_ok
-from coordinator.wire.errors import ConfigError, ProtocolError
-from coordinator.wire.messages import (
+from cleave.client.connection import client_tls
+from cleave.client.credentials import Credential, CredentialStore
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode
+from cleave.coordinator.wire.digest import block_digest, relay_tag, ticket_ok
+from cleave.coordinator.wire.errors import ConfigError, ProtocolError
+from cleave.coordinator.wire.handshake import bound_handshakes
+from cleave.coordinator.wire.messages import (
     MAX_FETCH,
     Block,
     BlockRequest,
@@ -64,7 +61,10 @@ from coordinator.wire.messages import (
     decode,
     encode,
 )
-from coordinator.wire.messages import Credential as CredentialMessage
+from cleave.coordinator.wire.messages import Credential as CredentialMessage
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,7 @@ class Relay:
                 server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
                 server_tls.load_cert_chain(self.cfg.certfile, self.cfg.keyfile)
             host, port = self.cfg.listen
+            bound_handshakes()  # a relay is a server too: the coordinator's limits on an upgrade
             async with serve(
                 self._serve_device, host, port, max_size=DEVICE_FRAME, compression=None, ssl=server_tls
             ) as server:

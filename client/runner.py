@@ -35,18 +35,15 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
-
-from client import benchmark, kernels, sysinfo
-from client.connection import URLRefused, check_url, client_tls
-from client.credentials import Credential as StoredCredential
-from client.credentials import CredentialError, CredentialStore
-from client.idle import Probe, SystemProbe
-from client.policy import Decision, Policy, PolicyConfig
-from client.relaylink import TIMEOUT as RELAY_WAIT
-from client.relaylink import RelayFailed, RelayLink
-from client.session import (
+from cleave.client import benchmark, kernels, sysinfo
+from cleave.client.connection import URLRefused, check_url, client_tls
+from cleave.client.credentials import Credential as StoredCredential
+from cleave.client.credentials import CredentialError, CredentialStore
+from cleave.client.idle import Probe, SystemProbe
+from cleave.client.policy import Decision, Policy, PolicyConfig
+from cleave.client.relaylink import TIMEOUT as RELAY_WAIT
+from cleave.client.relaylink import RelayFailed, RelayLink
+from cleave.client.session import (
     Credited,
     Ended,
     Ending,
@@ -61,12 +58,12 @@ from client.session import (
     Welcomed,
     Woken,
 )
-from client.state import WorkerState
-from coordinator.meters import EnergyMeter
-from coordinator.wire.addresses import relay_host_refused
-from coordinator.wire.codes import CloseCode, RelayFault
-from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
-from coordinator.wire.messages import (
+from cleave.client.state import WorkerState
+from cleave.coordinator.meters import EnergyMeter
+from cleave.coordinator.wire.addresses import relay_host_refused
+from cleave.coordinator.wire.codes import CloseCode, RelayFault
+from cleave.coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
+from cleave.coordinator.wire.messages import (
     DEFAULT_SLOTS,
     ENERGY_EVERY,
     MAX_BYTES,
@@ -91,8 +88,10 @@ from coordinator.wire.messages import (
     decode,
     encode,
 )
-from coordinator.wire.verify import freivalds
-from coordinator.wire.version import package_version
+from cleave.coordinator.wire.verify import freivalds
+from cleave.coordinator.wire.version import package_version
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 log = logging.getLogger("cleave.client")
 

@@ -34,12 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-
-from client.credentials import Credential as StoredCredential
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy, StandbyWhy
-from coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
-from coordinator.wire.messages import (
+from cleave.client.credentials import Credential as StoredCredential
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy, StandbyWhy
+from cleave.coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
+from cleave.coordinator.wire.messages import (
     DEFAULT_HEARTBEAT,
     MAX_KEEPALIVE,
     MIN_KEEPALIVE,

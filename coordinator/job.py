@@ -25,34 +25,33 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from cleave.coordinator.engine.balance import Balancer, Pool
+from cleave.coordinator.engine.books import Books
+from cleave.coordinator.engine.core import Core, Departure
+from cleave.coordinator.engine.energy import GRID_GCO2_KWH
+from cleave.coordinator.engine.identity import STRONG_TOKEN, new_token
+from cleave.coordinator.engine.limits import Limits, TrustPolicy
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.engine.profiles import measure_ps
+from cleave.coordinator.engine.scheduler import FaultPolicy
+from cleave.coordinator.engine.standby import StandbyPolicy
+from cleave.coordinator.meters import EnergyMeter
+from cleave.coordinator.net.remote import RemoteEngine
+from cleave.coordinator.net.server import Server, listen
+from cleave.coordinator.planning.costmodel import MAX_PS_GFLOPS
+from cleave.coordinator.planning.tiles import TilingPolicy
+from cleave.coordinator.tier.group import HEARTBEAT, TIER_TIMEOUT, RankSummary, Tier, TierRefused, job_digest, join_tier
+from cleave.coordinator.training import checkpoint, models
+from cleave.coordinator.training.checkpoint import Resume
+from cleave.coordinator.training.flops import GemmShare, gemm_share
+from cleave.coordinator.training.hardware import DEVICES, coordinator_device, describe
+from cleave.coordinator.training.loop import BEFORE_DATA_OPTIONS, StepResult, TrainConfig, Trainer, open_data
+from cleave.coordinator.wire.addresses import is_loopback, url_host
+from cleave.coordinator.wire.errors import CheckpointError, ConfigError
+from cleave.coordinator.wire.messages import MAX_GRID, MAX_TOKEN, MAX_URL, WireDtype
+from cleave.db.sqlite import GROUP_SECONDS, SQLiteStore
+from cleave.db.store import CheckpointRow
 from torch import nn
-
-from coordinator.engine.balance import Balancer, Pool
-from coordinator.engine.books import Books
-from coordinator.engine.core import Core, Departure
-from coordinator.engine.energy import GRID_GCO2_KWH
-from coordinator.engine.identity import STRONG_TOKEN, new_token
-from coordinator.engine.limits import Limits, TrustPolicy
-from coordinator.engine.live_plan import Planner
-from coordinator.engine.profiles import measure_ps
-from coordinator.engine.scheduler import FaultPolicy
-from coordinator.engine.standby import StandbyPolicy
-from coordinator.meters import EnergyMeter
-from coordinator.net.remote import RemoteEngine
-from coordinator.net.server import Server, listen
-from coordinator.planning.costmodel import MAX_PS_GFLOPS
-from coordinator.planning.tiles import TilingPolicy
-from coordinator.tier.group import HEARTBEAT, TIER_TIMEOUT, RankSummary, Tier, TierRefused, job_digest, join_tier
-from coordinator.training import checkpoint, models
-from coordinator.training.checkpoint import Resume
-from coordinator.training.flops import GemmShare, gemm_share
-from coordinator.training.hardware import DEVICES, coordinator_device, describe
-from coordinator.training.loop import BEFORE_DATA_OPTIONS, StepResult, TrainConfig, Trainer, open_data
-from coordinator.wire.addresses import is_loopback, url_host
-from coordinator.wire.errors import CheckpointError, ConfigError
-from coordinator.wire.messages import MAX_GRID, MAX_TOKEN, MAX_URL, WireDtype
-from db.sqlite import GROUP_SECONDS, SQLiteStore
-from db.store import CheckpointRow
 
 log = logging.getLogger(__name__)
 
@@ -317,8 +316,8 @@ async def _choose_micro_batches(
     parts cannot run at once or the model's shape is not known to the cost model.
     Asked before the first step (the devices' claims) and again after it (their measured rates
     and links); the step is the same step whatever the parts, to float error."""
-    from coordinator.whatif.presets import MODELS
-    from coordinator.whatif.simulator import choose_micro_batches
+    from cleave.coordinator.whatif.presets import MODELS
+    from cleave.coordinator.whatif.simulator import choose_micro_batches
 
     shape = MODELS.get(train.model)
     if not trainer.concurrent or shape is None:

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.wire.errors import StoreError
-from db.store import (
+from cleave.coordinator.wire.errors import StoreError
+from cleave.db.store import (
     CONNECTED,
     COUNTED_OUTCOMES,
     RESTARTED,

@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import sqlite_utils
-
-from coordinator.wire.errors import StoreError
-from db.migrations import migrate
-from db.store import (
+from cleave.coordinator.wire.errors import StoreError
+from cleave.db.migrations import migrate
+from cleave.db.store import (
     RESTARTED,
     RESUMABLE,
     TILE_COUNTS,

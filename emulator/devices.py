@@ -81,16 +81,15 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-
-from client.idle import Reading
-from client.policy import PolicyConfig
-from client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerStats
-from client.state import WorkerState
-from coordinator.planning.costmodel import DeviceClass, Profile
-from coordinator.wire.codes import Name
-from coordinator.wire.errors import ClientError, ConfigError
-from coordinator.wire.messages import MAX_NAME
-from emulator.forgeries import FORGERIES, NON_FINITE, SCALABLE, HonestWithinTolerance
+from cleave.client.idle import Reading
+from cleave.client.policy import PolicyConfig
+from cleave.client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerStats
+from cleave.client.state import WorkerState
+from cleave.coordinator.planning.costmodel import DeviceClass, Profile
+from cleave.coordinator.wire.codes import Name
+from cleave.coordinator.wire.errors import ClientError, ConfigError
+from cleave.coordinator.wire.messages import MAX_NAME
+from cleave.emulator.forgeries import FORGERIES, NON_FINITE, SCALABLE, HonestWithinTolerance
 
 log = logging.getLogger("cleave.emulator")
 

@@ -34,9 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-from client.runner import Worker, WorkerConfig  # noqa: E402
-from coordinator.wire.errors import ClientError
+from cleave.client.runner import Worker, WorkerConfig  # noqa: E402
+from cleave.coordinator.wire.errors import ClientError
 
 WARMUP = 25  # honest tiles before a forger starts lying: past the 20 of probation
 RUN_LIMIT = 90.0  # seconds a forger's run may take, so the test fails rather than hangs

@@ -26,7 +26,7 @@ _URL = re.compile(r"listening on (wss?://\S+)")
 
 
 def cleave_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "cleave_cli", *args]
+    return [sys.executable, "-m", "cleave", *args]
 
 
 def env() -> dict[str, str]:
@@ -376,6 +376,6 @@ def free_port() -> int:
 def local_losses(steps: int, **options: object) -> tuple[float, ...]:
     """Plain torch's losses for these ``TrainConfig`` options, in this process; computed once per
     configuration for the whole session (training is deterministic: same options, same losses)."""
-    from coordinator.training.loop import TrainConfig, Trainer
+    from cleave.coordinator.training.loop import TrainConfig, Trainer
 
     return tuple(r.loss for r in Trainer(TrainConfig(steps=steps, **options)).run())  # type: ignore[arg-type]

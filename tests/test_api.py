@@ -7,11 +7,10 @@ import re
 
 import pytest
 import torch
+from cleave.coordinator.training.loop import TrainConfig, Trainer
+from cleave.coordinator.wire.errors import ConfigError
 from conftest import ROOT
 from torch import nn
-
-from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.wire.errors import ConfigError
 
 
 def _example() -> str:
@@ -48,8 +47,8 @@ def test_the_factory_is_called_after_seeding() -> None:
 
 
 def test_an_unfinished_job_of_another_model_is_never_resumed_with_this_factory(tmp_path) -> None:  # noqa: ANN001
-    from coordinator.job import CoordinatorConfig, _plan
-    from db.sqlite import SQLiteStore
+    from cleave.coordinator.job import CoordinatorConfig, _plan
+    from cleave.db.sqlite import SQLiteStore
 
     store = SQLiteStore(tmp_path / "j.db")
     store.create_job("a", TrainConfig(model="custom:A", steps=5).to_dict(), 5, 0.0)  # left unfinished

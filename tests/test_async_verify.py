@@ -9,19 +9,18 @@ import dataclasses
 
 import numpy as np
 import torch
+from cleave.coordinator.engine import report
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.gemms import Check
+from cleave.coordinator.engine.limits import Rate, TrustPolicy
+from cleave.coordinator.engine.outbound import Close, Send
+from cleave.coordinator.engine.scheduler import FaultPolicy
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode
+from cleave.coordinator.wire.messages import Cancel, Credential, Error, Hello, Result, Work
+from cleave.db.memory import MemoryStore
 from test_core import Fleet, corrupt, honest, submit
-
-from coordinator.engine import report
-from coordinator.engine.core import Core
-from coordinator.engine.gemms import Check
-from coordinator.engine.limits import Rate, TrustPolicy
-from coordinator.engine.outbound import Close, Send
-from coordinator.engine.scheduler import FaultPolicy
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode
-from coordinator.wire.messages import Cancel, Credential, Error, Hello, Result, Work
-from db.memory import MemoryStore
 
 FAULTS = FaultPolicy(
     heartbeat=1.0,

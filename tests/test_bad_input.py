@@ -13,14 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TIMEOUT
-from procs import TOKEN, Coordinator, join, local_losses
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
-
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code
-from coordinator.wire.messages import (
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode, Code
+from cleave.coordinator.wire.messages import (
     MAGIC,
     PROTOCOL_VERSION,
     Challenge,
@@ -34,6 +29,10 @@ from coordinator.wire.messages import (
     decode,
     encode,
 )
+from conftest import TIMEOUT
+from procs import TOKEN, Coordinator, join, local_losses
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 

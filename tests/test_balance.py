@@ -10,13 +10,8 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from conftest import TIMEOUT
-from test_core import Fleet, submit
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
-
-from client.session import Ending, Redirected, Session
-from coordinator.engine.balance import (
+from cleave.client.session import Ending, Redirected, Session
+from cleave.coordinator.engine.balance import (
     REDEEM_GRACE,
     SHUN,
     TICKET_TTL,
@@ -26,15 +21,19 @@ from coordinator.engine.balance import (
     Pool,
     Redirecting,
 )
-from coordinator.engine.core import Core
-from coordinator.engine.outbound import Send
-from coordinator.net.server import Server, listen
-from coordinator.planning.tiles import TilingPolicy
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode
-from coordinator.wire.errors import AuthError
-from coordinator.wire.messages import Challenge, Credential, Hello, Redirect, Welcome, decode, encode
-from db.memory import MemoryStore
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.outbound import Send
+from cleave.coordinator.net.server import Server, listen
+from cleave.coordinator.planning.tiles import TilingPolicy
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode
+from cleave.coordinator.wire.errors import AuthError
+from cleave.coordinator.wire.messages import Challenge, Credential, Hello, Redirect, Welcome, decode, encode
+from cleave.db.memory import MemoryStore
+from conftest import TIMEOUT
+from test_core import Fleet, submit
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 SECRET = b"the tier's secret"
 LOCAL = "ws://127.0.0.1:8"  # a rank on this machine: it may send newcomers to others on it

@@ -7,11 +7,10 @@ import dataclasses
 import math
 
 import pytest
-
-from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
-from coordinator.whatif import baselines
-from coordinator.whatif.baselines import CloudResult, DtfmResult, cloud_step, dtfm_step, step_flops
-from coordinator.whatif.presets import FLEETS, MODELS, model_shape, resolve_fleet
+from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
+from cleave.coordinator.whatif import baselines
+from cleave.coordinator.whatif.baselines import CloudResult, DtfmResult, cloud_step, dtfm_step, step_flops
+from cleave.coordinator.whatif.presets import FLEETS, MODELS, model_shape, resolve_fleet
 
 
 def _close(a: float, b: float, rel: float = 1e-9) -> bool:

@@ -13,8 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-from coordinator.planning.costmodel import (
+from cleave.coordinator.planning.costmodel import (
     DeviceClass,
     LoopCosts,
     Profile,
@@ -27,7 +26,7 @@ from coordinator.planning.costmodel import (
     pipelined,
     stage,
 )
-from coordinator.planning.planner import (
+from cleave.coordinator.planning.planner import (
     Gemm,
     Kind,
     PlannerOptions,
@@ -38,7 +37,7 @@ from coordinator.planning.planner import (
     plan_step,
     realize,
 )
-from coordinator.whatif.presets import model_shape, step_gemms
+from cleave.coordinator.whatif.presets import model_shape, step_gemms
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "cost-model.md"
 GIB = 1 << 30

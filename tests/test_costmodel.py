@@ -5,10 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from coordinator.planning.costmodel import (
+from cleave.coordinator.planning.costmodel import (
     IN_FLIGHT,
     LOOP_COSTS,
     CostModelError,
@@ -28,6 +25,8 @@ from coordinator.planning.costmodel import (
     ps_seconds,
     stage,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def test_a_unit_counts_its_bytes_flops_and_memory_by_hand() -> None:
@@ -163,7 +162,7 @@ def test_impossible_units_are_refused() -> None:
 
 
 def test_the_compute_share_ceiling_is_what_the_links_allow() -> None:
-    from coordinator.planning.costmodel import compute_share_ceiling
+    from cleave.coordinator.planning.costmodel import compute_share_ceiling
 
     # A phone: 75 GFLOP/s bf16, 10 MB/s down, 1.875 MB/s up, 2 GiB.
     phone = Profile({"bf16": 75.0}, 2 << 30, 10e6, 1.875e6)
@@ -189,7 +188,7 @@ def test_the_compute_share_ceiling_is_what_the_links_allow() -> None:
 
 
 def test_the_utilisation_bound_gives_the_work_to_the_slowest_devices_first() -> None:
-    from coordinator.planning.costmodel import utilisation_bound
+    from cleave.coordinator.planning.costmodel import utilisation_bound
 
     # Two laptops at 5 GFLOP/s, two GPUs at 10 TFLOP/s, a 100 s step: 1 TFLOP of work keeps both
     # laptops busy the whole step (0.5 TFLOP each) and leaves the GPUs idle: a mean of 1/2.

@@ -6,11 +6,10 @@ import stat
 from pathlib import Path
 
 import pytest
-
-from client.connection import URLRefused, check_url, client_tls
-from client.credentials import Credential, CredentialError, CredentialStore
-from client.runner import EXIT_USAGE, WorkerConfig
-from coordinator.wire.errors import ClientError
+from cleave.client.connection import URLRefused, check_url, client_tls
+from cleave.client.credentials import Credential, CredentialError, CredentialStore
+from cleave.client.runner import EXIT_USAGE, WorkerConfig
+from cleave.coordinator.wire.errors import ClientError
 
 
 def test_credentials_are_kept_per_coordinator_and_name_in_a_private_file(tmp_path: Path) -> None:

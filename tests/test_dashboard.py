@@ -18,13 +18,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.job import CoordinatorConfig, serve_job
+from cleave.coordinator.net.dashboard import Curve, Dashboard
+from cleave.coordinator.training.loop import StepResult, TrainConfig
 from procs import OPERATOR, TOKEN, join
 from websockets.sync.client import connect as ws_connect
-
-from coordinator.engine.live_plan import Planner
-from coordinator.job import CoordinatorConfig, serve_job
-from coordinator.net.dashboard import Curve, Dashboard
-from coordinator.training.loop import StepResult, TrainConfig
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 STEPS = 40  # 15 s of training here: the browses end at 8 s (13 s beside a load of 6 on two cores)
@@ -174,11 +173,10 @@ def test_the_held_out_loss_flows_from_a_steps_row_to_the_store_the_status_and_it
     it in SQLite, the status document (``status --json``) and /metrics' books show the last one
     with its step, and the dashboard draws it as its own curve at those steps only."""
     import numpy as np
-
-    from coordinator.engine import report
-    from coordinator.engine.books import Books
-    from coordinator.engine.core import Core
-    from db.sqlite import SQLiteStore
+    from cleave.coordinator.engine import report
+    from cleave.coordinator.engine.books import Books
+    from cleave.coordinator.engine.core import Core
+    from cleave.db.sqlite import SQLiteStore
 
     store = SQLiteStore(tmp_path / "v.db")
     core = Core(store, store.create_job("v", {}, 5, 0.0), rng=np.random.default_rng(0))

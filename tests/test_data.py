@@ -12,22 +12,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cleave.cli.app import app
+from cleave.coordinator.net.remote import RemoteEngine
+from cleave.coordinator.net.server import Server
+from cleave.coordinator.training import data as corpora
+from cleave.coordinator.training import prepare as prep
+from cleave.coordinator.training import shards
+from cleave.coordinator.training.data import ByteBatches, HeldOut, load_corpus, open_tokens, split
+from cleave.coordinator.training.loop import TrainConfig, Trainer, open_data, with_data_vocab
+from cleave.coordinator.training.tokens import DataError, View
+from cleave.coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.messages import WireDtype
 from test_core import Fleet as CoreFleet
 from test_core import make_core
 from test_training import TiledLocalEngine
 from typer.testing import CliRunner
-
-from cleave_cli.app import app
-from coordinator.net.remote import RemoteEngine
-from coordinator.net.server import Server
-from coordinator.training import data as corpora
-from coordinator.training import prepare as prep
-from coordinator.training import shards
-from coordinator.training.data import ByteBatches, HeldOut, load_corpus, open_tokens, split
-from coordinator.training.loop import TrainConfig, Trainer, open_data, with_data_vocab
-from coordinator.training.tokens import DataError, View
-from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import WireDtype
 
 SMALL = {"model": "tiny", "batch_size": 4, "seq_len": 16}
 

@@ -161,7 +161,7 @@ def test_status_reports_the_job_as_json_and_a_dashboard(tmp_path: Path) -> None:
 
 
 def _status(url: str) -> dict:
-    from cleave_cli.status import fetch_status
+    from cleave.cli.status import fetch_status
 
     status = fetch_status(url, OPERATOR)
     status["names"] = [d["name"] for d in status["devices"]]

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cleave.cli.status import fetch_status
+from cleave.coordinator.planning.costmodel import Profile
+from cleave.emulator.devices import Pacer, Pacing, SharedCompute, byzantine_indices, device_name
 from conftest import TIMEOUT
 from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, metrics, run_all
-
-from cleave_cli.status import fetch_status
-from coordinator.planning.costmodel import Profile
-from emulator.devices import Pacer, Pacing, SharedCompute, byzantine_indices, device_name
 
 # --------------------------------------------------------------------------- the pacing model
 

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from coordinator.engine.energy import (
+from cleave.coordinator.engine.energy import (
     BEST_GFLOP_PER_J,
     CEILING_W,
     CPU_PEAK_GFLOPS,
@@ -20,9 +19,9 @@ from coordinator.engine.energy import (
     grams,
     kind_of,
 )
-from coordinator.meters import WATTS_PER_CORE, EnergyMeter, Rapl
-from coordinator.wire.codes import EnergySource
-from coordinator.wire.messages import Energy
+from cleave.coordinator.meters import WATTS_PER_CORE, EnergyMeter, Rapl
+from cleave.coordinator.wire.codes import EnergySource
+from cleave.coordinator.wire.messages import Energy
 
 # --------------------------------------------------------------------------- fake sysfs
 
@@ -328,10 +327,9 @@ def test_a_claimed_gpu_kind_gets_its_band_only_for_work_beyond_a_cpus_rate() -> 
 
 
 def test_the_core_books_devices_reports_and_ranks_them_by_gflop_per_joule() -> None:
+    from cleave.coordinator.engine import report
+    from cleave.coordinator.wire.messages import Error
     from test_core import Fleet, core, submit
-
-    from coordinator.engine import report
-    from coordinator.wire.messages import Error
 
     core = core.__wrapped__()  # the fixture's Core
     fleet = Fleet(core)
@@ -379,9 +377,8 @@ def test_a_cpu_that_says_cuda_gets_a_cpus_band_and_an_idle_identity_books_no_dra
     returns its tiles at a CPU's pace, then reports a GPU's efficiency; ``honest`` says cpu and
     reports the best a CPU can do. ``idle`` joins when the work is done and claims a full draw
     for ten minutes connected."""
+    from cleave.coordinator.engine import report
     from test_core import Fleet, core, submit
-
-    from coordinator.engine import report
 
     core = core.__wrapped__()
     fleet = Fleet(core)
@@ -479,7 +476,7 @@ def test_clients_report_their_machines_energy_and_an_implausible_one_is_capped(t
 def test_a_gpu_nvml_cannot_read_is_estimated_from_its_gemm_seconds_and_emulated_devices_read_no_counter(
     tmp_path: Path,
 ) -> None:
-    from coordinator.meters import GPU_WATTS
+    from cleave.coordinator.meters import GPU_WATTS
 
     clock = Clock()
     gemm = [0.0]

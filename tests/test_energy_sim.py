@@ -9,14 +9,12 @@ import math
 import random
 
 import pytest
-from typer.testing import CliRunner
-
-from cleave_cli.app import app
-from coordinator.engine.energy import GRID_GCO2_KWH, J_PER_KWH
-from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
-from coordinator.whatif import energy
-from coordinator.whatif.baselines import cloud_step, dtfm_step, step_flops
-from coordinator.whatif.energy import (
+from cleave.cli.app import app
+from cleave.coordinator.engine.energy import GRID_GCO2_KWH, J_PER_KWH
+from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
+from cleave.coordinator.whatif import energy
+from cleave.coordinator.whatif.baselines import cloud_step, dtfm_step, step_flops
+from cleave.coordinator.whatif.energy import (
     DEVICE_POWER,
     NETWORK_J_PER_BYTE,
     PUE_DEFAULT,
@@ -26,7 +24,8 @@ from coordinator.whatif.energy import (
     device_power,
     dtfm_energy,
 )
-from coordinator.whatif.presets import FLEETS, model_shape, resolve_fleet
+from cleave.coordinator.whatif.presets import FLEETS, model_shape, resolve_fleet
+from typer.testing import CliRunner
 
 RUNNER = CliRunner()
 FAST = ["--model", "small", "--fleet", "laptops", "--ps-gflops", "2", "--batch-size", "2", "--seq-len", "64"]

@@ -13,15 +13,14 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from cleave.cli.app import build  # noqa: E402
+from cleave.coordinator.engine.books import Books  # noqa: E402
+from cleave.coordinator.training import checkpoint  # noqa: E402
+from cleave.coordinator.training.export import INFO, llama_config, preset_to_llama  # noqa: E402
+from cleave.coordinator.training.loop import StepResult, TrainConfig, Trainer  # noqa: E402
+from cleave.coordinator.training.model import ModelConfig, Transformer  # noqa: E402
+from cleave.db.sqlite import SQLiteStore  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
-
-from cleave_cli.app import build  # noqa: E402
-from coordinator.engine.books import Books  # noqa: E402
-from coordinator.training import checkpoint  # noqa: E402
-from coordinator.training.export import INFO, llama_config, preset_to_llama  # noqa: E402
-from coordinator.training.loop import StepResult, TrainConfig, Trainer  # noqa: E402
-from coordinator.training.model import ModelConfig, Transformer  # noqa: E402
-from db.sqlite import SQLiteStore  # noqa: E402
 
 REL = 1e-5  # max |logit difference| over max |logit|
 CORPUS = b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: float = 0.0\n" * 40
@@ -169,8 +168,8 @@ def test_a_preset_trained_on_shards_of_a_trained_tokenizer_exports_that_tokenize
     """cleave data prepare's path: a byte-level BPE trained on the corpus, shards beside it; the
     preset takes their vocabulary, and the export their tokenizer, ending documents as they do."""
     pytest.importorskip("tokenizers")
-    from coordinator.training import prepare
-    from coordinator.training.loop import with_data_vocab
+    from cleave.coordinator.training import prepare
+    from cleave.coordinator.training.loop import with_data_vocab
 
     text, shards = tmp_path / "text", tmp_path / "shards"
     text.mkdir(), shards.mkdir()

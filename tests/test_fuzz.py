@@ -20,32 +20,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+import cleave.coordinator.engine.core as core_module
 import numpy as np
 import pytest
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
-
-import coordinator.engine.core as core_module
-from coordinator.engine import report
-from coordinator.engine.core import Core
-from coordinator.engine.limits import Limits, Rate, TrustPolicy
-from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
-from coordinator.engine.scheduler import FaultPolicy
-from coordinator.engine.standby import StandbyPolicy
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, ReleaseWhy
-from coordinator.wire.errors import AuthError, ProtocolError
-from coordinator.wire.messages import (
+from cleave.coordinator.engine import report
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.limits import Limits, Rate, TrustPolicy
+from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
+from cleave.coordinator.engine.scheduler import FaultPolicy
+from cleave.coordinator.engine.standby import StandbyPolicy
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode, Code, ReleaseWhy
+from cleave.coordinator.wire.errors import AuthError, ProtocolError
+from cleave.coordinator.wire.messages import (
     MAGIC,
     MAX_DIM,
     PROTOCOL_VERSION,
@@ -81,8 +70,18 @@ from coordinator.wire.messages import (
     encode,
     tensor_dtypes,
 )
-from db.memory import MemoryStore
-from db.store import IdentityState, TileState
+from cleave.db.memory import MemoryStore
+from cleave.db.store import IdentityState, TileState
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 # Every example count below scales with the loaded profile ("ci": 40).
 EXAMPLES = settings.default.max_examples

@@ -12,14 +12,13 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from cleave.coordinator.training import hf  # noqa: E402
+from cleave.coordinator.training.flops import gemm_share  # noqa: E402
+from cleave.coordinator.training.linear import LocalEngine, TiledLinear, offload_linears  # noqa: E402
+from cleave.coordinator.training.loop import TrainConfig, Trainer  # noqa: E402
+from cleave.coordinator.wire.errors import ConfigError  # noqa: E402
 from procs import Coordinator, join, local_losses  # noqa: E402
 from torch import nn  # noqa: E402
-
-from coordinator.training import hf  # noqa: E402
-from coordinator.training.flops import gemm_share  # noqa: E402
-from coordinator.training.linear import LocalEngine, TiledLinear, offload_linears  # noqa: E402
-from coordinator.training.loop import TrainConfig, Trainer  # noqa: E402
-from coordinator.wire.errors import ConfigError  # noqa: E402
 
 REL = 1e-4
 STEPS = 3
@@ -149,7 +148,7 @@ def test_unusable_folders_fail_with_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_a_transformers_model_resumes_from_a_checkpoint_exactly(folders: dict[str, Path], tmp_path: Path) -> None:
-    from coordinator.training import checkpoint
+    from cleave.coordinator.training import checkpoint
 
     cfg = TrainConfig(model=f"hf:{folders['gpt2']}", steps=4, seq_len=32, batch_size=2)
     straight = [r.loss for r in Trainer(cfg).run()]

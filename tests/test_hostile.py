@@ -15,14 +15,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+from cleave.client.credentials import CredentialStore
+from cleave.coordinator.engine.limits import Limits, memory_bound
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode
+from cleave.coordinator.wire.messages import Challenge, Hello, decode, encode
 from conftest import TIMEOUT
 from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, double, join, local_losses, run_all, wait_until
-
-from client.credentials import CredentialStore
-from coordinator.engine.limits import Limits, memory_bound
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode
-from coordinator.wire.messages import Challenge, Hello, decode, encode
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 

@@ -13,11 +13,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from cleave.coordinator.wire.errors import Banned, CleaveError, ConfigError, Refused
 from conftest import ROOT, TIMEOUT
 
-from coordinator.wire.errors import Banned, CleaveError, ConfigError, Refused
+PACKAGES = ("coordinator", "client", "db", "cleave_cli", "emulator")  # folders at the top of the repository
+# ...and the names they are imported by (pyproject.toml's package-dir): one namespace, `cleave`.
+NAMES = {top: "cleave.cli" if top == "cleave_cli" else f"cleave.{top}" for top in PACKAGES}
 
-PACKAGES = ("coordinator", "client", "db", "cleave_cli", "emulator")
+
+def _folder(module: str) -> str:
+    """``cleave.coordinator.wire`` -> ``coordinator.wire``: a module by the folders it lies in."""
+    for top, name in NAMES.items():
+        if module == name or module.startswith(name + "."):
+            return top + module[len(name) :]
+    return module
 
 
 def _layer_table() -> dict[str, set[str]]:
@@ -67,8 +76,21 @@ def _imports(module: str, path: Path) -> set[str]:
                 package = module.split(".")[: -node.level] if not path.name == "__init__.py" else module.split(".")
                 base = ".".join([*package, node.module])
             found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from coordinator import x`
-    return {m for m in found if m.split(".")[0] in PACKAGES}
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from cleave.coordinator import x`
+    return {m for m in map(_folder, found) if m.split(".")[0] in PACKAGES}
+
+
+def test_every_import_of_cleave_code_names_the_cleave_namespace() -> None:
+    """The wheel installs only ``cleave``: an import by a folder's own name (``coordinator...``)
+    works in a checkout, where the folders lie on the path, and nowhere else."""
+    stray = []
+    for path in [*_modules().values(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            stray += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in PACKAGES]
+    assert stray == []
 
 
 def test_the_layer_table_names_every_package() -> None:
@@ -105,10 +127,10 @@ def test_the_rules_the_issue_names_hold_in_the_table() -> None:
 
 def test_importing_the_client_loads_no_coordinator_code_but_the_wire_and_the_meters() -> None:
     code = (
-        "import sys, client.runner, client.kernels, client.session; "
-        "bad = [m for m in sys.modules if (m.startswith('coordinator.') "
-        "and not m.startswith(('coordinator.wire', 'coordinator.meters'))) "
-        "or m.startswith(('db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
+        "import sys, cleave.client.runner, cleave.client.kernels, cleave.client.session; "
+        "bad = [m for m in sys.modules if (m.startswith('cleave.coordinator.') "
+        "and not m.startswith(('cleave.coordinator.wire', 'cleave.coordinator.meters'))) "
+        "or m.startswith(('cleave.db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
         "assert not bad, bad"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
@@ -117,9 +139,9 @@ def test_importing_the_client_loads_no_coordinator_code_but_the_wire_and_the_met
 
 def _cleave_exceptions() -> list[type[BaseException]]:
     found = []
-    for top in PACKAGES:
-        package = importlib.import_module(top)
-        for info in pkgutil.walk_packages(package.__path__, f"{top}."):
+    for name in NAMES.values():
+        package = importlib.import_module(name)
+        for info in pkgutil.walk_packages(package.__path__, f"{name}."):
             if info.name.endswith("__main__"):
                 continue
             module = importlib.import_module(info.name)
@@ -142,8 +164,7 @@ def test_every_exception_cleave_defines_derives_from_cleave_error() -> None:
 )
 def test_the_cli_maps_the_tree_to_exit_codes_in_one_place(error: BaseException, code: int) -> None:
     import typer
-
-    from cleave_cli.errors import friendly
+    from cleave.cli.errors import friendly
 
     @friendly
     def command() -> None:
@@ -155,7 +176,7 @@ def test_the_cli_maps_the_tree_to_exit_codes_in_one_place(error: BaseException, 
 
 
 def test_a_bug_is_never_read_as_bad_usage() -> None:
-    from cleave_cli.errors import friendly
+    from cleave.cli.errors import friendly
 
     @friendly
     def command() -> None:
@@ -201,10 +222,10 @@ def test_status_and_the_operators_commands_start_without_torch() -> None:
     """``cleave status``, ``cleave join --show-config`` and the commands on a coordinator's
     database import no torch (1.5 s or more): they answer in a fraction of a second."""
     code = (
-        "import sys; from cleave_cli.app import build; "
+        "import sys; from cleave.cli.app import build; "
         "[build(argv) for argv in (['status'], ['coordinator', 'devices', 'list'], ['coordinator', 'token'], "
         "['join'])]; "
-        "import cleave_cli.join, cleave_cli.status, cleave_cli.admin, coordinator.wire.messages; "
+        "import cleave.cli.join, cleave.cli.status, cleave.cli.admin, cleave.coordinator.wire.messages; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)

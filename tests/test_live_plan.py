@@ -9,19 +9,18 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-
-from coordinator.engine import report
-from coordinator.engine.core import Core
-from coordinator.engine.limits import TrustPolicy
-from coordinator.engine.live_plan import HOME_MARGIN, LIVE_KINDS, LivePlanner, Planner, fleet_classes
-from coordinator.engine.outbound import Limit, Outbound, Send
-from coordinator.planning.costmodel import Profile, PSProfile
-from coordinator.planning.planner import Kind, PlannerOptions
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.training.linear import GemmRequest, LocalEngine
-from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.wire.messages import MAX_PAIRS, Hello, Result, Work, decode, encode
-from db.memory import MemoryStore
+from cleave.coordinator.engine import report
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.limits import TrustPolicy
+from cleave.coordinator.engine.live_plan import HOME_MARGIN, LIVE_KINDS, LivePlanner, Planner, fleet_classes
+from cleave.coordinator.engine.outbound import Limit, Outbound, Send
+from cleave.coordinator.planning.costmodel import Profile, PSProfile
+from cleave.coordinator.planning.planner import Kind, PlannerOptions
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.coordinator.training.linear import GemmRequest, LocalEngine
+from cleave.coordinator.training.loop import TrainConfig, Trainer
+from cleave.coordinator.wire.messages import MAX_PAIRS, Hello, Result, Work, decode, encode
+from cleave.db.memory import MemoryStore
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
 # Small options so that every kind has candidates on small matrices.
@@ -257,7 +256,7 @@ def test_results_of_live_gemms_checked_as_one_batch_are_judged_each_alone(
     included: the blocks a check's keys name are the very tensors it reads (``freivalds_batch``
     refuses anything else), honest results pass together, and a NaN and a forged result among
     them are rejected alone."""
-    from coordinator.engine.gemms import Check, run_checks
+    from cleave.coordinator.engine.gemms import Check, run_checks
 
     def results(nan: int | None = None, forged: int | None = None) -> list[Check]:
         core = make_core(frozenset({kind}), local_sum=summed)

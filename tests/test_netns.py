@@ -8,8 +8,7 @@ import sys
 import time
 
 import pytest
-
-from emulator.netns import Lab, LabError, Link, available, leftovers
+from cleave.emulator.netns import Lab, LabError, Link, available, leftovers
 
 WHY = available()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no network namespaces here: {WHY}")

@@ -10,15 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cleave.cli import render
+from cleave.cli.app import app
+from cleave.cli.plan import default_ps
+from cleave.coordinator.planning.planner import Gemm, baseline, plan_step
+from cleave.coordinator.planning.tier import Tier
+from cleave.coordinator.whatif.presets import model_shape, resolve_fleet, step_gemms
 from rich.console import Console
 from typer.testing import CliRunner
-
-from cleave_cli import render
-from cleave_cli.app import app
-from cleave_cli.plan import default_ps
-from coordinator.planning.planner import Gemm, baseline, plan_step
-from coordinator.planning.tier import Tier
-from coordinator.whatif.presets import model_shape, resolve_fleet, step_gemms
 
 RUNNER = CliRunner(env={"COLUMNS": "200"})  # rich's width off a terminal; tables are cut at 80
 

@@ -7,11 +7,15 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
-
-from coordinator.planning.costmodel import CostModelError, DeviceClass, LoopCosts, Profile, PSProfile, in_flight_memory
-from coordinator.planning.planner import (
+from cleave.coordinator.planning.costmodel import (
+    CostModelError,
+    DeviceClass,
+    LoopCosts,
+    Profile,
+    PSProfile,
+    in_flight_memory,
+)
+from cleave.coordinator.planning.planner import (
     Gemm,
     Kind,
     PlannerOptions,
@@ -22,8 +26,10 @@ from coordinator.planning.planner import (
     realize,
     uniform_shapes,
 )
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.planning.tiles import plan_gemm as uniform_grid
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.coordinator.planning.tiles import plan_gemm as uniform_grid
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 MB = 1e6
 GIB = 1 << 30

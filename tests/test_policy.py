@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-
-from client.idle import FileProbe, Reading, SystemProbe, _logind_idle, _macos_idle
-from client.policy import Policy, PolicyConfig, PolicyError, load_config, parse_hours, within
+from cleave.client.idle import FileProbe, Reading, SystemProbe, _logind_idle, _macos_idle
+from cleave.client.policy import Policy, PolicyConfig, PolicyError, load_config, parse_hours, within
 
 NOON = dt.time(12, 0)
 FREE = Reading(on_ac=True, battery_percent=90.0, other_cpu_percent=5.0, user_idle_seconds=3600.0, temperature_c=50.0)
@@ -238,10 +237,10 @@ def test_cpu_probe_leaves_out_cleaves_own_processes(monkeypatch: pytest.MonkeyPa
 
 
 def test_only_real_cleave_processes_are_left_out_of_the_load() -> None:
-    from client.idle import is_cleave
+    from cleave.client.idle import is_cleave
 
     assert is_cleave(["/home/me/.venv/bin/cleave", "join", "ws://x"])
-    assert is_cleave(["/usr/bin/python3", "-m", "cleave_cli", "coordinator", "start"])
+    assert is_cleave(["/usr/bin/python3", "-m", "cleave", "coordinator", "start"])
     assert not is_cleave(["vim", "/home/me/cleave/README.md"])
     assert not is_cleave(["python3", "train.py", "--out", "/data/cleave"])
     assert not is_cleave([])

@@ -8,14 +8,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from torch import nn
-
-from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
-from coordinator.planning.tiles import GemmKind
-from coordinator.training.model import PRESETS, Transformer
-from coordinator.whatif.presets import (
+from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
+from cleave.coordinator.planning.tiles import GemmKind
+from cleave.coordinator.training.model import PRESETS, Transformer
+from cleave.coordinator.whatif.presets import (
     FLEETS,
     MAX_FLEET_FILE,
     MODELS,
@@ -28,6 +24,9 @@ from coordinator.whatif.presets import (
     scale_fleet,
     step_gemms,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
 
 NOMINAL = {
     "opt-1.3b": 1.3e9,

@@ -6,8 +6,7 @@ import math
 import random
 
 import pytest
-
-from coordinator.engine.profiles import (
+from cleave.coordinator.engine.profiles import (
     LINK_BOUNDS,
     PRIOR_DOWN,
     PRIOR_RTT,

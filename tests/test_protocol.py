@@ -7,11 +7,10 @@ import struct
 
 import pytest
 import torch
-
-from coordinator.wire.addresses import is_loopback, url_host
-from coordinator.wire.codes import Code, EnergySource, ReleaseWhy, StandbyWhy
-from coordinator.wire.errors import ProtocolError
-from coordinator.wire.messages import (
+from cleave.coordinator.wire.addresses import is_loopback, url_host
+from cleave.coordinator.wire.codes import Code, EnergySource, ReleaseWhy, StandbyWhy
+from cleave.coordinator.wire.errors import ProtocolError
+from cleave.coordinator.wire.messages import (
     MAGIC,
     PROTOCOL_VERSION,
     Block,

@@ -3,7 +3,7 @@ test vector is what the proof computes, the limits it quotes are the constants' 
 it says the decoder accepts is what the decoder accepts. The page cannot drift from the code.
 
 The examples are rendered by coordinator/wire/examples.py; a stale page is fixed with
-``python -m coordinator.wire.examples --write docs/protocol.md``.
+``python -m cleave.coordinator.wire.examples --write docs/protocol.md``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from client.runner import MAX_FRAME
-from coordinator.engine.limits import Limits, TrustPolicy
-from coordinator.wire import auth, examples, messages
-from coordinator.wire.errors import ProtocolError
-from coordinator.wire.messages import PROTOCOL_VERSION, Hello, Result, Work, decode, encode
+from cleave.client.runner import MAX_FRAME
+from cleave.coordinator.engine.limits import Limits, TrustPolicy
+from cleave.coordinator.wire import auth, examples, messages
+from cleave.coordinator.wire.errors import ProtocolError
+from cleave.coordinator.wire.messages import PROTOCOL_VERSION, Hello, Result, Work, decode, encode
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 FIX = f"docs/protocol.md is stale: run {examples.WRITE_COMMAND}"

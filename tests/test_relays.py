@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cleave.coordinator.training.loop import TrainConfig, Trainer
 from procs import ROOT, TOKEN, Coordinator, Proc, cleave_cmd, join, wait_until
-
-from coordinator.training.loop import TrainConfig, Trainer
 
 STEPS = 2
 MODEL = ("--micro-batches", "1")
@@ -37,10 +36,9 @@ def _look(coord: Coordinator) -> tuple[dict, str]:
     """The coordinator's status snapshot (as ``cleave status`` asks) and its /metrics text."""
     import urllib.request
 
+    from cleave.coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
     from procs import OPERATOR
     from websockets.sync.client import connect
-
-    from coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
 
     with connect(coord.url, compression=None, max_size=None, open_timeout=10, proxy=None) as ws:
         ws.recv(timeout=10)  # the challenge
@@ -160,7 +158,7 @@ async def closed_with(ws: object) -> int | None:
 
 
 def _relay_here(capacity: int = 1 << 20) -> object:
-    from client.relay import Relay, RelayConfig
+    from cleave.client.relay import Relay, RelayConfig
 
     r = Relay(RelayConfig(url="ws://127.0.0.1:1", listen=("127.0.0.1", 0), public_url="ws://127.0.0.1:1"))
     r.relay_id, r.key = 7, b"k" * 32
@@ -170,8 +168,7 @@ def _relay_here(capacity: int = 1 << 20) -> object:
 
 def _blocks(n: int) -> dict[str, object]:
     import torch
-
-    from coordinator.wire.digest import block_digest
+    from cleave.coordinator.wire.digest import block_digest
 
     out = {}
     for i in range(n):
@@ -205,10 +202,9 @@ def test_a_reply_for_many_lacking_blocks_fetches_and_holds_about_one_reply_of_th
     import asyncio
     import weakref
 
+    import cleave.client.relay as relay_mod
     import torch
-
-    import client.relay as relay_mod
-    from coordinator.wire.digest import block_digest
+    from cleave.coordinator.wire.digest import block_digest
 
     nbytes = 64 * 64 * 4
     monkeypatch.setattr(relay_mod, "REPLY_BYTES", 4 * nbytes)
@@ -242,13 +238,12 @@ def test_a_device_has_one_allowance_at_a_relay_however_many_connections_it_opens
     them (a device cannot multiply it by reconnecting), and a ticket serves only its device."""
     import asyncio
 
+    import cleave.client.relay as relay_mod
+    from cleave.coordinator.wire.codes import CloseCode
+    from cleave.coordinator.wire.digest import relay_tag, relay_ticket
+    from cleave.coordinator.wire.messages import BlockRequest, Blocks, decode, encode
     from websockets.asyncio.client import connect
     from websockets.asyncio.server import serve
-
-    import client.relay as relay_mod
-    from coordinator.wire.codes import CloseCode
-    from coordinator.wire.digest import relay_tag, relay_ticket
-    from coordinator.wire.messages import BlockRequest, Blocks, decode, encode
 
     monkeypatch.setattr(relay_mod, "REQUESTS_PER_S", 2.0)  # a burst of 4
     blocks = _blocks(1)
@@ -291,12 +286,11 @@ def test_a_devices_relay_link_has_one_deadline_for_a_work_frames_blocks(monkeypa
     import asyncio
     import time
 
+    import cleave.client.relaylink as link_mod
+    from cleave.client.relaylink import RelayFailed, RelayLink
+    from cleave.coordinator.wire.codes import RelayFault
+    from cleave.coordinator.wire.messages import Block, BlockRequest, Blocks, decode, encode
     from websockets.asyncio.server import serve
-
-    import client.relaylink as link_mod
-    from client.relaylink import RelayFailed, RelayLink
-    from coordinator.wire.codes import RelayFault
-    from coordinator.wire.messages import Block, BlockRequest, Blocks, decode, encode
 
     monkeypatch.setattr(link_mod, "MAX_FETCH", 2)
     blocks = _blocks(4)
@@ -342,17 +336,16 @@ def test_devices_behind_a_relay_slower_than_their_leases_are_not_cut_and_the_rel
 
     import numpy as np
     import torch
+    from cleave.client.relay import Relay, RelayConfig
+    from cleave.client.runner import Worker, WorkerConfig
+    from cleave.coordinator.engine.core import Core
+    from cleave.coordinator.engine.limits import TrustPolicy
+    from cleave.coordinator.engine.scheduler import FaultPolicy
+    from cleave.coordinator.net.server import Server, listen
+    from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+    from cleave.db.memory import MemoryStore
     from conftest import TIMEOUT
     from relay_doubles import slowed
-
-    from client.relay import Relay, RelayConfig
-    from client.runner import Worker, WorkerConfig
-    from coordinator.engine.core import Core
-    from coordinator.engine.limits import TrustPolicy
-    from coordinator.engine.scheduler import FaultPolicy
-    from coordinator.net.server import Server, listen
-    from coordinator.planning.tiles import GemmKind, TilingPolicy
-    from db.memory import MemoryStore
 
     store = MemoryStore()
     core = Core(
@@ -431,18 +424,17 @@ def test_a_relay_answering_each_frame_just_in_time_is_reported_when_frames_queue
 
     import numpy as np
     import torch
+    from cleave.client.runner import Worker, WorkerConfig
+    from cleave.coordinator.engine.core import Core
+    from cleave.coordinator.engine.limits import TrustPolicy
+    from cleave.coordinator.engine.outbound import Send
+    from cleave.coordinator.engine.scheduler import FaultPolicy
+    from cleave.coordinator.net.server import Server, listen
+    from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+    from cleave.coordinator.wire.messages import Block, BlockRequest, Blocks, Hello, Work, decode, encode
+    from cleave.db.memory import MemoryStore
     from conftest import TIMEOUT
     from websockets.asyncio.server import serve
-
-    from client.runner import Worker, WorkerConfig
-    from coordinator.engine.core import Core
-    from coordinator.engine.limits import TrustPolicy
-    from coordinator.engine.outbound import Send
-    from coordinator.engine.scheduler import FaultPolicy
-    from coordinator.net.server import Server, listen
-    from coordinator.planning.tiles import GemmKind, TilingPolicy
-    from coordinator.wire.messages import Block, BlockRequest, Blocks, Hello, Work, decode, encode
-    from db.memory import MemoryStore
 
     store = MemoryStore()
     core = Core(
@@ -522,15 +514,14 @@ def test_devices_that_hoard_replies_hold_one_capped_reply_each_and_others_are_se
     import itertools
     import socket
 
+    import cleave.client.relay as relay_mod
     import torch
+    from cleave.client.relaylink import RelayLink
+    from cleave.coordinator.wire.digest import block_digest, relay_tag, relay_ticket
+    from cleave.coordinator.wire.messages import Blocks
     from conftest import TIMEOUT
     from relay_doubles import hoard
     from websockets.asyncio.server import serve
-
-    import client.relay as relay_mod
-    from client.relaylink import RelayLink
-    from coordinator.wire.digest import block_digest, relay_tag, relay_ticket
-    from coordinator.wire.messages import Blocks
 
     cap = 256 << 10  # four of its 64 KiB blocks
     monkeypatch.setattr(relay_mod, "REPLY_BYTES", cap)
@@ -602,8 +593,8 @@ def test_a_relay_batches_paces_and_bounds_its_requests_to_the_coordinator(monkey
     and the relay gives up on the coordinator in time."""
     import asyncio
 
-    import client.relay as relay_mod
-    from coordinator.wire.messages import MAX_FETCH, Block, Blocks, decode
+    import cleave.client.relay as relay_mod
+    from cleave.coordinator.wire.messages import MAX_FETCH, Block, Blocks, decode
 
     monkeypatch.setattr(relay_mod, "UPSTREAM_TIMEOUT", 1.0)
     blocks = _blocks(150)
@@ -656,8 +647,7 @@ def test_a_relay_caches_a_copy_of_a_block_not_a_view_of_its_upstream_frame() -> 
     import asyncio
 
     import torch
-
-    from coordinator.wire.digest import block_digest
+    from cleave.coordinator.wire.digest import block_digest
 
     frame = torch.randn(1024, 16)  # what a decoded upstream frame's blocks would be views of
     view = frame[:16]
@@ -679,7 +669,7 @@ def test_a_block_that_arrives_after_its_devices_gave_up_is_kept_and_a_wrong_one_
     the next device that asks, so the step's allowance is not spent on nothing."""
     import asyncio
 
-    from coordinator.wire.messages import Block, Blocks
+    from cleave.coordinator.wire.messages import Block, Blocks
 
     blocks = _blocks(2)
     late, forged = list(blocks)
@@ -698,13 +688,12 @@ def test_idle_connections_at_a_relay_are_closed_and_never_take_a_devices_place(m
     to send one; a ticketed device's connection is counted apart from them."""
     import asyncio
 
+    import cleave.client.relay as relay_mod
+    from cleave.coordinator.wire.codes import CloseCode
+    from cleave.coordinator.wire.digest import relay_tag, relay_ticket
+    from cleave.coordinator.wire.messages import BlockRequest, Blocks, decode, encode
     from websockets.asyncio.client import connect
     from websockets.asyncio.server import serve
-
-    import client.relay as relay_mod
-    from coordinator.wire.codes import CloseCode
-    from coordinator.wire.digest import relay_tag, relay_ticket
-    from coordinator.wire.messages import BlockRequest, Blocks, decode, encode
 
     monkeypatch.setattr(relay_mod, "FIRST_REQUEST_S", 0.5)
     monkeypatch.setattr(relay_mod, "MAX_UNTICKETED", 2)
@@ -768,6 +757,6 @@ def test_idle_connections_at_a_relay_are_closed_and_never_take_a_devices_place(m
 def test_a_device_refuses_a_relay_on_its_own_machine_or_lan_unless_its_coordinator_is_there(
     relay_url: str, coordinator_url: str, refused: bool
 ) -> None:
-    from coordinator.wire.addresses import relay_host_refused
+    from cleave.coordinator.wire.addresses import relay_host_refused
 
     assert bool(relay_host_refused(relay_url, coordinator_url)) is refused

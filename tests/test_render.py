@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import io
 
+from cleave.cli import render
+from cleave.client.runner import WorkerStats
+from cleave.coordinator.job import Listening
+from cleave.db.store import IdentityRow
 from rich.console import Console
-
-from cleave_cli import render
-from client.runner import WorkerStats
-from coordinator.job import Listening
-from db.store import IdentityRow
 
 
 def _text(renderable: object, width: int = 100) -> str:

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from cleave.coordinator.engine.scheduler import (
+    DOUBT_HEARTBEATS,
+    Assign,
+    FaultPolicy,
+    Overdue,
+    Reclaim,
+    Scheduler,
+    UnitSpec,
+)
+from cleave.db.store import Issued
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from coordinator.engine.scheduler import DOUBT_HEARTBEATS, Assign, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
-from db.store import Issued
 
 FAULTS = FaultPolicy(lease_floor=1.0, lease_factor=2.0, speculate_after=0.5, speculate_factor=2.0)
 

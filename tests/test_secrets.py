@@ -13,20 +13,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cleave.cli.app import app
+from cleave.cli.options import MAX_SECRET_FILE, Secret, read_secret
+from cleave.coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN
+from cleave.coordinator.wire.auth import token_hash
+from cleave.coordinator.wire.codes import CloseCode
+from cleave.coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.messages import Challenge, Hello, StatusReply, StatusRequest, decode, encode
+from cleave.db.sqlite import SQLiteStore
 from conftest import ROOT, TIMEOUT
 from procs import Proc, cleave_cmd, env, join_cmd
 from typer.testing import CliRunner
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.server import ServerConnection, serve
-
-from cleave_cli.app import app
-from cleave_cli.options import MAX_SECRET_FILE, Secret, read_secret
-from coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN
-from coordinator.wire.auth import token_hash
-from coordinator.wire.codes import CloseCode
-from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import Challenge, Hello, StatusReply, StatusRequest, decode, encode
-from db.sqlite import SQLiteStore
 
 NOT_MINE = {s.value: f"the {s.name.lower()}" for s in Secret}  # every variable set, to catch a wrong one read
 
@@ -202,7 +201,7 @@ def test_a_real_status_process_sends_the_token_of_its_environment_and_no_argv_sh
         msg, (cmdline,) = double.heard.get(timeout=TIMEOUT)
     assert proc.returncode == 0 and b'"training"' in out, out
     assert isinstance(msg, StatusRequest) and msg.token == op
-    assert b"cleave_cli\x00status\x00--url" in cmdline and op.encode() not in cmdline and b"--token" not in cmdline
+    assert b"cleave\x00status\x00--url" in cmdline and op.encode() not in cmdline and b"--token" not in cmdline
 
 
 def test_join_enrols_with_the_token_of_its_environment_or_its_file(tmp_path: Path) -> None:

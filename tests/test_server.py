@@ -7,22 +7,19 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TIMEOUT
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
-
-from coordinator.engine import report
-from coordinator.engine.core import Core
-from coordinator.engine.limits import Limits, TrustPolicy
-from coordinator.engine.outbound import Send
-from coordinator.net.server import Server, listen
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.wire.codes import CloseCode, Code
-from coordinator.wire.messages import (
+from cleave.coordinator.engine import report
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.limits import Limits, TrustPolicy
+from cleave.coordinator.engine.outbound import Send
+from cleave.coordinator.net.server import Server, listen
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.coordinator.wire.codes import CloseCode, Code
+from cleave.coordinator.wire.messages import (
     Challenge,
     Credential,
     Error,
@@ -37,7 +34,10 @@ from coordinator.wire.messages import (
     decode,
     encode,
 )
-from db.memory import MemoryStore
+from cleave.db.memory import MemoryStore
+from conftest import ROOT, TIMEOUT
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 # Devices' bytes written by the event loop, and by a send thread beside it (net/framing.py).
 SENDERS = pytest.mark.parametrize("send_threads", [0, 1], ids=["loop-sends", "send-thread"])
@@ -196,10 +196,10 @@ def test_connections_past_the_caps_are_refused_with_a_close_code() -> None:
 def test_importing_the_client_loads_no_server_or_database_code() -> None:
     # What the client shares with the coordinator: the wire, and the machine's energy meters.
     code = (
-        "import sys, client.runner, client.kernels; "
-        "bad = [m for m in sys.modules if (m.startswith('coordinator.') "
-        "and not m.startswith(('coordinator.wire', 'coordinator.meters'))) "
-        "or m.startswith(('db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
+        "import sys, cleave.client.runner, cleave.client.kernels; "
+        "bad = [m for m in sys.modules if (m.startswith('cleave.coordinator.') "
+        "and not m.startswith(('cleave.coordinator.wire', 'cleave.coordinator.meters'))) "
+        "or m.startswith(('cleave.db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
         "assert not bad, bad"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
@@ -209,8 +209,8 @@ def test_importing_the_client_loads_no_server_or_database_code() -> None:
 @SENDERS
 def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound(send_threads: int) -> None:
     """Releases that make the coordinator send blocks again, to a peer that reads nothing."""
-    from coordinator.engine.limits import Rate
-    from coordinator.wire.messages import Release
+    from cleave.coordinator.engine.limits import Rate
+    from cleave.coordinator.wire.messages import Release
 
     async def run() -> tuple[int, int, str | None]:
         server = _server(
@@ -254,7 +254,7 @@ def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound(se
 
 
 def test_observers_need_the_operator_token_and_are_closed_when_idle() -> None:
-    from coordinator.wire.messages import SpeedTest, StatusReply, StatusRequest
+    from cleave.coordinator.wire.messages import SpeedTest, StatusReply, StatusRequest
 
     async def run() -> list[tuple[int | None, str | None]]:
         server = _server(observer_idle=0.3)
@@ -314,7 +314,7 @@ def test_connections_count_from_the_tcp_accept_even_before_a_tls_handshake() -> 
 
 def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
     """However a connection ends, nothing stays counted against the outbound budget."""
-    from coordinator.wire.messages import Leave
+    from cleave.coordinator.wire.messages import Leave
 
     async def run() -> list[int]:
         server = _server()
@@ -393,7 +393,7 @@ def test_a_result_then_leave_is_verified_before_the_leave_acts() -> None:
 def test_results_waiting_for_the_verifier_are_checked_as_one_batch_and_a_forged_one_alone() -> None:
     """A slow verifier lets results queue: they are checked together (freivalds_batch), a forged
     one among them is rejected alone, its device banned, and the product stays exact."""
-    from coordinator.net import server as server_module
+    from cleave.coordinator.net import server as server_module
 
     batches: list[list[tuple[int, bool]]] = []
     real = server_module.run_checks
@@ -528,10 +528,10 @@ def test_release_bouncers_over_real_websockets_are_cut_and_their_rows_bounded(tm
     holds at most give_backs + cut_after lease rows for each, and none of their words."""
     import sqlite3
 
-    from coordinator.engine.scheduler import FaultPolicy
-    from coordinator.wire.codes import ReleaseWhy
-    from coordinator.wire.messages import Release
-    from db.sqlite import SQLiteStore
+    from cleave.coordinator.engine.scheduler import FaultPolicy
+    from cleave.coordinator.wire.codes import ReleaseWhy
+    from cleave.coordinator.wire.messages import Release
+    from cleave.db.sqlite import SQLiteStore
 
     words = "visit example.org " * 10
     # The honest device is cut only by cut_after take-backs in a row, each 2 x floor late: a
@@ -594,3 +594,61 @@ def test_release_bouncers_over_real_websockets_are_cut_and_their_rows_bounded(tm
         reasons = {r for (r,) in db.execute("SELECT DISTINCT reason FROM leases")}
     assert len(rows) == 3 and all(n <= trust.give_backs + trust.cut_after for _, n in rows), rows
     assert not any("example.org" in (r or "") for r in reasons), reasons
+
+
+def test_the_python_apis_coordinator_refuses_an_oversized_upgrade_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handshake limits are set where the server is built, not by importing the command
+    line: with the library at its own defaults (128 lines), a coordinator started through the
+    Python API still refuses an upgrade of 80 header lines and answers one of 40."""
+    from cleave.coordinator.wire.handshake import HANDSHAKE_HEADERS
+    from websockets import http11
+
+    from cleave import CoordinatorConfig, Planner, TrainConfig, new_token, serve_job
+
+    monkeypatch.setattr(http11, "MAX_NUM_HEADERS", 128)  # as if nothing of Cleave had set it
+    monkeypatch.setattr(http11, "MAX_LINE_LENGTH", 8192)
+    cfg = CoordinatorConfig(
+        train=TrainConfig(steps=1),
+        port=0,
+        db=str(tmp_path / "j.db"),
+        token=new_token(),
+        min_devices=1,
+        planner=Planner.UNIFORM,
+    )
+
+    async def upgrade(url: str, lines: int) -> bytes:
+        host, port = url.removeprefix("ws://").split("/")[0].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        pad = "".join(f"X-Pad-{i}: {'a' * 32}\r\n" for i in range(lines))
+        writer.write(
+            (
+                f"GET / HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n{pad}\r\n"
+            ).encode()
+        )
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), TIMEOUT)
+        writer.close()
+        return line
+
+    class Quiet:
+        def __getattr__(self, name: str) -> object:
+            return lambda *a, **k: None
+
+    async def run() -> tuple[bytes, bytes]:
+        ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        job = asyncio.create_task(serve_job(cfg, Quiet(), ready=ready.set_result))  # type: ignore[arg-type]
+        try:
+            url = await asyncio.wait_for(ready, TIMEOUT)
+            return await upgrade(url, 80), await upgrade(url, 40)
+        finally:
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await job
+
+    big, small = asyncio.run(run())
+    assert 40 < HANDSHAKE_HEADERS < 80 and http11.MAX_NUM_HEADERS == HANDSHAKE_HEADERS
+    assert big.startswith(b"HTTP/1.1 431"), big  # Request Header Fields Too Large
+    assert small.startswith(b"HTTP/1.1 101"), small

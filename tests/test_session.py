@@ -8,9 +8,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-from client.credentials import Credential as StoredCredential
-from client.session import (
+from cleave.client.credentials import Credential as StoredCredential
+from cleave.client.session import (
     SILENCE_FACTOR,
     Credited,
     Ended,
@@ -23,10 +22,10 @@ from client.session import (
     Welcomed,
     Woken,
 )
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, ReleaseWhy, StandbyWhy
-from coordinator.wire.errors import Banned, Refused
-from coordinator.wire.messages import (
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode, Code, ReleaseWhy, StandbyWhy
+from cleave.coordinator.wire.errors import Banned, Refused
+from cleave.coordinator.wire.messages import (
     DEFAULT_HEARTBEAT,
     Block,
     Cancel,

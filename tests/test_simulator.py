@@ -15,13 +15,12 @@ import sys
 
 import numpy as np
 import pytest
-
-from cleave_cli.simulate import _breakdown
-from coordinator.engine.core import Core
-from coordinator.engine.limits import TrustPolicy
-from coordinator.engine.live_plan import LivePlanner, Planner, batches, shared
-from coordinator.engine.scheduler import Assign, FaultPolicy, Scheduler, UnitSpec
-from coordinator.planning.costmodel import (
+from cleave.cli.simulate import _breakdown
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.limits import TrustPolicy
+from cleave.coordinator.engine.live_plan import LivePlanner, Planner, batches, shared
+from cleave.coordinator.engine.scheduler import Assign, FaultPolicy, Scheduler, UnitSpec
+from cleave.coordinator.planning.costmodel import (
     CHECK_BATCH,
     LOOP_COSTS,
     CostModelError,
@@ -30,15 +29,15 @@ from coordinator.planning.costmodel import (
     Profile,
     PSProfile,
 )
-from coordinator.planning.planner import PlannerOptions
-from coordinator.planning.tier import Tier
-from coordinator.planning.tiles import GemmKind
-from coordinator.planning.tiles import plan_gemm as uniform_grid
-from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.whatif import runs
-from coordinator.whatif.presets import model_shape, resolve_fleet
-from coordinator.whatif.runs import run_all
-from coordinator.whatif.simulator import (
+from cleave.coordinator.planning.planner import PlannerOptions
+from cleave.coordinator.planning.tier import Tier
+from cleave.coordinator.planning.tiles import GemmKind
+from cleave.coordinator.planning.tiles import plan_gemm as uniform_grid
+from cleave.coordinator.training.loop import TrainConfig, Trainer
+from cleave.coordinator.whatif import runs
+from cleave.coordinator.whatif.presets import model_shape, resolve_fleet
+from cleave.coordinator.whatif.runs import run_all
+from cleave.coordinator.whatif.simulator import (
     PsWork,
     SchedulerLog,
     SimConfig,
@@ -53,7 +52,8 @@ from coordinator.whatif.simulator import (
     replay,
     step_program,
 )
-from db.memory import MemoryStore
+from cleave.db.memory import MemoryStore
+
 from tests.test_live_plan import POLICY, SLOW_PS, SMALL, CoreEngine, Fleet
 
 # A PS that ships every GEMM (it multiplies at 1 GFLOP/s) on a 10 Gbit/s link.
@@ -288,7 +288,7 @@ def test_the_forecast_never_ships_a_step_the_coordinator_alone_runs_faster(gflop
 
 
 def test_a_step_forecast_faster_at_home_keeps_every_gemm_home(monkeypatch: pytest.MonkeyPatch) -> None:
-    import coordinator.whatif.simulator as simulator
+    import cleave.coordinator.whatif.simulator as simulator
 
     calls = iter([1e-3, math.inf])  # the first step: the PS alone is faster than any plan; the second: not
     monkeypatch.setattr(simulator, "home_seconds", lambda *args: next(calls))
@@ -306,7 +306,7 @@ def test_micro_batch_choices_are_the_batchs_divisors_up_to_the_parts_the_trainer
 
 
 def test_auto_micro_batches_take_the_fewest_parts_within_the_slack_of_the_best_forecast() -> None:
-    from coordinator.whatif.simulator import MICRO_BATCH_SLACK
+    from cleave.coordinator.whatif.simulator import MICRO_BATCH_SLACK
 
     model = model_shape("small")
     members = {i + 1: cls.profile for i, cls in enumerate(c for c in LAN for _ in range(c.count))}  # 16 devices
@@ -552,7 +552,7 @@ def test_the_loop_s_costs_come_from_one_place() -> None:
 def test_devices_the_step_leaves_idle_sleep_after_the_standby_policys_wait_and_never_while_working() -> None:
     """``class_standby_s``: a device with no work in the step sleeps once ``after`` seconds have
     passed; one that worked sleeps only ``after`` past its last result; ``after`` 0 never."""
-    from coordinator.engine.standby import StandbyPolicy
+    from cleave.coordinator.engine.standby import StandbyPolicy
 
     fleet, tiny = laptops(16), model_shape("tiny")
     sim = run(model=tiny, fleet=fleet, standby=StandbyPolicy(after=1.0))
@@ -571,7 +571,7 @@ def test_devices_the_step_leaves_idle_sleep_after_the_standby_policys_wait_and_n
 def test_a_long_simulation_tells_how_far_it_has_got(monkeypatch: pytest.MonkeyPatch) -> None:
     """``tell``: a line every ``TELL_EVERY`` events with the ops done of the step's and the
     simulated clock, never more done than there are, the clock never going back."""
-    import coordinator.whatif.simulator as simulator
+    import cleave.coordinator.whatif.simulator as simulator
 
     monkeypatch.setattr(simulator, "TELL_EVERY", 50)
     lines: list[str] = []

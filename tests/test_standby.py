@@ -8,20 +8,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from coordinator.engine import report
-from coordinator.engine.core import Core
-from coordinator.engine.limits import TrustPolicy
-from coordinator.engine.live_plan import LivePlanner, Planner
-from coordinator.engine.outbound import Outbound, Send
-from coordinator.engine.scheduler import FaultPolicy
-from coordinator.engine.standby import StandbyPolicy
-from coordinator.planning.costmodel import PSProfile
-from coordinator.planning.planner import Kind, PlannerOptions
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.wire.codes import CloseCode, Code, StandbyWhy
-from coordinator.wire.errors import ConfigError
-from coordinator.wire.messages import (
+from cleave.coordinator.engine import report
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.limits import TrustPolicy
+from cleave.coordinator.engine.live_plan import LivePlanner, Planner
+from cleave.coordinator.engine.outbound import Outbound, Send
+from cleave.coordinator.engine.scheduler import FaultPolicy
+from cleave.coordinator.engine.standby import StandbyPolicy
+from cleave.coordinator.planning.costmodel import PSProfile
+from cleave.coordinator.planning.planner import Kind, PlannerOptions
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.coordinator.wire.codes import CloseCode, Code, StandbyWhy
+from cleave.coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.messages import (
     Error,
     Heartbeat,
     Message,
@@ -30,7 +29,8 @@ from coordinator.wire.messages import (
     decode,
     encode,
 )
-from db.memory import MemoryStore
+from cleave.db.memory import MemoryStore
+
 from tests import test_core as core_tests
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
@@ -199,7 +199,7 @@ def test_tiles_nobody_awake_may_take_wake_sleepers_longest_asleep_first() -> Non
 
 
 def test_a_sleeper_its_owner_paused_is_passed_over_when_tiles_wait() -> None:
-    from coordinator.wire.messages import Pause
+    from cleave.coordinator.wire.messages import Pause
 
     core = make_core(Planner.UNIFORM)
     fleet = Fleet(core)
@@ -232,7 +232,7 @@ def test_a_busy_device_is_never_sent_to_standby_and_a_woken_one_has_standby_afte
 
 
 def test_a_paused_device_is_not_sent_to_standby_and_a_resume_leaves_a_sleeper_asleep() -> None:
-    from coordinator.wire.messages import Pause, Resume
+    from cleave.coordinator.wire.messages import Pause, Resume
 
     core = make_core()
     fleet = Fleet(core)
@@ -299,13 +299,13 @@ def test_drill_devices_the_plan_drops_sleep_and_come_back_when_it_needs_them(tmp
     import sqlite3
     import threading
 
-    from cleave_cli.render import client_line
-    from client import kernels
-    from client.runner import Worker, WorkerConfig, WorkerStats
-    from client.state import WorkerState
-    from coordinator.job import CoordinatorConfig, serve_job
-    from coordinator.net.server import Server
-    from coordinator.training.loop import StepResult, TrainConfig, Trainer
+    from cleave.cli.render import client_line
+    from cleave.client import kernels
+    from cleave.client.runner import Worker, WorkerConfig, WorkerStats
+    from cleave.client.state import WorkerState
+    from cleave.coordinator.job import CoordinatorConfig, serve_job
+    from cleave.coordinator.net.server import Server
+    from cleave.coordinator.training.loop import StepResult, TrainConfig, Trainer
 
     train = TrainConfig(model="tiny", steps=3, batch_size=32, micro_batches=1, eval_every=0)
     faults = FaultPolicy(heartbeat=0.3, heartbeat_timeout=1.5, lease_floor=30.0, speculate_after=60.0)

@@ -8,12 +8,11 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-
-from coordinator.wire.errors import StoreError
-from db.memory import MemoryStore
-from db.migrations import migrate
-from db.sqlite import SQLiteStore
-from db.store import RESTARTED, CheckpointRow, DeviceInfo, Issued, LeaderRow, NewTile, Outcome, Store
+from cleave.coordinator.wire.errors import StoreError
+from cleave.db.memory import MemoryStore
+from cleave.db.migrations import migrate
+from cleave.db.sqlite import SQLiteStore
+from cleave.db.store import RESTARTED, CheckpointRow, DeviceInfo, Issued, LeaderRow, NewTile, Outcome, Store
 
 
 @pytest.fixture(params=["memory", "sqlite", "sqlite-grouped"])
@@ -640,7 +639,7 @@ def test_another_process_writes_while_a_busy_coordinator_groups_its_commits(tmp_
 def test_a_finished_job_stays_finished_whatever_stops_the_coordinator_after() -> None:
     """Ctrl-C during the goodbyes or the linger interrupts no training: the books keep the job
     finished (a stopped one would be 'resumed' by the next start)."""
-    from coordinator.engine.books import Books
+    from cleave.coordinator.engine.books import Books
 
     store = MemoryStore()
     job = store.create_job("j", {}, 4, 0.0)
@@ -652,7 +651,7 @@ def test_a_finished_job_stays_finished_whatever_stops_the_coordinator_after() ->
 
 def test_the_time_left_is_this_runs_pace_not_the_jobs() -> None:
     """A job resumed at step 900 of 1,000 that took 10 s for one step has about 990 s left."""
-    from coordinator.engine.progress import Progress
+    from cleave.coordinator.engine.progress import Progress
 
     p = Progress(step=900, steps=1000)
     p.since, p.first = 50.0, 900  # training (re)started at 50 s, from the checkpoint's step
@@ -795,9 +794,8 @@ def test_a_status_build_does_the_same_query_work_at_a_thousand_and_a_hundred_tho
     device counts, the listed rows) must not visit every identity's row. Counted in SQLite
     virtual-machine steps (a progress handler), which do not depend on the machine's load."""
     import numpy as np
-
-    from coordinator.engine import report
-    from coordinator.engine.core import Core
+    from cleave.coordinator.engine import report
+    from cleave.coordinator.engine.core import Core
 
     work = {}
     for n in (1_000, 100_000):
@@ -825,8 +823,7 @@ def test_an_older_database_gets_its_identities_totals_from_its_device_rows(tmp_p
     import sqlite3
 
     import sqlite_utils
-
-    from db.migrations import MIGRATIONS
+    from cleave.db.migrations import MIGRATIONS
 
     path = tmp_path / "old.db"
     db = sqlite_utils.Database(sqlite3.connect(path))
@@ -932,7 +929,7 @@ def test_pruning_never_deletes_the_newest_gemm_so_gemm_ids_never_go_back(store: 
 
 
 def test_pruning_deletes_by_index_in_sqlite(tmp_path: Path) -> None:
-    from db.sqlite import PRUNE_DELETES
+    from cleave.db.sqlite import PRUNE_DELETES
 
     store = SQLiteStore(tmp_path / "p.db")
     params = {"job": 1, "through": 5, "newest": 9}
@@ -943,7 +940,7 @@ def test_pruning_deletes_by_index_in_sqlite(tmp_path: Path) -> None:
 
 
 def test_books_prune_the_store_at_each_checkpoint() -> None:
-    from coordinator.engine.books import Books
+    from cleave.coordinator.engine.books import Books
 
     store = MemoryStore()
     books = Books.create(store, "j", {}, 10, 0.0, prune_steps=1)
@@ -960,8 +957,8 @@ def test_books_prune_the_store_at_each_checkpoint() -> None:
 
 
 def test_prune_steps_is_checked_with_a_clear_error() -> None:
-    from coordinator.job import CoordinatorConfig
-    from coordinator.wire.errors import ConfigError
+    from cleave.coordinator.job import CoordinatorConfig
+    from cleave.coordinator.wire.errors import ConfigError
 
     assert CoordinatorConfig(prune_steps=2).prune_steps == 2
     with pytest.raises(ConfigError, match="--prune-steps must be between 0 and"):

@@ -14,12 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
-from procs import OPERATOR, Coordinator, join, wait_until
-
-from coordinator.planning.tier import partition
-from coordinator.tier.group import (
+from cleave.coordinator.planning.tier import partition
+from cleave.coordinator.tier.group import (
     HEARTBEAT,
     MAX_STATUS_BYTES,
     RankLost,
@@ -29,10 +25,13 @@ from coordinator.tier.group import (
     job_digest,
     join_tier,
 )
-from coordinator.tier.rendezvous import LOOKOUT
-from coordinator.training.loop import TrainConfig, Trainer
-from coordinator.training.parallel import DataParallel, ShardedAdamW
-from coordinator.wire import auth
+from cleave.coordinator.tier.rendezvous import LOOKOUT
+from cleave.coordinator.training.loop import TrainConfig, Trainer
+from cleave.coordinator.training.parallel import DataParallel, ShardedAdamW
+from cleave.coordinator.wire import auth
+from hypothesis import given
+from hypothesis import strategies as st
+from procs import OPERATOR, Coordinator, join, wait_until
 
 SECRET = "tier-secret-for-tests"
 KEY = b"this meeting's key"  # (join_tier derives one from the secret and the ranks' nonces)
@@ -40,7 +39,9 @@ KEY = b"this meeting's key"  # (join_tier derives one from the secret and the ra
 # (torch's AdamW imports torch._dynamo when built): a rank starts in milliseconds, not after the
 # 2-5 s of CPU that spawning one costs on two cores.
 CTX = multiprocessing.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "coordinator.training.loop", __name__])
+CTX.set_forkserver_preload(
+    ["torch", "torch._dynamo", "torch.distributed", "cleave.coordinator.training.loop", __name__]
+)
 
 
 def _port() -> int:
@@ -337,8 +338,7 @@ def test_a_lost_rank_is_named_alike_by_every_rank_and_only_on_a_ranks_sealed_wor
     """The rank that notices a lost one writes it to the store, sealed; another rank waiting at
     the barrier names that same rank from it. A stranger's unsealed "lost" changes nothing."""
     import torch.distributed as dist
-
-    from coordinator.tier.group import LOST
+    from cleave.coordinator.tier.group import LOST
 
     port = _port()
     master = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
@@ -391,8 +391,7 @@ def test_a_key_deleted_between_a_look_and_its_read_holds_a_rank_up_a_heartbeat_n
     from datetime import timedelta
 
     import torch.distributed as dist
-
-    from coordinator.tier.group import LOST
+    from cleave.coordinator.tier.group import LOST
 
     port, name, gone = _port(), "step/1/1", threading.Event()
     master = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -416,7 +415,7 @@ def test_a_key_deleted_between_a_look_and_its_read_holds_a_rank_up_a_heartbeat_n
 
 
 def test_join_tier_refuses_bad_options_in_one_line() -> None:
-    from coordinator.wire.errors import ConfigError
+    from cleave.coordinator.wire.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tcp://HOST:PORT or env://"):
         join_tier("udp://x:1", 0, 2, SECRET, bytes(32))
@@ -434,7 +433,7 @@ def test_a_rendezvous_name_that_resolves_to_loopback_is_said_in_one_line(caplog:
     import logging
     import os
 
-    from coordinator.tier.rendezvous import listen
+    from cleave.coordinator.tier.rendezvous import listen
 
     caplog.set_level(logging.WARNING, logger="cleave.tier")
     for host, world in (("localhost", 2), ("127.0.0.1", 2), ("localhost", 1)):
@@ -449,8 +448,7 @@ def test_rank_0s_store_listens_only_on_the_rendezvous_host_and_under_the_secrets
     127.0.0.2:PORT (loopback too, on Linux), not every interface as torch binds by itself. Every
     key in it, gloo's included, is under a namespace only the secret names."""
     import torch.distributed as dist
-
-    from coordinator.tier.rendezvous import namespace
+    from cleave.coordinator.tier.rendezvous import namespace
 
     port = _port()
     tier = join_tier(f"tcp://127.0.0.1:{port}", 0, 1, SECRET, job_digest(OPTIONS), timeout=4.0)
@@ -474,8 +472,7 @@ def test_under_torchrun_rank_0_meets_at_the_agents_store_under_the_attempts_name
     rank 0 listens on nothing of its own; its keys are under the secret's namespace and this
     restart's attempt, apart from an earlier attempt's."""
     import torch.distributed as dist
-
-    from coordinator.tier.rendezvous import namespace
+    from cleave.coordinator.tier.rendezvous import namespace
 
     port = _port()
     agent = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)
@@ -604,8 +601,7 @@ def test_gloo_meets_only_through_addresses_sealed_in_this_run() -> None:
     import threading
 
     import torch.distributed as dist
-
-    from coordinator.tier.rendezvous import SealedStore
+    from cleave.coordinator.tier.rendezvous import SealedStore
 
     port = _port()
     master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
@@ -636,10 +632,9 @@ def test_gloo_meets_only_through_addresses_sealed_in_this_run() -> None:
 def _rows_seen(coord: Coordinator, seen: list[list[dict]]) -> list[dict]:
     """The tier's rows in ``coord``'s status snapshot, asked as ``cleave status`` asks (kept in
     ``seen``; none once it is gone). In this process: a new process a look is too slow here."""
+    from cleave.coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
     from websockets.exceptions import WebSocketException
     from websockets.sync.client import connect
-
-    from coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
 
     try:
         with connect(coord.url, compression=None, max_size=None, open_timeout=10, proxy=None) as ws:

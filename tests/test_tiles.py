@@ -7,8 +7,7 @@ import random
 
 import pytest
 import torch
-
-from coordinator.planning.tiles import (
+from cleave.coordinator.planning.tiles import (
     GemmKind,
     TilingPolicy,
     a_block,

@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from cleave.coordinator.planning.costmodel import PARTS_IN_FLIGHT
+from cleave.coordinator.planning.tiles import TilingPolicy, plan_gemm, tiled_matmul
+from cleave.coordinator.training.data import ByteBatches, load_corpus
+from cleave.coordinator.training.hardware import coordinator_device, to_host
+from cleave.coordinator.training.linear import GemmRequest, LocalEngine, TiledLinear, offload_linears
+from cleave.coordinator.training.loop import TrainConfig, Trainer, draws_randomness
+from cleave.coordinator.training.model import PRESETS, Transformer
+from cleave.coordinator.training.tokens import DataError
+from cleave.coordinator.wire.errors import ConfigError
 from torch import nn
-
-from coordinator.planning.costmodel import PARTS_IN_FLIGHT
-from coordinator.planning.tiles import TilingPolicy, plan_gemm, tiled_matmul
-from coordinator.training.data import ByteBatches, load_corpus
-from coordinator.training.hardware import coordinator_device, to_host
-from coordinator.training.linear import GemmRequest, LocalEngine, TiledLinear, offload_linears
-from coordinator.training.loop import TrainConfig, Trainer, draws_randomness
-from coordinator.training.model import PRESETS, Transformer
-from coordinator.training.tokens import DataError
-from coordinator.wire.errors import ConfigError
 
 
 class TiledLocalEngine:
@@ -438,7 +437,7 @@ def test_a_layers_deferred_dw_reaches_the_thread_that_ran_its_forward() -> None:
     backward defers must still reach the trainer thread's ``finish_backward`` (a CUDA
     coordinator once dropped every deferred dW, so its Linear weights never learned). Here
     backward runs on another thread, as CUDA's would."""
-    from coordinator.net.remote import RemoteEngine
+    from cleave.coordinator.net.remote import RemoteEngine
 
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
@@ -496,7 +495,7 @@ def _plain_adamw(cfg: TrainConfig, batches: list[tuple[torch.Tensor, torch.Tenso
     """The reference: plain torch's AdamW on the same model and batches, the decay on matrices
     only, the gradients clipped to ``grad_clip`` unless 0. Returns the weights and each step's
     gradient norm before clipping."""
-    from coordinator.training import models
+    from cleave.coordinator.training import models
 
     torch.manual_seed(cfg.seed)
     model = models.build(cfg.model)
@@ -560,8 +559,8 @@ def test_the_optimizer_settings_are_stored_with_the_job_and_a_resume_keeps_them(
     """A job's options are stored in its row and its checkpoints; a coordinator that resumes it
     takes the stored ones (those it was started with now are ignored, as for --lr), and a
     checkpoint is refused by a trainer of other settings."""
-    from coordinator.job import CoordinatorConfig, _plan
-    from db.sqlite import SQLiteStore
+    from cleave.coordinator.job import CoordinatorConfig, _plan
+    from cleave.db.sqlite import SQLiteStore
 
     first = TrainConfig(steps=5, warmup=2, min_lr=1e-4, weight_decay=0.05, grad_clip=0.5, **SMALL)
     store = SQLiteStore(tmp_path / "j.db")

@@ -8,19 +8,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_core import Fleet, corrupt, honest, submit
-
-from coordinator.engine import report
-from coordinator.engine.core import Core
-from coordinator.engine.identity import JOIN_TOKEN, store_token
-from coordinator.engine.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
-from coordinator.engine.outbound import Close, Limit, Send
-from coordinator.engine.scheduler import FaultPolicy
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, ReleaseWhy
-from coordinator.wire.errors import AuthError
-from coordinator.wire.messages import (
+from cleave.coordinator.engine import report
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.identity import JOIN_TOKEN, store_token
+from cleave.coordinator.engine.limits import Limits, Rate, TokenBucket, TrustPolicy, memory_bound
+from cleave.coordinator.engine.outbound import Close, Limit, Send
+from cleave.coordinator.engine.scheduler import FaultPolicy
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode, ReleaseWhy
+from cleave.coordinator.wire.errors import AuthError
+from cleave.coordinator.wire.messages import (
     Cancel,
     Credential,
     Error,
@@ -34,8 +32,9 @@ from coordinator.wire.messages import (
     Welcome,
     encode,
 )
-from db.memory import MemoryStore
-from db.sqlite import SQLiteStore
+from cleave.db.memory import MemoryStore
+from cleave.db.sqlite import SQLiteStore
+from test_core import Fleet, corrupt, honest, submit
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
 FAULTS = FaultPolicy(
@@ -737,7 +736,7 @@ def test_an_owner_whose_laptop_keeps_waking_or_dropping_off_is_never_cut_for_it(
     """Pauses and departures have rate limits of their own and spend none of the release
     allowance: a laptop holding tiles that its owner wakes three times the allowance over, and
     whose Wi-Fi then drops as often, is never cut, and its standing counts no give-back."""
-    from coordinator.engine.core import Departure
+    from cleave.coordinator.engine.core import Departure
 
     core = _core(pauses=Rate(10.0, 100.0))
     fleet = Fleet(core)
@@ -773,8 +772,8 @@ def test_tiles_given_back_for_missing_blocks_bar_no_one_and_do_not_stop_the_job(
     again (within their allowance): a missing block is sent again with the tile, so neither is
     barred from it, no tile is stuck, the job is not stopped (no ``Abort``), and once one keeps
     its blocks the GEMM completes."""
-    from coordinator.engine.core import STANDING_CHECK
-    from coordinator.engine.outbound import Abort
+    from cleave.coordinator.engine.core import STANDING_CHECK
+    from cleave.coordinator.engine.outbound import Abort
 
     core = _core()
     fleet = Fleet(core)

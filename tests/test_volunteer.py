@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cleave.cli.status import fetch_status
 from conftest import TIMEOUT
 from procs import (
     OPERATOR,
@@ -23,8 +24,6 @@ from procs import (
     run_all,
     wait_until,
 )
-
-from cleave_cli.status import fetch_status
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 

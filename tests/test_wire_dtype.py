@@ -9,17 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cleave.client import kernels
+from cleave.coordinator.engine.gemms import check_finite
+from cleave.coordinator.net.remote import RemoteEngine
+from cleave.coordinator.planning.planner import Kind
+from cleave.coordinator.planning.tiles import GemmKind
+from cleave.coordinator.training.linear import GemmRequest
+from cleave.coordinator.wire.messages import WireDtype
+from cleave.coordinator.wire.verify import freivalds
 from procs import Coordinator, join, local_losses
 from test_live_plan import Fleet, make_core
-
-from client import kernels
-from coordinator.engine.gemms import check_finite
-from coordinator.net.remote import RemoteEngine
-from coordinator.planning.planner import Kind
-from coordinator.planning.tiles import GemmKind
-from coordinator.training.linear import GemmRequest
-from coordinator.wire.messages import WireDtype
-from coordinator.wire.verify import freivalds
 
 STEPS = 6
 

@@ -29,14 +29,13 @@ import sys
 
 
 def _preload() -> None:
+    import cleave.cli.app  # noqa: F401
+    import cleave.client.runner  # noqa: F401
+    import cleave.coordinator.job  # noqa: F401
+    import cleave.emulator.devices  # noqa: F401
     import numpy  # noqa: F401
     import torch  # noqa: F401
     import torch._dynamo  # noqa: F401  (torch's AdamW imports it when built: 1.5-3 s of CPU a coordinator)
-
-    import cleave_cli.app  # noqa: F401
-    import client.runner  # noqa: F401
-    import coordinator.job  # noqa: F401
-    import emulator.devices  # noqa: F401
 
 
 def _child(request: dict, fds: list[int]) -> None:

@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from coordinator.planning.tiles import Layout, wire_layout
+from cleave.coordinator.planning.tiles import Layout, wire_layout
 
 
 @dataclass(eq=False)
@@ -67,7 +66,7 @@ class BlockRef:
         """Its content address as it travels (``wire/digest.py``), taken once (a relay's devices
         fetch it by this)."""
         if self._digest is None:
-            from coordinator.wire.digest import block_digest
+            from cleave.coordinator.wire.digest import block_digest
 
             self._digest = block_digest(self.wire())
         return self._digest

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from db.store import RESTARTED, CheckpointRow, JobRow, JobState, StepRow, Store
+from cleave.db.store import RESTARTED, CheckpointRow, JobRow, JobState, StepRow, Store
 
 
 @dataclass(frozen=True)

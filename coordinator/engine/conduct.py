@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coordinator.engine.limits import TokenBucket, TrustPolicy, cooloff
-from coordinator.engine.profiles import CLAIM_GFLOPS, UNPROVEN_FACTOR
-from coordinator.engine.scheduler import Hold, Scheduler, Seat
+from cleave.coordinator.engine.limits import TokenBucket, TrustPolicy, cooloff
+from cleave.coordinator.engine.profiles import CLAIM_GFLOPS, UNPROVEN_FACTOR
+from cleave.coordinator.engine.scheduler import Hold, Scheduler, Seat
 
 EMA = 0.2  # weight of a new observation in a device's running estimates
 MAX_SECONDS_PER_GFLOP = 10.0  # slower turnarounds than this are not waited for any longer

@@ -48,22 +48,21 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from coordinator.engine.balance import UNMEASURED_GFLOPS, Balancer, Redirecting
-from coordinator.engine.blocks import BlockRef, Sources, block_ref
-from coordinator.engine.books import Books
-from coordinator.engine.conduct import Conduct, Pace, Standing
-from coordinator.engine.devices import DeviceState
-from coordinator.engine.energy import GRID_GCO2_KWH, EnergyBooks
-from coordinator.engine.gemms import BandCheck, Check, GemmState, Product, check_finite
-from coordinator.engine.identity import Admission, Gate
-from coordinator.engine.limits import Limits, TrustPolicy
-from coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner, fleet_key
-from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
-from coordinator.engine.profiles import PRIOR_MEMORY, DeviceProfile
-from coordinator.engine.progress import Prediction, Progress
-from coordinator.engine.relays import WAIT_SHARE, Relays, RelayState, relay_url_ok
-from coordinator.engine.scheduler import (
+from cleave.coordinator.engine.balance import UNMEASURED_GFLOPS, Balancer, Redirecting
+from cleave.coordinator.engine.blocks import BlockRef, Sources, block_ref
+from cleave.coordinator.engine.books import Books
+from cleave.coordinator.engine.conduct import Conduct, Pace, Standing
+from cleave.coordinator.engine.devices import DeviceState
+from cleave.coordinator.engine.energy import GRID_GCO2_KWH, EnergyBooks
+from cleave.coordinator.engine.gemms import BandCheck, Check, GemmState, Product, check_finite
+from cleave.coordinator.engine.identity import Admission, Gate
+from cleave.coordinator.engine.limits import Limits, TrustPolicy
+from cleave.coordinator.engine.live_plan import DTYPE_NAMES, LivePlan, LivePlanner, Planner, fleet_key
+from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
+from cleave.coordinator.engine.profiles import PRIOR_MEMORY, DeviceProfile
+from cleave.coordinator.engine.progress import Prediction, Progress
+from cleave.coordinator.engine.relays import WAIT_SHARE, Relays, RelayState, relay_url_ok
+from cleave.coordinator.engine.scheduler import (
     Assign,
     Decision,
     FaultPolicy,
@@ -72,9 +71,9 @@ from coordinator.engine.scheduler import (
     Scheduler,
     UnitSpec,
 )
-from coordinator.engine.standby import Sleepers, StandbyPolicy
-from coordinator.planning.costmodel import Profile, PSProfile, local_seconds
-from coordinator.planning.tiles import (
+from cleave.coordinator.engine.standby import Sleepers, StandbyPolicy
+from cleave.coordinator.planning.costmodel import Profile, PSProfile, local_seconds
+from cleave.coordinator.planning.tiles import (
     GemmKind,
     TilingPolicy,
     a_block,
@@ -82,10 +81,10 @@ from coordinator.planning.tiles import (
     b_block,
     piece_tiles,
 )
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy, StandbyWhy
-from coordinator.wire.errors import AuthError
-from coordinator.wire.messages import (
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy, StandbyWhy
+from cleave.coordinator.wire.errors import AuthError
+from cleave.coordinator.wire.messages import (
     MAX_SLOTS,
     Block,
     BlockRequest,
@@ -110,9 +109,9 @@ from coordinator.wire.messages import (
     Welcome,
     Work,
 )
-from coordinator.wire.verify import Product as VerifyProduct
-from coordinator.wire.verify import Verdict, structure
-from db.store import CheckpointRow, DeviceInfo, DeviceStatus, IdentityState, NewTile, Outcome, Store
+from cleave.coordinator.wire.verify import Product as VerifyProduct
+from cleave.coordinator.wire.verify import Verdict, structure
+from cleave.db.store import CheckpointRow, DeviceInfo, DeviceStatus, IdentityState, NewTile, Outcome, Store
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from coordinator.engine.blocks import BlockRef
-from coordinator.engine.conduct import Pace, Standing
-from coordinator.engine.limits import TokenBucket
-from coordinator.engine.scheduler import Seat
+from cleave.coordinator.engine.blocks import BlockRef
+from cleave.coordinator.engine.conduct import Pace, Standing
+from cleave.coordinator.engine.limits import TokenBucket
+from cleave.coordinator.engine.scheduler import Seat
 
 
 @dataclass

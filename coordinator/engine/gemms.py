@@ -13,16 +13,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-from coordinator.engine.blocks import BlockRef, Source
-from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan
-from coordinator.wire.errors import Diverged
-from coordinator.wire.messages import Result
-from coordinator.wire.verify import ROUNDS, Band, Verdict, freivalds_band, freivalds_batch, random_vectors
-from coordinator.wire.verify import Product as VerifyProduct
+from cleave.coordinator.engine.blocks import BlockRef, Source
+from cleave.coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan
+from cleave.coordinator.wire.errors import Diverged
+from cleave.coordinator.wire.messages import Result
+from cleave.coordinator.wire.verify import ROUNDS, Band, Verdict, freivalds_band, freivalds_batch, random_vectors
+from cleave.coordinator.wire.verify import Product as VerifyProduct
 
 if TYPE_CHECKING:
-    from coordinator.engine.devices import DeviceState
+    from cleave.coordinator.engine.devices import DeviceState
 
 Product = Callable[[], torch.Tensor]  # a GEMM's result, computed when called (``submit(lazy=True)``)
 

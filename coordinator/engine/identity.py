@@ -12,14 +12,14 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from coordinator.engine.balance import Balancer
-from coordinator.engine.conduct import Standing
-from coordinator.engine.limits import TokenBucket, TrustPolicy
-from coordinator.wire import auth
-from coordinator.wire.codes import CloseCode
-from coordinator.wire.errors import AuthError
-from coordinator.wire.messages import Challenge, Hello
-from db.store import IdentityState, Store
+from cleave.coordinator.engine.balance import Balancer
+from cleave.coordinator.engine.conduct import Standing
+from cleave.coordinator.engine.limits import TokenBucket, TrustPolicy
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.codes import CloseCode
+from cleave.coordinator.wire.errors import AuthError
+from cleave.coordinator.wire.messages import Challenge, Hello
+from cleave.db.store import IdentityState, Store
 
 # Settings keys (store.setting): each constant defined once.
 JOIN_TOKEN, OPERATOR_TOKEN, COORDINATOR_ID = "join_token_sha256", "operator_token_sha256", "coordinator_id"

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.handshake import handshake_bytes
 
 
 @dataclass
@@ -90,7 +91,7 @@ class TrustPolicy:
     standings: int = 65536  # identities whose record this process remembers (least recent forgotten)
 
     def __post_init__(self) -> None:
-        from coordinator.wire.messages import MAX_SLOTS  # here: this module loads before torch (cleave_cli)
+        from cleave.coordinator.wire.messages import MAX_SLOTS  # here: this module loads before torch (cleave_cli)
 
         if not (
             1 <= self.ban_rejects <= self.window
@@ -200,7 +201,7 @@ def memory_bound(
     peers, which the server keeps under ``outbound_total`` (it cuts the longest queue past it:
     one frame of at most ``largest_frame`` can overshoot). ``devices_holding`` is how many
     devices hold tiles at once (at most the tiles in flight)."""
-    from coordinator.wire.messages import MAX_SPEEDTEST_BYTES
+    from cleave.coordinator.wire.messages import MAX_SPEEDTEST_BYTES
 
     cost = peer_costs(limits, largest_result=largest_result, tls=tls)
     unauth = limits.max_unauthenticated + HEADROOM
@@ -216,16 +217,3 @@ def memory_bound(
     }
     terms["total"] = sum(terms.values())
     return terms
-
-
-# The websocket library reads an upgrade request of up to this many header lines of this many
-# bytes before Cleave sees the peer (its defaults, 128 x 8 KiB, allow 1 MiB). A client or a
-# reverse proxy sends about 10 short lines. The ``cleave`` command sets them through the
-# library's environment variables before it is imported (cleave_cli/__init__.py).
-HANDSHAKE_HEADERS = 64
-HANDSHAKE_LINE = 4096
-
-
-def handshake_bytes() -> int:
-    """The largest websocket upgrade request the coordinator reads."""
-    return HANDSHAKE_HEADERS * HANDSHAKE_LINE

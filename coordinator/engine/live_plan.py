@@ -19,12 +19,21 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile
-from coordinator.planning.planner import Gemm, Kind, Plan, PlannerOptions, baseline, local_plan, plan_gemm, realize
-from coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
-from coordinator.planning.tiles import plan_gemm as uniform_grid
-from coordinator.wire.codes import Name
-from coordinator.wire.messages import MAX_BATCH, MAX_PAIRS
+from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass, Profile, PSProfile
+from cleave.coordinator.planning.planner import (
+    Gemm,
+    Kind,
+    Plan,
+    PlannerOptions,
+    baseline,
+    local_plan,
+    plan_gemm,
+    realize,
+)
+from cleave.coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
+from cleave.coordinator.planning.tiles import plan_gemm as uniform_grid
+from cleave.coordinator.wire.codes import Name
+from cleave.coordinator.wire.messages import MAX_BATCH, MAX_PAIRS
 
 # Partitions the live data plane runs: all of them (split-K units that span several pieces go
 # out as one work message with several block pairs, summed by the device).

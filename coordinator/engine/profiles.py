@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from coordinator.planning.costmodel import ITEMSIZE, Profile, PSProfile
+from cleave.coordinator.planning.costmodel import ITEMSIZE, Profile, PSProfile
 
 TAU = 120.0  # seconds: an observation this old weighs 1/e
 MB = 1e6  # link features are in megabytes, so the fit's coefficients are seconds per MB
@@ -238,7 +237,7 @@ def measure_ps(
     device = device or torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    from coordinator.planning.costmodel import VERIFY_ROUNDS
+    from cleave.coordinator.planning.costmodel import VERIFY_ROUNDS
 
     tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     n = 512

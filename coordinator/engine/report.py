@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.engine.core import Core
-from coordinator.wire.codes import DeviceView
-from db.store import CONNECTED, DeviceStatus, LeaderRow
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.wire.codes import DeviceView
+from cleave.db.store import CONNECTED, DeviceStatus, LeaderRow
 
 # The tile counts ``status`` reports (``Store.tile_counts`` has these and more).
 STATUS_TILES = ("queued", "leased", "taken", "verified", "rejected", "requeued", "expired", "speculative", "cancelled",

@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
-from coordinator.wire.errors import ConfigError
-from db.store import Issued
+from cleave.coordinator.wire.errors import ConfigError
+from cleave.db.store import Issued
 
 
 class _Miss(enum.Enum):

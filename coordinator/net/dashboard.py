@@ -90,7 +90,7 @@ class Dashboard:
         if path in ASSETS:
             name, content_type = ASSETS[path]
             if name not in self._assets:
-                self._assets[name] = (resources.files("coordinator.net") / "web" / name).read_bytes()
+                self._assets[name] = (resources.files("cleave.coordinator.net") / "web" / name).read_bytes()
             return 200, content_type, self._assets[name], HEADERS
         operator = is_bearer(authorization, self.is_operator)
         status = 401 if operator is False else 200

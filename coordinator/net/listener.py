@@ -15,7 +15,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from coordinator.engine.limits import HEADROOM, Limits
+from cleave.coordinator.engine.limits import HEADROOM, Limits
 
 
 class ConnectionCounter:

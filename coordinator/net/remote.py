@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from coordinator.engine.blocks import row_norms
-from coordinator.engine.gemms import Product, check_finite
-from coordinator.net.server import Server
-from coordinator.planning.tiles import GemmKind
-from coordinator.training.hardware import to_host
-from coordinator.training.linear import GemmRequest
-from coordinator.wire.messages import WireDtype
+from cleave.coordinator.engine.blocks import row_norms
+from cleave.coordinator.engine.gemms import Product, check_finite
+from cleave.coordinator.net.server import Server
+from cleave.coordinator.planning.tiles import GemmKind
+from cleave.coordinator.training.hardware import to_host
+from cleave.coordinator.training.linear import GemmRequest
+from cleave.coordinator.wire.messages import WireDtype
 
 
 def _fits_fp16(r: GemmRequest) -> bool:

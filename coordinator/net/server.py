@@ -37,29 +37,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
-
-from coordinator.engine import report
-from coordinator.engine.balance import Redirecting
-from coordinator.engine.core import TICK, Core, Departure
-from coordinator.engine.devices import DeviceState
-from coordinator.engine.gemms import BandCheck, Check, Product, run_bands, run_checks
-from coordinator.engine.limits import Limits
-from coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
-from coordinator.net.dashboard import CHALLENGE, Dashboard, is_bearer
-from coordinator.net.dashboard import handles as dashboard_handles
-from coordinator.net.framing import OffLoopTransport, SendThreads, unjoined_frames
-from coordinator.net.listener import ConnectionCounter, bind
-from coordinator.net.metrics import PATH as METRICS_PATH
-from coordinator.net.metrics import Metrics
-from coordinator.planning.costmodel import CHECK_BATCH
-from coordinator.planning.tiles import GemmKind
-from coordinator.training.linear import GemmRequest
-from coordinator.wire.codes import CloseCode, Code
-from coordinator.wire.errors import AuthError, JobAborted, ProtocolError
-from coordinator.wire.messages import (
+from cleave.coordinator.engine import report
+from cleave.coordinator.engine.balance import Redirecting
+from cleave.coordinator.engine.core import TICK, Core, Departure
+from cleave.coordinator.engine.devices import DeviceState
+from cleave.coordinator.engine.gemms import BandCheck, Check, Product, run_bands, run_checks
+from cleave.coordinator.engine.limits import Limits
+from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
+from cleave.coordinator.net.dashboard import CHALLENGE, Dashboard, is_bearer
+from cleave.coordinator.net.dashboard import handles as dashboard_handles
+from cleave.coordinator.net.framing import OffLoopTransport, SendThreads, unjoined_frames
+from cleave.coordinator.net.listener import ConnectionCounter, bind
+from cleave.coordinator.net.metrics import PATH as METRICS_PATH
+from cleave.coordinator.net.metrics import Metrics
+from cleave.coordinator.planning.costmodel import CHECK_BATCH
+from cleave.coordinator.planning.tiles import GemmKind
+from cleave.coordinator.training.linear import GemmRequest
+from cleave.coordinator.wire.codes import CloseCode, Code
+from cleave.coordinator.wire.errors import AuthError, JobAborted, ProtocolError
+from cleave.coordinator.wire.handshake import bound_handshakes
+from cleave.coordinator.wire.messages import (
     DEVICE_MESSAGES,
     MAX_BATCH_TENSORS,
     MAX_SPEEDTEST_BYTES,
@@ -77,7 +74,10 @@ from coordinator.wire.messages import (
     encode,
     encode_parts,
 )
-from coordinator.wire.verify import Verdict
+from cleave.coordinator.wire.verify import Verdict
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
 
 log = logging.getLogger("cleave.server")
 
@@ -936,6 +936,7 @@ def listen(server: Server, host: str, port: int, tls: ssl.SSLContext | None = No
     """The websocket server around ``server`` (an async context manager): no compression, a
     small frame limit until each peer authenticates, connections counted from the TCP accept."""
     lim = server.limits
+    bound_handshakes()  # here, not at import: the Python API's coordinator gets them too
     return serve(
         server.handler,
         sock=bind(host, port, server.counter),

@@ -15,7 +15,7 @@ import math
 from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.errors import ConfigError
 
 # The most micro-batches the coordinator's trainer runs at once (Trainer.parts_at_once), and so
 # the most lanes a plan is cut into: memory on the PS grows with it (one part's activations and

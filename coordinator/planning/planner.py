@@ -43,7 +43,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.planning.costmodel import (
+from cleave.coordinator.planning.costmodel import (
     ITEMSIZE,
     VERIFY_ROUNDS,
     CostModelError,
@@ -60,9 +60,9 @@ from coordinator.planning.costmodel import (
     pipelined,
     ps_seconds,
 )
-from coordinator.planning.tiles import GemmKind, TilingPolicy, even_cuts
-from coordinator.planning.tiles import plan_gemm as uniform_grid
-from coordinator.wire.codes import Name
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy, even_cuts
+from cleave.coordinator.planning.tiles import plan_gemm as uniform_grid
+from cleave.coordinator.wire.codes import Name
 
 BISECTION_STEPS = 48  # relative precision ~1e-9 over the bracket's ratio
 MAX_DOUBLINGS = 80

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from coordinator.planning.costmodel import CostModelError
+from cleave.coordinator.planning.costmodel import CostModelError
 
 TIER_BUCKET_BYTES = 16 << 20  # float32 bytes a bucket of the tier's collectives holds, over every rank
 TIER_GRAD_BYTES = 4  # gradients and weights cross the tier in float32, whatever the job's dtype

@@ -18,9 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from coordinator.wire.codes import Name
-from coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.codes import Name
+from cleave.coordinator.wire.errors import ConfigError
 
 
 class GemmKind(Name):

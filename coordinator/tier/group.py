@@ -60,8 +60,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
-
-from coordinator.tier.rendezvous import (
+from cleave.coordinator.tier.rendezvous import (
     HERE,
     LOOKOUT,
     RUN,
@@ -73,9 +72,9 @@ from coordinator.tier.rendezvous import (
     seal,
     unseal,
 )
-from coordinator.training.parallel import DataParallel, all_gather
-from coordinator.wire import auth
-from coordinator.wire.errors import ConfigError, JobAborted
+from cleave.coordinator.training.parallel import DataParallel, all_gather
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.errors import ConfigError, JobAborted
 
 log = logging.getLogger("cleave.tier")
 

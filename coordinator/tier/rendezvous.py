@@ -37,9 +37,8 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
-
-from coordinator.wire import auth
-from coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire import auth
+from cleave.coordinator.wire.errors import ConfigError
 
 log = logging.getLogger("cleave.tier")
 

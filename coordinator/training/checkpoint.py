@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from coordinator.wire.errors import CheckpointError
-from db.store import CheckpointRow
+from cleave.coordinator.wire.errors import CheckpointError
+from cleave.db.store import CheckpointRow
 
 KEEP = 3  # newest checkpoint files kept per job; older files are deleted
 

@@ -35,9 +35,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from coordinator.training import shards
-from coordinator.training.tokens import DataError, Segment, TokenStream, View, in_memory
+from cleave.coordinator.training import shards
+from cleave.coordinator.training.tokens import DataError, Segment, TokenStream, View, in_memory
 
 DEFAULT_MAX_BYTES = 8 << 20  # 8 MiB of the default corpus: plenty for the presets, read in well under a second
 IN_MEMORY_TEXT = 8 << 20  # bytes of text tokenized or parsed in memory at most (JSONL, a tokenizer's text)

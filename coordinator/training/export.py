@@ -39,14 +39,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cleave.coordinator.training import checkpoint, hf, models, prepare
+from cleave.coordinator.training.model import ModelConfig, preset
+from cleave.coordinator.wire.errors import CheckpointError, ConfigError, StoreError
+from cleave.coordinator.wire.version import package_version
+from cleave.db.sqlite import SQLiteStore
+from cleave.db.store import CheckpointRow, JobRow
 from torch import nn
-
-from coordinator.training import checkpoint, hf, models, prepare
-from coordinator.training.model import ModelConfig, preset
-from coordinator.wire.errors import CheckpointError, ConfigError, StoreError
-from coordinator.wire.version import package_version
-from db.sqlite import SQLiteStore
-from db.store import CheckpointRow, JobRow
 
 INFO = "cleave.json"  # what Cleave writes beside the model: FORMAT, job, step, tokens ...
 FORMAT = 1

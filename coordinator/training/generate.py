@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cleave.coordinator.training import hf
+from cleave.coordinator.wire.errors import ConfigError
 from torch import nn
-
-from coordinator.training import hf
-from coordinator.wire.errors import ConfigError
 
 MAX_NEW_TOKENS = 100_000
 REPLACEMENT = "\ufffd"  # what a decoder gives for bytes that are not (yet) a whole character
@@ -90,7 +89,7 @@ def load(folder: Path) -> Loaded:
     if spec.tokenizer:
         tokenizer = hf.tokenizer(name)
     else:  # a model that reads bytes (hf.spec checked its vocabulary holds them)
-        from coordinator.training.export import byte_tokenizer
+        from cleave.coordinator.training.export import byte_tokenizer
 
         tokenizer = byte_tokenizer()
     model = hf.build(name).inner.eval()
@@ -101,7 +100,7 @@ def trained_context(folder: Path, max_positions: int) -> int:
     """The context to generate in: a Cleave export's ``seq_len`` (its ``cleave.json``), where it
     is shorter than the positions the model takes (a preset's config allows 1024 however short
     its training sequences were, and positions past them were never trained); else those."""
-    from coordinator.training.export import INFO
+    from cleave.coordinator.training.export import INFO
 
     try:
         seq_len = int(json.loads((folder / INFO).read_text()).get("seq_len") or 0)

@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from cleave.coordinator.wire.errors import ConfigError
 from torch import nn
-
-from coordinator.wire.errors import ConfigError
 
 PREFIX = "hf:"
 BYTE_VOCAB = 256

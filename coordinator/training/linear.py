@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from cleave.coordinator.planning.tiles import GemmKind
 from torch import nn
-
-from coordinator.planning.tiles import GemmKind
 
 
 @dataclass(frozen=True)

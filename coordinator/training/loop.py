@@ -18,17 +18,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from cleave.coordinator.planning.costmodel import PARTS_IN_FLIGHT
+from cleave.coordinator.training import data as corpora
+from cleave.coordinator.training import models, prepare
+from cleave.coordinator.training.data import ByteBatches, HeldOut, Split, load_corpus
+from cleave.coordinator.training.linear import MatmulEngine, offload_linears
+from cleave.coordinator.training.parallel import DataParallel, ShardedAdamW
+from cleave.coordinator.training.shards import BIN_DTYPES
+from cleave.coordinator.training.tokens import in_memory
+from cleave.coordinator.wire.errors import CleaveError, ConfigError
 from torch import nn
-
-from coordinator.planning.costmodel import PARTS_IN_FLIGHT
-from coordinator.training import data as corpora
-from coordinator.training import models, prepare
-from coordinator.training.data import ByteBatches, HeldOut, Split, load_corpus
-from coordinator.training.linear import MatmulEngine, offload_linears
-from coordinator.training.parallel import DataParallel, ShardedAdamW
-from coordinator.training.shards import BIN_DTYPES
-from coordinator.training.tokens import in_memory
-from coordinator.wire.errors import CleaveError, ConfigError
 
 # How a step computes: fp32; bf16 (weights, activations and optimizer state in bfloat16); fp16
 # (float32 weights, forward under float16 autocast, a dynamic loss scaler); autocast (float32

@@ -12,9 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from cleave.coordinator.wire.errors import ConfigError
 from torch import nn
-
-from coordinator.wire.errors import ConfigError
 
 
 @dataclass(frozen=True)

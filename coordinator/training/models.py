@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from cleave.coordinator.training import hf
+from cleave.coordinator.training.model import PRESETS, Transformer, preset
+from cleave.coordinator.wire.errors import ConfigError
 from torch import nn
-
-from coordinator.training import hf
-from coordinator.training.model import PRESETS, Transformer, preset
-from coordinator.wire.errors import ConfigError
 
 CUSTOM = "custom:"  # a model given as a factory (docs/api.md); the rest of the name labels it
 

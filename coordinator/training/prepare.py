@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from coordinator.training import data as corpora
-from coordinator.training import hf, models
-from coordinator.training.shards import META, SHARD_SUFFIXES, Meta, ShardWriter, dtype_for
-from coordinator.training.tokens import DataError
+from cleave.coordinator.training import data as corpora
+from cleave.coordinator.training import hf, models
+from cleave.coordinator.training.shards import META, SHARD_SUFFIXES, Meta, ShardWriter, dtype_for
+from cleave.coordinator.training.tokens import DataError
 
 CHUNK_BYTES = 1 << 20  # text tokenized at a time
 SHARD_TOKENS = 1 << 27  # ids a shard holds at most (256 MiB of uint16)

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from coordinator.wire.errors import ConfigError
+from cleave.coordinator.wire.errors import ConfigError
 
 MAX_OPEN = 32  # file descriptors a stream keeps open at most (least recently read closed first)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from coordinator.planning.costmodel import ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, Profile
-from coordinator.whatif.presets import ModelShape, step_gemms
+from cleave.coordinator.planning.costmodel import ATTENTION_PASSES, ITEMSIZE, CostModelError, DeviceClass, Profile
+from cleave.coordinator.whatif.presets import ModelShape, step_gemms
 
 # --------------------------------------------------------------------------- constants
 

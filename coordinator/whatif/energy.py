@@ -24,9 +24,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from coordinator.engine.energy import GRID_GCO2_KWH, J_PER_KWH
-from coordinator.planning.costmodel import CostModelError, DeviceClass
-from coordinator.whatif.baselines import CloudResult, DtfmResult
+from cleave.coordinator.engine.energy import GRID_GCO2_KWH, J_PER_KWH
+from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass
+from cleave.coordinator.whatif.baselines import CloudResult, DtfmResult
 
 # --------------------------------------------------------------------------- carbon and facilities
 

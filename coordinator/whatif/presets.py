@@ -18,9 +18,9 @@ try:
 except ModuleNotFoundError:  # pragma: no cover - python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile, PSProfile
-from coordinator.training.model import PRESETS
-from coordinator.wire.messages import MAX_NAME  # a class's name names its emulated devices
+from cleave.coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile, PSProfile
+from cleave.coordinator.training.model import PRESETS
+from cleave.coordinator.wire.messages import MAX_NAME  # a class's name names its emulated devices
 
 # --------------------------------------------------------------------------- model shapes
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from coordinator.whatif.simulator import SimConfig, SimResult, Simulation, SimulationError
+from cleave.coordinator.whatif.simulator import SimConfig, SimResult, Simulation, SimulationError
 
 # By default, runs smaller than this (devices x layers x steps) all stay in this process: they
 # take a second or less, and a spawned process spends about 3 s importing the engine (torch with

@@ -52,16 +52,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 # The live coordinator's estimates (coordinator/engine/core.py): each defined once, there.
-from coordinator.engine.conduct import Conduct, Pace, Standing
-from coordinator.engine.core import (
+from cleave.coordinator.engine.conduct import Conduct, Pace, Standing
+from cleave.coordinator.engine.core import (
     TICK,  # the live server's tick: copies and deferred devices look again
     UNCHECKED_PER_SLOT,  # a device's results a slot awaiting bands, at most
 )
-from coordinator.engine.limits import TrustPolicy
-from coordinator.engine.live_plan import LivePlanner, Planner, batches, filled_lanes
-from coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
-from coordinator.engine.standby import StandbyPolicy
-from coordinator.planning.costmodel import (
+from cleave.coordinator.engine.limits import TrustPolicy
+from cleave.coordinator.engine.live_plan import LivePlanner, Planner, batches, filled_lanes
+from cleave.coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
+from cleave.coordinator.engine.standby import StandbyPolicy
+from cleave.coordinator.planning.costmodel import (
     ADAMW_BYTES,
     ATTENTION_PASSES,
     CHECK_BATCH,
@@ -76,11 +76,11 @@ from coordinator.planning.costmodel import (
     local_seconds,
     utilisation_bound,
 )
-from coordinator.planning.planner import Kind, PlannerOptions
-from coordinator.planning.tier import SOLO, Tier
-from coordinator.planning.tiles import GemmKind, TilingPolicy
-from coordinator.whatif.presets import ModelShape
-from coordinator.wire.messages import DEFAULT_SLOTS
+from cleave.coordinator.planning.planner import Kind, PlannerOptions
+from cleave.coordinator.planning.tier import SOLO, Tier
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
+from cleave.coordinator.whatif.presets import ModelShape
+from cleave.coordinator.wire.messages import DEFAULT_SLOTS
 
 QUANTILES = (0.1, 0.5, 0.9)  # of the devices' compute shares, in reports
 TELL_EVERY = 50_000  # events between progress lines (about a second of wall time at 1,024 devices)

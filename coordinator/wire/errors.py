@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from coordinator.wire.codes import CloseCode, Code
+from cleave.coordinator.wire.codes import CloseCode, Code
 
 
 class CleaveError(Exception):

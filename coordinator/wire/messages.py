@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 # without tensors (``cleave status``, the operator's commands) starts in a fraction of a second
 # instead of paying torch's import (1.5 s or more).
 
-from coordinator.wire.codes import Code, EnergySource, Name, RelayFault, ReleaseWhy, StandbyWhy
-from coordinator.wire.errors import ProtocolError
+from cleave.coordinator.wire.codes import Code, EnergySource, Name, RelayFault, ReleaseWhy, StandbyWhy
+from cleave.coordinator.wire.errors import ProtocolError
 
 PROTOCOL_VERSION = 9  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
 # 5: work_batch, result_batch and hello.batch (many tiles under one header); 6: redirect and
