@@ -28,9 +28,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from loopback import run_job  # noqa: E402
+
 from cleave.coordinator.training import shards  # noqa: E402
 from cleave.coordinator.training.data import ByteBatches, open_tokens, split  # noqa: E402
-from loopback import run_job  # noqa: E402
 
 CHUNK = 1 << 26  # ids generated and written at a time (128 MiB of uint16)
 VOCAB = 256  # the tiny preset's byte ids

@@ -77,6 +77,11 @@ from typing import Any
 import numpy as np
 import torch
 import wire_floor
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from timing import interleaved_medians
+
 from cleave.cli.local import serve_with_local_clients
 from cleave.cli.options import micro_batches_of
 from cleave.coordinator.engine.identity import new_token
@@ -86,10 +91,6 @@ from cleave.coordinator.planning.tiles import GemmKind, Tile, TilingPolicy, a_bl
 from cleave.coordinator.training.loop import StepResult, TrainConfig, Trainer
 from cleave.coordinator.wire.messages import WireDtype
 from cleave.coordinator.wire.verify import ROUNDS, freivalds, random_vectors
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
-from rich.table import Table
-from timing import interleaved_medians
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element on the wire
 CLIENT_EXIT_TIMEOUT_S = 30.0

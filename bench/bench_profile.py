@@ -119,6 +119,7 @@ def main() -> int:
     if not Path(spy).exists():
         raise SystemExit("bench_profile needs py-spy: .venv/bin/python -m pip install py-spy")
     from bench_distributed import ProgressUI, run_distributed
+
     from cleave.coordinator.training.loop import TrainConfig
 
     train = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)

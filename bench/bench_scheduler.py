@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
 from cleave.coordinator.engine.core import Core  # noqa: E402
 from cleave.coordinator.engine.limits import Limits, Rate, TrustPolicy  # noqa: E402
 from cleave.coordinator.engine.outbound import Send

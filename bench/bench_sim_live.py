@@ -54,13 +54,14 @@ from pathlib import Path
 from typing import Any
 
 from bench_tax import SHAPES, FixedGrid, Shape, send_threads_of
+from rich.console import Console
+from rich.table import Table
+
 from cleave.coordinator.engine.scheduler import FaultPolicy
 from cleave.coordinator.planning.costmodel import DeviceClass, Profile, PSProfile
 from cleave.coordinator.planning.tiles import GemmKind
 from cleave.coordinator.whatif.presets import model_shape
 from cleave.coordinator.whatif.simulator import GemmCall, Operand, SimConfig, Simulation
-from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.15

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+
 from cleave.coordinator.engine import report  # noqa: E402
 from cleave.coordinator.engine.core import Core  # noqa: E402
 from cleave.db.sqlite import SQLiteStore  # noqa: E402

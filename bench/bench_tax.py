@@ -94,6 +94,9 @@ from typing import Any
 import numpy as np
 import torch
 from bench_throughput import _thread_cpu
+from rich.console import Console
+from rich.table import Table
+
 from cleave.client.idle import Reading
 from cleave.client.policy import PolicyConfig
 from cleave.client.runner import Worker, WorkerConfig
@@ -105,8 +108,6 @@ from cleave.coordinator.net.server import Server, listen
 from cleave.coordinator.planning.costmodel import Profile, PSProfile
 from cleave.coordinator.planning.tiles import GemmKind, TilePlan, TilingPolicy, even_cuts
 from cleave.db.sqlite import GROUP_SECONDS, SQLiteStore
-from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-tax-token"

@@ -43,14 +43,15 @@ from typing import Any
 import numpy as np
 import torch
 import wire_floor
+from rich.console import Console
+from rich.table import Table
+
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import Limits
 from cleave.coordinator.net.server import Server, listen
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
 from cleave.db.sqlite import GROUP_SECONDS, SQLiteStore
 from cleave.db.store import DeviceInfo, NewTile, Outcome
-from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-throughput-token"

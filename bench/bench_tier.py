@@ -56,13 +56,14 @@ from typing import Any
 
 import torch
 from bench_distributed import BenchReporter, ProgressUI
+from rich.console import Console
+from rich.table import Table
+
 from cleave.cli.local import serve_with_local_clients
 from cleave.coordinator.engine.identity import new_token
 from cleave.coordinator.engine.live_plan import Planner
 from cleave.coordinator.job import CoordinatorConfig
 from cleave.coordinator.training.loop import TrainConfig, Trainer
-from rich.console import Console
-from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 900.0  # seconds the tier's processes may take

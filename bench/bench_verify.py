@@ -41,6 +41,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from rich.console import Console
+from rich.table import Table
+from timing import interleaved_medians
+
 from cleave.coordinator.wire.verify import (
     ROUNDS,
     Product,
@@ -50,9 +54,6 @@ from cleave.coordinator.wire.verify import (
     rademacher,
     random_vectors,
 )
-from rich.console import Console
-from rich.table import Table
-from timing import interleaved_medians
 
 
 @dataclass(frozen=True)

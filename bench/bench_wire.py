@@ -22,12 +22,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 from rich.console import Console
 from rich.table import Table
 
+import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_distributed import CLIENT_EXIT_TIMEOUT_S, BenchReporter, ProgressUI  # noqa: E402
+
 from cleave.cli.local import serve_with_local_clients  # noqa: E402
 from cleave.coordinator.engine.identity import new_token  # noqa: E402
 from cleave.coordinator.engine.live_plan import Planner  # noqa: E402

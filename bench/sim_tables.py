@@ -69,8 +69,9 @@ def log(text: str) -> None:
 
 def simulate(args: str) -> Report:
     """``cleave simulate ARGS --json``, in process: the CLI's own option parsing, checks and report."""
-    from cleave.cli.app import build
     from typer.testing import CliRunner
+
+    from cleave.cli.app import build
 
     result = CliRunner().invoke(build(["simulate"]), ["simulate", *shlex.split(args), "--json"])
     if result.exception is not None and not isinstance(result.exception, SystemExit):

@@ -83,10 +83,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import cleave.cli  # noqa: E402,F401 - OMP_WAIT_POLICY before torch loads
 import psutil  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+import cleave.cli  # noqa: E402,F401 - OMP_WAIT_POLICY before torch loads
 
 TOKEN, OPERATOR = "soak-join-token", "soak-operator-token"
 MODEL, BATCH, SEQ_LEN, STEPS = "tiny", 8, 64, 100_000  # far more steps than an hour: losses compared as done

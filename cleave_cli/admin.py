@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+
 from cleave.cli import render
 from cleave.cli.errors import friendly, stderr_console
 from cleave.cli.options import read_secret
@@ -19,7 +21,6 @@ from cleave.coordinator.wire.errors import ConfigError
 from cleave.coordinator.wire.messages import MAX_TOKEN
 from cleave.db.sqlite import SQLiteStore
 from cleave.db.store import IdentityState
-from rich.console import Console
 
 devices_app = typer.Typer(
     help="The devices enrolled on a coordinator's --db: list, revoke, unban.", no_args_is_help=True

@@ -7,6 +7,8 @@ import json
 from typing import Annotated
 
 import typer
+from rich.console import Console
+
 from cleave.cli import options as opt
 from cleave.cli import render
 from cleave.cli.errors import friendly
@@ -14,7 +16,6 @@ from cleave.client import benchmark as bench
 from cleave.client import kernels
 from cleave.client.connection import URLRefused, check_url
 from cleave.coordinator.wire.errors import CleaveError, ConfigError
-from rich.console import Console
 
 
 @friendly

@@ -7,6 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
 from cleave.cli import options as opt
 from cleave.cli.errors import friendly, is_terminal
 from cleave.cli.progress import ConsoleReporter
@@ -20,8 +23,6 @@ from cleave.coordinator.tier.group import TIER_TIMEOUT
 from cleave.coordinator.training.loop import TrainConfig
 from cleave.coordinator.wire.errors import ConfigError
 from cleave.coordinator.wire.messages import WireDtype
-from rich.console import Console
-from rich.logging import RichHandler
 
 D = TrainConfig()  # the defaults the options show
 

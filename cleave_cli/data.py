@@ -6,11 +6,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
 from cleave.cli import options as opt
 from cleave.cli.errors import friendly, is_terminal
 from cleave.coordinator.wire.errors import ConfigError
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 @friendly

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+
 from cleave.cli import options as opt
 from cleave.cli import render
 from cleave.cli.errors import friendly, is_terminal
@@ -20,7 +22,6 @@ from cleave.coordinator.engine.live_plan import Planner
 from cleave.coordinator.job import CoordinatorConfig
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 from cleave.coordinator.wire.errors import CleaveError, ConfigError
-from rich.console import Console
 
 MATCH_TOLERANCE = 1e-4  # relative, per step
 

@@ -13,17 +13,18 @@ import time
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.logging import RichHandler
+from rich.table import Table
+from rich.text import Text
+
 from cleave.cli import options as opt
 from cleave.cli.errors import friendly, is_terminal, stderr_console
 from cleave.coordinator.planning.costmodel import ITEMSIZE
 from cleave.coordinator.whatif.presets import FLEETS, resolve_fleet
 from cleave.coordinator.wire.errors import CleaveError, ConfigError
 from cleave.emulator.devices import Fleet, FleetConfig
-from rich.console import Console, Group
-from rich.live import Live
-from rich.logging import RichHandler
-from rich.table import Table
-from rich.text import Text
 
 MAX_DEVICES = 10_000
 

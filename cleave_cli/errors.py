@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
-from cleave.coordinator.wire.errors import CleaveError
 from rich.console import Console
 from rich.text import Text
+
+from cleave.coordinator.wire.errors import CleaveError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+
 from cleave.cli.errors import friendly
 from cleave.coordinator.training.export import export_job
 from cleave.coordinator.wire.errors import ConfigError
-from rich.console import Console
 
 
 @friendly

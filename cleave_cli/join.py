@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.live import Live
+
 from cleave.cli import options as opt
 from cleave.cli import render
 from cleave.cli.errors import friendly, is_terminal
@@ -18,8 +21,6 @@ from cleave.client.policy import Decision, PolicyConfig, default_config_path, lo
 from cleave.client.state import WorkerState
 from cleave.client.sysinfo import machine_name
 from cleave.coordinator.wire.messages import MAX_NAME
-from rich.console import Console
-from rich.live import Live
 
 if TYPE_CHECKING:  # the worker computes with torch: imported once there is work to do, not for --show-config
     from cleave.client.runner import Worker, WorkerStats

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
 from cleave.cli.errors import stderr_console
 from cleave.coordinator.wire.errors import ConfigError
 from cleave.coordinator.wire.messages import WireDtype

@@ -16,6 +16,8 @@ from enum import Enum
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+
 from cleave.cli import render
 from cleave.cli.errors import friendly, is_terminal, stderr_console
 from cleave.coordinator.planning.costmodel import (
@@ -40,7 +42,6 @@ from cleave.coordinator.whatif.presets import (
     step_gemms,
 )
 from cleave.coordinator.wire.errors import ConfigError
-from rich.console import Console
 
 
 class DType(str, Enum):

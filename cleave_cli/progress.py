@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cleave.cli import render
-from cleave.coordinator.job import Listening
-from cleave.coordinator.training.loop import StepResult
 from rich.console import Console
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cleave.cli import render
+from cleave.coordinator.job import Listening
+from cleave.coordinator.training.loop import StepResult
 
 
 class ConsoleReporter:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from cleave.cli import options as opt
 from cleave.cli.errors import friendly
 from cleave.coordinator.wire.addresses import url_host

@@ -11,12 +11,13 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
-from cleave.client.state import WorkerState
-from cleave.coordinator.wire.codes import DeviceView, JobPhase
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from cleave.client.state import WorkerState
+from cleave.coordinator.wire.codes import DeviceView, JobPhase
 
 
 def _num(value: float | None, fmt: str = "{:.4f}", missing: str = "-") -> str:

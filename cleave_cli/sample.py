@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+
 from cleave.cli.errors import friendly
 from cleave.coordinator.training import generate
 

@@ -18,6 +18,9 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console, Group
+from rich.table import Table
+
 from cleave.cli import render
 from cleave.cli.errors import friendly, stderr_console
 from cleave.cli.options import micro_batches_of
@@ -69,8 +72,6 @@ from cleave.coordinator.whatif.runs import run_all
 from cleave.coordinator.whatif.simulator import SimConfig, SimResult
 from cleave.coordinator.wire.errors import CleaveError, ConfigError
 from cleave.coordinator.wire.messages import MAX_GRID
-from rich.console import Console, Group
-from rich.table import Table
 
 MAX_DEVICES = 100_000  # every device is simulated one by one (its links, its leases)
 MAX_SWEEP = 16

@@ -10,6 +10,11 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+from rich.live import Live
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.sync.client import ClientConnection, connect
+
 from cleave.cli import options as opt
 from cleave.cli import render
 from cleave.cli.errors import friendly, is_terminal
@@ -17,10 +22,6 @@ from cleave.client.connection import URLRefused, check_url, client_tls
 from cleave.coordinator.wire.codes import CloseCode, JobPhase
 from cleave.coordinator.wire.errors import CleaveError, ConfigError, ProtocolError
 from cleave.coordinator.wire.messages import Challenge, StatusReply, StatusRequest, decode, encode
-from rich.console import Console
-from rich.live import Live
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
-from websockets.sync.client import ClientConnection, connect
 
 TIMEOUT = 10.0  # seconds to wait for any answer
 MAX_INTERVAL = 30.0  # seconds between refreshes: well inside the coordinator's idle limit for observers

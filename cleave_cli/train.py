@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
+
 from cleave.cli import options as opt
 from cleave.cli import render
 from cleave.cli.errors import friendly
@@ -12,7 +14,6 @@ from cleave.coordinator.job import metrics_line
 from cleave.coordinator.training.hardware import coordinator_device, describe
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 from cleave.coordinator.wire.errors import ConfigError
-from rich.console import Console
 
 D = TrainConfig()  # the defaults the options show
 

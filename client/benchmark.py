@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 import torch
+
 from cleave.client import kernels
 from cleave.client.paths import user_dir
 
@@ -146,9 +147,10 @@ async def measure_link(
 ) -> LinkFigure:
     """Round trip and throughput to a coordinator, as an observer. ``token`` is the operator
     token: the coordinator checks it before it answers."""
+    from websockets.asyncio.client import connect
+
     from cleave.client.connection import client_tls
     from cleave.coordinator.wire.messages import Challenge, SpeedTest, decode, encode
-    from websockets.asyncio.client import connect
 
     empty = torch.zeros(0, dtype=torch.uint8)
     async with connect(

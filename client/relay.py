@@ -40,6 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
 from cleave.client.connection import client_tls
 from cleave.client.credentials import Credential, CredentialStore
 from cleave.coordinator.wire import auth
@@ -62,9 +66,6 @@ from cleave.coordinator.wire.messages import (
     encode,
 )
 from cleave.coordinator.wire.messages import Credential as CredentialMessage
-from websockets.asyncio.client import connect
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,9 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+
 from cleave.client import benchmark, kernels, sysinfo
 from cleave.client.connection import URLRefused, check_url, client_tls
 from cleave.client.credentials import Credential as StoredCredential
@@ -90,8 +93,6 @@ from cleave.coordinator.wire.messages import (
 )
 from cleave.coordinator.wire.verify import freivalds
 from cleave.coordinator.wire.version import package_version
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 log = logging.getLogger("cleave.client")
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+
 from cleave.client.credentials import Credential as StoredCredential
 from cleave.coordinator.wire import auth
 from cleave.coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy, StandbyWhy

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from torch import nn
+
 from cleave.coordinator.engine.balance import Balancer, Pool
 from cleave.coordinator.engine.books import Books
 from cleave.coordinator.engine.core import Core, Departure
@@ -51,7 +53,6 @@ from cleave.coordinator.wire.errors import CheckpointError, ConfigError
 from cleave.coordinator.wire.messages import MAX_GRID, MAX_TOKEN, MAX_URL, WireDtype
 from cleave.db.sqlite import GROUP_SECONDS, SQLiteStore
 from cleave.db.store import CheckpointRow
-from torch import nn
 
 log = logging.getLogger(__name__)
 

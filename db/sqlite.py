@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlite_utils
+
 from cleave.coordinator.wire.errors import StoreError
 from cleave.db.migrations import migrate
 from cleave.db.store import (

@@ -81,6 +81,7 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+
 from cleave.client.idle import Reading
 from cleave.client.policy import PolicyConfig
 from cleave.client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerStats

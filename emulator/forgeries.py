@@ -21,10 +21,11 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from cleave.coordinator.wire.errors import CleaveError
-from cleave.coordinator.wire.verify import Verdict, detection_threshold, rademacher, tolerance
 from numpy.random import Generator
 from torch import Tensor
+
+from cleave.coordinator.wire.errors import CleaveError
+from cleave.coordinator.wire.verify import Verdict, detection_threshold, rademacher, tolerance
 
 Forgery = Callable[[Tensor, Tensor, Tensor, Generator, float], Tensor]
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
 from cleave.client.runner import Worker, WorkerConfig  # noqa: E402
 from cleave.coordinator.wire.errors import ClientError
 

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
 from cleave.client.relay import Relay, RelayConfig  # noqa: E402
 
 SLOW_S = 8.0  # seconds a ``slow`` relay takes to answer a device
@@ -53,8 +54,9 @@ async def hoard(url: str, device: int, ticket: str, digests: tuple[str, ...], co
     them)."""
     import socket
 
-    from cleave.coordinator.wire.messages import BlockRequest, encode
     from websockets.asyncio.client import connect
+
+    from cleave.coordinator.wire.messages import BlockRequest, encode
 
     out = []
     host, port = url.removeprefix("ws://").rsplit(":", 1)

@@ -7,10 +7,11 @@ import re
 
 import pytest
 import torch
-from cleave.coordinator.training.loop import TrainConfig, Trainer
-from cleave.coordinator.wire.errors import ConfigError
 from conftest import ROOT
 from torch import nn
+
+from cleave.coordinator.training.loop import TrainConfig, Trainer
+from cleave.coordinator.wire.errors import ConfigError
 
 
 def _example() -> str:

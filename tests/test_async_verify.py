@@ -9,6 +9,8 @@ import dataclasses
 
 import numpy as np
 import torch
+from test_core import Fleet, corrupt, honest, submit
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.gemms import Check
@@ -20,7 +22,6 @@ from cleave.coordinator.wire import auth
 from cleave.coordinator.wire.codes import CloseCode
 from cleave.coordinator.wire.messages import Cancel, Credential, Error, Hello, Result, Work
 from cleave.db.memory import MemoryStore
-from test_core import Fleet, corrupt, honest, submit
 
 FAULTS = FaultPolicy(
     heartbeat=1.0,

@@ -13,6 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TIMEOUT
+from procs import TOKEN, Coordinator, join, local_losses
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
 from cleave.coordinator.wire import auth
 from cleave.coordinator.wire.codes import CloseCode, Code
 from cleave.coordinator.wire.messages import (
@@ -29,10 +34,6 @@ from cleave.coordinator.wire.messages import (
     decode,
     encode,
 )
-from conftest import TIMEOUT
-from procs import TOKEN, Coordinator, join, local_losses
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 

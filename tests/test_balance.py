@@ -10,6 +10,11 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from conftest import TIMEOUT
+from test_core import Fleet, submit
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
 from cleave.client.session import Ending, Redirected, Session
 from cleave.coordinator.engine.balance import (
     REDEEM_GRACE,
@@ -30,10 +35,6 @@ from cleave.coordinator.wire.codes import CloseCode
 from cleave.coordinator.wire.errors import AuthError
 from cleave.coordinator.wire.messages import Challenge, Credential, Hello, Redirect, Welcome, decode, encode
 from cleave.db.memory import MemoryStore
-from conftest import TIMEOUT
-from test_core import Fleet, submit
-from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
 
 SECRET = b"the tier's secret"
 LOCAL = "ws://127.0.0.1:8"  # a rank on this machine: it may send newcomers to others on it

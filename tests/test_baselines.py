@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+
 from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
 from cleave.coordinator.whatif import baselines
 from cleave.coordinator.whatif.baselines import CloudResult, DtfmResult, cloud_step, dtfm_step, step_flops

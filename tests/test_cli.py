@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 import typer.main
+from conftest import ROOT
+
 from cleave.cli.app import app
 from cleave.cli.options import micro_batches_of
 from cleave.coordinator.wire.errors import ConfigError
-from conftest import ROOT
 
 
 def _commands() -> dict[str, Any]:
@@ -101,8 +102,9 @@ def test_help_shows_brackets_as_written() -> None:
 def test_each_command_alone_parses_as_in_the_whole_app() -> None:
     """``cleave X ...`` builds an app holding only X (app.py): the command keeps its name, its
     arguments and its options, and the narrowed app holds exactly the command asked for."""
-    from cleave.cli.app import build
     from typer.testing import CliRunner
+
+    from cleave.cli.app import build
 
     runner = CliRunner()
     whole = _commands()

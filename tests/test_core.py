@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import UNCHECKED_PER_SLOT, Core
 from cleave.coordinator.engine.gemms import BandCheck

@@ -15,6 +15,7 @@ from procs import Coordinator, cleave_cmd, join, run_all
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+
 from cleave.coordinator.training import checkpoint  # noqa: E402
 from cleave.coordinator.training.loop import TrainConfig, Trainer  # noqa: E402
 from cleave.db.sqlite import SQLiteStore  # noqa: E402

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cleave.coordinator.planning.costmodel import (
     IN_FLIGHT,
     LOOP_COSTS,
@@ -25,8 +28,6 @@ from cleave.coordinator.planning.costmodel import (
     ps_seconds,
     stage,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def test_a_unit_counts_its_bytes_flops_and_memory_by_hand() -> None:

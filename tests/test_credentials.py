@@ -6,6 +6,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from cleave.client.connection import URLRefused, check_url, client_tls
 from cleave.client.credentials import Credential, CredentialError, CredentialStore
 from cleave.client.runner import EXIT_USAGE, WorkerConfig

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cleave.coordinator.training.loop import TrainConfig, Trainer
 from procs import TOKEN, Coordinator, Proc, cleave_cmd, join
+
+from cleave.coordinator.training.loop import TrainConfig, Trainer
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here (torch.cuda.is_available() is False)"

@@ -18,12 +18,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from procs import OPERATOR, TOKEN, join
+from websockets.sync.client import connect as ws_connect
+
 from cleave.coordinator.engine.live_plan import Planner
 from cleave.coordinator.job import CoordinatorConfig, serve_job
 from cleave.coordinator.net.dashboard import Curve, Dashboard
 from cleave.coordinator.training.loop import StepResult, TrainConfig
-from procs import OPERATOR, TOKEN, join
-from websockets.sync.client import connect as ws_connect
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 STEPS = 40  # 15 s of training here: the browses end at 8 s (13 s beside a load of 6 on two cores)
@@ -173,6 +174,7 @@ def test_the_held_out_loss_flows_from_a_steps_row_to_the_store_the_status_and_it
     it in SQLite, the status document (``status --json``) and /metrics' books show the last one
     with its step, and the dashboard draws it as its own curve at those steps only."""
     import numpy as np
+
     from cleave.coordinator.engine import report
     from cleave.coordinator.engine.books import Books
     from cleave.coordinator.engine.core import Core

@@ -12,6 +12,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_core import Fleet as CoreFleet
+from test_core import make_core
+from test_training import TiledLocalEngine
+from typer.testing import CliRunner
+
 from cleave.cli.app import app
 from cleave.coordinator.net.remote import RemoteEngine
 from cleave.coordinator.net.server import Server
@@ -23,10 +28,6 @@ from cleave.coordinator.training.loop import TrainConfig, Trainer, open_data, wi
 from cleave.coordinator.training.tokens import DataError, View
 from cleave.coordinator.wire.errors import ConfigError
 from cleave.coordinator.wire.messages import WireDtype
-from test_core import Fleet as CoreFleet
-from test_core import make_core
-from test_training import TiledLocalEngine
-from typer.testing import CliRunner
 
 SMALL = {"model": "tiny", "batch_size": 4, "seq_len": 16}
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TIMEOUT
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, metrics, run_all
+
 from cleave.cli.status import fetch_status
 from cleave.coordinator.planning.costmodel import Profile
 from cleave.emulator.devices import Pacer, Pacing, SharedCompute, byzantine_indices, device_name
-from conftest import TIMEOUT
-from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, metrics, run_all
 
 # --------------------------------------------------------------------------- the pacing model
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cleave.coordinator.engine.energy import (
     BEST_GFLOP_PER_J,
     CEILING_W,
@@ -327,9 +328,10 @@ def test_a_claimed_gpu_kind_gets_its_band_only_for_work_beyond_a_cpus_rate() -> 
 
 
 def test_the_core_books_devices_reports_and_ranks_them_by_gflop_per_joule() -> None:
+    from test_core import Fleet, core, submit
+
     from cleave.coordinator.engine import report
     from cleave.coordinator.wire.messages import Error
-    from test_core import Fleet, core, submit
 
     core = core.__wrapped__()  # the fixture's Core
     fleet = Fleet(core)
@@ -377,8 +379,9 @@ def test_a_cpu_that_says_cuda_gets_a_cpus_band_and_an_idle_identity_books_no_dra
     returns its tiles at a CPU's pace, then reports a GPU's efficiency; ``honest`` says cpu and
     reports the best a CPU can do. ``idle`` joins when the work is done and claims a full draw
     for ten minutes connected."""
-    from cleave.coordinator.engine import report
     from test_core import Fleet, core, submit
+
+    from cleave.coordinator.engine import report
 
     core = core.__wrapped__()
     fleet = Fleet(core)

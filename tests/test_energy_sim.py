@@ -9,6 +9,8 @@ import math
 import random
 
 import pytest
+from typer.testing import CliRunner
+
 from cleave.cli.app import app
 from cleave.coordinator.engine.energy import GRID_GCO2_KWH, J_PER_KWH
 from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
@@ -25,7 +27,6 @@ from cleave.coordinator.whatif.energy import (
     dtfm_energy,
 )
 from cleave.coordinator.whatif.presets import FLEETS, model_shape, resolve_fleet
-from typer.testing import CliRunner
 
 RUNNER = CliRunner()
 FAST = ["--model", "small", "--fleet", "laptops", "--ps-gflops", "2", "--batch-size", "2", "--seq-len", "64"]

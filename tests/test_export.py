@@ -13,6 +13,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
 from cleave.cli.app import build  # noqa: E402
 from cleave.coordinator.engine.books import Books  # noqa: E402
 from cleave.coordinator.training import checkpoint  # noqa: E402
@@ -20,7 +22,6 @@ from cleave.coordinator.training.export import INFO, llama_config, preset_to_lla
 from cleave.coordinator.training.loop import StepResult, TrainConfig, Trainer  # noqa: E402
 from cleave.coordinator.training.model import ModelConfig, Transformer  # noqa: E402
 from cleave.db.sqlite import SQLiteStore  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
 
 REL = 1e-5  # max |logit difference| over max |logit|
 CORPUS = b"def add(a, b):\n    return a + b\n\nclass Point:\n    x: float = 0.0\n" * 40

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_core import Fleet, submit
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import TrustPolicy
@@ -13,7 +15,6 @@ from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
 from cleave.coordinator.wire.codes import CloseCode
 from cleave.coordinator.wire.messages import Cancel, Heartbeat, Result, Work
 from cleave.db.memory import MemoryStore
-from test_core import Fleet, submit
 
 FAULTS = FaultPolicy(
     heartbeat=1.0,

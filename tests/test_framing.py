@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from cleave.coordinator.net.framing import SMALL, OffLoopTransport, SendThreads, unjoined_frames
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import OPEN, Protocol, Side
+
+from cleave.coordinator.net.framing import SMALL, OffLoopTransport, SendThreads, unjoined_frames
 
 
 def _sent(protocol: Protocol, *frames: tuple[bytes | memoryview, bool, bool]) -> bytes:

@@ -20,10 +20,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-import cleave.coordinator.engine.core as core_module
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import cleave.coordinator.engine.core as core_module
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import Limits, Rate, TrustPolicy
@@ -72,16 +83,6 @@ from cleave.coordinator.wire.messages import (
 )
 from cleave.db.memory import MemoryStore
 from cleave.db.store import IdentityState, TileState
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
 
 # Every example count below scales with the loaded profile ("ci": 40).
 EXAMPLES = settings.default.max_examples

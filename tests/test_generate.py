@@ -10,14 +10,15 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from test_export import Job, export, train_job  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
 from cleave.cli.app import build  # noqa: E402
 from cleave.coordinator.training import generate  # noqa: E402
 from cleave.coordinator.training.export import byte_tokenizer  # noqa: E402
 from cleave.coordinator.training.generate import Sampling, next_token  # noqa: E402
 from cleave.coordinator.training.loop import TrainConfig  # noqa: E402
 from cleave.coordinator.wire.errors import ConfigError  # noqa: E402
-from test_export import Job, export, train_job  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
 
 PROMPT = "def add(a"
 

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import TIMEOUT
+from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, double, join, local_losses, run_all, wait_until
+
 from cleave.client.credentials import CredentialStore
 from cleave.coordinator.engine.limits import Limits, memory_bound
 from cleave.coordinator.wire import auth
 from cleave.coordinator.wire.codes import CloseCode
 from cleave.coordinator.wire.messages import Challenge, Hello, decode, encode
-from conftest import TIMEOUT
-from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, double, join, local_losses, run_all, wait_until
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from cleave.coordinator.wire.errors import Banned, CleaveError, ConfigError, Refused
 from conftest import ROOT, TIMEOUT
+
+from cleave.coordinator.wire.errors import Banned, CleaveError, ConfigError, Refused
 
 PACKAGES = ("coordinator", "client", "db", "cleave_cli", "emulator")  # folders at the top of the repository
 # ...and the names they are imported by (pyproject.toml's package-dir): one namespace, `cleave`.
@@ -164,6 +165,7 @@ def test_every_exception_cleave_defines_derives_from_cleave_error() -> None:
 )
 def test_the_cli_maps_the_tree_to_exit_codes_in_one_place(error: BaseException, code: int) -> None:
     import typer
+
     from cleave.cli.errors import friendly
 
     @friendly

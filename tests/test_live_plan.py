@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import TrustPolicy

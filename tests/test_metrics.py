@@ -16,13 +16,14 @@ import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
+from procs import TOKEN, join  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from cleave.coordinator.engine.live_plan import Planner  # noqa: E402
 from cleave.coordinator.job import CoordinatorConfig, serve_job  # noqa: E402
 from cleave.coordinator.net import metrics as metrics_mod  # noqa: E402
 from cleave.coordinator.net.server import Server  # noqa: E402
 from cleave.coordinator.training.loop import StepResult, TrainConfig  # noqa: E402
-from procs import TOKEN, join  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 STEPS = 12
 

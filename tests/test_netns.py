@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+
 from cleave.emulator.netns import Lab, LabError, Link, available, leftovers
 
 WHY = available()

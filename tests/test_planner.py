@@ -7,6 +7,9 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
 from cleave.coordinator.planning.costmodel import (
     CostModelError,
     DeviceClass,
@@ -28,8 +31,6 @@ from cleave.coordinator.planning.planner import (
 )
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
 from cleave.coordinator.planning.tiles import plan_gemm as uniform_grid
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
 
 MB = 1e6
 GIB = 1 << 30

@@ -7,8 +7,9 @@ import statistics
 from pathlib import Path
 
 import pytest
-from cleave.coordinator.training.loop import TrainConfig, Trainer
 from procs import Coordinator, double, join
+
+from cleave.coordinator.training.loop import TrainConfig, Trainer
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from cleave.client.idle import FileProbe, Reading, SystemProbe, _logind_idle, _macos_idle
 from cleave.client.policy import Policy, PolicyConfig, PolicyError, load_config, parse_hours, within
 

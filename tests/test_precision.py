@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from procs import Coordinator, join, local_losses
+from test_core import Fleet
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import TrustPolicy
 from cleave.coordinator.planning.tiles import GemmKind, TilePlan, TilingPolicy, assemble, plan_gemm
 from cleave.db.memory import MemoryStore
-from procs import Coordinator, join, local_losses
-from test_core import Fleet
 
 STEPS = 8
 NEAR = {"bf16": 2e-2, "fp16": 1e-3, "autocast": 1e-3}  # relative, per step, over these few steps

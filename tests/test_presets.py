@@ -8,6 +8,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
 from cleave.coordinator.planning.costmodel import CostModelError, DeviceClass, Profile
 from cleave.coordinator.planning.tiles import GemmKind
 from cleave.coordinator.training.model import PRESETS, Transformer
@@ -24,9 +28,6 @@ from cleave.coordinator.whatif.presets import (
     scale_fleet,
     step_gemms,
 )
-from hypothesis import given
-from hypothesis import strategies as st
-from torch import nn
 
 NOMINAL = {
     "opt-1.3b": 1.3e9,

@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+
 from cleave.coordinator.engine.profiles import (
     LINK_BOUNDS,
     PRIOR_DOWN,

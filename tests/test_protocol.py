@@ -7,6 +7,7 @@ import struct
 
 import pytest
 import torch
+
 from cleave.coordinator.wire.addresses import is_loopback, url_host
 from cleave.coordinator.wire.codes import Code, EnergySource, ReleaseWhy, StandbyWhy
 from cleave.coordinator.wire.errors import ProtocolError

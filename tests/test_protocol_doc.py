@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cleave.client.runner import MAX_FRAME
 from cleave.coordinator.engine.limits import Limits, TrustPolicy
 from cleave.coordinator.wire import auth, examples, messages

@@ -4,6 +4,7 @@ how many in a row, and back home when the rank it was sent to fails it."""
 from __future__ import annotations
 
 import pytest
+
 from cleave.client.runner import MAX_REDIRECTS, Worker, WorkerConfig
 from cleave.client.session import Redirected
 from cleave.coordinator.wire.errors import Refused

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from cleave.coordinator.training.loop import TrainConfig, Trainer
 from procs import ROOT, TOKEN, Coordinator, Proc, cleave_cmd, join, wait_until
+
+from cleave.coordinator.training.loop import TrainConfig, Trainer
 
 STEPS = 2
 MODEL = ("--micro-batches", "1")
@@ -36,9 +37,10 @@ def _look(coord: Coordinator) -> tuple[dict, str]:
     """The coordinator's status snapshot (as ``cleave status`` asks) and its /metrics text."""
     import urllib.request
 
-    from cleave.coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
     from procs import OPERATOR
     from websockets.sync.client import connect
+
+    from cleave.coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
 
     with connect(coord.url, compression=None, max_size=None, open_timeout=10, proxy=None) as ws:
         ws.recv(timeout=10)  # the challenge
@@ -168,6 +170,7 @@ def _relay_here(capacity: int = 1 << 20) -> object:
 
 def _blocks(n: int) -> dict[str, object]:
     import torch
+
     from cleave.coordinator.wire.digest import block_digest
 
     out = {}
@@ -202,8 +205,9 @@ def test_a_reply_for_many_lacking_blocks_fetches_and_holds_about_one_reply_of_th
     import asyncio
     import weakref
 
-    import cleave.client.relay as relay_mod
     import torch
+
+    import cleave.client.relay as relay_mod
     from cleave.coordinator.wire.digest import block_digest
 
     nbytes = 64 * 64 * 4
@@ -238,12 +242,13 @@ def test_a_device_has_one_allowance_at_a_relay_however_many_connections_it_opens
     them (a device cannot multiply it by reconnecting), and a ticket serves only its device."""
     import asyncio
 
+    from websockets.asyncio.client import connect
+    from websockets.asyncio.server import serve
+
     import cleave.client.relay as relay_mod
     from cleave.coordinator.wire.codes import CloseCode
     from cleave.coordinator.wire.digest import relay_tag, relay_ticket
     from cleave.coordinator.wire.messages import BlockRequest, Blocks, decode, encode
-    from websockets.asyncio.client import connect
-    from websockets.asyncio.server import serve
 
     monkeypatch.setattr(relay_mod, "REQUESTS_PER_S", 2.0)  # a burst of 4
     blocks = _blocks(1)
@@ -286,11 +291,12 @@ def test_a_devices_relay_link_has_one_deadline_for_a_work_frames_blocks(monkeypa
     import asyncio
     import time
 
+    from websockets.asyncio.server import serve
+
     import cleave.client.relaylink as link_mod
     from cleave.client.relaylink import RelayFailed, RelayLink
     from cleave.coordinator.wire.codes import RelayFault
     from cleave.coordinator.wire.messages import Block, BlockRequest, Blocks, decode, encode
-    from websockets.asyncio.server import serve
 
     monkeypatch.setattr(link_mod, "MAX_FETCH", 2)
     blocks = _blocks(4)
@@ -336,6 +342,9 @@ def test_devices_behind_a_relay_slower_than_their_leases_are_not_cut_and_the_rel
 
     import numpy as np
     import torch
+    from conftest import TIMEOUT
+    from relay_doubles import slowed
+
     from cleave.client.relay import Relay, RelayConfig
     from cleave.client.runner import Worker, WorkerConfig
     from cleave.coordinator.engine.core import Core
@@ -344,8 +353,6 @@ def test_devices_behind_a_relay_slower_than_their_leases_are_not_cut_and_the_rel
     from cleave.coordinator.net.server import Server, listen
     from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
     from cleave.db.memory import MemoryStore
-    from conftest import TIMEOUT
-    from relay_doubles import slowed
 
     store = MemoryStore()
     core = Core(
@@ -424,6 +431,9 @@ def test_a_relay_answering_each_frame_just_in_time_is_reported_when_frames_queue
 
     import numpy as np
     import torch
+    from conftest import TIMEOUT
+    from websockets.asyncio.server import serve
+
     from cleave.client.runner import Worker, WorkerConfig
     from cleave.coordinator.engine.core import Core
     from cleave.coordinator.engine.limits import TrustPolicy
@@ -433,8 +443,6 @@ def test_a_relay_answering_each_frame_just_in_time_is_reported_when_frames_queue
     from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
     from cleave.coordinator.wire.messages import Block, BlockRequest, Blocks, Hello, Work, decode, encode
     from cleave.db.memory import MemoryStore
-    from conftest import TIMEOUT
-    from websockets.asyncio.server import serve
 
     store = MemoryStore()
     core = Core(
@@ -514,14 +522,15 @@ def test_devices_that_hoard_replies_hold_one_capped_reply_each_and_others_are_se
     import itertools
     import socket
 
-    import cleave.client.relay as relay_mod
     import torch
-    from cleave.client.relaylink import RelayLink
-    from cleave.coordinator.wire.digest import block_digest, relay_tag, relay_ticket
-    from cleave.coordinator.wire.messages import Blocks
     from conftest import TIMEOUT
     from relay_doubles import hoard
     from websockets.asyncio.server import serve
+
+    import cleave.client.relay as relay_mod
+    from cleave.client.relaylink import RelayLink
+    from cleave.coordinator.wire.digest import block_digest, relay_tag, relay_ticket
+    from cleave.coordinator.wire.messages import Blocks
 
     cap = 256 << 10  # four of its 64 KiB blocks
     monkeypatch.setattr(relay_mod, "REPLY_BYTES", cap)
@@ -647,6 +656,7 @@ def test_a_relay_caches_a_copy_of_a_block_not_a_view_of_its_upstream_frame() -> 
     import asyncio
 
     import torch
+
     from cleave.coordinator.wire.digest import block_digest
 
     frame = torch.randn(1024, 16)  # what a decoded upstream frame's blocks would be views of
@@ -688,12 +698,13 @@ def test_idle_connections_at_a_relay_are_closed_and_never_take_a_devices_place(m
     to send one; a ticketed device's connection is counted apart from them."""
     import asyncio
 
+    from websockets.asyncio.client import connect
+    from websockets.asyncio.server import serve
+
     import cleave.client.relay as relay_mod
     from cleave.coordinator.wire.codes import CloseCode
     from cleave.coordinator.wire.digest import relay_tag, relay_ticket
     from cleave.coordinator.wire.messages import BlockRequest, Blocks, decode, encode
-    from websockets.asyncio.client import connect
-    from websockets.asyncio.server import serve
 
     monkeypatch.setattr(relay_mod, "FIRST_REQUEST_S", 0.5)
     monkeypatch.setattr(relay_mod, "MAX_UNTICKETED", 2)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import io
 
+from rich.console import Console
+
 from cleave.cli import render
 from cleave.client.runner import WorkerStats
 from cleave.coordinator.job import Listening
 from cleave.db.store import IdentityRow
-from rich.console import Console
 
 
 def _text(renderable: object, width: int = 100) -> str:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from cleave.coordinator.engine.scheduler import (
     DOUBT_HEARTBEATS,
     Assign,
@@ -15,9 +19,6 @@ from cleave.coordinator.engine.scheduler import (
     UnitSpec,
 )
 from cleave.db.store import Issued
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 FAULTS = FaultPolicy(lease_floor=1.0, lease_factor=2.0, speculate_after=0.5, speculate_factor=2.0)
 

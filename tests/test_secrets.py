@@ -13,6 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, TIMEOUT
+from procs import Proc, cleave_cmd, env, join_cmd
+from typer.testing import CliRunner
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.server import ServerConnection, serve
+
 from cleave.cli.app import app
 from cleave.cli.options import MAX_SECRET_FILE, Secret, read_secret
 from cleave.coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN
@@ -21,11 +27,6 @@ from cleave.coordinator.wire.codes import CloseCode
 from cleave.coordinator.wire.errors import ConfigError
 from cleave.coordinator.wire.messages import Challenge, Hello, StatusReply, StatusRequest, decode, encode
 from cleave.db.sqlite import SQLiteStore
-from conftest import ROOT, TIMEOUT
-from procs import Proc, cleave_cmd, env, join_cmd
-from typer.testing import CliRunner
-from websockets.exceptions import ConnectionClosed
-from websockets.sync.server import ServerConnection, serve
 
 NOT_MINE = {s.value: f"the {s.name.lower()}" for s in Secret}  # every variable set, to catch a wrong one read
 

@@ -12,6 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, TIMEOUT
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import Limits, TrustPolicy
@@ -35,9 +39,6 @@ from cleave.coordinator.wire.messages import (
     encode,
 )
 from cleave.db.memory import MemoryStore
-from conftest import ROOT, TIMEOUT
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
 
 # Devices' bytes written by the event loop, and by a send thread beside it (net/framing.py).
 SENDERS = pytest.mark.parametrize("send_threads", [0, 1], ids=["loop-sends", "send-thread"])
@@ -602,10 +603,10 @@ def test_the_python_apis_coordinator_refuses_an_oversized_upgrade_request(
     """The handshake limits are set where the server is built, not by importing the command
     line: with the library at its own defaults (128 lines), a coordinator started through the
     Python API still refuses an upgrade of 80 header lines and answers one of 40."""
-    from cleave.coordinator.wire.handshake import HANDSHAKE_HEADERS
     from websockets import http11
 
     from cleave import CoordinatorConfig, Planner, TrainConfig, new_token, serve_job
+    from cleave.coordinator.wire.handshake import HANDSHAKE_HEADERS
 
     monkeypatch.setattr(http11, "MAX_NUM_HEADERS", 128)  # as if nothing of Cleave had set it
     monkeypatch.setattr(http11, "MAX_LINE_LENGTH", 8192)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from cleave.client.credentials import Credential as StoredCredential
 from cleave.client.session import (
     SILENCE_FACTOR,

@@ -47,6 +47,7 @@ def test_every_tables_commands_parse_and_render_before_anyone_waits_for_them(ci_
     import shlex
 
     import typer
+
     from cleave.cli.app import build
 
     group = typer.main.get_command(build(["simulate"]))

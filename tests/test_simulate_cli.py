@@ -8,13 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
 from cleave.cli import render
 from cleave.cli.app import app
 from cleave.coordinator.whatif.baselines import cloud_step, dtfm_step
 from cleave.coordinator.whatif.presets import model_shape, resolve_fleet
 from cleave.coordinator.whatif.simulator import MICRO_BATCH_SLACK
-from rich.console import Console
-from typer.testing import CliRunner
 
 RUNNER = CliRunner()
 FAST = ["--model", "small", "--fleet", "laptops", "--ps-gflops", "2", "--batch-size", "2", "--seq-len", "64"]

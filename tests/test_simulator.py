@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from cleave.cli.simulate import _breakdown
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import TrustPolicy
@@ -53,7 +54,6 @@ from cleave.coordinator.whatif.simulator import (
     step_program,
 )
 from cleave.db.memory import MemoryStore
-
 from tests.test_live_plan import POLICY, SLOW_PS, SMALL, CoreEngine, Fleet
 
 # A PS that ships every GEMM (it multiplies at 1 GFLOP/s) on a 10 Gbit/s link.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import TrustPolicy
@@ -30,7 +31,6 @@ from cleave.coordinator.wire.messages import (
     encode,
 )
 from cleave.db.memory import MemoryStore
-
 from tests import test_core as core_tests
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)

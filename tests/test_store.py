@@ -8,6 +8,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+
 from cleave.coordinator.wire.errors import StoreError
 from cleave.db.memory import MemoryStore
 from cleave.db.migrations import migrate
@@ -794,6 +795,7 @@ def test_a_status_build_does_the_same_query_work_at_a_thousand_and_a_hundred_tho
     device counts, the listed rows) must not visit every identity's row. Counted in SQLite
     virtual-machine steps (a progress handler), which do not depend on the machine's load."""
     import numpy as np
+
     from cleave.coordinator.engine import report
     from cleave.coordinator.engine.core import Core
 
@@ -823,6 +825,7 @@ def test_an_older_database_gets_its_identities_totals_from_its_device_rows(tmp_p
     import sqlite3
 
     import sqlite_utils
+
     from cleave.db.migrations import MIGRATIONS
 
     path = tmp_path / "old.db"

@@ -14,6 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from procs import OPERATOR, Coordinator, join, wait_until
+
 from cleave.coordinator.planning.tier import partition
 from cleave.coordinator.tier.group import (
     HEARTBEAT,
@@ -29,9 +33,6 @@ from cleave.coordinator.tier.rendezvous import LOOKOUT
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 from cleave.coordinator.training.parallel import DataParallel, ShardedAdamW
 from cleave.coordinator.wire import auth
-from hypothesis import given
-from hypothesis import strategies as st
-from procs import OPERATOR, Coordinator, join, wait_until
 
 SECRET = "tier-secret-for-tests"
 KEY = b"this meeting's key"  # (join_tier derives one from the secret and the ranks' nonces)
@@ -338,6 +339,7 @@ def test_a_lost_rank_is_named_alike_by_every_rank_and_only_on_a_ranks_sealed_wor
     """The rank that notices a lost one writes it to the store, sealed; another rank waiting at
     the barrier names that same rank from it. A stranger's unsealed "lost" changes nothing."""
     import torch.distributed as dist
+
     from cleave.coordinator.tier.group import LOST
 
     port = _port()
@@ -391,6 +393,7 @@ def test_a_key_deleted_between_a_look_and_its_read_holds_a_rank_up_a_heartbeat_n
     from datetime import timedelta
 
     import torch.distributed as dist
+
     from cleave.coordinator.tier.group import LOST
 
     port, name, gone = _port(), "step/1/1", threading.Event()
@@ -448,6 +451,7 @@ def test_rank_0s_store_listens_only_on_the_rendezvous_host_and_under_the_secrets
     127.0.0.2:PORT (loopback too, on Linux), not every interface as torch binds by itself. Every
     key in it, gloo's included, is under a namespace only the secret names."""
     import torch.distributed as dist
+
     from cleave.coordinator.tier.rendezvous import namespace
 
     port = _port()
@@ -472,6 +476,7 @@ def test_under_torchrun_rank_0_meets_at_the_agents_store_under_the_attempts_name
     rank 0 listens on nothing of its own; its keys are under the secret's namespace and this
     restart's attempt, apart from an earlier attempt's."""
     import torch.distributed as dist
+
     from cleave.coordinator.tier.rendezvous import namespace
 
     port = _port()
@@ -601,6 +606,7 @@ def test_gloo_meets_only_through_addresses_sealed_in_this_run() -> None:
     import threading
 
     import torch.distributed as dist
+
     from cleave.coordinator.tier.rendezvous import SealedStore
 
     port = _port()
@@ -632,9 +638,10 @@ def test_gloo_meets_only_through_addresses_sealed_in_this_run() -> None:
 def _rows_seen(coord: Coordinator, seen: list[list[dict]]) -> list[dict]:
     """The tier's rows in ``coord``'s status snapshot, asked as ``cleave status`` asks (kept in
     ``seen``; none once it is gone). In this process: a new process a look is too slow here."""
-    from cleave.coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
     from websockets.exceptions import WebSocketException
     from websockets.sync.client import connect
+
+    from cleave.coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
 
     try:
         with connect(coord.url, compression=None, max_size=None, open_timeout=10, proxy=None) as ws:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from cleave.coordinator.planning.tiles import (
     GemmKind,
     TilingPolicy,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
 from cleave.coordinator.planning.costmodel import PARTS_IN_FLIGHT
 from cleave.coordinator.planning.tiles import TilingPolicy, plan_gemm, tiled_matmul
 from cleave.coordinator.training.data import ByteBatches, load_corpus
@@ -21,7 +23,6 @@ from cleave.coordinator.training.loop import TrainConfig, Trainer, draws_randomn
 from cleave.coordinator.training.model import PRESETS, Transformer
 from cleave.coordinator.training.tokens import DataError
 from cleave.coordinator.wire.errors import ConfigError
-from torch import nn
 
 
 class TiledLocalEngine:

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_core import Fleet, corrupt, honest, submit
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.identity import JOIN_TOKEN, store_token
@@ -34,7 +36,6 @@ from cleave.coordinator.wire.messages import (
 )
 from cleave.db.memory import MemoryStore
 from cleave.db.sqlite import SQLiteStore
-from test_core import Fleet, corrupt, honest, submit
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
 FAULTS = FaultPolicy(

@@ -8,6 +8,19 @@ import math
 import numpy as np
 import pytest
 import torch
+from forgeries import (
+    FORGERIES,
+    NON_FINITE,
+    SCALABLE,
+    HonestWithinTolerance,
+    error_ratio,
+    forge_nan,
+    forge_pair,
+    forge_scaled,
+    forge_swap_rows,
+    single_round_rademacher,
+)
+
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy, a_block, b_block, plan_gemm
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 from cleave.coordinator.wire.verify import (
@@ -26,18 +39,6 @@ from cleave.coordinator.wire.verify import (
     random_vectors,
     round_bound,
     tolerance,
-)
-from forgeries import (
-    FORGERIES,
-    NON_FINITE,
-    SCALABLE,
-    HonestWithinTolerance,
-    error_ratio,
-    forge_nan,
-    forge_pair,
-    forge_scaled,
-    forge_swap_rows,
-    single_round_rademacher,
 )
 
 SHAPES = [(1, 1, 1), (3, 1000, 7), (512, 384, 512), (2048, 64, 128), (64, 4096, 64), (384, 2048, 384)]

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-from cleave.cli.status import fetch_status
 from conftest import TIMEOUT
 from procs import (
     OPERATOR,
@@ -24,6 +23,8 @@ from procs import (
     run_all,
     wait_until,
 )
+
+from cleave.cli.status import fetch_status
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 

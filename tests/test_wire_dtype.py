@@ -9,6 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from procs import Coordinator, join, local_losses
+from test_live_plan import Fleet, make_core
+
 from cleave.client import kernels
 from cleave.coordinator.engine.gemms import check_finite
 from cleave.coordinator.net.remote import RemoteEngine
@@ -17,8 +20,6 @@ from cleave.coordinator.planning.tiles import GemmKind
 from cleave.coordinator.training.linear import GemmRequest
 from cleave.coordinator.wire.messages import WireDtype
 from cleave.coordinator.wire.verify import freivalds
-from procs import Coordinator, join, local_losses
-from test_live_plan import Fleet, make_core
 
 STEPS = 6
 

@@ -29,13 +29,14 @@ import sys
 
 
 def _preload() -> None:
+    import numpy  # noqa: F401
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (torch's AdamW imports it when built: 1.5-3 s of CPU a coordinator)
+
     import cleave.cli.app  # noqa: F401
     import cleave.client.runner  # noqa: F401
     import cleave.coordinator.job  # noqa: F401
     import cleave.emulator.devices  # noqa: F401
-    import numpy  # noqa: F401
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  (torch's AdamW imports it when built: 1.5-3 s of CPU a coordinator)
 
 
 def _child(request: dict, fds: list[int]) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from cleave.coordinator.planning.tiles import Layout, wire_layout
 
 

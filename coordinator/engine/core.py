@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from cleave.coordinator.engine.balance import UNMEASURED_GFLOPS, Balancer, Redirecting
 from cleave.coordinator.engine.blocks import BlockRef, Sources, block_ref
 from cleave.coordinator.engine.books import Books

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
 from cleave.coordinator.engine.blocks import BlockRef, Source
 from cleave.coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan
 from cleave.coordinator.wire.errors import Diverged

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from cleave.coordinator.planning.costmodel import ITEMSIZE, Profile, PSProfile
 
 TAU = 120.0  # seconds: an observation this old weighs 1/e

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from cleave.coordinator.engine.blocks import row_norms
 from cleave.coordinator.engine.gemms import Product, check_finite
 from cleave.coordinator.net.server import Server

@@ -37,6 +37,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.balance import Redirecting
 from cleave.coordinator.engine.core import TICK, Core, Departure
@@ -75,9 +79,6 @@ from cleave.coordinator.wire.messages import (
     encode_parts,
 )
 from cleave.coordinator.wire.verify import Verdict
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
-from websockets.http11 import Request, Response
 
 log = logging.getLogger("cleave.server")
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from cleave.coordinator.wire.codes import Name
 from cleave.coordinator.wire.errors import ConfigError
 

@@ -60,6 +60,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+
 from cleave.coordinator.tier.rendezvous import (
     HERE,
     LOOKOUT,

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
+
 from cleave.coordinator.wire import auth
 from cleave.coordinator.wire.errors import ConfigError
 

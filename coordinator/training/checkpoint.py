@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from cleave.coordinator.wire.errors import CheckpointError
 from cleave.db.store import CheckpointRow
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from cleave.coordinator.training import shards
 from cleave.coordinator.training.tokens import DataError, Segment, TokenStream, View, in_memory
 

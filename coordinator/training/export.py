@@ -39,13 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from cleave.coordinator.training import checkpoint, hf, models, prepare
 from cleave.coordinator.training.model import ModelConfig, preset
 from cleave.coordinator.wire.errors import CheckpointError, ConfigError, StoreError
 from cleave.coordinator.wire.version import package_version
 from cleave.db.sqlite import SQLiteStore
 from cleave.db.store import CheckpointRow, JobRow
-from torch import nn
 
 INFO = "cleave.json"  # what Cleave writes beside the model: FORMAT, job, step, tokens ...
 FORMAT = 1

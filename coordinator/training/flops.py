@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from cleave.coordinator.training.linear import GemmRequest, TiledLinear
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
+
+from cleave.coordinator.training.linear import GemmRequest, TiledLinear
 
 aten = torch.ops.aten
 

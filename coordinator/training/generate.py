@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from cleave.coordinator.training import hf
 from cleave.coordinator.wire.errors import ConfigError
-from torch import nn
 
 MAX_NEW_TOKENS = 100_000
 REPLACEMENT = "\ufffd"  # what a decoder gives for bytes that are not (yet) a whole character

@@ -8,6 +8,7 @@ on the host, staged through pinned memory (``to_host``), because sockets read ho
 from __future__ import annotations
 
 import torch
+
 from cleave.coordinator.wire.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from cleave.coordinator.wire.errors import ConfigError
 from torch import nn
+
+from cleave.coordinator.wire.errors import ConfigError
 
 PREFIX = "hf:"
 BYTE_VOCAB = 256

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from cleave.coordinator.planning.tiles import GemmKind
 from torch import nn
+
+from cleave.coordinator.planning.tiles import GemmKind
 
 
 @dataclass(frozen=True)

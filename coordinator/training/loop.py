@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+
 from cleave.coordinator.planning.costmodel import PARTS_IN_FLIGHT
 from cleave.coordinator.training import data as corpora
 from cleave.coordinator.training import models, prepare
@@ -27,7 +29,6 @@ from cleave.coordinator.training.parallel import DataParallel, ShardedAdamW
 from cleave.coordinator.training.shards import BIN_DTYPES
 from cleave.coordinator.training.tokens import in_memory
 from cleave.coordinator.wire.errors import CleaveError, ConfigError
-from torch import nn
 
 # How a step computes: fp32; bf16 (weights, activations and optimizer state in bfloat16); fp16
 # (float32 weights, forward under float16 autocast, a dynamic loss scaler); autocast (float32

@@ -12,8 +12,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from cleave.coordinator.wire.errors import ConfigError
 from torch import nn
+
+from cleave.coordinator.wire.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
+
 from cleave.coordinator.training import hf
 from cleave.coordinator.training.model import PRESETS, Transformer, preset
 from cleave.coordinator.wire.errors import ConfigError
-from torch import nn
 
 CUSTOM = "custom:"  # a model given as a factory (docs/api.md); the rest of the name labels it
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from cleave.coordinator.planning.tier import TIER_BUCKET_BYTES, partition
 from cleave.coordinator.wire.errors import ConfigError
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from cleave.coordinator.training import data as corpora
 from cleave.coordinator.training import hf, models
 from cleave.coordinator.training.shards import META, SHARD_SUFFIXES, Meta, ShardWriter, dtype_for

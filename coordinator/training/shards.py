@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cleave.coordinator.training.tokens import DataError, Segment
 from numpy.lib import format as npformat
+
+from cleave.coordinator.training.tokens import DataError, Segment
 
 META = "shards.json"
 FORMAT = "cleave-shards"

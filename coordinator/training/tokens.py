@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from cleave.coordinator.wire.errors import ConfigError
 
 MAX_OPEN = 32  # file descriptors a stream keeps open at most (least recently read closed first)

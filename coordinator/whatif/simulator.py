@@ -804,12 +804,12 @@ class Simulation:
         gid = self._next_gemm
         self._next_gemm += 1
         self._in_flight(+1)
+        self._fail_soon()  # a crash it makes due comes as an event, after this GEMM is queued
         if live.tiles is None:  # the PS multiplies it
             stats.local_gemms += 1
             seconds = local_seconds(call.m, call.n, call.k, cfg.dtype, cfg.ps)
             self.gemms[gid] = _Gemm(gid, call, 1, 0, token)
             self._cpu(seconds, "local_gemms", gid)
-            self._fail_soon()
             return gid
         stats.remote_gemms += 1
         plan = live.tiles
@@ -850,7 +850,6 @@ class Simulation:
             down = sum(size for _, _, size in named)
             specs.append(UnitSpec(uid, gid, named[0][1], named[1][1], flops, owner, down, up))
         self._outstanding += len(specs)
-        self._fail_soon()
         # Core.submit: ahead of deferred GEMMs' queued units, which only the optimizer waits for.
         front = not call.deferred and any(g.call.deferred for g in self.gemms.values() if g is not gemm)
         self.sched.add_gemm(gid, specs, front=front)

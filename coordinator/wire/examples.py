@@ -29,6 +29,7 @@ from enum import Enum
 from pathlib import Path
 
 import torch
+
 from cleave.coordinator.wire import auth
 from cleave.coordinator.wire.codes import Code, EnergySource, RelayFault, ReleaseWhy, StandbyWhy
 from cleave.coordinator.wire.digest import block_digest, relay_tag, relay_ticket
