@@ -89,8 +89,8 @@ from cleave.coordinator.engine.live_plan import Planner
 from cleave.coordinator.job import CoordinatorConfig, JobOutcome, Listening
 from cleave.coordinator.planning.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
 from cleave.coordinator.training.loop import StepResult, TrainConfig, Trainer
-from cleave.coordinator.wire.messages import WireDtype
-from cleave.coordinator.wire.verify import ROUNDS, freivalds, random_vectors
+from cleave.wire.messages import WireDtype
+from cleave.wire.verify import ROUNDS, freivalds, random_vectors
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per element on the wire
 CLIENT_EXIT_TIMEOUT_S = 30.0

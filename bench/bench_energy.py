@@ -6,7 +6,7 @@ Run from the repository root::
     .venv/bin/python bench/bench_energy.py                  # small, 8 x 64, 2 clients, 4 steps
     .venv/bin/python bench/bench_energy.py --clients 4 --json
 
-First the same job as plain torch in this process, metered with ``coordinator/meters.py`` (the
+First the same job as plain torch in this process, metered with ``meters/`` (the
 best source this machine has: RAPL if readable, else the stated estimate of CPU seconds x 10 W
 per busy core). Then as real processes on loopback: ``cleave coordinator start`` (``--planner
 uniform``, so every GEMM goes to the clients: on one machine the cost model rightly keeps them
@@ -35,8 +35,8 @@ from bench.loopback import run_job  # noqa: E402 - after the path is set
 
 def local(args: argparse.Namespace) -> dict[str, Any]:
     """Plain torch in this process, metered the way the coordinator meters itself."""
-    from cleave.coordinator.meters import EnergyMeter
     from cleave.coordinator.training.loop import TrainConfig, Trainer
+    from cleave.meters import EnergyMeter
 
     trainer = Trainer(TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len))
     meter = EnergyMeter()

@@ -51,9 +51,9 @@ from websockets.exceptions import ConnectionClosed  # noqa: E402
 import cleave.cli  # noqa: E402,F401 - OMP_WAIT_POLICY and the websocket upgrade limits
 from cleave.cli.status import fetch_status  # noqa: E402
 from cleave.coordinator.engine.limits import HEADROOM, Limits, memory_bound, peer_costs  # noqa: E402
-from cleave.coordinator.wire import auth  # noqa: E402
-from cleave.coordinator.wire.messages import Challenge, Heartbeat, Hello, Welcome, decode, encode  # noqa: E402
 from cleave.db.sqlite import SQLiteStore  # noqa: E402
+from cleave.wire import auth  # noqa: E402
+from cleave.wire.messages import Challenge, Heartbeat, Hello, Welcome, decode, encode  # noqa: E402
 
 TOKEN, OPERATOR = "bench-join", "bench-operator"
 err = Console(stderr=True, highlight=False)

@@ -5,8 +5,8 @@ join`` processes) under py-spy (``pip install py-spy``; it samples this process 
 the coordinator runs unmodified), then sorts every sample of every coordinator thread into what
 it was doing, by the innermost frame that names a part of Cleave:
 
-* verification (coordinator/wire/verify.py), assembly and partial sums (tiles.assemble, Core._complete),
-  framing (coordinator/wire/messages.py encode/decode), websocket I/O (the websockets package),
+* verification (wire/verify.py), assembly and partial sums (tiles.assemble, Core._complete),
+  framing (wire/messages.py encode/decode), websocket I/O (the websockets package),
   the store (db/, SQLite), scheduling and planning (scheduler, planner, live_plan), other Core
   bookkeeping (core.py), the optimizer (torch.optim, clipping), the model's non-GEMM work
   (coordinator/training: norms, attention, loss, on the PS), GEMMs the PS multiplies itself;

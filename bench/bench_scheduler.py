@@ -33,8 +33,8 @@ from cleave.coordinator.engine.limits import Limits, Rate, TrustPolicy  # noqa: 
 from cleave.coordinator.engine.outbound import Send
 from cleave.coordinator.engine.scheduler import Assign, FaultPolicy, Scheduler, UnitSpec  # noqa: E402
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy  # noqa: E402
-from cleave.coordinator.wire.messages import Hello, Result, Work  # noqa: E402
 from cleave.db.memory import MemoryStore  # noqa: E402
+from cleave.wire.messages import Hello, Result, Work  # noqa: E402
 
 FAULTS = FaultPolicy(heartbeat=5.0, heartbeat_timeout=1e6, lease_floor=1e5)  # no deadline fires mid-run
 

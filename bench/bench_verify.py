@@ -12,7 +12,7 @@ turn (interleaved, so that all see the same machine load) and their medians comp
 * **GEMM**: ``a @ b``, operands laid out as the trainer passes them (a dW tile's ``a`` is a
   transposed view of ``dY``);
 * **old**: the check as first landed: one +-1 (Rademacher) vector, norms computed per call;
-* **new**: ``coordinator.wire.verify.freivalds`` with its defaults (``ROUNDS`` uniform vectors),
+* **new**: ``wire.verify.freivalds`` with its defaults (``ROUNDS`` uniform vectors),
   norms computed per call;
 * **old, shared norms** and **new, shared norms**: the same with ``a_row_norms`` and ``b_norm``
   passed in, as the coordinator does (it computes them once per block and shares them between
@@ -45,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 from timing import interleaved_medians
 
-from cleave.coordinator.wire.verify import (
+from cleave.wire.verify import (
     ROUNDS,
     Product,
     _row_norms,

@@ -35,7 +35,7 @@ from cleave.coordinator.engine.identity import new_token  # noqa: E402
 from cleave.coordinator.engine.live_plan import Planner  # noqa: E402
 from cleave.coordinator.job import CoordinatorConfig  # noqa: E402
 from cleave.coordinator.training.loop import TrainConfig, Trainer  # noqa: E402
-from cleave.coordinator.wire.messages import WireDtype  # noqa: E402
+from cleave.wire.messages import WireDtype  # noqa: E402
 
 WARMUP = 2
 

@@ -31,8 +31,8 @@ _API = {
     "Planner": "cleave.coordinator.engine.live_plan",
     "new_token": "cleave.coordinator.engine.identity",
     "export_job": "cleave.coordinator.training.export",
-    "CleaveError": "cleave.coordinator.wire.errors",
-    "ConfigError": "cleave.coordinator.wire.errors",
+    "CleaveError": "cleave.wire.errors",
+    "ConfigError": "cleave.wire.errors",
 }
 
 __all__ = [
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from cleave.coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
     from cleave.coordinator.training.export import export_job
     from cleave.coordinator.training.loop import TrainConfig, Trainer
-    from cleave.coordinator.wire.errors import CleaveError, ConfigError
+    from cleave.wire.errors import CleaveError, ConfigError
 
 
 def __getattr__(name: str) -> Any:

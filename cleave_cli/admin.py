@@ -16,11 +16,11 @@ from cleave.cli import render
 from cleave.cli.errors import friendly, stderr_console
 from cleave.cli.options import read_secret
 from cleave.coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN, STRONG_TOKEN, new_token, store_token
-from cleave.coordinator.wire.auth import token_hash
-from cleave.coordinator.wire.errors import ConfigError
-from cleave.coordinator.wire.messages import MAX_TOKEN
 from cleave.db.sqlite import SQLiteStore
 from cleave.db.store import IdentityState
+from cleave.wire.auth import token_hash
+from cleave.wire.errors import ConfigError
+from cleave.wire.messages import MAX_TOKEN
 
 devices_app = typer.Typer(
     help="The devices enrolled on a coordinator's --db: list, revoke, unban.", no_args_is_help=True

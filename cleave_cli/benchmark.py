@@ -15,7 +15,7 @@ from cleave.cli.errors import friendly
 from cleave.client import benchmark as bench
 from cleave.client import kernels
 from cleave.client.connection import URLRefused, check_url
-from cleave.coordinator.wire.errors import CleaveError, ConfigError
+from cleave.wire.errors import CleaveError, ConfigError
 
 
 @friendly

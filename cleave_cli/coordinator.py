@@ -21,8 +21,8 @@ from cleave.coordinator.job import DEFAULT_SEND_THREADS, LINGER, CoordinatorConf
 from cleave.coordinator.planning.tiles import TilingPolicy
 from cleave.coordinator.tier.group import TIER_TIMEOUT
 from cleave.coordinator.training.loop import TrainConfig
-from cleave.coordinator.wire.errors import ConfigError
-from cleave.coordinator.wire.messages import WireDtype
+from cleave.wire.errors import ConfigError
+from cleave.wire.messages import WireDtype
 
 D = TrainConfig()  # the defaults the options show
 

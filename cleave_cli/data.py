@@ -11,7 +11,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from cleave.cli import options as opt
 from cleave.cli.errors import friendly, is_terminal
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 
 @friendly

@@ -21,7 +21,7 @@ from cleave.coordinator.engine.identity import new_token
 from cleave.coordinator.engine.live_plan import Planner
 from cleave.coordinator.job import CoordinatorConfig
 from cleave.coordinator.training.loop import TrainConfig, Trainer
-from cleave.coordinator.wire.errors import CleaveError, ConfigError
+from cleave.wire.errors import CleaveError, ConfigError
 
 MATCH_TOLERANCE = 1e-4  # relative, per step
 

@@ -23,8 +23,8 @@ from cleave.cli import options as opt
 from cleave.cli.errors import friendly, is_terminal, stderr_console
 from cleave.coordinator.planning.costmodel import ITEMSIZE
 from cleave.coordinator.whatif.presets import FLEETS, resolve_fleet
-from cleave.coordinator.wire.errors import CleaveError, ConfigError
 from cleave.emulator.devices import Fleet, FleetConfig
+from cleave.wire.errors import CleaveError, ConfigError
 
 MAX_DEVICES = 10_000
 

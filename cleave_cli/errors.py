@@ -1,7 +1,7 @@
 """One place where Cleave's errors become a one-line message and an exit code.
 
 Every error Cleave raises derives from ``CleaveError``, and its branch states the exit code
-(coordinator/wire/errors.py draws the tree): 1 a failure, 2 bad usage or options, 3 a banned
+(wire/errors.py draws the tree): 1 a failure, 2 bad usage or options, 3 a banned
 device. Anything else is a bug and keeps its traceback, except what the operating system says
 (``OSError``: a port in use, a file that cannot be written) and a diverged run, which are one line
 and exit 1 too.
@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from cleave.coordinator.wire.errors import CleaveError
+from cleave.wire.errors import CleaveError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

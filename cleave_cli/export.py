@@ -11,7 +11,7 @@ from rich.console import Console
 
 from cleave.cli.errors import friendly
 from cleave.coordinator.training.export import export_job
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 
 @friendly

@@ -20,7 +20,7 @@ from cleave.client.idle import FileProbe, Reading, SystemProbe
 from cleave.client.policy import Decision, PolicyConfig, default_config_path, load_config
 from cleave.client.state import WorkerState
 from cleave.client.sysinfo import machine_name
-from cleave.coordinator.wire.messages import MAX_NAME
+from cleave.wire.messages import MAX_NAME
 
 if TYPE_CHECKING:  # the worker computes with torch: imported once there is work to do, not for --show-config
     from cleave.client.runner import Worker, WorkerStats

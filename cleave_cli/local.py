@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cleave.cli.options import Secret
 from cleave.coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
-from cleave.coordinator.wire.errors import CleaveError
+from cleave.wire.errors import CleaveError
 
 
 async def serve_with_local_clients(

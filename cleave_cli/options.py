@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cleave.cli.errors import stderr_console
-from cleave.coordinator.wire.errors import ConfigError
-from cleave.coordinator.wire.messages import WireDtype
+from cleave.wire.errors import ConfigError
+from cleave.wire.messages import WireDtype
 
 if TYPE_CHECKING:  # the training modules import torch: the commands that train import them
     from cleave.coordinator.training.loop import TrainConfig

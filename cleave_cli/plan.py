@@ -41,7 +41,7 @@ from cleave.coordinator.whatif.presets import (
     resolve_fleet,
     step_gemms,
 )
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 
 class DType(str, Enum):

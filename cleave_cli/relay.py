@@ -12,8 +12,8 @@ import typer
 
 from cleave.cli import options as opt
 from cleave.cli.errors import friendly
-from cleave.coordinator.wire.addresses import url_host
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.addresses import url_host
+from cleave.wire.errors import ConfigError
 
 MAX_MEMORY_GB = 1024.0
 

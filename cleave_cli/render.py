@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cleave.client.state import WorkerState
-from cleave.coordinator.wire.codes import DeviceView, JobPhase
+from cleave.wire.codes import DeviceView, JobPhase
 
 
 def _num(value: float | None, fmt: str = "{:.4f}", missing: str = "-") -> str:

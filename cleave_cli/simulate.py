@@ -70,8 +70,8 @@ from cleave.coordinator.whatif.energy import (
 from cleave.coordinator.whatif.presets import model_shape, resolve_fleet
 from cleave.coordinator.whatif.runs import run_all
 from cleave.coordinator.whatif.simulator import SimConfig, SimResult
-from cleave.coordinator.wire.errors import CleaveError, ConfigError
-from cleave.coordinator.wire.messages import MAX_GRID
+from cleave.wire.errors import CleaveError, ConfigError
+from cleave.wire.messages import MAX_GRID
 
 MAX_DEVICES = 100_000  # every device is simulated one by one (its links, its leases)
 MAX_SWEEP = 16

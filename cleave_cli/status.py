@@ -19,9 +19,9 @@ from cleave.cli import options as opt
 from cleave.cli import render
 from cleave.cli.errors import friendly, is_terminal
 from cleave.client.connection import URLRefused, check_url, client_tls
-from cleave.coordinator.wire.codes import CloseCode, JobPhase
-from cleave.coordinator.wire.errors import CleaveError, ConfigError, ProtocolError
-from cleave.coordinator.wire.messages import Challenge, StatusReply, StatusRequest, decode, encode
+from cleave.wire.codes import CloseCode, JobPhase
+from cleave.wire.errors import CleaveError, ConfigError, ProtocolError
+from cleave.wire.messages import Challenge, StatusReply, StatusRequest, decode, encode
 
 TIMEOUT = 10.0  # seconds to wait for any answer
 MAX_INTERVAL = 30.0  # seconds between refreshes: well inside the coordinator's idle limit for observers

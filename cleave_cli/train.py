@@ -13,7 +13,7 @@ from cleave.cli.errors import friendly
 from cleave.coordinator.job import metrics_line
 from cleave.coordinator.training.hardware import coordinator_device, describe
 from cleave.coordinator.training.loop import TrainConfig, Trainer
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 D = TrainConfig()  # the defaults the options show
 

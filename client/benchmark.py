@@ -150,7 +150,7 @@ async def measure_link(
     from websockets.asyncio.client import connect
 
     from cleave.client.connection import client_tls
-    from cleave.coordinator.wire.messages import Challenge, SpeedTest, decode, encode
+    from cleave.wire.messages import Challenge, SpeedTest, decode, encode
 
     empty = torch.zeros(0, dtype=torch.uint8)
     async with connect(

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ssl
 
-from cleave.coordinator.wire.addresses import is_loopback, url_host
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.addresses import is_loopback, url_host
+from cleave.wire.errors import ConfigError
 
 
 class URLRefused(ConfigError):

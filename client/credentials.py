@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from cleave.client.paths import user_dir
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 try:  # POSIX advisory locks; elsewhere concurrent enrolments may race (a second identity, no harm)
     import fcntl

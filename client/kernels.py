@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 
 class DeviceUnavailable(ConfigError):

@@ -18,7 +18,7 @@ from typing import Any
 
 from cleave.client.idle import Reading
 from cleave.client.paths import user_dir
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

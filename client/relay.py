@@ -46,12 +46,12 @@ from websockets.exceptions import ConnectionClosed
 
 from cleave.client.connection import client_tls
 from cleave.client.credentials import Credential, CredentialStore
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.digest import block_digest, relay_tag, ticket_ok
-from cleave.coordinator.wire.errors import ConfigError, ProtocolError
-from cleave.coordinator.wire.handshake import bound_handshakes
-from cleave.coordinator.wire.messages import (
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode
+from cleave.wire.digest import block_digest, relay_tag, ticket_ok
+from cleave.wire.errors import ConfigError, ProtocolError
+from cleave.wire.handshake import bound_handshakes
+from cleave.wire.messages import (
     MAX_FETCH,
     Block,
     BlockRequest,
@@ -65,7 +65,7 @@ from cleave.coordinator.wire.messages import (
     decode,
     encode,
 )
-from cleave.coordinator.wire.messages import Credential as CredentialMessage
+from cleave.wire.messages import Credential as CredentialMessage
 
 log = logging.getLogger(__name__)
 

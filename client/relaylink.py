@@ -20,10 +20,10 @@ import torch
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, WebSocketException
 
-from cleave.coordinator.wire.codes import RelayFault
-from cleave.coordinator.wire.digest import block_digest
-from cleave.coordinator.wire.errors import CleaveError, ProtocolError
-from cleave.coordinator.wire.messages import MAX_FETCH, BlockRequest, Blocks, decode, encode
+from cleave.wire.codes import RelayFault
+from cleave.wire.digest import block_digest
+from cleave.wire.errors import CleaveError, ProtocolError
+from cleave.wire.messages import MAX_FETCH, BlockRequest, Blocks, decode, encode
 
 TIMEOUT = 1.0  # seconds for one work frame's blocks (connecting included) when use_relay sets no wait
 MAX_FRAME = 256 << 20  # as from the coordinator

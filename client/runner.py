@@ -62,11 +62,11 @@ from cleave.client.session import (
     Woken,
 )
 from cleave.client.state import WorkerState
-from cleave.coordinator.meters import EnergyMeter
-from cleave.coordinator.wire.addresses import relay_host_refused
-from cleave.coordinator.wire.codes import CloseCode, RelayFault
-from cleave.coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
-from cleave.coordinator.wire.messages import (
+from cleave.meters import EnergyMeter
+from cleave.wire.addresses import relay_host_refused
+from cleave.wire.codes import CloseCode, RelayFault
+from cleave.wire.errors import Banned, ClientError, ProtocolError, Refused
+from cleave.wire.messages import (
     DEFAULT_SLOTS,
     ENERGY_EVERY,
     MAX_BYTES,
@@ -91,8 +91,8 @@ from cleave.coordinator.wire.messages import (
     decode,
     encode,
 )
-from cleave.coordinator.wire.verify import freivalds
-from cleave.coordinator.wire.version import package_version
+from cleave.wire.verify import freivalds
+from cleave.wire.version import package_version
 
 log = logging.getLogger("cleave.client")
 
@@ -156,7 +156,7 @@ class WorkerConfig:
     new_identity: bool = False  # enrol again with the token, replacing a stored credential
     grid_gco2_kwh: float = 0.0  # the owner's grid carbon intensity (0: the coordinator's)
     energy_every: float = ENERGY_EVERY  # seconds between energy reports, at the most often
-    powercap: Path | None = None  # where the RAPL counters are (None: coordinator/meters.py's POWERCAP)
+    powercap: Path | None = None  # where the RAPL counters are (None: meters/'s POWERCAP)
 
     def __post_init__(self) -> None:
         try:
@@ -197,7 +197,7 @@ class WorkerStats:
     bytes_down: int = 0
     bytes_up: int = 0
     relay_mb: float = 0.0  # blocks taken from a relay, checked
-    energy_j: float = 0.0  # the machine's energy while it served, as reported (coordinator/meters.py)
+    energy_j: float = 0.0  # the machine's energy while it served, as reported (meters/)
     energy_source: str = ""  # where that figure comes from: rapl, battery or estimate (+nvml)
     credit_gflop: float = 0.0  # verified work of this client process, as the coordinator counts it
     credit_total_gflop: float = 0.0  # ... and of this device's identity, over every job

@@ -36,10 +36,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from cleave.client.credentials import Credential as StoredCredential
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode, Code, Name, ReleaseWhy, StandbyWhy
-from cleave.coordinator.wire.errors import Banned, ClientError, ProtocolError, Refused
-from cleave.coordinator.wire.messages import (
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode, Code, Name, ReleaseWhy, StandbyWhy
+from cleave.wire.errors import Banned, ClientError, ProtocolError, Refused
+from cleave.wire.messages import (
     DEFAULT_HEARTBEAT,
     MAX_KEEPALIVE,
     MIN_KEEPALIVE,

@@ -3,7 +3,7 @@ showing it (the join panel, tests) needs none of the worker's torch."""
 
 from __future__ import annotations
 
-from cleave.coordinator.wire.codes import Name
+from cleave.wire.codes import Name
 
 
 class WorkerState(Name):

@@ -37,7 +37,6 @@ from cleave.coordinator.engine.live_plan import Planner
 from cleave.coordinator.engine.profiles import measure_ps
 from cleave.coordinator.engine.scheduler import FaultPolicy
 from cleave.coordinator.engine.standby import StandbyPolicy
-from cleave.coordinator.meters import EnergyMeter
 from cleave.coordinator.net.remote import RemoteEngine
 from cleave.coordinator.net.server import Server, listen
 from cleave.coordinator.planning.costmodel import MAX_PS_GFLOPS
@@ -48,11 +47,12 @@ from cleave.coordinator.training.checkpoint import Resume
 from cleave.coordinator.training.flops import GemmShare, gemm_share
 from cleave.coordinator.training.hardware import DEVICES, coordinator_device, describe
 from cleave.coordinator.training.loop import BEFORE_DATA_OPTIONS, StepResult, TrainConfig, Trainer, open_data
-from cleave.coordinator.wire.addresses import is_loopback, url_host
-from cleave.coordinator.wire.errors import CheckpointError, ConfigError
-from cleave.coordinator.wire.messages import MAX_GRID, MAX_TOKEN, MAX_URL, WireDtype
 from cleave.db.sqlite import GROUP_SECONDS, SQLiteStore
 from cleave.db.store import CheckpointRow
+from cleave.meters import EnergyMeter
+from cleave.wire.addresses import is_loopback, url_host
+from cleave.wire.errors import CheckpointError, ConfigError
+from cleave.wire.messages import MAX_GRID, MAX_TOKEN, MAX_URL, WireDtype
 
 log = logging.getLogger(__name__)
 

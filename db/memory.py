@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from cleave.coordinator.wire.errors import StoreError
 from cleave.db.store import (
     CONNECTED,
     COUNTED_OUTCOMES,
@@ -35,6 +34,7 @@ from cleave.db.store import (
     TileState,
     finite_extra,
 )
+from cleave.wire.errors import StoreError
 
 
 @dataclass

@@ -37,7 +37,6 @@ from typing import Any
 
 import sqlite_utils
 
-from cleave.coordinator.wire.errors import StoreError
 from cleave.db.migrations import migrate
 from cleave.db.store import (
     RESTARTED,
@@ -62,6 +61,7 @@ from cleave.db.store import (
     TileState,
     finite_extra,
 )
+from cleave.wire.errors import StoreError
 
 GROUP_SECONDS = 0.05  # a running coordinator's group-commit window (see the module doc)
 _DEVICE_COLS = (

@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cleave.coordinator.wire.codes import Name
+from cleave.wire.codes import Name
 
 
 class TileState(Name):

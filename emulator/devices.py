@@ -87,10 +87,10 @@ from cleave.client.policy import PolicyConfig
 from cleave.client.runner import EXIT_BANNED, Worker, WorkerConfig, WorkerStats
 from cleave.client.state import WorkerState
 from cleave.coordinator.planning.costmodel import DeviceClass, Profile
-from cleave.coordinator.wire.codes import Name
-from cleave.coordinator.wire.errors import ClientError, ConfigError
-from cleave.coordinator.wire.messages import MAX_NAME
 from cleave.emulator.forgeries import FORGERIES, NON_FINITE, SCALABLE, HonestWithinTolerance
+from cleave.wire.codes import Name
+from cleave.wire.errors import ClientError, ConfigError
+from cleave.wire.messages import MAX_NAME
 
 log = logging.getLogger("cleave.emulator")
 

@@ -1,4 +1,4 @@
-"""Forged GEMM results, built the way an attacker who knows coordinator/wire/verify.py would.
+"""Forged GEMM results, built the way an attacker who knows wire/verify.py would.
 
 Used by the security tests (through tests/forgeries.py) and by ``cleave emulate --byzantine``
 (emulator/devices.py), whose byzantine devices return these instead of their products.
@@ -24,8 +24,8 @@ import torch
 from numpy.random import Generator
 from torch import Tensor
 
-from cleave.coordinator.wire.errors import CleaveError
-from cleave.coordinator.wire.verify import Verdict, detection_threshold, rademacher, tolerance
+from cleave.wire.errors import CleaveError
+from cleave.wire.verify import Verdict, detection_threshold, rademacher, tolerance
 
 Forgery = Callable[[Tensor, Tensor, Tensor, Generator, float], Tensor]
 

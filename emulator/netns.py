@@ -24,7 +24,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from cleave.coordinator.wire.errors import CleaveError
+from cleave.wire.errors import CleaveError
 
 SUBNET = "10.77.0"  # /24, inside the lab only
 MIN_BURST = 16 * 1024  # bytes a tbf may send at line rate (at least a few full frames)

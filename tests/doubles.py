@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cleave.client.runner import Worker, WorkerConfig  # noqa: E402
-from cleave.coordinator.wire.errors import ClientError
+from cleave.wire.errors import ClientError
 
 WARMUP = 25  # honest tiles before a forger starts lying: past the 20 of probation
 RUN_LIMIT = 90.0  # seconds a forger's run may take, so the test fails rather than hangs

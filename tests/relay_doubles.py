@@ -56,7 +56,7 @@ async def hoard(url: str, device: int, ticket: str, digests: tuple[str, ...], co
 
     from websockets.asyncio.client import connect
 
-    from cleave.coordinator.wire.messages import BlockRequest, encode
+    from cleave.wire.messages import BlockRequest, encode
 
     out = []
     host, port = url.removeprefix("ws://").rsplit(":", 1)
@@ -102,7 +102,7 @@ def main() -> None:
 
         relay._answer = never  # type: ignore[method-assign]
     if mode == "flood":
-        from cleave.coordinator.wire.messages import BlockRequest, encode
+        from cleave.wire.messages import BlockRequest, encode
 
         async def flood(up: object) -> None:
             while True:

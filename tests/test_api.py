@@ -11,7 +11,7 @@ from conftest import ROOT
 from torch import nn
 
 from cleave.coordinator.training.loop import TrainConfig, Trainer
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 
 def _example() -> str:

@@ -18,10 +18,10 @@ from cleave.coordinator.engine.limits import Rate, TrustPolicy
 from cleave.coordinator.engine.outbound import Close, Send
 from cleave.coordinator.engine.scheduler import FaultPolicy
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.messages import Cancel, Credential, Error, Hello, Result, Work
 from cleave.db.memory import MemoryStore
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode
+from cleave.wire.messages import Cancel, Credential, Error, Hello, Result, Work
 
 FAULTS = FaultPolicy(
     heartbeat=1.0,

@@ -18,9 +18,9 @@ from procs import TOKEN, Coordinator, join, local_losses
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode, Code
-from cleave.coordinator.wire.messages import (
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode, Code
+from cleave.wire.messages import (
     MAGIC,
     PROTOCOL_VERSION,
     Challenge,

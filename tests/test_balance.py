@@ -30,11 +30,11 @@ from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.outbound import Send
 from cleave.coordinator.net.server import Server, listen
 from cleave.coordinator.planning.tiles import TilingPolicy
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.errors import AuthError
-from cleave.coordinator.wire.messages import Challenge, Credential, Hello, Redirect, Welcome, decode, encode
 from cleave.db.memory import MemoryStore
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode
+from cleave.wire.errors import AuthError
+from cleave.wire.messages import Challenge, Credential, Hello, Redirect, Welcome, decode, encode
 
 SECRET = b"the tier's secret"
 LOCAL = "ws://127.0.0.1:8"  # a rank on this machine: it may send newcomers to others on it

@@ -13,7 +13,7 @@ from conftest import ROOT
 
 from cleave.cli.app import app
 from cleave.cli.options import micro_batches_of
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 
 def _commands() -> dict[str, Any]:

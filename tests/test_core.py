@@ -14,9 +14,10 @@ from cleave.coordinator.engine.gemms import BandCheck
 from cleave.coordinator.engine.limits import TrustPolicy
 from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
-from cleave.coordinator.wire.codes import CloseCode, ReleaseWhy
-from cleave.coordinator.wire.errors import AuthError
-from cleave.coordinator.wire.messages import (
+from cleave.db.memory import MemoryStore
+from cleave.wire.codes import CloseCode, ReleaseWhy
+from cleave.wire.errors import AuthError
+from cleave.wire.messages import (
     Credential,
     Credit,
     Error,
@@ -29,7 +30,6 @@ from cleave.coordinator.wire.messages import (
     Welcome,
     Work,
 )
-from cleave.db.memory import MemoryStore
 
 Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -376,7 +376,7 @@ def test_submit_refuses_operands_that_do_not_chain(core: Core) -> None:
 
 
 def test_released_tiles_are_requeued_and_their_blocks_sent_again(core: Core) -> None:
-    from cleave.coordinator.wire.messages import Release
+    from cleave.wire.messages import Release
 
     fleet = Fleet(core)
     d = fleet.join("a", slots=1)
@@ -404,7 +404,7 @@ def test_non_finite_inputs_stop_training_instead_of_banning_honest_devices(core:
 
 
 def test_an_absurd_timing_cannot_poison_speed_estimates_or_status(core: Core) -> None:
-    from cleave.coordinator.wire.messages import StatusReply, encode
+    from cleave.wire.messages import StatusReply, encode
 
     fleet = Fleet(core)
     d = fleet.join("liar-about-speed", slots=1)
@@ -421,7 +421,7 @@ def test_a_take_back_that_cuts_a_device_never_leaves_the_store_and_scheduler_apa
     """A copy's take-back can cut its slow holder while more copies are being handed out: what
     follows must see the cut (it once crashed the coordinator with a refused lease)."""
     from cleave.coordinator.engine.scheduler import FaultPolicy
-    from cleave.coordinator.wire.messages import Leave
+    from cleave.wire.messages import Leave
 
     store = MemoryStore()
     job = store.create_job("x", {}, 10, 0.0)
@@ -552,7 +552,7 @@ def test_a_tile_failed_everywhere_twice_waits_for_a_new_device_that_can_take_it(
 
 
 def _relay(core: Core, fleet: Fleet, name: str = "relay-1") -> tuple[int, bytes]:
-    from cleave.coordinator.wire import auth
+    from cleave.wire import auth
 
     nonce = core.gate.challenge().nonce
     relay_id, out = core.connect(Hello(token="tok", name=name, relay="ws://10.0.0.9:8766"), nonce, fleet.now)
@@ -563,8 +563,8 @@ def _relay(core: Core, fleet: Fleet, name: str = "relay-1") -> tuple[int, bytes]
 
 
 def test_devices_behind_a_relay_fetch_by_digest_and_the_relay_is_served_only_live_blocks_twice(core: Core) -> None:
-    from cleave.coordinator.wire.digest import block_digest, relay_ticket, ticket_ok
-    from cleave.coordinator.wire.messages import BlockRequest, Blocks, UseRelay
+    from cleave.wire.digest import block_digest, relay_ticket, ticket_ok
+    from cleave.wire.messages import BlockRequest, Blocks, UseRelay
 
     fleet = Fleet(core)
     relay_id, key = _relay(core, fleet)
@@ -593,9 +593,9 @@ def test_devices_behind_a_relay_fetch_by_digest_and_the_relay_is_served_only_liv
 
 
 def test_a_relay_is_banned_only_on_its_own_seals_proof_and_limited_like_any_peer(core: Core) -> None:
-    from cleave.coordinator.wire.codes import RelayFault
-    from cleave.coordinator.wire.digest import relay_tag
-    from cleave.coordinator.wire.messages import BlockRequest, RelayReport, UseRelay
+    from cleave.wire.codes import RelayFault
+    from cleave.wire.digest import relay_tag
+    from cleave.wire.messages import BlockRequest, RelayReport, UseRelay
 
     fleet = Fleet(core)
     relay_id, key = _relay(core, fleet)
@@ -652,8 +652,8 @@ def test_tiles_a_device_gives_back_after_its_relay_failed_it_are_no_stall_and_le
     gives the tiles back for their blocks. Holding them that long was the relay's doing, not a
     stall of the device's (no unanswered lease is counted), and the blocks it never had leave
     the count of bytes relays served."""
-    from cleave.coordinator.wire.codes import RelayFault
-    from cleave.coordinator.wire.messages import RelayReport
+    from cleave.wire.codes import RelayFault
+    from cleave.wire.messages import RelayReport
 
     fleet = Fleet(core)
     relay_id, _ = _relay(core, fleet)
@@ -703,7 +703,7 @@ def test_a_relay_may_name_only_a_plain_ws_url_for_devices(core: Core, url: str, 
 def test_a_relays_credential_cannot_also_connect_a_device_and_the_job_goes_on(core: Core) -> None:
     """One identity is one devices row: a device hello with a connected relay's credential is
     refused (4009), so the relay leaving later ends no device's leases."""
-    from cleave.coordinator.wire import auth
+    from cleave.wire import auth
 
     fleet = Fleet(core)
     relay_id, _ = _relay(core, fleet)
@@ -732,7 +732,7 @@ def test_a_relay_is_served_only_blocks_named_for_its_own_devices_within_a_reply_
     missing; a reply carries at most ``MAX_REPLY_BYTES`` of blocks (always one) and leaves the
     rest out of both its blocks and its missing: the relay asks again."""
     import cleave.coordinator.engine.relays as relays_mod
-    from cleave.coordinator.wire.messages import BlockRequest
+    from cleave.wire.messages import BlockRequest
 
     fleet = Fleet(core)
     r1, _ = _relay(core, fleet, "relay-1")
@@ -758,8 +758,8 @@ def test_blocks_a_relay_failed_to_serve_are_not_charged_to_the_devices_resend_bu
     the relay and never had, so sending them now is not charged to its own resend budget (one
     big stall would cut an honest device, 4029)."""
     from cleave.coordinator.engine.limits import TokenBucket
-    from cleave.coordinator.wire.codes import RelayFault
-    from cleave.coordinator.wire.messages import RelayReport
+    from cleave.wire.codes import RelayFault
+    from cleave.wire.messages import RelayReport
 
     fleet = Fleet(core)
     relay_id, _ = _relay(core, fleet)
@@ -794,8 +794,8 @@ def test_a_slow_relay_costs_the_relay_new_devices_and_never_its_waiting_devices_
     (its release is slow to come): taken back, they are not its stall (no cut, no lease counted
     against it). The relay takes no new devices for its cool-off, then may again."""
     from cleave.coordinator.engine.relays import COOLOFF_S, WAIT_SHARE
-    from cleave.coordinator.wire.codes import RelayFault
-    from cleave.coordinator.wire.messages import RelayReport, UseRelay
+    from cleave.wire.codes import RelayFault
+    from cleave.wire.messages import RelayReport, UseRelay
 
     fleet = Fleet(core)
     relay_id, _ = _relay(core, fleet)
@@ -849,8 +849,8 @@ def test_one_new_identity_cannot_close_a_relay_to_newcomers() -> None:
     """A relay cools off only on a trusted device's word or conduct: a new identity (the join
     token is all it costs) that gets itself cut for giving tiles back, or reports the relay
     stalled, strikes it at most and leaves it; the next newcomer still goes behind it."""
-    from cleave.coordinator.wire.codes import RelayFault
-    from cleave.coordinator.wire.messages import RelayReport
+    from cleave.wire.codes import RelayFault
+    from cleave.wire.messages import RelayReport
 
     core = make_core(trust=TrustPolicy(probation_tiles=20, first_slots=8))
     fleet = Fleet(core)
@@ -918,7 +918,7 @@ def test_a_relay_whose_device_was_cut_for_stalling_takes_no_new_devices_for_a_wh
 def test_a_device_avoids_a_relay_it_could_not_reach_for_a_while_and_one_that_stalled_for_good() -> None:
     from cleave.coordinator.engine.limits import TokenBucket
     from cleave.coordinator.engine.relays import AVOID_S, Relays, RelayState
-    from cleave.coordinator.wire.codes import RelayFault
+    from cleave.wire.codes import RelayFault
 
     relays = Relays()
     relays.add(RelayState(1, 11, "r1", "ws://10.0.0.1:8766", b"k" * 32, TokenBucket(1, 1)))
@@ -934,8 +934,8 @@ def test_a_device_avoids_a_relay_it_could_not_reach_for_a_while_and_one_that_sta
 def test_a_relay_reconnects_within_the_same_budget_as_a_device(core: Core) -> None:
     """Each connection of a relay moves devices behind it and each drop excuses what they held:
     it may not bounce at will."""
-    from cleave.coordinator.wire import auth
-    from cleave.coordinator.wire.messages import Hello
+    from cleave.wire import auth
+    from cleave.wire.messages import Hello
 
     fleet = Fleet(core)
     relay_id, key = _relay(core, fleet)
@@ -960,8 +960,8 @@ def test_a_relay_reconnects_within_the_same_budget_as_a_device(core: Core) -> No
 
 def test_a_device_that_could_not_reach_its_relay_goes_back_behind_it_once_its_time_is_up(core: Core) -> None:
     from cleave.coordinator.engine.relays import AVOID_S
-    from cleave.coordinator.wire.codes import RelayFault
-    from cleave.coordinator.wire.messages import RelayReport, UseRelay
+    from cleave.wire.codes import RelayFault
+    from cleave.wire.messages import RelayReport, UseRelay
 
     fleet = Fleet(core)
     relay_id, _ = _relay(core, fleet)

@@ -10,7 +10,7 @@ import pytest
 from cleave.client.connection import URLRefused, check_url, client_tls
 from cleave.client.credentials import Credential, CredentialError, CredentialStore
 from cleave.client.runner import EXIT_USAGE, WorkerConfig
-from cleave.coordinator.wire.errors import ClientError
+from cleave.wire.errors import ClientError
 
 
 def test_credentials_are_kept_per_coordinator_and_name_in_a_private_file(tmp_path: Path) -> None:

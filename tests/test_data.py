@@ -26,8 +26,8 @@ from cleave.coordinator.training import shards
 from cleave.coordinator.training.data import ByteBatches, HeldOut, load_corpus, open_tokens, split
 from cleave.coordinator.training.loop import TrainConfig, Trainer, open_data, with_data_vocab
 from cleave.coordinator.training.tokens import DataError, View
-from cleave.coordinator.wire.errors import ConfigError
-from cleave.coordinator.wire.messages import WireDtype
+from cleave.wire.errors import ConfigError
+from cleave.wire.messages import WireDtype
 
 SMALL = {"model": "tiny", "batch_size": 4, "seq_len": 16}
 

@@ -20,9 +20,9 @@ from cleave.coordinator.engine.energy import (
     grams,
     kind_of,
 )
-from cleave.coordinator.meters import WATTS_PER_CORE, EnergyMeter, Rapl
-from cleave.coordinator.wire.codes import EnergySource
-from cleave.coordinator.wire.messages import Energy
+from cleave.meters import WATTS_PER_CORE, EnergyMeter, Rapl
+from cleave.wire.codes import EnergySource
+from cleave.wire.messages import Energy
 
 # --------------------------------------------------------------------------- fake sysfs
 
@@ -331,7 +331,7 @@ def test_the_core_books_devices_reports_and_ranks_them_by_gflop_per_joule() -> N
     from test_core import Fleet, core, submit
 
     from cleave.coordinator.engine import report
-    from cleave.coordinator.wire.messages import Error
+    from cleave.wire.messages import Error
 
     core = core.__wrapped__()  # the fixture's Core
     fleet = Fleet(core)
@@ -479,7 +479,7 @@ def test_clients_report_their_machines_energy_and_an_implausible_one_is_capped(t
 def test_a_gpu_nvml_cannot_read_is_estimated_from_its_gemm_seconds_and_emulated_devices_read_no_counter(
     tmp_path: Path,
 ) -> None:
-    from cleave.coordinator.meters import GPU_WATTS
+    from cleave.meters import GPU_WATTS
 
     clock = Clock()
     gemm = [0.0]

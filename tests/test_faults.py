@@ -12,9 +12,9 @@ from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import TrustPolicy
 from cleave.coordinator.engine.scheduler import FaultPolicy
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.messages import Cancel, Heartbeat, Result, Work
 from cleave.db.memory import MemoryStore
+from cleave.wire.codes import CloseCode
+from cleave.wire.messages import Cancel, Heartbeat, Result, Work
 
 FAULTS = FaultPolicy(
     heartbeat=1.0,
@@ -193,7 +193,7 @@ def test_a_device_over_its_memory_budget_finishes_its_tiles_before_taking_more(c
 
 
 def test_a_paused_device_gets_nothing_and_its_tiles_go_back(core: Core) -> None:
-    from cleave.coordinator.wire.messages import Pause, Resume
+    from cleave.wire.messages import Pause, Resume
 
     fleet = Fleet(core)
     laptop = fleet.join("laptop")
@@ -215,7 +215,7 @@ def test_a_paused_device_gets_nothing_and_its_tiles_go_back(core: Core) -> None:
 
 
 def test_credit_reaches_busy_devices_and_a_final_tally_comes_with_finished(core: Core) -> None:
-    from cleave.coordinator.wire.messages import Credit, Finished
+    from cleave.wire.messages import Credit, Finished
 
     fleet = Fleet(core)
     d = fleet.join("worker")
@@ -233,8 +233,8 @@ def test_credit_reaches_busy_devices_and_a_final_tally_comes_with_finished(core:
 
 
 def test_a_tile_whose_compute_failed_goes_to_another_device(core: Core) -> None:
-    from cleave.coordinator.wire.codes import ReleaseWhy
-    from cleave.coordinator.wire.messages import Release
+    from cleave.wire.codes import ReleaseWhy
+    from cleave.wire.messages import Release
 
     fleet = Fleet(core)
     broken = fleet.join("broken", slots=1)

@@ -42,10 +42,12 @@ from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Se
 from cleave.coordinator.engine.scheduler import FaultPolicy
 from cleave.coordinator.engine.standby import StandbyPolicy
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode, Code, ReleaseWhy
-from cleave.coordinator.wire.errors import AuthError, ProtocolError
-from cleave.coordinator.wire.messages import (
+from cleave.db.memory import MemoryStore
+from cleave.db.store import IdentityState, TileState
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode, Code, ReleaseWhy
+from cleave.wire.errors import AuthError, ProtocolError
+from cleave.wire.messages import (
     MAGIC,
     MAX_DIM,
     PROTOCOL_VERSION,
@@ -81,8 +83,6 @@ from cleave.coordinator.wire.messages import (
     encode,
     tensor_dtypes,
 )
-from cleave.db.memory import MemoryStore
-from cleave.db.store import IdentityState, TileState
 
 # Every example count below scales with the loaded profile ("ci": 40).
 EXAMPLES = settings.default.max_examples
@@ -717,7 +717,7 @@ def _deeper(levels: int, fn: Callable[[], Any]) -> Any:
 
 
 # ---------------------------------------------------------------------- bugs the fuzzer found
-# Each reproduces, at its smallest, a bug these properties found in coordinator/wire/messages.py.
+# Each reproduces, at its smallest, a bug these properties found in wire/messages.py.
 
 
 def test_decode_refuses_a_float_field_holding_an_integer_beyond_float_range() -> None:

@@ -18,7 +18,7 @@ from cleave.coordinator.training import generate  # noqa: E402
 from cleave.coordinator.training.export import byte_tokenizer  # noqa: E402
 from cleave.coordinator.training.generate import Sampling, next_token  # noqa: E402
 from cleave.coordinator.training.loop import TrainConfig  # noqa: E402
-from cleave.coordinator.wire.errors import ConfigError  # noqa: E402
+from cleave.wire.errors import ConfigError  # noqa: E402
 
 PROMPT = "def add(a"
 

@@ -19,7 +19,7 @@ from cleave.coordinator.training import hf  # noqa: E402
 from cleave.coordinator.training.flops import gemm_share  # noqa: E402
 from cleave.coordinator.training.linear import LocalEngine, TiledLinear, offload_linears  # noqa: E402
 from cleave.coordinator.training.loop import TrainConfig, Trainer  # noqa: E402
-from cleave.coordinator.wire.errors import ConfigError  # noqa: E402
+from cleave.wire.errors import ConfigError  # noqa: E402
 
 REL = 1e-4
 STEPS = 3

@@ -20,9 +20,9 @@ from procs import OPERATOR, TOKEN, Coordinator, Proc, cleave_cmd, double, join, 
 
 from cleave.client.credentials import CredentialStore
 from cleave.coordinator.engine.limits import Limits, memory_bound
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.messages import Challenge, Hello, decode, encode
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode
+from cleave.wire.messages import Challenge, Hello, decode, encode
 
 pytestmark = pytest.mark.drill  # real processes train through real sockets (README: the parts of the suite)
 

@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TIMEOUT
 
-from cleave.coordinator.wire.errors import Banned, CleaveError, ConfigError, Refused
+from cleave.wire.errors import Banned, CleaveError, ConfigError, Refused
 
-PACKAGES = ("coordinator", "client", "db", "cleave_cli", "emulator")  # folders at the top of the repository
+# The folders at the top of the repository:
+PACKAGES = ("wire", "meters", "coordinator", "client", "db", "cleave_cli", "emulator")
 # ...and the names they are imported by (pyproject.toml's package-dir): one namespace, `cleave`.
 NAMES = {top: "cleave.cli" if top == "cleave_cli" else f"cleave.{top}" for top in PACKAGES}
 
 
 def _folder(module: str) -> str:
-    """``cleave.coordinator.wire`` -> ``coordinator.wire``: a module by the folders it lies in."""
+    """``cleave.coordinator.engine`` -> ``coordinator.engine``: a module by the folders it lies in."""
     for top, name in NAMES.items():
         if module == name or module.startswith(name + "."):
             return top + module[len(name) :]
@@ -96,7 +97,7 @@ def test_every_import_of_cleave_code_names_the_cleave_namespace() -> None:
 
 def test_the_layer_table_names_every_package() -> None:
     table = _layer_table()
-    assert {"coordinator/wire/", "coordinator/engine/", "coordinator/net/", "client/", "db/"} <= set(table)
+    assert {"wire/", "meters/", "coordinator/engine/", "coordinator/net/", "client/", "db/"} <= set(table)
     unplaced = [m for m in _modules() if m not in PACKAGES and _home(m, table) is None]
     assert unplaced == [], f"modules in no row of docs/architecture.md's layer table: {unplaced}"
 
@@ -120,18 +121,17 @@ def test_no_import_runs_up_a_layer() -> None:
 
 def test_the_rules_the_issue_names_hold_in_the_table() -> None:
     table = _layer_table()
-    assert table["client/"] == {"client/", "coordinator/wire/", "coordinator/meters.py"}  # and the energy meters
+    assert table["client/"] == {"client/", "wire/", "meters/"}  # and the energy meters
     assert "coordinator/net/" not in table["coordinator/engine/"]
-    for low in ("coordinator/wire/", "coordinator/planning/", "db/"):
-        assert table[low] <= {"coordinator/wire/", low}, low
+    for low in ("wire/", "coordinator/planning/", "db/"):
+        assert table[low] <= {"wire/", low}, low
 
 
-def test_importing_the_client_loads_no_coordinator_code_but_the_wire_and_the_meters() -> None:
+def test_importing_the_client_loads_no_coordinator_code() -> None:
     code = (
         "import sys, cleave.client.runner, cleave.client.kernels, cleave.client.session; "
-        "bad = [m for m in sys.modules if (m.startswith('cleave.coordinator.') "
-        "and not m.startswith(('cleave.coordinator.wire', 'cleave.coordinator.meters'))) "
-        "or m.startswith(('cleave.db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
+        "bad = [m for m in sys.modules "
+        "if m.startswith(('cleave.coordinator', 'cleave.db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
         "assert not bad, bad"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
@@ -227,7 +227,7 @@ def test_status_and_the_operators_commands_start_without_torch() -> None:
         "import sys; from cleave.cli.app import build; "
         "[build(argv) for argv in (['status'], ['coordinator', 'devices', 'list'], ['coordinator', 'token'], "
         "['join'])]; "
-        "import cleave.cli.join, cleave.cli.status, cleave.cli.admin, cleave.coordinator.wire.messages; "
+        "import cleave.cli.join, cleave.cli.status, cleave.cli.admin, cleave.wire.messages; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)

@@ -20,8 +20,8 @@ from cleave.coordinator.planning.planner import Kind, PlannerOptions
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
 from cleave.coordinator.training.linear import GemmRequest, LocalEngine
 from cleave.coordinator.training.loop import TrainConfig, Trainer
-from cleave.coordinator.wire.messages import MAX_PAIRS, Hello, Result, Work, decode, encode
 from cleave.db.memory import MemoryStore
+from cleave.wire.messages import MAX_PAIRS, Hello, Result, Work, decode, encode
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
 # Small options so that every kind has candidates on small matrices.

@@ -8,10 +8,10 @@ import struct
 import pytest
 import torch
 
-from cleave.coordinator.wire.addresses import is_loopback, url_host
-from cleave.coordinator.wire.codes import Code, EnergySource, ReleaseWhy, StandbyWhy
-from cleave.coordinator.wire.errors import ProtocolError
-from cleave.coordinator.wire.messages import (
+from cleave.wire.addresses import is_loopback, url_host
+from cleave.wire.codes import Code, EnergySource, ReleaseWhy, StandbyWhy
+from cleave.wire.errors import ProtocolError
+from cleave.wire.messages import (
     MAGIC,
     PROTOCOL_VERSION,
     Block,

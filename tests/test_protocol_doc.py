@@ -2,8 +2,8 @@
 test vector is what the proof computes, the limits it quotes are the constants' values, and what
 it says the decoder accepts is what the decoder accepts. The page cannot drift from the code.
 
-The examples are rendered by coordinator/wire/examples.py; a stale page is fixed with
-``python -m cleave.coordinator.wire.examples --write docs/protocol.md``.
+The examples are rendered by wire/examples.py; a stale page is fixed with
+``python -m cleave.wire.examples --write docs/protocol.md``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import torch
 
 from cleave.client.runner import MAX_FRAME
 from cleave.coordinator.engine.limits import Limits, TrustPolicy
-from cleave.coordinator.wire import auth, examples, messages
-from cleave.coordinator.wire.errors import ProtocolError
-from cleave.coordinator.wire.messages import PROTOCOL_VERSION, Hello, Result, Work, decode, encode
+from cleave.wire import auth, examples, messages
+from cleave.wire.errors import ProtocolError
+from cleave.wire.messages import PROTOCOL_VERSION, Hello, Result, Work, decode, encode
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
 FIX = f"docs/protocol.md is stale: run {examples.WRITE_COMMAND}"

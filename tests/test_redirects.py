@@ -7,7 +7,7 @@ import pytest
 
 from cleave.client.runner import MAX_REDIRECTS, Worker, WorkerConfig
 from cleave.client.session import Redirected
-from cleave.coordinator.wire.errors import Refused
+from cleave.wire.errors import Refused
 
 TICKET = "ab" * 60
 

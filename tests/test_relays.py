@@ -40,7 +40,7 @@ def _look(coord: Coordinator) -> tuple[dict, str]:
     from procs import OPERATOR
     from websockets.sync.client import connect
 
-    from cleave.coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
+    from cleave.wire.messages import StatusReply, StatusRequest, decode, encode
 
     with connect(coord.url, compression=None, max_size=None, open_timeout=10, proxy=None) as ws:
         ws.recv(timeout=10)  # the challenge
@@ -171,7 +171,7 @@ def _relay_here(capacity: int = 1 << 20) -> object:
 def _blocks(n: int) -> dict[str, object]:
     import torch
 
-    from cleave.coordinator.wire.digest import block_digest
+    from cleave.wire.digest import block_digest
 
     out = {}
     for i in range(n):
@@ -208,7 +208,7 @@ def test_a_reply_for_many_lacking_blocks_fetches_and_holds_about_one_reply_of_th
     import torch
 
     import cleave.client.relay as relay_mod
-    from cleave.coordinator.wire.digest import block_digest
+    from cleave.wire.digest import block_digest
 
     nbytes = 64 * 64 * 4
     monkeypatch.setattr(relay_mod, "REPLY_BYTES", 4 * nbytes)
@@ -246,9 +246,9 @@ def test_a_device_has_one_allowance_at_a_relay_however_many_connections_it_opens
     from websockets.asyncio.server import serve
 
     import cleave.client.relay as relay_mod
-    from cleave.coordinator.wire.codes import CloseCode
-    from cleave.coordinator.wire.digest import relay_tag, relay_ticket
-    from cleave.coordinator.wire.messages import BlockRequest, Blocks, decode, encode
+    from cleave.wire.codes import CloseCode
+    from cleave.wire.digest import relay_tag, relay_ticket
+    from cleave.wire.messages import BlockRequest, Blocks, decode, encode
 
     monkeypatch.setattr(relay_mod, "REQUESTS_PER_S", 2.0)  # a burst of 4
     blocks = _blocks(1)
@@ -295,8 +295,8 @@ def test_a_devices_relay_link_has_one_deadline_for_a_work_frames_blocks(monkeypa
 
     import cleave.client.relaylink as link_mod
     from cleave.client.relaylink import RelayFailed, RelayLink
-    from cleave.coordinator.wire.codes import RelayFault
-    from cleave.coordinator.wire.messages import Block, BlockRequest, Blocks, decode, encode
+    from cleave.wire.codes import RelayFault
+    from cleave.wire.messages import Block, BlockRequest, Blocks, decode, encode
 
     monkeypatch.setattr(link_mod, "MAX_FETCH", 2)
     blocks = _blocks(4)
@@ -441,8 +441,8 @@ def test_a_relay_answering_each_frame_just_in_time_is_reported_when_frames_queue
     from cleave.coordinator.engine.scheduler import FaultPolicy
     from cleave.coordinator.net.server import Server, listen
     from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
-    from cleave.coordinator.wire.messages import Block, BlockRequest, Blocks, Hello, Work, decode, encode
     from cleave.db.memory import MemoryStore
+    from cleave.wire.messages import Block, BlockRequest, Blocks, Hello, Work, decode, encode
 
     store = MemoryStore()
     core = Core(
@@ -529,8 +529,8 @@ def test_devices_that_hoard_replies_hold_one_capped_reply_each_and_others_are_se
 
     import cleave.client.relay as relay_mod
     from cleave.client.relaylink import RelayLink
-    from cleave.coordinator.wire.digest import block_digest, relay_tag, relay_ticket
-    from cleave.coordinator.wire.messages import Blocks
+    from cleave.wire.digest import block_digest, relay_tag, relay_ticket
+    from cleave.wire.messages import Blocks
 
     cap = 256 << 10  # four of its 64 KiB blocks
     monkeypatch.setattr(relay_mod, "REPLY_BYTES", cap)
@@ -603,7 +603,7 @@ def test_a_relay_batches_paces_and_bounds_its_requests_to_the_coordinator(monkey
     import asyncio
 
     import cleave.client.relay as relay_mod
-    from cleave.coordinator.wire.messages import MAX_FETCH, Block, Blocks, decode
+    from cleave.wire.messages import MAX_FETCH, Block, Blocks, decode
 
     monkeypatch.setattr(relay_mod, "UPSTREAM_TIMEOUT", 1.0)
     blocks = _blocks(150)
@@ -657,7 +657,7 @@ def test_a_relay_caches_a_copy_of_a_block_not_a_view_of_its_upstream_frame() -> 
 
     import torch
 
-    from cleave.coordinator.wire.digest import block_digest
+    from cleave.wire.digest import block_digest
 
     frame = torch.randn(1024, 16)  # what a decoded upstream frame's blocks would be views of
     view = frame[:16]
@@ -679,7 +679,7 @@ def test_a_block_that_arrives_after_its_devices_gave_up_is_kept_and_a_wrong_one_
     the next device that asks, so the step's allowance is not spent on nothing."""
     import asyncio
 
-    from cleave.coordinator.wire.messages import Block, Blocks
+    from cleave.wire.messages import Block, Blocks
 
     blocks = _blocks(2)
     late, forged = list(blocks)
@@ -702,9 +702,9 @@ def test_idle_connections_at_a_relay_are_closed_and_never_take_a_devices_place(m
     from websockets.asyncio.server import serve
 
     import cleave.client.relay as relay_mod
-    from cleave.coordinator.wire.codes import CloseCode
-    from cleave.coordinator.wire.digest import relay_tag, relay_ticket
-    from cleave.coordinator.wire.messages import BlockRequest, Blocks, decode, encode
+    from cleave.wire.codes import CloseCode
+    from cleave.wire.digest import relay_tag, relay_ticket
+    from cleave.wire.messages import BlockRequest, Blocks, decode, encode
 
     monkeypatch.setattr(relay_mod, "FIRST_REQUEST_S", 0.5)
     monkeypatch.setattr(relay_mod, "MAX_UNTICKETED", 2)
@@ -768,6 +768,6 @@ def test_idle_connections_at_a_relay_are_closed_and_never_take_a_devices_place(m
 def test_a_device_refuses_a_relay_on_its_own_machine_or_lan_unless_its_coordinator_is_there(
     relay_url: str, coordinator_url: str, refused: bool
 ) -> None:
-    from cleave.coordinator.wire.addresses import relay_host_refused
+    from cleave.wire.addresses import relay_host_refused
 
     assert bool(relay_host_refused(relay_url, coordinator_url)) is refused

@@ -22,11 +22,11 @@ from websockets.sync.server import ServerConnection, serve
 from cleave.cli.app import app
 from cleave.cli.options import MAX_SECRET_FILE, Secret, read_secret
 from cleave.coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN
-from cleave.coordinator.wire.auth import token_hash
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.errors import ConfigError
-from cleave.coordinator.wire.messages import Challenge, Hello, StatusReply, StatusRequest, decode, encode
 from cleave.db.sqlite import SQLiteStore
+from cleave.wire.auth import token_hash
+from cleave.wire.codes import CloseCode
+from cleave.wire.errors import ConfigError
+from cleave.wire.messages import Challenge, Hello, StatusReply, StatusRequest, decode, encode
 
 NOT_MINE = {s.value: f"the {s.name.lower()}" for s in Secret}  # every variable set, to catch a wrong one read
 

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TIMEOUT
+from conftest import TIMEOUT
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -22,8 +20,9 @@ from cleave.coordinator.engine.limits import Limits, TrustPolicy
 from cleave.coordinator.engine.outbound import Send
 from cleave.coordinator.net.server import Server, listen
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
-from cleave.coordinator.wire.codes import CloseCode, Code
-from cleave.coordinator.wire.messages import (
+from cleave.db.memory import MemoryStore
+from cleave.wire.codes import CloseCode, Code
+from cleave.wire.messages import (
     Challenge,
     Credential,
     Error,
@@ -38,7 +37,6 @@ from cleave.coordinator.wire.messages import (
     decode,
     encode,
 )
-from cleave.db.memory import MemoryStore
 
 # Devices' bytes written by the event loop, and by a send thread beside it (net/framing.py).
 SENDERS = pytest.mark.parametrize("send_threads", [0, 1], ids=["loop-sends", "send-thread"])
@@ -194,24 +192,11 @@ def test_connections_past_the_caps_are_refused_with_a_close_code() -> None:
     assert status["connections"]["refused"] >= 1
 
 
-def test_importing_the_client_loads_no_server_or_database_code() -> None:
-    # What the client shares with the coordinator: the wire, and the machine's energy meters.
-    code = (
-        "import sys, cleave.client.runner, cleave.client.kernels; "
-        "bad = [m for m in sys.modules if (m.startswith('cleave.coordinator.') "
-        "and not m.startswith(('cleave.coordinator.wire', 'cleave.coordinator.meters'))) "
-        "or m.startswith(('cleave.db', 'sqlite_utils', 'websockets.asyncio.server'))]; "
-        "assert not bad, bad"
-    )
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
-    assert run.returncode == 0, run.stderr
-
-
 @SENDERS
 def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound(send_threads: int) -> None:
     """Releases that make the coordinator send blocks again, to a peer that reads nothing."""
     from cleave.coordinator.engine.limits import Rate
-    from cleave.coordinator.wire.messages import Release
+    from cleave.wire.messages import Release
 
     async def run() -> tuple[int, int, str | None]:
         server = _server(
@@ -255,7 +240,7 @@ def test_a_device_that_stops_reading_is_cut_before_its_queue_passes_the_bound(se
 
 
 def test_observers_need_the_operator_token_and_are_closed_when_idle() -> None:
-    from cleave.coordinator.wire.messages import SpeedTest, StatusReply, StatusRequest
+    from cleave.wire.messages import SpeedTest, StatusReply, StatusRequest
 
     async def run() -> list[tuple[int | None, str | None]]:
         server = _server(observer_idle=0.3)
@@ -315,7 +300,7 @@ def test_connections_count_from_the_tcp_accept_even_before_a_tls_handshake() -> 
 
 def test_what_was_queued_for_a_device_that_went_away_is_uncounted() -> None:
     """However a connection ends, nothing stays counted against the outbound budget."""
-    from cleave.coordinator.wire.messages import Leave
+    from cleave.wire.messages import Leave
 
     async def run() -> list[int]:
         server = _server()
@@ -530,9 +515,9 @@ def test_release_bouncers_over_real_websockets_are_cut_and_their_rows_bounded(tm
     import sqlite3
 
     from cleave.coordinator.engine.scheduler import FaultPolicy
-    from cleave.coordinator.wire.codes import ReleaseWhy
-    from cleave.coordinator.wire.messages import Release
     from cleave.db.sqlite import SQLiteStore
+    from cleave.wire.codes import ReleaseWhy
+    from cleave.wire.messages import Release
 
     words = "visit example.org " * 10
     # The honest device is cut only by cut_after take-backs in a row, each 2 x floor late: a
@@ -606,7 +591,7 @@ def test_the_python_apis_coordinator_refuses_an_oversized_upgrade_request(
     from websockets import http11
 
     from cleave import CoordinatorConfig, Planner, TrainConfig, new_token, serve_job
-    from cleave.coordinator.wire.handshake import HANDSHAKE_HEADERS
+    from cleave.wire.handshake import HANDSHAKE_HEADERS
 
     monkeypatch.setattr(http11, "MAX_NUM_HEADERS", 128)  # as if nothing of Cleave had set it
     monkeypatch.setattr(http11, "MAX_LINE_LENGTH", 8192)

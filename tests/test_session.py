@@ -23,10 +23,10 @@ from cleave.client.session import (
     Welcomed,
     Woken,
 )
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode, Code, ReleaseWhy, StandbyWhy
-from cleave.coordinator.wire.errors import Banned, Refused
-from cleave.coordinator.wire.messages import (
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode, Code, ReleaseWhy, StandbyWhy
+from cleave.wire.errors import Banned, Refused
+from cleave.wire.messages import (
     DEFAULT_HEARTBEAT,
     Block,
     Cancel,

@@ -19,9 +19,10 @@ from cleave.coordinator.engine.standby import StandbyPolicy
 from cleave.coordinator.planning.costmodel import PSProfile
 from cleave.coordinator.planning.planner import Kind, PlannerOptions
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
-from cleave.coordinator.wire.codes import CloseCode, Code, StandbyWhy
-from cleave.coordinator.wire.errors import ConfigError
-from cleave.coordinator.wire.messages import (
+from cleave.db.memory import MemoryStore
+from cleave.wire.codes import CloseCode, Code, StandbyWhy
+from cleave.wire.errors import ConfigError
+from cleave.wire.messages import (
     Error,
     Heartbeat,
     Message,
@@ -30,7 +31,6 @@ from cleave.coordinator.wire.messages import (
     decode,
     encode,
 )
-from cleave.db.memory import MemoryStore
 from tests import test_core as core_tests
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
@@ -199,7 +199,7 @@ def test_tiles_nobody_awake_may_take_wake_sleepers_longest_asleep_first() -> Non
 
 
 def test_a_sleeper_its_owner_paused_is_passed_over_when_tiles_wait() -> None:
-    from cleave.coordinator.wire.messages import Pause
+    from cleave.wire.messages import Pause
 
     core = make_core(Planner.UNIFORM)
     fleet = Fleet(core)
@@ -232,7 +232,7 @@ def test_a_busy_device_is_never_sent_to_standby_and_a_woken_one_has_standby_afte
 
 
 def test_a_paused_device_is_not_sent_to_standby_and_a_resume_leaves_a_sleeper_asleep() -> None:
-    from cleave.coordinator.wire.messages import Pause, Resume
+    from cleave.wire.messages import Pause, Resume
 
     core = make_core()
     fleet = Fleet(core)

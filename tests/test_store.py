@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from cleave.coordinator.wire.errors import StoreError
 from cleave.db.memory import MemoryStore
 from cleave.db.migrations import migrate
 from cleave.db.sqlite import SQLiteStore
 from cleave.db.store import RESTARTED, CheckpointRow, DeviceInfo, Issued, LeaderRow, NewTile, Outcome, Store
+from cleave.wire.errors import StoreError
 
 
 @pytest.fixture(params=["memory", "sqlite", "sqlite-grouped"])
@@ -961,7 +961,7 @@ def test_books_prune_the_store_at_each_checkpoint() -> None:
 
 def test_prune_steps_is_checked_with_a_clear_error() -> None:
     from cleave.coordinator.job import CoordinatorConfig
-    from cleave.coordinator.wire.errors import ConfigError
+    from cleave.wire.errors import ConfigError
 
     assert CoordinatorConfig(prune_steps=2).prune_steps == 2
     with pytest.raises(ConfigError, match="--prune-steps must be between 0 and"):

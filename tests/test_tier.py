@@ -32,7 +32,7 @@ from cleave.coordinator.tier.group import (
 from cleave.coordinator.tier.rendezvous import LOOKOUT
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 from cleave.coordinator.training.parallel import DataParallel, ShardedAdamW
-from cleave.coordinator.wire import auth
+from cleave.wire import auth
 
 SECRET = "tier-secret-for-tests"
 KEY = b"this meeting's key"  # (join_tier derives one from the secret and the ranks' nonces)
@@ -418,7 +418,7 @@ def test_a_key_deleted_between_a_look_and_its_read_holds_a_rank_up_a_heartbeat_n
 
 
 def test_join_tier_refuses_bad_options_in_one_line() -> None:
-    from cleave.coordinator.wire.errors import ConfigError
+    from cleave.wire.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tcp://HOST:PORT or env://"):
         join_tier("udp://x:1", 0, 2, SECRET, bytes(32))
@@ -641,7 +641,7 @@ def _rows_seen(coord: Coordinator, seen: list[list[dict]]) -> list[dict]:
     from websockets.exceptions import WebSocketException
     from websockets.sync.client import connect
 
-    from cleave.coordinator.wire.messages import StatusReply, StatusRequest, decode, encode
+    from cleave.wire.messages import StatusReply, StatusRequest, decode, encode
 
     try:
         with connect(coord.url, compression=None, max_size=None, open_timeout=10, proxy=None) as ws:

@@ -22,7 +22,7 @@ from cleave.coordinator.training.linear import GemmRequest, LocalEngine, TiledLi
 from cleave.coordinator.training.loop import TrainConfig, Trainer, draws_randomness
 from cleave.coordinator.training.model import PRESETS, Transformer
 from cleave.coordinator.training.tokens import DataError
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 
 class TiledLocalEngine:

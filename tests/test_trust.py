@@ -17,10 +17,12 @@ from cleave.coordinator.engine.limits import Limits, Rate, TokenBucket, TrustPol
 from cleave.coordinator.engine.outbound import Close, Limit, Send
 from cleave.coordinator.engine.scheduler import FaultPolicy
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode, ReleaseWhy
-from cleave.coordinator.wire.errors import AuthError
-from cleave.coordinator.wire.messages import (
+from cleave.db.memory import MemoryStore
+from cleave.db.sqlite import SQLiteStore
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode, ReleaseWhy
+from cleave.wire.errors import AuthError
+from cleave.wire.messages import (
     Cancel,
     Credential,
     Error,
@@ -34,8 +36,6 @@ from cleave.coordinator.wire.messages import (
     Welcome,
     encode,
 )
-from cleave.db.memory import MemoryStore
-from cleave.db.sqlite import SQLiteStore
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
 FAULTS = FaultPolicy(

@@ -23,7 +23,7 @@ from forgeries import (
 
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy, a_block, b_block, plan_gemm
 from cleave.coordinator.training.loop import TrainConfig, Trainer
-from cleave.coordinator.wire.verify import (
+from cleave.wire.verify import (
     GAMMA,
     ROUNDS,
     STACK_BELOW,

@@ -18,8 +18,8 @@ from cleave.coordinator.net.remote import RemoteEngine
 from cleave.coordinator.planning.planner import Kind
 from cleave.coordinator.planning.tiles import GemmKind
 from cleave.coordinator.training.linear import GemmRequest
-from cleave.coordinator.wire.messages import WireDtype
-from cleave.coordinator.wire.verify import freivalds
+from cleave.wire.messages import WireDtype
+from cleave.wire.verify import freivalds
 
 STEPS = 6
 

@@ -25,11 +25,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.addresses import is_loopback, url_host
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.errors import AuthError, CleaveError
-from cleave.coordinator.wire.messages import Redirect
+from cleave.wire import auth
+from cleave.wire.addresses import is_loopback, url_host
+from cleave.wire.codes import CloseCode
+from cleave.wire.errors import AuthError, CleaveError
+from cleave.wire.messages import Redirect
 
 SLACK = 0.1  # another pool must be this much weaker than ours (a share of ours) to send a newcomer there
 TICKET_TTL = 300  # seconds a ticket is good for (the ranks' clocks may disagree by a little)

@@ -67,7 +67,7 @@ class BlockRef:
         """Its content address as it travels (``wire/digest.py``), taken once (a relay's devices
         fetch it by this)."""
         if self._digest is None:
-            from cleave.coordinator.wire.digest import block_digest
+            from cleave.wire.digest import block_digest
 
             self._digest = block_digest(self.wire())
         return self._digest

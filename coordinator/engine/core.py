@@ -82,10 +82,11 @@ from cleave.coordinator.planning.tiles import (
     b_block,
     piece_tiles,
 )
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy, StandbyWhy
-from cleave.coordinator.wire.errors import AuthError
-from cleave.coordinator.wire.messages import (
+from cleave.db.store import CheckpointRow, DeviceInfo, DeviceStatus, IdentityState, NewTile, Outcome, Store
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode, Code, JobPhase, Name, ReleaseWhy, StandbyWhy
+from cleave.wire.errors import AuthError
+from cleave.wire.messages import (
     MAX_SLOTS,
     Block,
     BlockRequest,
@@ -110,9 +111,8 @@ from cleave.coordinator.wire.messages import (
     Welcome,
     Work,
 )
-from cleave.coordinator.wire.verify import Product as VerifyProduct
-from cleave.coordinator.wire.verify import Verdict, structure
-from cleave.db.store import CheckpointRow, DeviceInfo, DeviceStatus, IdentityState, NewTile, Outcome, Store
+from cleave.wire.verify import Product as VerifyProduct
+from cleave.wire.verify import Verdict, structure
 
 log = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cleave.coordinator.wire.codes import EnergySource
-from cleave.coordinator.wire.messages import MAX_GRID, Energy
+from cleave.wire.codes import EnergySource
+from cleave.wire.messages import MAX_GRID, Energy
 
 # The most a machine of each kind draws at the wall, whole: a device's report may not exceed
 # this times its time. cpu: AMD Ryzen Threadripper 7980X's 350 W TDP (the largest desktop

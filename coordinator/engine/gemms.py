@@ -16,10 +16,10 @@ import torch
 
 from cleave.coordinator.engine.blocks import BlockRef, Source
 from cleave.coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan
-from cleave.coordinator.wire.errors import Diverged
-from cleave.coordinator.wire.messages import Result
-from cleave.coordinator.wire.verify import ROUNDS, Band, Verdict, freivalds_band, freivalds_batch, random_vectors
-from cleave.coordinator.wire.verify import Product as VerifyProduct
+from cleave.wire.errors import Diverged
+from cleave.wire.messages import Result
+from cleave.wire.verify import ROUNDS, Band, Verdict, freivalds_band, freivalds_batch, random_vectors
+from cleave.wire.verify import Product as VerifyProduct
 
 if TYPE_CHECKING:
     from cleave.coordinator.engine.devices import DeviceState
@@ -191,7 +191,7 @@ class Check:
         if gemm.a.dtype in (torch.float16, torch.bfloat16):
             # Half tiles (the half-precision wire, or a bf16/fp16/autocast job): devices sum in
             # float32 and round once (client/kernels.py), and only that rounding is tolerated
-            # (coordinator/wire/verify.py, ROUNDING_FACTOR). A tolerance of the half dtype's own
+            # (wire/verify.py, ROUNDING_FACTOR). A tolerance of the half dtype's own
             # products would let a forged bf16 tile through.
             compute, rounded_to = torch.float32, gemm.a.dtype
         else:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from cleave.coordinator.engine.balance import Balancer
 from cleave.coordinator.engine.conduct import Standing
 from cleave.coordinator.engine.limits import TokenBucket, TrustPolicy
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.errors import AuthError
-from cleave.coordinator.wire.messages import Challenge, Hello
 from cleave.db.store import IdentityState, Store
+from cleave.wire import auth
+from cleave.wire.codes import CloseCode
+from cleave.wire.errors import AuthError
+from cleave.wire.messages import Challenge, Hello
 
 # Settings keys (store.setting): each constant defined once.
 JOIN_TOKEN, OPERATOR_TOKEN, COORDINATOR_ID = "join_token_sha256", "operator_token_sha256", "coordinator_id"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cleave.coordinator.wire.errors import ConfigError
-from cleave.coordinator.wire.handshake import handshake_bytes
+from cleave.wire.errors import ConfigError
+from cleave.wire.handshake import handshake_bytes
 
 
 @dataclass
@@ -91,7 +91,7 @@ class TrustPolicy:
     standings: int = 65536  # identities whose record this process remembers (least recent forgotten)
 
     def __post_init__(self) -> None:
-        from cleave.coordinator.wire.messages import MAX_SLOTS  # here: this module loads before torch (cleave_cli)
+        from cleave.wire.messages import MAX_SLOTS  # here: this module loads before torch (cleave_cli)
 
         if not (
             1 <= self.ban_rejects <= self.window
@@ -201,7 +201,7 @@ def memory_bound(
     peers, which the server keeps under ``outbound_total`` (it cuts the longest queue past it:
     one frame of at most ``largest_frame`` can overshoot). ``devices_holding`` is how many
     devices hold tiles at once (at most the tiles in flight)."""
-    from cleave.coordinator.wire.messages import MAX_SPEEDTEST_BYTES
+    from cleave.wire.messages import MAX_SPEEDTEST_BYTES
 
     cost = peer_costs(limits, largest_result=largest_result, tls=tls)
     unauth = limits.max_unauthenticated + HEADROOM

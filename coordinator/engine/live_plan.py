@@ -32,8 +32,8 @@ from cleave.coordinator.planning.planner import (
 )
 from cleave.coordinator.planning.tiles import GemmKind, Tile, TileList, TilePlan, TilingPolicy, even_cuts
 from cleave.coordinator.planning.tiles import plan_gemm as uniform_grid
-from cleave.coordinator.wire.codes import Name
-from cleave.coordinator.wire.messages import MAX_BATCH, MAX_PAIRS
+from cleave.wire.codes import Name
+from cleave.wire.messages import MAX_BATCH, MAX_PAIRS
 
 # Partitions the live data plane runs: all of them (split-K units that span several pieces go
 # out as one work message with several block pairs, summed by the device).

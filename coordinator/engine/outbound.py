@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cleave.coordinator.wire.codes import CloseCode
-from cleave.coordinator.wire.messages import Message
+from cleave.wire.codes import CloseCode
+from cleave.wire.messages import Message
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from cleave.coordinator.wire.codes import JobPhase
+from cleave.wire.codes import JobPhase
 
 
 @dataclass

@@ -33,10 +33,10 @@ from urllib.parse import urlsplit
 
 from cleave.coordinator.engine.blocks import BlockRef
 from cleave.coordinator.engine.limits import TokenBucket, cooloff
-from cleave.coordinator.wire.addresses import odd_ipv4
-from cleave.coordinator.wire.codes import RelayFault
-from cleave.coordinator.wire.digest import relay_ticket, tag_ok
-from cleave.coordinator.wire.messages import MAX_FETCH, MAX_URL, Block, Blocks, UseRelay
+from cleave.wire.addresses import odd_ipv4
+from cleave.wire.codes import RelayFault
+from cleave.wire.digest import relay_ticket, tag_ok
+from cleave.wire.messages import MAX_FETCH, MAX_URL, Block, Blocks, UseRelay
 
 SERVES = 2  # times one relay may be sent one block (it may evict it once and ask again)
 STRIKES = 3  # different devices whose unproven reports drop a relay

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from cleave.coordinator.engine.core import Core
-from cleave.coordinator.wire.codes import DeviceView
 from cleave.db.store import CONNECTED, DeviceStatus, LeaderRow
+from cleave.wire.codes import DeviceView
 
 # The tile counts ``status`` reports (``Store.tile_counts`` has these and more).
 STATUS_TILES = ("queued", "leased", "taken", "verified", "rejected", "requeued", "expired", "speculative", "cancelled",

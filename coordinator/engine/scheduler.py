@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
-from cleave.coordinator.wire.errors import ConfigError
 from cleave.db.store import Issued
+from cleave.wire.errors import ConfigError
 
 
 class _Miss(enum.Enum):

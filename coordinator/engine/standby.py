@@ -20,9 +20,9 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from cleave.coordinator.wire.codes import StandbyWhy
-from cleave.coordinator.wire.errors import ConfigError
-from cleave.coordinator.wire.messages import MAX_KEEPALIVE, MIN_KEEPALIVE, STANDBY_MISSES
+from cleave.wire.codes import StandbyWhy
+from cleave.wire.errors import ConfigError
+from cleave.wire.messages import MAX_KEEPALIVE, MIN_KEEPALIVE, STANDBY_MISSES
 
 # How much a new wake measurement moves a device's wake latency (an exponential mean: one slow
 # wake, a GC pause say, is not the device's habit).

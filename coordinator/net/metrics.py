@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from cleave.coordinator.wire.codes import JobPhase
-from cleave.coordinator.wire.messages import PROTOCOL_VERSION
-from cleave.coordinator.wire.version import package_version
+from cleave.wire.codes import JobPhase
+from cleave.wire.messages import PROTOCOL_VERSION
+from cleave.wire.version import package_version
 
 try:
     from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest

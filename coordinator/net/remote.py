@@ -21,7 +21,7 @@ from cleave.coordinator.net.server import Server
 from cleave.coordinator.planning.tiles import GemmKind
 from cleave.coordinator.training.hardware import to_host
 from cleave.coordinator.training.linear import GemmRequest
-from cleave.coordinator.wire.messages import WireDtype
+from cleave.wire.messages import WireDtype
 
 
 def _fits_fp16(r: GemmRequest) -> bool:

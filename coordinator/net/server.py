@@ -57,10 +57,10 @@ from cleave.coordinator.net.metrics import Metrics
 from cleave.coordinator.planning.costmodel import CHECK_BATCH
 from cleave.coordinator.planning.tiles import GemmKind
 from cleave.coordinator.training.linear import GemmRequest
-from cleave.coordinator.wire.codes import CloseCode, Code
-from cleave.coordinator.wire.errors import AuthError, JobAborted, ProtocolError
-from cleave.coordinator.wire.handshake import bound_handshakes
-from cleave.coordinator.wire.messages import (
+from cleave.wire.codes import CloseCode, Code
+from cleave.wire.errors import AuthError, JobAborted, ProtocolError
+from cleave.wire.handshake import bound_handshakes
+from cleave.wire.messages import (
     DEVICE_MESSAGES,
     MAX_BATCH_TENSORS,
     MAX_SPEEDTEST_BYTES,
@@ -78,7 +78,7 @@ from cleave.coordinator.wire.messages import (
     encode,
     encode_parts,
 )
-from cleave.coordinator.wire.verify import Verdict
+from cleave.wire.verify import Verdict
 
 log = logging.getLogger("cleave.server")
 

@@ -15,7 +15,7 @@ import math
 from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 # The most micro-batches the coordinator's trainer runs at once (Trainer.parts_at_once), and so
 # the most lanes a plan is cut into: memory on the PS grows with it (one part's activations and
@@ -24,7 +24,7 @@ PARTS_IN_FLIGHT = 8
 
 # Training dtypes and their element sizes. Names are the CLI's (``--dtype``).
 ITEMSIZE: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Verification (coordinator/wire/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a
+# Verification (wire/verify.py) multiplies by 16 random vectors: A(Br) and Cr, each a
 # matrix-vector product per vector, so it reads A, B and C once and does 32 FLOP per element.
 VERIFY_ROUNDS = 16
 # Results the coordinator's verifier checks together at most (coordinator/net/server.py). The
@@ -343,13 +343,13 @@ def batch_check_seconds(
     known_b: Container[Hashable] = (),
 ) -> float:
     """PS seconds to check a batch of products ``(a_block, b_block, rows, cols, depth)`` that the
-    verifier takes together (``coordinator.wire.verify.freivalds_batch``): ``B R`` once per
+    verifier takes together (``wire.verify.freivalds_batch``): ``B R`` once per
     distinct B block, one stacked product ``A [B_1 R_1 | ...]`` per distinct A block with
     ``VERIFY_ROUNDS`` columns for each distinct B block it meets (at ``check_rate`` of that
     width), and each product's ``C R``. A batch of one is ``Unit.verify_flops`` at
     ``check_rate()``.
 
-    A band check (``coordinator.wire.verify.freivalds_band``) is the same sum over one row band's
+    A band check (``wire.verify.freivalds_band``) is the same sum over one row band's
     products: its rows of A read once (one A block per reduction range, stacked with every tile
     position's vectors), each result once, and ``B R`` once per GEMM: pass the B blocks an
     earlier band of the GEMM already multiplied as ``known_b``."""

@@ -62,7 +62,7 @@ from cleave.coordinator.planning.costmodel import (
 )
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy, even_cuts
 from cleave.coordinator.planning.tiles import plan_gemm as uniform_grid
-from cleave.coordinator.wire.codes import Name
+from cleave.wire.codes import Name
 
 BISECTION_STEPS = 48  # relative precision ~1e-9 over the bracket's ratio
 MAX_DOUBLINGS = 80

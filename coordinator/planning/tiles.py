@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cleave.coordinator.wire.codes import Name
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.codes import Name
+from cleave.wire.errors import ConfigError
 
 
 class GemmKind(Name):

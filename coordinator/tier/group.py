@@ -74,8 +74,8 @@ from cleave.coordinator.tier.rendezvous import (
     unseal,
 )
 from cleave.coordinator.training.parallel import DataParallel, all_gather
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.errors import ConfigError, JobAborted
+from cleave.wire import auth
+from cleave.wire.errors import ConfigError, JobAborted
 
 log = logging.getLogger("cleave.tier")
 

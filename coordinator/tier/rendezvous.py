@@ -38,8 +38,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire import auth
+from cleave.wire.errors import ConfigError
 
 log = logging.getLogger("cleave.tier")
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from cleave.coordinator.wire.errors import CheckpointError
 from cleave.db.store import CheckpointRow
+from cleave.wire.errors import CheckpointError
 
 KEEP = 3  # newest checkpoint files kept per job; older files are deleted
 

@@ -43,10 +43,10 @@ from torch import nn
 
 from cleave.coordinator.training import checkpoint, hf, models, prepare
 from cleave.coordinator.training.model import ModelConfig, preset
-from cleave.coordinator.wire.errors import CheckpointError, ConfigError, StoreError
-from cleave.coordinator.wire.version import package_version
 from cleave.db.sqlite import SQLiteStore
 from cleave.db.store import CheckpointRow, JobRow
+from cleave.wire.errors import CheckpointError, ConfigError, StoreError
+from cleave.wire.version import package_version
 
 INFO = "cleave.json"  # what Cleave writes beside the model: FORMAT, job, step, tokens ...
 FORMAT = 1

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from cleave.coordinator.training import hf
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 MAX_NEW_TOKENS = 100_000
 REPLACEMENT = "\ufffd"  # what a decoder gives for bytes that are not (yet) a whole character

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 PREFIX = "hf:"
 BYTE_VOCAB = 256

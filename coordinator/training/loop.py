@@ -28,7 +28,7 @@ from cleave.coordinator.training.linear import MatmulEngine, offload_linears
 from cleave.coordinator.training.parallel import DataParallel, ShardedAdamW
 from cleave.coordinator.training.shards import BIN_DTYPES
 from cleave.coordinator.training.tokens import in_memory
-from cleave.coordinator.wire.errors import CleaveError, ConfigError
+from cleave.wire.errors import CleaveError, ConfigError
 
 # How a step computes: fp32; bf16 (weights, activations and optimizer state in bfloat16); fp16
 # (float32 weights, forward under float16 autocast, a dynamic loss scaler); autocast (float32

@@ -15,7 +15,7 @@ from torch import nn
 
 from cleave.coordinator.training import hf
 from cleave.coordinator.training.model import PRESETS, Transformer, preset
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 CUSTOM = "custom:"  # a model given as a factory (docs/api.md); the rest of the name labels it
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from cleave.coordinator.planning.tier import TIER_BUCKET_BYTES, partition
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cleave.coordinator.wire.errors import ConfigError
+from cleave.wire.errors import ConfigError
 
 MAX_OPEN = 32  # file descriptors a stream keeps open at most (least recently read closed first)
 

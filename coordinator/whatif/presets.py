@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # pragma: no cover - python 3.10
 
 from cleave.coordinator.planning.costmodel import ITEMSIZE, CostModelError, DeviceClass, Profile, PSProfile
 from cleave.coordinator.training.model import PRESETS
-from cleave.coordinator.wire.messages import MAX_NAME  # a class's name names its emulated devices
+from cleave.wire.messages import MAX_NAME  # a class's name names its emulated devices
 
 # --------------------------------------------------------------------------- model shapes
 

@@ -80,7 +80,7 @@ from cleave.coordinator.planning.planner import Kind, PlannerOptions
 from cleave.coordinator.planning.tier import SOLO, Tier
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
 from cleave.coordinator.whatif.presets import ModelShape
-from cleave.coordinator.wire.messages import DEFAULT_SLOTS
+from cleave.wire.messages import DEFAULT_SLOTS
 
 QUANTILES = (0.1, 0.5, 0.9)  # of the devices' compute shares, in reports
 TELL_EVERY = 50_000  # events between progress lines (about a second of wall time at 1,024 devices)

@@ -3,5 +3,5 @@ credential proofs, the verification maths a client also runs, address rules and 
 
 It imports nothing else of Cleave, and a volunteer's client imports nothing of the coordinator
 but this package (tests/test_layers.py checks both). Import its modules directly: this file
-loads nothing, so ``coordinator.wire.errors`` stays cheap for the store and the CLI.
+loads nothing, so ``wire.errors`` stays cheap for the store and the CLI.
 """

@@ -1,9 +1,9 @@
 """The example frames and the credential test vector of docs/protocol.md, rendered from the real
 encoder and ``auth`` so that the page cannot drift from the code.
 
-    python -m cleave.coordinator.wire.examples                             print every example
-    python -m cleave.coordinator.wire.examples --write docs/protocol.md    rewrite the page's examples
-    python -m cleave.coordinator.wire.examples --check docs/protocol.md    exit 1 if the page differs
+    python -m cleave.wire.examples                             print every example
+    python -m cleave.wire.examples --write docs/protocol.md    rewrite the page's examples
+    python -m cleave.wire.examples --check docs/protocol.md    exit 1 if the page differs
 
 In the page, each example sits between marker comments: ``<!-- frame:NAME -->`` and
 ``<!-- /frame -->`` around a frame, ``<!-- vector:proof -->`` and ``<!-- /vector -->`` around the
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from cleave.coordinator.wire import auth
-from cleave.coordinator.wire.codes import Code, EnergySource, RelayFault, ReleaseWhy, StandbyWhy
-from cleave.coordinator.wire.digest import block_digest, relay_tag, relay_ticket
-from cleave.coordinator.wire.messages import (
+from cleave.wire import auth
+from cleave.wire.codes import Code, EnergySource, RelayFault, ReleaseWhy, StandbyWhy
+from cleave.wire.digest import block_digest, relay_tag, relay_ticket
+from cleave.wire.messages import (
     MAGIC,
     Block,
     BlockRequest,
@@ -61,7 +61,7 @@ from cleave.coordinator.wire.messages import (
     tensor_dtypes,
 )
 
-WRITE_COMMAND = "python -m cleave.coordinator.wire.examples --write docs/protocol.md"
+WRITE_COMMAND = "python -m cleave.wire.examples --write docs/protocol.md"
 
 # --------------------------------------------------------------------------- the credential vector
 
@@ -81,7 +81,7 @@ def vector() -> dict[str, bytes | int]:
     mac = hmac.new(key, message, hashlib.sha256).digest()
     proof = bytes(s ^ h for s, h in zip(SECRET, mac))
     if key != auth.stored_key(SECRET) or proof != auth.proof(SECRET, IDENTITY, NONCE):
-        raise RuntimeError("coordinator/wire/auth.py no longer computes the proof this module documents")
+        raise RuntimeError("wire/auth.py no longer computes the proof this module documents")
     return {"S": SECRET, "identity": IDENTITY, "N": NONCE, "K": key, "M": message, "H": mac, "proof": proof}
 
 
@@ -396,9 +396,7 @@ def rewrite(page: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the examples, or rewrite (``--write``) or check (``--check``) a page's copies."""
-    parser = argparse.ArgumentParser(
-        prog="python -m cleave.coordinator.wire.examples", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m cleave.wire.examples", description=__doc__.split("\n")[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--write", type=Path, metavar="PAGE", help="rewrite the marked examples of PAGE in place")
     group.add_argument("--check", type=Path, metavar="PAGE", help="exit 1 if PAGE's marked examples differ")

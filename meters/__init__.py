@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleave.coordinator.wire.codes import EnergySource
+from cleave.wire.codes import EnergySource
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ _TICKET = b"cleave-relay-ticket-v1|"
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    from cleave.coordinator.wire.messages import _raw as raw  # the bytes exactly as encode sends them
+    from cleave.wire.messages import _raw as raw  # the bytes exactly as encode sends them
 
     return raw(t)
 
 
 def _head(t: torch.Tensor) -> bytes:
-    from cleave.coordinator.wire.messages import _tensor_desc
+    from cleave.wire.messages import _tensor_desc
 
     desc = _tensor_desc(t)
     return f"{desc['dtype']}|{'x'.join(str(s) for s in desc['shape'])}|".encode()

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from cleave.coordinator.wire.codes import CloseCode, Code
+from cleave.wire.codes import CloseCode, Code
 
 
 class CleaveError(Exception):

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 # without tensors (``cleave status``, the operator's commands) starts in a fraction of a second
 # instead of paying torch's import (1.5 s or more).
 
-from cleave.coordinator.wire.codes import Code, EnergySource, Name, RelayFault, ReleaseWhy, StandbyWhy
-from cleave.coordinator.wire.errors import ProtocolError
+from cleave.wire.codes import Code, EnergySource, Name, RelayFault, ReleaseWhy, StandbyWhy
+from cleave.wire.errors import ProtocolError
 
 PROTOCOL_VERSION = 9  # 3: result.waited; 4: work.more (a tile summed over several block pairs);
 # 5: work_batch, result_batch and hello.batch (many tiles under one header); 6: redirect and
@@ -72,7 +72,7 @@ MAX_PLATFORM = 128  # characters of a hello's platform description
 MAX_CORES = 1 << 16
 MAX_BYTES = 1 << 50  # the largest memory or block budget a hello may state
 MAX_URL = 256  # characters of a coordinator's URL in a redirect
-TICKET_HEX = 120  # a redirect's ticket: 60 bytes, hex (coordinator/wire/auth.py)
+TICKET_HEX = 120  # a redirect's ticket: 60 bytes, hex (wire/auth.py)
 MAX_RANK = 1023  # a tier has at most 1,024 ranks
 MAX_JOULES = 1e9  # of one energy report (a 1 kW machine for 11 days)
 MAX_SPAN = 1e6  # seconds one energy report may cover
@@ -202,7 +202,7 @@ class Hello:
     """Device -> coordinator, answer to the challenge: who it is and what it can do.
 
     Enrolment: ``token`` is the project's join token, ``identity`` 0. Later connections:
-    ``identity`` and ``proof`` (see coordinator/wire/auth.py), no token."""
+    ``identity`` and ``proof`` (see wire/auth.py), no token."""
 
     TYPE: ClassVar[str] = "hello"
     name: str = _text(max_len=MAX_NAME, text="name")
@@ -433,7 +433,7 @@ class Redirect:
     """Coordinator -> device, instead of a welcome: this job runs on a tier of coordinators and
     another rank needs devices more. Connect to ``url`` (rank ``rank``) and enrol there with
     ``ticket`` instead of the join token; the coordinator then closes with 4013. A ticket is good
-    for one enrolment, at that rank, for a few minutes (coordinator/wire/auth.py)."""
+    for one enrolment, at that rank, for a few minutes (wire/auth.py)."""
 
     TYPE: ClassVar[str] = "redirect"
     url: str = _text(max_len=MAX_URL, text="name")
