@@ -1,7 +1,7 @@
 """The comparison of docs/simulation.md: Cleave (simulated) against the DTFM-style and cloud
 baselines over models, fleets, device counts, PS links and downlink/uplink ratios.
 
-Every row is one ``cleave simulate`` report (cleave_cli/simulate.py ``simulate_one``: the
+Every row is one ``cleave simulate`` report (coordinator/whatif/experiments.py ``simulate_one``: the
 simulation with churn and one injected crash, its churn-free twin, and both baselines), printed
 as a markdown table row. Then the "what closes the gap" rows: one configuration where Cleave
 ships its GEMMs, re-run with each lever.
@@ -25,12 +25,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cleave.cli.plan import coordinator_ps, default_ps, with_relays  # noqa: E402
-from cleave.cli.simulate import adjust_fleet, simulate_one  # noqa: E402
 from cleave.coordinator.engine.live_plan import Planner  # noqa: E402
 from cleave.coordinator.planning.costmodel import ITEMSIZE  # noqa: E402
 from cleave.coordinator.planning.tier import Tier  # noqa: E402
+from cleave.coordinator.whatif.experiments import (  # noqa: E402
+    Settings,
+    Setup,
+    adjust_fleet,
+    coordinator_ps,
+    default_ps,
+    simulate_one,
+    with_relays,
+)
 from cleave.coordinator.whatif.presets import resolve_fleet  # noqa: E402
+from cleave.coordinator.whatif.report import run_report  # noqa: E402
 
 
 def fmt(value: float | None) -> str:
@@ -59,19 +67,9 @@ def run(
         ps = dataclasses.replace(ps, gflops={d: ps_gflops for d in ITEMSIZE})
     dtype = "bf16" if wire_half else "fp32"
     classes = adjust_fleet(resolve_fleet(fleet, "fp32", devices), down_up_ratio=ratio, wire_half=wire_half, dtype=dtype)
-    return simulate_one(
-        model,
-        classes,
-        ps,
-        batch=batch,
-        seq=seq,
-        dtype=dtype,
-        seed=0,
-        steps=1,
-        planner=planner,
-        churn=True,
-        heartbeat_timeout=30.0,
-    )
+    setup = Setup(model, fleet, devices, ps, gbps, batch=batch, seq=seq, dtype=dtype)
+    settings = Settings(setup, seed=0, steps=1, planner=planner, churn=True, heartbeat_timeout=30.0)
+    return run_report(simulate_one(classes, settings))
 
 
 def row(cells: list[str]) -> str:
@@ -111,13 +109,10 @@ def tier_run(
 ) -> dict:
     ps = with_relays(coordinator_ps(coordinator, args.tier_ps_gbps), relays, args.relay_gbps, args.relay_gb)
     classes = resolve_fleet(args.tier_fleet, "bf16", devices)
-    return simulate_one(
-        model,
-        classes,
-        ps,
-        batch=batch,
-        seq=seq,
-        dtype="bf16",
+    tier = Tier.from_gbps(ranks, args.tier_link_gbps)
+    setup = Setup(model, args.tier_fleet, devices, ps, args.tier_ps_gbps, coordinator, tier, batch, seq, "bf16")
+    settings = Settings(
+        setup,
         seed=0,
         steps=1,
         planner=Planner.COST,
@@ -125,8 +120,8 @@ def tier_run(
         heartbeat_timeout=30.0,
         micro_batches=0,  # auto: the cost model's choice, as cleave runs it
         batched=True,
-        tier=Tier.from_gbps(ranks, args.tier_link_gbps),
     )
+    return run_report(simulate_one(classes, settings))
 
 
 def tier_grid(args: argparse.Namespace) -> list[dict]:

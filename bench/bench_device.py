@@ -35,9 +35,9 @@ from rich.table import Table
 
 import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported
 from cleave.cli.local import serve_with_local_clients
+from cleave.coordinator.config import CoordinatorConfig
 from cleave.coordinator.engine.identity import new_token
 from cleave.coordinator.engine.live_plan import Planner
-from cleave.coordinator.job import CoordinatorConfig
 from cleave.coordinator.training.hardware import coordinator_device, describe, synchronize
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 

@@ -84,9 +84,10 @@ from timing import interleaved_medians
 
 from cleave.cli.local import serve_with_local_clients
 from cleave.cli.options import micro_batches_of
+from cleave.coordinator.config import CoordinatorConfig
 from cleave.coordinator.engine.identity import new_token
 from cleave.coordinator.engine.live_plan import Planner
-from cleave.coordinator.job import CoordinatorConfig, JobOutcome, Listening
+from cleave.coordinator.job import JobOutcome, Listening
 from cleave.coordinator.planning.tiles import GemmKind, Tile, TilingPolicy, a_block, b_block, plan_gemm
 from cleave.coordinator.training.loop import StepResult, TrainConfig, Trainer
 from cleave.wire.messages import WireDtype

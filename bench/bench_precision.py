@@ -27,9 +27,9 @@ from rich.table import Table
 
 import cleave.cli  # noqa: F401  -- sets OMP_WAIT_POLICY=PASSIVE before torch is imported (2 cores!)
 from cleave.cli.local import serve_with_local_clients
+from cleave.coordinator.config import CoordinatorConfig
 from cleave.coordinator.engine.identity import new_token
 from cleave.coordinator.engine.live_plan import Planner
-from cleave.coordinator.job import CoordinatorConfig
 from cleave.coordinator.training.loop import PRECISIONS, TrainConfig, Trainer
 
 

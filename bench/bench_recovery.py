@@ -34,8 +34,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import cleave.cli  # noqa: E402,F401 - sets OMP_WAIT_POLICY before torch loads
+from cleave.coordinator.config import CoordinatorConfig  # noqa: E402
 from cleave.coordinator.engine.live_plan import Planner  # noqa: E402
-from cleave.coordinator.job import CoordinatorConfig, serve_job  # noqa: E402
+from cleave.coordinator.job import serve_job  # noqa: E402
 from cleave.coordinator.net.server import Server  # noqa: E402
 from cleave.coordinator.training.loop import StepResult, TrainConfig  # noqa: E402
 

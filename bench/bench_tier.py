@@ -60,9 +60,9 @@ from rich.console import Console
 from rich.table import Table
 
 from cleave.cli.local import serve_with_local_clients
+from cleave.coordinator.config import CoordinatorConfig
 from cleave.coordinator.engine.identity import new_token
 from cleave.coordinator.engine.live_plan import Planner
-from cleave.coordinator.job import CoordinatorConfig
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 
 ROOT = Path(__file__).resolve().parents[1]

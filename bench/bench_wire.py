@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_distributed import CLIENT_EXIT_TIMEOUT_S, BenchReporter, ProgressUI  # noqa: E402
 
 from cleave.cli.local import serve_with_local_clients  # noqa: E402
+from cleave.coordinator.config import CoordinatorConfig  # noqa: E402
 from cleave.coordinator.engine.identity import new_token  # noqa: E402
 from cleave.coordinator.engine.live_plan import Planner  # noqa: E402
-from cleave.coordinator.job import CoordinatorConfig  # noqa: E402
 from cleave.coordinator.training.loop import TrainConfig, Trainer  # noqa: E402
 from cleave.wire.messages import WireDtype  # noqa: E402
 

@@ -22,7 +22,7 @@ except PackageNotFoundError:  # a checkout that was never installed
 _API = {
     "TrainConfig": "cleave.coordinator.training.loop",
     "Trainer": "cleave.coordinator.training.loop",
-    "CoordinatorConfig": "cleave.coordinator.job",
+    "CoordinatorConfig": "cleave.coordinator.config",
     "JobOutcome": "cleave.coordinator.job",
     "Reporter": "cleave.coordinator.job",
     "serve_job": "cleave.coordinator.job",
@@ -55,9 +55,10 @@ __all__ = [
 if TYPE_CHECKING:
     from cleave.cli.local import serve_with_local_clients
     from cleave.cli.progress import ConsoleReporter
+    from cleave.coordinator.config import CoordinatorConfig
     from cleave.coordinator.engine.identity import new_token
     from cleave.coordinator.engine.live_plan import Planner
-    from cleave.coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
+    from cleave.coordinator.job import JobOutcome, Reporter, serve_job
     from cleave.coordinator.training.export import export_job
     from cleave.coordinator.training.loop import TrainConfig, Trainer
     from cleave.wire.errors import CleaveError, ConfigError

@@ -29,10 +29,8 @@ def benchmark(
     ] = None,
     token: Annotated[
         str | None,
-        typer.Option(
-            "--token",
-            help="The coordinator's operator token (needed with --url). Prefer CLEAVE_OPERATOR_TOKEN or "
-            "--token-file: other users can read a command line.",
+        opt.secret_option(
+            "--token", "The coordinator's operator token (needed with --url).", opt.Secret.OPERATOR_TOKEN
         ),
     ] = None,
     token_file: opt.StatusTokenFile = None,

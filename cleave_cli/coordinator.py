@@ -13,18 +13,17 @@ from rich.logging import RichHandler
 from cleave.cli import options as opt
 from cleave.cli.errors import friendly, is_terminal
 from cleave.cli.progress import ConsoleReporter
+from cleave.coordinator.config import DEFAULT_SEND_THREADS, LINGER, CoordinatorConfig, TierOptions
 from cleave.coordinator.engine.limits import Limits
 from cleave.coordinator.engine.live_plan import Planner
 from cleave.coordinator.engine.scheduler import FaultPolicy
 from cleave.coordinator.engine.standby import StandbyPolicy
-from cleave.coordinator.job import DEFAULT_SEND_THREADS, LINGER, CoordinatorConfig, TierOptions, run_job
+from cleave.coordinator.job import run_job
 from cleave.coordinator.planning.tiles import TilingPolicy
 from cleave.coordinator.tier.group import TIER_TIMEOUT
 from cleave.coordinator.training.loop import TrainConfig
 from cleave.wire.errors import ConfigError
 from cleave.wire.messages import WireDtype
-
-D = TrainConfig()  # the defaults the options show
 
 
 def setup_logging(console: Console, verbose: bool) -> None:
@@ -35,6 +34,7 @@ def setup_logging(console: Console, verbose: bool) -> None:
 
 
 @friendly
+@opt.train_options
 def start(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 to accept other machines).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port; 0 picks a free one (printed).")] = 8765,
@@ -52,19 +52,21 @@ def start(
     ),
     token: Annotated[
         str | None,
-        typer.Option(
+        opt.secret_option(
             "--token",
-            help="Join token devices enrol with. Default: CLEAVE_TOKEN, else the database's, else a generated one "
-            "(printed). Prefer CLEAVE_TOKEN or --token-file: other users can read a command line.",
+            "Join token devices enrol with. Default: CLEAVE_TOKEN, else the database's, else a generated one "
+            "(printed).",
+            opt.Secret.JOIN_TOKEN,
         ),
     ] = None,
     token_file: opt.TokenFile = None,
     operator_token: Annotated[
         str | None,
-        typer.Option(
+        opt.secret_option(
             "--operator-token",
-            help="Token for cleave status and link tests. Default: CLEAVE_OPERATOR_TOKEN, else the database's, "
-            "else a generated one (printed). Prefer the variable or --operator-token-file.",
+            "Token for cleave status and link tests. Default: CLEAVE_OPERATOR_TOKEN, else the database's, "
+            "else a generated one (printed).",
+            opt.Secret.OPERATOR_TOKEN,
         ),
     ] = None,
     operator_token_file: opt.OperatorTokenFile = None,
@@ -75,32 +77,15 @@ def start(
     max_connections: Annotated[
         int, typer.Option("--max-connections", help="Open connections at most; more are refused with close code 1013.")
     ] = Limits().max_connections,
-    model: opt.Model = D.model,
-    steps: opt.Steps = D.steps,
-    batch_size: opt.BatchSize = D.batch_size,
-    seq_len: opt.SeqLen = D.seq_len,
-    lr: opt.Lr = D.lr,
-    warmup: opt.Warmup = D.warmup,
-    min_lr: opt.MinLr = D.min_lr,
-    weight_decay: opt.WeightDecay = D.weight_decay,
-    grad_clip: opt.GradClip = D.grad_clip,
-    seed: opt.Seed = D.seed,
-    data: opt.Data = None,
-    data_field: opt.DataField = D.data_field,
-    data_dtype: opt.DataDtype = None,
-    vocab_size: opt.VocabSize = 0,
-    val_data: opt.ValData = None,
-    val_fraction: opt.ValFraction = D.val_fraction,
-    eval_every: opt.EvalEvery = D.eval_every,
-    eval_batches: opt.EvalBatches = D.eval_batches,
-    precision: opt.Precision = D.precision,
-    micro_batches: opt.MicroBatches = "auto",
+    train: TrainConfig = TrainConfig(),  # the training options (opt.train_options)
     device: opt.Device = "auto",
     metrics: opt.Metrics = None,
     min_devices: Annotated[
         int, typer.Option("--min-devices", help="Wait until this many devices joined before step 1.")
     ] = 1,
-    tile_size: Annotated[int, typer.Option("--tile-size", help="Largest output-tile edge in rows/columns.")] = 512,
+    tile_size: Annotated[
+        int, typer.Option("--tile-size", help="Largest output-tile edge in rows/columns.")
+    ] = TilingPolicy().max_edge,
     checkpoint_every: Annotated[
         int,
         typer.Option("--checkpoint-every", help="Checkpoint the parameter server every N steps (0: only at the end)."),
@@ -128,7 +113,7 @@ def start(
             help="Seconds of silence after which a device is dropped (its tiles are copied "
             "elsewhere once their deadlines pass, usually sooner).",
         ),
-    ] = 30.0,
+    ] = FaultPolicy().heartbeat_timeout,
     lease_floor: Annotated[
         float,
         typer.Option(
@@ -208,10 +193,11 @@ def start(
     ] = None,
     tier_secret: Annotated[
         str | None,
-        typer.Option(
+        opt.secret_option(
             "--tier-secret",
-            help="The secret every rank proves before it counts as one (the same on every rank). Default: "
-            "CLEAVE_TIER_SECRET. Prefer the variable or --tier-secret-file: other users can read a command line.",
+            "The secret every rank proves before it counts as one (the same on every rank). Default: "
+            "CLEAVE_TIER_SECRET.",
+            opt.Secret.TIER_SECRET,
         ),
     ] = None,
     tier_secret_file: opt.TierSecretFile = None,
@@ -239,76 +225,48 @@ def start(
     token = opt.read_secret(token, token_file, "--token", opt.Secret.JOIN_TOKEN)
     operator_token = opt.read_secret(operator_token, operator_token_file, "--operator-token", opt.Secret.OPERATOR_TOKEN)
     tier_secret = opt.read_secret(tier_secret, tier_secret_file, "--tier-secret", opt.Secret.TIER_SECRET)
+    # The command's own bounds: the policies take more (a test's 8-row tiles, a bench's endless leases).
     if not 16 <= tile_size <= 16384:
         raise ConfigError(f"--tile-size must be between 16 and 16384, got {tile_size}")
     if not 0.5 <= heartbeat_timeout <= 3600:
         raise ConfigError(f"--heartbeat-timeout must be between 0.5 and 3600 s, got {heartbeat_timeout}")
     if not 0.1 <= lease_floor <= 3600:
         raise ConfigError(f"--lease-floor must be between 0.1 and 3600 s, got {lease_floor}")
-    if not 1 <= max_connections <= 1_000_000:
-        raise ConfigError(f"--max-connections must be between 1 and 1,000,000, got {max_connections}")
-    limits = Limits(
-        max_connections=max_connections,
-        max_unauthenticated=min(Limits().max_unauthenticated, max_connections),
-        max_observers=min(Limits().max_observers, max_connections),
-    )
-    tier = None
-    if world_size is not None or rank is not None or rendezvous is not None:
-        if rendezvous is None:
-            raise ConfigError("a tier needs --rendezvous tcp://HOST:PORT (or env:// under torchrun)")
-        tier = TierOptions(rendezvous, rank, world_size, tier_secret or "", tier_timeout, redirect)
-    cfg = CoordinatorConfig(
-        tier=tier,
-        train=opt.train_config(
-            model,
-            steps,
-            batch_size,
-            seq_len,
-            lr,
-            seed,
-            data,
-            precision,
-            micro_batches,
-            warmup=warmup,
-            min_lr=min_lr,
-            weight_decay=weight_decay,
-            grad_clip=grad_clip,
-            data_field=data_field,
-            data_dtype=data_dtype,
-            vocab_size=vocab_size,
-            val_data=val_data,
-            val_fraction=val_fraction,
-            eval_every=eval_every,
-            eval_batches=eval_batches,
-        ),
-        device=device,
-        host=host,
-        public_url=public_url,
-        port=port,
-        db=str(db),
-        token=token,
-        operator_token=operator_token,
-        certfile=str(certfile) if certfile else None,
-        keyfile=str(keyfile) if keyfile else None,
-        metrics=str(metrics) if metrics else None,
-        min_devices=min_devices,
-        policy=TilingPolicy(max_edge=tile_size, min_edge=min(64, tile_size)),
-        faults=FaultPolicy(
-            heartbeat=min(2.0, heartbeat_timeout / 5), heartbeat_timeout=heartbeat_timeout, lease_floor=lease_floor
-        ),
-        standby=StandbyPolicy(after=standby_after, keepalive=standby_keepalive),
-        limits=limits,
-        checkpoint_every=checkpoint_every,
-        prune_steps=prune_steps,
-        linger=linger,
-        new_job=new_job,
-        planner=planner,
-        ps_link_gbps=ps_link_gbps,
-        ps_gflops=ps_gflops,
-        send_threads=send_threads,
-        wire_dtype=wire_dtype,
-        **({} if grid_gco2_kwh is None else {"grid_gco2_kwh": grid_gco2_kwh}),
-    )
+    if rendezvous is None and (world_size is not None or rank is not None):
+        raise ConfigError("a tier needs --rendezvous tcp://HOST:PORT (or env:// under torchrun)")
+    with opt.as_flags():  # the configuration checks the values, and names the flags that set them
+        tier = None
+        if rendezvous is not None:
+            tier = TierOptions(rendezvous, rank, world_size, tier_secret or "", tier_timeout, redirect)
+        cfg = CoordinatorConfig(
+            tier=tier,
+            train=train,
+            device=device,
+            host=host,
+            public_url=public_url,
+            port=port,
+            db=str(db),
+            token=token,
+            operator_token=operator_token,
+            certfile=str(certfile) if certfile else None,
+            keyfile=str(keyfile) if keyfile else None,
+            metrics=str(metrics) if metrics else None,
+            min_devices=min_devices,
+            policy=TilingPolicy(max_edge=tile_size, min_edge=min(64, tile_size)),
+            faults=FaultPolicy(heartbeat_timeout=heartbeat_timeout, lease_floor=lease_floor),
+            standby=StandbyPolicy(after=standby_after, keepalive=standby_keepalive),
+            limits=Limits(max_connections=max_connections),
+            checkpoint_every=checkpoint_every,
+            prune_steps=prune_steps,
+            linger=linger,
+            new_job=new_job,
+            planner=planner,
+            ps_link_gbps=ps_link_gbps,
+            ps_gflops=ps_gflops,
+            send_threads=send_threads,
+            wire_dtype=wire_dtype,
+            **({} if grid_gco2_kwh is None else {"grid_gco2_kwh": grid_gco2_kwh}),
+        )
     reporter = ConsoleReporter(console, live=is_terminal(), quiet=quiet)
     try:
         run_job(cfg, reporter)

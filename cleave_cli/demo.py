@@ -17,9 +17,9 @@ from cleave.cli import render
 from cleave.cli.errors import friendly, is_terminal
 from cleave.cli.local import serve_with_local_clients
 from cleave.cli.progress import ConsoleReporter
+from cleave.coordinator.config import CoordinatorConfig
 from cleave.coordinator.engine.identity import new_token
 from cleave.coordinator.engine.live_plan import Planner
-from cleave.coordinator.job import CoordinatorConfig
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 from cleave.wire.errors import CleaveError, ConfigError
 
@@ -54,7 +54,8 @@ def demo(
     if not 1 <= clients <= 16:
         raise ConfigError(f"--clients must be between 1 and 16, got {clients}")
     console = Console(highlight=False)
-    train = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    with opt.as_flags():
+        train = TrainConfig(model=model, steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed)
     console.rule(f"[bold]cleave demo: {model} model, {steps} steps, {clients} clients, text = Python's stdlib")
     with tempfile.TemporaryDirectory(prefix="cleave-demo-") as tmp:
         cfg = CoordinatorConfig(

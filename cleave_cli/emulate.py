@@ -117,10 +117,8 @@ def emulate(
     ],
     token: Annotated[
         str | None,
-        typer.Option(
-            "--token",
-            help="The coordinator's join token: every emulated device enrols with it. Prefer CLEAVE_TOKEN or "
-            "--token-file: other users can read a command line.",
+        opt.secret_option(
+            "--token", "The coordinator's join token: every emulated device enrols with it.", opt.Secret.JOIN_TOKEN
         ),
     ] = None,
     token_file: opt.TokenFile = None,

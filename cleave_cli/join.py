@@ -83,10 +83,10 @@ def join(
     url: Annotated[str | None, typer.Argument(help="Coordinator address, e.g. ws://192.168.1.10:8765")] = None,
     token: Annotated[
         str | None,
-        typer.Option(
+        opt.secret_option(
             "--token",
-            help="The coordinator's join token: enrols this device once; later runs use the stored credential. "
-            "Prefer CLEAVE_TOKEN or --token-file: other users can read a command line.",
+            "The coordinator's join token: enrols this device once; later runs use the stored credential.",
+            opt.Secret.JOIN_TOKEN,
         ),
     ] = None,
     token_file: opt.TokenFile = None,

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from cleave.cli.options import Secret
-from cleave.coordinator.job import CoordinatorConfig, JobOutcome, Reporter, serve_job
+from cleave.coordinator.config import CoordinatorConfig
+from cleave.coordinator.job import JobOutcome, Reporter, serve_job
 from cleave.wire.errors import CleaveError
 
 

@@ -3,12 +3,15 @@ commands read their secrets (read_secret)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -18,6 +21,8 @@ from cleave.wire.messages import WireDtype
 
 if TYPE_CHECKING:  # the training modules import torch: the commands that train import them
     from cleave.coordinator.training.loop import TrainConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 Model = Annotated[
@@ -168,53 +173,103 @@ def micro_batches_of(value: str) -> int:
     return parts
 
 
-def train_config(
-    model: str,
-    steps: int,
-    batch_size: int,
-    seq_len: int,
-    lr: float,
-    seed: int,
-    data: Path | None,
-    precision: str = "fp32",
-    micro_batches: str | int = 1,
-    *,
-    warmup: int | None = None,
-    min_lr: float | None = None,
-    weight_decay: float | None = None,
-    grad_clip: float | None = None,
-    data_field: str = "text",
-    data_dtype: str | None = None,
-    vocab_size: int = 0,
-    val_data: Path | None = None,
-    val_fraction: float | None = None,
-    eval_every: int | None = None,
-    eval_batches: int | None = None,
-) -> TrainConfig:
-    """The job the training options describe; an optimizer setting left None keeps TrainConfig's
-    default (min_lr's: 10% of lr)."""
+# --------------------------------------------------------------------------- training options
+#
+# Declared once: ``cleave coordinator start`` and ``cleave train`` take the same training options
+# (train_options), each the TrainConfig field of its name, and build the TrainConfig the same way.
+
+TRAIN_OPTIONS: dict[str, Any] = {
+    "model": Model,
+    "steps": Steps,
+    "batch_size": BatchSize,
+    "seq_len": SeqLen,
+    "lr": Lr,
+    "warmup": Warmup,
+    "min_lr": MinLr,
+    "weight_decay": WeightDecay,
+    "grad_clip": GradClip,
+    "seed": Seed,
+    "data": Data,
+    "data_field": DataField,
+    "data_dtype": DataDtype,
+    "vocab_size": VocabSize,
+    "val_data": ValData,
+    "val_fraction": ValFraction,
+    "eval_every": EvalEvery,
+    "eval_batches": EvalBatches,
+    "precision": Precision,
+    "micro_batches": MicroBatches,
+}
+
+
+def train_options(command: F) -> F:
+    """``command`` with the training options (TRAIN_OPTIONS, TrainConfig's defaults) in the place
+    of its ``train`` parameter, which gets the TrainConfig they describe."""
+    from cleave.coordinator.training.loop import TrainConfig
+
+    defaults = {name: getattr(TrainConfig(), name) for name in TRAIN_OPTIONS} | {"micro_batches": "auto"}
+    own = inspect.signature(command, eval_str=True)  # typer reads the annotations as objects
+    options = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=defaults[name], annotation=kind)
+        for name, kind in TRAIN_OPTIONS.items()
+    ]
+    params = [q for p in own.parameters.values() for q in (options if p.name == "train" else [p])]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        values = {name: kwargs.pop(name) for name in TRAIN_OPTIONS}
+        return command(train=train_config(values), **kwargs)
+
+    wrapper.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params} | {"return": own.return_annotation}
+    return wrapper  # type: ignore[return-value]
+
+
+def train_config(values: Mapping[str, Any]) -> TrainConfig:
+    """The job the training options' ``values`` describe, the vocabulary read from --data's shards."""
     from cleave.coordinator.training.loop import TrainConfig, with_data_vocab
 
-    optimizer = {"warmup": warmup, "min_lr": min_lr, "weight_decay": weight_decay, "grad_clip": grad_clip}
-    evaluation = {"val_fraction": val_fraction, "eval_every": eval_every, "eval_batches": eval_batches}
-    cfg = TrainConfig(
-        model=model,
-        steps=steps,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        lr=lr,
-        seed=seed,
-        data=str(data) if data is not None else None,
-        precision=precision,
-        micro_batches=micro_batches if isinstance(micro_batches, int) else micro_batches_of(micro_batches),
-        **{k: v for k, v in optimizer.items() if v is not None},
-        data_field=data_field,
-        data_dtype=data_dtype,
-        vocab_size=vocab_size,
-        val_data=str(val_data) if val_data is not None else None,
-        **{k: v for k, v in evaluation.items() if v is not None},
-    )
-    return with_data_vocab(cfg)
+    paths = {name: str(values[name]) for name in ("data", "val_data") if values[name] is not None}
+    with as_flags():
+        cfg = TrainConfig(**{**values, **paths, "micro_batches": micro_batches_of(values["micro_batches"])})
+        return with_data_vocab(cfg)
+
+
+# --------------------------------------------------------------------------- fields and flags
+#
+# The configuration objects check their own fields and name them as the Python API spells them
+# (ConfigError.field); a command names the flag that set the field instead.
+
+FLAGS: dict[str, str] = {
+    **{
+        name: "--" + name.replace("_", "-")
+        for name in (
+            *TRAIN_OPTIONS,
+            *("host", "port", "public_url", "db", "token", "operator_token", "certfile", "keyfile", "metrics"),
+            *("min_devices", "checkpoint_every", "prune_steps", "linger", "planner", "ps_link_gbps", "ps_gflops"),
+            *("send_threads", "wire_dtype", "grid_gco2_kwh", "device"),
+        )
+    },
+    "TilingPolicy.max_edge": "--tile-size",
+    "FaultPolicy.heartbeat_timeout": "--heartbeat-timeout",
+    "FaultPolicy.lease_floor": "--lease-floor",
+    "StandbyPolicy.after": "--standby-after",
+    "StandbyPolicy.keepalive": "--standby-keepalive",
+    "Limits.max_connections": "--max-connections",
+    "TierOptions.timeout": "--tier-timeout",
+}
+
+
+@contextmanager
+def as_flags() -> Iterator[None]:
+    """A ConfigError raised inside about a field a flag sets names that flag (FLAGS)."""
+    try:
+        yield
+    except ConfigError as exc:
+        flag = FLAGS.get(exc.field or "")
+        if flag is None:
+            raise
+        raise exc.called(flag) from None
 
 
 CaFile = Annotated[
@@ -260,6 +315,11 @@ class Secret(Enum):
 
 
 MAX_SECRET_FILE = 4096  # bytes read from a secret file at most: it holds one short line
+
+
+def secret_option(flag: str, what: str, secret: Secret) -> Any:
+    """``flag``, which passes a secret: ``what`` it is, and the ways that keep it off a command line."""
+    return typer.Option(flag, help=f"{what} Prefer {secret.value} or {flag}-file: other users can read a command line.")
 
 
 def _file_option(flag: str, what: str) -> Any:

@@ -30,11 +30,7 @@ def relay(
     url: Annotated[str, typer.Argument(help="The coordinator's address, e.g. wss://coordinator.example.org:8765")],
     token: Annotated[
         str | None,
-        typer.Option(
-            "--token",
-            help="The join token, to enrol once (then its credential). Prefer CLEAVE_TOKEN or --token-file: other "
-            "users can read a command line.",
-        ),
+        opt.secret_option("--token", "The join token, to enrol once (then its credential).", opt.Secret.JOIN_TOKEN),
     ] = None,
     token_file: opt.TokenFile = None,
     listen: Annotated[str, typer.Option("--listen", help="Where devices connect: HOST:PORT.")] = "0.0.0.0:8766",

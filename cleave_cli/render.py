@@ -563,7 +563,7 @@ def _times(value: float | None) -> str:
 
 def plan_report(report: dict[str, Any]) -> Group:
     """``cleave plan``: the step's prediction, each GEMM's partition, and each class's load.
-    ``report`` is the ``--json`` object (cleave_cli/plan.py), so both always agree."""
+    ``report`` is the ``--json`` object (coordinator/whatif/report.py), so both always agree."""
     model, fleet, ps, step = report["model"], report["fleet"], report["ps"], report["step"]
     dtype = report["dtype"]
     summary = Table.grid(padding=(0, 2))
@@ -823,7 +823,7 @@ def _sim_run(report: dict[str, Any], run: dict[str, Any]) -> Group:
 
 
 def simulate_report(report: dict[str, Any]) -> Group:
-    """``cleave simulate``: the ``--json`` object (cleave_cli/simulate.py) as tables."""
+    """``cleave simulate``: the ``--json`` object (coordinator/whatif/report.py) as tables."""
     title = Text()
     title.append(f"{report['model']['name']} ", style="bold")
     title.append(

@@ -114,10 +114,8 @@ def _open(url: str, cafile: str | None = None, insecure: bool = False) -> Iterat
 def status(
     token: Annotated[
         str | None,
-        typer.Option(
-            "--token",
-            help="The coordinator's operator token (not the join token). Prefer CLEAVE_OPERATOR_TOKEN or "
-            "--token-file: other users can read a command line.",
+        opt.secret_option(
+            "--token", "The coordinator's operator token (not the join token).", opt.Secret.OPERATOR_TOKEN
         ),
     ] = None,
     token_file: opt.StatusTokenFile = None,

@@ -15,34 +15,14 @@ from cleave.coordinator.training.hardware import coordinator_device, describe
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 from cleave.wire.errors import ConfigError
 
-D = TrainConfig()  # the defaults the options show
-
 
 @friendly
+@opt.train_options
 def train(
     local: Annotated[
         bool, typer.Option("--local", help="Train in this process with plain torch (the baseline).")
     ] = False,
-    model: opt.Model = D.model,
-    steps: opt.Steps = D.steps,
-    batch_size: opt.BatchSize = D.batch_size,
-    seq_len: opt.SeqLen = D.seq_len,
-    lr: opt.Lr = D.lr,
-    warmup: opt.Warmup = D.warmup,
-    min_lr: opt.MinLr = D.min_lr,
-    weight_decay: opt.WeightDecay = D.weight_decay,
-    grad_clip: opt.GradClip = D.grad_clip,
-    seed: opt.Seed = D.seed,
-    data: opt.Data = None,
-    data_field: opt.DataField = D.data_field,
-    data_dtype: opt.DataDtype = None,
-    vocab_size: opt.VocabSize = 0,
-    val_data: opt.ValData = None,
-    val_fraction: opt.ValFraction = D.val_fraction,
-    eval_every: opt.EvalEvery = D.eval_every,
-    eval_batches: opt.EvalBatches = D.eval_batches,
-    precision: opt.Precision = D.precision,
-    micro_batches: opt.MicroBatches = "auto",
+    train: TrainConfig = TrainConfig(),  # the training options (opt.train_options)
     device: opt.Device = "auto",
     metrics: opt.Metrics = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final loss.")] = False,
@@ -50,31 +30,9 @@ def train(
     """Train locally with the coordinator's exact options, for a side-by-side comparison."""
     if not local:
         raise ConfigError("distributed training runs with `cleave coordinator start`; use --local for the baseline")
-    cfg = opt.train_config(
-        model,
-        steps,
-        batch_size,
-        seq_len,
-        lr,
-        seed,
-        data,
-        precision,
-        micro_batches,
-        warmup=warmup,
-        min_lr=min_lr,
-        weight_decay=weight_decay,
-        grad_clip=grad_clip,
-        data_field=data_field,
-        data_dtype=data_dtype,
-        vocab_size=vocab_size,
-        val_data=val_data,
-        val_fraction=val_fraction,
-        eval_every=eval_every,
-        eval_batches=eval_batches,
-    )
     console = Console(highlight=False)
     where = coordinator_device(device)
-    trainer = Trainer(cfg, device=where)
+    trainer = Trainer(train, device=where)
     if not quiet:
         console.print(f"device: {describe(where)}")
     out = open(metrics, "w", encoding="utf-8") if metrics else None  # noqa: SIM115
@@ -82,7 +40,7 @@ def train(
     elapsed = 0.0
     evaluated: dict[str, Any] = {}  # the last held-out loss, as the status document names it
     try:
-        for _ in range(cfg.steps):
+        for _ in range(train.steps):
             result = trainer.train_step()
             tokens += result.tokens
             elapsed += result.seconds
@@ -95,7 +53,7 @@ def train(
             if not quiet:
                 console.print(
                     render.step_line(
-                        result.step, cfg.steps, result.loss, result.seconds, None, tokens / elapsed, val_loss=val_loss
+                        result.step, train.steps, result.loss, result.seconds, None, tokens / elapsed, val_loss=val_loss
                     ),
                     soft_wrap=True,
                 )
@@ -103,4 +61,4 @@ def train(
         if out is not None:
             out.close()
     held_out = render.held_out(evaluated, ", held-out {loss} (step {step})")
-    console.print(f"done: {cfg.steps} steps, final loss {result.loss:.4f}{held_out}", style="bold green")
+    console.print(f"done: {train.steps} steps, final loss {result.loss:.4f}{held_out}", style="bold green")

@@ -20,147 +20,33 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from torch import nn
 
+from cleave.coordinator.config import CoordinatorConfig, TierOptions
 from cleave.coordinator.engine.balance import Balancer, Pool
 from cleave.coordinator.engine.books import Books
 from cleave.coordinator.engine.core import Core, Departure
-from cleave.coordinator.engine.energy import GRID_GCO2_KWH
-from cleave.coordinator.engine.identity import STRONG_TOKEN, new_token
-from cleave.coordinator.engine.limits import Limits, TrustPolicy
-from cleave.coordinator.engine.live_plan import Planner
+from cleave.coordinator.engine.identity import STRONG_TOKEN
 from cleave.coordinator.engine.profiles import measure_ps
-from cleave.coordinator.engine.scheduler import FaultPolicy
-from cleave.coordinator.engine.standby import StandbyPolicy
 from cleave.coordinator.net.remote import RemoteEngine
 from cleave.coordinator.net.server import Server, listen
-from cleave.coordinator.planning.costmodel import MAX_PS_GFLOPS
-from cleave.coordinator.planning.tiles import TilingPolicy
-from cleave.coordinator.tier.group import HEARTBEAT, TIER_TIMEOUT, RankSummary, Tier, TierRefused, job_digest, join_tier
+from cleave.coordinator.tier.group import HEARTBEAT, RankSummary, Tier, TierRefused, job_digest, join_tier
 from cleave.coordinator.training import checkpoint, models
 from cleave.coordinator.training.checkpoint import Resume
 from cleave.coordinator.training.flops import GemmShare, gemm_share
-from cleave.coordinator.training.hardware import DEVICES, coordinator_device, describe
+from cleave.coordinator.training.hardware import coordinator_device, describe
 from cleave.coordinator.training.loop import BEFORE_DATA_OPTIONS, StepResult, TrainConfig, Trainer, open_data
 from cleave.db.sqlite import GROUP_SECONDS, SQLiteStore
 from cleave.db.store import CheckpointRow
 from cleave.meters import EnergyMeter
-from cleave.wire.addresses import is_loopback, url_host
+from cleave.wire.addresses import is_loopback
 from cleave.wire.errors import CheckpointError, ConfigError
-from cleave.wire.messages import MAX_GRID, MAX_TOKEN, MAX_URL, WireDtype
 
 log = logging.getLogger(__name__)
-
-
-# One thread beside the loop writes work frames' bytes to the sockets: the loop's CPU a tile fell
-# 40-70% on Llama-2-7B tiles (bench/bench_tax.py --send-threads 0 1); more pay on many cores.
-DEFAULT_SEND_THREADS = 1
-MAX_SEND_THREADS = 64
-LINGER = 300.0  # seconds ``cleave coordinator start`` keeps a finished job visible by default
-MAX_LINGER = 7 * 86_400
-
-
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    train: TrainConfig = field(default_factory=TrainConfig)
-    host: str = "127.0.0.1"
-    port: int = 8765
-    db: str = "cleave.db"
-    token: str | None = None  # the join token; None: keep the database's, or generate one
-    operator_token: str | None = None  # for cleave status; None: keep the database's, or generate
-    certfile: str | None = None  # serve wss:// with this certificate chain ...
-    keyfile: str | None = None  # ... and its private key
-    metrics: str | None = None
-    min_devices: int = 1
-    policy: TilingPolicy = field(default_factory=TilingPolicy)
-    faults: FaultPolicy = field(default_factory=FaultPolicy)
-    standby: StandbyPolicy = field(default_factory=StandbyPolicy)  # when unneeded devices sleep (--standby-after)
-    trust: TrustPolicy = field(default_factory=TrustPolicy)
-    limits: Limits = field(default_factory=Limits)
-    checkpoint_every: int = 50  # steps; 0 turns checkpoints off
-    # At each checkpoint, delete the GEMM, tile and lease rows of finished GEMMs older than the last
-    # this many steps (their counts are kept); 0 keeps every row (--prune-steps).
-    prune_steps: int = 0
-    new_job: bool = False  # start a new job even if the database holds an unfinished one
-    planner: Planner = Planner.COST  # how GEMMs are cut and shared out (--planner)
-    ps_link_gbps: float = 10.0  # the coordinator's link, each way (--ps-link-gbps)
-    ps_gflops: float | None = None  # the coordinator's own GEMM rate for the cost model; None: measured
-    wire_dtype: WireDtype = WireDtype.FP32  # what float32 operands and results travel as (--wire-dtype)
-    band_checks: bool = True  # results checked a row band at a time (False: each alone; docs/security.md)
-    # Threads that write devices' sockets beside the event loop (net/framing.py; --send-threads);
-    # 0: the loop writes them itself.
-    send_threads: int = DEFAULT_SEND_THREADS
-    device: str = "auto"  # where the trainer's tensors live (--device auto|cpu|cuda; hardware.py)
-    tier: TierOptions | None = None  # one rank of a job across several coordinators (tier/group.py)
-    model_factory: Callable[[], nn.Module] | None = None  # builds a custom:LABEL model (docs/api.md)
-    # Seconds a finished job stays visible (the page, /api/status, cleave status, /metrics) before
-    # the coordinator exits; 0 exits at once. ``cleave coordinator start`` defaults to LINGER.
-    linger: float = 0.0
-    # The address volunteers reach this coordinator at, when it is not the one it listens on (a
-    # proxy, a NAT, a name on its certificate): printed in the join command, and what a tier's
-    # other ranks send newcomers to.
-    public_url: str | None = None
-    grid_gco2_kwh: float = GRID_GCO2_KWH  # the grid this coordinator and its volunteers draw from (--grid-gco2-kwh)
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.port <= 65535):
-            raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
-        url = self.public_url
-        if url is not None and not (
-            url.startswith(("ws://", "wss://")) and url_host(url) and len(url) <= MAX_URL and url.isprintable()
-        ):
-            raise ConfigError(f"--public-url must be ws://HOST[:PORT] or wss://... (at most {MAX_URL} characters)")
-        if not (0 <= self.min_devices <= 100_000):
-            raise ConfigError(f"--min-devices must be between 0 and 100000, got {self.min_devices}")
-        for flag, value in (("--token", self.token), ("--operator-token", self.operator_token)):
-            if value is not None and not (value.strip() and value.isprintable() and len(value) <= MAX_TOKEN):
-                raise ConfigError(f"{flag} must be 1 to {MAX_TOKEN} printable characters")
-        if self.token is not None and self.token == self.operator_token:
-            raise ConfigError("--operator-token must differ from the join token (--token)")
-        if (self.certfile is None) != (self.keyfile is None):
-            raise ConfigError("--certfile and --keyfile go together")
-        if not (0.001 <= self.ps_link_gbps <= 10_000):
-            raise ConfigError(f"--ps-link-gbps must be between 0.001 and 10000, got {self.ps_link_gbps}")
-        if self.ps_gflops is not None and not (0.001 <= self.ps_gflops <= MAX_PS_GFLOPS):
-            raise ConfigError(f"--ps-gflops must be between 0.001 and {MAX_PS_GFLOPS:,.0f}, got {self.ps_gflops}")
-        if not (0 <= self.linger <= MAX_LINGER):
-            raise ConfigError(f"--linger must be between 0 and {MAX_LINGER:,} s, got {self.linger:g}")
-        if not (0 <= self.checkpoint_every <= 10_000_000):
-            raise ConfigError(f"--checkpoint-every must be between 0 and 10,000,000, got {self.checkpoint_every}")
-        if not (0 <= self.prune_steps <= 10_000_000):
-            raise ConfigError(f"--prune-steps must be between 0 and 10,000,000, got {self.prune_steps}")
-        if self.prune_steps and not self.checkpoint_every:
-            raise ConfigError("--prune-steps prunes at each checkpoint: it needs --checkpoint-every above 0")
-        if (self.model_factory is not None) != models.is_custom(self.train.model):
-            raise ConfigError("a model_factory goes with a model named custom:LABEL, and only with one")
-        if not (math.isfinite(self.grid_gco2_kwh) and 0 <= self.grid_gco2_kwh <= MAX_GRID):
-            raise ConfigError(f"--grid-gco2-kwh must be between 0 and {MAX_GRID:g}, got {self.grid_gco2_kwh:g}")
-        if not (0 <= self.send_threads <= MAX_SEND_THREADS):
-            raise ConfigError(f"--send-threads must be between 0 and {MAX_SEND_THREADS}, got {self.send_threads}")
-        if self.device.lower() not in DEVICES:
-            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-
-
-@dataclass(frozen=True)
-class TierOptions:
-    """``--world-size``, ``--rank``, ``--rendezvous``, the tier's secret, ``--tier-timeout`` and
-    ``--redirect``."""
-
-    rendezvous: str
-    rank: int | None
-    world: int | None
-    secret: str = field(repr=False)
-    timeout: float = TIER_TIMEOUT
-    redirect: bool = True  # send newcomers to the rank whose pool is weakest (tickets are admitted either way)
-
-    def __post_init__(self) -> None:
-        if not 1.0 <= self.timeout <= 3600:
-            raise ConfigError(f"--tier-timeout must be between 1 and 3600 s, got {self.timeout:g}")
 
 
 @dataclass
@@ -327,8 +213,9 @@ async def _choose_micro_batches(
             reporter.note(f"micro-batches: 1 (auto: {why})")
         return None
     dtype = cfg.wire_dtype.value if cfg.wire_dtype.torch is not None else _GEMM_DTYPE.get(train.precision, "fp32")
-    planner = core.planner
-    profiles = core.fleet_profiles(dtype)  # on the loop, where the Core lives; the forecasts in a thread
+    ps, kind, policy, profiles = core.forecast_inputs(
+        dtype
+    )  # on the loop, where the Core lives; the forecasts in a thread
     choice = await asyncio.to_thread(
         functools.partial(
             choose_micro_batches,
@@ -336,9 +223,9 @@ async def _choose_micro_batches(
             trainer.local_batch,  # a rank's slice, on a tier
             train.seq_len,
             dtype,
-            planner.ps,
-            planner.planner,
-            planner.policy,
+            ps,
+            kind,
+            policy,
             profiles,
             keeps_home=False,  # the live coordinator keeps GEMMs home one by one, never a whole step
         )
@@ -420,7 +307,7 @@ async def serve_job(
             for row in books.steps():
                 server.dashboard.step(row.step, row.loss, row.extra.get("val_loss"))
                 if "val_loss" in row.extra:  # the last held-out loss shows until the next evaluation
-                    core.progress.evaluated(row.step, row.extra["val_loss"])
+                    core.evaluated(row.step, row.extra["val_loss"])
         if on_start is not None:
             on_start(server)
         metrics = _Metrics(cfg.metrics, keep_until=start_step if plan.resume else None)
@@ -430,29 +317,17 @@ async def serve_job(
 
         def record(result: StepResult) -> None:  # on the loop, where the engine keeps its books
             t = server.traffic
-            predicted = core.prediction.current()  # its GEMMs were all submitted: it is over
-            home = core.prediction.current_home()
             extra = {
                 **result.extra,  # the trainer's own (a tier's collectives)
-                "devices": len(core.devices),
                 "mb_down": round(t.bytes_down / 1e6, 3),
                 "mb_up": round(t.bytes_up / 1e6, 3),
-                # What left the coordinator (to devices and relays), and what relays served for it.
-                "mb_ps_out": round(t.bytes_down / 1e6, 3),
-                "mb_relay_out": round(core.relays.bytes_named / 1e6, 3),
-                "mb_to_relays": round(core.relays.bytes_served / 1e6, 3),  # of mb_ps_out
-                "predicted_s": None if predicted is None else round(predicted, 4),
-                # The cost model's step had the coordinator kept every GEMM (the plan never loses to it).
-                "home_s": None if home is None or not math.isfinite(home) else round(home, 4),
-                # The step's most shipped GEMMs out at once, and of them waited on by the trainer.
-                "gemms_in_flight_max": core.peak_in_flight,
-                "waited_gemms_max": core.peak_waited,
+                "mb_ps_out": round(t.bytes_down / 1e6, 3),  # what left the coordinator (to devices and relays)
+                **core.step_figures(),  # its GEMMs were all submitted: the step is over
             }
             # Energy: what devices reported during the step (booked within their band) and what
             # this process used over it, per verified GFLOP and in grams of CO2 (engine/energy.py).
             span = meter.span()
-            core.energy.own(span.joules, span.source, span.gpu_joules)
-            extra.update(core.energy.close_step(core.gflop_verified).as_row())
+            extra.update(core.close_energy_step(span.joules, span.source, span.gpu_joules))
             result = StepResult(result.step, result.loss, result.tokens, result.seconds, result.lr, extra)
             results.append(result)
             assert metrics is not None
@@ -641,9 +516,9 @@ async def _summarise(tier: Tier, core: Core, server: Server, url: str, redirect:
         now = time.monotonic()
         rate = (server.checked - checked) / max(now - since, 1e-9)  # results verified a second
         checked, since, seq = server.checked, now, seq + 1
-        p = core.progress
+        step, phase = core.phase()
         rate = round(min(rate, 1e9), 1)
-        summary = RankSummary(seq, p.step, p.state.value, devices, rate, round(gflops, 2), url, balancer.admitted)
+        summary = RankSummary(seq, step, phase.value, devices, rate, round(gflops, 2), url, balancer.admitted)
         latest[:] = [summary]
         await asyncio.sleep(HEARTBEAT)
 
@@ -692,24 +567,14 @@ def _tokens(cfg: CoordinatorConfig, core: Core, reporter: Reporter) -> tuple[str
     """The join and operator tokens of this start: as given, else the database's (kept: only
     their hashes are stored, so they cannot be printed), else new ones. Returns (join, operator,
     which were generated). Nothing is stored if the two would be equal."""
-    gate = core.gate
-    join, operator, generated = cfg.token, cfg.operator_token, []
-    if join is None and not gate.has_join():
-        join = new_token()
-        generated.append("join")
-    if operator is None and not gate.has_operator():
-        operator = new_token()
-        generated.append("operator")
-    if gate.would_collide(join=join, operator=operator):
-        raise ConfigError("the operator token must differ from the join token")
-    gate.set_tokens(join=join, operator=operator)
+    join, operator, generated = core.start_tokens(cfg.token, cfg.operator_token)
     for which, token in (("join", cfg.token), ("operator", cfg.operator_token)):
         if token is not None and len(token) < STRONG_TOKEN:
             reporter.note(
                 f"the {which} token is short ({len(token)} characters): anyone who copies the database "
                 f"could search for it; generated tokens have 22"
             )
-    return join, operator, tuple(generated)
+    return join, operator, generated
 
 
 async def _linger(seconds: float, reporter: Reporter) -> None:

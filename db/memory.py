@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from cleave.db.store import (
     CONNECTED,
+    COPIES,
     COUNTED_OUTCOMES,
+    OUTRUN,
+    REQUEUED,
     RESTARTED,
-    RESUMABLE,
     TILE_COUNTS,
+    WON,
     CheckpointRow,
     ClaimedTile,
+    Credit,
     DeviceInfo,
     DeviceRow,
     DeviceStatus,
+    GemmRow,
     IdentityRow,
     IdentityState,
     Issued,
@@ -30,9 +34,12 @@ from cleave.db.store import (
     LeaseRow,
     NewTile,
     Outcome,
+    Ranking,
     StepRow,
+    Store,
     TileState,
-    finite_extra,
+    no_result,
+    totals_of,
 )
 from cleave.wire.errors import StoreError
 
@@ -48,16 +55,16 @@ class _Tile:
     state: str = TileState.QUEUED
     attempts: int = 0
     barred: set[int] = field(default_factory=set)
-    requeue_reason: str | None = None
+    issue: str = Issued.FIRST  # why its next lease from the queue is issued: first, or "requeued after ..."
 
 
-class MemoryStore:
+class MemoryStore(Store):
     def __init__(self) -> None:
         self._jobs: dict[int, JobRow] = {}
         self._steps: dict[int, dict[int, StepRow]] = {}
         self._devices: dict[int, DeviceRow] = {}
         self._device_job: dict[int, int] = {}
-        self._gemms: dict[int, dict[str, Any]] = {}
+        self._gemms: dict[int, GemmRow] = {}
         self._tiles: dict[int, _Tile] = {}
         self._queued: dict[int, None] = {}  # insertion-ordered set of queued tile ids
         self._leases: dict[int, list[LeaseRow]] = {}
@@ -89,10 +96,8 @@ class MemoryStore:
         self._steps[jid] = {}
         return jid
 
-    def job(self, job_id: int) -> JobRow:
-        if job_id not in self._jobs:
-            raise StoreError(f"no job {job_id}")
-        return copy.deepcopy(self._jobs[job_id])
+    def _job(self, job_id: int) -> JobRow | None:
+        return copy.deepcopy(self._jobs[job_id]) if job_id in self._jobs else None
 
     def set_job_state(self, job_id: int, state: str, now: float) -> None:
         job = self._jobs[job_id]
@@ -100,18 +105,9 @@ class MemoryStore:
         if state in (JobState.FINISHED, JobState.FAILED):
             job.finished_at = now
 
-    def record_step(
-        self,
-        job_id: int,
-        step: int,
-        loss: float,
-        tokens: int,
-        seconds: float,
-        now: float,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        self._steps[job_id][step] = StepRow(step, loss, tokens, seconds, now, finite_extra(extra))
-        self._jobs[job_id].step = step
+    def _record_step(self, job_id: int, row: StepRow) -> None:
+        self._steps[job_id][row.step] = row
+        self._jobs[job_id].step = row.step
 
     def steps(self, job_id: int) -> list[StepRow]:
         return [copy.deepcopy(s) for _, s in sorted(self._steps.get(job_id, {}).items())]
@@ -150,29 +146,22 @@ class MemoryStore:
     def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]:
         return {i: self._identities[i][0].state for i in identity_ids if i in self._identities}
 
-    def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None:
-        if state not in tuple(IdentityState):
-            raise StoreError(f"an identity cannot be {state!r}")
+    def _set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> bool:
         if identity_id not in self._identities:
-            raise StoreError(f"no identity {identity_id}")
+            return False
         row = self._identities[identity_id][0]
         row.state, row.reason, row.last_seen = state, reason, now
+        return True
 
-    def leaderboard(self, limit: int = 10, by: str = "gflop") -> list[LeaderRow]:
-        if by not in ("gflop", "gflop_per_j"):
-            raise StoreError(f"a leaderboard ranks by gflop or gflop_per_j, not {by!r}")
+    def _leaderboard(self, limit: int, by: Ranking) -> list[LeaderRow]:
         ranked = [
             (i, t)
             for i, t in self._totals.items()
-            if t[0] > 0 and (by == "gflop" or t[2] > 0) and self._identities[i][0].state == IdentityState.ACTIVE
+            if t[0] > 0 and (by == Ranking.GFLOP or t[2] > 0) and self._identities[i][0].state == IdentityState.ACTIVE
         ]
-        score = (lambda t: t[0]) if by == "gflop" else (lambda t: t[3] / t[2])
+        score = (lambda t: t[0]) if by == Ranking.GFLOP else (lambda t: t[3] / t[2])
         best = sorted(ranked, key=lambda kv: (-score(kv[1]), kv[0]))[:limit]
         return [LeaderRow(i, self._identities[i][0].name, g, int(n), j, m) for i, (g, n, j, m) in best]
-
-    def identity_total(self, identity_id: int) -> tuple[float, int]:
-        row = self.identity(identity_id)
-        return (row.gflop_verified, row.tiles_done) if row else (0.0, 0)
 
     def setting(self, key: str) -> str | None:
         return self._settings.get(key)
@@ -190,72 +179,42 @@ class MemoryStore:
                 self._identities[identity_id][0].last_seen = now
             for d in self._devices.values():
                 if d.identity_id == identity_id and self._device_job[d.id] == job_id:
-                    d.name, d.platform, d.cores, d.memory_bytes, d.device, d.gflops = (
-                        info.name,
-                        info.platform,
-                        info.cores,
-                        info.memory_bytes,
-                        info.device,
-                        info.gflops,
-                    )
+                    d.name, d.platform, d.cores, d.memory_bytes, d.device, d.gflops = info.values()
                     d.state, d.reason, d.last_seen = DeviceStatus.ONLINE, "", now
                     return d.id
         did = self._id("device")
         self._device_job[did] = job_id
-        self._devices[did] = DeviceRow(
-            did,
-            info.name,
-            info.platform,
-            info.cores,
-            info.memory_bytes,
-            info.device,
-            info.gflops,
-            DeviceStatus.ONLINE,
-            now,
-            now,
-            identity_id=identity_id,
-        )
+        self._devices[did] = DeviceRow(did, *info.values(), DeviceStatus.ONLINE, now, now, identity_id=identity_id)
         return did
 
-    def _device(self, device_id: int) -> DeviceRow:
-        if device_id not in self._devices:
-            raise StoreError(f"no device {device_id}")
-        return self._devices[device_id]
-
-    def set_device_state(self, device_id: int, state: str, now: float, reason: str = "") -> None:
-        d = self._device(device_id)
+    def _set_device_state(self, device_id: int, state: str, now: float, reason: str) -> bool:
+        d = self._devices.get(device_id)
+        if d is None:
+            return False
         d.state, d.reason, d.last_seen = state, reason, now
+        return True
 
-    def credit_device(
-        self,
-        device_id: int,
-        *,
-        verified: int = 0,
-        rejected: int = 0,
-        lost: int = 0,
-        revoked: int = 0,
-        gflop: float = 0.0,
-        joules: float = 0.0,
-        energy_flagged: int = 0,
-        gflop_metered: float = 0.0,
-        now: float,
-    ) -> None:
-        d = self._device(device_id)
-        d.tiles_done += verified
+    def _credit(self, device_id: int, credit: Credit, now: float) -> bool:
+        d = self._devices.get(device_id)
+        if d is None:
+            return False
+        done, rejected, lost, revoked, gflop, joules, flagged, metered = credit
+        d.tiles_done += done
         d.tiles_rejected += rejected
         d.tiles_lost += lost
         d.tiles_revoked += revoked
         d.gflop_verified += gflop
         d.joules += joules
-        d.energy_flagged += energy_flagged
-        d.gflop_metered += gflop_metered
+        d.energy_flagged += flagged
+        d.gflop_metered += metered
         d.last_seen = now
-        if d.identity_id in self._identities and (verified or gflop or joules or gflop_metered):
+        if d.identity_id in self._identities and (totals := totals_of(credit)) is not None:
             t = self._totals.setdefault(d.identity_id, [0.0, 0, 0.0, 0.0])
-            t[0] += gflop
-            t[1] += verified
-            t[2] += joules
-            t[3] += gflop_metered
+            t[0] += totals[0]
+            t[1] += totals[1]
+            t[2] += totals[2]
+            t[3] += totals[3]
+        return True
 
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
         rows = [
@@ -276,31 +235,21 @@ class MemoryStore:
     def next_gemm_id(self) -> int:
         return self._next["gemm"]
 
-    def add_gemm(
-        self,
-        gemm_id: int,
-        job_id: int,
-        step: int,
-        kind: str,
-        shape: tuple[int, int, int],
-        tiles: Sequence[NewTile],
-        now: float,
-    ) -> list[int]:
-        if gemm_id != self._next["gemm"]:
-            raise StoreError(f"GEMM id {gemm_id} is not the next id {self._next['gemm']}")
-        gid = self._id("gemm")
-        self._gemms[gid] = {"job_id": job_id, "step": step, "kind": kind, "shape": shape, "done": None}
+    def _add_gemm(self, gemm: GemmRow, tiles: Sequence[NewTile]) -> list[int]:
+        if gemm.id != self._next["gemm"]:
+            raise StoreError(f"GEMM id {gemm.id} is not the next id {self._next['gemm']}")
+        self._gemms[self._id("gemm")] = gemm
         ids = []
         for t in tiles:
             tid = self._id("tile")
-            self._tiles[tid] = _Tile(tid, gid, t.index, t.a_key, t.b_key, t.flops)
+            self._tiles[tid] = _Tile(tid, gemm.id, t.index, t.a_key, t.b_key, t.flops)
             self._queued[tid] = None
             self._leases[tid] = []
             ids.append(tid)
         return ids
 
     def finish_gemm(self, gemm_id: int, now: float) -> None:
-        self._gemms[gemm_id]["done"] = now
+        self._gemms[gemm_id].done_at = now
 
     def _open(self, tile_id: int) -> list[LeaseRow]:
         return [lease for lease in self._leases[tile_id] if lease.ended_at is None]
@@ -323,28 +272,20 @@ class MemoryStore:
                 best, best_score = t, score
                 if score == 2:
                     break
-        if best is None:
-            return None
-        del self._queued[best.id]
-        best.state = TileState.LEASED
-        issued = Issued.FIRST if best.requeue_reason is None else Issued.requeued(best.requeue_reason)
-        return self._lease(best, device_id, issued, now)
+        return None if best is None else self._dequeue(best, device_id, now)
 
     def lease_tile(self, tile_id: int, device_id: int, now: float) -> ClaimedTile | None:
         t = self._tiles.get(tile_id)
         if t is None or tile_id not in self._queued or device_id in t.barred:
             return None
-        del self._queued[tile_id]
+        return self._dequeue(t, device_id, now)
+
+    def _dequeue(self, t: _Tile, device_id: int, now: float) -> ClaimedTile:
+        del self._queued[t.id]
         t.state = TileState.LEASED
-        issued = Issued.FIRST if t.requeue_reason is None else Issued.requeued(t.requeue_reason)
-        return self._lease(t, device_id, issued, now)
+        return self._lease(t, device_id, t.issue, now)
 
-    def lease_tiles(self, leases: Sequence[tuple[int, int]], now: float) -> list[ClaimedTile | None]:
-        return [self.lease_tile(tile_id, device_id, now) for tile_id, device_id in leases]
-
-    def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
-        if issued not in (Issued.SPECULATIVE, Issued.DEADLINE):
-            raise StoreError(f"a copy is issued as {Issued.SPECULATIVE!r} or {Issued.DEADLINE!r}, not {issued!r}")
+    def _claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         t = self._tiles.get(tile_id)
         if t is None or t.state != TileState.LEASED or device_id in t.barred:
             return None
@@ -352,98 +293,93 @@ class MemoryStore:
             return None
         return self._lease(t, device_id, issued, now)
 
-    def end_lease(
-        self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
-    ) -> LeaseEnd:
-        if outcome not in tuple(Outcome) or outcome == Outcome.CANCELLED:
-            raise StoreError(f"a lease cannot be ended as {outcome!r}")
+    def _end_lease(
+        self, tile_id: int, device_id: int, outcome: str, now: float, reason: str, bar: bool
+    ) -> LeaseEnd | None:
         t = self._tiles.get(tile_id)
         mine = [lease for lease in self._open(tile_id) if lease.device_id == device_id] if t else []
         if t is None or not mine:
-            raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
+            return None
         lease = mine[0]
         lease.ended_at, lease.outcome, lease.reason = now, outcome, reason
-        if outcome in (Outcome.VERIFIED, Outcome.TAKEN):
-            t.state = TileState.VERIFIED if outcome == Outcome.VERIFIED else TileState.TAKEN
+        won = WON.get(outcome)
+        if won is not None:
+            t.state = won
             cancelled = []
             for other in self._open(tile_id):
-                other.ended_at, other.outcome, other.reason = now, Outcome.CANCELLED, "another copy was verified first"
+                other.ended_at, other.outcome, other.reason = now, Outcome.CANCELLED, OUTRUN
                 cancelled.append(other.device_id)
             return LeaseEnd(False, tuple(cancelled))
-        if outcome == Outcome.REJECTED or bar:
+        if bar:
             t.barred.add(device_id)
         if self._open(tile_id):
             return LeaseEnd(False)
-        t.state, t.requeue_reason = TileState.QUEUED, outcome
-        self._queued[tile_id] = None
+        self._requeue(t, outcome)
         return LeaseEnd(True)
 
-    def _taken(self, tile_id: int, device_id: int) -> tuple[_Tile, LeaseRow]:
+    def _requeue(self, t: _Tile, outcome: str) -> None:
+        t.state, t.issue = TileState.QUEUED, Issued.requeued(outcome)
+        self._queued[t.id] = None
+
+    def _taken(self, tile_id: int, device_id: int) -> tuple[_Tile, LeaseRow] | None:
         t = self._tiles.get(tile_id)
         won = [
             lease
             for lease in (self._leases[tile_id] if t else ())
             if lease.device_id == device_id and lease.outcome == Outcome.TAKEN
         ]
-        if t is None or t.state != TileState.TAKEN or not won:
-            raise StoreError(f"tile {tile_id} has no result of device {device_id} waiting for its band")
-        return t, won[-1]
+        return (t, won[-1]) if t is not None and t.state == TileState.TAKEN and won else None
 
     def verify_taken(self, results: Sequence[tuple[int, int]], now: float) -> None:
-        found = [self._taken(tile_id, device_id) for tile_id, device_id in results]  # all or nothing
+        found = []
+        for tile_id, device_id in results:  # all or nothing: each is found before any is written
+            taken = self._taken(tile_id, device_id)
+            if taken is None:
+                raise no_result(tile_id, device_id)
+            found.append(taken)
         for t, lease in found:
             t.state, lease.outcome = TileState.VERIFIED, Outcome.VERIFIED
 
-    def reject_taken(
-        self, tile_id: int, device_id: int, now: float, reason: str, outcome: str = Outcome.REJECTED
-    ) -> None:
-        if outcome not in (Outcome.REJECTED, Outcome.REVOKED):
-            raise StoreError(f"a result waiting for its band cannot be ended as {outcome!r}")
-        t, lease = self._taken(tile_id, device_id)
+    def _reject_taken(self, tile_id: int, device_id: int, now: float, reason: str, outcome: str) -> None:
+        taken = self._taken(tile_id, device_id)
+        if taken is None:
+            raise no_result(tile_id, device_id)
+        t, lease = taken
         lease.outcome, lease.reason = outcome, reason
-        t.state, t.requeue_reason = TileState.QUEUED, outcome
         t.barred.add(device_id)
-        self._queued[tile_id] = None
-
-    def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
-        return [
-            tid for tid in self.leased_to(device_id) if self.end_lease(tid, device_id, outcome, now, reason).requeued
-        ]
+        self._requeue(t, outcome)
 
     def leased_to(self, device_id: int) -> list[int]:
         return sorted(tid for tid in self._tiles if any(lease.device_id == device_id for lease in self._open(tid)))
 
-    def tile_state(self, tile_id: int) -> str:
-        if tile_id not in self._tiles:
-            raise StoreError(f"no tile {tile_id}")
-        return self._tiles[tile_id].state
+    def _tile_state(self, tile_id: int) -> str | None:
+        t = self._tiles.get(tile_id)
+        return None if t is None else t.state
 
-    def lost_reasons(self, job_id: int, limit: int = 8) -> dict[str, int]:
+    def _lost_reasons(self, job_id: int) -> Counter[str]:
         reasons: Counter[str] = Counter(
             lease.reason
             for t in self._tiles.values()
-            if self._gemms[t.gemm_id]["job_id"] == job_id
+            if self._gemms[t.gemm_id].job_id == job_id
             for lease in self._leases[t.id]
             if lease.outcome == Outcome.LOST
         )
         reasons.update(self._pruned_lost.get(job_id, Counter()))
-        return dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))[:limit])
+        return reasons
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
         counts = dict.fromkeys(TILE_COUNTS, 0)
         for t in self._tiles.values():
-            if self._gemms[t.gemm_id]["job_id"] != job_id:
+            if self._gemms[t.gemm_id].job_id != job_id:
                 continue
             counts[t.state] += 1
             for lease in self._leases[t.id]:
                 if lease.outcome in COUNTED_OUTCOMES:
                     counts[lease.outcome] += 1
-                if lease.issued.startswith("requeued"):
-                    counts["requeued"] += 1
-                elif lease.issued == Issued.SPECULATIVE:
-                    counts["speculative"] += 1
-                elif lease.issued == Issued.DEADLINE:
-                    counts["expired"] += 1
+                if lease.issued in COPIES:
+                    counts[COPIES[lease.issued]] += 1
+                elif lease.issued != Issued.FIRST:
+                    counts[REQUEUED] += 1
         for key, n in self._pruned.get(job_id, Counter()).items():
             counts[key] += n
         return counts
@@ -451,10 +387,11 @@ class MemoryStore:
     def leases(self, tile_id: int) -> list[LeaseRow]:
         return copy.deepcopy(self._leases.get(tile_id, []))
 
-    def unbar_tile(self, tile_id: int) -> None:
-        if tile_id not in self._tiles:
-            raise StoreError(f"no tile {tile_id}")
-        self._tiles[tile_id].barred.clear()
+    def _unbar_tile(self, tile_id: int) -> bool:
+        t = self._tiles.get(tile_id)
+        if t is not None:
+            t.barred.clear()
+        return t is not None
 
     # --- checkpoints and resuming
     def add_checkpoint(self, row: CheckpointRow) -> None:
@@ -466,16 +403,10 @@ class MemoryStore:
     def newest_job(self) -> JobRow | None:
         return copy.deepcopy(self._jobs[max(self._jobs)]) if self._jobs else None
 
-    def resumable_job(self) -> JobRow | None:
-        if not self._jobs:
-            return None
-        newest = self._jobs[max(self._jobs)]
-        return copy.deepcopy(newest) if newest.state in RESUMABLE else None
-
     def abandon_unfinished(self, job_id: int | None, now: float) -> int:
         count = 0
         for t in self._tiles.values():
-            if job_id is not None and self._gemms[t.gemm_id]["job_id"] != job_id:
+            if job_id is not None and self._gemms[t.gemm_id].job_id != job_id:
                 continue
             if t.state not in (TileState.QUEUED, TileState.LEASED, TileState.TAKEN):
                 continue
@@ -492,7 +423,7 @@ class MemoryStore:
         ids = {
             gid
             for gid, g in self._gemms.items()
-            if g["job_id"] == job_id and g["step"] <= through_step and g["done"] is not None and gid != newest
+            if g.job_id == job_id and g.step <= through_step and g.done_at is not None and gid != newest
         }
         if not ids:
             return 0
@@ -507,13 +438,3 @@ class MemoryStore:
         self._pruned.setdefault(job_id, Counter()).update({k: before[k] - after[k] for k in TILE_COUNTS})
         self._pruned_lost.setdefault(job_id, Counter()).update(Counter(lost) - Counter(lost_after))
         return len(ids)
-
-    def flush(self) -> None:
-        pass
-
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        yield  # every call is atomic on its own here already
-
-    def close(self) -> None:
-        pass

@@ -18,7 +18,7 @@ def migration(fn: Migration) -> Migration:
 
 @migration
 def m001_initial(db: sqlite_utils.Database) -> None:
-    db["jobs"].create(
+    db.table("jobs").create(
         {
             "id": int,
             "name": str,
@@ -32,12 +32,12 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         pk="id",
         not_null={"name", "config", "state"},
     )
-    db["steps"].create(
+    db.table("steps").create(
         {"job_id": int, "step": int, "loss": float, "tokens": int, "seconds": float, "at": float, "extra": str},
         pk=("job_id", "step"),
         foreign_keys=[("job_id", "jobs", "id")],
     )
-    db["devices"].create(
+    db.table("devices").create(
         {
             "id": int,
             "job_id": int,
@@ -60,7 +60,7 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         defaults={"tiles_done": 0, "tiles_rejected": 0, "tiles_lost": 0, "gflop_verified": 0.0, "reason": ""},
         foreign_keys=[("job_id", "jobs", "id")],
     )
-    db["gemms"].create(
+    db.table("gemms").create(
         {
             "id": int,
             "job_id": int,
@@ -76,7 +76,7 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         pk="id",
         foreign_keys=[("job_id", "jobs", "id")],
     )
-    db["tiles"].create(
+    db.table("tiles").create(
         {
             "id": int,
             "gemm_id": int,
@@ -96,8 +96,8 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         foreign_keys=[("gemm_id", "gemms", "id")],
         defaults={"attempts": 0, "open_leases": 0, "barred": "[]"},
     )
-    db["tiles"].create_index(["state", "id"])
-    db["leases"].create(
+    db.table("tiles").create_index(["state", "id"])
+    db.table("leases").create(
         {
             "id": int,
             "tile_id": int,
@@ -112,9 +112,9 @@ def m001_initial(db: sqlite_utils.Database) -> None:
         foreign_keys=[("tile_id", "tiles", "id")],
         defaults={"reason": "", "issued": "first"},
     )
-    db["leases"].create_index(["tile_id"])
-    db["leases"].create_index(["device_id", "ended_at"])
-    db["checkpoints"].create(
+    db.table("leases").create_index(["tile_id"])
+    db.table("leases").create_index(["device_id", "ended_at"])
+    db.table("checkpoints").create(
         {"id": int, "job_id": int, "step": int, "path": str, "sha256": str, "bytes": int, "created_at": float},
         pk="id",
         foreign_keys=[("job_id", "jobs", "id")],
@@ -125,13 +125,13 @@ def m001_initial(db: sqlite_utils.Database) -> None:
 def m002_identities(db: sqlite_utils.Database) -> None:
     """Enrolled identities (credit, bans and reliability belong to them), settings such as the
     token hashes, and one device row per identity per job."""
-    db["identities"].create(
+    db.table("identities").create(
         {"id": int, "name": str, "key": bytes, "state": str, "reason": str, "created_at": float, "last_seen": float},
         pk="id",
         not_null={"name", "key", "state"},
         defaults={"state": "active", "reason": ""},
     )
-    db["settings"].create({"key": str, "value": str}, pk="key", not_null={"value"})
+    db.table("settings").create({"key": str, "value": str}, pk="key", not_null={"value"})
     db.execute("ALTER TABLE devices ADD COLUMN identity_id INTEGER REFERENCES identities(id)")
     db.execute("ALTER TABLE devices ADD COLUMN tiles_revoked INTEGER NOT NULL DEFAULT 0")
     db.execute("CREATE UNIQUE INDEX idx_devices_job_identity ON devices (job_id, identity_id)")
@@ -183,10 +183,10 @@ def m006_pruning(db: sqlite_utils.Database) -> None:
     lease rows held, which ``recount`` and ``lost_reasons`` add back, so a job's books read the
     same after its old rows are gone. The indexes let the pruning's deletes (and the foreign-key
     checks they make) find a step's GEMMs, a GEMM's tiles and a tile's leases without a scan."""
-    db["pruned_counts"].create(
+    db.table("pruned_counts").create(
         {"job_id": int, "key": str, "n": int}, pk=("job_id", "key"), foreign_keys=[("job_id", "jobs", "id")]
     )
-    db["pruned_lost"].create(
+    db.table("pruned_lost").create(
         {"job_id": int, "reason": str, "n": int}, pk=("job_id", "reason"), foreign_keys=[("job_id", "jobs", "id")]
     )
     db.execute("CREATE INDEX IF NOT EXISTS idx_gemms_job_step ON gemms (job_id, step)")
@@ -196,14 +196,14 @@ def m006_pruning(db: sqlite_utils.Database) -> None:
 def migrate(db: sqlite_utils.Database) -> list[str]:
     """Apply pending migrations; returns the names applied."""
     if "_migrations" not in db.table_names():
-        db["_migrations"].create({"name": str, "applied_at": float}, pk="name")
-    done = {r["name"] for r in db["_migrations"].rows}
+        db.table("_migrations").create({"name": str, "applied_at": float}, pk="name")
+    done = {r["name"] for r in db.table("_migrations").rows}
     applied = []
     for name, fn in MIGRATIONS:
         if name in done:
             continue
         with db.conn:
             fn(db)
-            db["_migrations"].insert({"name": name, "applied_at": time.time()})
+            db.table("_migrations").insert({"name": name, "applied_at": time.time()})
         applied.append(name)
     return applied

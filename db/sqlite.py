@@ -32,21 +32,29 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlite_utils
 
 from cleave.db.migrations import migrate
 from cleave.db.store import (
+    COPIES,
+    CREDITED,
+    OUTRUN,
+    REQUEUED,
     RESTARTED,
-    RESUMABLE,
     TILE_COUNTS,
+    TOTALLED,
+    WON,
     CheckpointRow,
     ClaimedTile,
+    Credit,
     DeviceInfo,
     DeviceRow,
     DeviceStatus,
+    GemmRow,
     IdentityRow,
     IdentityState,
     Issued,
@@ -57,18 +65,43 @@ from cleave.db.store import (
     LeaseRow,
     NewTile,
     Outcome,
+    Ranking,
     StepRow,
+    Store,
     TileState,
-    finite_extra,
+    no_result,
+    totals_of,
 )
 from cleave.wire.errors import StoreError
 
 GROUP_SECONDS = 0.05  # a running coordinator's group-commit window (see the module doc)
-_DEVICE_COLS = (
-    "id, name, platform, cores, memory_bytes, device, gflops, state, joined_at, last_seen, tiles_done,"
-    " tiles_rejected, gflop_verified, reason, tiles_lost, tiles_revoked, identity_id, joules, energy_flagged,"
-    " gflop_metered"
-)
+Row = TypeVar("Row")
+
+
+def _columns(row: type) -> str:
+    """A row type's fields, which its table's columns are named after, in its order."""
+    return ", ".join(f.name for f in fields(row))
+
+
+def _added(columns: Sequence[str]) -> str:
+    """An UPDATE's SET that adds a parameter to each column, in their order."""
+    return ", ".join(f"{c} = {c} + ?" for c in columns)
+
+
+def _inserted(cur: sqlite3.Cursor) -> int:
+    """The id of the row an INSERT just added (sqlite3 leaves ``lastrowid`` None only when it added none)."""
+    if cur.lastrowid is None:
+        raise StoreError("an INSERT added no row")
+    return cur.lastrowid
+
+
+# The columns of each row type's table that it reads back, in its fields' order.
+_DEVICE_COLS, _JOB_COLS, _STEP_COLS = _columns(DeviceRow), _columns(JobRow), _columns(StepRow)
+_LEASE_COLS, _CHECKPOINT_COLS = _columns(LeaseRow), _columns(CheckpointRow)
+# credit_device's two updates: the device row's counts, and its identity's totals (the leaderboard's).
+_CREDIT = f"UPDATE devices SET {_added(CREDITED)}, last_seen = ? WHERE id = ? RETURNING identity_id"
+_TOTAL = f"UPDATE identities SET {_added(TOTALLED)} WHERE id = ?"
+_LEASE_ROW = "INSERT INTO leases (tile_id, device_id, leased_at, issued) VALUES (?, ?, ?, ?)"
 # An identity's totals are summed over its device rows in every job.
 _IDENTITY_SELECT = (
     "SELECT i.id, i.name, i.state, i.reason, i.created_at, i.last_seen, COALESCE(SUM(d.tiles_done), 0),"
@@ -129,7 +162,7 @@ PRUNE_DELETES = (
 )
 
 
-class SQLiteStore:
+class SQLiteStore(Store):
     def __init__(
         self,
         path: str | Path,
@@ -285,6 +318,10 @@ class SQLiteStore:
     def _one(self, sql: str, params: Any = ()) -> tuple | None:
         return self.conn.execute(sql, params).fetchone()
 
+    def _all(self, row: Callable[..., Row], sql: str, params: Any = ()) -> list[Row]:
+        """Every row ``sql`` selects, as ``row`` (its columns in the row type's order)."""
+        return [row(*r) for r in self.conn.execute(sql, params)]
+
     # --- job and steps
     def mark_devices_offline(self, reason: str) -> None:
         self._write("UPDATE devices SET state = 'offline', reason = ? WHERE state IN ('online', 'paused')", (reason,))
@@ -298,15 +335,11 @@ class SQLiteStore:
                 "INSERT INTO jobs (name, config, state, step, steps, created_at) VALUES (?, ?, 'running', 0, ?, ?)",
                 (name, json.dumps(config, sort_keys=True), steps, now),
             )
-            return int(cur.lastrowid)
+            return _inserted(cur)
 
-    def job(self, job_id: int) -> JobRow:
-        row = self._one(
-            "SELECT id, name, config, state, step, steps, created_at, finished_at FROM jobs WHERE id = ?", (job_id,)
-        )
-        if row is None:
-            raise StoreError(f"no job {job_id}")
-        return JobRow(row[0], row[1], json.loads(row[2]), row[3], row[4], row[5], row[6], row[7])
+    def _job(self, job_id: int) -> JobRow | None:
+        row = self._one(f"SELECT {_JOB_COLS} FROM jobs WHERE id = ?", (job_id,))
+        return None if row is None else JobRow(row[0], row[1], json.loads(row[2]), *row[3:])
 
     def set_job_state(self, job_id: int, state: str, now: float) -> None:
         done = now if state in (JobState.FINISHED, JobState.FAILED) else None
@@ -314,27 +347,16 @@ class SQLiteStore:
             "UPDATE jobs SET state = ?, finished_at = COALESCE(?, finished_at) WHERE id = ?", (state, done, job_id)
         )
 
-    def record_step(
-        self,
-        job_id: int,
-        step: int,
-        loss: float,
-        tokens: int,
-        seconds: float,
-        now: float,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
+    def _record_step(self, job_id: int, row: StepRow) -> None:
         with self.atomic() as c:
             c.execute(
-                "INSERT OR REPLACE INTO steps (job_id, step, loss, tokens, seconds, at, extra) VALUES (?,?,?,?,?,?,?)",
-                (job_id, step, loss, tokens, seconds, now, json.dumps(finite_extra(extra), sort_keys=True)),
+                f"INSERT OR REPLACE INTO steps (job_id, {_STEP_COLS}) VALUES (?,?,?,?,?,?,?)",
+                (job_id, row.step, row.loss, row.tokens, row.seconds, row.at, json.dumps(row.extra, sort_keys=True)),
             )
-            c.execute("UPDATE jobs SET step = ? WHERE id = ?", (step, job_id))
+            c.execute("UPDATE jobs SET step = ? WHERE id = ?", (row.step, job_id))
 
     def steps(self, job_id: int) -> list[StepRow]:
-        rows = self.conn.execute(
-            "SELECT step, loss, tokens, seconds, at, extra FROM steps WHERE job_id = ? ORDER BY step", (job_id,)
-        )
+        rows = self.conn.execute(f"SELECT {_STEP_COLS} FROM steps WHERE job_id = ? ORDER BY step", (job_id,))
         return [StepRow(r[0], r[1], r[2], r[3], r[4], json.loads(r[5])) for r in rows]
 
     # --- identities and settings
@@ -343,7 +365,7 @@ class SQLiteStore:
             "INSERT INTO identities (name, key, state, reason, created_at, last_seen) VALUES (?, ?, ?, '', ?, ?)",
             (name, key, IdentityState.ACTIVE, now, now),
         )
-        return int(cur.lastrowid)
+        return _inserted(cur)
 
     def identity(self, identity_id: int) -> IdentityRow | None:
         row = self._one(f"{_IDENTITY_SELECT} WHERE i.id = ? GROUP BY i.id", (identity_id,))
@@ -354,10 +376,7 @@ class SQLiteStore:
         return bytes(row[0]) if row is not None else None
 
     def identities(self, limit: int = 1000) -> list[IdentityRow]:
-        return [
-            IdentityRow(*r)
-            for r in self.conn.execute(f"{_IDENTITY_SELECT} GROUP BY i.id ORDER BY i.id DESC LIMIT ?", (limit,))
-        ]
+        return self._all(IdentityRow, f"{_IDENTITY_SELECT} GROUP BY i.id ORDER BY i.id DESC LIMIT ?", (limit,))
 
     def identity_states(self, identity_ids: Sequence[int]) -> dict[int, str]:
         return {
@@ -368,22 +387,17 @@ class SQLiteStore:
             )
         }
 
-    def set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> None:
-        if state not in tuple(IdentityState):
-            raise StoreError(f"an identity cannot be {state!r}")
+    def _set_identity_state(self, identity_id: int, state: str, reason: str, now: float) -> bool:
         cur = self._write(
             "UPDATE identities SET state = ?, reason = ?, last_seen = ? WHERE id = ?", (state, reason, now, identity_id)
         )
-        if cur.rowcount != 1:
-            raise StoreError(f"no identity {identity_id}")
+        return cur.rowcount == 1
 
-    def leaderboard(self, limit: int = 10, by: str = "gflop") -> list[LeaderRow]:
-        order = {"gflop": "gflop_verified DESC", "gflop_per_j": "(gflop_metered / joules) DESC"}.get(by)
-        if order is None:
-            raise StoreError(f"a leaderboard ranks by gflop or gflop_per_j, not {by!r}")
+    def _leaderboard(self, limit: int, by: Ranking) -> list[LeaderRow]:
+        order = {Ranking.GFLOP: "gflop_verified DESC", Ranking.GFLOP_PER_J: "(gflop_metered / joules) DESC"}[by]
         # The identities' totals (kept by credit_device) in one of m005's partial indexes: an
         # index-ordered LIMIT, the same work at a thousand identities and at a million.
-        where = "gflop_verified > 0" + (" AND joules > 0" if by == "gflop_per_j" else "")
+        where = "gflop_verified > 0" + (" AND joules > 0" if by == Ranking.GFLOP_PER_J else "")
         index = f"idx_identities_rank_{by}"  # named: without statistics the planner may sort another
         return [
             LeaderRow(int(r[0]), r[1], float(r[2]), int(r[3]), float(r[4]), float(r[5]))
@@ -395,6 +409,7 @@ class SQLiteStore:
         ]
 
     def identity_total(self, identity_id: int) -> tuple[float, int]:
+        # Two sums off idx_devices_identity: half the time of the whole row ``identity`` reads.
         row = self._one(
             "SELECT COALESCE(SUM(gflop_verified), 0.0), COALESCE(SUM(tiles_done), 0) FROM devices"
             " WHERE identity_id = ?",
@@ -425,7 +440,7 @@ class SQLiteStore:
 
     # --- devices
     def add_device(self, job_id: int, info: DeviceInfo, now: float, identity_id: int | None = None) -> int:
-        values = (info.name, info.platform, info.cores, info.memory_bytes, info.device, info.gflops)
+        values = info.values()
         with self.atomic() as c:
             if identity_id is not None:
                 row = c.execute(
@@ -447,17 +462,18 @@ class SQLiteStore:
                 (job_id, *values, now, now, identity_id),
             )
             self._count_state(job_id, None, DeviceStatus.ONLINE)
-            return int(cur.lastrowid)
+            return _inserted(cur)
 
-    def set_device_state(self, device_id: int, state: str, now: float, reason: str = "") -> None:
+    def _set_device_state(self, device_id: int, state: str, now: float, reason: str) -> bool:
         with self.atomic() as c:
             row = c.execute("SELECT job_id, state FROM devices WHERE id = ?", (device_id,)).fetchone()
             if row is None:
-                raise StoreError(f"no device {device_id}")
+                return False
             c.execute(
                 "UPDATE devices SET state = ?, reason = ?, last_seen = ? WHERE id = ?", (state, reason, now, device_id)
             )
             self._count_state(row[0], row[1], state)
+            return True
 
     def _count_state(self, job_id: int, old: str | None, new: str) -> None:
         counts = self._states.get(job_id)
@@ -466,36 +482,14 @@ class SQLiteStore:
                 counts[str(old)] -= 1
             counts[str(new)] += 1
 
-    def credit_device(
-        self,
-        device_id: int,
-        *,
-        verified: int = 0,
-        rejected: int = 0,
-        lost: int = 0,
-        revoked: int = 0,
-        gflop: float = 0.0,
-        joules: float = 0.0,
-        energy_flagged: int = 0,
-        gflop_metered: float = 0.0,
-        now: float,
-    ) -> None:
+    def _credit(self, device_id: int, credit: Credit, now: float) -> bool:
         with self._grouped() as c:
-            row = c.execute(
-                "UPDATE devices SET tiles_done = tiles_done + ?, tiles_rejected = tiles_rejected + ?,"
-                " tiles_lost = tiles_lost + ?, tiles_revoked = tiles_revoked + ?, gflop_verified = gflop_verified + ?,"
-                " joules = joules + ?, energy_flagged = energy_flagged + ?, gflop_metered = gflop_metered + ?,"
-                " last_seen = ? WHERE id = ? RETURNING identity_id",
-                (verified, rejected, lost, revoked, gflop, joules, energy_flagged, gflop_metered, now, device_id),
-            ).fetchone()
+            row = c.execute(_CREDIT, (*credit, now, device_id)).fetchone()
             if row is None:
-                raise StoreError(f"no device {device_id}")
-            if row[0] is not None and (verified or gflop or joules or gflop_metered):  # the leaderboard's totals
-                c.execute(
-                    "UPDATE identities SET gflop_verified = gflop_verified + ?, tiles_done = tiles_done + ?,"
-                    " joules = joules + ?, gflop_metered = gflop_metered + ? WHERE id = ?",
-                    (gflop, verified, joules, gflop_metered, row[0]),
-                )
+                return False
+            if row[0] is not None and (totals := totals_of(credit)) is not None:
+                c.execute(_TOTAL, (*totals, row[0]))
+            return True
 
     def devices(self, job_id: int, *, states: Sequence[str] | None = None, limit: int | None = None) -> list[DeviceRow]:
         if states is not None and limit is not None:
@@ -517,10 +511,7 @@ class SQLiteStore:
             where += " AND state IN (SELECT value FROM json_each(?))"
             params.append(json.dumps(list(states)))
         params.append(-1 if limit is None else limit)
-        return [
-            DeviceRow(*r)
-            for r in self.conn.execute(f"SELECT {_DEVICE_COLS} FROM devices WHERE {where} ORDER BY id LIMIT ?", params)
-        ]
+        return self._all(DeviceRow, f"SELECT {_DEVICE_COLS} FROM devices WHERE {where} ORDER BY id LIMIT ?", params)
 
     def device_states(self, job_id: int) -> dict[str, int]:
         if job_id not in self._states:  # counted once from the rows, then kept by every state change
@@ -539,25 +530,16 @@ class SQLiteStore:
         row = self._one("SELECT COALESCE(MAX(id), 0) + 1 FROM gemms")
         return int(row[0]) if row else 1
 
-    def add_gemm(
-        self,
-        gemm_id: int,
-        job_id: int,
-        step: int,
-        kind: str,
-        shape: tuple[int, int, int],
-        tiles: Sequence[NewTile],
-        now: float,
-    ) -> list[int]:
+    def _add_gemm(self, gemm: GemmRow, tiles: Sequence[NewTile]) -> list[int]:
         with self._grouped() as c:
-            m, n, k = shape
-            gid = int(
+            m, n, k = gemm.shape
+            gid = _inserted(
                 c.execute(
                     "INSERT INTO gemms (id, job_id, step, kind, m, n, k, tiles, created_at) VALUES (?,?,?,?,?,?,?,?,?)",
-                    (gemm_id, job_id, step, kind, m, n, k, len(tiles), now),
-                ).lastrowid
+                    (gemm.id, gemm.job_id, gemm.step, gemm.kind, m, n, k, len(tiles), gemm.created_at),
+                )
             )
-            self._gemm_job[gid] = job_id
+            self._gemm_job[gid] = gemm.job_id
             self._count(gid, TileState.QUEUED, len(tiles))
             ids = [
                 int(r[0])
@@ -565,7 +547,7 @@ class SQLiteStore:
                     c.execute(
                         "INSERT INTO tiles (gemm_id, idx, a_key, b_key, flops, state, queued_at) "
                         "VALUES (?,?,?,?,?, 'queued', ?) RETURNING id",
-                        (gid, t.index, t.a_key, t.b_key, t.flops, now),
+                        (gid, t.index, t.a_key, t.b_key, t.flops, gemm.created_at),
                     ).fetchone()
                     for t in tiles
                 )
@@ -586,17 +568,13 @@ class SQLiteStore:
         if counts is not None:  # jobs nobody asked about are counted from scratch when asked
             counts[key] += delta
 
-    def _lease(self, c: sqlite3.Connection, row: tuple, device_id: int, issued: str, now: float) -> ClaimedTile:
-        if issued.startswith("requeued"):
-            self._count(row[1], "requeued")
-        elif issued == Issued.SPECULATIVE:
-            self._count(row[1], "speculative")
-        elif issued == Issued.DEADLINE:
-            self._count(row[1], "expired")
-        c.execute(
-            "INSERT INTO leases (tile_id, device_id, leased_at, issued) VALUES (?, ?, ?, ?)",
-            (row[0], device_id, now, issued),
-        )
+    def _dequeued(self, row: tuple) -> ClaimedTile:
+        """The tile a lease took from the queue (its row as ``_CLAIM`` returns it), counted."""
+        issued = Issued.FIRST if row[6] is None else Issued.requeued(row[6])
+        self._count(row[1], TileState.QUEUED, -1)
+        self._count(row[1], TileState.LEASED)
+        if row[6] is not None:
+            self._count(row[1], REQUEUED)
         return ClaimedTile(row[0], row[1], row[2], row[3], row[4], row[5], issued)
 
     def claim_tile(self, device_id: int, prefer: Sequence[str], now: float) -> ClaimedTile | None:
@@ -611,10 +589,9 @@ class SQLiteStore:
             row = c.execute(sql, params).fetchone()
             if row is None:
                 return None
-            issued = Issued.FIRST if row[6] is None else Issued.requeued(row[6])
-            self._count(row[1], TileState.QUEUED, -1)
-            self._count(row[1], TileState.LEASED)
-            return self._lease(c, row, device_id, issued, now)
+            tile = self._dequeued(row)
+            c.execute(_LEASE_ROW, (tile.id, device_id, now, tile.issued))
+            return tile
 
     def lease_tiles(self, leases: Sequence[tuple[int, int]], now: float) -> list[ClaimedTile | None]:
         """One UPDATE for the batch's tiles and one INSERT for its lease rows (a tile appears once
@@ -633,28 +610,24 @@ class SQLiteStore:
                 if row is None:
                     out.append(None)
                     continue
-                issued = Issued.FIRST if row[6] is None else Issued.requeued(row[6])
-                self._count(row[1], TileState.QUEUED, -1)
-                self._count(row[1], TileState.LEASED)
-                if issued.startswith("requeued"):
-                    self._count(row[1], "requeued")
-                inserts.append((tile_id, device_id, now, issued))
-                out.append(ClaimedTile(row[0], row[1], row[2], row[3], row[4], row[5], issued))
-            c.executemany("INSERT INTO leases (tile_id, device_id, leased_at, issued) VALUES (?, ?, ?, ?)", inserts)
+                tile = self._dequeued(row)
+                inserts.append((tile_id, device_id, now, tile.issued))
+                out.append(tile)
+            c.executemany(_LEASE_ROW, inserts)
         return out
 
-    def claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
-        if issued not in (Issued.SPECULATIVE, Issued.DEADLINE):
-            raise StoreError(f"a copy is issued as {Issued.SPECULATIVE!r} or {Issued.DEADLINE!r}, not {issued!r}")
+    def _claim_copy(self, tile_id: int, device_id: int, issued: str, now: float) -> ClaimedTile | None:
         with self._grouped() as c:
             row = c.execute(_CLAIM_COPY, {"tile": tile_id, "device": device_id}).fetchone()
-            return None if row is None else self._lease(c, row, device_id, issued, now)
+            if row is None:
+                return None
+            self._count(row[1], COPIES[issued])
+            c.execute(_LEASE_ROW, (row[0], device_id, now, issued))
+            return ClaimedTile(row[0], row[1], row[2], row[3], row[4], row[5], issued)
 
-    def end_lease(
-        self, tile_id: int, device_id: int, outcome: str, now: float, reason: str = "", bar: bool = False
-    ) -> LeaseEnd:
-        if outcome not in tuple(Outcome) or outcome == Outcome.CANCELLED:
-            raise StoreError(f"a lease cannot be ended as {outcome!r}")
+    def _end_lease(
+        self, tile_id: int, device_id: int, outcome: str, now: float, reason: str, bar: bool
+    ) -> LeaseEnd | None:
         with self._grouped() as c:
             cur = c.execute(
                 "UPDATE leases SET ended_at = ?, outcome = ?, reason = ? "
@@ -662,23 +635,23 @@ class SQLiteStore:
                 (now, outcome, reason, tile_id, device_id),
             )
             if cur.rowcount != 1:
-                raise StoreError(f"tile {tile_id} is not leased to device {device_id}")
-            if outcome in (Outcome.VERIFIED, Outcome.TAKEN):
-                state = TileState.VERIFIED if outcome == Outcome.VERIFIED else TileState.TAKEN
+                return None
+            won = WON.get(outcome)
+            if won is not None:
                 (gemm_id,) = c.execute(
                     "UPDATE tiles SET state = ?, open_leases = 0, done_at = ? WHERE id = ? RETURNING gemm_id",
-                    (state.value, now, tile_id),
+                    (won.value, now, tile_id),
                 ).fetchone()
                 cancelled = c.execute(
-                    "UPDATE leases SET ended_at = ?, outcome = 'cancelled', reason = 'another copy was verified first' "
+                    "UPDATE leases SET ended_at = ?, outcome = 'cancelled', reason = ? "
                     "WHERE tile_id = ? AND ended_at IS NULL RETURNING device_id",
-                    (now, tile_id),
+                    (now, OUTRUN, tile_id),
                 ).fetchall()
                 self._count(gemm_id, TileState.LEASED, -1)
-                self._count(gemm_id, state)
+                self._count(gemm_id, won)
                 self._count(gemm_id, Outcome.CANCELLED, len(cancelled))
                 return LeaseEnd(False, tuple(r[0] for r in cancelled))
-            barred = "json_insert(barred, '$[#]', :device)" if outcome == Outcome.REJECTED or bar else "barred"
+            barred = "json_insert(barred, '$[#]', :device)" if bar else "barred"
             state, gemm_id = c.execute(
                 f"UPDATE tiles SET open_leases = open_leases - 1, barred = {barred}, "
                 "state = CASE WHEN open_leases = 1 THEN 'queued' ELSE state END, "
@@ -718,11 +691,7 @@ class SQLiteStore:
                 self._count(gemm_id, TileState.TAKEN, -1)
                 self._count(gemm_id, TileState.VERIFIED)
 
-    def reject_taken(
-        self, tile_id: int, device_id: int, now: float, reason: str, outcome: str = Outcome.REJECTED
-    ) -> None:
-        if outcome not in (Outcome.REJECTED, Outcome.REVOKED):
-            raise StoreError(f"a result waiting for its band cannot be ended as {outcome!r}")
+    def _reject_taken(self, tile_id: int, device_id: int, now: float, reason: str, outcome: str) -> None:
         with self._grouped() as c:
             cur = c.execute(
                 "UPDATE leases SET outcome = :outcome, reason = :reason WHERE id = (SELECT max(id) FROM leases "
@@ -735,19 +704,11 @@ class SQLiteStore:
                 "RETURNING gemm_id",
                 {"outcome": outcome, "now": now, "tile": tile_id, "device": device_id},
             ).fetchone()
-            if cur.rowcount != 1 or row is None:
-                raise StoreError(f"tile {tile_id} has no result of device {device_id} waiting for its band")
+            if cur.rowcount != 1 or row is None:  # raised inside: its savepoint undoes both updates
+                raise no_result(tile_id, device_id)
             self._count(row[0], TileState.TAKEN, -1)
             self._count(row[0], TileState.QUEUED)
             self._count(row[0], outcome)
-
-    def release_device(self, device_id: int, outcome: str, now: float, reason: str = "") -> list[int]:
-        with self.atomic():
-            return [
-                tid
-                for tid in self.leased_to(device_id)
-                if self.end_lease(tid, device_id, outcome, now, reason).requeued
-            ]
 
     def leased_to(self, device_id: int) -> list[int]:
         return [
@@ -757,19 +718,17 @@ class SQLiteStore:
             )
         ]
 
-    def tile_state(self, tile_id: int) -> str:
+    def _tile_state(self, tile_id: int) -> str | None:
         row = self._one("SELECT state FROM tiles WHERE id = ?", (tile_id,))
-        if row is None:
-            raise StoreError(f"no tile {tile_id}")
-        return str(row[0])
+        return None if row is None else str(row[0])
 
-    def lost_reasons(self, job_id: int, limit: int = 8) -> dict[str, int]:
+    def _lost_reasons(self, job_id: int) -> Counter[str]:
         if job_id not in self._lost:  # counted once from the rows (and what was pruned), then kept by end_lease
             lost = self._lost_counted("g.job_id = :job", {"job": job_id})
             for reason, n in self.conn.execute("SELECT reason, n FROM pruned_lost WHERE job_id = ?", (job_id,)):
                 lost[str(reason)] += int(n)
             self._lost[job_id] = lost
-        return dict(sorted(self._lost[job_id].items(), key=lambda kv: (-kv[1], kv[0]))[:limit])
+        return self._lost[job_id]
 
     def tile_counts(self, job_id: int) -> dict[str, int]:
         if job_id not in self._counts:
@@ -820,43 +779,28 @@ class SQLiteStore:
         )
 
     def leases(self, tile_id: int) -> list[LeaseRow]:
-        return [
-            LeaseRow(*r)
-            for r in self.conn.execute(
-                "SELECT tile_id, device_id, leased_at, ended_at, outcome, reason, issued FROM leases "
-                "WHERE tile_id = ? ORDER BY id",
-                (tile_id,),
-            )
-        ]
+        return self._all(LeaseRow, f"SELECT {_LEASE_COLS} FROM leases WHERE tile_id = ? ORDER BY id", (tile_id,))
 
-    def unbar_tile(self, tile_id: int) -> None:
-        if self._write("UPDATE tiles SET barred = '[]' WHERE id = ?", (tile_id,)).rowcount != 1:
-            raise StoreError(f"no tile {tile_id}")
+    def _unbar_tile(self, tile_id: int) -> bool:
+        return self._write("UPDATE tiles SET barred = '[]' WHERE id = ?", (tile_id,)).rowcount == 1
 
     # --- checkpoints and resuming
     def add_checkpoint(self, row: CheckpointRow) -> None:
         self._write(
-            "INSERT INTO checkpoints (job_id, step, path, sha256, bytes, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO checkpoints ({_CHECKPOINT_COLS}) VALUES (?, ?, ?, ?, ?, ?)",
             (row.job_id, row.step, row.path, row.sha256, row.bytes, row.created_at),
         )
 
     def checkpoints(self, job_id: int) -> list[CheckpointRow]:
-        return [
-            CheckpointRow(*r)
-            for r in self.conn.execute(
-                "SELECT job_id, step, path, sha256, bytes, created_at FROM checkpoints WHERE job_id = ? "
-                "ORDER BY step DESC, id DESC",
-                (job_id,),
-            )
-        ]
+        return self._all(
+            CheckpointRow,
+            f"SELECT {_CHECKPOINT_COLS} FROM checkpoints WHERE job_id = ? ORDER BY step DESC, id DESC",
+            (job_id,),
+        )
 
     def newest_job(self) -> JobRow | None:
         row = self._one("SELECT id FROM jobs ORDER BY id DESC LIMIT 1")
         return self.job(int(row[0])) if row is not None else None
-
-    def resumable_job(self) -> JobRow | None:
-        row = self._one("SELECT id, state FROM jobs ORDER BY id DESC LIMIT 1")
-        return self.job(int(row[0])) if row is not None and row[1] in RESUMABLE else None
 
     def truncate_steps(self, job_id: int, after: int) -> None:
         with self.atomic() as c:

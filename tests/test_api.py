@@ -48,7 +48,8 @@ def test_the_factory_is_called_after_seeding() -> None:
 
 
 def test_an_unfinished_job_of_another_model_is_never_resumed_with_this_factory(tmp_path) -> None:  # noqa: ANN001
-    from cleave.coordinator.job import CoordinatorConfig, _plan
+    from cleave.coordinator.config import CoordinatorConfig
+    from cleave.coordinator.job import _plan
     from cleave.db.sqlite import SQLiteStore
 
     store = SQLiteStore(tmp_path / "j.db")
@@ -63,3 +64,22 @@ def test_an_unfinished_job_of_another_model_is_never_resumed_with_this_factory(t
     with pytest.raises(ConfigError, match="trains 'custom:A', not 'custom:B'.*--new-job"):
         _plan(other, store, Quiet(), 1.0)  # type: ignore[arg-type]
     store.close()
+
+
+def test_derived_defaults_are_the_api_s_too() -> None:
+    """The heartbeat follows the timeout, and the caps on kinds of connection the cap on all of
+    them, wherever the configuration is built (not only by ``cleave coordinator start``)."""
+    from cleave.coordinator.config import CoordinatorConfig
+    from cleave.coordinator.engine.limits import Limits
+    from cleave.coordinator.engine.scheduler import FaultPolicy
+
+    assert CoordinatorConfig().faults.heartbeat == 2.0  # a fifth of 30 s, at most 2 s
+    assert FaultPolicy(heartbeat_timeout=5.0).heartbeat == 1.0
+    assert FaultPolicy(heartbeat=0.5, heartbeat_timeout=5.0).heartbeat == 0.5  # given: kept
+    with pytest.raises(ConfigError, match=r"^FaultPolicy\.heartbeat must be above 0 and below heartbeat_timeout"):
+        FaultPolicy(heartbeat=5.0, heartbeat_timeout=5.0)
+    with pytest.raises(ConfigError, match=r"^FaultPolicy\.heartbeat_timeout must be a number of seconds above 0"):
+        FaultPolicy(heartbeat_timeout=float("nan"))
+    small = Limits(max_connections=4)
+    assert (small.max_unauthenticated, small.max_observers) == (4, 4)
+    assert (Limits().max_unauthenticated, Limits().max_observers) == (256, 8)

@@ -75,7 +75,7 @@ def test_receive_then_settle_gives_the_same_product_as_handle() -> None:
         assert verdict.ok and seconds >= 0
         fleet.route(core.settle(check, verdict, seconds, fleet.now))
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
-    assert core.verify_seconds > 0
+    assert core.checks.seconds > 0
 
 
 def test_a_second_result_for_a_tile_under_check_is_refused_and_not_checked_twice() -> None:
@@ -278,7 +278,7 @@ def test_a_batch_settled_as_one_credits_each_device_once_and_grants_its_freed_sl
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
     assert most >= 2  # a device's freed slots went out together (one work batch on the wire)
     # The planner's cached profiles are each device's as its observations left it.
-    assert core.fleet_profiles() == {d: core.profiles[d].profile(core.dtype) for d in devices}
+    assert core.fleet_profiles() == {d: core.fleet.profiles[d].profile(core.dtype) for d in devices}
     assert rounds >= 2 and sum(n for _, n in credits) == report.status(core, fleet.now)["tiles"]["verified"]
 
 

@@ -193,7 +193,7 @@ def test_a_rank_redirects_a_newcomer_before_enrolling_it_and_the_other_rank_admi
     cred = _credential(out)
     rank0.disconnect(first, 1.5, "left")
     rank0.connect(Hello(name="second", token="tok", gflops=50.0), rank0.gate.challenge().nonce, 1.6)
-    rank0.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
+    rank0.admissions.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
     with pytest.raises(AuthError, match="wrong join token"):
         rank0.connect(Hello(name="x", token="nope"), rank0.gate.challenge().nonce, 2.0)
     identities = len(rank0.store.identities())
@@ -227,7 +227,7 @@ def test_a_burst_of_newcomers_on_tickets_waits_for_the_enrolment_rate_without_lo
     rank0.join_tier(Balancer(0, SECRET, url=LOCAL))
     rank1.join_tier(Balancer(1, SECRET, url=LOCAL))
     rank0.connect(Hello(name="anchor", token="tok", gflops=1000.0), rank0.gate.challenge().nonce, 0.0)
-    rank0.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
+    rank0.admissions.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
     tickets = []
     for i in range(30):  # rank 0 sends them (its own enrolment rate counts them, spread over time)
         with pytest.raises(Redirecting) as sent:
@@ -243,7 +243,7 @@ def test_a_burst_of_newcomers_on_tickets_waits_for_the_enrolment_rate_without_lo
     assert busy and len(busy) < 30
     for n, (i, ticket) in enumerate(busy):  # later, at the enrolment rate
         rank1.connect(Hello(name=f"n{i}", ticket=ticket), rank1.gate.challenge().nonce, 30.0 + n)
-    assert len(rank1.devices) == 30 and rank1.balancer.admitted == 30
+    assert len(rank1.devices) == 30 and rank1.admissions.balancer.admitted == 30
 
 
 def _placements(liars: bool) -> tuple[list[int | None], float]:
@@ -255,7 +255,7 @@ def _placements(liars: bool) -> tuple[list[int | None], float]:
     rank0.join_tier(Balancer(0, SECRET, url=LOCAL))
     for i in range(4):
         rank0.connect(Hello(name=f"anchor{i}", token="tok", gflops=400.0), rank0.gate.challenge().nonce, 1.0)
-    rank0.balancer.update([Pool(1, "ws://127.0.0.1:9", 60.0, seq=1)])
+    rank0.admissions.balancer.update([Pool(1, "ws://127.0.0.1:9", 60.0, seq=1)])
     went: list[int | None] = []
     for i in range(12):
         claim = 1e7 if liars and i % 2 else 400.0
@@ -289,8 +289,8 @@ def test_a_device_counts_in_its_pool_at_its_measured_rate_once_it_returned_verif
     assert core.pool() == (1, UNMEASURED_GFLOPS)  # not 1e7, nor 1e7 / 4
     box = submit(core, fleet, torch.randn(64, 32), torch.randn(32, 64))
     fleet.drain()
-    measured = core.profiles[liar].profile(core.dtype).flops_per_s(core.dtype) / 1e9
-    assert "result" in box and core.profiles[liar].results > 0
+    measured = core.fleet.profiles[liar].profile(core.dtype).flops_per_s(core.dtype) / 1e9
+    assert "result" in box and core.fleet.profiles[liar].results > 0
     assert core.pool()[1] == pytest.approx(measured) and measured < UNMEASURED_GFLOPS
 
 
@@ -305,7 +305,7 @@ def test_newcomers_that_ignore_their_redirect_are_dropped_and_do_not_get_the_wea
     core.join_tier(Balancer(0, SECRET, url=LOCAL))
     for i in range(4):
         core.connect(Hello(name=f"anchor{i}", token="tok", gflops=400.0), core.gate.challenge().nonce, 1.0)
-    core.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
+    core.admissions.balancer.update([Pool(1, "ws://127.0.0.1:9", 0.0, seq=1)])
     server = Server(core, clock=lambda: clock[0])
 
     async def newcomer(url: str, gflops: float, *, ignore: bool) -> tuple[object, int | None]:
@@ -316,10 +316,10 @@ def test_newcomers_that_ignore_their_redirect_are_dropped_and_do_not_get_the_wea
             if not isinstance(first, Redirect):  # enrolled here (its credential): balancing sent it nowhere
                 return first, None
             if ignore:  # it reads nothing more: the close after the redirect goes unanswered
-                ignored = core.balancer.ignored
+                ignored = core.admissions.balancer.ignored
                 ws.transport.pause_reading()
                 for _ in range(int(TIMEOUT / 0.02)):
-                    if core.balancer.ignored > ignored:
+                    if core.admissions.balancer.ignored > ignored:
                         break
                     await asyncio.sleep(0.02)
                 ws.transport.resume_reading()
@@ -339,6 +339,8 @@ def test_newcomers_that_ignore_their_redirect_are_dropped_and_do_not_get_the_wea
     got = asyncio.run(run())
     for first, code in got[:UNREDEEMED]:
         assert isinstance(first, Redirect) and first.rank == 1 and code == CloseCode.REDIRECTED
-    assert core.balancer.ignored == UNREDEEMED and core.balancer.shunned(core.wall(clock[0])) == []
+    balancer = core.admissions.balancer
+    assert balancer is not None
+    assert balancer.ignored == UNREDEEMED and balancer.shunned(core.wall(clock[0])) == []
     first, code = got[-1]
     assert isinstance(first, Redirect) and first.rank == 1, first  # still sent where it is needed

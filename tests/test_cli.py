@@ -148,7 +148,7 @@ def test_the_optimizer_flags_reach_the_schedule_and_bad_ones_are_one_line_errors
     assert lrs == pytest.approx([0.003, 0.0001 + (0.003 - 0.0001) * 0.5, 0.0001], rel=1e-12)  # warm-up, cosine, floor
     for bad, why in (
         (["--warmup", "-1"], "--warmup must be between 0 and 10,000,000 steps, got -1"),
-        (["--min-lr", "0.5"], "--min-lr must be between 0 and --lr (0.003), got 0.5"),
+        (["--min-lr", "0.5"], "--min-lr must be between 0 and the peak learning rate (0.003), got 0.5"),
         (["--weight-decay", "nan"], "--weight-decay must be between 0 and 1, got nan"),
         (["--grad-clip", "-2"], "--grad-clip must be a finite number >= 0 (0: no clipping), got -2.0"),
     ):
@@ -157,3 +157,58 @@ def test_the_optimizer_flags_reach_the_schedule_and_bad_ones_are_one_line_errors
             assert result.exit_code == 2, result.output
             assert result.output.strip() == f"error: {why}", result.output
     assert not (tmp_path / "x.db").exists()  # refused before the coordinator opened its database
+
+
+def test_a_bad_value_names_its_field_in_the_api_and_its_flag_on_the_command_line(tmp_path: Path) -> None:
+    """The configuration objects check each value once and name the field as the Python API
+    spells it; ``cleave coordinator start`` names the flag that set it, exit 2, before the
+    coordinator opens its database."""
+    from typer.testing import CliRunner
+
+    from cleave.coordinator.config import CoordinatorConfig
+    from cleave.coordinator.engine.standby import StandbyPolicy
+
+    with pytest.raises(ConfigError, match=r"^port must be between 0 and 65535, got 70000$") as refused:
+        CoordinatorConfig(port=70000)
+    assert refused.value.field == "port"
+    with pytest.raises(ConfigError, match=r"^StandbyPolicy\.after must be between 0 \(never\) and 86400 s, got -1\.0$"):
+        StandbyPolicy(after=-1.0)
+    runner = CliRunner()
+    db = tmp_path / "x.db"
+    for flags, why in (
+        (["--port", "70000"], "--port must be between 0 and 65535, got 70000"),
+        (["--standby-after", "-1"], "--standby-after must be between 0 (never) and 86400 s, got -1.0"),
+        (["--max-connections", "0"], "--max-connections must be between 1 and 1,000,000, got 0"),
+        (["--certfile", "c.pem"], "--keyfile is needed too: a certificate chain and its private key go together"),
+        (["--steps", "0"], "--steps must be between 1 and 10,000,000, got 0"),
+    ):
+        result = runner.invoke(app, ["coordinator", "start", "--db", str(db), *flags])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == f"error: {why}", result.output
+    assert not db.exists()
+
+
+def test_each_field_the_flags_table_names_exists_and_its_flag_is_an_option() -> None:
+    """options.FLAGS: a renamed field or flag would leave an error naming neither."""
+    import dataclasses
+
+    from cleave.cli.options import FLAGS, TRAIN_OPTIONS
+    from cleave.coordinator.config import CoordinatorConfig, TierOptions
+    from cleave.coordinator.engine.limits import Limits
+    from cleave.coordinator.engine.scheduler import FaultPolicy
+    from cleave.coordinator.engine.standby import StandbyPolicy
+    from cleave.coordinator.planning.tiles import TilingPolicy
+    from cleave.coordinator.training.loop import TrainConfig
+
+    def fields(cls: type) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    policies = (TilingPolicy, FaultPolicy, StandbyPolicy, Limits, TierOptions)
+    known = fields(CoordinatorConfig) | fields(TrainConfig) | {f"{c.__name__}.{n}" for c in policies for n in fields(c)}
+    assert set(FLAGS) <= known, set(FLAGS) - known
+    assert set(TRAIN_OPTIONS) <= fields(TrainConfig)
+    commands = _commands()
+    start = {o for p in commands["cleave coordinator start"].params for o in p.opts}
+    assert set(FLAGS.values()) <= start, set(FLAGS.values()) - start
+    train = {o for p in commands["cleave train"].params for o in p.opts}
+    assert {FLAGS[name] for name in TRAIN_OPTIONS} <= train & start  # declared once, taken by both

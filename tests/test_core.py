@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cleave.coordinator.engine import report
-from cleave.coordinator.engine.core import UNCHECKED_PER_SLOT, Core
+from cleave.coordinator.engine.checks import UNCHECKED_PER_SLOT
+from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.gemms import BandCheck
 from cleave.coordinator.engine.limits import TrustPolicy
 from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
@@ -193,7 +194,7 @@ def test_dw_reuses_the_forward_and_dx_blocks_already_on_the_device(core: Core) -
     submit(core, fleet, torch.randn(64, 8), torch.randn(8, 64), GemmKind.PLAIN)
     assert len(fleet.pending[0].message.forget) >= 2
     fleet.drain()
-    assert len(core.sources) == 0
+    assert len(core.intake.sources) == 0
 
 
 def test_a_forward_no_backward_follows_leaves_no_source_on_devices(core: Core) -> None:
@@ -207,10 +208,10 @@ def test_a_forward_no_backward_follows_leaves_no_source_on_devices(core: Core) -
     fleet.route(out)
     fleet.drain()
     torch.testing.assert_close(box["y"], x @ w, rtol=1e-5, atol=1e-5)
-    assert len(core.sources) == 0
+    assert len(core.intake.sources) == 0
     submit(core, fleet, x, w)  # training's forward: X stays for the dW
     fleet.drain()
-    assert [s.retained for s in core.sources._live.values()] == [True]
+    assert [s.retained for s in core.intake.sources._live.values()] == [True]
 
 
 def test_a_weight_changed_in_place_is_never_served_from_a_stale_cache(core: Core) -> None:
@@ -1003,7 +1004,7 @@ def test_a_forged_tile_inside_a_checked_band_is_rejected_alone_and_its_device_ba
     assert (counts["taken"], counts["verified"]) == (1, 0)  # neither verified nor used before its band's check
     fleet.drain()
     torch.testing.assert_close(box["result"], a @ b, rtol=1e-5, atol=1e-5)
-    assert fleet.closed.get(bad) == CloseCode.BANNED and core.band_failures == 1
+    assert fleet.closed.get(bad) == CloseCode.BANNED and core.checks.band_failures == 1
     errors = [m for m in fleet.inbox[bad] if isinstance(m, Error)]
     assert [e.code for e in errors] == ["rejected"]
     histories = {t: core.store.leases(t) for t in range(1, 17)}
@@ -1046,7 +1047,7 @@ def test_bands_check_every_result_once_and_the_job_stays_exact(core: Core) -> No
     finally:
         BandCheck.run = run  # type: ignore[method-assign]
     assert checked and len(checked) == len(set(checked)) == core.store.tile_counts(core.job_id)["verified"]
-    assert core.band_failures == 0
+    assert core.checks.band_failures == 0
 
 
 def test_a_trusted_forger_gets_a_bounded_number_of_results_past_the_check_before_its_ban(core: Core) -> None:

@@ -21,8 +21,9 @@ import pytest
 from procs import OPERATOR, TOKEN, join
 from websockets.sync.client import connect as ws_connect
 
+from cleave.coordinator.config import CoordinatorConfig
 from cleave.coordinator.engine.live_plan import Planner
-from cleave.coordinator.job import CoordinatorConfig, serve_job
+from cleave.coordinator.job import serve_job
 from cleave.coordinator.net.dashboard import Curve, Dashboard
 from cleave.coordinator.training.loop import StepResult, TrainConfig
 

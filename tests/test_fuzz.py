@@ -41,6 +41,7 @@ from cleave.coordinator.engine.limits import Limits, Rate, TrustPolicy
 from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
 from cleave.coordinator.engine.scheduler import FaultPolicy
 from cleave.coordinator.engine.standby import StandbyPolicy
+from cleave.coordinator.engine.upkeep import SWEEP
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
 from cleave.db.memory import MemoryStore
 from cleave.db.store import IdentityState, TileState
@@ -969,8 +970,9 @@ class CoreUnderFire(RuleBasedStateMachine):
             # Idle devices sleep within an example's minutes, and must be woken for what waits.
             standby=StandbyPolicy(after=2.0, keepalive=3.0),
         )
-        self.core._lease = self.checked_lease(self.core._lease)  # type: ignore[method-assign]
-        self.core._write_leases = self.checked_writes(self.core._write_leases)  # type: ignore[method-assign]
+        leasing = self.core.leasing
+        leasing.send_work = self.checked_lease(leasing.send_work)  # type: ignore[method-assign]
+        leasing.flush = self.checked_writes(leasing.flush)  # type: ignore[method-assign]
         self.now = START
         self.devs: dict[int, FakeDevice] = {}
         self.departed: dict[int, tuple[bytes, str]] = {}  # identity -> (secret, behaviour), of devices gone
@@ -985,7 +987,7 @@ class CoreUnderFire(RuleBasedStateMachine):
     # ------------------------------------------------------------------ plumbing
 
     def checked_lease(self, lease: Callable[..., list[Outbound]]) -> Callable[..., list[Outbound]]:
-        """Wraps Core._lease: at the moment of every lease, the device may take it."""
+        """Wraps Leasing.send_work: at the moment of every lease, the device may take it."""
 
         def checked(dev: Any, tile_id: int, now: float) -> list[Outbound]:
             # The scheduler has decided (the tile is in the device's books); the store is next.
@@ -995,12 +997,12 @@ class CoreUnderFire(RuleBasedStateMachine):
             )
             assert not dev.paused, f"device {dev.id} leased tile {tile_id} while paused"
             before = [lease for lease in self.store.leases(tile_id) if lease.device_id == dev.id]
-            # A copy's row is written before its work goes (Core._copy), a first lease's after
-            # (Core._write_leases, checked there): at most the one open lease, this one.
+            # A copy's row is written before its work goes (Leasing.copy), a first lease's after
+            # (Leasing.flush, checked there): at most the one open lease, this one.
             assert sum(lease.ended_at is None for lease in before) <= 1, "two open leases for one device"
             barred = [lease for lease in before if lease.ended_at is not None and _bars(lease)]
             # ...unless every device failed it and it was re-opened to all (Core._unstick).
-            assert not barred or tile_id in self.core._reopened, (
+            assert not barred or tile_id in self.core.upkeep.reopened, (
                 f"device {dev.id} leased tile {tile_id} again after {barred[0].outcome}"
             )
             return lease(dev, tile_id, now)
@@ -1008,11 +1010,11 @@ class CoreUnderFire(RuleBasedStateMachine):
         return checked
 
     def checked_writes(self, write: Callable[..., list[Outbound]]) -> Callable[..., list[Outbound]]:
-        """Wraps Core._write_leases: every lease it writes is open in the store after it."""
+        """Wraps Leasing.flush: every lease it writes is open in the store after it."""
 
-        def checked(leasing: list[tuple[int, int]], now: float) -> list[Outbound]:
-            pairs = list(leasing)
-            out = write(leasing, now)
+        def checked(now: float) -> list[Outbound]:
+            pairs = list(self.core.leasing.first)
+            out = write(now)
             for tile_id, device_id in pairs:
                 mine = [lease for lease in self.store.leases(tile_id) if lease.device_id == device_id]
                 assert mine and mine[-1].ended_at is None, f"tile {tile_id}'s lease to {device_id} was not written"
@@ -1445,7 +1447,7 @@ class CoreUnderFire(RuleBasedStateMachine):
             self.route(self.core.tick(self.now))
         # A device is looked after at least once per sweep; one that joined mid-sweep, in the next.
         # One in standby may be silent for a few keep-alives (engine/standby.py).
-        sweep = 2 * getattr(core_module, "SWEEP", 0.0) + TICK
+        sweep = 2 * SWEEP + TICK
         for dev in self.core.devices.values():
             grace = self.core.standby.silence(dev.id, self.core.faults.heartbeat_timeout) + sweep
             assert self.now - dev.last_seen <= grace, f"device {dev.id}, silent since {dev.last_seen}, was kept"
@@ -1472,9 +1474,9 @@ class CoreUnderFire(RuleBasedStateMachine):
         core, store = self.core, self.store
         live = core.gemms
         assert {r.id for r in self.records if r.result is None} == set(live), "a GEMM vanished or finished twice"
-        assert set(core._tile_gemm) == {t for g in live.values() for t in g.tiles}
+        assert core.intake.tiles() == {t for g in live.values() for t in g.tiles}
         holding = dict(core.sched.holding())
-        assert set(holding) <= set(core._tile_gemm), "a tile of no live GEMM is held"
+        assert set(holding) <= core.intake.tiles(), "a tile of no live GEMM is held"
         queued = 0
         for g in live.values():
             for tile_id, tile in g.tiles.items():

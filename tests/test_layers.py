@@ -232,3 +232,25 @@ def test_status_and_the_operators_commands_start_without_torch() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 0, run.stderr
+
+
+def test_the_pricing_commands_run_the_experiments_of_whatif() -> None:
+    """``cleave plan`` and ``cleave simulate`` parse and print: what they run and the documents
+    they print are coordinator/whatif/'s (experiments.py, report.py), defined there only, and
+    bench/ takes them from there, never from the commands."""
+    whatif = set().union(
+        *(_top_level_names(ROOT / "coordinator" / "whatif" / f)[0] for f in ("experiments.py", "report.py"))
+    )
+    for command in ("plan", "simulate"):
+        path = ROOT / "cleave_cli" / f"{command}.py"
+        assert not _top_level_names(path)[0] & whatif, f"cleave_cli/{command}.py defines what whatif/ does"
+        assert "coordinator.whatif.experiments" in _imports(f"cleave_cli.{command}", path)
+    commands = {"cleave.cli.plan", "cleave.cli.simulate"}
+    found = []
+    for path in (ROOT / "bench").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names if n in commands]
+    assert found == [], "bench/ imports from the commands, not from coordinator/whatif/:\n" + "\n".join(found)

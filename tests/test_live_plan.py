@@ -162,7 +162,7 @@ def test_a_fast_device_is_planned_more_tiles_and_each_device_starts_on_its_own()
     fleet = Fleet(core)
     for name in ("a", "b"):
         fleet.join(name)
-    live_plan = core._plan(256, 256, 512, GemmKind.FORWARD, 0.0)
+    live_plan = core.fleet.plan(core.planner, 256, 256, 512, GemmKind.FORWARD, 0.0)
     _, out = core.submit(torch.randn(256, 512), torch.randn(512, 256), GemmKind.FORWARD, fleet.now, lambda c: None)
     first = [item for item in out if isinstance(item, Send) and isinstance(item.message, Work)]
     tiles = core.gemms[next(iter(core.gemms))].tiles
@@ -228,7 +228,7 @@ def test_long_runs_of_pieces_go_as_several_units_that_fit_a_frame() -> None:
     for i in range(2):
         fleet.join(f"d{i}")
     a, b = torch.randn(32, 4096), torch.randn(4096, 24)  # 256 pieces of 16
-    live = core._plan(32, 24, 4096, GemmKind.PLAIN, 0.0)
+    live = core.fleet.plan(core.planner, 32, 24, 4096, GemmKind.PLAIN, 0.0)
     assert live.plan is not None and live.plan.local_sum
     assert max(t.pieces for t in live.tiles.tiles) == MAX_PAIRS + 1
     box: dict = {}
@@ -307,7 +307,7 @@ def test_a_seat_knows_its_links_from_join_and_follows_their_measurement() -> Non
     fleet = Fleet(core)
     d = fleet.join("d0")
     seat = core.sched.seats[d]
-    prior = core.profiles[d].profile(core.dtype)
+    prior = core.fleet.profiles[d].profile(core.dtype)
     assert (seat.down_rate, seat.up_rate) == (prior.down, prior.up) and prior.down > 0
     a, b = torch.randn(96, 64), torch.randn(64, 80)
     submit_and_drain = []
@@ -320,7 +320,7 @@ def test_a_seat_knows_its_links_from_join_and_follows_their_measurement() -> Non
     assert submit_and_drain  # the GEMM completed through the device
     fleet.now += 1.0
     core.submit(a, b, GemmKind.FORWARD, fleet.now, lambda c: None)  # planning refreshes the links
-    measured = core.profiles[d].profile(core.dtype)
+    measured = core.fleet.profiles[d].profile(core.dtype)
     assert (measured.down, measured.up) != (prior.down, prior.up)  # the fit moved off its priors
     assert (seat.down_rate, seat.up_rate) == (measured.down, measured.up)
 

@@ -19,8 +19,9 @@ prometheus_client = pytest.importorskip("prometheus_client")
 from procs import TOKEN, join  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from cleave.coordinator.config import CoordinatorConfig  # noqa: E402
 from cleave.coordinator.engine.live_plan import Planner  # noqa: E402
-from cleave.coordinator.job import CoordinatorConfig, serve_job  # noqa: E402
+from cleave.coordinator.job import serve_job  # noqa: E402
 from cleave.coordinator.net import metrics as metrics_mod  # noqa: E402
 from cleave.coordinator.net.server import Server  # noqa: E402
 from cleave.coordinator.training.loop import StepResult, TrainConfig  # noqa: E402
@@ -62,7 +63,7 @@ class _Checker:
         assert got[("cleave_tokens_total", ())] == result.step * result.tokens
         assert got[("cleave_step_seconds_count", ())] == result.step
         assert got[("cleave_step_seconds_sum", ())] > 0
-        assert got[("cleave_verify_seconds_total", ())] == pytest.approx(core.verify_seconds)
+        assert got[("cleave_verify_seconds_total", ())] == pytest.approx(core.checks.seconds)
         assert got[("cleave_tokens_per_second", ())] == pytest.approx(core.progress.tokens_per_s)
         assert got[("cleave_bytes_total", (("direction", "down"),))] == self.server.traffic.bytes_down
         assert got[("cleave_bytes_total", (("direction", "up"),))] == self.server.traffic.bytes_up

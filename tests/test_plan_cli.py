@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from cleave.cli import render
 from cleave.cli.app import app
-from cleave.cli.plan import default_ps
 from cleave.coordinator.planning.planner import Gemm, baseline, plan_step
 from cleave.coordinator.planning.tier import Tier
+from cleave.coordinator.whatif.experiments import default_ps
 from cleave.coordinator.whatif.presets import model_shape, resolve_fleet, step_gemms
 
 RUNNER = CliRunner(env={"COLUMNS": "200"})  # rich's width off a terminal; tables are cut at 80

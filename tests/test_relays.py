@@ -361,8 +361,8 @@ def test_devices_behind_a_relay_slower_than_their_leases_are_not_cut_and_the_rel
         trust=TrustPolicy(probation_tiles=0, first_slots=2), band_checks=False,
     )  # fmt: skip
     cuts: list[int] = []
-    cut = core._cut
-    core._cut = lambda dev, why, now, **kw: (cuts.append(dev.id), cut(dev, why, now, **kw))[1]  # type: ignore[method-assign]
+    drop = core.leasing.drop  # every cut, from a take-back or a settle, closes the device here
+    core.leasing.drop = lambda dev, *rest: (cuts.append(dev.id), drop(dev, *rest))[1]  # type: ignore[method-assign]
     server = Server(core)
     a, b = torch.randn(64, 48), torch.randn(48, 64)
 
@@ -451,8 +451,8 @@ def test_a_relay_answering_each_frame_just_in_time_is_reported_when_frames_queue
         trust=TrustPolicy(probation_tiles=0, first_slots=3), band_checks=False,
     )  # fmt: skip
     cuts: list[int] = []
-    cut = core._cut
-    core._cut = lambda dev, why, now, **kw: (cuts.append(dev.id), cut(dev, why, now, **kw))[1]  # type: ignore[method-assign]
+    drop = core.leasing.drop  # every cut, from a take-back or a settle, closes the device here
+    core.leasing.drop = lambda dev, *rest: (cuts.append(dev.id), drop(dev, *rest))[1]  # type: ignore[method-assign]
     server = Server(core)
     waits: list[float] = []  # the fetch_wait of each work sent
 

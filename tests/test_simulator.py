@@ -16,7 +16,6 @@ import sys
 import numpy as np
 import pytest
 
-from cleave.cli.simulate import _breakdown
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.limits import TrustPolicy
 from cleave.coordinator.engine.live_plan import LivePlanner, Planner, batches, shared
@@ -37,6 +36,7 @@ from cleave.coordinator.planning.tiles import plan_gemm as uniform_grid
 from cleave.coordinator.training.loop import TrainConfig, Trainer
 from cleave.coordinator.whatif import runs
 from cleave.coordinator.whatif.presets import model_shape, resolve_fleet
+from cleave.coordinator.whatif.report import breakdown
 from cleave.coordinator.whatif.runs import run_all
 from cleave.coordinator.whatif.simulator import (
     PsWork,
@@ -186,7 +186,7 @@ def test_the_binding_resource_is_named(what: str, ps: PSProfile, profile: dict, 
     fleet = tuple(DeviceClass(c.name, c.count, dataclasses.replace(c.profile, **profile)) for c in laptops(8))
     # Uniform tiles: every GEMM goes out, whatever the cost model would keep home.
     sim = run(model=model_shape("small"), fleet=fleet, ps=ps, batch=2, seq=64, planner=Planner.UNIFORM)
-    report = _breakdown(sim.result, sim.result.step_s, ps)
+    report = breakdown(sim.result, sim.result.step_s, ps)
     assert report["bound"] == bound, (what, report["busy_s"])
 
 
@@ -483,7 +483,7 @@ def test_a_costly_event_loop_binds_the_step_and_the_report_names_it() -> None:
     assert bound.loop_s == pytest.approx(expected, rel=0.05)  # each lease framed, each result read
     # (The loop's queue can outlast the step by a copy's frame: copies of late units are framed too.)
     assert bound.seconds >= 0.9 * bound.loop_s and bound.loop_s > 5 * free.seconds
-    report = _breakdown(Simulation(SimConfig(ps=slow_loop, churn=False, **kw)).run(), bound.seconds, slow_loop)
+    report = breakdown(Simulation(SimConfig(ps=slow_loop, churn=False, **kw)).run(), bound.seconds, slow_loop)
     assert report["coordinator_busiest"] == "loop" and report["coordinator_share"]["loop"] > 0.9
     # Two workers share the loop's work: each is busy about half as long.
     two = run(ps=dataclasses.replace(slow_loop, workers=2), **kw).result.steps[-1]

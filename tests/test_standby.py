@@ -130,7 +130,8 @@ def test_a_sleeping_device_beats_at_its_keepalive_and_is_never_cut_for_sleeping(
     # The coordinator beat at its keep-alive too (once every 20 s, not every second).
     assert len(fleet.got(d, Heartbeat)) - beats == pytest.approx(4, abs=1)
     live = core.devices[d]
-    assert (live.standing.cuts, live.standing.unanswered) == (0, 0) and core.profiles[d].profile().reliability == 1.0
+    assert (live.standing.cuts, live.standing.unanswered) == (0, 0)
+    assert core.fleet.profiles[d].profile().reliability == 1.0
     # Silent for 3 keep-alives, it is gone like any silent device (4008).
     fleet.tick_until(fleet.now + 3 * KEEPALIVE + 1.0)
     assert fleet.closed[d] == CloseCode.SILENT and d not in core.devices
@@ -303,7 +304,8 @@ def test_drill_devices_the_plan_drops_sleep_and_come_back_when_it_needs_them(tmp
     from cleave.client import kernels
     from cleave.client.runner import Worker, WorkerConfig, WorkerStats
     from cleave.client.state import WorkerState
-    from cleave.coordinator.job import CoordinatorConfig, serve_job
+    from cleave.coordinator.config import CoordinatorConfig
+    from cleave.coordinator.job import serve_job
     from cleave.coordinator.net.server import Server
     from cleave.coordinator.training.loop import StepResult, TrainConfig, Trainer
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -156,6 +157,35 @@ def test_end_lease_checks_ownership_and_outcome(store: Store) -> None:
         store.end_lease(ids[0], d, "exploded", now=12.0)
     with pytest.raises(StoreError):
         store.tile_state(12345)
+
+
+def test_unknown_ids_and_bad_arguments_are_refused_alike_and_write_nothing(store: Store) -> None:
+    """Both stores take these checks from their base class: the same one-line error, nothing written."""
+    job = store.create_job("j", {}, 1, 0.0)
+    d = store.add_device(job, DeviceInfo("a"), 0.0)
+    _, (tile,) = _gemm(store, job, n=1)
+    store.claim_tile(d, [], now=11.0)
+    refused: list[tuple[Callable[[], object], str]] = [
+        (lambda: store.job(99), "no job 99"),
+        (lambda: store.tile_state(99), "no tile 99"),
+        (lambda: store.unbar_tile(99), "no tile 99"),
+        (lambda: store.set_device_state(99, "offline", 12.0), "no device 99"),
+        (lambda: store.credit_device(99, verified=1, now=12.0), "no device 99"),
+        (lambda: store.set_identity_state(99, "banned", "", 12.0), "no identity 99"),
+        (lambda: store.set_identity_state(99, "asleep", "", 12.0), "an identity cannot be 'asleep'"),
+        (lambda: store.leaderboard(by="tiles"), "a leaderboard ranks by gflop or gflop_per_j, not 'tiles'"),
+        (lambda: store.claim_copy(tile, d, "first", 12.0), "issued as 'speculative' or 'deadline passed', not 'first'"),
+        (lambda: store.end_lease(tile, d, "cancelled", 12.0), "a lease cannot be ended as 'cancelled'"),
+        (lambda: store.end_lease(99, d, "verified", 12.0), f"tile 99 is not leased to device {d}"),
+        (lambda: store.reject_taken(tile, d, 12.0, "x", outcome="lost"), "cannot be ended as 'lost'"),
+        (lambda: store.reject_taken(tile, d, 12.0, "x"), f"tile {tile} has no result of device {d} waiting"),
+    ]
+    for call, message in refused:
+        with pytest.raises(StoreError, match=re.escape(message)):
+            call()
+    assert store.tile_state(tile) == "leased" and store.leased_to(d) == [tile]
+    assert [lease.outcome for lease in store.leases(tile)] == [None]
+    assert store.devices(job)[0].tiles_done == 0 and store.tile_counts(job)["leased"] == 1
 
 
 def test_gemm_ids_are_handed_out_in_order(store: Store) -> None:
@@ -960,11 +990,11 @@ def test_books_prune_the_store_at_each_checkpoint() -> None:
 
 
 def test_prune_steps_is_checked_with_a_clear_error() -> None:
-    from cleave.coordinator.job import CoordinatorConfig
+    from cleave.coordinator.config import CoordinatorConfig
     from cleave.wire.errors import ConfigError
 
     assert CoordinatorConfig(prune_steps=2).prune_steps == 2
-    with pytest.raises(ConfigError, match="--prune-steps must be between 0 and"):
+    with pytest.raises(ConfigError, match="^prune_steps must be between 0 and"):
         CoordinatorConfig(prune_steps=-1)
-    with pytest.raises(ConfigError, match="needs --checkpoint-every"):
+    with pytest.raises(ConfigError, match="^prune_steps prunes at each checkpoint, and checkpoints are off"):
         CoordinatorConfig(prune_steps=2, checkpoint_every=0)

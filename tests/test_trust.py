@@ -773,8 +773,8 @@ def test_tiles_given_back_for_missing_blocks_bar_no_one_and_do_not_stop_the_job(
     again (within their allowance): a missing block is sent again with the tile, so neither is
     barred from it, no tile is stuck, the job is not stopped (no ``Abort``), and once one keeps
     its blocks the GEMM completes."""
-    from cleave.coordinator.engine.core import STANDING_CHECK
     from cleave.coordinator.engine.outbound import Abort
+    from cleave.coordinator.engine.upkeep import STANDING_CHECK
 
     core = _core()
     fleet = Fleet(core)

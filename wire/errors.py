@@ -41,9 +41,21 @@ class CleaveError(Exception):
 
 
 class ConfigError(CleaveError, ValueError):
-    """An option, file or setting the user gave cannot be used."""
+    """An option, file or setting the user gave cannot be used. ``field``: the one setting at
+    fault, named as the Python API spells it (``port``, ``FaultPolicy.lease_floor``), when there
+    is one; the message is then ``field`` and ``detail``, and ``called`` says it under another
+    name (the command line's flag for it)."""
 
     exit_code = 2
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(f"{field} {message}" if field else message)
+        self.field = field
+        self.detail = message
+
+    def called(self, name: str) -> ConfigError:
+        """The same error with its field called ``name``."""
+        return type(self)(f"{name} {self.detail}") if self.field else self
 
 
 class ProtocolError(CleaveError, ValueError):

@@ -27,6 +27,7 @@ import sys
 from dataclasses import fields
 from enum import Enum
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -74,7 +75,19 @@ IDENTITY_PREFIX = b"cleave-identity-v1|"
 AUTH_PREFIX = "cleave-auth-v1|{identity}|"
 
 
-def vector() -> dict[str, bytes | int]:
+class Vector(TypedDict):
+    """The proof's test vector by the names the page gives its values."""
+
+    S: bytes
+    identity: int
+    N: bytes
+    K: bytes
+    M: bytes
+    H: bytes
+    proof: bytes
+
+
+def vector() -> Vector:
     """The proof's test vector: inputs and every intermediate value, as raw bytes."""
     key = hashlib.sha256(IDENTITY_PREFIX + SECRET).digest()
     message = AUTH_PREFIX.format(identity=IDENTITY).encode("ascii") + NONCE
@@ -118,7 +131,22 @@ def _bf16(rows: list[list[float]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.bfloat16)
 
 
-_COMMON = dict(
+class _HelloFields(TypedDict):
+    """What every example hello says of its device."""
+
+    name: str
+    platform: str
+    cores: int
+    memory_bytes: int
+    device: str
+    gflops: float
+    slots: int
+    batch: int
+    client_version: str
+    block_budget: int
+
+
+_COMMON = _HelloFields(
     name="lab-pc-3",
     platform="Linux-6.8.0-x86_64",
     cores=8,
@@ -218,9 +246,9 @@ def examples() -> dict[str, Message]:
     batch_cache = {**cache, **{blk.key: blk.data for w in WORK_BATCH.works for blk in w.blocks}}
     return {
         "challenge": Challenge(nonce=NONCE.hex(), coordinator=COORDINATOR),
-        "hello-enrol": Hello(token="s3cret", **_COMMON),  # type: ignore[arg-type]
+        "hello-enrol": Hello(token="s3cret", **_COMMON),
         "credential": Credential(identity=IDENTITY, secret=SECRET.hex()),
-        "hello-credential": Hello(identity=IDENTITY, proof=v["proof"].hex(), **_COMMON),  # type: ignore[arg-type,union-attr]
+        "hello-credential": Hello(identity=IDENTITY, proof=v["proof"].hex(), **_COMMON),
         "welcome": Welcome(device_id=3, identity=IDENTITY, job="tiny, 200 steps", slots=2, heartbeat=2.0),
         "work": WORK,
         "result": Result(tile_id=WORK.tile_id, c=product(WORK), seconds=0.25, waited=0.125),
@@ -250,7 +278,7 @@ def examples() -> dict[str, Message]:
             ticket=auth.redirect_ticket(b"the tier's secret", 1, 1767225900, bytes(range(16))).hex(),
             reason="rank 1's pool (120 GFLOP/s) needs devices more",
         ),
-        "hello-ticket": Hello(  # type: ignore[arg-type]
+        "hello-ticket": Hello(
             ticket=auth.redirect_ticket(b"the tier's secret", 1, 1767225900, bytes(range(16))).hex(), **_COMMON
         ),
         "hello-relay": Hello(name="uni-relay-1", token="s3cret", relay="wss://relay1.example.edu:8766"),

@@ -254,7 +254,7 @@ class Result:
 
     TYPE: ClassVar[str] = "result"
     tile_id: int = _int()
-    c: torch.Tensor
+    c: torch.Tensor  # type: ignore[misc]  # mypy takes _int() for a default: it knows no field helper but field()
     seconds: float = _float(0.0, hi=86400.0)
     # Seconds the tile waited on the device between arriving and its matmul starting (its queue).
     # With ``seconds`` it lets the coordinator split its own measured turnaround into the link's
@@ -334,7 +334,7 @@ class SpeedTest:
 
     TYPE: ClassVar[str] = "speedtest"
     reply_bytes: int = _int(hi=MAX_SPEEDTEST_BYTES)
-    data: torch.Tensor
+    data: torch.Tensor  # type: ignore[misc]  # mypy takes _int() for a default: it knows no field helper but field()
     token: str = _text("", max_len=MAX_TOKEN, text="name")
 
 
@@ -386,10 +386,10 @@ class Work:
         ``A @ B`` is the sum of the pairs' products."""
         keys = (self.a, self.b, *self.more)
         flags = (self.a_t, self.b_t, *self.more_t)
-        blocks = [cache.get(key) for key in keys]
-        if any(blk is None for blk in blocks) or len(flags) != len(keys):
+        blocks = [cache[key] for key in keys if key in cache]
+        if len(blocks) != len(keys) or len(flags) != len(keys):
             return None
-        used = [(x.t() if t else x) for x, t in zip(blocks, flags)]  # type: ignore[union-attr]
+        used = [(x.t() if t else x) for x, t in zip(blocks, flags)]
         a, b = used[0::2], used[1::2]
         if len(a) == 1:
             return a[0], b[0]
@@ -578,7 +578,7 @@ Message = (
     | Finished
     | Error
 )
-_PLAIN: dict[str, type] = {
+_PLAIN: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         Challenge,
@@ -632,7 +632,7 @@ def _raw(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() and t.stride(0) != 1:  # one element keeps its view's stride through reshape
         t = t.clone(memory_format=torch.contiguous_format)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    return t.view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
 
 
 def _wire_value(value: Any) -> Any:
@@ -775,7 +775,7 @@ def _check(kind_of: str, name: str, meta: Any, value: Any) -> Any:
     raise AssertionError(f"unknown field kind {kind}")  # pragma: no cover - a bug in this module
 
 
-def _fields_of(cls: type, header: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def _fields_of(cls: type[Message], header: dict[str, Any], skip: tuple[str, ...] = ()) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
         if f.name in skip:

@@ -224,7 +224,7 @@ def _tolerance(
     # bf16 and float32), a bounded error per element that ROUNDING_FACTOR covers (Hoeffding).
     out = torch.finfo(result_dtype)
     subnormal = ROUNDING_FACTOR * math.sqrt(n) * out.smallest_normal * out.eps / 2
-    tol = TOL_FACTOR * (product + check) + subnormal + torch.finfo(work).tiny
+    tol: np.ndarray = TOL_FACTOR * (product + check) + subnormal + torch.finfo(work).tiny
     if rounded_to is not None:  # summed in compute_dtype, then rounded once (see ROUNDING_FACTOR)
         tol = tol + ROUNDING_FACTOR * torch.finfo(rounded_to).eps / 2 * np.minimum(c_norms, ab)
     return tol
@@ -446,7 +446,7 @@ def freivalds_batch(
     pending: list[_Pending] = []
     # Small products of one shape and dtypes are checked stacked (``_stacked``): one call per
     # step for all of them. The rest, one by one, sharing B R and each A block's pass.
-    stacks: dict[tuple, list[int]] = {}
+    stacks: dict[tuple[int, int, int, torch.dtype, torch.dtype, torch.dtype | None], list[int]] = {}
     alone: list[int] = []
     for i, p in enumerate(products):
         structural = structure(p)
@@ -476,26 +476,26 @@ def freivalds_batch(
             screened.index = i
             pending.append(screened)
     vectors: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}  # b key -> (R, B R)
-    for p in pending:
-        bk = b_keys[p.index]
+    for q in pending:
+        bk = b_keys[q.index]
         if bk not in vectors:
-            r = random_vectors(p.b.shape[1], rounds, rng).to(p.a.dtype)
-            vectors[bk] = (r, p.b @ r)
+            r = random_vectors(q.b.shape[1], rounds, rng).to(q.a.dtype)
+            vectors[bk] = (r, q.b @ r)
     groups: dict[Hashable, list[_Pending]] = {}
-    for p in pending:
-        groups.setdefault(a_keys[p.index], []).append(p)
-    for members in groups.values():
+    for q in pending:
+        groups.setdefault(a_keys[q.index], []).append(q)
+    for group in groups.values():
         columns: dict[Hashable, int] = {}  # b key -> its first column in the stacked product
-        for p in members:
-            columns.setdefault(b_keys[p.index], len(columns) * rounds)
+        for q in group:
+            columns.setdefault(b_keys[q.index], len(columns) * rounds)
         products_of = [vectors[bk][1] for bk in columns]
         stacked = products_of[0] if len(products_of) == 1 else torch.cat(products_of, dim=1)
-        product = members[0].a @ stacked  # (m, rounds x distinct B blocks): A read once
-        for p in members:
-            bk = b_keys[p.index]
+        product = group[0].a @ stacked  # (m, rounds x distinct B blocks): A read once
+        for q in group:
+            bk = b_keys[q.index]
             first_column = columns[bk]
-            residual = product[:, first_column : first_column + rounds] - p.c @ vectors[bk][0]
-            verdicts[p.index] = _judge(p, residual.abs_())
+            residual = product[:, first_column : first_column + rounds] - q.c @ vectors[bk][0]
+            verdicts[q.index] = _judge(q, residual.abs_())
     done = [v for v in verdicts if v is not None]
     if len(done) != len(products):  # every product is screened out or judged: a bug otherwise
         raise RuntimeError(f"freivalds_batch judged {len(done)} of {len(products)} products")
@@ -584,7 +584,8 @@ def freivalds_band(band: Band, rng: np.random.Generator, *, rounds: int = ROUNDS
             and all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
             and spans[-1][1] == a.shape[1]
         ):
-            expected = a @ torch.cat([br for _, _, br in band.expected])  # the ranges tile the reduction: one pass
+            # The ranges tile the reduction: one pass.
+            expected: torch.Tensor | int = a @ torch.cat([br for _, _, br in band.expected])
         else:
             expected = sum(a[:, k0:k1] @ br for k0, k1, br in band.expected)
         residual = torch.as_tensor(expected).sub(acc).abs_().amax(dim=1).numpy()

@@ -10,6 +10,7 @@ from cleave.coordinator.engine.blocks import BlockRef
 from cleave.coordinator.engine.conduct import Pace, Standing
 from cleave.coordinator.engine.limits import TokenBucket
 from cleave.coordinator.engine.scheduler import Seat
+from cleave.wire.codes import Name
 
 
 @dataclass
@@ -119,3 +120,22 @@ class DeviceState:
         held = self.namespaces.get(ref.namespace, {})
         if ref.key in held:
             self.cached_bytes -= held.pop(ref.key)
+
+
+class Departure(Name):
+    """How a device's session ended, as far as the rules care: leaving and a coordinator that
+    stops are nobody's fault; anything else (a closed connection, a cut) costs the device the
+    tiles it held. A reason that is none of these values reads as ``CLOSED``."""
+
+    LEFT = "left"  # it said leave
+    SHUTDOWN = "coordinator stopped"  # the coordinator is going
+    FINISHED = "job finished"  # the job is over: every device is sent away
+    CLOSED = "connection closed"  # its connection closed or was cut (the reason given says why)
+
+    @classmethod
+    def of(cls, reason: str) -> Departure:
+        """The departure a reason stands for (free text: ``CLOSED``)."""
+        try:
+            return cls(reason)
+        except ValueError:
+            return cls.CLOSED

@@ -45,11 +45,15 @@ Pure: ``now`` in, no I/O. The Core holds one; the job feeds it the coordinator's
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from cleave.wire.codes import EnergySource
 from cleave.wire.messages import MAX_GRID, Energy
+
+log = logging.getLogger(__name__)
 
 # The most a machine of each kind draws at the wall, whole: a device's report may not exceed
 # this times its time. cpu: AMD Ryzen Threadripper 7980X's 350 W TDP (the largest desktop
@@ -115,6 +119,14 @@ class Claim:
     grams: float
     gflop: float  # verified GFLOP the report covers (since the device's previous one)
     increment: float = 0.0  # of the booked joules, those over its idle draw (0 <= it <= booked)
+
+    def credit(self) -> dict[str, Any]:
+        """The device's credit for it in the store (``Store.credit_device``'s fields)."""
+        return {
+            "joules": sum(self.booked.values()),
+            "energy_flagged": int(bool(self.flagged)),
+            "gflop_metered": self.gflop,
+        }
 
 
 @dataclass
@@ -226,6 +238,15 @@ class EnergyBooks:
     def left(self, device: int) -> DeviceEnergy | None:
         """A device is gone: its span ends unreported."""
         return self.devices.pop(device, None)
+
+    def report(self, device: int, name: str, msg: Energy, gflop: float, held: float, compute: float) -> Claim:
+        """``claim``, and a capped claim said in the operator's log (at its 1st, 10th, 100th and
+        1000th, not at every report)."""
+        claim = self.claim(device, msg, gflop, held, compute)
+        flagged = self.devices[device].flagged
+        if claim.flagged and flagged in (1, 10, 100, 1000):
+            log.warning("device %d (%s): energy claim capped (%d so far): %s", device, name, flagged, claim.flagged)
+        return claim
 
     def claim(self, device: int, msg: Energy, gflop: float, held: float, compute: float = 0.0) -> Claim:
         """A device's report, when its verified GFLOP are ``gflop`` in all, it has held work for

@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from cleave.coordinator.engine.devices import DeviceState
 
 Product = Callable[[], torch.Tensor]  # a GEMM's result, computed when called (``submit(lazy=True)``)
+Done = Callable[[Any], None]  # what gets a GEMM's result: the tensor, or (``lazy``) its ``Product``
 
 
 def _cell(t: Tile) -> tuple[int, int, int, int]:
@@ -85,7 +86,7 @@ class GemmState:
     b: torch.Tensor
     plan: TilePlan | TileList
     tiles: dict[int, Tile]  # tile id -> tile
-    on_done: Callable[[torch.Tensor], None]
+    on_done: Done
     sources: tuple[Source, Source]
     a_blocks: dict[tuple[int, int], BlockRef]  # (i, p) -> A[rows i, ks p]
     b_blocks: dict[tuple[int, int], BlockRef]  # (p, j) -> B[ks p, cols j]

@@ -18,7 +18,7 @@ from cleave.coordinator.engine.limits import TokenBucket, TrustPolicy
 from cleave.db.store import IdentityState, Store
 from cleave.wire import auth
 from cleave.wire.codes import CloseCode
-from cleave.wire.errors import AuthError
+from cleave.wire.errors import AuthError, ConfigError
 from cleave.wire.messages import Challenge, Hello
 
 # Settings keys (store.setting): each constant defined once.
@@ -77,6 +77,23 @@ class Gate:
         if operator is not None:
             store_token(self.store, OPERATOR_TOKEN, operator)
         self.reload()
+
+    def start_tokens(self, join: str | None, operator: str | None) -> tuple[str | None, str | None, tuple[str, ...]]:
+        """The join and operator tokens of a coordinator's start: as given, else the stored ones
+        (kept: only their hashes are stored, so they cannot be told), else new ones. Returns
+        (join, operator, which were generated: "join" and/or "operator"). Raises ConfigError
+        and stores nothing if the two would be equal."""
+        generated = []
+        if join is None and not self.has_join():
+            join = new_token()
+            generated.append("join")
+        if operator is None and not self.has_operator():
+            operator = new_token()
+            generated.append("operator")
+        if self.would_collide(join=join, operator=operator):
+            raise ConfigError("the operator token must differ from the join token")
+        self.set_tokens(join=join, operator=operator)
+        return join, operator, tuple(generated)
 
     def reload(self) -> None:
         """Read the token hashes again (an operator may have rotated one)."""

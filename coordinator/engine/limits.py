@@ -93,27 +93,32 @@ class TrustPolicy:
     def __post_init__(self) -> None:
         from cleave.wire.messages import MAX_SLOTS  # here: this module loads before torch (cleave_cli)
 
-        if not (
-            1 <= self.ban_rejects <= self.window
-            and 1 <= self.first_slots <= self.max_slots <= MAX_SLOTS
-            and self.grow_every >= 1
-        ):
-            raise ConfigError(
-                f"need 1 <= ban_rejects <= window, 1 <= first_slots <= max_slots <= {MAX_SLOTS}, grow_every >= 1"
-            )
-        if (
-            self.cut_after < 1
-            or self.give_backs < 0
-            or not 1 <= self.cut_unanswered <= self.cut_unanswered_trusted
-            or not 0 < self.cooloff <= self.cooloff_max
-            or self.standings < 1
-            or self.prefetch_seconds <= 0
-        ):
-            raise ConfigError(
-                "need cut_after >= 1, give_backs >= 0, "
-                "1 <= cut_unanswered <= cut_unanswered_trusted, "
-                "0 < cooloff <= cooloff_max, standings >= 1, prefetch_seconds > 0"
-            )
+        checks = [
+            (self.window >= 1, "window", "must be at least 1"),
+            (1 <= self.ban_rejects <= self.window, "ban_rejects", f"must be between 1 and window ({self.window})"),
+            (1 <= self.max_slots <= MAX_SLOTS, "max_slots", f"must be between 1 and {MAX_SLOTS}"),
+            (
+                1 <= self.first_slots <= self.max_slots,
+                "first_slots",
+                f"must be between 1 and max_slots ({self.max_slots})",
+            ),
+            (self.grow_every >= 1, "grow_every", "must be at least 1"),
+            (self.cut_after >= 1, "cut_after", "must be at least 1"),
+            (self.give_backs >= 0, "give_backs", "must be at least 0"),
+            (self.cut_unanswered >= 1, "cut_unanswered", "must be at least 1"),
+            (
+                self.cut_unanswered <= self.cut_unanswered_trusted,
+                "cut_unanswered_trusted",
+                f"must be at least cut_unanswered ({self.cut_unanswered})",
+            ),
+            (self.cooloff > 0, "cooloff", "must be above 0 s"),
+            (self.cooloff <= self.cooloff_max, "cooloff_max", f"must be at least cooloff ({self.cooloff:g} s)"),
+            (self.standings >= 1, "standings", "must be at least 1"),
+            (self.prefetch_seconds > 0, "prefetch_seconds", "must be above 0 s"),
+        ]
+        for ok, name, detail in checks:
+            if not ok:
+                raise ConfigError(f"{detail}, got {getattr(self, name)}", field=f"TrustPolicy.{name}")
 
 
 @dataclass(frozen=True)
@@ -145,15 +150,23 @@ class Limits:
     enrolments: Rate = Rate(5.0, 20.0)  # new identities, for the whole coordinator
 
     def __post_init__(self) -> None:
-        if not (1 <= self.max_unauthenticated <= self.max_connections):
-            raise ConfigError("need 1 <= max_unauthenticated <= max_connections")
-        if (
-            self.pre_auth_frame < 4096
-            or self.idle_frame < self.pre_auth_frame
-            or self.max_queue < 1
-            or self.observer_frame < self.idle_frame
-        ):
-            raise ConfigError("frame limits too small")
+        if not 1 <= self.max_connections <= 1_000_000:
+            raise ConfigError(
+                f"must be between 1 and 1,000,000, got {self.max_connections}", field="Limits.max_connections"
+            )
+        # No kind of connection may outnumber all of them: a lower max_connections lowers these too.
+        for name in ("max_unauthenticated", "max_observers"):
+            object.__setattr__(self, name, min(getattr(self, name), self.max_connections))
+        checks = [
+            (self.max_unauthenticated >= 1, "max_unauthenticated", "must be at least 1"),
+            (self.pre_auth_frame >= 4096, "pre_auth_frame", "must be at least 4096 bytes"),
+            (self.idle_frame >= self.pre_auth_frame, "idle_frame", "must be at least pre_auth_frame"),
+            (self.observer_frame >= self.idle_frame, "observer_frame", "must be at least idle_frame"),
+            (self.max_queue >= 1, "max_queue", "must be at least 1"),
+        ]
+        for ok, name, detail in checks:
+            if not ok:
+                raise ConfigError(f"{detail}, got {getattr(self, name)}", field=f"Limits.{name}")
 
 
 HEADROOM = 16  # connections past a cap that still get a close code rather than an abort

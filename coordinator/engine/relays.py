@@ -228,7 +228,8 @@ class Relays:
         not been sent ``SERVES`` times, up to ``MAX_REPLY_BYTES`` of them (always one); those past
         the cap are left out of both ``blocks`` and ``missing`` (the relay asks again)."""
         relay = self.relays[relay_id]
-        blocks, missing = [], []
+        blocks: list[Block] = []
+        missing: list[str] = []
         size = 0
         for digest in digests[:MAX_FETCH]:
             ref = self.index.get(digest)

@@ -58,7 +58,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
             state = DeviceView.STANDBY
         else:
             state = DeviceView.WORKING if live.inflight else DeviceView.IDLE
-        profile = core.profiles.get(row.id)
+        profile = core.fleet.profiles.get(row.id)
         metered = core.energy.devices.get(row.id) if live else None
         listed.append(
             {
@@ -98,7 +98,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
         )
     p = core.progress
     ps = core.planner.ps
-    worst = core.verify_worst_honest
+    worst = core.checks.worst_honest
     return {
         "job": {
             "name": core.job_name,
@@ -126,7 +126,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
         "leaderboard": [_leader(r) for r in store.leaderboard(10)],
         # The same, ranked by verified GFLOP per booked joule (identities that reported energy).
         "leaderboard_efficiency": [_leader(r) for r in store.leaderboard(10, by="gflop_per_j")],
-        "energy": core.energy.summary(core.gflop_verified),
+        "energy": core.energy.summary(core.checks.gflop_verified),
         "plan": {
             "planner": core.planner.planner.value,
             **core.prediction.as_json(),
@@ -138,7 +138,7 @@ def status(core: Core, now: float) -> dict[str, Any]:
             },
         },
         "verify": {
-            "seconds": round(core.verify_seconds, 4),
+            "seconds": round(core.checks.seconds, 4),
             "worst_honest_ratio": round(max(worst.values(), default=0.0), 4),
             "worst_honest_by_kind": {k: round(v, 4) for k, v in sorted(worst.items())},
         },
@@ -164,11 +164,11 @@ def books(core: Core) -> dict[str, Any]:
         "tokens_trained": p.tokens,
         "tiles": tiles,
         "queue_depth": tiles["queued"],
-        "verify": {"seconds": core.verify_seconds},
+        "verify": {"seconds": core.checks.seconds},
         "gemms_in_flight": len(core.gemms),
         "device_counts": {"connected": len(core.devices), **core.store.device_states(core.job_id)},
         **_standby(core),
-        "energy": core.energy.summary(core.gflop_verified),
+        "energy": core.energy.summary(core.checks.gflop_verified),
     }
 
 
@@ -177,3 +177,18 @@ def _standby(core: Core) -> dict[str, Any]:
     standby and wake messages sent so far (engine/standby.py)."""
     sleepers = core.standby
     return {"devices_standby": len(sleepers.asleep), "standby": {"sent": sleepers.sent, "woken": sleepers.woken}}
+
+
+def relays(core: Core) -> list[dict[str, Any]]:
+    """The connected relays: how many devices each serves, what it took from here and was named."""
+    return [
+        {
+            "id": r.id,
+            "name": r.name,
+            "url": r.url,
+            "devices": len(r.devices),
+            "mb_from_coordinator": round(r.bytes_out / 1e6, 2),
+            "mb_named": round(r.bytes_named / 1e6, 2),
+        }
+        for r in core.relays.relays.values()
+    ]

@@ -34,6 +34,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
+from typing import Any
 
 from cleave.db.store import Issued
 from cleave.wire.errors import ConfigError
@@ -67,7 +68,7 @@ DOUBT_HEARTBEATS = 2
 class FaultPolicy:
     """How long the coordinator waits before it stops trusting a device or a lease."""
 
-    heartbeat: float = 2.0  # seconds between heartbeats each way
+    heartbeat: float = 0.0  # seconds between heartbeats each way; 0: min(2, heartbeat_timeout / 5)
     # A device silent this long is presumed frozen. Generous: a heartbeat queues behind a whole
     # result frame, and a 16 MB dW partial takes ~15 s on a 1 MB/s home uplink. Frozen devices
     # cost little meanwhile: their tiles are copied as soon as their deadlines pass.
@@ -80,10 +81,27 @@ class FaultPolicy:
     max_copies: int = 2  # open leases of one tile through speculation: the original and one copy
 
     def __post_init__(self) -> None:
-        if not (0 < self.heartbeat < self.heartbeat_timeout):
-            raise ConfigError("need 0 < heartbeat < heartbeat timeout")
-        if self.lease_floor <= 0 or self.lease_factor < 1 or self.max_copies < 1 or self.max_wait <= 0:
-            raise ConfigError("lease floor and max wait must be positive, lease factor >= 1, max copies >= 1")
+        if not 0 < self.heartbeat_timeout < float("inf"):
+            raise ConfigError(
+                f"must be a number of seconds above 0, got {self.heartbeat_timeout}",
+                field="FaultPolicy.heartbeat_timeout",
+            )
+        if self.heartbeat == 0:  # not given: five beats in a timeout, at most 2 s apart
+            object.__setattr__(self, "heartbeat", min(2.0, self.heartbeat_timeout / 5))
+        checks = [
+            (
+                0 < self.heartbeat < self.heartbeat_timeout,
+                "heartbeat",
+                f"must be above 0 and below heartbeat_timeout ({self.heartbeat_timeout:g} s), got {self.heartbeat}",
+            ),
+            (0 < self.lease_floor < float("inf"), "lease_floor", f"must be above 0 s, got {self.lease_floor}"),
+            (1 <= self.lease_factor < float("inf"), "lease_factor", f"must be at least 1, got {self.lease_factor}"),
+            (0 < self.max_wait < float("inf"), "max_wait", f"must be above 0 s, got {self.max_wait}"),
+            (self.max_copies >= 1, "max_copies", f"must be at least 1, got {self.max_copies}"),
+        ]
+        for ok, name, detail in checks:
+            if not ok:
+                raise ConfigError(detail, field=f"FaultPolicy.{name}")
 
     def window(self, expected: float) -> float:
         """Seconds from lease to deadline for work expected to take ``expected`` seconds."""
@@ -768,7 +786,7 @@ class Scheduler:
         # queues that no free device may steal from (each would return the unit later than its
         # owner), each of ``scan`` free devices looking at ``scan`` queues would be scan^2 work.
         self._looks = self.scan
-        retries = [self._deferred] * min(RETRY, len(self._deferred))  # looks cut short
+        retries: list[OrderedDict[int, Any]] = [self._deferred] * min(RETRY, len(self._deferred))  # looks cut short
         if now >= self._retry_at:  # owners slow down, pause, leave
             self._retry_at = now + RETRY_EVERY
             retries += [self._aside] * min(RETRY, len(self._aside))
@@ -930,7 +948,8 @@ class Scheduler:
             if seat is None:
                 continue
             if len(u.holders) >= f.max_copies + 1:
-                victim = min(late, key=lambda d: u.holders[d].soft)
+                holders = u.holders  # the unit's, in the key below (a closure does not keep ``u``'s narrowing)
+                victim = min(late, key=lambda d: holders[d].soft)
                 self._end(uid, victim, bar=True, now=now)
                 yield Reclaim(victim, uid, "late while another device was free")
                 if not u.holders or uid not in self.units:  # queued again, for assign

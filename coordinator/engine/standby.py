@@ -44,10 +44,11 @@ class StandbyPolicy:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.after) and 0 <= self.after <= 86_400):
-            raise ConfigError(f"--standby-after must be between 0 (never) and 86400 s, got {self.after!r}")
+            raise ConfigError(f"must be between 0 (never) and 86400 s, got {self.after!r}", field="StandbyPolicy.after")
         if not (MIN_KEEPALIVE <= self.keepalive <= MAX_KEEPALIVE):
             raise ConfigError(
-                f"--standby-keepalive must be between {MIN_KEEPALIVE:g} and {MAX_KEEPALIVE:g} s, got {self.keepalive!r}"
+                f"must be between {MIN_KEEPALIVE:g} and {MAX_KEEPALIVE:g} s, got {self.keepalive!r}",
+                field="StandbyPolicy.keepalive",
             )
 
     @property

@@ -31,11 +31,10 @@ import concurrent.futures
 import logging
 import ssl
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
@@ -43,11 +42,11 @@ from websockets.http11 import Request, Response
 
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.balance import Redirecting
-from cleave.coordinator.engine.core import TICK, Core, Departure
-from cleave.coordinator.engine.devices import DeviceState
+from cleave.coordinator.engine.core import Core, Departure
 from cleave.coordinator.engine.gemms import BandCheck, Check, Product, run_bands, run_checks
 from cleave.coordinator.engine.limits import Limits
 from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
+from cleave.coordinator.engine.upkeep import TICK
 from cleave.coordinator.net.dashboard import CHALLENGE, Dashboard, is_bearer
 from cleave.coordinator.net.dashboard import handles as dashboard_handles
 from cleave.coordinator.net.framing import OffLoopTransport, SendThreads, unjoined_frames
@@ -176,7 +175,7 @@ class Server:
         # device's results run in arrival order, and its generator is never shared. Seeded from
         # the Core's (OS entropy in a job), so a seeded test stays reproducible.
         self._verifier: concurrent.futures.ThreadPoolExecutor | None = None  # made at the first check
-        self._verify_rng = np.random.default_rng(core.rng.integers(0, 2**63, size=4))
+        self._verify_rng = core.child_rng()
         self._checks: set[asyncio.Future[tuple[Verdict, float]]] = set()
         # Results wait here while the verifier is busy, then go to it together as one batch
         # (``run_checks``): the busier it is, the more each batch shares. At most one frame's
@@ -227,7 +226,7 @@ class Server:
             self.refused += 1
             await _refuse(ws, CloseCode.BUSY, "coordinator is at its connection limit; try again later")
             return
-        challenge = self.core.gate.challenge()
+        challenge = self.core.challenge()
         try:
             await ws.send(encode(challenge))
             first = await asyncio.wait_for(ws.recv(), lim.hello_timeout)
@@ -266,8 +265,7 @@ class Server:
                 # It ignored the redirect: dropped, and its unredeemed ticket is put down to it,
                 # not to the rank it was sent to (engine/balance.py, ``ignored_by``).
                 log.info("a newcomer from %s ignored its redirect to rank %d", ws.remote_address, exc.message.rank)
-                if self.core.balancer is not None:
-                    self.core.balancer.ignored_by(exc.message.rank)
+                self.core.redirect_ignored(exc.message.rank)
             return
         self._authenticated(ws)
         if self.senders is not None:  # the loop's own transport if this one cannot be had (no descriptor left)
@@ -275,7 +273,7 @@ class Server:
         allowed = RELAY_MESSAGES if msg.relay else DEVICE_MESSAGES  # a relay asks for blocks, nothing else
 
         def here() -> bool:  # not dropped by the Core (banned, rate-limited, ...)
-            return device_id in self.core.devices or device_id in self.core.relays.relays
+            return self.core.connected(device_id)
 
         conn = _Conn(ws)
         conn.writer = asyncio.create_task(self._write(conn, device_id))
@@ -353,8 +351,7 @@ class Server:
         token only); requests are rate-limited, and an observer idle for ``observer_idle``
         seconds is closed, so a few cannot keep the operator out."""
         lim = self.limits
-        gate = self.core.gate
-        if not gate.is_operator(first.token):
+        if not self.core.is_operator(first.token):
             await _refuse(ws, CloseCode.AUTH, "observers need the operator token")
             return
         if self.observers >= lim.max_observers:
@@ -375,7 +372,7 @@ class Server:
                         return
                     await ws.send(_speedtest_reply(request.reply_bytes))
                 elif isinstance(request, StatusRequest):
-                    if not gate.is_operator(request.token):
+                    if not self.core.is_operator(request.token):
                         await _refuse(ws, CloseCode.AUTH, "status needs the operator token")
                         return
                     if not status.take(now):
@@ -407,7 +404,7 @@ class Server:
             "traffic": {
                 "bytes_down": t.bytes_down,
                 "bytes_up": t.bytes_up,
-                "bytes_relay_out": self.core.relays.bytes_named,
+                "bytes_relay_out": self.core.relay_bytes()[0],
             },
         }
 
@@ -456,26 +453,15 @@ class Server:
     def status(self) -> dict[str, Any]:
         snapshot = report.status(self.core, self.clock())
         t = self.traffic
-        relays = self.core.relays
         snapshot["traffic"] = {
             "mb_down": round(t.bytes_down / 1e6, 2),
             "mb_up": round(t.bytes_up / 1e6, 2),
             # Everything that left the coordinator (to devices and to relays), and what relays
             # were asked to serve in its stead (the bytes its devices were told to fetch there).
             "mb_ps_out": round(t.bytes_down / 1e6, 2),
-            "mb_relay_out": round(relays.bytes_named / 1e6, 2),
+            "mb_relay_out": round(self.core.relay_bytes()[0] / 1e6, 2),
         }
-        snapshot["relays"] = [
-            {
-                "id": r.id,
-                "name": r.name,
-                "url": r.url,
-                "devices": len(r.devices),
-                "mb_from_coordinator": round(r.bytes_out / 1e6, 2),
-                "mb_named": round(r.bytes_named / 1e6, 2),
-            }
-            for r in relays.relays.values()
-        ]
+        snapshot["relays"] = report.relays(self.core)
         snapshot["connections"] = {
             "open": self.tcp_open,
             "unauthenticated": self.pending,
@@ -555,7 +541,7 @@ class Server:
         as it is known. One frame's results per connection at a time (the handler waits before
         the next message), so pending checks are bounded by the connections' slots."""
         if self._stopped:  # the job is over: nobody needs the result
-            check.dev.checking.discard(check.msg.tile_id)
+            self.core.abandon(check)
             return
         future: asyncio.Future[tuple[Verdict, float]] = asyncio.get_running_loop().create_future()
         self._checks.add(future)
@@ -718,7 +704,7 @@ class Server:
     def deliver(self, outbound: Sequence[Outbound]) -> None:
         """Queue the Core's messages on their sockets (never blocks the loop); a device's work
         goes out in batches as large as it takes (``_batched``)."""
-        for item in _batched(outbound, self.core.devices):
+        for item in _batched(outbound, self.core.batch_of):
             if isinstance(item, Abort):  # training cannot go on: the trainer hears why
                 log.error("stopping the job: %s", item.reason)
                 self.abort(item.reason)
@@ -881,7 +867,7 @@ class Server:
                 future.set_exception(JobAborted(reason))
 
 
-def _batched(outbound: Sequence[Outbound], devices: Mapping[int, DeviceState]) -> list[Outbound]:
+def _batched(outbound: Sequence[Outbound], batch_of: Callable[[int], int]) -> list[Outbound]:
     """``outbound`` with each device's work sent together as one ``WorkBatch`` where it takes
     batches (its hello's ``batch``): at most that many tiles and ``MAX_BATCH_TENSORS`` new
     blocks a frame. A batch goes out where its first work was; any other message to the device
@@ -891,8 +877,7 @@ def _batched(outbound: Sequence[Outbound], devices: Mapping[int, DeviceState]) -
     open_: dict[int, int] = {}  # device -> index in ``out`` of its batch still taking work
     for item in outbound:
         if isinstance(item, Send) and isinstance(item.message, Work):
-            dev = devices.get(item.device)
-            cap = 1 if dev is None else dev.batch
+            cap = batch_of(item.device)
             i = open_.get(item.device)
             if i is not None:
                 works = out[i][1]

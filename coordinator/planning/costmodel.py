@@ -154,14 +154,8 @@ class Profile:
         if not self.session > 0:
             raise CostModelError(f"session must be positive, got {self.session!r}")
 
-    @property
-    def optimizer_bw(self) -> float:
-        """Bytes/s at which AdamW streams its parameters, moments and gradients."""
-        return self.own_bw or self.memory_bw
-
     def flops_per_s(self, dtype: str) -> float:
         """Its GEMM rate in ``dtype`` (0: it cannot compute in it)."""
-        """FLOP/s in ``dtype``; 0 when the device cannot multiply in it."""
         return self.gflops.get(dtype, 0.0) * 1e9
 
 

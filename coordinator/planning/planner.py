@@ -791,14 +791,14 @@ def baseline(
     verify = 0.0
     largest: Unit | None = None
     tiles = tp.tiles
-    for t in tiles:
-        d = t.index % P
+    for tile in tiles:
+        d = tile.index % P
         p = members[bisect.bisect_right(firsts, d) - 1].profile
-        shape = (t.r1 - t.r0, t.c1 - t.c0, t.k1 - t.k0)
+        shape = (tile.r1 - tile.r0, tile.c1 - tile.c0, tile.k1 - tile.k0)
         unit = shapes.get(shape) or shapes.setdefault(shape, Unit(*shape, s))
         verify += unit.verify_flops()
         largest = unit if largest is None or unit.flops > largest.flops else largest
-        a_key, b_key = ("a", t.i, t.p), ("b", t.p, t.j)
+        a_key, b_key = ("a", tile.i, tile.p), ("b", tile.p, tile.j)
         mine = held.setdefault(d, set())
         down = (0 if a_key in mine else unit.a_bytes) + (0 if b_key in mine else unit.b_bytes)
         mine |= {a_key, b_key}
@@ -978,7 +978,8 @@ class StepPlan:
 
     def total(self, attr: str) -> float:
         """The sum of a per-GEMM figure (``attr`` of each plan) over the step."""
-        return sum(getattr(p, attr) * count for p, count in self.plans)
+        figures: list[float] = [getattr(p, attr) * count for p, count in self.plans]
+        return sum(figures)
 
 
 def plan_step(

@@ -49,10 +49,15 @@ class TilingPolicy:
     max_partial_elems: int = 4 << 20  # largest dW partial block (16 MiB of float32)
 
     def __post_init__(self) -> None:
-        if not (1 <= self.min_edge <= self.max_edge):
-            raise ConfigError("need 1 <= min_edge <= max_edge")
-        if self.min_k < 1 or self.tiles_per_device < 1:
-            raise ConfigError("min_k and tiles_per_device must be >= 1")
+        if self.max_edge < 1:
+            raise ConfigError(f"must be at least 1, got {self.max_edge}", field="TilingPolicy.max_edge")
+        if not 1 <= self.min_edge <= self.max_edge:
+            raise ConfigError(
+                f"must be between 1 and max_edge ({self.max_edge}), got {self.min_edge}", field="TilingPolicy.min_edge"
+            )
+        for name in ("min_k", "tiles_per_device"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"must be at least 1, got {getattr(self, name)}", field=f"TilingPolicy.{name}")
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ class TilePlan(_Cuts):
     @property
     def tiles(self) -> list[Tile]:
         """Every tile of the grid, row by row."""
-        out = []
+        out: list[Tile] = []
         for i in range(len(self.row_cuts) - 1):
             for j in range(len(self.col_cuts) - 1):
                 for p in range(len(self.k_cuts) - 1):

@@ -113,64 +113,76 @@ class TrainConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         checks = [
-            (1 <= self.steps <= MAX_STEPS, f"--steps must be between 1 and {MAX_STEPS:,}, got {self.steps}"),
-            (1 <= self.batch_size <= 4096, f"--batch-size must be between 1 and 4096, got {self.batch_size}"),
+            (1 <= self.steps <= MAX_STEPS, "steps", f"must be between 1 and {MAX_STEPS:,}, got {self.steps}"),
+            (1 <= self.batch_size <= 4096, "batch_size", f"must be between 1 and 4096, got {self.batch_size}"),
             (
                 2 <= self.seq_len <= max_seq,
-                f"--seq-len must be between 2 and {max_seq} for model {self.model}, got {self.seq_len}",
+                "seq_len",
+                f"must be between 2 and {max_seq} for model {self.model}, got {self.seq_len}",
             ),
-            (math.isfinite(self.lr) and 0 < self.lr <= 1, f"--lr must be in (0, 1], got {self.lr}"),
-            (0 <= self.seed < 2**63, f"--seed must be a non-negative 64-bit integer, got {self.seed}"),
-            (0 <= self.warmup <= MAX_STEPS, f"--warmup must be between 0 and {MAX_STEPS:,} steps, got {self.warmup}"),
+            (math.isfinite(self.lr) and 0 < self.lr <= 1, "lr", f"must be in (0, 1], got {self.lr}"),
+            (0 <= self.seed < 2**63, "seed", f"must be a non-negative 64-bit integer, got {self.seed}"),
+            (0 <= self.warmup <= MAX_STEPS, "warmup", f"must be between 0 and {MAX_STEPS:,} steps, got {self.warmup}"),
             (
                 self.min_lr is None or (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr),
-                f"--min-lr must be between 0 and --lr ({self.lr:g}), got {self.min_lr}",
+                "min_lr",
+                f"must be between 0 and the peak learning rate ({self.lr:g}), got {self.min_lr}",
             ),
             (
                 math.isfinite(self.weight_decay) and 0 <= self.weight_decay <= 1,
-                f"--weight-decay must be between 0 and 1, got {self.weight_decay}",
+                "weight_decay",
+                f"must be between 0 and 1, got {self.weight_decay}",
             ),
             (
                 math.isfinite(self.grad_clip) and self.grad_clip >= 0,
-                f"--grad-clip must be a finite number >= 0 (0: no clipping), got {self.grad_clip}",
+                "grad_clip",
+                f"must be a finite number >= 0 (0: no clipping), got {self.grad_clip}",
             ),
             (
                 self.micro_batches == 0  # auto: the cost model's choice from the fleet (a coordinator's job)
                 or (1 <= self.micro_batches <= self.batch_size and self.batch_size % self.micro_batches == 0),
-                f"--micro-batches must divide --batch-size ({self.batch_size}), got {self.micro_batches}",
+                "micro_batches",
+                f"must divide the batch's {self.batch_size} sequences, got {self.micro_batches}",
             ),
             (
                 math.isfinite(self.val_fraction) and 0 <= self.val_fraction <= 0.5,
-                f"--val-fraction must be between 0 and 0.5, got {self.val_fraction}",
+                "val_fraction",
+                f"must be between 0 and 0.5, got {self.val_fraction}",
             ),
             (
                 0 <= self.eval_every <= MAX_STEPS,
-                f"--eval-every must be between 0 (never) and {MAX_STEPS:,} steps, got {self.eval_every}",
+                "eval_every",
+                f"must be between 0 (never) and {MAX_STEPS:,} steps, got {self.eval_every}",
             ),
             (
                 1 <= self.eval_batches <= MAX_EVAL_BATCHES,
-                f"--eval-batches must be between 1 and {MAX_EVAL_BATCHES}, got {self.eval_batches}",
+                "eval_batches",
+                f"must be between 1 and {MAX_EVAL_BATCHES}, got {self.eval_batches}",
             ),
             (
                 self.data_dtype is None or self.data_dtype in BIN_DTYPES,
-                f"--data-dtype must be one of {', '.join(BIN_DTYPES)}, got {self.data_dtype!r}",
+                "data_dtype",
+                f"must be one of {', '.join(BIN_DTYPES)}, got {self.data_dtype!r}",
             ),
             (
                 bool(self.data_field) and self.data_field.isprintable() and len(self.data_field) <= 256,
-                f"--data-field must name a JSON field (1 to 256 printable characters), got {self.data_field!r}",
+                "data_field",
+                f"must name a JSON field (1 to 256 printable characters), got {self.data_field!r}",
             ),
             (
                 self.vocab_size == 0 or (models.is_preset(self.model) and 2 <= self.vocab_size <= 1 << 32),
-                f"a vocabulary of {self.vocab_size} is for a preset, between 2 and 2^32 (model {self.model})",
+                "vocab_size",
+                f"must be 0 (the model's own) or 2 to 2^32 for a preset; got {self.vocab_size} for {self.model}",
             ),
             (
                 self.precision in PRECISIONS,
-                f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
+                "precision",
+                f"must be one of {', '.join(PRECISIONS)}, got {self.precision!r}",
             ),
         ]
-        for ok, message in checks:
+        for ok, name, detail in checks:
             if not ok:
-                raise ConfigError(message)
+                raise ConfigError(detail, field=name)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -50,17 +50,18 @@ import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from cleave.coordinator.engine.checks import UNCHECKED_PER_SLOT  # a device's results a slot awaiting bands
 
 # The live coordinator's estimates (coordinator/engine/core.py): each defined once, there.
 from cleave.coordinator.engine.conduct import Conduct, Pace, Standing
-from cleave.coordinator.engine.core import (
-    TICK,  # the live server's tick: copies and deferred devices look again
-    UNCHECKED_PER_SLOT,  # a device's results a slot awaiting bands, at most
-)
+from cleave.coordinator.engine.dispatch import Dispatch
 from cleave.coordinator.engine.limits import TrustPolicy
 from cleave.coordinator.engine.live_plan import LivePlanner, Planner, batches, filled_lanes
 from cleave.coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
 from cleave.coordinator.engine.standby import StandbyPolicy
+from cleave.coordinator.engine.upkeep import TICK  # the live server's tick: copies and deferred devices look again
 from cleave.coordinator.planning.costmodel import (
     ADAMW_BYTES,
     ATTENTION_PASSES,
@@ -655,6 +656,62 @@ class _Gemm:
 _ARRIVE, _UPLOAD, _RESULT, _CHECK, _HANDLE, _CPU_DONE, _LEAVE, _DETECT, _JOIN, _FAIL, _TICK, _TAKE, _BAND = range(13)
 
 
+class _Hands:
+    """The simulator's hands for the live dispatch rules (engine/dispatch.py): a lease or a copy
+    puts the unit on the links and the clock; a take-back forgets its arrival; a cut device
+    leaves, and comes back after its cool-off. No relay report excuses a lease here."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def device(self, device_id: int) -> _Device | None:
+        """The connected device, or None."""
+        return self.sim.devices.get(device_id)
+
+    def vanished(self, device_id: int, unit: int) -> None:
+        """Nothing is kept of a gone device's leases here."""
+
+    def lease(self, dev: _Device, unit: int, now: float) -> list[Any]:
+        """A first lease: the unit goes out."""
+        self.sim._lease(dev, unit, None)
+        return []
+
+    def flush(self, now: float) -> list[Any]:
+        """No store: nothing to write."""
+        return []
+
+    def copy(self, dev: _Device, unit: int, copy: str, now: float) -> list[Any]:
+        """A copy goes out like a lease (and is counted as one)."""
+        self.sim._lease(dev, unit, copy)
+        return []
+
+    def excused(self, dev: _Device, unit: int) -> bool:
+        """Simulated devices never report their relays."""
+        return False
+
+    def take_back(self, dev: _Device, unit: int, reason: str, excused: bool, now: float) -> list[Any]:
+        """The lease is revoked (the scheduler barred the device): its result will not count."""
+        sim = self.sim
+        sim._leased.pop((unit, dev.id), None)
+        sim._arrived.discard((unit, dev.id))
+        sim._stats.reclaimed += 1
+        return []
+
+    def on_relay(self, dev: _Device, unit: int) -> bool:
+        """Relays are never cooled by a cut here."""
+        return False
+
+    def drop(self, dev: _Device, why: str, wait: float, on_relay: bool, now: float) -> list[Any]:
+        """A cut device is dropped and may come back after its cool-off (a departed device that
+        was cut before anyone noticed it left does not come back: its replacement is on its way)."""
+        sim = self.sim
+        back = dev.alive
+        sim._remove(dev, graceful=False)
+        if back:
+            sim._at(now + wait, _JOIN, DeviceClass(dev.cls, 1, dev.profile))
+        return []
+
+
 class Simulation:
     """One run: ``run()`` simulates ``cfg.steps`` steps and returns their statistics."""
 
@@ -668,6 +725,7 @@ class Simulation:
         self.rng = random.Random(cfg.seed)
         self.sched = scheduler if scheduler is not None else Scheduler(cfg.faults)
         self.conduct = Conduct(self.sched, cfg.trust)  # the live Core's rules, over this scheduler
+        self.dispatch = Dispatch(self.conduct, _Hands(self))  # ...and its dispatch, on a virtual clock
         # 0 micro-batches: the cost model chooses at the first step (``choose_micro_batches``).
         self.micro_batches = cfg.micro_batches or 1
         self.choice: MicroBatchChoice | None = None
@@ -906,14 +964,11 @@ class Simulation:
     # ------------------------------------------------------------------ decisions
 
     def _dispatch(self) -> None:
-        """``Core._dispatch``: late leases, leases, copies. The live coordinator decides on its
-        event loop, which the verifier's thread and the trainer's do not hold up."""
+        """The live coordinator's dispatch (engine/dispatch.py: late leases, leases, copies),
+        decided on its event loop, which the verifier's thread and the trainer's do not hold up;
+        then the next tick is put on the clock."""
         now, sched = self.now, self.sched
-        self._apply(sched.expire(now))
-        self._apply(sched.assign(now))
-        self._apply(sched.copies(now))
-        if sched.queued:
-            self._apply(sched.assign(now))
+        self.dispatch(now)
         nxt = sched.next_deadline()
         want = math.inf if nxt is None else max(nxt, now)
         if self._outstanding:  # the live server ticks: copies, and devices set aside look again
@@ -922,31 +977,6 @@ class Simulation:
             self._tick_at = want
             if math.isfinite(want):
                 self._at(want, _TICK)
-
-    def _apply(self, decisions: Iterator[Decision]) -> None:
-        for decision in decisions:
-            d = self.devices.get(decision.device)
-            if d is None:
-                continue
-            if isinstance(decision, Assign):
-                self._lease(d, decision.unit, decision.copy)
-            elif isinstance(decision, Overdue):
-                self.conduct.late(d)
-            elif isinstance(decision, Reclaim):
-                self._leased.pop((decision.unit, d.id), None)
-                self._arrived.discard((decision.unit, d.id))
-                self._stats.reclaimed += 1
-                if self.conduct.taken_back(d):
-                    self._cut(d)
-
-    def _cut(self, d: _Device) -> None:
-        """Core._cut: it is dropped and may come back after its cool-off (a departed device that
-        was cut before anyone noticed it left does not come back: its replacement is on its way)."""
-        wait = self.conduct.cut(d, self.now)
-        back = d.alive
-        self._remove(d, graceful=False)
-        if back:
-            self._at(self.now + wait, _JOIN, DeviceClass(d.cls, 1, d.profile))
 
     def _lease(self, d: _Device, uid: int, copy: str | None) -> None:
         """Send the unit: its blocks the device lacks go through the PS's egress and the
@@ -1170,7 +1200,7 @@ class Simulation:
         self._arrived.discard((uid, device))
         for other in stallers:
             if other.id in self.devices:
-                self._cut(other)
+                self.dispatch.cut(other, "tiles in a row went to other devices", self.now)
         return unit
 
     def _verified(self, uid: int, unit: _Unit) -> None:
