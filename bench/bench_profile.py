@@ -5,10 +5,10 @@ join`` processes) under py-spy (``pip install py-spy``; it samples this process 
 the coordinator runs unmodified), then sorts every sample of every coordinator thread into what
 it was doing, by the innermost frame that names a part of Cleave:
 
-* verification (wire/verify.py), assembly and partial sums (tiles.assemble, Core._complete),
+* verification (wire/verify.py), assembly and partial sums (tiles.assemble, Intake.complete),
   framing (wire/messages.py encode/decode), websocket I/O (the websockets package),
   the store (db/, SQLite), scheduling and planning (scheduler, planner, live_plan), other Core
-  bookkeeping (core.py), the optimizer (torch.optim, clipping), the model's non-GEMM work
+  bookkeeping (the engine: core.py and its parts), the optimizer (torch.optim, clipping), the model's non-GEMM work
   (coordinator/training: norms, attention, loss, on the PS), GEMMs the PS multiplies itself;
 * idle: the event loop waiting for a socket, or the trainer waiting for a GEMM's tiles.
 
@@ -46,7 +46,7 @@ RATE = 200  # samples per second per thread
 # (category, substrings of a frame "function (file:line)"): the innermost matching frame decides.
 RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("verification", ("/wire/verify.py",)),
-    ("assembly and partial sums", ("assemble (", "Core._complete (")),  # not run_until_complete
+    ("assembly and partial sums", ("assemble (", "Intake.complete (")),  # not run_until_complete
     ("framing (encode/decode)", ("/wire/messages.py",)),
     ("websocket I/O", ("/websockets/",)),
     ("store (SQLite)", ("/db/", "sqlite")),
@@ -87,7 +87,7 @@ def _innermost(frames: list[str], needle: str) -> str | None:
 
 def parse(path: Path) -> tuple[dict[str, Counter], Counter]:
     """py-spy's raw format: ``thread (id): name;frame;frame count`` per line. Also the functions
-    of core.py that "core bookkeeping" samples were in (the largest category to break down)."""
+    of the engine that "core bookkeeping" samples were in (the largest category to break down)."""
     per_thread: dict[str, Counter] = defaultdict(Counter)
     core: Counter = Counter()
     for line in path.read_text().splitlines():
@@ -100,7 +100,7 @@ def parse(path: Path) -> tuple[dict[str, Counter], Counter]:
         per_thread[thread][name] += int(count)
         if name == "core bookkeeping":
             leaf = parts[-1].split(" (", 1)[0]
-            core[f"{_innermost(parts[1:], '/core.py') or _innermost(parts[1:], '.py')} > {leaf}"] += int(count)
+            core[f"{_innermost(parts[1:], '/engine/') or _innermost(parts[1:], '.py')} > {leaf}"] += int(count)
     return per_thread, core
 
 

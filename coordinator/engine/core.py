@@ -45,7 +45,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
-import torch
 
 from cleave.coordinator.engine.admission import Admissions
 from cleave.coordinator.engine.balance import Balancer
@@ -56,7 +55,7 @@ from cleave.coordinator.engine.devices import Departure, DeviceState
 from cleave.coordinator.engine.dispatch import Dispatch
 from cleave.coordinator.engine.energy import GRID_GCO2_KWH, EnergyBooks
 from cleave.coordinator.engine.fleet import Fleet
-from cleave.coordinator.engine.gemms import BandCheck, Check, Done, GemmState
+from cleave.coordinator.engine.gemms import BandCheck, Check
 from cleave.coordinator.engine.giveback import GiveBacks
 from cleave.coordinator.engine.identity import Gate
 from cleave.coordinator.engine.intake import Intake
@@ -75,7 +74,6 @@ from cleave.coordinator.engine.standby import Sleepers, StandbyPolicy
 from cleave.coordinator.engine.upkeep import Upkeep
 from cleave.coordinator.planning.costmodel import Profile, PSProfile
 from cleave.coordinator.planning.tiles import (
-    GemmKind,
     TilingPolicy,
 )
 from cleave.db.store import CheckpointRow, DeviceStatus, Outcome, Store
@@ -149,6 +147,11 @@ class Core:
         self.admissions = Admissions(self)  # who is connected, by identity, and how a device comes in
         self.intake = Intake(self)  # the trainer's GEMMs: planned, queued, assembled
         self.gemms = self.intake.gemms  # the live ones, by id
+        # The trainer's way in (``Intake.submit``: queue ``a @ b`` as tiles, ``on_done`` once every
+        # tile is verified), and the engine's parts' way to a GEMM and its end.
+        self.submit = self.intake.submit
+        self.gemm_of = self.intake.gemm_of
+        self.complete = self.intake.complete
         # How devices earn tiles and lose them, told to the scheduler (``sched``): which tile goes
         # to which device, and when.
         self.conduct = Conduct(Scheduler(self.faults), self.trust)
@@ -414,27 +417,6 @@ class Core:
         """The identity's connected device, if any."""
         device_id = self.admissions.live(identity)
         return None if device_id is None else self.devices.get(device_id)
-
-    def submit(
-        self,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        kind: GemmKind,
-        now: float,
-        on_done: Done,
-        **options: Any,
-    ) -> tuple[int, list[Outbound]]:
-        """Queue ``a @ b`` as tiles; ``on_done(result)`` once every tile is verified
-        (``Intake.submit`` says what the options mean)."""
-        return self.intake.submit(a, b, kind, now, on_done, **options)
-
-    def complete(self, gemm: GemmState, now: float) -> None:
-        """Every tile verified: the GEMM is assembled (``Intake.complete``)."""
-        self.intake.complete(gemm, now)
-
-    def gemm_of(self, tile_id: int) -> GemmState:
-        """The live GEMM a tile of a live GEMM belongs to."""
-        return self.intake.gemm_of(tile_id)
 
     def plan_lanes(self, lanes: int) -> None:
         """The trainer runs this many micro-batches at once: each GEMM is planned on one of as

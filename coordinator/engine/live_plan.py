@@ -38,6 +38,9 @@ from cleave.wire.messages import MAX_BATCH, MAX_PAIRS
 # Partitions the live data plane runs: all of them (split-K units that span several pieces go
 # out as one work message with several block pairs, summed by the device).
 LIVE_KINDS = frozenset({Kind.LOCAL, Kind.OUTPUT, Kind.GRID3D, Kind.SPLIT_K})
+# The devices that may take work now, or a function giving them (called only when the caller's
+# version of the fleet moved).
+Profiles = Mapping[int, Profile] | Callable[[], Mapping[int, Profile]]
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
@@ -276,7 +279,7 @@ class LivePlanner:
         k: int,
         kind: GemmKind,
         dtype: str,
-        profiles: Mapping[int, Profile] | Callable[[], Mapping[int, Profile]],
+        profiles: Profiles,
         version: int | None = None,
         now: float = 0.0,
     ) -> LivePlan:
@@ -285,7 +288,8 @@ class LivePlanner:
         ``now``: with several lanes, the GEMM goes to the lane predicted to be free first."""
         if min(m, n, k) < 1:  # nothing to price: an empty product is one (empty) tile
             return LivePlan(uniform_grid(m, n, k, kind, 1, self.policy), {}, None)
-        plan, done_at, active, members = self._choose(m, n, k, kind, dtype, profiles, version, now)
+        gemm = gemm_of(m, n, k, kind, dtype, self.policy)
+        plan, done_at, active, members = self._choose(gemm, dtype, profiles, version, now)
         if self.planner is Planner.UNIFORM or plan is None:
             # The fixed grid, dealt to whoever is free (also when nothing could be priced: no
             # device can take a unit and the PS cannot price it; never worse than nothing).
@@ -304,23 +308,15 @@ class LivePlanner:
         every call."""
         if min(m, n, k) < 1:
             return None, False
-        plan, done_at, _, _ = self._choose(m, n, k, kind, dtype, profiles, 0, now)
+        plan, done_at, _, _ = self._choose(gemm_of(m, n, k, kind, dtype, self.policy), dtype, profiles, 0, now)
         return done_at, plan is not None and plan.kind is Kind.LOCAL
 
     def _choose(
-        self,
-        m: int,
-        n: int,
-        k: int,
-        kind: GemmKind,
-        dtype: str,
-        profiles: Mapping[int, Profile] | Callable[[], Mapping[int, Profile]],
-        version: int | None,
-        now: float,
+        self, gemm: Gemm, dtype: str, profiles: Profiles, version: int | None, now: float
     ) -> tuple[Plan | None, float | None, int, Mapping[str, list[int]]]:
-        """The plan for the lane free first, balanced against the coordinator's resources, and
-        when it is predicted done; the devices that may take work, and the lane's members."""
-        gemm = gemm_of(m, n, k, kind, dtype, self.policy)
+        """The plan of ``gemm`` for the lane free first, balanced against the coordinator's
+        resources, and when it is predicted done; the devices that may take work, and the lane's
+        members."""
         if version is None or self._fleet is None or self._fleet[0] != (version, dtype):
             current = profiles() if callable(profiles) else profiles
             classes, members = fleet_classes(current, dtype)

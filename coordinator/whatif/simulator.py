@@ -1161,7 +1161,7 @@ class Simulation:
         self._dispatch()
 
     def _handle(self, uid: int, device: int, epoch: int, arrived: float) -> None:
-        """Core._on_result for a result checked alone, once the verifier got to it: the first
+        """Checks.settle for a result checked alone, once the verifier got to it: the first
         verified copy wins."""
         unit = self._settle(uid, device, epoch, arrived)
         if unit is None:
@@ -1527,7 +1527,7 @@ class Simulation:
 
     def _release(self, gemms: list[_Gemm]) -> None:
         """Finished GEMMs' copied blocks are forgotten, and their inputs once nothing left reads
-        them, or (Core._complete) once a dW read them: q's, k's and v's dW each send X again."""
+        them, or (Intake.complete) once a dW read them: q's, k's and v's dW each send X again."""
         spaces: list[tuple] = []
         for gemm in gemms:
             call = gemm.call
