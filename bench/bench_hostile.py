@@ -16,7 +16,7 @@ the keyboard), so they hold no work, and heartbeat every 2 s. Half the junk peer
 websocket and never say hello (reconnecting when the hello timeout closes them); the other
 half declare a 96 MiB frame, send its first MiB and wait to be thrown out, once a second.
 Everything shares this machine's cores, so the step-time ratio includes the crowd's own CPU
-(shown per phase). tests/test_hostile.py streams whole 96 MiB frames against the memory bound.
+(shown per phase). tests/drills/test_hostile.py streams whole 96 MiB frames against the memory bound.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Both Cleave runs deal every GEMM to the clients as round-robin tiles (``--planne
 one machine the cost model would rightly keep the small model's GEMMs home) and cut each batch
 (or rank's slice) into one part: the tier adds its two halves' gradients where one coordinator
 takes the whole batch at once, so their losses agree to float error (the tier's are those of one
-coordinator with ``--micro-batches 2``, bit for bit: tests/test_tier.py). Figures, over the
+coordinator with ``--micro-batches 2``, bit for bit: tests/coordinator/tier/test_tier.py). Figures, over the
 steps after ``--warmup-steps``:
 
 * the step time of the tier over one coordinator's;

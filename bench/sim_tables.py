@@ -21,7 +21,7 @@ Run from the repository root::
     .venv/bin/python bench/sim_tables.py --check        # exit 1 with a diff when a doc is stale
     .venv/bin/python bench/sim_tables.py --list         # the tables, their docs, light or heavy
 
-Tests: tests/test_sim_tables.py runs the ``ci`` table and compares it with docs/simulation.md.
+Tests: tests/coordinator/whatif/test_sim_tables.py runs the ``ci`` table and compares it with docs/simulation.md.
 """
 
 from __future__ import annotations

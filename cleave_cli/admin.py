@@ -4,7 +4,6 @@ second) and need no torch, so they answer in a fraction of a second."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated
@@ -14,7 +13,7 @@ from rich.console import Console
 
 from cleave.cli import render
 from cleave.cli.errors import friendly, stderr_console
-from cleave.cli.options import read_secret
+from cleave.cli.options import DEFAULT_DB, Db, print_json, read_secret
 from cleave.coordinator.engine.identity import JOIN_TOKEN, OPERATOR_TOKEN, STRONG_TOKEN, new_token, store_token
 from cleave.db.sqlite import SQLiteStore
 from cleave.db.store import IdentityState
@@ -26,7 +25,7 @@ devices_app = typer.Typer(
     help="The devices enrolled on a coordinator's --db: list, revoke, unban.", no_args_is_help=True
 )
 token_app = typer.Typer(help="The coordinator's join and operator tokens.", no_args_is_help=True)
-Db = Annotated[Path, typer.Option(help="The coordinator's SQLite file.")]
+Identity = Annotated[int, typer.Argument(help="The device's number (cleave coordinator devices list).")]
 
 
 def add_to(app: typer.Typer) -> None:
@@ -44,7 +43,7 @@ def _open(db: Path) -> SQLiteStore:
 @devices_app.command("list")
 @friendly
 def devices_list(
-    db: Db = Path("cleave.db"),
+    db: Db = DEFAULT_DB,
     limit: Annotated[int, typer.Option(help="Show at most this many, newest first.")] = 200,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON list.")] = False,
 ) -> None:
@@ -56,13 +55,10 @@ def devices_list(
         rows = store.identities(limit)
     finally:
         store.close()
-    console = Console(highlight=False)
     if as_json:
-        console.out(
-            json.dumps([{**row.__dict__, "reliability": round(row.reliability, 4)} for row in rows], sort_keys=True)
-        )
+        print_json([{**row.__dict__, "reliability": round(row.reliability, 4)} for row in rows])
     else:
-        console.print(render.identities(rows))
+        Console(highlight=False).print(render.identities(rows))
 
 
 def _set_state(db: Path, identity: int, want: str, reason: str, allowed_from: tuple[str, ...]) -> str:
@@ -82,8 +78,8 @@ def _set_state(db: Path, identity: int, want: str, reason: str, allowed_from: tu
 @devices_app.command("revoke")
 @friendly
 def devices_revoke(
-    identity: Annotated[int, typer.Argument(help="The device's number (cleave coordinator devices list).")],
-    db: Db = Path("cleave.db"),
+    identity: Identity,
+    db: Db = DEFAULT_DB,
     reason: Annotated[str, typer.Option(help="Recorded, and shown to the device when it is refused.")] = "",
 ) -> None:
     """Revoke a device's credential: a running coordinator cuts it within a second and refuses it
@@ -95,8 +91,8 @@ def devices_revoke(
 @devices_app.command("unban")
 @friendly
 def devices_unban(
-    identity: Annotated[int, typer.Argument(help="The device's number (cleave coordinator devices list).")],
-    db: Db = Path("cleave.db"),
+    identity: Identity,
+    db: Db = DEFAULT_DB,
 ) -> None:
     """Let a banned device connect again; its record stays. A revoked credential cannot be
     reinstated: that device enrols again with the join token (cleave join --new-identity)."""
@@ -107,7 +103,7 @@ def devices_unban(
 @token_app.command("rotate")
 @friendly
 def token_rotate(
-    db: Db = Path("cleave.db"),
+    db: Db = DEFAULT_DB,
     operator: Annotated[
         bool, typer.Option("--operator", help="Rotate the operator token instead of the join token.")
     ] = False,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Annotated
 
 import typer
@@ -37,7 +36,7 @@ def benchmark(
     cafile: opt.CaFile = None,
     insecure: opt.Insecure = False,
     seconds: Annotated[float, typer.Option(help="Seconds per GEMM measurement.")] = 0.4,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    as_json: opt.AsJson = False,
 ) -> None:
     """Measure GEMM GFLOP/s (float32, bfloat16, float16 where supported) at tile-like shapes,
     usable memory and, with --url, the link to a coordinator. Refreshes the cache `cleave join` uses."""
@@ -72,8 +71,7 @@ def benchmark(
         result = bench.run(dev, seconds=seconds)
         bench.quick_gflops(dev, seconds=0.3, refresh=True)  # what `cleave join` reports at registration
     result.link = link
-    console = Console(highlight=False)
     if as_json:
-        console.out(json.dumps(result.to_dict(), sort_keys=True))
+        opt.print_json(result.to_dict())
     else:
-        console.print(render.benchmark_table(result))
+        Console(highlight=False).print(render.benchmark_table(result))

@@ -47,9 +47,7 @@ def start(
             "send newcomers.",
         ),
     ] = None,
-    db: Annotated[Path, typer.Option(help="SQLite file holding the job, devices and tile history.")] = Path(
-        "cleave.db"
-    ),
+    db: Annotated[Path, typer.Option(help="SQLite file holding the job, devices and tile history.")] = opt.DEFAULT_DB,
     token: Annotated[
         str | None,
         opt.secret_option(

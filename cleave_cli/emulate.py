@@ -5,10 +5,8 @@ pacing model); this module only checks the options, shows progress and prints th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import signal
 import time
 from typing import Annotated, Any
 
@@ -20,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cleave.cli import options as opt
-from cleave.cli.errors import friendly, is_terminal, stderr_console
+from cleave.cli.errors import friendly, is_terminal, stderr_console, stop_on_signals
 from cleave.coordinator.planning.costmodel import ITEMSIZE
 from cleave.coordinator.whatif.presets import FLEETS, resolve_fleet
 from cleave.emulator.devices import Fleet, FleetConfig
@@ -220,7 +218,7 @@ def emulate(
     live = is_terminal() and not (quiet or as_json)
     report, stopped = asyncio.run(_run(runner, shown, live=live, quiet=quiet, interval=interval))
     if as_json:
-        out.out(json.dumps(report, sort_keys=True, allow_nan=False))
+        opt.print_json(report, allow_nan=False)
     else:
         out.print(summary_table(report))
     if not (report["finished"] or stopped):
@@ -228,7 +226,6 @@ def emulate(
 
 
 async def _run(fleet: Fleet, console: Console, *, live: bool, quiet: bool, interval: float) -> tuple[dict, bool]:
-    loop = asyncio.get_running_loop()
     stopped = False
 
     def stop() -> None:
@@ -236,11 +233,7 @@ async def _run(fleet: Fleet, console: Console, *, live: bool, quiet: bool, inter
         stopped = True
         fleet.request_stop()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop)
-        except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C arrives as KeyboardInterrupt
-            pass
+    stop_on_signals(stop)
     task = asyncio.create_task(fleet.run())
     board = Live(console=console, refresh_per_second=2, transient=False) if live else None
     if board is not None:

@@ -9,7 +9,9 @@ and exit 1 too.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -49,6 +51,17 @@ def friendly(fn: F) -> F:
             raise fail(str(exc) or type(exc).__name__, CleaveError.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def stop_on_signals(stop: Callable[[], None]) -> None:
+    """Ctrl-C and SIGTERM call ``stop`` (a graceful leave) on the running event loop instead of
+    interrupting it."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop)
+        except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C arrives as KeyboardInterrupt
+            pass
 
 
 def stderr_console() -> Console:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from cleave.cli import options as opt
 from cleave.cli.errors import friendly
 from cleave.coordinator.training.export import export_job
 from cleave.wire.errors import ConfigError
@@ -19,7 +19,7 @@ def export(
     out: Annotated[
         Path, typer.Option("--out", help="The folder to write (new or empty; --force replaces an earlier export).")
     ],
-    db: Annotated[Path, typer.Option(help="The coordinator's SQLite file.")] = Path("cleave.db"),
+    db: opt.Db = opt.DEFAULT_DB,
     job: Annotated[int | None, typer.Option(help="The job to export (default: the newest in --db).")] = None,
     step: Annotated[
         int | None, typer.Option(help="The checkpoint to export, by step (default: the job's newest).")
@@ -32,10 +32,10 @@ def export(
         if value is not None and value < 1:
             raise ConfigError(f"{flag} must be 1 or more, got {value}")
     done = export_job(db, out, job=job, step=step, force=force)
-    console = Console(highlight=False)
     if as_json:
-        console.out(json.dumps({"out": str(done.out), **done.info()}, sort_keys=True))
+        opt.print_json({"out": str(done.out), **done.info()})
         return
+    console = Console(highlight=False)
     loss = f"training loss {done.loss:.4f}" if done.loss is not None else "no loss recorded"
     console.print(
         f"wrote {done.out}: job {done.job}, step {done.step:,}/{done.steps:,}, {done.model} as "

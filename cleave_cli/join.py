@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -14,7 +13,7 @@ from rich.live import Live
 
 from cleave.cli import options as opt
 from cleave.cli import render
-from cleave.cli.errors import friendly, is_terminal
+from cleave.cli.errors import friendly, is_terminal, stop_on_signals
 from cleave.client.credentials import default_path as default_credentials
 from cleave.client.idle import FileProbe, Reading, SystemProbe
 from cleave.client.policy import Decision, PolicyConfig, default_config_path, load_config
@@ -235,10 +234,5 @@ def join(
 
 
 async def _run(worker: Worker) -> int:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, worker.request_stop)
-        except (NotImplementedError, RuntimeError):  # Windows: Ctrl-C arrives as KeyboardInterrupt
-            pass
+    stop_on_signals(worker.request_stop)
     return await worker.run()

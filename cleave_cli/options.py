@@ -1,10 +1,11 @@
-"""Options shared by several commands (names are a contract: scripts and tests use them), and how
-commands read their secrets (read_secret)."""
+"""Options shared by several commands (names are a contract: scripts and tests use them), how
+commands read their secrets (read_secret) and print their ``--json`` documents (print_json)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+from rich.console import Console
 
 from cleave.cli.errors import stderr_console
 from cleave.wire.errors import ConfigError
@@ -23,6 +25,16 @@ if TYPE_CHECKING:  # the training modules import torch: the commands that train 
     from cleave.coordinator.training.loop import TrainConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_DB = Path("cleave.db")  # the coordinator's database unless --db names another (CoordinatorConfig.db's)
+Db = Annotated[Path, typer.Option("--db", help="The coordinator's SQLite file.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")]
+
+
+def print_json(document: Any, *, allow_nan: bool = True) -> None:
+    """``--json``: ``document`` as one line on stdout, its keys sorted so that scripts can rely on
+    them; ``allow_nan=False`` makes a NaN or an infinity an error instead of invalid JSON."""
+    Console(highlight=False).out(json.dumps(document, sort_keys=True, allow_nan=allow_nan))
 
 
 Model = Annotated[

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import math
 import os
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 
+from cleave.cli import options as opt
 from cleave.cli import render
 from cleave.cli.errors import friendly, is_terminal, stderr_console
 from cleave.coordinator.planning.tier import DEFAULT_TIER_GBPS, MAX_RANKS, Tier
@@ -79,10 +79,8 @@ Coordinators = Annotated[
 TierLinkGbps = Annotated[
     float, typer.Option("--tier-link-gbps", help="Each coordinator's link to the others in Gbit/s, each way.")
 ]
-BatchSize = Annotated[int, typer.Option("--batch-size", help="Sequences per step.")]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per sequence (at most the model's positions).")]
 DTypeName = Annotated[str, typer.Option("--dtype", help="Training dtype: fp32, bf16 or fp16.")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")]
 
 # The options of every command that prices a model on a fleet, declared once: each its name,
 # its option and its default, in --help's order, where the command's ``setup`` parameter stands.
@@ -96,7 +94,7 @@ SETUP_OPTIONS: tuple[tuple[str, Any, Any], ...] = (
     ("coordinator", CoordinatorPreset, "server"),
     ("coordinators", Coordinators, 1),
     ("tier_link_gbps", TierLinkGbps, DEFAULT_TIER_GBPS),
-    ("batch_size", BatchSize, 8),
+    ("batch_size", opt.BatchSize, 8),
     ("seq_len", SeqLen, 256),
     ("dtype", DTypeName, DType.FP32.value),
 )
@@ -169,20 +167,16 @@ def priced(max_devices: int) -> Callable[[F], F]:
     return decorate
 
 
-def print_json(report: dict[str, Any]) -> None:
-    Console(highlight=False).out(json.dumps(report, sort_keys=True, allow_nan=False))
-
-
 @friendly
 @priced(PLAN_MAX_DEVICES)
-def plan(setup: Setup, as_json: AsJson = False) -> None:
+def plan(setup: Setup, as_json: opt.AsJson = False) -> None:
     """Predict how every GEMM of one training step would be cut over a fleet, the step's time,
     traffic and memory, and the speedup over round-robin tiles."""
     # Transient: a terminal sees it while the baseline is priced, a pipe or a file never does.
     with stderr_console().status("planning ...") as status:
         report = plan_report(plan_fleet(setup, status.update))
     if as_json:
-        print_json(report)
+        opt.print_json(report, allow_nan=False)
         return
     # The GEMM table wants ~150 columns; rich assumes 80 when writing to a pipe or a file.
     wide = is_terminal() or "COLUMNS" in os.environ

@@ -20,8 +20,8 @@ from rich.table import Table
 
 from cleave.cli import render
 from cleave.cli.errors import friendly, stderr_console
-from cleave.cli.options import micro_batches_of
-from cleave.cli.plan import AsJson, priced, print_json
+from cleave.cli.options import AsJson, micro_batches_of, print_json
+from cleave.cli.plan import priced
 from cleave.coordinator.engine.energy import GRID_GCO2_KWH
 from cleave.coordinator.engine.live_plan import Planner
 from cleave.coordinator.engine.scheduler import FaultPolicy
@@ -264,6 +264,6 @@ def simulate(
     if plot_path is not None:
         plot(report, plot_path)
     if as_json:
-        print_json(report)
+        print_json(report, allow_nan=False)
         return
     Console(highlight=False).print(Group(render.simulate_report(report), energy_table(report)))

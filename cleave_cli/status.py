@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import ssl
 import time
 from collections.abc import Iterator
@@ -148,7 +147,7 @@ def status(
     console = Console(highlight=False)
     ca = str(cafile) if cafile else None
     if as_json:
-        console.out(json.dumps(fetch_status(url, token, cafile=ca, insecure=insecure), sort_keys=True))
+        opt.print_json(fetch_status(url, token, cafile=ca, insecure=insecure))
         return
     if not (watch and is_terminal()):
         snapshot = fetch_status(url, token, cafile=ca, insecure=insecure)

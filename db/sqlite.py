@@ -152,7 +152,7 @@ RETURNING id, gemm_id, idx, a_key, b_key, attempts
 
 # The GEMMs ``prune_gemms`` deletes (a condition on ``gemms g``), and its deletes, children first.
 # Each finds its rows by index (gemms by job and step, tiles by GEMM, leases by tile), as do the
-# foreign-key checks they make: tests/test_store.py reads their query plans.
+# foreign-key checks they make: tests/db/test_store.py reads their query plans.
 _PRUNED = "g.job_id = :job AND g.step <= :through AND g.done_at IS NOT NULL AND g.id < :newest"
 _PRUNED_IDS = f"SELECT g.id FROM gemms g WHERE {_PRUNED}"
 PRUNE_DELETES = (

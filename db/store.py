@@ -1,7 +1,7 @@
 """The coordinator's state, behind one interface with two implementations.
 
 ``MemoryStore`` (db/memory.py) serves the simulator and fast tests; ``SQLiteStore``
-(db/sqlite.py) is production. Both pass one shared test suite (tests/test_store.py). ``Store``,
+(db/sqlite.py) is production. Both pass one shared test suite (tests/db/test_store.py). ``Store``,
 their base class, holds what the two share: argument checks, defaults, the arithmetic of credit
 and the shape of rows; each keeps behind the ``_``-prefixed hooks only what is its own (dicts or
 SQL).

@@ -22,12 +22,12 @@ TIMEOUT = 60.0  # seconds; every wait in the tests is a multiple of this
 try:
     from hypothesis import HealthCheck, settings
     from hypothesis.database import DirectoryBasedExampleDatabase
-except ImportError:  # pragma: no cover - only tests/test_fuzz.py needs hypothesis
+except ImportError:  # pragma: no cover - only tests/coordinator/engine/test_fuzz.py needs hypothesis
     pass
 else:
     # "ci" (the default): few examples, derandomized so every run tries the same inputs, no example
     # database (nothing written into the checkout). "thorough", for local runs:
-    #     HYPOTHESIS_PROFILE=thorough .venv/bin/python -m pytest tests/test_fuzz.py
+    #     HYPOTHESIS_PROFILE=thorough .venv/bin/python -m pytest tests/coordinator/engine/test_fuzz.py
     # draws fresh random inputs each run and remembers failures outside the checkout.
     settings.register_profile(
         "ci",
@@ -108,7 +108,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 
 # Tests of many seconds that are not drills (in-process fuzzing, a tier's ranks, a large plan):
 # started early beside the drills, not left for the end of the run.
-HEAVY = ("tests/test_fuzz.py::", "tests/test_tier.py::", "tests/test_plan_cli.py::test_a_tier_plans")
+HEAVY = (
+    "tests/coordinator/engine/test_fuzz.py::",
+    "tests/coordinator/tier/test_tier.py::",
+    "tests/cli/test_plan_cli.py::test_a_tier_plans",
+)
 
 
 def _weight(item: pytest.Item) -> int:

@@ -86,7 +86,7 @@ def test_every_import_of_cleave_code_names_the_cleave_namespace() -> None:
     """The wheel installs only ``cleave``: an import by a folder's own name (``coordinator...``)
     works in a checkout, where the folders lie on the path, and nowhere else."""
     stray = []
-    for path in [*_modules().values(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]:
+    for path in [*_modules().values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -207,7 +207,7 @@ def test_each_name_is_imported_from_where_it_is_defined() -> None:
     outlives a move): name the defining module."""
     modules = _modules()
     names = {m: _top_level_names(p) for m, p in modules.items()}
-    files = [*modules.values(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]
+    files = [*modules.values(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py")]
     found = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):

@@ -7,7 +7,7 @@ encoder and ``auth`` so that the page cannot drift from the code.
 
 In the page, each example sits between marker comments: ``<!-- frame:NAME -->`` and
 ``<!-- /frame -->`` around a frame, ``<!-- vector:proof -->`` and ``<!-- /vector -->`` around the
-test vector. Only the text between the markers is rewritten; tests/test_protocol_doc.py fails
+test vector. Only the text between the markers is rewritten; tests/wire/test_protocol_doc.py fails
 when it differs from what this module renders.
 
 The examples tell one story: the device enrolled earlier as identity 42 answers a challenge with

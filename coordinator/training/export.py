@@ -14,7 +14,7 @@ built-in preset is exactly a ``LlamaForCausalLM``: RMSNorm, rotary positions, a 
 attention without biases, an untied head. Its fused ``qkv`` and ``gate_up`` are split, and the q
 and k rows of each head are reordered from rotating interleaved pairs (``model.apply_rope``) to
 rotating halves (transformers' ``rotate_half``): q and k are permuted alike, so every q.k product,
-and so every logit, is unchanged (to float rounding: 1e-6 relative, tests/test_export.py).
+and so every logit, is unchanged (to float rounding: 1e-6 relative, tests/coordinator/training/test_export.py).
 
 Tokens: the job's tokenizer if it had one (the ``hf:DIR`` folder's, or the one its token shards
 were made with: ``shards.json`` names it); else the model reads UTF-8 bytes, and a tokenizer that

@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_core import Fleet as CoreFleet
-from test_core import make_core
 from test_training import TiledLocalEngine
 from typer.testing import CliRunner
 
@@ -28,6 +26,8 @@ from cleave.coordinator.training.loop import TrainConfig, Trainer, open_data, wi
 from cleave.coordinator.training.tokens import DataError, View
 from cleave.wire.errors import ConfigError
 from cleave.wire.messages import WireDtype
+from tests.coordinator.engine.test_core import Fleet as CoreFleet
+from tests.coordinator.engine.test_core import make_core
 
 SMALL = {"model": "tiny", "batch_size": 4, "seq_len": 16}
 

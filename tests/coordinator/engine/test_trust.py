@@ -1,5 +1,5 @@
 """Untrusted devices at the Core, on a fake clock: identities, earned slots, bans, cut-offs,
-rate limits and frame limits. Real processes come in tests/test_hostile.py."""
+rate limits and frame limits. Real processes come in tests/drills/test_hostile.py."""
 
 from __future__ import annotations
 
@@ -614,7 +614,7 @@ def test_devices_barred_from_everything_queued_are_not_asked_again_until_the_que
 
     everyone_fails()
     fleet.now += 1.0
-    fleet.route(core.tick(fleet.now))  # failed everywhere: re-opened once (tests/test_core.py)
+    fleet.route(core.tick(fleet.now))  # failed everywhere: re-opened once (tests/coordinator/engine/test_core.py)
     everyone_fails()
     calls = []
     claim = core.store.claim_tile

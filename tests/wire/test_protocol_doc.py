@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 
 from cleave.client.runner import MAX_FRAME
 from cleave.coordinator.engine.limits import Limits, TrustPolicy
@@ -24,7 +25,7 @@ from cleave.wire import auth, examples, messages
 from cleave.wire.errors import ProtocolError
 from cleave.wire.messages import PROTOCOL_VERSION, Hello, Result, Work, decode, encode
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+DOC = ROOT / "docs" / "protocol.md"
 FIX = f"docs/protocol.md is stale: run {examples.WRITE_COMMAND}"
 
 

@@ -1001,7 +1001,7 @@ class CoreUnderFire(RuleBasedStateMachine):
             # (Leasing.flush, checked there): at most the one open lease, this one.
             assert sum(lease.ended_at is None for lease in before) <= 1, "two open leases for one device"
             barred = [lease for lease in before if lease.ended_at is not None and _bars(lease)]
-            # ...unless every device failed it and it was re-opened to all (Core._unstick).
+            # ...unless every device failed it and it was re-opened to all (Upkeep._unstick).
             assert not barred or tile_id in self.core.upkeep.reopened, (
                 f"device {dev.id} leased tile {tile_id} again after {barred[0].outcome}"
             )

@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 from procs import OPERATOR, TOKEN, join
 from websockets.sync.client import connect as ws_connect
 
@@ -162,7 +163,7 @@ def test_the_dashboard_renders_live_numbers_and_hides_operator_data_without_the_
 
 
 def test_names_from_volunteers_are_never_html_and_the_curve_stays_bounded() -> None:
-    js = (Path(__file__).resolve().parents[1] / "coordinator" / "net" / "web" / "dashboard.js").read_text()
+    js = (ROOT / "coordinator" / "net" / "web" / "dashboard.js").read_text()
     assert "innerHTML" not in js and "insertAdjacentHTML" not in js and "eval(" not in js
     curve = Curve(limit=100)
     for step in range(1, 10_001):

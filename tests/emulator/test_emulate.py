@@ -137,7 +137,7 @@ def test_products_stay_on_the_fleets_threads_whichever_worker_asks() -> None:
 # A larger drill for the record: CLEAVE_DRILL_DEVICES=100 CLEAVE_DRILL_STEPS=6 (docs/simulation.md).
 STEPS = int(os.environ.get("CLEAVE_DRILL_STEPS", "4"))
 DEVICES = int(os.environ.get("CLEAVE_DRILL_DEVICES", "20"))
-REL = 1e-4  # as tests/test_e2e.py
+REL = 1e-4  # as tests/drills/test_e2e.py
 FLEET = """
 [[class]]
 name = "slow"

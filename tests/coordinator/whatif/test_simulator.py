@@ -54,7 +54,7 @@ from cleave.coordinator.whatif.simulator import (
     step_program,
 )
 from cleave.db.memory import MemoryStore
-from tests.test_live_plan import POLICY, SLOW_PS, SMALL, CoreEngine, Fleet
+from tests.coordinator.engine.test_live_plan import POLICY, SLOW_PS, SMALL, CoreEngine, Fleet
 
 # A PS that ships every GEMM (it multiplies at 1 GFLOP/s) on a 10 Gbit/s link.
 SLOW = PSProfile.from_link(10, gflops={"fp32": 1.0, "bf16": 1.0, "fp16": 1.0})

@@ -108,7 +108,7 @@ def test_a_tier_of_two_gpu_ranks_trains_exactly(tmp_path: Path) -> None:
     """Two coordinator ranks on the one GPU (buckets staged through host memory, gloo), a CPU
     client each: every rank logs the same global loss, bit for bit, and it is one CUDA
     coordinator's on the whole batch (and the CPU reference) within CUDA's tolerance."""
-    from test_tier import _port, _ranks  # the tier's own helpers: real ranks on loopback
+    from tests.coordinator.tier.test_tier import _port, _ranks  # the tier's own helpers: real ranks on loopback
 
     steps, batch = 6, 4
     ranks = _ranks(

@@ -121,7 +121,7 @@ def make_core(*, band_checks: bool = True, ban_rejects: int | None = None, trust
     store = MemoryStore()
     job = store.create_job("test", {}, 10, 0.0)
     policy = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
-    # No probation here: these tests are about tiles; tests/test_trust.py covers how trust is earned.
+    # No probation here: these tests are about tiles; tests/coordinator/engine/test_trust.py covers how trust is earned.
     return Core(
         store,
         job,

@@ -31,7 +31,7 @@ from cleave.wire.messages import (
     decode,
     encode,
 )
-from tests import test_core as core_tests
+from tests.coordinator.engine import test_core as core_tests
 
 POLICY = TilingPolicy(max_edge=64, min_edge=16, min_k=32, min_tile_flops=1)
 SLOW_PS = PSProfile(gflops={"fp32": 0.01}, verify_flops=1e12, unit_overhead=0.0)  # shipping always wins

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from procs import Coordinator, join, local_losses
-from test_live_plan import Fleet, make_core
 
 from cleave.client import kernels
 from cleave.coordinator.engine.gemms import check_finite
@@ -20,6 +19,7 @@ from cleave.coordinator.planning.tiles import GemmKind
 from cleave.coordinator.training.linear import GemmRequest
 from cleave.wire.messages import WireDtype
 from cleave.wire.verify import freivalds
+from tests.coordinator.engine.test_live_plan import Fleet, make_core
 
 STEPS = 6
 

@@ -436,7 +436,8 @@ def test_clients_report_their_machines_energy_and_an_implausible_one_is_capped(t
     row carries the energy split into devices and coordinator, per verified GFLOP and in CO2;
     status and /metrics say the same."""
     from procs import Coordinator, join
-    from test_relays import _look
+
+    from tests.client.test_relays import _look
 
     honest, liar = FakeRapl(tmp_path / "honest", 25.0), FakeRapl(tmp_path / "liar", 5000.0)
     try:

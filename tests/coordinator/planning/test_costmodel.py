@@ -229,10 +229,11 @@ def test_the_event_loop_is_charged_per_message_tile_and_byte_by_hand() -> None:
 def test_the_loop_s_constants_are_what_calibrate_loop_fits_from_the_stored_bench_tax_run() -> None:
     # One place: costmodel.LOOP_COSTS, reproduced by the script from the run it cites.
     import json
-    import pathlib
     import sys
 
-    bench = pathlib.Path(__file__).resolve().parents[1] / "bench"
+    from conftest import ROOT
+
+    bench = ROOT / "bench"
     sys.path.insert(0, str(bench))
     try:
         import calibrate_loop

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from cleave.coordinator.planning.costmodel import (
     DeviceClass,
@@ -40,7 +40,7 @@ from cleave.coordinator.planning.planner import (
 )
 from cleave.coordinator.whatif.presets import model_shape, step_gemms
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "cost-model.md"
+DOC = ROOT / "docs" / "cost-model.md"
 GIB = 1 << 30
 
 # The examples' inputs, as the page states them.
