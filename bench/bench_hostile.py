@@ -48,7 +48,7 @@ from rich.table import Table  # noqa: E402
 from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 
-import cleave.cli  # noqa: E402,F401 - OMP_WAIT_POLICY and the websocket upgrade limits
+import cleave.cli  # noqa: E402,F401 - OMP_WAIT_POLICY (the upgrade limits are set where servers are built)
 from cleave.cli.status import fetch_status  # noqa: E402
 from cleave.coordinator.engine.limits import HEADROOM, Limits, memory_bound, peer_costs  # noqa: E402
 from cleave.db.sqlite import SQLiteStore  # noqa: E402
@@ -387,7 +387,7 @@ async def drill(args: argparse.Namespace) -> dict:
     cost = peer_costs(lim, largest_result=16 << 20)
     present = (
         args.enrolled * cost["idle_device"]
-        + min(args.junk, lim.max_unauthenticated + HEADROOM) * cost["unauthenticated"]
+        + min(args.junk, lim.unauthenticated + HEADROOM) * cost["unauthenticated"]
         + 2 * cost["working_device"]
         + lim.outbound_total
         + (16 << 20)

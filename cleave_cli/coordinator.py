@@ -226,8 +226,7 @@ def start(
     # The command's own bounds: the policies take more (a test's 8-row tiles, a bench's endless leases).
     if not 16 <= tile_size <= 16384:
         raise ConfigError(f"--tile-size must be between 16 and 16384, got {tile_size}")
-    if not 0.5 <= heartbeat_timeout <= 3600:
-        raise ConfigError(f"--heartbeat-timeout must be between 0.5 and 3600 s, got {heartbeat_timeout}")
+    opt.check_heartbeat_timeout(heartbeat_timeout)
     if not 0.1 <= lease_floor <= 3600:
         raise ConfigError(f"--lease-floor must be between 0.1 and 3600 s, got {lease_floor}")
     if rendezvous is None and (world_size is not None or rank is not None):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import os
 import stat
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +30,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_DB = Path("cleave.db")  # the coordinator's database unless --db names another (CoordinatorConfig.db's)
 Db = Annotated[Path, typer.Option("--db", help="The coordinator's SQLite file.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")]
+
+
+HEARTBEAT_TIMEOUT = (0.5, 3600.0)  # seconds: the commands' bounds on --heartbeat-timeout (coordinator, simulate)
+
+
+def check_heartbeat_timeout(seconds: float) -> None:
+    """The commands' own bounds on ``--heartbeat-timeout`` (FaultPolicy takes any above 0: a bench's
+    endless leases); the heartbeat itself derives from it (``FaultPolicy.beat``)."""
+    low, high = HEARTBEAT_TIMEOUT
+    if not (math.isfinite(seconds) and low <= seconds <= high):
+        raise ConfigError(f"--heartbeat-timeout must be between {low:g} and {high:g} s, got {seconds:g}")
 
 
 def print_json(document: Any, *, allow_nan: bool = True) -> None:

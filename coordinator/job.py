@@ -29,7 +29,8 @@ import numpy as np
 from cleave.coordinator.config import CoordinatorConfig, TierOptions
 from cleave.coordinator.engine.balance import Balancer, Pool
 from cleave.coordinator.engine.books import Books
-from cleave.coordinator.engine.core import Core, Departure
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.devices import Departure
 from cleave.coordinator.engine.identity import STRONG_TOKEN
 from cleave.coordinator.engine.profiles import measure_ps
 from cleave.coordinator.net.remote import RemoteEngine

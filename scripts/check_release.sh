@@ -110,9 +110,19 @@ for line in tomllib.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))["projec
 EOF
 fi
 venv="$tmp/venv"
-step "making a fresh venv" "${PYTHON:-python3}" -m venv "$venv"
-step "installing the wheel (torch==$torch_version)" \
-    "$venv/bin/python" -m pip install --quiet --constraint "$tmp/constraints.txt" "$wheel"
+# The interpreter .venv was made from: the torch wheel's Python tag must fit it.
+base=$("$py" -c 'import sys; print(sys._base_executable)')
+step "making a fresh venv" "$base" -m venv "$venv"
+# A CPU build (torch==X+cpu) lies on PyTorch's CPU index, not on PyPI: that index is asked only
+# when the configured ones (here a local wheel folder) do not have it.
+install=("$venv/bin/python" -m pip install --quiet --constraint "$tmp/constraints.txt" "$wheel")
+if ! "${install[@]}" >"$log" 2>&1; then
+    case "$torch_version" in
+    *+cpu) step "installing the wheel (torch==$torch_version, from PyTorch's CPU index)" \
+        "${install[@]}" --extra-index-url https://download.pytorch.org/whl/cpu ;;
+    *) tail -n 40 "$log" >&2 && fail "installing the wheel (torch==$torch_version) failed (its last lines are above)" ;;
+    esac
+fi
 took "installed the wheel into a fresh venv with $(paste -sd ' ' "$tmp/constraints.txt")"
 
 # From outside the checkout, so only the installed package can be imported.

@@ -1,7 +1,12 @@
 """The coordinator's network-free brain: messages and ``now`` in, decisions and messages out.
 
-``core`` (the data plane: operands, blocks, verification, assembly, credit) with its parts
-``gemms``, ``devices``, ``progress`` and ``outbound`` (what it asks its driver to do);
+``core`` (the engine's face: the server and the job call its named methods) over its parts, each
+owning its state: ``admission`` (devices coming in; a tier's redirects), ``intake`` (the trainer's
+GEMMs to their product), ``checks`` (verdicts, bands, credit), ``dispatch`` (the scheduler's
+decisions carried out: the loop the simulator runs too) with ``leasing`` (its live hands),
+``giveback`` (pauses and releases), ``upkeep`` (the tick), ``fleet`` (the planner's view of the
+devices), ``relay_desk`` (relays); its records ``gemms``, ``devices``, ``progress`` and
+``outbound`` (what it asks its driver to do);
 ``scheduler`` (which tile goes where and when, pure); ``conduct`` (the rules by which devices earn
 and lose tiles, which the simulator runs too); ``identity`` (the gate: enrolment, credentials,
 bans); ``limits`` (every limit a peer is held to); ``profiles`` (what each device can do,

@@ -94,7 +94,7 @@ class Admissions:
         out: list[Outbound] = [Limit(device_id, lim.idle_frame)]
         if admission.secret is not None:
             out.append(core.send(device_id, Credential(admission.identity, admission.secret.hex()), now))
-        welcome = Welcome(device_id, admission.identity, core.job_name, dev.slots, core.faults.heartbeat)
+        welcome = Welcome(device_id, admission.identity, core.job_name, dev.slots, core.faults.beat)
         out.append(core.send(device_id, welcome, now))
         if core.finished:
             out.append(core.send(device_id, Finished(), now))

@@ -5,13 +5,14 @@ they return, and calls ``tick(now)`` a few times a second; a simulator can drive
 object with a virtual clock. ``now`` is monotonic seconds; records in the store get
 ``now + epoch`` (wall-clock time), so a clock step never expires leases.
 
-Flow of one GEMM: ``submit`` plans its tiles and queues them in the store; ``_dispatch`` leases
-queued tiles to devices with free slots (preferring tiles whose input blocks the device already
-holds) and emits ``Work`` messages carrying only the blocks that device lacks; ``handle(Result)``
-verifies the C block with Freivalds' check before it is kept (or ``receive`` hands the check out
-to run on another thread and ``settle`` takes its verdict); once every tile is verified the
-GEMM is assembled and ``on_done`` receives ``A @ B`` (or, with ``lazy``, a function that
-assembles it on the caller's thread).
+Flow of one GEMM: ``submit`` plans its tiles and queues them in the store; the dispatch
+(engine/dispatch.py, the loop the simulator runs too) leases queued tiles to devices with free
+slots (preferring tiles whose input blocks the device already holds) and emits ``Work`` messages
+carrying only the blocks that device lacks; ``handle(Result)`` verifies the C block with
+Freivalds' check before it is kept (or ``receive`` hands the check out to run on another thread
+and ``settle`` takes its verdict); once every tile is verified the GEMM is assembled and
+``on_done`` receives ``A @ B`` (or, with ``lazy``, a function that assembles it on the caller's
+thread).
 
 Devices are untrusted (see docs/security.md):
 
@@ -45,6 +46,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
+import torch
 
 from cleave.coordinator.engine.admission import Admissions
 from cleave.coordinator.engine.balance import Balancer
@@ -55,7 +57,7 @@ from cleave.coordinator.engine.devices import Departure, DeviceState
 from cleave.coordinator.engine.dispatch import Dispatch
 from cleave.coordinator.engine.energy import GRID_GCO2_KWH, EnergyBooks
 from cleave.coordinator.engine.fleet import Fleet
-from cleave.coordinator.engine.gemms import BandCheck, Check
+from cleave.coordinator.engine.gemms import BandCheck, Check, Done, GemmState
 from cleave.coordinator.engine.giveback import GiveBacks
 from cleave.coordinator.engine.identity import Gate
 from cleave.coordinator.engine.intake import Intake
@@ -73,9 +75,7 @@ from cleave.coordinator.engine.scheduler import (
 from cleave.coordinator.engine.standby import Sleepers, StandbyPolicy
 from cleave.coordinator.engine.upkeep import Upkeep
 from cleave.coordinator.planning.costmodel import Profile, PSProfile
-from cleave.coordinator.planning.tiles import (
-    TilingPolicy,
-)
+from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
 from cleave.db.store import CheckpointRow, DeviceStatus, Outcome, Store
 from cleave.wire import auth
 from cleave.wire.codes import CloseCode, Code, EnergySource, JobPhase
@@ -147,11 +147,6 @@ class Core:
         self.admissions = Admissions(self)  # who is connected, by identity, and how a device comes in
         self.intake = Intake(self)  # the trainer's GEMMs: planned, queued, assembled
         self.gemms = self.intake.gemms  # the live ones, by id
-        # The trainer's way in (``Intake.submit``: queue ``a @ b`` as tiles, ``on_done`` once every
-        # tile is verified), and the engine's parts' way to a GEMM and its end.
-        self.submit = self.intake.submit
-        self.gemm_of = self.intake.gemm_of
-        self.complete = self.intake.complete
         # How devices earn tiles and lose them, told to the scheduler (``sched``): which tile goes
         # to which device, and when.
         self.conduct = Conduct(Scheduler(self.faults), self.trust)
@@ -201,7 +196,7 @@ class Core:
         closes with its code): wrong token or credential, banned, revoked, cooling off, in use.
         On a rank of a tier, a newcomer with the join token may instead be sent to a rank whose
         pool is weaker: ``Redirecting`` (engine/balance.py), before it enrols here. A peer whose
-        hello names a relay URL enrols as a relay (``_connect_relay``): it takes no tiles."""
+        hello names a relay URL enrols as a relay (``RelayDesk.connect``): it takes no tiles."""
         if hello.relay:
             return self.relay_desk.connect(hello, nonce, now)
         device_id, out = self.admissions.connect(hello, nonce, now)
@@ -417,6 +412,21 @@ class Core:
         """The identity's connected device, if any."""
         device_id = self.admissions.live(identity)
         return None if device_id is None else self.devices.get(device_id)
+
+    def submit(
+        self, a: torch.Tensor, b: torch.Tensor, kind: GemmKind, now: float, on_done: Done, **options: Any
+    ) -> tuple[int, list[Outbound]]:
+        """The trainer's way in: queue ``a @ b`` as tiles, ``on_done(result)`` once every tile is
+        verified (``Intake.submit`` says what the options mean)."""
+        return self.intake.submit(a, b, kind, now, on_done, **options)
+
+    def complete(self, gemm: GemmState, now: float) -> None:
+        """Every tile verified: the GEMM is assembled (``Intake.complete``)."""
+        self.intake.complete(gemm, now)
+
+    def gemm_of(self, tile_id: int) -> GemmState:
+        """The live GEMM a tile of a live GEMM belongs to."""
+        return self.intake.gemm_of(tile_id)
 
     def plan_lanes(self, lanes: int) -> None:
         """The trainer runs this many micro-batches at once: each GEMM is planned on one of as

@@ -154,19 +154,29 @@ class Limits:
             raise ConfigError(
                 f"must be between 1 and 1,000,000, got {self.max_connections}", field="Limits.max_connections"
             )
-        # No kind of connection may outnumber all of them: a lower max_connections lowers these too.
-        for name in ("max_unauthenticated", "max_observers"):
-            object.__setattr__(self, name, min(getattr(self, name), self.max_connections))
         checks = [
             (self.max_unauthenticated >= 1, "max_unauthenticated", "must be at least 1"),
             (self.pre_auth_frame >= 4096, "pre_auth_frame", "must be at least 4096 bytes"),
             (self.idle_frame >= self.pre_auth_frame, "idle_frame", "must be at least pre_auth_frame"),
             (self.observer_frame >= self.idle_frame, "observer_frame", "must be at least idle_frame"),
+            (self.max_observers >= 1, "max_observers", "must be at least 1"),
             (self.max_queue >= 1, "max_queue", "must be at least 1"),
         ]
         for ok, name, detail in checks:
             if not ok:
                 raise ConfigError(f"{detail}, got {getattr(self, name)}", field=f"Limits.{name}")
+
+    # No kind of connection may outnumber all of them: a lower max_connections lowers these too
+    # (derived, not stored, so ``dataclasses.replace`` of max_connections moves them).
+    @property
+    def unauthenticated(self) -> int:
+        """Connections that may be open before their hello: ``max_unauthenticated``, at most all."""
+        return min(self.max_unauthenticated, self.max_connections)
+
+    @property
+    def observers(self) -> int:
+        """Observers that may be connected: ``max_observers``, at most all connections."""
+        return min(self.max_observers, self.max_connections)
 
 
 HEADROOM = 16  # connections past a cap that still get a close code rather than an abort
@@ -217,8 +227,8 @@ def memory_bound(
     from cleave.wire.messages import MAX_SPEEDTEST_BYTES
 
     cost = peer_costs(limits, largest_result=largest_result, tls=tls)
-    unauth = limits.max_unauthenticated + HEADROOM
-    observers = limits.max_observers
+    unauth = limits.unauthenticated + HEADROOM
+    observers = limits.observers
     devices = max(0, limits.max_connections + HEADROOM - unauth - observers)
     holding = min(devices_holding, devices)
     terms = {

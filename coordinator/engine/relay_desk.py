@@ -76,7 +76,7 @@ class RelayDesk:
         out: list[Outbound] = [Limit(relay_id, core.limits.idle_frame)]
         if admission.secret is not None:
             out.append(Send(relay_id, Credential(admission.identity, admission.secret.hex())))
-        out.append(Send(relay_id, Welcome(relay_id, admission.identity, core.job_name, 1, core.faults.heartbeat)))
+        out.append(Send(relay_id, Welcome(relay_id, admission.identity, core.job_name, 1, core.faults.beat)))
         for device_id in sorted(core.devices):
             out.extend(self.place(device_id, now))
         return relay_id, out

@@ -86,11 +86,9 @@ class FaultPolicy:
                 f"must be a number of seconds above 0, got {self.heartbeat_timeout}",
                 field="FaultPolicy.heartbeat_timeout",
             )
-        if self.heartbeat == 0:  # not given: five beats in a timeout, at most 2 s apart
-            object.__setattr__(self, "heartbeat", min(2.0, self.heartbeat_timeout / 5))
         checks = [
             (
-                0 < self.heartbeat < self.heartbeat_timeout,
+                self.heartbeat == 0 or 0 < self.heartbeat < self.heartbeat_timeout,
                 "heartbeat",
                 f"must be above 0 and below heartbeat_timeout ({self.heartbeat_timeout:g} s), got {self.heartbeat}",
             ),
@@ -102,6 +100,13 @@ class FaultPolicy:
         for ok, name, detail in checks:
             if not ok:
                 raise ConfigError(detail, field=f"FaultPolicy.{name}")
+
+    @property
+    def beat(self) -> float:
+        """Seconds between heartbeats each way: ``heartbeat`` if given, else five beats in a
+        timeout, at most 2 s apart. Derived here, not stored, so ``dataclasses.replace`` of the
+        timeout moves it too."""
+        return self.heartbeat or min(2.0, self.heartbeat_timeout / 5)
 
     def window(self, expected: float) -> float:
         """Seconds from lease to deadline for work expected to take ``expected`` seconds."""
@@ -508,7 +513,7 @@ class Scheduler:
     def _unlate(self, seat: Seat) -> None:
         """A late lease of ``seat`` ended without its result: it stays doubted a while."""
         seat.late -= 1
-        seat.doubted_until = max(seat.doubted_until, self._now + DOUBT_HEARTBEATS * self.faults.heartbeat)
+        seat.doubted_until = max(seat.doubted_until, self._now + DOUBT_HEARTBEATS * self.faults.beat)
 
     def _doubted(self, seat: Seat) -> bool:
         """Not to be planned units now: a lease of it is late, or one it let go late was lost lately."""

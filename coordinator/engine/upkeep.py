@@ -81,7 +81,7 @@ class Upkeep:
                 continue
             if dev.gflop_verified != dev.credit_sent and now - dev.credit_at >= CREDIT_INTERVAL:
                 out.append(core.credit(dev, now))  # verified work only, never claims
-            if now - dev.last_sent >= core.standby.beat(dev.id, core.faults.heartbeat):
+            if now - dev.last_sent >= core.standby.beat(dev.id, core.faults.beat):
                 out.append(core.send(dev.id, Heartbeat(core.wall(now)), now))
             idle = dev.paused is None and not dev.inflight and not dev.seat.own_count and not core.finished
             why = core.standby.due(dev.id, idle, bool(core.gemms), now)

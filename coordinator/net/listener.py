@@ -29,7 +29,7 @@ class ConnectionCounter:
 
     def admit(self, fd: int) -> bool:
         lim = self.limits
-        if self.open >= lim.max_connections + HEADROOM or len(self.pending) >= lim.max_unauthenticated + HEADROOM:
+        if self.open >= lim.max_connections + HEADROOM or len(self.pending) >= lim.unauthenticated + HEADROOM:
             self.refused += 1
             return False
         self.open += 1
@@ -39,7 +39,7 @@ class ConnectionCounter:
     def over_cap(self) -> bool:
         """Past a cap, but within the headroom that still gets a close code."""
         lim = self.limits
-        return self.open > lim.max_connections or len(self.pending) > lim.max_unauthenticated
+        return self.open > lim.max_connections or len(self.pending) > lim.unauthenticated
 
     def authenticated(self, fd: int) -> None:
         self.pending.discard(fd)

@@ -42,7 +42,8 @@ from websockets.http11 import Request, Response
 
 from cleave.coordinator.engine import report
 from cleave.coordinator.engine.balance import Redirecting
-from cleave.coordinator.engine.core import Core, Departure
+from cleave.coordinator.engine.core import Core
+from cleave.coordinator.engine.devices import Departure
 from cleave.coordinator.engine.gemms import BandCheck, Check, Product, run_bands, run_checks
 from cleave.coordinator.engine.limits import Limits
 from cleave.coordinator.engine.outbound import Abort, Close, Limit, Outbound, Send
@@ -354,7 +355,7 @@ class Server:
         if not self.core.is_operator(first.token):
             await _refuse(ws, CloseCode.AUTH, "observers need the operator token")
             return
-        if self.observers >= lim.max_observers:
+        if self.observers >= lim.observers:
             self.refused += 1
             await _refuse(ws, CloseCode.BUSY, "too many observers; try again later")
             return

@@ -54,11 +54,12 @@ from typing import Any
 
 from cleave.coordinator.engine.checks import UNCHECKED_PER_SLOT  # a device's results a slot awaiting bands
 
-# The live coordinator's estimates (coordinator/engine/core.py): each defined once, there.
+# The live coordinator's rules and estimates (coordinator/engine/): each defined once, there.
 from cleave.coordinator.engine.conduct import Conduct, Pace, Standing
 from cleave.coordinator.engine.dispatch import Dispatch
 from cleave.coordinator.engine.limits import TrustPolicy
-from cleave.coordinator.engine.live_plan import LivePlanner, Planner, batches, filled_lanes
+from cleave.coordinator.engine.live_plan import LivePlanner, Planner, batches, filled_lanes, fleet_key
+from cleave.coordinator.engine.profiles import Ema
 from cleave.coordinator.engine.scheduler import Assign, Decision, FaultPolicy, Overdue, Reclaim, Scheduler, UnitSpec
 from cleave.coordinator.engine.standby import StandbyPolicy
 from cleave.coordinator.engine.upkeep import TICK  # the live server's tick: copies and deferred devices look again
@@ -595,6 +596,9 @@ class _Device:
     up_s: float = 0.0
     bytes_down: float = 0.0
     bytes_up: float = 0.0
+    # 1 per verified result, 0 per lease taken back: the reliability the planner sees, as the
+    # live coordinator's DeviceProfile keeps it (engine/profiles.py).
+    kept: Ema = field(default_factory=Ema)
 
 
 @dataclass
@@ -695,6 +699,9 @@ class _Hands:
         sim._leased.pop((unit, dev.id), None)
         sim._arrived.discard((unit, dev.id))
         sim._stats.reclaimed += 1
+        if not excused:  # its reliability, as the live Fleet.failed counts it
+            dev.kept.add(0.0, now)
+            sim._replan(dev)
         return []
 
     def on_relay(self, dev: _Device, unit: int) -> bool:
@@ -1195,6 +1202,9 @@ class Simulation:
             if other is not None:
                 raced.append((other, False))
         unit = self.units.pop(uid)
+        d.kept.add(1.0, arrived)
+        if d.kept.value < 1.0:  # it lost leases before: its reliability recovers in the plans
+            self._replan(d)
         # Core's rules: the winner's standing, pace and slots, the losers', and who stalls.
         stallers = self.conduct.settled(d, arrived, leased_at, unit.flops, raced)
         self._arrived.discard((uid, device))
@@ -1202,6 +1212,16 @@ class Simulation:
             if other.id in self.devices:
                 self.dispatch.cut(other, "tiles in a row went to other devices", self.now)
         return unit
+
+    def _replan(self, d: _Device) -> None:
+        """The planner sees ``d`` at its reliability now; its classes are rebuilt only when that
+        moves ``d`` on the planner's grid (as the live ``Fleet.plan`` does)."""
+        if d.id not in self._profiles:
+            return
+        seen = dataclasses.replace(d.profile, reliability=min(1.0, max(0.0, d.kept.value)))
+        if fleet_key(seen, self.cfg.dtype) != fleet_key(self._profiles[d.id], self.cfg.dtype):
+            self._profiles[d.id] = seen
+            self._fleet_version += 1
 
     def _verified(self, uid: int, unit: _Unit) -> None:
         """A unit's result is verified: its GEMM is a unit nearer assembly."""

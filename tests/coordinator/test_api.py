@@ -3,6 +3,7 @@ the losses of plain torch. The example is read from the doc and run as written."
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -73,13 +74,16 @@ def test_derived_defaults_are_the_api_s_too() -> None:
     from cleave.coordinator.engine.limits import Limits
     from cleave.coordinator.engine.scheduler import FaultPolicy
 
-    assert CoordinatorConfig().faults.heartbeat == 2.0  # a fifth of 30 s, at most 2 s
-    assert FaultPolicy(heartbeat_timeout=5.0).heartbeat == 1.0
-    assert FaultPolicy(heartbeat=0.5, heartbeat_timeout=5.0).heartbeat == 0.5  # given: kept
+    assert CoordinatorConfig().faults.beat == 2.0  # a fifth of 30 s, at most 2 s
+    assert FaultPolicy(heartbeat_timeout=5.0).beat == 1.0
+    assert FaultPolicy(heartbeat=0.5, heartbeat_timeout=5.0).beat == 0.5  # given: kept
+    # Derived, not stored: a copy with another timeout beats at its own pace (and is valid).
+    assert dataclasses.replace(FaultPolicy(), heartbeat_timeout=1.0).beat == 0.2
     with pytest.raises(ConfigError, match=r"^FaultPolicy\.heartbeat must be above 0 and below heartbeat_timeout"):
         FaultPolicy(heartbeat=5.0, heartbeat_timeout=5.0)
     with pytest.raises(ConfigError, match=r"^FaultPolicy\.heartbeat_timeout must be a number of seconds above 0"):
         FaultPolicy(heartbeat_timeout=float("nan"))
     small = Limits(max_connections=4)
-    assert (small.max_unauthenticated, small.max_observers) == (4, 4)
-    assert (Limits().max_unauthenticated, Limits().max_observers) == (256, 8)
+    assert (small.unauthenticated, small.observers) == (4, 4)
+    assert (Limits().unauthenticated, Limits().observers) == (256, 8)
+    assert dataclasses.replace(small, max_connections=5000).unauthenticated == 256  # the given cap again

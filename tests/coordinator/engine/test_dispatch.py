@@ -21,6 +21,7 @@ from cleave.coordinator.engine.conduct import Conduct, Pace, Standing
 from cleave.coordinator.engine.core import Core
 from cleave.coordinator.engine.dispatch import Dispatch
 from cleave.coordinator.engine.limits import TrustPolicy
+from cleave.coordinator.engine.profiles import Ema
 from cleave.coordinator.engine.scheduler import FaultPolicy, Scheduler, UnitSpec
 from cleave.coordinator.planning.tiles import GemmKind, TilingPolicy
 from cleave.coordinator.whatif import simulator as sim_module
@@ -37,6 +38,7 @@ class Dev:
     asked: int
     standing: Standing
     pace: Pace
+    kept: Ema = dataclasses.field(default_factory=Ema)  # the simulator's reliability of it
 
 
 class Recorder:
@@ -163,6 +165,7 @@ def test_a_device_that_never_answers_is_cut_after_the_same_take_backs_live_and_s
     while device_id in core.devices and now < 1e5:
         now += 1.0
         core.handle(device_id, Heartbeat(now), now)  # alive, and never answering
+        live_reliability = core.fleet.profiles[device_id].profile().reliability
         live_backs += sum(
             1 for o in core.tick(now) if getattr(getattr(o, "message", None), "reason", "").startswith("lease taken")
         )
@@ -174,6 +177,7 @@ def test_a_device_that_never_answers_is_cut_after_the_same_take_backs_live_and_s
     sim.dispatch = Dispatch(sim.conduct, sim_module._Hands(sim))
     gone: list[int] = []
     sim.devices = {}
+    sim._profiles = {}
     sim._leased, sim._arrived = {}, set()
     sim._stats = sim_module.StepStats()
     sim._lease = lambda d, uid, copy: sim._leased.__setitem__((uid, d.id), 0)  # type: ignore[method-assign]
@@ -190,3 +194,5 @@ def test_a_device_that_never_answers_is_cut_after_the_same_take_backs_live_and_s
         sim.dispatch(t)
     assert gone == [mute.id]
     assert sim._stats.reclaimed == live_backs == TRUST.cut_after
+    # Each take-back counted against its reliability, live (the planner's profile) and simulated.
+    assert live_reliability < 1.0 and mute.kept.seen and mute.kept.value < 1.0

@@ -544,6 +544,6 @@ def test_units_planned_for_a_device_whose_lease_went_late_go_to_others_until_it_
     assert s.seats[1].late == 0
     s.add_gemm(11, units(11, 1, start=40, owner=1))
     assert s.seats[1].own_count == 0
-    s.expire(60.0 + DOUBT_HEARTBEATS * FAULTS.heartbeat + 0.1)
+    s.expire(60.0 + DOUBT_HEARTBEATS * FAULTS.beat + 0.1)
     s.add_gemm(12, units(12, 1, start=50, owner=1))
     assert s.seats[1].own_count == 1

@@ -737,7 +737,7 @@ def test_an_owner_whose_laptop_keeps_waking_or_dropping_off_is_never_cut_for_it(
     """Pauses and departures have rate limits of their own and spend none of the release
     allowance: a laptop holding tiles that its owner wakes three times the allowance over, and
     whose Wi-Fi then drops as often, is never cut, and its standing counts no give-back."""
-    from cleave.coordinator.engine.core import Departure
+    from cleave.coordinator.engine.devices import Departure
 
     core = _core(pauses=Rate(10.0, 100.0))
     fleet = Fleet(core)
