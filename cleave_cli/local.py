@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -59,7 +60,23 @@ async def serve_with_local_clients(
         )
         for i in range(clients)
     ]
+    # A job waits for its devices: should every client exit first (it could not start, or could
+    # not join), the job would wait for ever. The clients exit with the job's end too, so the job
+    # gets ``exit_timeout`` to end after them before it is stopped.
+    exits = asyncio.ensure_future(asyncio.gather(*(p.wait() for p in procs)))
     try:
+        await asyncio.wait({job, exits}, return_when=asyncio.FIRST_COMPLETED)
+        if not job.done():
+            finished, _ = await asyncio.wait({job}, timeout=exit_timeout)
+            if not finished:
+                job.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await job
+                codes = exits.result()
+                raise CleaveError(
+                    f"every local client exited (codes {codes}) and the job did not end within "
+                    f"{exit_timeout:g} s: nothing is left to compute its tiles (the clients' errors are above)"
+                )
         outcome = await job
         try:
             codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), exit_timeout)
@@ -73,3 +90,4 @@ async def serve_with_local_clients(
             if p.returncode is None:
                 p.kill()
                 await p.wait()
+        await asyncio.gather(exits, return_exceptions=True)  # done once every process is
