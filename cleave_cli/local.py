@@ -79,7 +79,7 @@ async def serve_with_local_clients(
                 )
         outcome = await job
         try:
-            codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), exit_timeout)
+            codes = await asyncio.wait_for(asyncio.shield(exits), exit_timeout)
         except (TimeoutError, asyncio.TimeoutError):
             raise CleaveError(f"the clients did not exit within {exit_timeout:g} s of the job's end") from None
         if any(codes):

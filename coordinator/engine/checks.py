@@ -97,7 +97,7 @@ class Checks:
                 )
             ]
         dev.checking.add(msg.tile_id)
-        gemm = core.gemm_of(msg.tile_id)
+        gemm = core.intake.gemm_of(msg.tile_id)
         tile = gemm.tiles[msg.tile_id]
         if tile.pieces == 1:
             ra, rb = gemm.blocks_of(tile)
@@ -224,7 +224,7 @@ class Checks:
         if verdict is not None:
             self._verified(check, verdict, now)
             if gemm.done:
-                core.complete(gemm, now)
+                core.intake.complete(gemm, now)
         elif band is not None:
             band.take(check)
         if band is not None and band.complete:  # its last result is in (taken, or checked alone)
@@ -294,7 +294,7 @@ class Checks:
             else:
                 out.extend(self._reject_taken(one, f"failed verification: {verdict.reason}", now, forged=True))
         if gemm.done:
-            core.complete(gemm, now)
+            core.intake.complete(gemm, now)
         return out
 
     def _reject_taken(self, check: Check, reason: str, now: float, *, forged: bool) -> list[Outbound]:

@@ -52,12 +52,12 @@ from cleave.coordinator.engine.admission import Admissions
 from cleave.coordinator.engine.balance import Balancer
 from cleave.coordinator.engine.books import Books
 from cleave.coordinator.engine.checks import Checks
-from cleave.coordinator.engine.conduct import Conduct, Standing
+from cleave.coordinator.engine.conduct import Conduct
 from cleave.coordinator.engine.devices import Departure, DeviceState
 from cleave.coordinator.engine.dispatch import Dispatch
 from cleave.coordinator.engine.energy import GRID_GCO2_KWH, EnergyBooks
 from cleave.coordinator.engine.fleet import Fleet
-from cleave.coordinator.engine.gemms import BandCheck, Check, Done, GemmState
+from cleave.coordinator.engine.gemms import BandCheck, Check, Done
 from cleave.coordinator.engine.giveback import GiveBacks
 from cleave.coordinator.engine.identity import Gate
 from cleave.coordinator.engine.intake import Intake
@@ -201,10 +201,6 @@ class Core:
             return self.relay_desk.connect(hello, nonce, now)
         device_id, out = self.admissions.connect(hello, nonce, now)
         return device_id, out if self.finished else out + self._dispatch(now)
-
-    def reconnecting(self, identity: int, now: float) -> Standing:
-        """An admitted identity connects: one connection per identity (``Admissions.reconnecting``)."""
-        return self.admissions.reconnecting(identity, now)
 
     def disconnect(
         self, device_id: int, now: float, reason: str = Departure.CLOSED, state: DeviceStatus | None = None
@@ -419,14 +415,6 @@ class Core:
         """The trainer's way in: queue ``a @ b`` as tiles, ``on_done(result)`` once every tile is
         verified (``Intake.submit`` says what the options mean)."""
         return self.intake.submit(a, b, kind, now, on_done, **options)
-
-    def complete(self, gemm: GemmState, now: float) -> None:
-        """Every tile verified: the GEMM is assembled (``Intake.complete``)."""
-        self.intake.complete(gemm, now)
-
-    def gemm_of(self, tile_id: int) -> GemmState:
-        """The live GEMM a tile of a live GEMM belongs to."""
-        return self.intake.gemm_of(tile_id)
 
     def plan_lanes(self, lanes: int) -> None:
         """The trainer runs this many micro-batches at once: each GEMM is planned on one of as

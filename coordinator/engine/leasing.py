@@ -126,7 +126,7 @@ class Leasing:
         """Send the work of a lease (its store row is ``flush``'s or ``copy``'s)."""
         core = self.core
         core.standby.working(dev.id, now)
-        gemm = core.gemm_of(tile_id)
+        gemm = core.intake.gemm_of(tile_id)
         tile = gemm.tiles[tile_id]
         out: list[Outbound] = []
         # A device that batches may answer ``batch`` tiles in one frame (at most its hello's

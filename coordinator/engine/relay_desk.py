@@ -63,7 +63,7 @@ class RelayDesk:
         admission: Admission = core.gate.admit(hello, nonce, now, core.wall(now))
         # A relay reconnects within the same budget and cool-off as a device: each connection
         # moves devices behind it, and each drop excuses what they held.
-        core.reconnecting(admission.identity, now)
+        core.admissions.reconnecting(admission.identity, now)
         key = core.store.identity_key(admission.identity)
         if key is None:  # pragma: no cover - admitted identities have a key
             raise AuthError(CloseCode.AUTH, "unknown identity")
